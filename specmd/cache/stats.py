@@ -1,0 +1,84 @@
+"""Cache and timing accounting, per MoE layer and per forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PER_LAYER = (
+    "requests",
+    "hits",
+    "misses",
+    "collision_misses",
+    "evictions",
+    "prefetch_issued",
+    "prefetch_used",
+    "prefetch_late",
+    "prefetch_wasted",
+    "prefetch_skipped",
+    "streamed",
+    "bytes_demand",
+    "bytes_prefetch",
+    "stall_s",
+)
+
+
+@dataclass
+class PassRecord:
+    index: int
+    kind: str  # "prefill" or "decode"
+    tokens: int
+    time_s: float
+    stall_s: float
+    requests: int
+    hits: int
+    misses: int
+    collision_misses: int
+
+
+class CacheStats:
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        for name in PER_LAYER:
+            setattr(self, name, [0.0 if name == "stall_s" else 0 for _ in range(num_layers)])
+        self.passes: list[PassRecord] = []
+        self.peak_bytes = 0
+        self.slots_total = 0  # token-expert selections made by the original router
+        self.slots_unchanged = 0  # ... of which executed unchanged (routing fidelity)
+
+    def total(self, name: str):
+        return sum(getattr(self, name))
+
+    def summary(self) -> dict:
+        out = {name: self.total(name) for name in PER_LAYER}
+        req = out["requests"]
+        out["hit_rate"] = out["hits"] / req if req else 0.0
+        out["peak_bytes"] = self.peak_bytes
+        out["per_layer"] = {name: list(getattr(self, name)) for name in PER_LAYER}
+        out["per_layer"]["hit_rate"] = [
+            h / r if r else 0.0 for h, r in zip(self.hits, self.requests)
+        ]
+        return out
+
+    def timing(self) -> dict:
+        pre = [p for p in self.passes if p.kind == "prefill"]
+        dec = [p for p in self.passes if p.kind == "decode"]
+        total_t = sum(p.time_s for p in self.passes)
+        total_tok = sum(p.tokens for p in self.passes)
+        dec_t = sum(p.time_s for p in dec)
+        return {
+            "clock": "simulated",
+            "passes": len(self.passes),
+            "prefill_passes": len(pre),
+            "decode_passes": len(dec),
+            "ttft_s": sum(p.time_s for p in pre) / len(pre) if pre else None,
+            "tpot_s": dec_t / len(dec) if dec else None,
+            # all tokens the model processed per simulated second (prefill + decode)
+            "tokens_per_s": total_tok / total_t if total_t > 0 else None,
+            # generated tokens per second over decode passes (1/TPOT for batch 1)
+            "decode_tokens_per_s": sum(p.tokens for p in dec) / dec_t if dec_t > 0 else None,
+            "total_s": total_t,
+            "stall_s": sum(p.stall_s for p in self.passes),
+        }
+
+    def fidelity(self) -> float:
+        return self.slots_unchanged / self.slots_total if self.slots_total else 1.0

@@ -1,0 +1,38 @@
+"""Emulated device: cache capacity, transfer link and compute roofline (schema of the `hardware` group)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import ConfigError
+
+SCOPES = ("global", "per_layer")
+
+
+@dataclass
+class HardwareConfig:
+    name: str = "custom"
+    # Cache size as a fraction of the full model's bytes at its storage dtype (SpecMD's convention).
+    capacity: float = 0.05
+    # Alternative: a fixed number of expert slots per MoE layer (Cache-Conditional Experts, FlashMoE).
+    experts_per_layer: Optional[int] = None
+    # One pool shared by all layers, or one pool per MoE layer (capacity split evenly).
+    scope: str = "global"
+    bandwidth_gbps: float = 5.0  # host -> device transfer bandwidth, GB/s (1e9 bytes/s)
+    latency_us: float = 10.0  # fixed cost per transfer
+    peak_tflops: float = 312.0  # device compute peak at the model's dtype
+    mem_bandwidth_gbps: float = 1555.0  # device memory bandwidth (roofline)
+
+    def __post_init__(self) -> None:
+        if not (0.0 < self.capacity <= 1.0):
+            raise ConfigError(f"hardware.capacity={self.capacity} must be in (0, 1] (a fraction of model bytes)")
+        if self.experts_per_layer is not None and self.experts_per_layer < 1:
+            raise ConfigError(f"hardware.experts_per_layer={self.experts_per_layer} must be >= 1 or null")
+        if self.scope not in SCOPES:
+            raise ConfigError(f"hardware.scope={self.scope!r}; valid choices: {', '.join(SCOPES)}")
+        for key in ("bandwidth_gbps", "peak_tflops", "mem_bandwidth_gbps"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"hardware.{key}={getattr(self, key)} must be positive")
+        if self.latency_us < 0:
+            raise ConfigError(f"hardware.latency_us={self.latency_us} must be >= 0")

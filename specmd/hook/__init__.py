@@ -1,0 +1,1 @@
+from .stack import PolicyStack, install  # noqa: F401

@@ -1,0 +1,218 @@
+"""Installing a policy stack into a transformers MoE model (SpecMD Algorithm 1).
+
+Per MoE layer call:
+1. a forward hook on the router builds the :class:`GateRecord` and lets the routing policy change the
+   selection (dual-logit semantics: new selection, original probabilities as weights);
+2. the block calls the experts, which are replaced by :class:`SpecmdExperts`: the cache manager serves
+   the requested experts (hits, misses through the miss policy, evictions, stalls on the clock), the
+   allowed experts run through the family's own fused kernel, and the prefetch policy queues predictions
+   for later layers on the transfer channel while the experts compute;
+3. pre/post hooks on the decoder mark forward passes (prefill or decode) for per-pass accounting.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..cache.manager import CacheManager, Geometry, pool_capacities
+from ..clock import Roofline, SimClock, TransferChannel
+from ..hardware import HardwareConfig
+from ..models.adapters import Adapter
+from .gate import GateRecord, Scoring
+
+
+class SpecmdExperts(nn.Module):
+    """Stands in for ``mlp.experts`` with the same call signature. The original fused module is kept as
+    ``inner`` and is the host store of the experts at their stored precision: ``inner.gate_up_proj[e]``
+    and ``inner.down_proj[e]`` are views of expert ``e``."""
+
+    def __init__(self, inner: nn.Module, layer: int, stack: "PolicyStack"):
+        super().__init__()
+        self.inner = inner
+        self.layer = layer
+        self.__dict__["stack"] = stack  # not a submodule
+        self.num_experts = stack.view.num_experts
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return self.stack.run_layer(self, hidden_states, top_k_index, top_k_weights)
+
+
+class ModelView:
+    """What policies may know about the model: layer structure and later routers (no family names)."""
+
+    def __init__(self, routers: list[nn.Module], scoring: Scoring, num_experts: int, top_k: int, layer_ids):
+        self.routers = routers
+        self.scoring = scoring
+        self.num_layers = len(routers)
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.layer_ids = list(layer_ids)
+
+    def next_layer(self, layer: int) -> Optional[int]:
+        return layer + 1 if layer + 1 < self.num_layers else None
+
+    @torch.no_grad()
+    def router_probs(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s router applied to ``hidden`` [T, H] (hooks bypassed): probabilities [T, E]."""
+        logits = self.routers[layer].forward(hidden)[0]
+        return self.scoring.probs(logits)
+
+
+def geometry(model: nn.Module, adapter: Adapter) -> tuple[Geometry, list[int]]:
+    config = model.config
+    layers = model.model.layers
+    moe_ids = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")]
+    if not moe_ids:
+        raise ValueError(f"no MoE layers found in {type(model).__name__}")
+    num_experts = int(getattr(config, adapter.experts_attr))
+    experts0 = layers[moe_ids[0]].mlp.experts
+    expert_params = sum(p.numel() for p in experts0.parameters()) // num_experts
+    expert_bytes = sum(p.numel() * p.element_size() for p in experts0.parameters()) // num_experts
+    dtype_bytes = next(experts0.parameters()).element_size()
+    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def dense_params(i):
+        mlp = layers[i].mlp
+        n = sum(p.numel() for p in layers[i].parameters())
+        return n - (sum(p.numel() for p in mlp.experts.parameters()) if hasattr(mlp, "experts") else 0)
+
+    dense, attn, prev = [], [], -1
+    for i in moe_ids:
+        dense.append(sum(dense_params(j) for j in range(prev + 1, i + 1)))
+        attn.append(i - prev)
+        prev = i
+    tail = sum(dense_params(j) for j in range(prev + 1, len(layers)))
+    tail += sum(p.numel() for p in model.model.norm.parameters()) + model.lm_head.weight.numel()
+    geom = Geometry(
+        num_layers=len(moe_ids), num_experts=num_experts, top_k=int(config.num_experts_per_tok),
+        expert_bytes=expert_bytes, total_bytes=total_bytes, hidden_size=int(config.hidden_size),
+        dtype_bytes=dtype_bytes, dense_params=dense, attn_layers=attn, tail_params=tail,
+        tail_attn_layers=len(layers) - 1 - prev, expert_params=expert_params, layer_ids=moe_ids,
+    )
+    return geom, moe_ids
+
+
+class PolicyStack:
+    def __init__(self, model, adapter: Adapter, routing, miss, make_eviction, prefetch, hardware: HardwareConfig):
+        self.model = model
+        self.adapter = adapter
+        self.routing = routing
+        self.miss = miss
+        self.prefetch = prefetch
+        self.hardware = hardware
+        self.geom, self.moe_ids = geometry(model, adapter)
+        config = model.config
+        self.scoring = Scoring(adapter.score == "sigmoid", adapter.renormalises(config), adapter.scale(config))
+        layers = model.model.layers
+        self.routers = [getattr(layers[i].mlp, adapter.router_attr) for i in self.moe_ids]
+        self.view = ModelView(self.routers, self.scoring, self.geom.num_experts, self.geom.top_k, self.moe_ids)
+        channel = TransferChannel(hardware.bandwidth_gbps * 1e9, hardware.latency_us * 1e-6)
+        roofline = Roofline(hardware.peak_tflops * 1e12, hardware.mem_bandwidth_gbps * 1e9)
+        self.clock = SimClock(channel, roofline)
+        caps = pool_capacities(self.geom, hardware.capacity, hardware.experts_per_layer, hardware.scope)
+        self.cache = CacheManager(self.geom, caps, make_eviction, miss, self.clock)
+        self.records: list[Optional[GateRecord]] = [None] * self.geom.num_layers
+        self._handles = []
+        self._originals = []
+        for policy in (routing, miss, prefetch):
+            policy.setup(self.view)
+
+    # ---- install / remove ---------------------------------------------------------------------------
+    def install(self) -> "PolicyStack":
+        layers = self.model.model.layers
+        for ordinal, i in enumerate(self.moe_ids):
+            mlp = layers[i].mlp
+            self._originals.append((mlp, mlp.experts))
+            mlp.experts = SpecmdExperts(mlp.experts, ordinal, self)
+            h = self.routers[ordinal].register_forward_hook(self._router_hook(ordinal), prepend=True)
+            self._handles.append(h)
+        base = self.model.model
+        self._handles.append(base.register_forward_pre_hook(self._pass_start, with_kwargs=True))
+        self._handles.append(base.register_forward_hook(self._pass_end))
+        return self
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        for mlp, experts in self._originals:
+            mlp.experts = experts
+        self._handles, self._originals = [], []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+    # ---- forward passes -------------------------------------------------------------------------------
+    def _pass_start(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        batch, seq = int(ids.shape[0]), int(ids.shape[1])
+        past = kwargs.get("past_key_values")
+        past_len = int(past.get_seq_length()) if past is not None else 0
+        kind = "decode" if past_len > 0 else "prefill"
+        self.cache.begin_pass(kind, batch * seq, past_len + seq)
+
+    def _pass_end(self, module, args, output):
+        self.cache.end_pass()
+
+    def _router_hook(self, layer: int):
+        records = self.records
+        routing = self.routing
+        scoring = self.scoring
+        cache = self.cache
+
+        def hook(module, args, output):
+            logits, weights, index = output
+            hidden = args[0]
+            hidden = hidden.reshape(-1, hidden.shape[-1])
+            rec = GateRecord(layer, hidden, logits, weights, index, scoring)
+            records[layer] = rec
+            new_index = routing.apply(rec, cache)
+            if new_index is None:
+                return None
+            rec.index = new_index
+            rec.weights = rec.reweigh(new_index)
+            return logits, rec.weights, new_index
+
+        return hook
+
+    # ---- one MoE layer call ------------------------------------------------------------------------------
+    def run_layer(self, mod: SpecmdExperts, hidden, index, weights):
+        layer = mod.layer
+        cache = self.cache
+        rec = self.records[layer]
+        cache.dense(layer)
+        experts = torch.unique(index).tolist()
+        dropped = cache.serve(layer, experts, rec, cache)
+        slots = index.numel()
+        st = cache.stats
+        st.slots_total += slots
+        if dropped is None and rec.index is rec.original:
+            st.slots_unchanged += slots
+            n_run = len(experts)
+        else:
+            kept = (index.unsqueeze(-1) == rec.original.unsqueeze(-2)).any(-1)
+            n_run = len(experts)
+            if dropped:
+                mask = torch.isin(index, torch.tensor(dropped, dtype=index.dtype))
+                weights = weights.masked_fill(mask, 0)
+                kept &= ~mask
+                slots -= int(mask.sum())
+                n_run -= len(dropped)
+            st.slots_unchanged += int(kept.sum())
+        for target, predicted in self.prefetch.predict(rec, self.view):
+            cache.prefetch(target, predicted)
+        cache.compute_experts(layer, slots, n_run)
+        out = mod.inner(hidden, index, weights)
+        cache.finish_layer()
+        return out
+
+
+def install(model, adapter: Adapter, routing, miss, make_eviction, prefetch, hardware: HardwareConfig) -> PolicyStack:
+    return PolicyStack(model, adapter, routing, miss, make_eviction, prefetch, hardware).install()

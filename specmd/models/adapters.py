@@ -1,0 +1,92 @@
+"""Model-family adapters: the only place that knows a family's name and layout.
+
+Every transformers 5.x MoE family has ``model.model.layers[i].mlp`` with a router (``.gate`` or
+``.router``) returning ``(router_logits [T,E], top_k_weights [T,k], top_k_index [T,k])`` and fused experts
+at ``.experts`` called as ``experts(hidden [T,H], top_k_index, top_k_weights)``. What differs is declared
+here as data: where the router lives, how logits become router probabilities, whether the top-k weights
+are renormalised and scaled, which config fields hold E and k, and the tiny test configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Adapter:
+    family: str  # transformers model_type
+    router_attr: str = "gate"
+    score: str = "softmax"  # router probabilities: "softmax" or "sigmoid" over the logits
+    # top-k weights renormalised to sum 1: True / False / name of a bool config field
+    renorm: object = True
+    scale_attr: Optional[str] = None  # config field multiplying the top-k weights
+    experts_attr: str = "num_experts"
+    # A small random config shaped like the family (experts dominate bytes; real E, k, shared experts).
+    tiny: dict = field(default_factory=dict)
+    # Weight semantics that reweigh() cannot reproduce exactly (documented deviation), else None.
+    reweigh_note: Optional[str] = None
+
+    def renormalises(self, config) -> bool:
+        return bool(getattr(config, self.renorm)) if isinstance(self.renorm, str) else bool(self.renorm)
+
+    def scale(self, config) -> float:
+        return float(getattr(config, self.scale_attr)) if self.scale_attr else 1.0
+
+
+_COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
+               max_position_embeddings=2048, vocab_size=260, tie_word_embeddings=False,
+               bos_token_id=256, eos_token_id=257, pad_token_id=258)
+
+ADAPTERS: dict[str, Adapter] = {
+    a.family: a
+    for a in [
+        # OLMoE-1B-7B: 64 experts, top-8, softmax, no renorm.
+        Adapter("olmoe", renorm="norm_topk_prob", experts_attr="num_experts",
+                tiny=dict(_COMMON, intermediate_size=32, num_experts=64, num_experts_per_tok=8,
+                          norm_topk_prob=False)),
+        # Mixtral-8x7B: 8 experts, top-2, renormalised softmax.
+        Adapter("mixtral", renorm=True, experts_attr="num_local_experts",
+                tiny=dict(_COMMON, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)),
+        # Qwen1.5-MoE-A2.7B: 60 experts, top-4, plus a gated shared expert (always resident).
+        Adapter("qwen2_moe", renorm="norm_topk_prob", experts_attr="num_experts",
+                tiny=dict(_COMMON, intermediate_size=128, moe_intermediate_size=32, num_experts=60,
+                          num_experts_per_tok=4, shared_expert_intermediate_size=128, norm_topk_prob=False)),
+        # Qwen3-30B-A3B: 128 experts, top-8, renormalised.
+        Adapter("qwen3_moe", renorm="norm_topk_prob", experts_attr="num_experts",
+                tiny=dict(_COMMON, intermediate_size=128, moe_intermediate_size=32, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, head_dim=16)),
+        # Phi-3.5-MoE: 16 experts, top-2 through sparsemixer.
+        Adapter("phimoe", router_attr="router", renorm=True, experts_attr="num_local_experts",
+                tiny=dict(_COMMON, intermediate_size=128, num_local_experts=16, num_experts_per_tok=2),
+                reweigh_note="sparsemixer weights each pick by a softmax over logits within a jitter "
+                             "threshold of it; reweigh() uses the renormalised full softmax instead"),
+        # DeepSeek-V2-Lite: 64 experts, top-6, 2 shared experts, first layer dense, softmax, scaled.
+        Adapter("deepseek_v2", renorm=False, scale_attr="routed_scaling_factor", experts_attr="n_routed_experts",
+                tiny=dict(_COMMON, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=64,
+                          num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1,
+                          topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                          kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                          v_head_dim=16, num_key_value_heads=4)),
+        # DeepSeek-V3: 256 experts, top-8, 1 shared, group-limited sigmoid routing, renormalised, scaled.
+        Adapter("deepseek_v3", score="sigmoid", renorm="norm_topk_prob", scale_attr="routed_scaling_factor",
+                experts_attr="n_routed_experts",
+                tiny=dict(_COMMON, intermediate_size=128, moe_intermediate_size=16, n_routed_experts=256,
+                          num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1, n_group=8,
+                          topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, kv_lora_rank=32,
+                          q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                          num_key_value_heads=4)),
+        # GPT-OSS-20B: 32 experts, top-4, softmax over the top-k logits (= renormalised softmax).
+        Adapter("gpt_oss", router_attr="router", renorm=True, experts_attr="num_local_experts",
+                tiny=dict(_COMMON, intermediate_size=64, num_local_experts=32, num_experts_per_tok=4,
+                          head_dim=16, sliding_window=64, max_position_embeddings=131072, layer_types=["sliding_attention", "full_attention"] * 2)),
+    ]
+}
+
+
+def adapter_for(family: str) -> Adapter:
+    if family not in ADAPTERS:
+        raise ConfigError(f"unknown model family {family!r}; valid choices: {', '.join(sorted(ADAPTERS))}")
+    return ADAPTERS[family]

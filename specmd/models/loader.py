@@ -1,0 +1,83 @@
+"""Build the model named by the ``model`` config group: a real checkpoint or a seeded tiny one."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..errors import ConfigError, DataError
+from .adapters import adapter_for
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny_olmoe"
+    family: str = "olmoe"
+    # Hub id or local directory of a real checkpoint; null builds a seeded random model from `tiny`.
+    pretrained: Optional[str] = None
+    revision: Optional[str] = None
+    dtype: str = "float32"
+    seed: int = 0
+    # Config overrides for the random model (merged over the family's tiny defaults).
+    tiny: dict = field(default_factory=dict)
+    tokenizer: Optional[str] = None  # defaults to `pretrained`; random models use the built-in byte tokenizer
+    trust_remote_code: bool = False
+
+    def __post_init__(self):
+        adapter_for(self.family)  # validates the family
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype={self.dtype!r}; valid choices: {', '.join(DTYPES)}")
+
+
+def tiny_config(family: str, overrides: Optional[dict] = None):
+    from transformers import AutoConfig
+
+    adapter = adapter_for(family)
+    kwargs = dict(adapter.tiny)
+    kwargs.update(overrides or {})
+    return AutoConfig.for_model(family, **kwargs)
+
+
+def build_tiny(family: str, overrides: Optional[dict] = None, seed: int = 0, dtype: str = "float32"):
+    """A seeded random model shaped like ``family`` (transformers' own initialisation, seeded)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(family, overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    model.eval()
+    return model
+
+
+def _is_local(path: str) -> bool:
+    return os.path.isdir(os.path.expanduser(path))
+
+
+def load_model(cfg: ModelConfig):
+    """Returns (model, tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .tokenizer import byte_tokenizer
+
+    if cfg.pretrained is None:
+        return build_tiny(cfg.family, dict(cfg.tiny), cfg.seed, cfg.dtype), byte_tokenizer()
+    from ..eval.mirror import require_hub_for
+
+    if not _is_local(cfg.pretrained):
+        require_hub_for(f"model.pretrained={cfg.pretrained}")
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.pretrained, revision=cfg.revision, dtype=getattr(torch, cfg.dtype),
+        trust_remote_code=cfg.trust_remote_code,
+    )
+    if model.config.model_type != cfg.family:
+        raise ConfigError(
+            f"model.pretrained={cfg.pretrained} is a {model.config.model_type!r} model but model.family={cfg.family!r}"
+        )
+    model.eval()
+    tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.pretrained, revision=cfg.revision)
+    return model, tok

@@ -1,0 +1,1 @@
+from .base import EVICTION, EvictionPolicy  # noqa: F401

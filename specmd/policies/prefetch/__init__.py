@@ -1,0 +1,1 @@
+from .base import PREFETCH, PrefetchPolicy  # noqa: F401

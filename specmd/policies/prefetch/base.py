@@ -1,0 +1,30 @@
+"""Prefetch policies (SpecMD §3.1.4) predict experts of later layers and queue them on the channel.
+
+``predict(record, model)`` runs after the current layer's misses are handled and returns
+``[(target_layer, [experts in issue order]), ...]``. ``model`` is a
+:class:`~specmd.hook.stack.ModelView`: ``model.next_layer(l)`` and ``model.router_probs(l, hidden)``
+(layer ``l``'s router applied to any hidden state, with the family's scoring) are what predictors use.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from ...registry import Registry
+
+
+class PrefetchPolicy:
+    name: ClassVar[str]
+    Params: ClassVar[Any] = None
+
+    def __init__(self, params: Any = None):
+        self.params = params
+
+    def setup(self, model: Any) -> None:
+        pass
+
+    def predict(self, record: Any, model: Any) -> list[tuple[int, list[int]]]:
+        raise NotImplementedError
+
+
+PREFETCH: Registry[PrefetchPolicy] = Registry("prefetch", "specmd.policies.prefetch")

@@ -1,0 +1,40 @@
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .base import PREFETCH, PrefetchPolicy
+
+
+@PREFETCH.register("topk")
+class TopK(PrefetchPolicy):
+    """Speculative next-layer prefetch (Eliseev & Mazur; SpecMD §3.1.4).
+
+    Layer l+1's router is applied to layer l's router input (the post-attention-norm hidden state);
+    each token's top ``ceil(k * overfetch)`` experts by router probability are predicted. Over the
+    tokens of the pass the predictions are united and issued in descending order of their highest
+    probability (ties: lower expert index first), so the most confident ones reach the channel first.
+    """
+
+    @dataclass
+    class Params:
+        overfetch: float = 1.0
+
+        def __post_init__(self):
+            if self.overfetch <= 0:
+                raise ValueError(f"overfetch={self.overfetch} must be > 0")
+
+    def setup(self, model):
+        self.count = min(model.num_experts, max(1, math.ceil(model.top_k * self.params.overfetch - 1e-9)))
+
+    def predict(self, record, model):
+        target = model.next_layer(record.layer)
+        if target is None:
+            return []
+        probs = model.router_probs(target, record.hidden)  # [T, E]
+        top = probs.topk(self.count, dim=-1)
+        best = torch.full((probs.shape[-1],), -1.0, dtype=probs.dtype)
+        best.scatter_reduce_(0, top.indices.reshape(-1), top.values.reshape(-1), reduce="amax")
+        chosen = (best >= 0).nonzero().squeeze(-1)
+        order = torch.argsort(-best[chosen], stable=True)
+        return [(target, chosen[order].tolist())]

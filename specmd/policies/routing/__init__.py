@@ -1,0 +1,1 @@
+from .base import ROUTING, RoutingPolicy  # noqa: F401

@@ -1,0 +1,31 @@
+"""Routing policies (Cache-Conditional Experts §3, SpecMD §3.1.1) modify which experts a token selects.
+
+``apply`` sees the layer's :class:`~specmd.hook.gate.GateRecord` (original logits, router probabilities,
+the router's own selection) and a read-only view of the cache. It returns a new ``[T, k]`` index of
+selected experts, or ``None`` to keep the router's selection untouched (the lossless fast path). The hook
+applies *dual-logit semantics*: the new selection is weighted by the original router probabilities,
+renormalised the way the model family does (see ``GateRecord.reweigh``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from ...registry import Registry
+
+
+class RoutingPolicy:
+    name: ClassVar[str]
+    Params: ClassVar[Any] = None
+
+    def __init__(self, params: Any = None):
+        self.params = params
+
+    def setup(self, model: Any) -> None:
+        """Called once with the :class:`~specmd.hook.stack.ModelView` after the stack is installed."""
+
+    def apply(self, record: Any, cache: Any):  # -> torch.Tensor | None
+        raise NotImplementedError
+
+
+ROUTING: Registry[RoutingPolicy] = Registry("routing", "specmd.policies.routing")

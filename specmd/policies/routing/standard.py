@@ -1,0 +1,9 @@
+from .base import ROUTING, RoutingPolicy
+
+
+@ROUTING.register("standard")
+class Standard(RoutingPolicy):
+    """Unmodified routing: the router's own top-k (100% routing fidelity)."""
+
+    def apply(self, record, cache):
+        return None
