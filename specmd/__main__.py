@@ -1,0 +1,44 @@
+"""``python -m specmd [overrides]`` and ``python -m specmd -m ...`` (Hydra multirun)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def _hydra_main(cfg: DictConfig):
+    from hydra.core.hydra_config import HydraConfig
+    from rich.console import Console
+
+    from .app import execute
+    from .errors import ConfigError, DataError
+    from .summary import print_summary
+
+    hc = HydraConfig.get()
+    run_dir = hc.runtime.output_dir
+    group = os.path.basename(hc.sweep.dir) if hc.mode.name == "MULTIRUN" else None
+    console = Console(stderr=False)
+    try:
+        results = execute(cfg, run_dir=run_dir, group=group)
+    except (ConfigError, DataError) as exc:
+        console.print(f"[bold red]specmd: error:[/] {exc}", highlight=False)
+        raise SystemExit(2)
+    print_summary(results, run_dir, console)
+    return results.get("cache", {}) and results["cache"].get("hit_rate")
+
+
+def main() -> None:
+    if not os.path.isdir(CONF_DIR):
+        sys.exit(f"specmd: config directory {CONF_DIR} not found (install with `pip install -e .`)")
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

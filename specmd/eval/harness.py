@@ -1,0 +1,78 @@
+"""Quality through lm-eval-harness: an ``HFLM`` wrapping the (hooked) model; no metric is re-implemented."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from ..errors import ConfigError
+
+# specmd task names -> lm-eval task names (the papers report TruthfulQA as mc2).
+TASK_ALIASES = {"truthfulqa": "truthfulqa_mc2"}
+SUPPORTED = ("wikitext", "mmlu", "gsm8k", "truthfulqa", "nq_open")
+
+
+@dataclass
+class EvalConfig:
+    tasks: list = field(default_factory=lambda: ["wikitext"])
+    # Documents per task (int) or fraction of each task (float < 1); null = all.
+    limit: Optional[Union[int, float]] = None
+    batch_size: int = 1
+    # Few-shot examples; null = each task's own default. Tasks without a few-shot split ignore it.
+    num_fewshot: Optional[int] = None
+    # Cap on generated tokens for generation tasks (gsm8k, nq_open); null = the task's own.
+    max_gen_toks: Optional[int] = None
+    max_length: Optional[int] = None  # context window given to lm-eval; null = the model's
+    seed: int = 1234
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ConfigError(f"eval.batch_size={self.batch_size} must be >= 1")
+        if self.limit is not None and not self.limit > 0:
+            raise ConfigError(f"eval.limit={self.limit} must be positive or null")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise ConfigError(f"eval.num_fewshot={self.num_fewshot} must be >= 0 or null")
+
+
+def lm_eval_name(task: str) -> str:
+    return TASK_ALIASES.get(task, task)
+
+
+def _flatten(metrics: dict) -> dict:
+    out = {}
+    for key, val in metrics.items():
+        if key == "alias" or not isinstance(val, (int, float)) or isinstance(val, bool):
+            continue
+        metric, _, filt = key.partition(",")
+        name = metric if filt in ("", "none") else f"{metric}/{filt}"
+        out[name] = float(val)
+    return out
+
+
+def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu") -> dict:
+    """Run the tasks; returns ``{specmd task name: {metric: value}}``."""
+    if not cfg.tasks:
+        return {}
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    tm = TaskManager()
+    names = [lm_eval_name(t) for t in cfg.tasks]
+    unknown = [t for t, n in zip(cfg.tasks, names) if n not in tm.all_tasks]
+    if unknown:
+        raise ConfigError(f"unknown eval task(s) {unknown}; specmd's tasks: {', '.join(SUPPORTED)} "
+                          "(any lm-eval task name also works when its data is reachable)")
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size, device=device,
+              max_length=cfg.max_length)
+    gen_kwargs = {"max_gen_toks": cfg.max_gen_toks} if cfg.max_gen_toks else None
+    res = lm_eval.simple_evaluate(
+        model=lm, tasks=names, num_fewshot=cfg.num_fewshot, limit=cfg.limit, task_manager=tm,
+        gen_kwargs=gen_kwargs, log_samples=False, bootstrap_iters=0, random_seed=cfg.seed,
+        numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed,
+        verbosity="WARNING",
+    )
+    results = res["results"]
+    return {t: _flatten(results.get(n, {})) for t, n in zip(cfg.tasks, names)}

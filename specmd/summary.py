@@ -1,0 +1,42 @@
+"""The short rich summary printed after each run."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _fmt(v, unit="", scale=1.0, digits=4):
+    if v is None:
+        return "-"
+    return f"{v * scale:.{digits}g}{unit}"
+
+
+def print_summary(results: dict, run_dir: str, console: Console | None = None) -> None:
+    console = console or Console()
+    cfg = results["config"]
+    stack = " ".join(f"{g}={cfg[g]['name']}" for g in ("routing", "miss", "eviction", "prefetch"))
+    hw = cfg["hardware"]
+    t = Table(title=f"specmd · {cfg['model']['name']} · {stack} · {hw.get('name')} capacity={hw['capacity']}",
+              show_header=False, title_justify="left")
+    t.add_column("metric", style="bold")
+    t.add_column("value")
+    cache, timing = results.get("cache"), results.get("timing")
+    if cache is None:
+        t.add_row("stack", "disabled (unhooked baseline)")
+    else:
+        t.add_row("hit rate", f"{cache['hit_rate']:.4f}  ({cache['hits']}/{cache['requests']} requests)")
+        t.add_row("collision misses", str(cache["collision_misses"]))
+        t.add_row("evictions", str(cache["evictions"]))
+        t.add_row("prefetch issued / used", f"{cache['prefetch_issued']} / {cache['prefetch_used']}")
+        t.add_row("stall", _fmt(timing["stall_s"], " ms", 1e3))
+        t.add_row("TTFT", _fmt(timing["ttft_s"], " ms", 1e3))
+        t.add_row("TPOT", _fmt(timing["tpot_s"], " ms", 1e3))
+        t.add_row("tokens/s (simulated)", _fmt(timing["tokens_per_s"], "", 1.0, 6))
+        t.add_row("routing fidelity", f"{results['routing']['fidelity']:.4f}")
+    for task, metrics in (results.get("tasks") or {}).items():
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if not k.endswith("_stderr") and k != "sample_len")
+        t.add_row(task, shown)
+    t.add_row("wall time", f"{results['wall_s']:.1f} s")
+    t.add_row("run dir", run_dir)
+    console.print(t)
