@@ -28,7 +28,7 @@ def _hydra_main(cfg: DictConfig):
     try:
         results = execute(cfg, run_dir=run_dir, group=group)
     except (ConfigError, DataError) as exc:
-        console.print(f"[bold red]specmd: error:[/] {exc}", highlight=False)
+        console.print(f"[bold red]specmd: error:[/] {exc}", highlight=False, soft_wrap=True)
         raise SystemExit(2)
     print_summary(results, run_dir, console)
     return results.get("cache", {}) and results["cache"].get("hit_rate")

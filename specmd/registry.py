@@ -90,5 +90,7 @@ def build_params(schema: type | None, values: dict, where: str) -> Any:
         kwargs[key] = val
     try:
         return schema(**kwargs)
+    except ConfigError:
+        raise
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None

@@ -1,0 +1,56 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+FAMILIES = ["olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "deepseek_v2", "deepseek_v3", "gpt_oss"]
+
+
+def mirror_path():
+    env = os.environ.get("SPECMD_DATA_MIRROR")
+    for cand in (env, ROOT.parent / "shared" / "data"):
+        if cand and Path(cand, "wikitext2").is_dir():
+            return Path(cand).resolve()
+    return None
+
+
+@pytest.fixture(scope="session")
+def mirror():
+    path = mirror_path()
+    if path is None:
+        pytest.skip("no data mirror (set SPECMD_DATA_MIRROR or place shared/data beside the repo)")
+    return path
+
+
+_MODELS = {}
+
+
+def tiny(family):
+    """A cached seeded tiny model (tests must leave it unhooked)."""
+    from specmd.models.loader import build_tiny
+
+    if family not in _MODELS:
+        _MODELS[family] = build_tiny(family)
+    return _MODELS[family]
+
+
+def make_stack(model, family, *, eviction="lru", prefetch="topk", capacity=0.05, **hw):
+    from specmd.hardware import HardwareConfig
+    from specmd.hook import install
+    from specmd.models.adapters import adapter_for
+    from specmd.policies.eviction import EVICTION
+    from specmd.policies.miss import MISS
+    from specmd.policies.prefetch import PREFETCH
+    from specmd.policies.routing import ROUTING
+
+    ecls = EVICTION.get(eviction)
+    return install(model, adapter_for(family), ROUTING.build({"name": "standard"}), MISS.build({"name": "fetch"}),
+                   lambda keys: ecls(None, keys), PREFETCH.build({"name": prefetch}),
+                   HardwareConfig(capacity=capacity, **hw))
+
+
+def sample_ids(batch=2, seq=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (batch, seq), generator=g)

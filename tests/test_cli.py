@@ -1,0 +1,87 @@
+"""The command line: validation errors, results.json, multirun."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+FAST = ["eval.limit=1", "eval.max_length=128", "logger=none"]
+
+
+def specmd(args, tmp_path, mirror=None, timeout=300):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    if mirror is not None:
+        env["SPECMD_DATA_MIRROR"] = str(mirror)
+    return subprocess.run([sys.executable, "-m", "specmd", *args, f"hydra.run.dir={tmp_path}/run",
+                           f"hydra.sweep.dir={tmp_path}/sweep"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args,needle,choices", [
+    (["eviction=nope"], "eviction/nope", "lru"),
+    (["hardware.capacity=1.5"], "hardware.capacity=1.5", "(0, 1]"),
+    (["hardware.bandwidth_gbps=-2"], "hardware.bandwidth_gbps=-2", "positive"),
+    (["hardware.scope=diagonal"], "diagonal", "global, per_layer"),
+    (["+prefetch.lookahead=3"], "lookahead", "overfetch"),
+    (["model.family=gpt2", "eval.tasks=[]"], "gpt2", "olmoe"),
+    (["eval.tasks=[nonsense_task]"], "nonsense_task", "wikitext"),
+])
+def test_bad_config_rejected_with_choices(args, needle, choices, tmp_path, mirror):
+    r = specmd(args, tmp_path, mirror)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert needle in out and choices in out, out[-2000:]
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_run_writes_results_json(tmp_path, mirror):
+    r = specmd(["hardware.capacity=0.25", *FAST], tmp_path, mirror)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    cache = res["cache"]
+    for key in ("requests", "hits", "misses", "hit_rate", "collision_misses", "evictions", "prefetch_issued",
+                "prefetch_used", "bytes_demand", "bytes_prefetch", "stall_s", "per_layer"):
+        assert key in cache
+    assert cache["hits"] + cache["misses"] == cache["requests"] > 0
+    assert len(cache["per_layer"]["requests"]) == 4
+    assert res["timing"]["clock"] == "simulated" and res["timing"]["ttft_s"] > 0
+    assert res["routing"]["fidelity"] == 1.0
+    assert res["tasks"]["wikitext"]["word_perplexity"] > 1
+    for group, name in (("routing", "standard"), ("miss", "fetch"), ("eviction", "lru"), ("prefetch", "topk")):
+        assert res["config"][group]["name"] == name
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()
+    assert (tmp_path / "run" / "passes.csv").exists()
+    assert "hit rate" in r.stdout
+
+
+def test_stack_disabled_gives_same_perplexity(tmp_path, mirror):
+    a = specmd(["stack.enabled=false", *FAST], tmp_path / "a", mirror)
+    b = specmd(["hardware.capacity=0.05", *FAST], tmp_path / "b", mirror)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-2000:] + b.stderr[-2000:]
+    ra = json.loads((tmp_path / "a" / "run" / "results.json").read_text())
+    rb = json.loads((tmp_path / "b" / "run" / "results.json").read_text())
+    assert ra["cache"] is None
+    assert ra["tasks"]["wikitext"]["word_perplexity"] == rb["tasks"]["wikitext"]["word_perplexity"]
+
+
+def test_multirun_writes_one_results_per_job(tmp_path, mirror):
+    r = specmd(["-m", "hardware.capacity=0.05,0.25", *FAST], tmp_path, mirror)
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = sorted((tmp_path / "sweep").glob("*/results.json"))
+    assert len(found) == 2
+    caps = sorted(json.loads(p.read_text())["config"]["hardware"]["capacity"] for p in found)
+    assert caps == [0.05, 0.25]
+
+
+def test_failed_run_leaves_no_results_json(tmp_path, mirror):
+    # a task the mirror does not hold: the run fails after the model was built and hooked
+    r = specmd(["eval.tasks=[arc_easy]", *FAST], tmp_path, mirror)
+    assert r.returncode != 0
+    assert "not in the data mirror" in r.stdout + r.stderr
+    assert not (tmp_path / "run" / "results.json").exists()
+    failed = json.loads((tmp_path / "run" / "failed.json").read_text())
+    assert "error" in failed and failed["config"]["eviction"]["name"] == "lru"

@@ -1,0 +1,47 @@
+"""The simulated clock on a hand-computed two-layer example.
+
+Setup: expert = 100 B, link 1000 B/s + 10 ms latency -> 0.11 s per transfer. Roofline peak 1000 FLOP/s:
+dense part of each layer 50 params x 1 token -> 100 FLOP = 0.1 s; an expert slot 2 x 25 FLOP = 0.05 s.
+"""
+
+import pytest
+
+from test_cache_manager import manager, run_pass
+
+
+def test_two_layer_no_prefetch_exact_ttft_and_stall():
+    # L0: dense 0 -> 0.1; demand (0,0) 0.1 -> 0.21, (0,1) 0.21 -> 0.32: stall 0.22; experts 2 slots -> 0.42
+    # L1: dense -> 0.52; demand 0.52 -> 0.63 -> 0.74: stall 0.22; experts -> 0.84.   TTFT 0.84, stall 0.44
+    m = manager(4, dense=(50, 50), expert_params=25)
+    run_pass(m, [[0, 1], [2, 3]])
+    p = m.stats.passes[0]
+    assert p.time_s == pytest.approx(0.84)
+    assert p.stall_s == pytest.approx(0.44)
+    assert m.stats.stall_s == pytest.approx([0.22, 0.22])
+    assert m.stats.timing()["ttft_s"] == pytest.approx(0.84)
+
+
+def test_two_layer_prefetch_overlaps_compute_and_late_prefetch_stalls():
+    # As above, but at L0 (t = 0.32, after its stall) prefetch L1 {2, 3}: transfers 0.32 -> 0.43 -> 0.54.
+    # L0 experts -> 0.42, L1 dense -> 0.52. (1,2) arrived at 0.43: hit. (1,3) arrives 0.54: late, stall 0.02.
+    # L1 experts -> 0.64.  TTFT 0.64, stall 0.22 + 0.02.
+    m = manager(4, dense=(50, 50), expert_params=25)
+    run_pass(m, [[0, 1], [2, 3]], prefetch={0: [(1, [2, 3])]})
+    st = m.stats
+    assert st.passes[0].time_s == pytest.approx(0.64)
+    assert st.passes[0].stall_s == pytest.approx(0.24)
+    assert st.hits == [0, 1] and st.prefetch_late == [0, 1] and st.prefetch_used == [0, 2]
+    assert st.bytes_demand == [200, 0] and st.bytes_prefetch == [0, 200]
+
+
+def test_demand_is_served_before_queued_prefetch():
+    from specmd.clock import Transfer, TransferChannel
+
+    ch = TransferChannel(1000.0, 0.0)  # 100 B = 0.1 s
+    a, b = Transfer(100, 0.0), Transfer(100, 0.0)
+    ch.submit(a)
+    ch.submit(b)
+    # at t=0.05 prefetch a is in flight (0 -> 0.1), b is queued; the demand goes before b
+    assert ch.demand(0.05, 100) == pytest.approx(0.2)
+    ch.advance(1.0)
+    assert a.ready_at == pytest.approx(0.1) and b.ready_at == pytest.approx(0.3)
