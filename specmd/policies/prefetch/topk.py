@@ -33,6 +33,8 @@ class TopK(PrefetchPolicy):
             return []
         probs = model.router_probs(target, record.hidden)  # [T, E]
         top = probs.topk(self.count, dim=-1)
+        if probs.shape[0] == 1:  # decode: one token, already in descending order
+            return [(target, top.indices[0].tolist())]
         best = torch.full((probs.shape[-1],), -1.0, dtype=probs.dtype)
         best.scatter_reduce_(0, top.indices.reshape(-1), top.values.reshape(-1), reduce="amax")
         chosen = (best >= 0).nonzero().squeeze(-1)

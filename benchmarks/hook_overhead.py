@@ -1,0 +1,88 @@
+"""Wall-time ratio hooked / unhooked for the lossless stack at capacity 1.0 (standard, fetch, lru).
+
+    python benchmarks/hook_overhead.py [--prefetch none|topk] [--repeats 5]
+
+Models: tiny_olmoe, and a mid-size random OLMoE-shaped model (8 layers, 64 experts top-8, hidden 512,
+expert intermediate 256: ~400 MB in float32). Inputs: a batch of random token ids (a prefill-like pass)
+and a short greedy generation (decode passes). Prints the median of --repeats timings per case.
+Target (issue #2): ratio <= 1.15 on the mid-size model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from specmd.hardware import HardwareConfig
+from specmd.hook import install
+from specmd.models.adapters import adapter_for
+from specmd.models.loader import build_tiny
+from specmd.policies.eviction import EVICTION
+from specmd.policies.miss import MISS
+from specmd.policies.prefetch import PREFETCH
+from specmd.policies.routing import ROUTING
+
+MID = dict(hidden_size=512, intermediate_size=256, num_hidden_layers=8, num_attention_heads=8,
+           num_key_value_heads=8, num_experts=64, num_experts_per_tok=8, vocab_size=4096)
+
+
+def timed(fn, repeats):
+    fn()  # warm-up
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def bench(name, model, prefetch, repeats, batch, seq, new_tokens):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, min(256, model.config.vocab_size), (batch, seq), generator=g)
+    prompt = ids[:1, :32]
+
+    def prefill():
+        with torch.no_grad():
+            model(ids)
+
+    def decode():
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
+
+    rows = []
+    for case, fn in (("prefill", prefill), ("generate", decode)):
+        base = timed(fn, repeats)
+        stack = install(model, adapter_for("olmoe"), ROUTING.build({"name": "standard"}),
+                        MISS.build({"name": "fetch"}), lambda k: EVICTION.get("lru")(None, k),
+                        PREFETCH.build({"name": prefetch}), HardwareConfig(capacity=1.0))
+        try:
+            hooked = timed(fn, repeats)
+        finally:
+            stack.remove()
+        rows.append((name, case, base, hooked, hooked / base))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prefetch", default="topk", choices=["none", "topk"])
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    rows = []
+    tiny = build_tiny("olmoe")
+    rows += bench("tiny_olmoe", tiny, args.prefetch, args.repeats, batch=4, seq=256, new_tokens=16)
+    mid = build_tiny("olmoe", MID)
+    mb = sum(p.numel() * p.element_size() for p in mid.parameters()) / 1e6
+    rows += bench(f"mid_olmoe ({mb:.0f} MB)", mid, args.prefetch, args.repeats, batch=4, seq=256, new_tokens=16)
+    print(f"lossless stack (standard/fetch/lru/{args.prefetch}), capacity 1.0, threads={torch.get_num_threads()}")
+    print(f"{'model':<22}{'case':<10}{'unhooked s':>12}{'hooked s':>12}{'ratio':>8}")
+    for name, case, base, hooked, ratio in rows:
+        print(f"{name:<22}{case:<10}{base:>12.4f}{hooked:>12.4f}{ratio:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()
