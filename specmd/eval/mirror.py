@@ -48,7 +48,18 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def require_hub_for(what: str) -> None:
+def require_hub_for(what: str, repo_id: Optional[str] = None) -> None:
+    """Fail fast (instead of hanging) when ``what`` needs the hub and it is unreachable. A model repo
+    already in the local HF cache is fine offline."""
+    if repo_id is not None:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+                os.environ["HF_HUB_OFFLINE"] = os.environ.get("HF_HUB_OFFLINE") or ("0" if hub_reachable() else "1")
+                return
+        except Exception:
+            pass
     if not hub_reachable():
         raise DataError(
             f"{what} needs the Hugging Face hub, which is unreachable (or HF_HUB_OFFLINE=1). "

@@ -69,7 +69,7 @@ def load_model(cfg: ModelConfig):
     from ..eval.mirror import require_hub_for
 
     if not _is_local(cfg.pretrained):
-        require_hub_for(f"model.pretrained={cfg.pretrained}")
+        require_hub_for(f"model.pretrained={cfg.pretrained}", cfg.pretrained)
     model = AutoModelForCausalLM.from_pretrained(
         cfg.pretrained, revision=cfg.revision, dtype=getattr(torch, cfg.dtype),
         trust_remote_code=cfg.trust_remote_code,
