@@ -12,9 +12,10 @@ MoE layer). Oracle policies (Belady, trace replay) will get the future through `
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, Optional
 
 from ...registry import Registry
+from ..base import Policy
 
 
 class KeySpace:
@@ -30,12 +31,9 @@ class KeySpace:
         return divmod(key, self.num_experts)
 
 
-class EvictionPolicy:
-    name: ClassVar[str]
-    Params: ClassVar[Any] = None
-
+class EvictionPolicy(Policy):
     def __init__(self, params: Any = None, keys: Optional[KeySpace] = None):
-        self.params = params
+        super().__init__(params)
         self.keys = keys
 
     def on_insert(self, key: int, prefetch: bool) -> None:

@@ -7,9 +7,10 @@ Returning ``None`` means "fetch every miss at the stored (native) precision".
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 from ...registry import Registry
+from ..base import Policy
 
 FETCH = "fetch"
 DROP = "drop"
@@ -20,16 +21,7 @@ class MissAction(NamedTuple):
     precision: Optional[str] = None  # None = native precision
 
 
-class MissPolicy:
-    name: ClassVar[str]
-    Params: ClassVar[Any] = None
-
-    def __init__(self, params: Any = None):
-        self.params = params
-
-    def setup(self, model: Any) -> None:
-        pass
-
+class MissPolicy(Policy):
     def handle(self, layer: int, missing: list[int], record: Any, cache: Any) -> Optional[list[MissAction]]:
         raise NotImplementedError
 

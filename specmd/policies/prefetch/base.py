@@ -8,21 +8,13 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from ...registry import Registry
+from ..base import Policy
 
 
-class PrefetchPolicy:
-    name: ClassVar[str]
-    Params: ClassVar[Any] = None
-
-    def __init__(self, params: Any = None):
-        self.params = params
-
-    def setup(self, model: Any) -> None:
-        pass
-
+class PrefetchPolicy(Policy):
     def predict(self, record: Any, model: Any) -> list[tuple[int, list[int]]]:
         raise NotImplementedError
 

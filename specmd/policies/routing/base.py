@@ -9,21 +9,13 @@ renormalised the way the model family does (see ``GateRecord.reweigh``).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from ...registry import Registry
+from ..base import Policy
 
 
-class RoutingPolicy:
-    name: ClassVar[str]
-    Params: ClassVar[Any] = None
-
-    def __init__(self, params: Any = None):
-        self.params = params
-
-    def setup(self, model: Any) -> None:
-        """Called once with the :class:`~specmd.hook.stack.ModelView` after the stack is installed."""
-
+class RoutingPolicy(Policy):
     def apply(self, record: Any, cache: Any):  # -> torch.Tensor | None
         raise NotImplementedError
 

@@ -1,0 +1,16 @@
+"""What every policy class shares: its registry name, its ``Params`` schema and the ``setup`` hook."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class Policy:
+    name: ClassVar[str]  # set by Registry.register
+    Params: ClassVar[Any] = None  # optional dataclass: the keys of conf/<family>/<name>.yaml besides `name`
+
+    def __init__(self, params: Any = None):
+        self.params = params
+
+    def setup(self, model: Any) -> None:
+        """Called once with the :class:`~specmd.hook.stack.ModelView` after the stack is installed."""
