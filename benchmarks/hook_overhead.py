@@ -33,15 +33,25 @@ def timed(fn, repeats):
     fn()  # warm-up
     ts = []
     for _ in range(repeats):
+        sync()
         t = time.perf_counter()
         fn()
+        sync()
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
 
 
+DEVICE = "cpu"
+
+
+def sync():
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def bench(name, model, prefetch, repeats, batch, seq, new_tokens):
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, min(256, model.config.vocab_size), (batch, seq), generator=g)
+    ids = torch.randint(0, min(256, model.config.vocab_size), (batch, seq), generator=g).to(DEVICE)
     prompt = ids[:1, :32]
 
     def prefill():
@@ -70,15 +80,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefetch", default="topk", choices=["none", "topk"])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     torch.set_num_threads(torch.get_num_threads())
     rows = []
-    tiny = build_tiny("olmoe")
+    tiny = build_tiny("olmoe", dtype=args.dtype).to(DEVICE)
     rows += bench("tiny_olmoe", tiny, args.prefetch, args.repeats, batch=4, seq=256, new_tokens=16)
-    mid = build_tiny("olmoe", MID)
+    mid = build_tiny("olmoe", MID, dtype=args.dtype).to(DEVICE)
     mb = sum(p.numel() * p.element_size() for p in mid.parameters()) / 1e6
     rows += bench(f"mid_olmoe ({mb:.0f} MB)", mid, args.prefetch, args.repeats, batch=4, seq=256, new_tokens=16)
-    print(f"lossless stack (standard/fetch/lru/{args.prefetch}), capacity 1.0, threads={torch.get_num_threads()}")
+    print(f"lossless stack (standard/fetch/lru/{args.prefetch}), capacity 1.0, device={DEVICE}, dtype={args.dtype}, threads={torch.get_num_threads()}")
     print(f"{'model':<22}{'case':<10}{'unhooked s':>12}{'hooked s':>12}{'ratio':>8}")
     for name, case, base, hooked, ratio in rows:
         print(f"{name:<22}{case:<10}{base:>12.4f}{hooked:>12.4f}{ratio:>8.3f}")

@@ -200,7 +200,7 @@ class PolicyStack:
             kept = (index.unsqueeze(-1) == rec.original.unsqueeze(-2)).any(-1)
             n_run = len(experts)
             if dropped:
-                mask = torch.isin(index, torch.tensor(dropped, dtype=index.dtype))
+                mask = torch.isin(index, torch.tensor(dropped, dtype=index.dtype, device=index.device))
                 weights = weights.masked_fill(mask, 0)
                 kept &= ~mask
                 slots -= int(mask.sum())

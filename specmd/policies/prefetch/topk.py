@@ -35,7 +35,7 @@ class TopK(PrefetchPolicy):
         top = probs.topk(self.count, dim=-1)
         if probs.shape[0] == 1:  # decode: one token, already in descending order
             return [(target, top.indices[0].tolist())]
-        best = torch.full((probs.shape[-1],), -1.0, dtype=probs.dtype)
+        best = torch.full((probs.shape[-1],), -1.0, dtype=probs.dtype, device=probs.device)
         best.scatter_reduce_(0, top.indices.reshape(-1), top.values.reshape(-1), reduce="amax")
         chosen = (best >= 0).nonzero().squeeze(-1)
         order = torch.argsort(-best[chosen], stable=True)
