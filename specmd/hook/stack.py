@@ -55,10 +55,14 @@ class ModelView:
         return layer + 1 if layer + 1 < self.num_layers else None
 
     @torch.no_grad()
+    def router_predict(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s router applied to ``hidden`` [T, H], hooks bypassed: its probabilities [T, E]
+        and its own top-k selection [T, k] (with the family's rules: group limits, sparsemixer, biases)."""
+        logits, _, index = self.routers[layer].forward(hidden)
+        return self.scoring.probs(logits), index
+
     def router_probs(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Layer ``layer``'s router applied to ``hidden`` [T, H] (hooks bypassed): probabilities [T, E]."""
-        logits = self.routers[layer].forward(hidden)[0]
-        return self.scoring.probs(logits)
+        return self.router_predict(layer, hidden)[0]
 
 
 def geometry(model: nn.Module, adapter: Adapter) -> tuple[Geometry, list[int]]:
@@ -188,7 +192,7 @@ class PolicyStack:
         cache = self.cache
         rec = self.records[layer]
         cache.dense(layer)
-        experts = torch.unique(index).tolist()
+        experts = torch.bincount(index.reshape(-1), minlength=self.geom.num_experts).nonzero().squeeze(1).tolist()
         dropped = cache.serve(layer, experts, rec, cache)
         slots = index.numel()
         st = cache.stats

@@ -2,8 +2,9 @@
 
 ``predict(record, model)`` runs after the current layer's misses are handled and returns
 ``[(target_layer, [experts in issue order]), ...]``. ``model`` is a
-:class:`~specmd.hook.stack.ModelView`: ``model.next_layer(l)`` and ``model.router_probs(l, hidden)``
-(layer ``l``'s router applied to any hidden state, with the family's scoring) are what predictors use.
+:class:`~specmd.hook.stack.ModelView`: ``model.next_layer(l)``, ``model.router_probs(l, hidden)`` and
+``model.router_predict(l, hidden)`` (layer ``l``'s router applied to any hidden state: probabilities with
+the family's scoring, and the router's own top-k) are what predictors use.
 """
 
 from __future__ import annotations

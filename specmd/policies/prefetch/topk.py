@@ -11,7 +11,8 @@ class TopK(PrefetchPolicy):
     """Speculative next-layer prefetch (Eliseev & Mazur; SpecMD §3.1.4).
 
     Layer l+1's router is applied to layer l's router input (the post-attention-norm hidden state);
-    each token's top ``ceil(k * overfetch)`` experts by router probability are predicted. Over the
+    each token's top ``ceil(k * overfetch)`` experts by router probability are predicted (for
+    ``overfetch=1`` exactly the router's own top-k, family selection rules included). Over the
     tokens of the pass the predictions are united and issued in descending order of their highest
     probability (ties: lower expert index first), so the most confident ones reach the channel first.
     """
@@ -31,12 +32,16 @@ class TopK(PrefetchPolicy):
         target = model.next_layer(record.layer)
         if target is None:
             return []
-        probs = model.router_probs(target, record.hidden)  # [T, E]
-        top = probs.topk(self.count, dim=-1)
-        if probs.shape[0] == 1:  # decode: one token, already in descending order
-            return [(target, top.indices[0].tolist())]
+        probs, index = model.router_predict(target, record.hidden)  # [T, E], [T, k]
+        if self.count == index.shape[-1]:
+            values = probs.gather(-1, index)
+        else:
+            values, index = probs.topk(self.count, dim=-1)
+        if probs.shape[0] == 1:  # decode: one token
+            order = torch.argsort(-values[0], stable=True)
+            return [(target, index[0, order].tolist())]
         best = torch.full((probs.shape[-1],), -1.0, dtype=probs.dtype, device=probs.device)
-        best.scatter_reduce_(0, top.indices.reshape(-1), top.values.reshape(-1), reduce="amax")
+        best.scatter_reduce_(0, index.reshape(-1), values.reshape(-1), reduce="amax")
         chosen = (best >= 0).nonzero().squeeze(-1)
         order = torch.argsort(-best[chosen], stable=True)
         return [(target, chosen[order].tolist())]

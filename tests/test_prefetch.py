@@ -1,0 +1,47 @@
+"""topk prefetch on a hand-made router output."""
+
+import torch
+
+from specmd.policies.prefetch import PREFETCH
+
+
+class FakeView:
+    num_experts, top_k, num_layers = 6, 2, 2
+
+    def __init__(self, probs):
+        self.probs = torch.tensor(probs)
+
+    def next_layer(self, layer):
+        return layer + 1 if layer + 1 < self.num_layers else None
+
+    def router_predict(self, layer, hidden):
+        return self.probs, self.probs.topk(self.top_k, dim=-1).indices
+
+
+class Rec:
+    def __init__(self, layer):
+        self.layer, self.hidden = layer, None
+
+
+PROBS = [[0.05, 0.40, 0.30, 0.10, 0.10, 0.05],   # token 0: top-2 {1, 2}, top-3 adds 3 (tie 3/4 -> lower index)
+         [0.50, 0.05, 0.05, 0.05, 0.15, 0.20]]   # token 1: top-2 {0, 5}, top-3 adds 4
+
+
+def predict(overfetch, probs=PROBS, layer=0):
+    p = PREFETCH.build({"name": "topk", "overfetch": overfetch})
+    view = FakeView(probs)
+    p.setup(view)
+    return p.predict(Rec(layer), view)
+
+
+def test_union_of_token_topk_in_descending_probability():
+    assert predict(1.0) == [(1, [0, 1, 2, 5])]  # 0.50, 0.40, 0.30, 0.20
+
+
+def test_overfetch_widens_each_token_to_ceil_k_times_factor():
+    assert predict(1.5) == [(1, [0, 1, 2, 5, 4, 3])]  # k' = 3: adds 3 (0.10) and 4 (0.15)
+
+
+def test_decode_single_token_and_last_layer():
+    assert predict(1.0, probs=[PROBS[1]]) == [(1, [0, 5])]
+    assert predict(1.0, layer=1) == []
