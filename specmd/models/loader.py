@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -16,7 +17,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 class ModelConfig:
     name: str = "tiny_olmoe"
     family: str = "olmoe"
-    # Hub id or local directory of a real checkpoint; null builds a seeded random model from `tiny`.
+    # Hub id, local directory, or specmd:<name> (a checkpoint shipped in specmd/assets/<name>);
+    # null builds a seeded random model from `tiny`.
     pretrained: Optional[str] = None
     revision: Optional[str] = None
     dtype: str = "float32"
@@ -53,6 +55,23 @@ def build_tiny(family: str, overrides: Optional[dict] = None, seed: int = 0, dty
     return model
 
 
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSET_PREFIX = "specmd:"
+
+
+def resolve_pretrained(path: str) -> str:
+    """``specmd:<name>`` names a checkpoint shipped in ``specmd/assets/<name>``; anything else is a hub id
+    or a local directory."""
+    if path.startswith(ASSET_PREFIX):
+        name = path[len(ASSET_PREFIX):]
+        local = ASSETS / name
+        if not (local / "config.json").is_file():
+            shipped = sorted(p.name for p in ASSETS.iterdir() if (p / "config.json").is_file()) if ASSETS.is_dir() else []
+            raise ConfigError(f"model.pretrained={path}: no shipped checkpoint {name!r}; shipped: {', '.join(shipped) or 'none'}")
+        return str(local)
+    return path
+
+
 def _is_local(path: str) -> bool:
     return os.path.isdir(os.path.expanduser(path))
 
@@ -68,10 +87,11 @@ def load_model(cfg: ModelConfig):
         return build_tiny(cfg.family, dict(cfg.tiny), cfg.seed, cfg.dtype), byte_tokenizer()
     from ..eval.mirror import require_hub_for
 
-    if not _is_local(cfg.pretrained):
-        require_hub_for(f"model.pretrained={cfg.pretrained}", cfg.pretrained)
+    path = resolve_pretrained(cfg.pretrained)
+    if not _is_local(path):
+        require_hub_for(f"model.pretrained={path}", path)
     model = AutoModelForCausalLM.from_pretrained(
-        cfg.pretrained, revision=cfg.revision, dtype=getattr(torch, cfg.dtype),
+        path, revision=cfg.revision, dtype=getattr(torch, cfg.dtype),
         trust_remote_code=cfg.trust_remote_code,
     )
     if model.config.model_type != cfg.family:
@@ -79,5 +99,5 @@ def load_model(cfg: ModelConfig):
             f"model.pretrained={cfg.pretrained} is a {model.config.model_type!r} model but model.family={cfg.family!r}"
         )
     model.eval()
-    tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.pretrained, revision=cfg.revision)
+    tok = AutoTokenizer.from_pretrained(resolve_pretrained(cfg.tokenizer or cfg.pretrained), revision=cfg.revision)
     return model, tok
