@@ -70,18 +70,24 @@ def routing_stats(model, tokenizer, texts: list[str], window: int = 512, max_tok
     }
 
 
+def wikitext_test_pages(mirror) -> list[str]:
+    """WikiText-2 test articles from the mirror, as lm-eval presents them (detokenized)."""
+    from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
+
+    from .eval.mirror import _wikitext
+
+    return [wikitext_detokenizer(r) for r in _wikitext(mirror, "wikitext-2-raw-v1")["test"]]
+
+
 def measure(model_path: str, mirror: str, limits: dict, max_gen_toks: int = 64) -> dict:
     from .eval.harness import EvalConfig, evaluate
-    from .eval.mirror import _wikitext, mirrored, resolve_mirror, set_offline
+    from .eval.mirror import mirrored, resolve_mirror, set_offline
     from .models.loader import ModelConfig, load_model
 
     set_offline()
     root = resolve_mirror(mirror)
     model, tok = load_model(ModelConfig(name="card", family="olmoe", pretrained=model_path, dtype="float32"))
-    from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
-
-    pages = [wikitext_detokenizer(r) for r in _wikitext(root, "wikitext-2-raw-v1")["test"]]
-    out = {"routing": routing_stats(model, tok, pages), "tasks": {}, "limits": limits}
+    out = {"routing": routing_stats(model, tok, wikitext_test_pages(root)), "tasks": {}, "limits": limits}
     with mirrored(root):
         for task, limit in limits.items():
             res = evaluate(model, tok, EvalConfig(tasks=[task], limit=limit, max_gen_toks=max_gen_toks))

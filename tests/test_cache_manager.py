@@ -62,6 +62,17 @@ def test_lru_tie_break_lower_index_first():
     assert sorted(m.entries) == [1, 6]
 
 
+def test_resident_view_excludes_prefetches_in_flight():
+    # the view cache-aware routing reads: resident experts whose bytes have arrived
+    m = manager(4)
+    run_pass(m, [[0, 1], []])
+    m.prefetch(0, [3])  # queued at the current time, not arrived yet
+    assert m.resident(0) == [0, 1]
+    m.clock.now += 1.0
+    m.clock.channel.advance(m.clock.now)
+    assert m.resident(0) == [0, 1, 3]
+
+
 def test_working_set_larger_than_pool_streams():
     m = manager(2, experts=8)
     run_pass(m, [[0, 1, 2, 3, 4], []])

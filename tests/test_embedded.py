@@ -31,14 +31,10 @@ def test_perplexity_matches_model_card(shipped, mirror):
 
 
 def test_routing_is_trained_not_degenerate(shipped, mirror):
-    from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
-
-    from specmd.eval.mirror import _wikitext
-    from specmd.modelcard import routing_stats
+    from specmd.modelcard import routing_stats, wikitext_test_pages
 
     model, tok = shipped
-    pages = [wikitext_detokenizer(r) for r in _wikitext(mirror, "wikitext-2-raw-v1")["test"]]
-    stats = routing_stats(model, tok, pages, max_tokens=8192)
+    stats = routing_stats(model, tok, wikitext_test_pages(mirror), max_tokens=8192)
     assert all(r >= 0.85 for r in stats["entropy_ratio"]), stats
     assert all(d == 0 for d in stats["dead_fraction"]), stats
     # trained routing has temporal locality well above independent routing (k/E)

@@ -99,6 +99,7 @@ class CacheManager:
         self.clock = clock
         self.stats = CacheStats(geom.num_layers)
         self.entries: dict[int, Entry] = {}
+        self.used_bytes = 0  # over all pools
         self.pinned: set[int] = set()
         self.evicted_this_pass: set[int] = set()
         self.pass_index = -1
@@ -128,10 +129,6 @@ class CacheManager:
             s.total("collision_misses") - c0,
         ))
         self._pass = None
-
-    @property
-    def in_pass(self) -> bool:
-        return self._pass is not None
 
     def _roofline_dense(self, params: int, attn_layers: int, tokens: int, context: int) -> None:
         g = self.geom
@@ -267,14 +264,15 @@ class CacheManager:
     def _insert(self, key, layer, nbytes, pool, transfer, prefetched) -> None:
         self.entries[key] = Entry(key, layer, nbytes, pool, transfer, prefetched)
         pool.used += nbytes
+        self.used_bytes += nbytes
         pool.policy.on_insert(key, prefetched)
-        used = sum(p.used for p in self.pools) if len(self.pools) > 1 else pool.used
-        if used > self.stats.peak_bytes:
-            self.stats.peak_bytes = used
+        if self.used_bytes > self.stats.peak_bytes:
+            self.stats.peak_bytes = self.used_bytes
 
     def _evict(self, key: int) -> None:
         ent = self.entries.pop(key)
         ent.pool.used -= ent.nbytes
+        self.used_bytes -= ent.nbytes
         ent.pool.policy.on_remove(key)
         self.evicted_this_pass.add(key)
         self.stats.evictions[ent.layer] += 1
@@ -303,7 +301,7 @@ class CacheManager:
     def check_invariants(self) -> None:
         for pool in self.pools:
             assert 0 <= pool.used <= pool.capacity, (pool.used, pool.capacity)
-        assert sum(p.used for p in self.pools) == sum(e.nbytes for e in self.entries.values())
+        assert sum(p.used for p in self.pools) == self.used_bytes == sum(e.nbytes for e in self.entries.values())
         st = self.stats
         for l in range(self.geom.num_layers):
             assert st.hits[l] + st.misses[l] == st.requests[l]

@@ -74,10 +74,6 @@ def _ds(splits: dict[str, list[dict]]):
     return datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()})
 
 
-def _empty_like(rows: list[dict]) -> list[dict]:
-    return []
-
-
 def _jsonl(path: Path) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
