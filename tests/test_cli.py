@@ -65,7 +65,11 @@ def test_stack_disabled_gives_same_perplexity(tmp_path, mirror):
     ra = json.loads((tmp_path / "a" / "run" / "results.json").read_text())
     rb = json.loads((tmp_path / "b" / "run" / "results.json").read_text())
     assert ra["cache"] is None
-    assert ra["tasks"]["wikitext"]["word_perplexity"] == rb["tasks"]["wikitext"]["word_perplexity"]
+    # Bit-exactness of hooked vs unhooked is asserted in one process (tests/test_lossless.py). Across two
+    # processes the CPU kernels themselves are not bit-reproducible (a fresh process's first forward pass
+    # has been seen to differ by ~1e-6 relative, unhooked vs unhooked), so the CLI check allows 1e-5.
+    assert ra["tasks"]["wikitext"]["word_perplexity"] == pytest.approx(rb["tasks"]["wikitext"]["word_perplexity"],
+                                                                       rel=1e-5)
 
 
 def test_multirun_writes_one_results_per_job(tmp_path, mirror):
