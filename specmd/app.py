@@ -17,7 +17,6 @@ from .registry import build_params
 
 log = logging.getLogger("specmd")
 GROUPS = ("routing", "miss", "eviction", "prefetch")
-QUANT_CHOICES = ("none",)
 
 
 class Run:
@@ -30,6 +29,7 @@ class Run:
         from .policies.miss import MISS
         from .policies.prefetch import PREFETCH
         from .policies.routing import ROUTING
+        from .quant import QUANT
 
         c = OmegaConf.to_container(cfg, resolve=True)
         self.raw = c
@@ -37,9 +37,7 @@ class Run:
         self.hardware = build_params(HardwareConfig, dict(c["hardware"]), "hardware")
         self.eval = build_params(EvalConfig, dict(c.get("eval") or {}), "eval")
         self.enabled = bool((c.get("stack") or {}).get("enabled", True))
-        quant = (c.get("quant") or {}).get("name", "none")
-        if quant not in QUANT_CHOICES:
-            raise ConfigError(f"unknown quant option {quant!r}; valid choices: {', '.join(QUANT_CHOICES)}")
+        self.quant = QUANT.params(c.get("quant") or {"name": "none"})
         regs = {"routing": ROUTING, "miss": MISS, "eviction": EVICTION, "prefetch": PREFETCH}
         self.policies = {g: regs[g].params(c[g]) for g in GROUPS}  # (class, params), validated
         self.mirror = (c.get("data") or {}).get("mirror")
@@ -50,8 +48,9 @@ class Run:
         from .models.adapters import adapter_for
 
         (rcls, rp), (mcls, mp), (ecls, ep), (pcls, pp) = (self.policies[g] for g in GROUPS)
+        qcls, qp = self.quant
         return install(model, adapter_for(self.model.family), rcls(rp), mcls(mp),
-                       lambda keys: ecls(ep, keys), pcls(pp), self.hardware)
+                       lambda keys: ecls(ep, keys), pcls(pp), self.hardware, qcls(qp))
 
 
 def collect(run: Run, stack, tasks: dict, wall_s: float) -> dict:

@@ -23,6 +23,9 @@ class HardwareConfig:
     latency_us: float = 10.0  # fixed cost per transfer
     peak_tflops: float = 312.0  # device compute peak at the model's dtype
     mem_bandwidth_gbps: float = 1555.0  # device memory bandwidth (roofline)
+    # Host compute (miss=cpu_compute runs missing experts on the host, Zhu et al. 2025 / Fiddler).
+    host_tflops: float = 1.0
+    host_mem_bandwidth_gbps: float = 100.0
 
     def __post_init__(self) -> None:
         if not (0.0 < self.capacity <= 1.0):
@@ -31,7 +34,7 @@ class HardwareConfig:
             raise ConfigError(f"hardware.experts_per_layer={self.experts_per_layer} must be >= 1 or null")
         if self.scope not in SCOPES:
             raise ConfigError(f"hardware.scope={self.scope!r}; valid choices: {', '.join(SCOPES)}")
-        for key in ("bandwidth_gbps", "peak_tflops", "mem_bandwidth_gbps"):
+        for key in ("bandwidth_gbps", "peak_tflops", "mem_bandwidth_gbps", "host_tflops", "host_mem_bandwidth_gbps"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"hardware.{key}={getattr(self, key)} must be positive")
         if self.latency_us < 0:

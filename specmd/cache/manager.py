@@ -23,7 +23,8 @@ from typing import Callable, Optional
 
 from ..clock import SimClock, Transfer
 from ..policies.eviction.base import EvictionPolicy, KeySpace
-from ..policies.miss.base import DROP, MissPolicy
+from ..policies.miss.base import DROP, HOST, SUBSTITUTE, MissPolicy
+from ..quant.base import NATIVE, ExpertStore
 from .stats import CacheStats, PassRecord
 
 
@@ -57,9 +58,9 @@ class Pool:
 
 
 class Entry:
-    __slots__ = ("key", "layer", "nbytes", "pool", "transfer", "prefetched", "used")
+    __slots__ = ("key", "layer", "nbytes", "pool", "transfer", "prefetched", "used", "precision", "bits", "since")
 
-    def __init__(self, key, layer, nbytes, pool, transfer, prefetched):
+    def __init__(self, key, layer, nbytes, pool, transfer, prefetched, precision=NATIVE, bits=16, since=0):
         self.key = key
         self.layer = layer
         self.nbytes = nbytes
@@ -67,6 +68,21 @@ class Entry:
         self.transfer: Optional[Transfer] = transfer
         self.prefetched = prefetched
         self.used = False
+        self.precision = precision  # the stored precision this resident copy has
+        self.bits = bits
+        self.since = since  # forward pass it was inserted in (cache lifetime)
+
+
+class Served:
+    """What a layer call must do differently from "run every requested expert at full precision"."""
+
+    __slots__ = ("dropped", "substitutes", "precisions", "host")
+
+    def __init__(self):
+        self.dropped: list[int] = []
+        self.substitutes: dict[int, object] = {}  # expert -> [T] replacement experts
+        self.precisions: dict[int, str] = {}  # expert -> non-native precision it runs at
+        self.host: list[int] = []  # experts computed on the host
 
 
 def pool_capacities(geom: Geometry, capacity: float, experts_per_layer: Optional[int], scope: str) -> list[int]:
@@ -88,9 +104,15 @@ class CacheManager:
         make_eviction: Callable[[KeySpace], EvictionPolicy],
         miss: MissPolicy,
         clock: SimClock,
+        store: Optional[ExpertStore] = None,
+        host_time: Optional[Callable[[int, int], float]] = None,
     ):
         self.geom = geom
         self.keys = KeySpace(geom.num_experts)
+        self.store = store or ExpertStore(geom.dtype_bytes * 8, geom.expert_bytes, {})
+        self.fetch_precision = getattr(miss, "fetch_precision", NATIVE)
+        self.high_bits = self.store.bits_of[self.fetch_precision]  # LHU's "high precision"
+        self.host_time = host_time  # (token-expert slots, experts) -> seconds on the host
         self.pools = [Pool(c, make_eviction(self.keys)) for c in capacities]
         self._pool_of_layer = (
             self.pools * geom.num_layers if len(self.pools) == 1 else list(self.pools)
@@ -105,6 +127,9 @@ class CacheManager:
         self.pass_index = -1
         self._pass: Optional[list] = None
         self._evictable = self._is_evictable
+        self.predicted: list[Optional[set]] = [None] * geom.num_layers  # prefetch predictions per target layer
+        for pool in self.pools:
+            pool.policy.attach(self, pool)
 
     # ---- forward passes -------------------------------------------------------------------------
     def begin_pass(self, kind: str, tokens: int, context: int) -> None:
@@ -142,9 +167,10 @@ class CacheManager:
             g = self.geom
             self._roofline_dense(g.dense_params[layer], g.attn_layers[layer], self._pass[1], self._pass[2])
 
-    def serve(self, layer: int, experts: list[int], record=None, cache_view=None) -> Optional[list[int]]:
-        """Make the requested experts of ``layer`` available. Returns the experts that must not run
-        (dropped by the miss policy), or ``None`` when all run. Advances the clock by the stall."""
+    def serve(self, layer: int, experts: list[int], record=None, cache_view=None) -> Optional[Served]:
+        """Make the requested experts of ``layer`` available and advance the clock by the stall.
+        Returns ``None`` when every requested expert runs at native precision on the device, else a
+        :class:`Served` saying which are dropped, substituted, run at lower precision or on the host."""
         clock = self.clock
         now = clock.now
         channel = clock.channel
@@ -156,10 +182,20 @@ class CacheManager:
         for e in experts:
             pinned.add(base + e)
         pool = self._pool_of_layer[layer]
-        pool.policy.on_layer(layer)
+        policy = pool.policy
+        policy.on_layer(layer)
+        if policy.wants_scores and record is not None:
+            policy.on_scores(layer, record.probs.mean(0).tolist())
+        pred = self.predicted[layer]
+        if pred is not None:
+            st.pred_true[layer] += len(pred.intersection(experts))
+            st.pred_predicted[layer] += len(pred)
+            st.pred_actual[layer] += len(experts)
+            self.predicted[layer] = None
         entries = self.entries
         ready = now
         missing = None
+        served = None
         hits = 0
         for e in experts:
             key = base + e
@@ -169,6 +205,10 @@ class CacheManager:
                     missing = []
                 missing.append(e)
                 continue
+            if ent.precision != NATIVE:
+                if served is None:
+                    served = Served()
+                served.precisions[e] = ent.precision
             tr = ent.transfer
             if tr is not None:
                 if tr.ready_at > now:  # prefetch still queued or in flight: late
@@ -180,41 +220,65 @@ class CacheManager:
                     ent.transfer = None
                     ent.used = True
                     st.prefetch_used[layer] += 1
-                    pool.policy.on_access(key)
+                    policy.on_access(key)
                     continue
                 ent.transfer = None
             if ent.prefetched and not ent.used:
                 st.prefetch_used[layer] += 1
             ent.used = True
             hits += 1
-            pool.policy.on_access(key)
+            policy.on_access(key)
         st.requests[layer] += len(experts)
         st.hits[layer] += hits
-        dropped = None
         if missing is not None:
             actions = self.miss.handle(layer, missing, record, cache_view)
-            nbytes = self.geom.expert_bytes
+            store = self.store
+            host_slots = 0
             for i, e in enumerate(missing):
                 key = base + e
                 st.misses[layer] += 1
                 if key in self.evicted_this_pass:
                     st.collision_misses[layer] += 1
-                if actions is not None and actions[i].kind == DROP:
-                    if dropped is None:
-                        dropped = []
-                    dropped.append(e)
+                act = None if actions is None else actions[i]
+                if act is not None and act.kind != "fetch":
+                    if served is None:
+                        served = Served()
+                    if act.kind == DROP:
+                        served.dropped.append(e)
+                        st.dropped[layer] += 1
+                    elif act.kind == SUBSTITUTE:
+                        served.substitutes[e] = act.substitute
+                        st.substituted[layer] += 1
+                    elif act.kind == HOST:
+                        served.host.append(e)
+                        st.host_computed[layer] += 1
+                        host_slots += int((record.index == e).sum())
+                    else:
+                        raise ValueError(f"unknown miss action {act.kind!r}")
                     continue
+                prec = self.fetch_precision if act is None or act.precision is None else act.precision
+                nbytes = store.bytes_of[prec]
+                policy.on_admit(key)
                 if self._make_room(pool, nbytes):
-                    self._insert(key, layer, nbytes, pool, None, False)
+                    self._insert(key, layer, nbytes, pool, None, False, prec)
                     entries[key].used = True
                 else:
                     st.streamed[layer] += 1
                 t = channel.demand(now, nbytes)
                 st.bytes_demand[layer] += nbytes
+                st.count_precision(prec, nbytes)
+                if prec != NATIVE:
+                    if served is None:
+                        served = Served()
+                    served.precisions[e] = prec
+                if t > ready:
+                    ready = t
+            if host_slots:
+                t = now + self.host_time(host_slots, len(served.host))
                 if t > ready:
                     ready = t
         st.stall_s[layer] += clock.wait_until(ready)
-        return dropped
+        return served
 
     def compute_experts(self, layer: int, slots: int, experts: int) -> None:
         """Roofline time of the layer's routed experts: ``slots`` token-expert pairs over ``experts``."""
@@ -225,24 +289,33 @@ class CacheManager:
         self.pinned.clear()
 
     def prefetch(self, layer: int, experts: list[int]) -> None:
-        """Queue asynchronous fetches of ``experts`` of MoE layer ``layer`` at the current time."""
+        """Queue asynchronous fetches of ``experts`` of MoE layer ``layer`` at the current time (at the
+        miss policy's fetch precision). The prediction is remembered for precision/recall."""
         base = layer * self.geom.num_experts
         pool = self._pool_of_layer[layer]
-        nbytes = self.geom.expert_bytes
+        prec = self.fetch_precision
+        nbytes = self.store.bytes_of[prec]
         st = self.stats
         now = self.clock.now
+        pred = self.predicted[layer]
+        if pred is None:
+            self.predicted[layer] = set(experts)
+        else:
+            pred.update(experts)
         for e in experts:
             key = base + e
             if key in self.entries:
                 continue
+            pool.policy.on_admit(key)
             if not self._make_room(pool, nbytes):
                 st.prefetch_skipped[layer] += 1
                 continue
             tr = Transfer(nbytes, now)
             self.clock.channel.submit(tr)
-            self._insert(key, layer, nbytes, pool, tr, True)
+            self._insert(key, layer, nbytes, pool, tr, True, prec)
             st.prefetch_issued[layer] += 1
             st.bytes_prefetch[layer] += nbytes
+            st.count_precision(prec, nbytes, fetched=False)
 
     # ---- internals --------------------------------------------------------------------------------
     def _is_evictable(self, key: int) -> bool:
@@ -261,8 +334,9 @@ class CacheManager:
             self._evict(victim)
         return True
 
-    def _insert(self, key, layer, nbytes, pool, transfer, prefetched) -> None:
-        self.entries[key] = Entry(key, layer, nbytes, pool, transfer, prefetched)
+    def _insert(self, key, layer, nbytes, pool, transfer, prefetched, precision=NATIVE) -> None:
+        self.entries[key] = Entry(key, layer, nbytes, pool, transfer, prefetched, precision,
+                                  self.store.bits_of[precision], self.pass_index)
         pool.used += nbytes
         self.used_bytes += nbytes
         pool.policy.on_insert(key, prefetched)
@@ -276,6 +350,8 @@ class CacheManager:
         ent.pool.policy.on_remove(key)
         self.evicted_this_pass.add(key)
         self.stats.evictions[ent.layer] += 1
+        self.stats.lifetime_sum += self.pass_index - ent.since
+        self.stats.lifetime_n += 1
         if ent.prefetched and not ent.used:
             self.stats.prefetch_wasted[ent.layer] += 1
 

@@ -19,6 +19,12 @@ PER_LAYER = (
     "bytes_demand",
     "bytes_prefetch",
     "stall_s",
+    "dropped",  # miss outcomes besides fetching
+    "substituted",
+    "host_computed",
+    "pred_true",  # prefetch predictions that the layer then requested (precision/recall, SpecMD Fig. 6)
+    "pred_predicted",
+    "pred_actual",
 )
 
 
@@ -44,6 +50,15 @@ class CacheStats:
         self.peak_bytes = 0
         self.slots_total = 0  # token-expert selections made by the original router
         self.slots_unchanged = 0  # ... of which executed unchanged (routing fidelity)
+        self.lifetime_sum = 0  # forward passes each evicted expert stayed resident
+        self.lifetime_n = 0
+        self.fetched_by_precision: dict[str, int] = {}  # demand fetches per precision
+        self.bytes_by_precision: dict[str, int] = {}  # demand + prefetch bytes per precision
+
+    def count_precision(self, precision: str, nbytes: int, fetched: bool = True) -> None:
+        if fetched:
+            self.fetched_by_precision[precision] = self.fetched_by_precision.get(precision, 0) + 1
+        self.bytes_by_precision[precision] = self.bytes_by_precision.get(precision, 0) + nbytes
 
     def total(self, name: str):
         return sum(getattr(self, name))
@@ -53,9 +68,23 @@ class CacheStats:
         req = out["requests"]
         out["hit_rate"] = out["hits"] / req if req else 0.0
         out["peak_bytes"] = self.peak_bytes
+        out["collision_rate"] = out["collision_misses"] / req if req else 0.0
+        pp, pa = out["pred_predicted"], out["pred_actual"]
+        out["prefetch_precision"] = out["pred_true"] / pp if pp else None
+        out["prefetch_recall"] = out["pred_true"] / pa if pa else None
+        out["prefetch_accuracy"] = (out["prefetch_used"] / out["prefetch_issued"]) if out["prefetch_issued"] else None
+        out["cache_lifetime"] = self.lifetime_sum / self.lifetime_n if self.lifetime_n else None
+        out["miss_outcomes"] = {
+            **{f"fetched_{p}": n for p, n in sorted(self.fetched_by_precision.items())},
+            "dropped": out["dropped"], "substituted": out["substituted"], "host_computed": out["host_computed"],
+        }
+        out["bytes_by_precision"] = dict(sorted(self.bytes_by_precision.items()))
         out["per_layer"] = {name: list(getattr(self, name)) for name in PER_LAYER}
         out["per_layer"]["hit_rate"] = [
             h / r if r else 0.0 for h, r in zip(self.hits, self.requests)
+        ]
+        out["per_layer"]["collision_rate"] = [
+            c / r if r else 0.0 for c, r in zip(self.collision_misses, self.requests)
         ]
         return out
 

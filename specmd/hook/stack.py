@@ -21,6 +21,7 @@ from ..cache.manager import CacheManager, Geometry, pool_capacities
 from ..clock import Roofline, SimClock, TransferChannel
 from ..hardware import HardwareConfig
 from ..models.adapters import Adapter
+from ..quant.base import ExpertStore, QuantMethod
 from .gate import GateRecord, Scoring
 
 
@@ -43,13 +44,15 @@ class SpecmdExperts(nn.Module):
 class ModelView:
     """What policies may know about the model: layer structure and later routers (no family names)."""
 
-    def __init__(self, routers: list[nn.Module], scoring: Scoring, num_experts: int, top_k: int, layer_ids):
+    def __init__(self, routers: list[nn.Module], scoring: Scoring, num_experts: int, top_k: int, layer_ids,
+                 store: Optional[ExpertStore] = None):
         self.routers = routers
         self.scoring = scoring
         self.num_layers = len(routers)
         self.num_experts = num_experts
         self.top_k = top_k
         self.layer_ids = list(layer_ids)
+        self.store = store  # stored precisions of the experts and their bytes
 
     def next_layer(self, layer: int) -> Optional[int]:
         return layer + 1 if layer + 1 < self.num_layers else None
@@ -100,7 +103,8 @@ def geometry(model: nn.Module, adapter: Adapter) -> tuple[Geometry, list[int]]:
 
 
 class PolicyStack:
-    def __init__(self, model, adapter: Adapter, routing, miss, make_eviction, prefetch, hardware: HardwareConfig):
+    def __init__(self, model, adapter: Adapter, routing, miss, make_eviction, prefetch, hardware: HardwareConfig,
+                 quant: Optional[QuantMethod] = None):
         self.model = model
         self.adapter = adapter
         self.routing = routing
@@ -112,17 +116,30 @@ class PolicyStack:
         self.scoring = Scoring(adapter.score == "sigmoid", adapter.renormalises(config), adapter.scale(config))
         layers = model.model.layers
         self.routers = [getattr(layers[i].mlp, adapter.router_attr) for i in self.moe_ids]
-        self.view = ModelView(self.routers, self.scoring, self.geom.num_experts, self.geom.top_k, self.moe_ids)
+        if quant is None:
+            from ..quant.none import NoQuant
+
+            quant = NoQuant()
+        tag = f"{getattr(config, '_name_or_path', '')}|{type(model).__name__}|{next(model.parameters()).dtype}"
+        self.store = quant.build([layers[i].mlp.experts for i in self.moe_ids], self.geom.num_experts, tag)
+        self.view = ModelView(self.routers, self.scoring, self.geom.num_experts, self.geom.top_k, self.moe_ids,
+                              self.store)
+        for policy in (routing, miss, prefetch):
+            policy.setup(self.view)
         channel = TransferChannel(hardware.bandwidth_gbps * 1e9, hardware.latency_us * 1e-6)
         roofline = Roofline(hardware.peak_tflops * 1e12, hardware.mem_bandwidth_gbps * 1e9)
         self.clock = SimClock(channel, roofline)
         caps = pool_capacities(self.geom, hardware.capacity, hardware.experts_per_layer, hardware.scope)
-        self.cache = CacheManager(self.geom, caps, make_eviction, miss, self.clock)
+        host = Roofline(hardware.host_tflops * 1e12, hardware.host_mem_bandwidth_gbps * 1e9)
+        g = self.geom
+
+        def host_time(slots: int, experts: int) -> float:
+            return host.time(2.0 * slots * g.expert_params, experts * g.expert_bytes)
+
+        self.cache = CacheManager(self.geom, caps, make_eviction, miss, self.clock, self.store, host_time)
         self.records: list[Optional[GateRecord]] = [None] * self.geom.num_layers
         self._handles = []
         self._originals = []
-        for policy in (routing, miss, prefetch):
-            policy.setup(self.view)
 
     # ---- install / remove ---------------------------------------------------------------------------
     def install(self) -> "PolicyStack":
@@ -192,31 +209,69 @@ class PolicyStack:
         cache = self.cache
         rec = self.records[layer]
         cache.dense(layer)
-        experts = torch.bincount(index.reshape(-1), minlength=self.geom.num_experts).nonzero().squeeze(1).tolist()
-        dropped = cache.serve(layer, experts, rec, cache)
+        counts = torch.bincount(index.reshape(-1), minlength=self.geom.num_experts)
+        experts = counts.nonzero().squeeze(1).tolist()
+        served = cache.serve(layer, experts, rec, cache)
         slots = index.numel()
         st = cache.stats
         st.slots_total += slots
-        if dropped is None and rec.index is rec.original:
+        n_run = len(experts)
+        if served is None and rec.index is rec.original:
             st.slots_unchanged += slots
-            n_run = len(experts)
         else:
             kept = (index.unsqueeze(-1) == rec.original.unsqueeze(-2)).any(-1)
-            n_run = len(experts)
-            if dropped:
-                mask = torch.isin(index, torch.tensor(dropped, dtype=index.dtype, device=index.device))
-                weights = weights.masked_fill(mask, 0)
-                kept &= ~mask
-                slots -= int(mask.sum())
-                n_run -= len(dropped)
+            if served is not None:
+                index, weights, kept, slots, n_run = self._apply_served(served, index, weights, kept, counts, n_run)
             st.slots_unchanged += int(kept.sum())
         for target, predicted in self.prefetch.predict(rec, self.view):
             cache.prefetch(target, predicted)
         cache.compute_experts(layer, slots, n_run)
-        out = mod.inner(hidden, index, weights)
+        if served is not None and served.precisions:
+            out = self._run_lossy(mod, served, hidden, index, weights)
+        else:
+            out = mod.inner(hidden, index, weights)
         cache.finish_layer()
         return out
 
+    def _apply_served(self, served, index, weights, kept, counts, n_run):
+        """Substitutions change the index, drops zero the weights (no renormalisation), host-computed
+        experts leave the device's compute; returns the new index/weights and the device's share."""
+        slots = index.numel()
+        for e, sub in served.substitutes.items():
+            hit = index == e
+            index = torch.where(hit, sub.to(index.device).unsqueeze(-1).expand_as(index), index)
+            kept &= ~hit
+        if served.substitutes:
+            counts = torch.bincount(index.reshape(-1), minlength=self.geom.num_experts)
+            n_run = int((counts > 0).sum())
+        if served.dropped:
+            mask = torch.isin(index, torch.tensor(served.dropped, dtype=index.dtype, device=index.device))
+            weights = weights.masked_fill(mask, 0)
+            kept &= ~mask
+            slots -= int(mask.sum())
+            n_run -= len(served.dropped)
+        if served.host:
+            slots -= int(sum(int(counts[e]) for e in served.host))
+            n_run -= len(served.host)
+        return index, weights, kept, slots, n_run
 
-def install(model, adapter: Adapter, routing, miss, make_eviction, prefetch, hardware: HardwareConfig) -> PolicyStack:
-    return PolicyStack(model, adapter, routing, miss, make_eviction, prefetch, hardware).install()
+    def _run_lossy(self, mod, served, hidden, index, weights):
+        """Run the layer with the listed experts' weights replaced by their stored low-precision copies
+        (dequantized HQQ weights: the real quantized expert computes), then restore the native ones."""
+        inner = mod.inner
+        saved = []
+        try:
+            for e, prec in served.precisions.items():
+                for name, w in self.store.weights(mod.layer, prec).items():
+                    p = getattr(inner, name)
+                    saved.append((p, e, p.data[e].clone()))
+                    p.data[e].copy_(w[e])
+            return inner(hidden, index, weights)
+        finally:
+            for p, e, old in reversed(saved):
+                p.data[e].copy_(old)
+
+
+def install(model, adapter: Adapter, routing, miss, make_eviction, prefetch, hardware: HardwareConfig,
+            quant: Optional[QuantMethod] = None) -> PolicyStack:
+    return PolicyStack(model, adapter, routing, miss, make_eviction, prefetch, hardware, quant).install()

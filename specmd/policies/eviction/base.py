@@ -7,7 +7,14 @@ MoE layer in ``per_layer``) and tells it about every insert, hit and removal. Ke
 manager excludes the experts the running layer uses and prefetches still in flight), or ``None``.
 
 Hooks with a default no-op: ``on_pass_start`` (a new forward pass), ``on_layer`` (execution reached a
-MoE layer). Oracle policies (Belady, trace replay) will get the future through ``on_pass_start``.
+MoE layer), ``on_admit`` (a missing key is about to be inserted, before room is made for it: adaptive
+policies such as ARC and LeCaR learn from their ghost lists here), ``on_scores`` (the mean router
+probability of every expert of the layer just routed; only called when ``wants_scores`` is true).
+``attach(cache)`` gives read access to the cache manager (``cache.entries[key].precision`` for LHU).
+
+Oracle policies (Belady, trace replay) will get the future the same way: a trace-replay driver calls
+``on_pass_start`` / ``on_layer`` with a cursor into the recorded trace, and ``victim`` reads the next use
+of each candidate from it; nothing in the manager needs to change.
 """
 
 from __future__ import annotations
@@ -32,9 +39,22 @@ class KeySpace:
 
 
 class EvictionPolicy(Policy):
+    wants_scores = False  # set True to receive on_scores(layer, probs) once per layer call
+
     def __init__(self, params: Any = None, keys: Optional[KeySpace] = None):
         super().__init__(params)
         self.keys = keys
+        self.cache = None
+        self.pool = None
+
+    def attach(self, cache: Any, pool: Any) -> None:
+        """Called once by the cache manager: ``pool.capacity`` is this instance's byte budget."""
+        self.cache = cache
+        self.pool = pool
+
+    def capacity_experts(self) -> int:
+        """The pool's capacity in experts at the stored (native) precision (ARC's and LeCaR's ``c``)."""
+        return max(1, self.pool.capacity // self.cache.geom.expert_bytes)
 
     def on_insert(self, key: int, prefetch: bool) -> None:
         raise NotImplementedError
@@ -53,6 +73,47 @@ class EvictionPolicy(Policy):
 
     def on_layer(self, layer: int) -> None:
         pass
+
+    def on_admit(self, key: int) -> None:
+        pass
+
+    def on_scores(self, layer: int, scores: Any) -> None:
+        pass
+
+
+class OrderedEviction(EvictionPolicy):
+    """Shared machinery of policies that keep their keys in one insertion-ordered dict and evict the
+    first evictable key of it (LRU, FIFO): subclasses decide what reorders it."""
+
+    def __init__(self, params=None, keys=None):
+        super().__init__(params, keys)
+        self._order: dict[int, None] = {}
+
+    def on_insert(self, key, prefetch):
+        self._order[key] = None
+
+    def on_access(self, key):
+        pass
+
+    def on_remove(self, key):
+        del self._order[key]
+
+    def victim(self, evictable):
+        for key in self._order:
+            if evictable(key):
+                return key
+        return None
+
+
+def argmin_key(candidates, evictable, rank):
+    """The evictable key with the smallest ``rank(key)`` (ties: the first in ``candidates`` order)."""
+    best, best_rank = None, None
+    for key in candidates:
+        if evictable(key):
+            r = rank(key)
+            if best is None or r < best_rank:
+                best, best_rank = key, r
+    return best
 
 
 EVICTION: Registry[EvictionPolicy] = Registry("eviction", "specmd.policies.eviction")

@@ -1,9 +1,20 @@
+from dataclasses import dataclass
+
 from .base import MISS, MissPolicy
 
 
 @MISS.register("fetch")
 class Fetch(MissPolicy):
-    """Blocking fetch of every miss at full (stored) precision: 100% fidelity, pays the transfer stall."""
+    """Blocking fetch of every miss at ``precision`` (default ``native``: the stored full precision, 100%
+    fidelity). ``precision=int4`` with ``quant=hqq`` is SpecMD's "all experts at 4 bit" setting."""
+
+    @dataclass
+    class Params:
+        precision: str = "native"
+
+    def setup(self, model):
+        model.store.check([self.params.precision], f"miss={self.name}")
+        self.fetch_precision = self.params.precision
 
     def handle(self, layer, missing, record, cache):
         return None

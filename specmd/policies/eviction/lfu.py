@@ -1,0 +1,43 @@
+from dataclasses import dataclass
+
+from .base import EVICTION, EvictionPolicy, argmin_key
+
+
+@EVICTION.register("lfu")
+class LFU(EvictionPolicy):
+    """Least frequently used (SpecMD App. B): evicts the resident expert with the fewest accesses over the
+    whole run. Counts persist after eviction ("entire inference history"; set ``history: false`` for
+    in-cache counts, which is what libCacheSim's LFU does). An insert counts as one access.
+    Ties: least recently used first."""
+
+    @dataclass
+    class Params:
+        history: bool = True
+
+    def __init__(self, params=None, keys=None):
+        super().__init__(params or self.Params(), keys)
+        self.count: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.resident: dict[int, None] = {}
+        self.clock = 0
+
+    def _touch(self, key):
+        self.clock += 1
+        self.count[key] = self.count.get(key, 0) + 1
+        self.last[key] = self.clock
+
+    def on_insert(self, key, prefetch):
+        self.resident[key] = None
+        self._touch(key)
+
+    def on_access(self, key):
+        self._touch(key)
+
+    def on_remove(self, key):
+        del self.resident[key]
+        if not self.params.history:
+            del self.count[key]
+
+    def victim(self, evictable):
+        count, last = self.count, self.last
+        return argmin_key(self.resident, evictable, lambda k: (count[k], last[k]))

@@ -1,0 +1,100 @@
+"""Expert copies quantized with HQQ (Badri & Shaji 2023, half-quadratic quantization; data-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import BITS, CAST, NATIVE, QUANT, ExpertStore, QuantMethod, cache_dir, expert_params, model_fingerprint
+
+INT = ("int8", "int4", "int3", "int2")
+
+
+@QUANT.register("hqq")
+class HQQ(QuantMethod):
+    """Every expert is stored at ``native`` plus each of ``precisions`` (any of bf16, fp16, int8, int4,
+    int3, int2). Integer copies come from ``hqq`` (asymmetric, ``group_size`` weights per scale/zero
+    along the input axis, half-quadratic optimisation); bytes per expert count the bit-packed weights
+    plus one fp16 scale and zero per group, biases stay native. One HQQ call quantizes a whole fused
+    [E, out, in] tensor as (E*out) rows (groups never span rows, so this equals per-expert quantization
+    up to HQQ's shared early-stopping test). Copies are cached on disk (``$SPECMD_CACHE`` or
+    ``~/.cache/specmd``/quant) keyed by a fingerprint of the weights and the settings, so sweeps never
+    re-quantize.
+
+    Why HQQ: it needs no calibration data, supports int2/int3 (quanto has no int3; bitsandbytes no
+    int2), and runs on the CPU here; dequantized weights run in the family's own fused kernel, so the
+    lossy output is the real quantized weights' output."""
+
+    @dataclass
+    class Params:
+        precisions: list = field(default_factory=lambda: ["int8", "int4", "int2"])
+        group_size: int = 64
+        optimize: bool = True
+
+        def __post_init__(self):
+            self.precisions = [str(p) for p in self.precisions]
+            for p in self.precisions:
+                if p not in BITS or p == "fp32":
+                    raise ValueError(f"precision {p!r}; valid choices: bf16, fp16, {', '.join(INT)}")
+            if self.group_size < 1:
+                raise ValueError(f"group_size={self.group_size} must be >= 1")
+
+    def build(self, experts, num_experts, tag):
+        native_dtype = next(experts[0].parameters()).dtype
+        native_bits = torch.finfo(native_dtype).bits
+        expert_bytes = sum(p.numel() * p.element_size() for p in experts[0].parameters()) // num_experts
+        other_bytes = expert_bytes - sum(p[0].numel() * p.element_size() for _, p in expert_params(experts[0], num_experts))
+        fp = model_fingerprint(experts, num_experts, tag)
+        packed: dict[str, list] = {}
+        bytes_of = {}
+        for prec in self.params.precisions:
+            if prec in CAST:
+                bytes_of[prec] = other_bytes + sum(p[0].numel() for _, p in expert_params(experts[0], num_experts)) * 2
+                continue
+            layers = self._load_or_quantize(experts, num_experts, prec, fp)
+            packed[prec] = layers
+            per = sum(wq.numel() + 2 * (meta["scale"].numel() + meta["zero"].numel())
+                      for wq, meta in layers[0].values())
+            bytes_of[prec] = other_bytes + per // num_experts
+
+        def load(layer, prec):
+            mod = experts[layer]
+            if prec == NATIVE:
+                return {n: p.detach() for n, p in expert_params(mod, num_experts)}
+            if prec in CAST:
+                return {n: p.detach().to(CAST[prec]).to(native_dtype) for n, p in expert_params(mod, num_experts)}
+            from hqq.core.quantize import Quantizer
+
+            out = {}
+            for n, p in expert_params(mod, num_experts):
+                wq, meta = packed[prec][layer][n]
+                meta = dict(meta)
+                w = Quantizer.dequantize(wq.to(p.device), {k: v.to(p.device) if torch.is_tensor(v) else v
+                                                           for k, v in meta.items()})
+                out[n] = w.reshape(p.shape).to(native_dtype)
+            return out
+
+        return ExpertStore(native_bits, expert_bytes, bytes_of, load)
+
+    def _load_or_quantize(self, experts, num_experts, prec, fp):
+        path = cache_dir() / f"{fp}-hqq-{prec}-g{self.params.group_size}-o{int(self.params.optimize)}.pt"
+        if path.exists():
+            return torch.load(path, weights_only=False)
+        from hqq.core.quantize import Quantizer
+
+        layers = []
+        for mod in experts:
+            entry = {}
+            for n, p in expert_params(mod, num_experts):
+                w = p.detach().float().reshape(-1, p.shape[-1])
+                group = self.params.group_size if p.shape[-1] % self.params.group_size == 0 else None
+                wq, meta = Quantizer.quantize(w, nbits=BITS[prec], group_size=group, optimize=self.params.optimize,
+                                              axis=1, bitpack=True, compute_dtype=torch.float32, device=str(w.device))
+                entry[n] = (wq.cpu(), {k: v.cpu() if torch.is_tensor(v) else v for k, v in meta.items()})
+            layers.append(entry)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(layers, tmp)
+        tmp.replace(path)
+        return layers
