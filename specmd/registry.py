@@ -74,9 +74,11 @@ def build_params(schema: type | None, values: dict, where: str) -> Any:
             raise ConfigError(f"{where} takes no parameters, got {sorted(values)}")
         return None
     fields = {f.name: f for f in dataclasses.fields(schema)}
+    # Python keywords (the paper's ``lambda``) are spelled with a trailing underscore in the dataclass.
+    values = {(k + "_" if k not in fields and k + "_" in fields else k): v for k, v in values.items()}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ConfigError(f"{where}: unknown parameter(s) {unknown}; valid: {sorted(fields)}")
+        raise ConfigError(f"{where}: unknown parameter(s) {unknown}; valid: {sorted(f.rstrip('_') for f in fields)}")
     kwargs = {}
     for key, val in values.items():
         want = fields[key].type

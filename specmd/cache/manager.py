@@ -233,6 +233,12 @@ class CacheManager:
         if missing is not None:
             actions = self.miss.handle(layer, missing, record, cache_view)
             store = self.store
+            if actions is not None:
+                for e, act in zip(missing, actions):
+                    if act.kind == SUBSTITUTE:  # substitutes run in this call: never evict them for a fetch
+                        for s in act.substitute.unique().tolist():
+                            if s != e:
+                                pinned.add(base + s)
             host_slots = 0
             for i, e in enumerate(missing):
                 key = base + e
@@ -356,6 +362,12 @@ class CacheManager:
             self.stats.prefetch_wasted[ent.layer] += 1
 
     # ---- views and checks ---------------------------------------------------------------------------
+    def present(self, layer: int) -> list[int]:
+        """Experts of ``layer`` in the cache, arrived or still in flight (what cache-aware routing sees)."""
+        base = layer * self.geom.num_experts
+        entries = self.entries
+        return [e for e in range(self.geom.num_experts) if base + e in entries]
+
     def resident(self, layer: int) -> list[int]:
         """Experts of ``layer`` whose bytes are on the device now (cache-aware routing reads this)."""
         base = layer * self.geom.num_experts

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 PER_LAYER = (
     "requests",
+    "requests_router",  # distinct experts the router itself selected (before routing/pruning policies)
     "hits",
     "misses",
     "collision_misses",
@@ -68,6 +69,8 @@ class CacheStats:
         req = out["requests"]
         out["hit_rate"] = out["hits"] / req if req else 0.0
         out["peak_bytes"] = self.peak_bytes
+        rr = out["requests_router"]
+        out["miss_rate_vs_router"] = out["misses"] / rr if rr else 0.0  # Cache-Conditional Experts' normalisation
         out["collision_rate"] = out["collision_misses"] / req if req else 0.0
         pp, pa = out["pred_predicted"], out["pred_actual"]
         out["prefetch_precision"] = out["pred_true"] / pp if pp else None

@@ -198,7 +198,7 @@ class PolicyStack:
             if new_index is None:
                 return None
             rec.index = new_index
-            rec.weights = rec.reweigh(new_index)
+            rec.weights = routing.weigh(rec, new_index).to(weights.dtype)
             return logits, rec.weights, new_index
 
         return hook
@@ -218,7 +218,9 @@ class PolicyStack:
         n_run = len(experts)
         if served is None and rec.index is rec.original:
             st.slots_unchanged += slots
+            st.requests_router[layer] += n_run
         else:
+            st.requests_router[layer] += int(torch.bincount(rec.original.reshape(-1)).count_nonzero())
             kept = (index.unsqueeze(-1) == rec.original.unsqueeze(-2)).any(-1)
             if served is not None:
                 index, weights, kept, slots, n_run = self._apply_served(served, index, weights, kept, counts, n_run)

@@ -42,3 +42,63 @@ class MissPolicy(Policy):
 
 
 MISS: Registry[MissPolicy] = Registry("miss", "specmd.policies.miss")
+
+
+def expert_scores(record: Any, experts: list[int]):
+    """Importance of each listed expert in this layer call: its highest router probability over the
+    tokens that selected it (0 if none did). Returns a float tensor [len(experts)]."""
+    import torch
+
+    probs = record.probs
+    idx = torch.tensor(experts, dtype=torch.long, device=probs.device)
+    selected = (record.index.unsqueeze(-1) == idx).any(1)  # [T, n]
+    return torch.where(selected, probs[:, idx], torch.zeros((), device=probs.device)).amax(0).float().cpu()
+
+
+def best_ranks(record: Any, experts: list[int]) -> list[int]:
+    """Each listed expert's best (lowest, 0-based) rank among the tokens that selected it, ranks being
+    positions in the token's selection by descending probability (k if no token selected it)."""
+    import torch
+
+    probs = record.probs
+    w = probs.gather(-1, record.index)
+    order = torch.argsort(-w, dim=-1, stable=True)
+    ranked = record.index.gather(-1, order)  # [T, k] by descending probability
+    k = ranked.shape[-1]
+    out = []
+    for e in experts:
+        pos = (ranked == e).nonzero()
+        out.append(int(pos[:, 1].min()) if len(pos) else k)
+    return out
+
+
+def parse_cascade(spec: str) -> list[str]:
+    """``"int8:4:2"`` -> ``["int8", "int4", "int2"]`` (a bare number repeats the previous prefix)."""
+    out, prefix = [], "int"
+    for part in str(spec).split(":"):
+        part = part.strip()
+        if not part:
+            raise ValueError(f"empty precision in {spec!r}")
+        if part[0].isdigit():
+            out.append(f"{prefix}{part}")
+        else:
+            out.append(part)
+            prefix = part.rstrip("0123456789") or "int"
+    return out
+
+
+def percentile_bands(scores, percentile: float, bands: int) -> list[int]:
+    """Band of each score: 0 for scores at or above the ``percentile``-th percentile of ``scores``, then
+    ``1..bands`` splitting the scores below it evenly by rank (highest first)."""
+    import torch
+
+    n = len(scores)
+    if n == 0:
+        return []
+    threshold = torch.quantile(scores, percentile / 100.0) if n > 1 else scores[0]
+    out = [0] * n
+    below = [i for i in range(n) if scores[i] < threshold]
+    below.sort(key=lambda i: -float(scores[i]))
+    for r, i in enumerate(below):
+        out[i] = 1 + (r * bands) // len(below)
+    return out

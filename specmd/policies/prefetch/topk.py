@@ -1,9 +1,7 @@
 import math
 from dataclasses import dataclass
 
-import torch
-
-from .base import PREFETCH, PrefetchPolicy
+from .base import PREFETCH, PrefetchPolicy, topk_prediction
 
 
 @PREFETCH.register("topk")
@@ -32,16 +30,4 @@ class TopK(PrefetchPolicy):
         target = model.next_layer(record.layer)
         if target is None:
             return []
-        probs, index = model.router_predict(target, record.hidden)  # [T, E], [T, k]
-        if self.count == index.shape[-1]:
-            values = probs.gather(-1, index)
-        else:
-            values, index = probs.topk(self.count, dim=-1)
-        if probs.shape[0] == 1:  # decode: one token
-            order = torch.argsort(-values[0], stable=True)
-            return [(target, index[0, order].tolist())]
-        best = torch.full((probs.shape[-1],), -1.0, dtype=probs.dtype, device=probs.device)
-        best.scatter_reduce_(0, index.reshape(-1), values.reshape(-1), reduce="amax")
-        chosen = (best >= 0).nonzero().squeeze(-1)
-        order = torch.argsort(-best[chosen], stable=True)
-        return [(target, chosen[order].tolist())]
+        return [(target, topk_prediction(model, target, record.hidden, self.count))]

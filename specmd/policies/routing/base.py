@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ...registry import Registry
 from ..base import Policy
 
@@ -18,6 +20,34 @@ from ..base import Policy
 class RoutingPolicy(Policy):
     def apply(self, record: Any, cache: Any):  # -> torch.Tensor | None
         raise NotImplementedError
+
+    def weigh(self, record: Any, index: torch.Tensor) -> torch.Tensor:
+        """Weights of a modified selection: the original probabilities, the family's way (dual-logit)."""
+        return record.scoring.weigh(record.probs, index)
+
+
+def cache_mask(record: Any, cache: Any) -> torch.Tensor:
+    """``[E]`` bool: experts of the record's layer that are in the cache (arrived or on their way)."""
+    mask = torch.zeros(record.logits.shape[-1], dtype=torch.bool, device=record.logits.device)
+    resident = cache.present(record.layer)
+    if resident:
+        mask[resident] = True
+    return mask
+
+
+def promote_select(ranking: torch.Tensor, cached: torch.Tensor, max_rank: torch.Tensor, top_j: int, k: int):
+    """Cache-Conditional Experts' promote() (Algorithms 1 and 2) for every token at once:
+    ``r' = promote(r[:J]; promote(r[:M] ∩ C; r))`` and the new selection is ``r'[:k]``.
+
+    ``ranking`` [T, E]: experts by descending router probability; ``cached`` [E] bool; ``max_rank`` [T]
+    (M per token). Each expert gets the key (group, rank) with group 0 = top-J, 1 = in the top-M and
+    cached, 2 = the rest; sorting by it is exactly the two promotions (order kept within groups)."""
+    num = ranking.shape[-1]
+    rank = torch.arange(num, device=ranking.device).expand_as(ranking)
+    in_cache = cached[ranking]
+    group = torch.where(rank < top_j, 0, torch.where(in_cache & (rank < max_rank.unsqueeze(-1)), 1, 2))
+    order = torch.argsort(group * num + rank, dim=-1)
+    return ranking.gather(-1, order[:, :k])
 
 
 ROUTING: Registry[RoutingPolicy] = Registry("routing", "specmd.policies.routing")

@@ -1,0 +1,31 @@
+from .base import HOST, MISS, MissAction, MissPolicy, expert_scores
+
+
+@MISS.register("cpu_compute")
+class CPUCompute(MissPolicy):
+    """CPU-assisted computing (Zhu et al. 2025, Algorithm 2; Fiddler-style): the misses of a layer call,
+    sorted by gate score (highest first), are split with a two-pointer sweep between transfers to the device
+    (from the front: high-score experts are loaded, they are more likely to be reused) and computation on
+    the host (from the back), always extending whichever side has the smaller accumulated time, so that
+    ``max(T_load, T_cpu)`` is minimised. ``C_load`` is one expert's transfer time on the emulated link;
+    ``C_cpu`` the host roofline time of that expert for its tokens (hardware ``host_tflops``,
+    ``host_mem_bandwidth_gbps``). Host-computed experts run at full precision (exact output) and are not
+    inserted into the cache; their time overlaps the layer's transfers."""
+
+    def handle(self, layer, missing, record, cache):
+        scores = expert_scores(record, missing)
+        order = sorted(range(len(missing)), key=lambda i: (-float(scores[i]), missing[i]))
+        c_load = cache.clock.channel.duration(cache.store.bytes_of[self.fetch_precision])
+        counts = [int((record.index == missing[i]).sum()) for i in order]
+        t_load = t_cpu = 0.0
+        lo, hi = 0, len(order) - 1
+        host = set()
+        while lo <= hi:
+            if t_load <= t_cpu:
+                t_load += c_load
+                lo += 1
+            else:
+                t_cpu += cache.host_time(counts[hi], 1)
+                host.add(order[hi])
+                hi -= 1
+        return [MissAction(HOST) if i in host else MissAction("fetch") for i in range(len(missing))]

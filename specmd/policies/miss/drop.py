@@ -1,0 +1,24 @@
+from dataclasses import dataclass
+
+from .base import DROP, MISS, MissAction, MissPolicy, best_ranks
+
+
+@MISS.register("drop")
+class Drop(MissPolicy):
+    """Drop low-ranked misses (Skliar et al. 2025; SpecMD §3.1.2): a missing expert is fetched if some token
+    ranks it among its top ``J`` (0-based rank < J), otherwise it does not run for this call (its weight is
+    zeroed, the others are not renormalised). ``J = 0`` drops every miss."""
+
+    @dataclass
+    class Params:
+        J: int = 2
+
+        def __post_init__(self):
+            if self.J < 0:
+                raise ValueError(f"J={self.J} must be >= 0")
+
+    def handle(self, layer, missing, record, cache):
+        ranks = best_ranks(record, missing)
+        fetch = MissAction("fetch")
+        drop = MissAction(DROP)
+        return [fetch if r < self.params.J else drop for r in ranks]

@@ -1,0 +1,37 @@
+import math
+from dataclasses import dataclass
+
+from .base import PREFETCH, PrefetchPolicy, topk_prediction
+
+
+@PREFETCH.register("lookahead")
+class Lookahead(PrefetchPolicy):
+    """Multi-layer lookahead (HOBBIT, Tang et al. 2024): gating inputs of adjacent layers are similar, so
+    the routers of layers l+1 ... l+``depth`` are all applied to layer l's router input and each token's top
+    ``ceil(k * overfetch)`` experts of each are prefetched, nearer layers first (the channel is FIFO, so
+    layer l+1's predictions arrive first). A layer predicted from several earlier layers is requested again
+    each time; experts already resident or in flight are not re-fetched."""
+
+    @dataclass
+    class Params:
+        depth: int = 2
+        overfetch: float = 1.0
+
+        def __post_init__(self):
+            if self.depth < 1:
+                raise ValueError(f"depth={self.depth} must be >= 1")
+            if self.overfetch <= 0:
+                raise ValueError(f"overfetch={self.overfetch} must be > 0")
+
+    def setup(self, model):
+        self.count = min(model.num_experts, max(1, math.ceil(model.top_k * self.params.overfetch - 1e-9)))
+        self.num_layers = model.num_layers
+
+    def predict(self, record, model):
+        out = []
+        for d in range(1, self.params.depth + 1):
+            target = record.layer + d
+            if target >= self.num_layers:
+                break
+            out.append((target, topk_prediction(model, target, record.hidden, self.count)))
+        return out

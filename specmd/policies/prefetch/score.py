@@ -1,0 +1,51 @@
+from dataclasses import dataclass
+
+import torch
+
+from .base import PREFETCH, PrefetchPolicy, union_by_score
+
+
+@PREFETCH.register("score")
+class Score(PrefetchPolicy):
+    """Score-based prefetch (Zhu et al. 2025; SpecMD §3.1.4): the next layer's router is applied to the
+    current router input and every expert whose predicted probability is at or above the ``percentile``-th
+    percentile is prefetched, so the count adapts to the score distribution instead of a fixed top-k.
+
+    Choice (the papers do not pin it down): the percentile is taken over a window of the target layer's
+    recent predicted scores (all experts of the last ``window`` predictions, the current one included), so
+    a confident prediction (a few high scores) prefetches few experts, a flat one prefetches fewer still,
+    and a layer's threshold adapts to how peaked its router is. With a window of one token the count is a
+    fixed (100 - percentile)% of the experts."""
+
+    @dataclass
+    class Params:
+        percentile: float = 80.0
+        window: int = 64
+
+        def __post_init__(self):
+            if not 0.0 <= self.percentile < 100.0:
+                raise ValueError(f"percentile={self.percentile} must be in [0, 100)")
+            if self.window < 1:
+                raise ValueError(f"window={self.window} must be >= 1")
+
+    def setup(self, model):
+        self.history = [None] * model.num_layers
+
+    def predict(self, record, model):
+        target = model.next_layer(record.layer)
+        if target is None:
+            return []
+        probs, _ = model.router_predict(target, record.hidden)
+        hist = self.history[target]
+        hist = probs if hist is None else torch.cat([hist, probs])[-self.params.window:]
+        self.history[target] = hist
+        threshold = torch.quantile(hist.reshape(-1).float(), self.params.percentile / 100.0)
+        above = probs >= threshold
+        if not bool(above.any()):
+            return [(target, [])]
+        tokens, experts = above.nonzero(as_tuple=True)
+        index = experts.view(1, -1)
+        values = probs[tokens, experts].view(1, -1)
+        if probs.shape[0] == 1:
+            return [(target, union_by_score(probs, index, values))]
+        return [(target, union_by_score(probs, experts.view(-1, 1), values.view(-1, 1)))]

@@ -1,0 +1,30 @@
+from dataclasses import dataclass
+
+import torch
+
+from .base import ROUTING, RoutingPolicy, cache_mask, promote_select
+
+
+@ROUTING.register("cumsum")
+class Cumsum(RoutingPolicy):
+    """Cumulative-sum threshold (Cache-Conditional Experts, Algorithm 2): per token, ``M`` is the number of
+    top-ranked experts whose router probabilities first reach ``p`` (``M = 0`` for ``p = 0``), then Max-Rank
+    with that ``M`` and top-``J`` kept. Probabilities are the family's (softmax, or sigmoid scores)."""
+
+    @dataclass
+    class Params:
+        p: float = 0.5
+        J: int = 1
+
+        def __post_init__(self):
+            if not 0.0 <= self.p <= 1.0:
+                raise ValueError(f"p={self.p} must be in [0, 1]")
+
+    def apply(self, record, cache):
+        probs = record.probs
+        sorted_p, ranking = torch.sort(probs, dim=-1, descending=True, stable=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # p_cum before adding the M-th expert
+        m = (before < self.params.p).sum(-1)
+        if self.params.p <= 0:
+            m = torch.zeros_like(m)
+        return promote_select(ranking, cache_mask(record, cache), m, self.params.J, record.top_k)

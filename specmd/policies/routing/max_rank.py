@@ -1,0 +1,26 @@
+from dataclasses import dataclass
+
+import torch
+
+from .base import ROUTING, RoutingPolicy, cache_mask, promote_select
+
+
+@ROUTING.register("max_rank")
+class MaxRank(RoutingPolicy):
+    """Max-Rank (Cache-Conditional Experts, Algorithm 1): cached experts within the router's top ``M`` are
+    promoted ahead of uncached ones, the router's top ``J`` always stay first; the new top-k runs, weighted
+    by the original probabilities. ``M <= k`` leaves the selection unchanged (up to order)."""
+
+    @dataclass
+    class Params:
+        M: int = 16
+        J: int = 1
+
+        def __post_init__(self):
+            if self.M < 0 or self.J < 0:
+                raise ValueError(f"M={self.M} and J={self.J} must be >= 0")
+
+    def apply(self, record, cache):
+        ranking = torch.argsort(record.logits, dim=-1, descending=True, stable=True)
+        m = torch.full((ranking.shape[0],), self.params.M, device=ranking.device)
+        return promote_select(ranking, cache_mask(record, cache), m, self.params.J, record.top_k)

@@ -1,0 +1,37 @@
+from dataclasses import dataclass
+
+from .base import ROUTING, RoutingPolicy
+
+
+@ROUTING.register("prune")
+class Prune(RoutingPolicy):
+    """Pruning baseline (Cache-Conditional Experts §4.1): experts the router ranks ``>= h`` (0-based) are not
+    run; the kept ``h`` keep their probabilities, renormalised over the kept set exactly when the family
+    renormalises its top-k (Mixtral, Qwen3: yes; OLMoE: no). ``h = k`` is the router's own choice. Pruned
+    slots point at the token's top-1 expert with weight 0 (no request, no contribution), so every family's
+    fused kernel sees its usual ``[T, k]`` shape; results.json's ``miss_rate_vs_router`` normalises misses by
+    the router's own (unpruned) requests, the paper's "normalised by k"."""
+
+    @dataclass
+    class Params:
+        h: int = 2
+
+        def __post_init__(self):
+            if self.h < 1:
+                raise ValueError(f"h={self.h} must be >= 1")
+
+    def apply(self, record, cache):
+        k = record.top_k
+        h = self.params.h
+        if h >= k:
+            return None
+        index = record.original.clone()
+        index[:, h:] = index[:, :1]
+        return index
+
+    def weigh(self, record, index):
+        k, h = record.top_k, self.params.h
+        w = record.scoring.weigh(record.probs, record.original[:, :h])
+        out = w.new_zeros(index.shape)
+        out[:, :h] = w
+        return out
