@@ -12,14 +12,15 @@ def _first(keys, evictable):
 class ARC(EvictionPolicy):
     """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003). T1 holds keys seen once recently, T2 keys
     seen at least twice; ghost lists B1/B2 remember recent evictions from each; the target size ``p`` of T1
-    grows on a B1 ghost hit and shrinks on a B2 ghost hit. ``c`` is the pool's capacity in experts at the
-    model's stored precision.
+    grows on a B1 ghost hit (by max(|B2|/|B1|, 1)) and shrinks on a B2 ghost hit. ``c`` is the pool's
+    capacity in experts at the stored precision.
 
-    Mapping onto the cache manager: the ghost-hit adaptation happens in ``on_admit`` (before room is made,
-    as in ARC's REPLACE); ``victim`` is REPLACE (LRU of T1 if |T1| > p, or |T1| = p and the key being
-    admitted was in B2, else LRU of T2), falling back to the other list when pinned experts make the chosen
-    list unevictable; ghost lists are trimmed to |T1|+|B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c. A prefetch is
-    admitted like a miss. Hit counts equal libCacheSim's ARC on flat traces (tests/test_eviction.py)."""
+    Mapping onto the cache manager: ``on_admit`` classifies the incoming key (ghost hit: adapt ``p``; else
+    the paper's case IV) before room is made; ``victim`` performs the case's ghost bookkeeping and REPLACE
+    (LRU of T1 if T1 is non-empty and |T1| > p, or |T1| = p and the key was in B2, or T2 is empty; else
+    LRU of T2). Case IV(a) with B1 empty evicts T1's LRU without a ghost. Pinned experts (the running
+    layer's, in-flight prefetches) are skipped within the chosen list, falling back to the other list. A
+    prefetch is admitted like a miss. Hit counts equal libCacheSim's ARC on flat traces (tests)."""
 
     def __init__(self, params=None, keys=None):
         super().__init__(params, keys)
@@ -28,9 +29,10 @@ class ARC(EvictionPolicy):
         self.b1: dict[int, None] = {}
         self.b2: dict[int, None] = {}
         self.p = 0.0
-        self.c = 0
-        self._admit_to_t2 = False
-        self._admit_in_b2 = False
+        self.c = 1
+        self._ghost_hit = False  # the key being admitted was in B1 or B2
+        self._in_b2 = False
+        self._no_ghost = None  # victim chosen by case IV(a) with B1 empty: no ghost entry
 
     def attach(self, cache, pool):
         super().attach(cache, pool)
@@ -38,22 +40,19 @@ class ARC(EvictionPolicy):
 
     def on_admit(self, key):
         b1, b2 = self.b1, self.b2
-        self._admit_to_t2 = False
-        self._admit_in_b2 = False
+        self._ghost_hit = self._in_b2 = False
         if key in b1:
             self.p = min(float(self.c), self.p + max(len(b2) / len(b1), 1.0))
             del b1[key]
-            self._admit_to_t2 = True
+            self._ghost_hit = True
         elif key in b2:
             self.p = max(0.0, self.p - max(len(b1) / len(b2), 1.0))
             del b2[key]
-            self._admit_to_t2 = True
-            self._admit_in_b2 = True
+            self._ghost_hit = self._in_b2 = True
 
     def on_insert(self, key, prefetch):
-        (self.t2 if self._admit_to_t2 else self.t1)[key] = None
-        self._admit_to_t2 = self._admit_in_b2 = False
-        self._trim()
+        (self.t2 if self._ghost_hit else self.t1)[key] = None
+        self._ghost_hit = self._in_b2 = False
 
     def on_access(self, key):
         if key in self.t1:
@@ -63,26 +62,38 @@ class ARC(EvictionPolicy):
         self.t2[key] = None
 
     def on_remove(self, key):
-        if key in self.t1:
+        if key == self._no_ghost:
+            self._no_ghost = None
+            del self.t1[key]
+        elif key in self.t1:
             del self.t1[key]
             self.b1[key] = None
         else:
             del self.t2[key]
             self.b2[key] = None
-        self._trim()
 
-    def _trim(self):
-        c, t1, t2, b1, b2 = self.c, self.t1, self.t2, self.b1, self.b2
-        while b1 and len(t1) + len(b1) > c:
-            del b1[next(iter(b1))]
-        while b2 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
-            del b2[next(iter(b2))]
-
-    def victim(self, evictable):
+    def _replace(self, evictable):
         n1 = len(self.t1)
-        if n1 and (n1 > self.p or (self._admit_in_b2 and n1 == int(self.p))):
+        if (n1 and (n1 > self.p or (n1 == self.p and self._in_b2))) or not self.t2:
             first, second = self.t1, self.t2
         else:
             first, second = self.t2, self.t1
         key = _first(first, evictable)
         return key if key is not None else _first(second, evictable)
+
+    def victim(self, evictable):
+        if self._ghost_hit:
+            return self._replace(evictable)
+        t1, t2, b1, b2, c = self.t1, self.t2, self.b1, self.b2, self.c
+        if len(t1) + len(b1) + 1 > c:  # case IV(a): L1 = T1 ∪ B1 is full
+            if b1:
+                del b1[next(iter(b1))]
+                return self._replace(evictable)
+            key = _first(t1, evictable)
+            if key is not None:
+                self._no_ghost = key
+                return key
+            return _first(t2, evictable)
+        if len(t1) + len(t2) + len(b1) + len(b2) >= 2 * c and b2:  # case IV(b)
+            del b2[next(iter(b2))]
+        return self._replace(evictable)
