@@ -1,0 +1,274 @@
+"""Hand-worked examples for routing, miss and prefetch policies (from the papers' definitions) and the
+quantized expert store."""
+
+import math
+
+import pytest
+import torch
+
+from specmd.hook.gate import GateRecord, Scoring
+from specmd.policies.miss import MISS
+from specmd.policies.prefetch import PREFETCH
+from specmd.policies.routing import ROUTING
+from specmd.policies.routing.base import promote_select
+
+SOFTMAX = Scoring(False, False, 1.0)
+
+
+class FakeCache:
+    """What routing/miss policies read from the cache manager."""
+
+    def __init__(self, present=(), resident=None, host=1.0, transfer=1.0):
+        self._present = list(present)
+        self._resident = list(present if resident is None else resident)
+        self.host_time = lambda slots, experts: host * slots
+        self.fetch_transfer = transfer
+        self.clock = type("C", (), {"channel": type("Ch", (), {"duration": staticmethod(lambda n: transfer)})()})()
+        self.store = type("S", (), {"bytes_of": {"native": 1}})()
+
+    def present(self, layer):
+        return self._present
+
+    def resident(self, layer):
+        return self._resident
+
+
+def record(probs, k, layer=0, index=None):
+    probs = torch.tensor(probs, dtype=torch.float32)
+    logits = probs.log()
+    if index is None:
+        index = probs.topk(k, dim=-1).indices
+    return GateRecord(layer, None, logits, SOFTMAX.weigh(probs, index), index, SOFTMAX)
+
+
+def test_promote_matches_paper_appendix_b():
+    # r = [E1..E6], C = {E3, E4, E6}, M = 4, K = 2, J = 1 -> [E1, E3, E4, E2, E5, E6] -> selects E1, E3
+    ranking = torch.tensor([[0, 1, 2, 3, 4, 5]])
+    cached = torch.tensor([False, False, True, True, False, True])
+    out = promote_select(ranking, cached, torch.tensor([4]), 1, 2)
+    assert out.tolist() == [[0, 2]]
+    assert promote_select(ranking, cached, torch.tensor([4]), 1, 4).tolist() == [[0, 2, 3, 1]]
+    # M = 2: only E1, E2 may be promoted, neither is cached -> the router's own choice
+    assert promote_select(ranking, cached, torch.tensor([2]), 1, 2).tolist() == [[0, 1]]
+
+
+def test_max_rank_policy():
+    pol = ROUTING.build({"name": "max_rank", "M": 4, "J": 1})
+    rec = record([[0.30, 0.25, 0.2, 0.15, 0.06, 0.04]], 2)
+    assert pol.apply(rec, FakeCache([2, 3, 5])).tolist() == [[0, 2]]
+
+
+def test_cumsum_threshold_sets_m():
+    # probabilities .4 .3 .2 .1: p = 0.6 needs 2 experts (0.4 < 0.6, 0.7 >= 0.6) -> M = 2, only E0/E1 eligible
+    rec = record([[0.4, 0.3, 0.2, 0.1]], 2)
+    cache = FakeCache([2, 3])
+    assert ROUTING.build({"name": "cumsum", "p": 0.6, "J": 1}).apply(rec, cache).tolist() == [[0, 1]]
+    # p = 0.8 -> M = 3: E2 (cached) is promoted over E1
+    assert ROUTING.build({"name": "cumsum", "p": 0.8, "J": 1}).apply(rec, cache).tolist() == [[0, 2]]
+    # p = 0 -> M = 0: nothing promoted
+    assert ROUTING.build({"name": "cumsum", "p": 0.0, "J": 0}).apply(rec, cache).tolist() == [[0, 1]]
+
+
+def test_cache_prior_equation_9():
+    # z = [3, 2, 1, 0] (as log-probabilities up to a constant), k = 2, cached {3}, J = 1:
+    # Delta_avg = 3; lambda = 0.5 -> z' = [4.5, 2, 1, 1.5] -> {0, 1}; lambda = 1 -> [6, 2, 1, 3] -> {0, 3}
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    rec = GateRecord(0, None, logits, None, torch.tensor([[0, 1]]), SOFTMAX)
+
+    class View:
+        num_layers = 1
+
+    for lam, expect in ((0.5, [0, 1]), (1.0, [0, 3])):
+        pol = ROUTING.build({"name": "cache_prior", "lambda": lam, "J": 1})
+        pol.setup(View())
+        assert sorted(pol.apply(rec, FakeCache([3])).tolist()[0]) == expect
+    pol = ROUTING.build({"name": "cache_prior", "lambda": 0.0, "J": 1})
+    pol.setup(View())
+    assert pol.apply(rec, FakeCache([3])) is None
+
+
+def test_prune_keeps_top_h_with_family_weights():
+    probs = [[0.4, 0.3, 0.2, 0.1]]
+    pol = ROUTING.build({"name": "prune", "h": 1})
+    rec = record(probs, 2)
+    index = pol.apply(rec, FakeCache())
+    assert index.tolist() == [[0, 0]]  # pruned slot points at the top-1 expert...
+    w = pol.weigh(rec, index)
+    assert w.tolist()[0] == pytest.approx([0.4, 0.0])  # ...with weight 0 (OLMoE-style: no renormalisation)
+    rec.scoring = Scoring(False, True, 1.0)  # Mixtral-style renormalisation over the kept set
+    assert pol.weigh(rec, index).tolist()[0] == pytest.approx([1.0, 0.0])
+
+
+def test_drop_keeps_top_j_misses():
+    # one token, selection by probability: E0 (rank 0), E1 (rank 1), E2 (rank 2); J = 2
+    rec = record([[0.4, 0.3, 0.2, 0.1]], 3)
+    acts = MISS.build({"name": "drop", "J": 2}).handle(0, [0, 1, 2], rec, FakeCache())
+    assert [a.kind for a in acts] == ["fetch", "fetch", "drop"]
+    acts = MISS.build({"name": "drop", "J": 0}).handle(0, [0], rec, FakeCache())
+    assert acts[0].kind == "drop"
+
+
+class Store:
+    precisions = ["native", "int8", "int4", "int2"]
+
+    def check(self, names, where):
+        for n in names:
+            assert n in self.precisions
+
+
+class View:
+    store = Store()
+
+
+def test_fetch_priority_bands():
+    # 5 requested experts with scores .30 .25 .2 .15 .1; their 60th percentile (linear) is .22, so the
+    # bottom 60% (E2, E3, E4) are degraded, split by rank over int4, int2: E2, E3 -> int4, E4 -> int2
+    rec = record([[0.30, 0.25, 0.2, 0.15, 0.1]], 5)
+    pol = MISS.build({"name": "fetch_priority", "precisions": "int8:4:2", "percentile": 60.0})
+    pol.setup(View())
+    acts = pol.handle(0, [0, 1, 2, 3, 4], rec, FakeCache())
+    assert [a.precision for a in acts] == ["int8", "int8", "int4", "int4", "int2"]
+    assert pol.fetch_precision == "int8"
+
+
+def test_drop_priority_cascade():
+    # same scores, J = 1, percentile 60: E0 rank 0 -> int8; E1 above the percentile -> int8;
+    # below: E2, E3, E4 over 3 bands (int4, int2, drop)
+    rec = record([[0.30, 0.25, 0.2, 0.15, 0.1]], 5)
+    pol = MISS.build({"name": "drop_priority_cascade", "precisions": "int8:4:2", "percentile": 60.0, "J": 1})
+    pol.setup(View())
+    acts = pol.handle(0, [0, 1, 2, 3, 4], rec, FakeCache())
+    assert [(a.kind, a.precision) for a in acts] == [("fetch", "int8")] * 2 + [("fetch", "int4"), ("fetch", "int2"),
+                                                                                ("drop", None)]
+    pol = MISS.build({"name": "drop_priority_cascade", "precisions": "int8:4", "percentile": 60.0, "J": 1})
+    pol.setup(View())
+    acts = pol.handle(0, [3, 4], rec, FakeCache())
+    assert [(a.kind, a.precision) for a in acts] == [("fetch", "int4"), ("drop", None)]
+
+
+def test_substitute_zhu_expert_cache_router():
+    # k = 2 of 5; scores .40 .22 .20 .10 .08 -> selection {0, 1}; S_{k+1} = .20 (E2).
+    # alpha = 0.2: E1 (.22) is low-score (.20 <= .22 < .24); eligible substitutes: inactive, resident,
+    # .16 < s <= .20 -> E2 if resident. E0 (.40) is top-score: always fetched.
+    rec = record([[0.40, 0.22, 0.20, 0.10, 0.08]], 2)
+    pol = MISS.build({"name": "substitute", "alpha": 0.2})
+    acts = pol.handle(0, [0, 1], rec, FakeCache(resident=[2, 3]))
+    assert acts[0].kind == "fetch"
+    assert acts[1].kind == "substitute" and acts[1].substitute.tolist() == [2]
+    # E2 not resident (only E3 at .10, outside the band) -> fetch
+    acts = pol.handle(0, [1], rec, FakeCache(resident=[3]))
+    assert acts[0].kind == "fetch"
+
+
+def test_cpu_compute_two_pointer():
+    # 4 misses, C_load = 1, C_cpu = 0.4 per token (1 token each): the sweep loads from the high-score end and
+    # computes from the low-score end while T_load > T_cpu: load E(.4) [1 vs 0], cpu E(.1) [1, .4],
+    # cpu E(.2) [1, .8], cpu E(.3) [1, 1.2] -> 1 loaded, 3 on the host: max(T_load, T_cpu) = 1.2
+    rec = record([[0.4, 0.3, 0.2, 0.1]], 4)
+    pol = MISS.build({"name": "cpu_compute"})
+    acts = pol.handle(0, [0, 1, 2, 3], rec, FakeCache(host=0.4, transfer=1.0))
+    assert [a.kind for a in acts] == ["fetch", "host", "host", "host"]
+    acts = pol.handle(0, [0, 1, 2, 3], rec, FakeCache(host=5.0, transfer=1.0))
+    assert [a.kind for a in acts] == ["fetch", "fetch", "fetch", "fetch"] or \
+        [a.kind for a in acts].count("host") == 1
+
+
+class PrefetchView:
+    num_layers = 4
+    num_experts = 4
+    top_k = 1
+
+    def __init__(self, probs):
+        self.probs = torch.tensor(probs)
+
+    def next_layer(self, layer):
+        return layer + 1 if layer + 1 < self.num_layers else None
+
+    def router_predict(self, layer, hidden):
+        p = self.probs * (layer + 1)  # distinct per target layer
+        p = p / p.sum(-1, keepdim=True)
+        return p, p.topk(self.top_k, dim=-1).indices
+
+
+def test_score_prefetch_percentile():
+    view = PrefetchView([[0.5, 0.3, 0.15, 0.05]])
+    pol = PREFETCH.build({"name": "score", "percentile": 50.0, "window": 1})
+    pol.setup(view)
+    rec = GateRecord(0, torch.zeros(1, 2), torch.zeros(1, 4), None, torch.tensor([[0]]), SOFTMAX)
+    # median of [.5 .3 .15 .05] = .225 -> {0, 1}, issued by descending score
+    assert pol.predict(rec, view) == [(1, [0, 1])]
+
+
+def test_lookahead_targets_several_layers():
+    view = PrefetchView([[0.1, 0.6, 0.2, 0.1]])
+    pol = PREFETCH.build({"name": "lookahead", "depth": 2})
+    pol.setup(view)
+    rec = GateRecord(1, torch.zeros(1, 2), torch.zeros(1, 4), None, torch.tensor([[1]]), SOFTMAX)
+    assert pol.predict(rec, view) == [(2, [1]), (3, [1])]
+    rec.layer = 3
+    assert pol.predict(rec, view) == []
+
+
+def test_hqq_store_bytes_lossy_and_disk_cache(tmp_path, monkeypatch):
+    from conftest import tiny
+
+    from specmd.quant import QUANT
+
+    monkeypatch.setenv("SPECMD_CACHE", str(tmp_path))
+    model = tiny("olmoe")
+    experts = [l.mlp.experts for l in model.model.layers if hasattr(l.mlp, "experts")]
+    E = model.config.num_experts
+    q = QUANT.build({"name": "hqq", "precisions": ["bf16", "int8", "int4", "int2"]})
+    store = q.build(experts, E, "tiny-olmoe")
+    b = store.bytes_of
+    assert b["native"] > b["bf16"] > b["int8"] > b["int4"] > b["int2"] > 0
+    assert store.full == "native" and store.lowest == "int2"
+    files = sorted(p.name for p in (tmp_path / "quant").iterdir())
+    assert len(files) == 3  # int8, int4, int2 (bf16 is a cast)
+    errs = []
+    w = experts[0].gate_up_proj.detach()
+    for prec in ("int8", "int4", "int2"):
+        dq = store.weights(0, prec)["gate_up_proj"]
+        errs.append(float((dq - w).norm() / w.norm()))
+    assert 0 < errs[0] < errs[1] < errs[2] < 1
+    # a second build reads the disk cache and quantizes nothing
+    import hqq.core.quantize as hq
+
+    monkeypatch.setattr(hq.Quantizer, "quantize", lambda *a, **k: pytest.fail("re-quantized"))
+    again = q.build(experts, E, "tiny-olmoe")
+    assert again.bytes_of == store.bytes_of
+    assert torch.equal(again.weights(0, "int4")["down_proj"], store.weights(0, "int4")["down_proj"])
+
+
+def test_lossy_stack_runs_real_quantized_weights(tmp_path, monkeypatch):
+    from conftest import sample_ids, tiny
+
+    from specmd.hardware import HardwareConfig
+    from specmd.hook import install
+    from specmd.models.adapters import adapter_for
+    from specmd.policies.eviction import EVICTION
+    from specmd.quant import QUANT
+
+    monkeypatch.setenv("SPECMD_CACHE", str(tmp_path))
+    model = tiny("olmoe")
+    ids = sample_ids()
+    q = QUANT.build({"name": "hqq"})
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        ref = model(ids).logits
+        outs = {}
+        for prec in ("int8", "int2"):
+            st = install(model, adapter_for("olmoe"), ROUTING.build({"name": "standard"}),
+                         MISS.build({"name": "fetch", "precision": prec}), lambda k: EVICTION.get("lru")(None, k),
+                         PREFETCH.build({"name": "none"}), HardwareConfig(capacity=1.0), q)
+            with st:
+                outs[prec] = model(ids).logits
+            s = st.cache.stats.summary()
+            assert s["miss_outcomes"] == {f"fetched_{prec}": s["misses"], "dropped": 0, "substituted": 0,
+                                          "host_computed": 0}
+            assert s["bytes_by_precision"][prec] == s["misses"] * st.store.bytes_of[prec]
+    e8 = float((outs["int8"] - ref).abs().max())
+    e2 = float((outs["int2"] - ref).abs().max())
+    assert 0 < e8 < e2
+    for n, p in model.named_parameters():  # native weights restored exactly
+        assert torch.equal(p, before[n]), n
