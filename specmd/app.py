@@ -37,6 +37,7 @@ class Run:
         self.hardware = build_params(HardwareConfig, dict(c["hardware"]), "hardware")
         self.eval = build_params(EvalConfig, dict(c.get("eval") or {}), "eval")
         self.enabled = bool((c.get("stack") or {}).get("enabled", True))
+        self.save_trace = bool((c.get("trace") or {}).get("save", False))
         self.quant = QUANT.params(c.get("quant") or {"name": "none"})
         regs = {"routing": ROUTING, "miss": MISS, "eviction": EVICTION, "prefetch": PREFETCH}
         self.policies = {g: regs[g].params(c[g]) for g in GROUPS}  # (class, params), validated
@@ -74,7 +75,7 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
     """Run one configuration; writes ``results.json`` (atomically) into ``run_dir``."""
     from .eval.mirror import mirrored, require_hub_for, resolve_mirror, set_offline
     from .loggers import build_logger
-    from .results import write_json_atomic, write_passes_csv
+    from .results import write_json_atomic, write_passes_csv, write_trace
 
     run = Run(cfg)
     logger = build_logger(run.raw.get("logger"), group)
@@ -97,6 +98,8 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
     model, tokenizer = load_model(run.model)
     model.to(run.device)
     stack = run.build_stack(model) if run.enabled else None
+    if stack is not None and run.save_trace:
+        stack.trace = [[] for _ in range(stack.geom.num_layers)]
     tasks: dict = {}
     try:
         with mirrored(root):
@@ -113,6 +116,8 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
     results = collect(run, stack, tasks, time.perf_counter() - t0)
     if stack is not None:
         write_passes_csv(run_dir / "passes.csv", stack.cache.stats.passes)
+        if stack.trace is not None:
+            write_trace(run_dir / "trace.npz", stack.trace)
     write_json_atomic(run_dir / "results.json", results)
     logger.log_run(results, str(run_dir))
     return results

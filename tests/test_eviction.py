@@ -242,7 +242,7 @@ def test_lecar_weight_update_on_history_hit():
 @settings(max_examples=25, deadline=None)
 @given(data=hs.data())
 def test_invariants_random_traces(policy, data):
-    layers, experts = 3, 8
+    layers, experts = 4, 8  # 4 MoE layers: the shipped ml weights' layer count
     cap = data.draw(hs.integers(1, 10))
     m = manager(policy, cap, layers=layers, experts=experts, bw=5e4)
     for p in range(data.draw(hs.integers(1, 4))):
@@ -260,3 +260,80 @@ def test_invariants_random_traces(policy, data):
         m.end_pass()
     st = m.stats
     assert st.total("hits") + st.total("misses") == st.total("requests")
+
+
+def test_ml_features_match_flashmoe_definition():
+    import numpy as np
+
+    from specmd.policies.eviction.ml import features
+
+    # step 5: expert 0 routed at step 5 (r = 1), expert 1 at step 2 (r = 4), expert 2 never; counts 3, 1, 0
+    x = features(np.array([5, 2, -1]), np.array([3.0, 1.0, 0.0]), 5)
+    assert x.ravel().tolist() == pytest.approx([1.0, 1.0, 0.25, 1 / 3, 0.0, 0.0])
+
+
+def test_ml_policy_evicts_largest_predicted_distance(tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    # A hand-set network: distance = 1 - 1/r (ReLU-free path: w3 reads hidden unit 0, which is SiLU(SiLU(-x0)+...))
+    # Simpler: make the output linear in 1/r by tiny weights (SiLU(z) ~ z/2 near 0): predicted ~ -c * (1/r)
+    w1 = np.zeros((128, 2), np.float32); w1[0, 0] = 1e-3
+    w2 = np.zeros((128, 128), np.float32); w2[0, 0] = 1.0
+    w3 = np.zeros((1, 128), np.float32); w3[0, 0] = -1.0
+    t = {}
+    for l in range(2):
+        t.update({f"layer{l}.w1": w1, f"layer{l}.b1": np.zeros(128, np.float32), f"layer{l}.w2": w2,
+                  f"layer{l}.b2": np.zeros(128, np.float32), f"layer{l}.w3": w3, f"layer{l}.b3": np.zeros(1, np.float32)})
+    path = tmp_path / "ml.safetensors"
+    save_file(t, str(path), metadata={"num_layers": "2"})
+    m = manager("ml", 3, layers=2, experts=4, params=EVICTION.get("ml").Params(weights=str(path)))
+    # layer 0 steps: {0}, {1}, {2}: recency of 0 is 3, of 1 is 2, of 2 is 1 -> the stalest (0) has the
+    # largest predicted distance -> evicted when 3 arrives
+    for e in (0, 1, 2):
+        m.serve(0, [e]); m.finish_layer()
+    m.serve(0, [3]); m.finish_layer()
+    assert sorted(m.entries) == [1, 2, 3]
+
+
+def test_ml_rejects_mismatched_weights():
+    from specmd.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="4 layers"):
+        manager("ml", 3, layers=2, experts=64)  # the shipped tiny-olmoe networks have 4 layers
+
+
+def test_shipped_ml_weights_beat_lru_on_held_out_routing():
+    import json
+
+    from safetensors import safe_open
+
+    from specmd.models.loader import ASSETS
+
+    with safe_open(str(ASSETS / "tiny-olmoe" / "ml_eviction.safetensors"), "np") as f:
+        meta = f.metadata()
+    rates = json.loads(meta["holdout_hit_rate"])
+    assert rates["ml"] > rates["lru"] and rates["ml"] <= rates["belady"]
+    assert int(meta["num_layers"]) == 4
+
+
+def test_train_eviction_from_saved_traces(tmp_path):
+    import numpy as np
+
+    from specmd.train_eviction import dataset, main
+
+    # Belady labels on a hand trace (E = 3, k = 1): 0, 1, 0, 2 -> at t=0 expert 0 is next used at t=2 (d=2)
+    x, y = dataset(np.array([[0], [1], [0], [2]]), 3, cap=4)
+    y = y.reshape(4, 3)
+    assert list(y[0]) == pytest.approx([2 / 4, 1 / 4, 3 / 4])  # 0 at t=2, 1 at t=1, 2 at t=3
+    assert list(y[3]) == pytest.approx([1.0, 1.0, 1.0])  # never used again
+    rng = np.random.default_rng(0)
+    trace = {f"layer{i}": rng.integers(0, 8, size=(300, 2)) for i in range(2)}
+    np.savez(tmp_path / "trace.npz", **trace)
+    out = tmp_path / "ml.safetensors"
+    main(["--traces", str(tmp_path / "trace.npz"), "--out", str(out), "--steps", "20", "--batch", "256",
+          "--eval-capacity", "4"])
+    m = manager("ml", 4, layers=2, experts=8, params=EVICTION.get("ml").Params(weights=str(out)))
+    for e in range(8):
+        m.serve(1, [e]); m.finish_layer()
+        m.check_invariants()

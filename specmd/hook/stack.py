@@ -138,6 +138,7 @@ class PolicyStack:
 
         self.cache = CacheManager(self.geom, caps, make_eviction, miss, self.clock, self.store, host_time)
         self.records: list[Optional[GateRecord]] = [None] * self.geom.num_layers
+        self.trace: Optional[list] = None  # set to [[] per layer] to record the router's own top-k per token
         self._handles = []
         self._originals = []
 
@@ -208,6 +209,8 @@ class PolicyStack:
         layer = mod.layer
         cache = self.cache
         rec = self.records[layer]
+        if self.trace is not None:
+            self.trace[layer].append(rec.original.detach().cpu())
         cache.dense(layer)
         counts = torch.bincount(index.reshape(-1), minlength=self.geom.num_experts)
         experts = counts.nonzero().squeeze(1).tolist()
