@@ -26,9 +26,18 @@ def print_summary(results: dict, run_dir: str, console: Console | None = None) -
         t.add_row("stack", "disabled (unhooked baseline)")
     else:
         t.add_row("hit rate", f"{cache['hit_rate']:.4f}  ({cache['hits']}/{cache['requests']} requests)")
+        split = [f"{k} {cache[f'{k}_hit_rate']:.4f}" for k in ("prefill", "decode") if cache.get(f"{k}_hit_rate") is not None]
+        if split:
+            t.add_row("  by pass kind", ", ".join(split))
         t.add_row("collision misses", str(cache["collision_misses"]))
         t.add_row("evictions", str(cache["evictions"]))
         t.add_row("prefetch issued / used", f"{cache['prefetch_issued']} / {cache['prefetch_used']}")
+        if cache.get("prefetch_precision") is not None:
+            t.add_row("prefetch precision / recall",
+                      f"{cache['prefetch_precision']:.3f} / {cache['prefetch_recall']:.3f}")
+        outcomes = {k: v for k, v in (cache.get("miss_outcomes") or {}).items() if v}
+        if set(outcomes) - {"fetched_native"}:
+            t.add_row("miss outcomes", ", ".join(f"{k}={v}" for k, v in outcomes.items()))
         t.add_row("stall", _fmt(timing["stall_s"], " ms", 1e3))
         t.add_row("TTFT", _fmt(timing["ttft_s"], " ms", 1e3))
         t.add_row("TPOT", _fmt(timing["tpot_s"], " ms", 1e3))

@@ -37,8 +37,56 @@ def test_every_registered_policy_has_a_config():
     from specmd.policies.prefetch import PREFETCH
     from specmd.policies.routing import ROUTING
 
-    for group, reg in (("routing", ROUTING), ("miss", MISS), ("eviction", EVICTION), ("prefetch", PREFETCH)):
+    from specmd.quant import QUANT
+
+    for group, reg in (("routing", ROUTING), ("miss", MISS), ("eviction", EVICTION), ("prefetch", PREFETCH),
+                       ("quant", QUANT)):
         assert reg.names() == options(group)
+
+
+POLICY_GROUPS = ["routing", "miss", "eviction", "prefetch", "quant"]
+NEEDS_QUANT = {"fetch_priority", "drop_priority_cascade"}  # cascades of stored precisions
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from specmd.models.loader import load_model
+
+    run = compose_run([])
+    return load_model(run.model)
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in POLICY_GROUPS for o in options(g)])
+def test_every_option_runs_on_the_embedded_model(group, option, embedded, tmp_path, monkeypatch):
+    """Each option, installed on the shipped model at 5% capacity, serves a prefill and decode steps with
+    the cache invariants intact (the same stacks `python -m specmd -m <group>=...` builds)."""
+    import torch
+
+    monkeypatch.setenv("SPECMD_CACHE", str(tmp_path))
+    model, tok = embedded
+    overrides = [f"{group}={option}", "hardware.capacity=0.05"]
+    if option in NEEDS_QUANT:
+        overrides.append("quant=hqq")
+    run = compose_run(overrides)
+    ids = tok("The tower is 324 metres tall, about the same height as", return_tensors="pt")["input_ids"]
+    stack = run.build_stack(model)
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    finally:
+        stack.remove()
+    assert out.shape[1] == ids.shape[1] + 3
+    stack.cache.check_invariants()
+    s = stack.cache.stats.summary()
+    assert s["requests"] > 0 and s["hits"] + s["misses"] == s["requests"]
+    assert stack.cache.stats.timing()["decode_passes"] == 2
+
+
+def test_cascade_without_stored_precisions_is_a_clear_error(embedded):
+    run = compose_run(["miss=fetch_priority"])
+    with pytest.raises(ConfigError, match="int8.*not stored.*native.*quant=hqq"):
+        run.build_stack(embedded[0])
+    assert all(type(l.mlp.experts).__name__ != "SpecmdExperts" for l in embedded[0].model.layers)
 
 
 def test_real_model_configs_name_their_checkpoints():

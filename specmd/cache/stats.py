@@ -69,6 +69,11 @@ class CacheStats:
         req = out["requests"]
         out["hit_rate"] = out["hits"] / req if req else 0.0
         out["peak_bytes"] = self.peak_bytes
+        for kind in ("prefill", "decode"):  # prefill windows and decode steps behave very differently
+            ps = [p for p in self.passes if p.kind == kind]
+            r = sum(p.requests for p in ps)
+            out[f"{kind}_hit_rate"] = sum(p.hits for p in ps) / r if r else None
+            out[f"{kind}_collision_misses"] = sum(p.collision_misses for p in ps)
         rr = out["requests_router"]
         out["miss_rate_vs_router"] = out["misses"] / rr if rr else 0.0  # Cache-Conditional Experts' normalisation
         out["collision_rate"] = out["collision_misses"] / req if req else 0.0

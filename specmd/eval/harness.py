@@ -25,6 +25,11 @@ class EvalConfig:
     max_gen_toks: Optional[int] = None
     max_length: Optional[int] = None  # context window given to lm-eval; null = the model's
     seed: int = 1234
+    # Score loglikelihoods one token at a time with a KV cache, so every token is a decode step whose
+    # routing sees the cache state its predecessors left (Cache-Conditional Experts' evaluation of
+    # perplexity vs miss rate). Slower by about the window length; logits equal a full-window pass up to
+    # float rounding.
+    token_by_token: bool = False
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -50,6 +55,30 @@ def _flatten(metrics: dict) -> dict:
     return out
 
 
+def _token_by_token_lm():
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    class TokenByTokenLM(HFLM):
+        """HFLM whose scoring forward feeds the window one token at a time through the KV cache."""
+
+        def _model_call(self, inps, attn_mask=None, labels=None):
+            if attn_mask is not None or labels is not None or inps.shape[1] == 1:
+                return super()._model_call(inps, attn_mask, labels)
+            from transformers import DynamicCache
+
+            past = DynamicCache(config=self.model.config)
+            out = []
+            with torch.no_grad():
+                for t in range(inps.shape[1]):
+                    res = self.model(input_ids=inps[:, t:t + 1], past_key_values=past, use_cache=True)
+                    past = res.past_key_values
+                    out.append(res.logits)
+            return torch.cat(out, dim=1)
+
+    return TokenByTokenLM
+
+
 def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu") -> dict:
     """Run the tasks; returns ``{specmd task name: {metric: value}}``."""
     if not cfg.tasks:
@@ -65,8 +94,9 @@ def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu") -> dict:
     if unknown:
         raise ConfigError(f"unknown eval task(s) {unknown}; specmd's tasks: {', '.join(SUPPORTED)} "
                           "(any lm-eval task name also works when its data is reachable)")
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size, device=device,
-              max_length=cfg.max_length)
+    cls = _token_by_token_lm() if cfg.token_by_token else HFLM
+    lm = cls(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size, device=device,
+             max_length=cfg.max_length)
     gen_kwargs = {"max_gen_toks": cfg.max_gen_toks} if cfg.max_gen_toks else None
     res = lm_eval.simple_evaluate(
         model=lm, tasks=names, num_fewshot=cfg.num_fewshot, limit=cfg.limit, task_manager=tm,
