@@ -1,10 +1,15 @@
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+# Quantized expert copies go to a per-session cache (shared by every test and CLI subprocess of the
+# session, so each model is quantized once), never to the user's ~/.cache/specmd.
+os.environ["SPECMD_CACHE"] = tempfile.mkdtemp(prefix="specmd-test-cache-")
+
 FAMILIES = ["olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "deepseek_v2", "deepseek_v3", "gpt_oss"]
 
 

@@ -267,10 +267,10 @@ class PolicyStack:
         saved = []
         try:
             for e, prec in served.precisions.items():
-                for name, w in self.store.weights(mod.layer, prec).items():
+                for name, w in self.store.weights(mod.layer, e, prec).items():
                     p = getattr(inner, name)
                     saved.append((p, e, p.data[e].clone()))
-                    p.data[e].copy_(w[e])
+                    p.data[e].copy_(w)
             return inner(hidden, index, weights)
         finally:
             for p, e, old in reversed(saved):

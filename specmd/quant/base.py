@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,10 +38,11 @@ def expert_params(experts: torch.nn.Module, num_experts: int) -> list[tuple[str,
 
 
 class ExpertStore:
-    """Per-precision bytes of one expert and the dequantized weights of each (layer, precision)."""
+    """Per-precision bytes of one expert and, on demand, an expert's weights at a stored precision
+    (dequantized; the most recently used ``cache_experts`` are kept in memory)."""
 
     def __init__(self, native_bits: int, expert_bytes: int, bytes_of: dict[str, int],
-                 loader: Optional[Any] = None):
+                 loader: Optional[Any] = None, cache_experts: int = 1024):
         self.native_bits = native_bits
         self.bytes_of = {NATIVE: expert_bytes, **bytes_of}
         self.bits_of = {p: precision_bits(p, native_bits) for p in self.bytes_of}
@@ -48,8 +50,9 @@ class ExpertStore:
         self.precisions = sorted(self.bytes_of, key=lambda p: (-self.bits_of[p], p != NATIVE))
         self.full = self.precisions[0]
         self.lowest = self.precisions[-1]
-        self._loader = loader  # (layer, precision) -> {param name: tensor [E, ...]}
-        self._dequant: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        self._loader = loader  # (layer, expert, precision) -> {param name: tensor of that expert}
+        self._dequant: "OrderedDict[tuple[int, int, str], dict[str, torch.Tensor]]" = OrderedDict()
+        self._cache_experts = cache_experts
 
     def check(self, names, where: str) -> None:
         for p in names:
@@ -59,11 +62,16 @@ class ExpertStore:
                 raise ConfigError(f"{where}: precision {p!r} is not stored; stored: {', '.join(self.precisions)} "
                                   f"(set quant=hqq and quant.precisions)")
 
-    def weights(self, layer: int, precision: str) -> dict[str, torch.Tensor]:
-        key = (layer, precision)
-        w = self._dequant.get(key)
+    def weights(self, layer: int, expert: int, precision: str) -> dict[str, torch.Tensor]:
+        key = (layer, expert, precision)
+        cache = self._dequant
+        w = cache.get(key)
         if w is None:
-            w = self._dequant[key] = self._loader(layer, precision)
+            w = cache[key] = self._loader(layer, expert, precision)
+            if len(cache) > self._cache_experts:
+                cache.popitem(last=False)
+        else:
+            cache.move_to_end(key)
         return w
 
 

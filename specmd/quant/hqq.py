@@ -14,16 +14,16 @@ INT = ("int8", "int4", "int3", "int2")
 @QUANT.register("hqq")
 class HQQ(QuantMethod):
     """Every expert is stored at ``native`` plus each of ``precisions`` (any of bf16, fp16, int8, int4,
-    int3, int2). Integer copies come from ``hqq`` (asymmetric, ``group_size`` weights per scale/zero
-    along the input axis, half-quadratic optimisation); bytes per expert count the bit-packed weights
-    plus one fp16 scale and zero per group, biases stay native. One HQQ call quantizes a whole fused
-    [E, out, in] tensor as (E*out) rows (groups never span rows, so this equals per-expert quantization
-    up to HQQ's shared early-stopping test). Copies are cached on disk (``$SPECMD_CACHE`` or
-    ``~/.cache/specmd``/quant) keyed by a fingerprint of the weights and the settings, so sweeps never
-    re-quantize.
+    int3, int2). Integer copies come from ``hqq`` (asymmetric, ``group_size`` weights per scale/zero along
+    the input axis, half-quadratic refinement when ``optimize``), one call per fused weight tensor with
+    each expert's rows bit-packed separately (identical to per-expert quantization without ``optimize``;
+    with it, only HQQ's early-stopping test is shared across a layer's experts); bytes per expert count the bit-packed weights plus one fp16 scale and zero per group,
+    biases stay native. Copies are cached on disk (``$SPECMD_CACHE`` or ``~/.cache/specmd``/quant) keyed by
+    a fingerprint of the weights and the settings, so sweeps never re-quantize; an expert is dequantized
+    when it first runs at a low precision (the last ``cache_experts`` are kept).
 
     Why HQQ: it needs no calibration data, supports int2/int3 (quanto has no int3; bitsandbytes no
-    int2), and runs on the CPU here; dequantized weights run in the family's own fused kernel, so the
+    int2), and runs on CPU and GPU; the dequantized weights run in the family's own fused kernel, so the
     lossy output is the real quantized weights' output."""
 
     @dataclass
@@ -31,6 +31,7 @@ class HQQ(QuantMethod):
         precisions: list = field(default_factory=lambda: ["int8", "int4", "int2"])
         group_size: int = 64
         optimize: bool = True
+        cache_experts: int = 1024
 
         def __post_init__(self):
             self.precisions = [str(p) for p in self.precisions]
@@ -44,41 +45,63 @@ class HQQ(QuantMethod):
         native_dtype = next(experts[0].parameters()).dtype
         native_bits = torch.finfo(native_dtype).bits
         expert_bytes = sum(p.numel() * p.element_size() for p in experts[0].parameters()) // num_experts
-        other_bytes = expert_bytes - sum(p[0].numel() * p.element_size() for _, p in expert_params(experts[0], num_experts))
+        weights = expert_params(experts[0], num_experts)
+        other_bytes = expert_bytes - sum(p[0].numel() * p.element_size() for _, p in weights)
         fp = model_fingerprint(experts, num_experts, tag)
         packed: dict[str, list] = {}
         bytes_of = {}
         for prec in self.params.precisions:
             if prec in CAST:
-                bytes_of[prec] = other_bytes + sum(p[0].numel() for _, p in expert_params(experts[0], num_experts)) * 2
+                bytes_of[prec] = other_bytes + sum(p[0].numel() for _, p in weights) * 2
                 continue
             layers = self._load_or_quantize(experts, num_experts, prec, fp)
             packed[prec] = layers
-            per = sum(wq.numel() + 2 * (meta["scale"].numel() + meta["zero"].numel())
-                      for wq, meta in layers[0].values())
-            bytes_of[prec] = other_bytes + per // num_experts
+            per = sum(wq.numel() * wq.element_size() + 2 * (meta["scale"].numel() + meta["zero"].numel())
+                      for wq, meta in (v[0] for v in layers[0].values()))
+            bytes_of[prec] = other_bytes + per
 
-        def load(layer, prec):
+        def load(layer, expert, prec):
             mod = experts[layer]
             if prec == NATIVE:
-                return {n: p.detach() for n, p in expert_params(mod, num_experts)}
+                return {n: p.detach()[expert] for n, p in expert_params(mod, num_experts)}
             if prec in CAST:
-                return {n: p.detach().to(CAST[prec]).to(native_dtype) for n, p in expert_params(mod, num_experts)}
+                return {n: p.detach()[expert].to(CAST[prec]).to(native_dtype)
+                        for n, p in expert_params(mod, num_experts)}
             from hqq.core.quantize import Quantizer
 
             out = {}
             for n, p in expert_params(mod, num_experts):
-                wq, meta = packed[prec][layer][n]
-                meta = dict(meta)
-                w = Quantizer.dequantize(wq.to(p.device), {k: v.to(p.device) if torch.is_tensor(v) else v
-                                                           for k, v in meta.items()})
-                out[n] = w.reshape(p.shape).to(native_dtype)
+                wq, meta = packed[prec][layer][n][expert]
+                dev = p.device
+                w = Quantizer.dequantize(wq.to(dev), {k: v.to(dev) if torch.is_tensor(v) else v for k, v in meta.items()})
+                out[n] = w.reshape(p.shape[1:]).to(native_dtype)
             return out
 
-        return ExpertStore(native_bits, expert_bytes, bytes_of, load)
+        return ExpertStore(native_bits, expert_bytes, bytes_of, load, self.params.cache_experts)
+
+    def _quantize_fused(self, p, num_experts, nbits, g, Quantizer):
+        """One HQQ call over the fused [E*out, in] matrix (groups never span rows, so each expert's groups
+        are its own; only HQQ's early-stopping test is shared), then each expert's rows are bit-packed
+        separately so that one expert dequantizes on its own."""
+        shape = tuple(p.shape[1:])
+        w = p.float().reshape(-1, shape[-1])
+        group = g if shape[-1] % g == 0 else None
+        wq, meta = Quantizer.quantize(w, nbits=nbits, group_size=group, optimize=self.params.optimize, axis=1,
+                                      bitpack=False, compute_dtype=torch.float32, device=str(w.device))
+        packing = Quantizer.bit_to_packing[nbits]
+        rows = wq.shape[0] // num_experts
+        out = []
+        for e in range(num_experts):
+            sl = slice(e * rows, (e + 1) * rows)
+            m = {"nbits": nbits, "group_size": group, "shape": shape, "axis": 1, "packing": packing,
+                 "unpack_view_dtype": Quantizer.unpack_view_dtype[packing], "view_as_float": False,
+                 "scale": meta["scale"][sl].clone().cpu(), "zero": meta["zero"][sl].clone().cpu()}
+            out.append((Quantizer.pack[packing](wq[sl].to(torch.uint8)).cpu(), m))
+        return out
 
     def _load_or_quantize(self, experts, num_experts, prec, fp):
-        path = cache_dir() / f"{fp}-hqq-{prec}-g{self.params.group_size}-o{int(self.params.optimize)}.pt"
+        g = self.params.group_size
+        path = cache_dir() / f"{fp}-hqq-{prec}-g{g}-o{int(self.params.optimize)}.pt"
         if path.exists():
             return torch.load(path, weights_only=False)
         from hqq.core.quantize import Quantizer
@@ -87,11 +110,7 @@ class HQQ(QuantMethod):
         for mod in experts:
             entry = {}
             for n, p in expert_params(mod, num_experts):
-                w = p.detach().float().reshape(-1, p.shape[-1])
-                group = self.params.group_size if p.shape[-1] % self.params.group_size == 0 else None
-                wq, meta = Quantizer.quantize(w, nbits=BITS[prec], group_size=group, optimize=self.params.optimize,
-                                              axis=1, bitpack=True, compute_dtype=torch.float32, device=str(w.device))
-                entry[n] = (wq.cpu(), {k: v.cpu() if torch.is_tensor(v) else v for k, v in meta.items()})
+                entry[n] = self._quantize_fused(p.detach(), num_experts, BITS[prec], g, Quantizer)
             layers.append(entry)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
