@@ -9,7 +9,9 @@ RESULTS = {
     "config": {"routing": {"name": "standard"}, "miss": {"name": "fetch"}, "eviction": {"name": "lru"},
                "prefetch": {"name": "topk", "overfetch": 1.0}, "quant": {"name": "none"},
                "hardware": {"capacity": 0.05}},
-    "cache": {"hit_rate": 0.5, "requests": 4, "per_layer": {"requests": [2, 2], "hits": [1, 1]}},
+    "cache": {"hit_rate": 0.5, "requests": 4, "prefetch_precision": 0.75, "cache_lifetime": None,
+              "miss_outcomes": {"fetched_int4": 1, "dropped": 1}, "bytes_by_precision": {"int4": 30},
+              "per_layer": {"requests": [2, 2], "hits": [1, 1]}},
     "timing": {"ttft_s": 0.1, "tpot_s": None},
     "routing": {"fidelity": 1.0},
     "tasks": {"wikitext": {"word_perplexity": 12.5}},
@@ -38,6 +40,12 @@ def test_wandb_offline_run_has_tags_group_and_per_layer_table(tmp_path, monkeypa
     assert len(tables) == 1
     table = json.loads(tables[0].read_text())
     assert table["columns"] == ["layer", "requests", "hits"] and table["data"] == [[0, 2, 1], [1, 2, 1]]
+    from specmd.loggers import flat_summary
+
+    summary = flat_summary(RESULTS)
+    assert summary["tasks/wikitext/word_perplexity"] == 12.5 and summary["routing/fidelity"] == 1.0
+    assert summary["cache/prefetch_precision"] == 0.75 and "cache/cache_lifetime" not in summary
+    assert summary["cache/miss_outcomes/fetched_int4"] == 1 and summary["cache/bytes_by_precision/int4"] == 30
 
 
 def test_logger_choices():

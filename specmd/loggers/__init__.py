@@ -52,25 +52,36 @@ class WandbLogger:
         run = wandb.init(project=self.project, entity=self.entity, mode=self._mode(), group=self.group,
                          tags=tags, config=cfg, dir=run_dir, reinit="finish_previous",
                          name=os.path.basename(os.path.normpath(run_dir)))
-        summary = {}
+        summary = flat_summary(results)
+        run.summary.update(summary)
         cache = results.get("cache") or {}
-        for k, v in cache.items():
-            if isinstance(v, (int, float)):
-                summary[f"cache/{k}"] = v
-        for k, v in (results.get("timing") or {}).items():
-            if isinstance(v, (int, float)):
-                summary[f"timing/{k}"] = v
-        summary["routing/fidelity"] = (results.get("routing") or {}).get("fidelity")
-        for task, metrics in (results.get("tasks") or {}).items():
-            for k, v in metrics.items():
-                summary[f"tasks/{task}/{k}"] = v
-        run.summary.update({k: v for k, v in summary.items() if v is not None})
         per_layer = cache.get("per_layer")
         if per_layer:
             cols = ["layer"] + list(per_layer)
             rows = [[i] + [per_layer[c][i] for c in per_layer] for i in range(len(per_layer["requests"]))]
             run.log({"per_layer": wandb.Table(columns=cols, data=rows)})
         run.finish()
+
+
+def flat_summary(results: dict) -> dict:
+    """The scalars of a results.json as W&B summary keys (``cache/hit_rate``, ``cache/miss_outcomes/dropped``,
+    ``timing/ttft_s``, ``tasks/wikitext/word_perplexity``...); ``None`` values are left out."""
+    summary = {}
+    cache = results.get("cache") or {}
+    for k, v in cache.items():
+        if isinstance(v, (int, float)):
+            summary[f"cache/{k}"] = v
+        elif isinstance(v, dict) and k != "per_layer":  # miss_outcomes, bytes_by_precision
+            for kk, vv in v.items():
+                summary[f"cache/{k}/{kk}"] = vv
+    for k, v in (results.get("timing") or {}).items():
+        if isinstance(v, (int, float)):
+            summary[f"timing/{k}"] = v
+    summary["routing/fidelity"] = (results.get("routing") or {}).get("fidelity")
+    for task, metrics in (results.get("tasks") or {}).items():
+        for k, v in metrics.items():
+            summary[f"tasks/{task}/{k}"] = v
+    return {k: v for k, v in summary.items() if v is not None}
 
 
 def build_logger(cfg: dict, group: Optional[str] = None):
