@@ -273,3 +273,55 @@ def test_lossy_stack_runs_real_quantized_weights(tmp_path, monkeypatch):
     assert 0 < e8 < e2
     for n, p in model.named_parameters():  # native weights restored exactly
         assert torch.equal(p, before[n]), n
+
+
+def test_prune_fidelity_and_requests_end_to_end():
+    from conftest import sample_ids, tiny
+
+    from specmd.hardware import HardwareConfig
+    from specmd.hook import install
+    from specmd.models.adapters import adapter_for
+    from specmd.policies.eviction import EVICTION
+
+    model = tiny("mixtral")  # top-2: h = 1 keeps one of two slots per token
+    ids = sample_ids()
+    stack = install(model, adapter_for("mixtral"), ROUTING.build({"name": "prune", "h": 1}), MISS.build({"name": "fetch"}),
+                    lambda k: EVICTION.get("lru")(None, k), PREFETCH.build({"name": "none"}), HardwareConfig(capacity=1.0))
+    with torch.no_grad(), stack:
+        model(ids)
+    st = stack.cache.stats
+    assert st.fidelity() == pytest.approx(0.5)
+    s = st.summary()
+    assert s["requests"] < s["requests_router"]
+    assert s["miss_rate_vs_router"] == pytest.approx(s["misses"] / s["requests_router"])
+
+
+def test_fetch_lowest_bit_uses_the_lowest_stored_precision():
+    pol = MISS.build({"name": "fetch_lowest_bit"})
+
+    class V:
+        store = type("S", (), {"lowest": "int2"})()
+
+    pol.setup(V())
+    assert pol.fetch_precision == "int2" and pol.handle(0, [1], None, None) is None
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_promote_invariants(seed):
+    """Random rankings and caches: k distinct experts, the top-J always kept, and every other selected
+    expert is either a cached one within the top M or needed to fill up to k."""
+    g = torch.Generator().manual_seed(seed)
+    E = 12
+    T = 5
+    k = int(torch.randint(1, 6, (1,), generator=g))
+    J = int(torch.randint(0, k + 1, (1,), generator=g))
+    ranking = torch.stack([torch.randperm(E, generator=g) for _ in range(T)])
+    cached = torch.rand(E, generator=g) < 0.4
+    M = torch.randint(0, E + 1, (T,), generator=g)
+    out = promote_select(ranking, cached, M, J, k)
+    for t in range(T):
+        sel = out[t].tolist()
+        assert len(set(sel)) == k
+        assert sel[:J] == ranking[t, :J].tolist()
+        promotable = [e for e in ranking[t, J:M[t]].tolist() if cached[e]] if M[t] > J else []
+        assert sel[J:J + len(promotable)] == promotable[: k - J]

@@ -225,8 +225,14 @@ class PolicyStack:
         else:
             st.requests_router[layer] += int(torch.bincount(rec.original.reshape(-1)).count_nonzero())
             kept = (index.unsqueeze(-1) == rec.original.unsqueeze(-2)).any(-1)
+            if rec.index is not rec.original:
+                void = weights == 0  # slots a routing policy emptied (prune): not run, not faithful
+                if bool(void.any()):
+                    kept &= ~void
+                    slots -= int(void.sum())
             if served is not None:
-                index, weights, kept, slots, n_run = self._apply_served(served, index, weights, kept, counts, n_run)
+                index, weights, kept, slots, n_run = self._apply_served(served, index, weights, kept, counts, n_run,
+                                                                        slots)
             st.slots_unchanged += int(kept.sum())
         for target, predicted in self.prefetch.predict(rec, self.view):
             cache.prefetch(target, predicted)
@@ -238,10 +244,9 @@ class PolicyStack:
         cache.finish_layer()
         return out
 
-    def _apply_served(self, served, index, weights, kept, counts, n_run):
+    def _apply_served(self, served, index, weights, kept, counts, n_run, slots):
         """Substitutions change the index, drops zero the weights (no renormalisation), host-computed
         experts leave the device's compute; returns the new index/weights and the device's share."""
-        slots = index.numel()
         for e, sub in served.substitutes.items():
             hit = index == e
             index = torch.where(hit, sub.to(index.device).unsqueeze(-1).expand_as(index), index)
