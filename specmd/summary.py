@@ -26,6 +26,8 @@ def print_summary(results: dict, run_dir: str, console: Console | None = None) -
         t.add_row("stack", "disabled (unhooked baseline)")
     else:
         t.add_row("hit rate", f"{cache['hit_rate']:.4f}  ({cache['hits']}/{cache['requests']} requests)")
+        if cache.get("prefetch_late"):
+            t.add_row("  incl. late prefetches", f"{cache['in_cache_rate']:.4f}  (in cache, still in flight)")
         split = [f"{k} {cache[f'{k}_hit_rate']:.4f}" for k in ("prefill", "decode") if cache.get(f"{k}_hit_rate") is not None]
         if split:
             t.add_row("  by pass kind", ", ".join(split))

@@ -68,6 +68,9 @@ class CacheStats:
         out = {name: self.total(name) for name in PER_LAYER}
         req = out["requests"]
         out["hit_rate"] = out["hits"] / req if req else 0.0
+        # requests whose expert was in the cache, arrived or still in flight (a late prefetch): the cache
+        # content's quality regardless of transfer timing (SpecMD's hit rates count cache membership)
+        out["in_cache_rate"] = (out["hits"] + out["prefetch_late"]) / req if req else 0.0
         out["peak_bytes"] = self.peak_bytes
         for kind in ("prefill", "decode"):  # prefill windows and decode steps behave very differently
             ps = [p for p in self.passes if p.kind == kind]
