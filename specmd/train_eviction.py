@@ -110,29 +110,37 @@ def train_layer(x: np.ndarray, y: np.ndarray, steps: int, batch: int, seed: int)
 
 
 # ---- replay through the cache manager ------------------------------------------------------------------------
-def replay_hit_rates(traces: list[np.ndarray], num_experts: int, capacity: int, policies: dict) -> dict:
-    """Hit rate of each eviction policy replaying per-token routing (one decode step per token, layers in
-    order) through the real cache manager with ``capacity`` experts per layer (per-layer pools)."""
+def replay(traces: list[np.ndarray], num_experts: int, capacity: int, name: str, params=None) -> dict:
+    """Replay per-token routing (one decode step per token, layers in order) through the real cache
+    manager with eviction policy ``name`` and ``capacity`` experts per layer (per-layer pools, demand
+    fetches only). Returns the hit rate and the replay's wall time (policy + manager cost)."""
+    import time
+
     from .cache.manager import CacheManager, Geometry
     from .clock import Roofline, SimClock, TransferChannel
     from .policies.eviction import EVICTION
     from .policies.miss import MISS
 
     L = len(traces)
-    out = {}
-    for name, params in policies.items():
-        geom = Geometry(num_layers=L, num_experts=num_experts, top_k=traces[0].shape[1], expert_bytes=1,
-                        total_bytes=L * num_experts, dense_params=[0] * L, attn_layers=[0] * L)
-        cls = EVICTION.get(name)
-        m = CacheManager(geom, [capacity] * L, lambda keys: cls(params, keys), MISS.build({"name": "fetch"}),
-                         SimClock(TransferChannel(1e18, 0.0), Roofline(1e18, 1e18)))
-        for t in range(len(traces[0])):
-            for layer in range(L):
-                m.serve(layer, sorted(set(traces[layer][t].tolist())))
-                m.finish_layer()
-        st = m.stats
-        out[name] = round(st.total("hits") / st.total("requests"), 4)
-    return out
+    geom = Geometry(num_layers=L, num_experts=num_experts, top_k=traces[0].shape[1], expert_bytes=1,
+                    total_bytes=L * num_experts, dense_params=[0] * L, attn_layers=[0] * L)
+    cls = EVICTION.get(name)
+    m = CacheManager(geom, [capacity] * L, lambda keys: cls(params, keys), MISS.build({"name": "fetch"}),
+                     SimClock(TransferChannel(1e18, 0.0), Roofline(1e18, 1e18)))
+    steps = [[sorted(set(tr[t].tolist())) for tr in traces] for t in range(len(traces[0]))]
+    t0 = time.perf_counter()
+    for row in steps:
+        for layer, req in enumerate(row):
+            m.serve(layer, req)
+            m.finish_layer()
+    seconds = time.perf_counter() - t0
+    st = m.stats
+    return {"hit_rate": st.total("hits") / st.total("requests"), "seconds": seconds, "calls": len(steps) * L}
+
+
+def replay_hit_rates(traces: list[np.ndarray], num_experts: int, capacity: int, policies: dict) -> dict:
+    return {name: round(replay(traces, num_experts, capacity, name, params)["hit_rate"], 4)
+            for name, params in policies.items()}
 
 
 def belady_hit_rate(traces: list[np.ndarray], capacity: int) -> float:

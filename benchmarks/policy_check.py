@@ -1,0 +1,65 @@
+"""Every policy of every family on a tiny model, on any device: lossless stacks (standard routing, plain
+fetch, any eviction/prefetch) must reproduce the unhooked logits exactly; lossy ones must run and stay
+finite; the cache invariants must hold. Prints one line per stack.
+
+    python benchmarks/policy_check.py --device cuda
+"""
+
+import argparse
+import sys
+
+import torch
+
+sys.path.insert(0, "tests")
+from conftest import sample_ids, tiny  # noqa: E402
+
+from specmd.hardware import HardwareConfig  # noqa: E402
+from specmd.hook import install  # noqa: E402
+from specmd.models.adapters import adapter_for  # noqa: E402
+from specmd.policies.eviction import EVICTION  # noqa: E402
+from specmd.policies.miss import MISS  # noqa: E402
+from specmd.policies.prefetch import PREFETCH  # noqa: E402
+from specmd.policies.routing import ROUTING  # noqa: E402
+from specmd.quant import QUANT  # noqa: E402
+
+LOSSLESS_MISS = {"fetch", "cpu_compute"}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--family", default="olmoe")
+    ap.add_argument("--capacity", type=float, default=0.1)
+    args = ap.parse_args()
+    model = tiny(args.family).to(args.device)
+    ids = sample_ids().to(args.device)
+    quant = QUANT.build({"name": "hqq", "optimize": False})
+    with torch.no_grad():
+        ref = model(ids).logits
+        gref = model.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)
+    stacks = [("routing", r) for r in ROUTING.names()] + [("miss", m) for m in MISS.names()] + \
+             [("eviction", e) for e in EVICTION.names() if e != "ml"] + [("prefetch", p) for p in PREFETCH.names()]
+    ok = True
+    for group, name in stacks:
+        choice = {"routing": "standard", "miss": "fetch", "eviction": "lru", "prefetch": "topk", group: name}
+        ecls = EVICTION.get(choice["eviction"])
+        stack = install(model, adapter_for(args.family), ROUTING.build({"name": choice["routing"]}),
+                        MISS.build({"name": choice["miss"]}), lambda k: ecls(None, k),
+                        PREFETCH.build({"name": choice["prefetch"]}), HardwareConfig(capacity=args.capacity), quant)
+        with torch.no_grad(), stack:
+            out = model(ids).logits
+            gout = model.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)
+        stack.cache.check_invariants()
+        lossless = choice["routing"] == "standard" and choice["miss"] in LOSSLESS_MISS
+        good = bool(torch.isfinite(out).all()) and (not lossless or (torch.equal(out, ref) and torch.equal(gout, gref)))
+        ok &= good
+        s = stack.cache.stats.summary()
+        print(f"{group}={name:<22} {'lossless' if lossless else 'lossy   '} ok={good} "
+              f"max|diff|={float((out - ref).abs().max()):.2e} hit_rate={s['hit_rate']:.3f} "
+              f"outcomes={ {k: v for k, v in s['miss_outcomes'].items() if v} }")
+    print("ALL OK" if ok else "FAILED")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
