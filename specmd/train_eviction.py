@@ -129,10 +129,12 @@ def replay(traces: list[np.ndarray], num_experts: int, capacity: int, name: str,
                      SimClock(TransferChannel(1e18, 0.0), Roofline(1e18, 1e18)))
     steps = [[sorted(set(tr[t].tolist())) for tr in traces] for t in range(len(traces[0]))]
     t0 = time.perf_counter()
-    for row in steps:
+    for t, row in enumerate(steps):
+        m.begin_pass("decode", 1, t + 1)
         for layer, req in enumerate(row):
             m.serve(layer, req)
             m.finish_layer()
+        m.end_pass()
     seconds = time.perf_counter() - t0
     st = m.stats
     return {"hit_rate": st.total("hits") / st.total("requests"), "seconds": seconds, "calls": len(steps) * L}

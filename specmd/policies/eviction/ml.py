@@ -34,18 +34,20 @@ def features(last_step: np.ndarray, freq: np.ndarray, step: int) -> np.ndarray:
 
 
 class MLP:
-    """The per-layer network in numpy (inference only; microseconds for a few hundred candidates)."""
+    """The per-layer network in numpy (inference only)."""
 
     def __init__(self, tensors: dict):
-        self.w = [np.asarray(tensors[f"w{i}"], dtype=np.float32) for i in (1, 2, 3)]
+        self.wt = [np.ascontiguousarray(np.asarray(tensors[f"w{i}"], dtype=np.float32).T) for i in (1, 2, 3)]
         self.b = [np.asarray(tensors[f"b{i}"], dtype=np.float32) for i in (1, 2, 3)]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        for i in range(3):
-            x = x @ self.w[i].T + self.b[i]
-            if i < 2:
-                x = x / (1.0 + np.exp(-x))  # SiLU
-        return x[:, 0]
+        h = x @ self.wt[0]
+        h += self.b[0]
+        h *= 1.0 / (1.0 + np.exp(-h))  # SiLU
+        h2 = h @ self.wt[1]
+        h2 += self.b[1]
+        h2 *= 1.0 / (1.0 + np.exp(-h2))
+        return h2 @ self.wt[2][:, 0] + self.b[2][0]
 
 
 def resolve_weights(spec: str) -> Path:
@@ -100,9 +102,16 @@ class ML(EvictionPolicy):
             raise ConfigError(f"eviction=ml: weights {self.params.weights!r} have {len(self.nets)} layers, the model "
                               f"has {geom.num_layers} MoE layers; train matching ones with python -m specmd.train_eviction")
         self.E = geom.num_experts
-        self.step = np.zeros(geom.num_layers, dtype=np.int64)
-        self.last = np.full((geom.num_layers, self.E), -1, dtype=np.int64)
-        self.freq = np.zeros((geom.num_layers, self.E), dtype=np.float64)
+        L = geom.num_layers
+        self.step = [0] * L
+        self.fmax = [0.0] * L
+        self.last = np.full((L, self.E), -1, dtype=np.int64)
+        self.freq = np.zeros((L, self.E), dtype=np.float64)
+        # Predictions for all experts of a layer, valid while (step, fmax) is unchanged: within one layer
+        # call the only experts whose features change are the ones it uses, which are pinned (never
+        # candidates), so reusing them across the call's evictions is exact.
+        self._pred: list = [None] * L
+        self._pred_at: list = [None] * L
 
     def on_layer(self, layer):
         self.step[layer] += 1
@@ -110,7 +119,10 @@ class ML(EvictionPolicy):
     def _use(self, key):
         layer, e = divmod(key, self.E)
         self.last[layer, e] = self.step[layer]
-        self.freq[layer, e] += 1
+        f = self.freq[layer, e] + 1
+        self.freq[layer, e] = f
+        if f > self.fmax[layer]:
+            self.fmax[layer] = f
 
     def on_insert(self, key, prefetch):
         self.resident[key] = None
@@ -123,16 +135,27 @@ class ML(EvictionPolicy):
     def on_remove(self, key):
         del self.resident[key]
 
+    def predictions(self, layer: int) -> np.ndarray:
+        """Predicted next-use distance of every expert of ``layer`` (cached, see ``attach``)."""
+        at = (self.step[layer], self.fmax[layer])
+        if self._pred_at[layer] != at:
+            x = features(self.last[layer], self.freq[layer], self.step[layer])
+            self._pred[layer] = self.nets[layer](x).tolist()
+            self._pred_at[layer] = at
+        return self._pred[layer]
+
     def victim(self, evictable):
-        cands = [k for k in self.resident if evictable(k)]
-        if not cands:
-            return None
-        keys = np.asarray(cands, dtype=np.int64)
-        layers, experts = np.divmod(keys, self.E)
-        pred = np.empty(len(keys), dtype=np.float32)
-        for layer in np.unique(layers):
-            sel = layers == layer
-            x = features(self.last[layer], self.freq[layer], int(self.step[layer]))[experts[sel]]
-            pred[sel] = self.nets[layer](x)
-        best = pred.max()
-        return int(keys[pred == best].min())
+        E = self.E
+        best, best_key = None, None
+        preds: dict = {}
+        for key in self.resident:
+            if not evictable(key):
+                continue
+            layer = key // E
+            p = preds.get(layer)
+            if p is None:
+                p = preds[layer] = self.predictions(layer)
+            v = p[key - layer * E]
+            if best is None or v > best or (v == best and key < best_key):
+                best, best_key = v, key
+        return best_key
