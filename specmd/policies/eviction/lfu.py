@@ -21,9 +21,13 @@ class LFU(EvictionPolicy):
         self.resident: dict[int, None] = {}
         self.clock = 0
 
+    def weight(self, key) -> int:
+        """How much one use of ``key`` counts (LHU counts only high-precision uses)."""
+        return 1
+
     def _touch(self, key):
         self.clock += 1
-        self.count[key] = self.count.get(key, 0) + 1
+        self.count[key] = self.count.get(key, 0) + self.weight(key)
         self.last[key] = self.clock
 
     def on_insert(self, key, prefetch):

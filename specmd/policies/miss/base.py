@@ -17,6 +17,7 @@ transfers; timed by the hardware profile's host figures).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 from ...registry import Registry
@@ -42,6 +43,31 @@ class MissPolicy(Policy):
 
 
 MISS: Registry[MissPolicy] = Registry("miss", "specmd.policies.miss")
+
+
+@dataclass
+class CascadeParams:
+    """A precision cascade (highest first, ``int8:4:2``) and the score percentile below which misses are
+    degraded."""
+
+    precisions: str = "int8:4:2"
+    percentile: float = 60.0
+
+    def __post_init__(self):
+        self.cascade = parse_cascade(self.precisions)
+        if not 0.0 <= self.percentile <= 100.0:
+            raise ValueError(f"percentile={self.percentile} must be in [0, 100]")
+
+
+class CascadeMissPolicy(MissPolicy):
+    """Base of the precision-cascade policies: checks the cascade against the stored precisions and
+    fetches (and prefetches) at its highest precision by default."""
+
+    Params = CascadeParams
+
+    def setup(self, model):
+        model.store.check(self.params.cascade, f"miss={self.name}")
+        self.fetch_precision = self.params.cascade[0]
 
 
 def expert_scores(record: Any, experts: list[int]):

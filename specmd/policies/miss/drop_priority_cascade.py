@@ -1,29 +1,19 @@
 from dataclasses import dataclass
 
-from .base import DROP, MISS, MissAction, MissPolicy, best_ranks, expert_scores, parse_cascade, percentile_bands
+from .base import (DROP, MISS, CascadeMissPolicy, CascadeParams, MissAction, best_ranks, expert_scores,
+                   percentile_bands)
 
 
 @MISS.register("drop_priority_cascade")
-class DropPriorityCascade(MissPolicy):
+class DropPriorityCascade(CascadeMissPolicy):
     """Drop Priority Cascade (SpecMD §5.4): a miss ranked in some token's top ``J`` is fetched at the highest
     precision of ``precisions``; the others are banded by gate score among this layer call's requested
     experts: at or above the ``percentile``-th percentile -> highest precision, below it split evenly over
     the lower precisions and one final band that is dropped (``int8:4:2``: int4, int2, drop)."""
 
     @dataclass
-    class Params:
-        precisions: str = "int8:4:2"
-        percentile: float = 60.0
+    class Params(CascadeParams):
         J: int = 1
-
-        def __post_init__(self):
-            self.cascade = parse_cascade(self.precisions)
-            if not 0.0 <= self.percentile <= 100.0:
-                raise ValueError(f"percentile={self.percentile} must be in [0, 100]")
-
-    def setup(self, model):
-        model.store.check(self.params.cascade, f"miss={self.name}")
-        self.fetch_precision = self.params.cascade[0]
 
     def handle(self, layer, missing, record, cache):
         requested = record.index.unique().tolist()

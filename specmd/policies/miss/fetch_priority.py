@@ -1,29 +1,13 @@
-from dataclasses import dataclass
-
-from .base import MISS, MissAction, MissPolicy, expert_scores, parse_cascade, percentile_bands
+from .base import MISS, CascadeMissPolicy, MissAction, expert_scores, percentile_bands
 
 
 @MISS.register("fetch_priority")
-class FetchPriority(MissPolicy):
+class FetchPriority(CascadeMissPolicy):
     """Fetch Priority (SpecMD §5.4; HOBBIT's precision cascade): misses whose gate score is at or above the
     ``percentile``-th percentile of this layer call's requested experts are fetched at the first (highest)
     precision of ``precisions``; those below are degraded, split evenly by score rank over the remaining
     precisions (``int8:4:2``: upper half of the degraded -> int4, lower half -> int2). A score is the
     expert's highest router probability over the tokens that selected it. Prefetches use the highest."""
-
-    @dataclass
-    class Params:
-        precisions: str = "int8:4:2"
-        percentile: float = 60.0
-
-        def __post_init__(self):
-            self.cascade = parse_cascade(self.precisions)
-            if not 0.0 <= self.percentile <= 100.0:
-                raise ValueError(f"percentile={self.percentile} must be in [0, 100]")
-
-    def setup(self, model):
-        model.store.check(self.params.cascade, f"miss={self.name}")
-        self.fetch_precision = self.params.cascade[0]
 
     def handle(self, layer, missing, record, cache):
         requested = record.index.unique().tolist()
