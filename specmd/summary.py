@@ -35,7 +35,7 @@ def print_summary(results: dict, run_dir: str, console: Console | None = None) -
         t.add_row("evictions", str(cache["evictions"]))
         t.add_row("prefetch issued / used", f"{cache['prefetch_issued']} / {cache['prefetch_used']}")
         if cache.get("prefetch_precision") is not None:
-            t.add_row("prefetch precision / recall",
+            t.add_row("prediction precision / recall",
                       f"{cache['prefetch_precision']:.3f} / {cache['prefetch_recall']:.3f}")
         outcomes = {k: v for k, v in (cache.get("miss_outcomes") or {}).items() if v}
         if set(outcomes) - {"fetched_native"}:
