@@ -41,6 +41,13 @@ class Run:
         self.quant = QUANT.params(c.get("quant") or {"name": "none"})
         regs = {"routing": ROUTING, "miss": MISS, "eviction": EVICTION, "prefetch": PREFETCH}
         self.policies = {g: regs[g].params(c[g]) for g in GROUPS}  # (class, params), validated
+        mcls, mparams = self.policies["miss"]
+        qcls, qparams = self.quant
+        stored = qcls.stored_precisions(qparams)
+        missing = [p for p in mcls.required_precisions(mparams) if p not in stored]
+        if missing:
+            raise ConfigError(f"miss={mcls.name} needs precision(s) {missing}, but quant={qcls.name} stores only "
+                              f"{', '.join(stored)}; use quant=hqq with quant.precisions including {missing}")
         self.mirror = (c.get("data") or {}).get("mirror")
         self.device = c.get("device", "cpu")
 

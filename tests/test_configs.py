@@ -11,6 +11,7 @@ from specmd.errors import ConfigError
 
 CONF = ROOT / "conf"
 GROUPS = ["model", "routing", "miss", "eviction", "prefetch", "quant", "hardware", "logger"]
+NEEDS_QUANT = {"fetch_priority", "drop_priority_cascade"}  # cascades of stored precisions
 
 
 def options(group):
@@ -24,7 +25,8 @@ def compose_run(overrides):
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_validates(group, option):
-    run = compose_run([f"{group}={option}"])
+    # cascades of stored precisions need quant=hqq (tested below: a clear error without it)
+    run = compose_run([f"{group}={option}"] + (["quant=hqq"] if option in NEEDS_QUANT else []))
     if group in ("routing", "miss", "eviction", "prefetch"):
         assert run.policies[group][0].name == option  # config file named like its registry name
     if group == "model":
@@ -45,7 +47,6 @@ def test_every_registered_policy_has_a_config():
 
 
 POLICY_GROUPS = ["routing", "miss", "eviction", "prefetch", "quant"]
-NEEDS_QUANT = {"fetch_priority", "drop_priority_cascade"}  # cascades of stored precisions
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +84,29 @@ def test_every_option_runs_on_the_embedded_model(group, option, embedded):
     assert stack.cache.stats.timing()["decode_passes"] == 2
 
 
-def test_cascade_without_stored_precisions_is_a_clear_error(embedded):
-    run = compose_run(["miss=fetch_priority"])
+@pytest.mark.parametrize("overrides,needle", [
+    (["miss=fetch_priority"], r"miss=fetch_priority needs precision\(s\) \['int8', 'int4', 'int2'\].*stores only native"),
+    (["miss=fetch", "miss.precision=int3", "quant=hqq"], r"\['int3'\].*native, int8, int4, int2"),
+    (["miss=drop_priority_cascade", "quant=hqq", "quant.precisions=[int8]"], r"\['int4', 'int2'\]"),
+])
+def test_precisions_a_miss_policy_needs_are_checked_before_loading(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        compose_run(overrides)
+
+
+def test_store_rechecks_precisions_when_the_stack_is_built(embedded):
+    from specmd.hardware import HardwareConfig
+    from specmd.hook import install
+    from specmd.models.adapters import adapter_for
+    from specmd.policies.eviction import EVICTION
+    from specmd.policies.miss import MISS
+    from specmd.policies.prefetch import PREFETCH
+    from specmd.policies.routing import ROUTING
+
     with pytest.raises(ConfigError, match="int8.*not stored.*native.*quant=hqq"):
-        run.build_stack(embedded[0])
+        install(embedded[0], adapter_for("olmoe"), ROUTING.build({"name": "standard"}),
+                MISS.build({"name": "fetch_priority"}), lambda k: EVICTION.get("lru")(None, k),
+                PREFETCH.build({"name": "none"}), HardwareConfig())
     assert all(type(l.mlp.experts).__name__ != "SpecmdExperts" for l in embedded[0].model.layers)
 
 

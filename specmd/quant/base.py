@@ -78,6 +78,11 @@ class ExpertStore:
 class QuantMethod(Policy):
     """Builds the :class:`ExpertStore` of a model (``build(model, experts_modules, geometry, tag)``)."""
 
+    @classmethod
+    def stored_precisions(cls, params) -> list[str]:
+        """The precision names a store built with ``params`` will hold."""
+        return [NATIVE] + list(getattr(params, "precisions", None) or [])
+
     def build(self, experts: list[torch.nn.Module], num_experts: int, tag: str) -> ExpertStore:
         raise NotImplementedError
 

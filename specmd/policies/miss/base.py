@@ -38,6 +38,11 @@ class MissAction(NamedTuple):
 class MissPolicy(Policy):
     fetch_precision: str = "native"  # precision of plain fetches and of prefetches
 
+    @classmethod
+    def required_precisions(cls, params: Any) -> list[str]:
+        """Stored precisions this configuration needs (checked against ``quant`` before a model loads)."""
+        return []
+
     def handle(self, layer: int, missing: list[int], record: Any, cache: Any) -> Optional[list[MissAction]]:
         raise NotImplementedError
 
@@ -64,6 +69,10 @@ class CascadeMissPolicy(MissPolicy):
     fetches (and prefetches) at its highest precision by default."""
 
     Params = CascadeParams
+
+    @classmethod
+    def required_precisions(cls, params):
+        return list(params.cascade)
 
     def setup(self, model):
         model.store.check(self.params.cascade, f"miss={self.name}")

@@ -12,6 +12,10 @@ class Fetch(MissPolicy):
     class Params:
         precision: str = "native"
 
+    @classmethod
+    def required_precisions(cls, params):
+        return [params.precision]
+
     def setup(self, model):
         model.store.check([self.params.precision], f"miss={self.name}")
         self.fetch_precision = self.params.precision
