@@ -43,8 +43,13 @@ class Run:
         self.policies = {g: regs[g].params(c[g]) for g in GROUPS}  # (class, params), validated
         mcls, mparams = self.policies["miss"]
         qcls, qparams = self.quant
+        needed = mcls.required_precisions(mparams)
+        qparams = qcls.resolve(qparams, needed)
+        self.quant = (qcls, qparams)
+        if isinstance(c.get("quant"), dict) and hasattr(qparams, "precisions"):
+            c["quant"]["precisions"] = list(qparams.precisions)  # results.json records what was stored
         stored = qcls.stored_precisions(qparams)
-        missing = [p for p in mcls.required_precisions(mparams) if p not in stored]
+        missing = [p for p in needed if p not in stored]
         if missing:
             raise ConfigError(f"miss={mcls.name} needs precision(s) {missing}, but quant={qcls.name} stores only "
                               f"{', '.join(stored)}; use quant=hqq with quant.precisions including {missing}")

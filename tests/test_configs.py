@@ -25,8 +25,7 @@ def compose_run(overrides):
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_validates(group, option):
-    # cascades of stored precisions need quant=hqq (tested below: a clear error without it)
-    run = compose_run([f"{group}={option}"] + (["quant=hqq"] if option in NEEDS_QUANT else []))
+    run = compose_run([f"{group}={option}"])
     if group in ("routing", "miss", "eviction", "prefetch"):
         assert run.policies[group][0].name == option  # config file named like its registry name
     if group == "model":
@@ -65,9 +64,7 @@ def test_every_option_runs_on_the_embedded_model(group, option, embedded):
 
     model, tok = embedded
     overrides = [f"{group}={option}", "hardware.capacity=0.05"]
-    if option in NEEDS_QUANT:
-        overrides.append("quant=hqq")
-    if option in NEEDS_QUANT or option == "hqq":
+    if option in NEEDS_QUANT or option in ("hqq", "auto"):
         overrides.append("quant.optimize=false")  # HQQ's refinement costs ~30 s on 2 cores; the path is the same
     run = compose_run(overrides)
     ids = tok("The tower is 324 metres tall, about the same height as", return_tensors="pt")["input_ids"]
@@ -85,13 +82,22 @@ def test_every_option_runs_on_the_embedded_model(group, option, embedded):
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["miss=fetch_priority"], r"miss=fetch_priority needs precision\(s\) \['int8', 'int4', 'int2'\].*stores only native"),
+    (["miss=fetch_priority", "quant=none"], r"miss=fetch_priority needs precision\(s\) \['int8', 'int4', 'int2'\].*stores only native"),
     (["miss=fetch", "miss.precision=int3", "quant=hqq"], r"\['int3'\].*native, int8, int4, int2"),
     (["miss=drop_priority_cascade", "quant=hqq", "quant.precisions=[int8]"], r"\['int4', 'int2'\]"),
 ])
 def test_precisions_a_miss_policy_needs_are_checked_before_loading(overrides, needle):
+    """quant=none / an explicit quant=hqq list must hold what the miss policy needs (quant=auto, the
+    default, stores exactly that)."""
     with pytest.raises(ConfigError, match=needle):
         compose_run(overrides)
+
+
+def test_auto_quant_stores_what_the_miss_policy_needs():
+    assert compose_run([]).quant[1].precisions == []  # miss=fetch: nothing is quantized
+    assert compose_run(["miss=fetch_priority"]).quant[1].precisions == ["int8", "int4", "int2"]
+    assert compose_run(["miss=fetch", "miss.precision=int4"]).quant[1].precisions == ["int4"]
+    assert compose_run(["miss=fetch_priority", "quant=hqq"]).quant[1].precisions == ["int8", "int4", "int2"]
 
 
 def test_store_rechecks_precisions_when_the_stack_is_built(embedded):

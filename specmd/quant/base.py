@@ -79,6 +79,12 @@ class QuantMethod(Policy):
     """Builds the :class:`ExpertStore` of a model (``build(model, experts_modules, geometry, tag)``)."""
 
     @classmethod
+    def resolve(cls, params, needed: list[str]):
+        """Adapt ``params`` to the precisions the run's miss policy needs (``quant=auto`` stores exactly
+        those); other methods keep what the user configured."""
+        return params
+
+    @classmethod
     def stored_precisions(cls, params) -> list[str]:
         """The precision names a store built with ``params`` will hold."""
         return [NATIVE] + list(getattr(params, "precisions", None) or [])

@@ -47,7 +47,7 @@ class HQQ(QuantMethod):
         expert_bytes = sum(p.numel() * p.element_size() for p in experts[0].parameters()) // num_experts
         weights = expert_params(experts[0], num_experts)
         other_bytes = expert_bytes - sum(p[0].numel() * p.element_size() for _, p in weights)
-        fp = model_fingerprint(experts, num_experts, tag)
+        fp = model_fingerprint(experts, num_experts, tag) if any(p in INT for p in self.params.precisions) else None
         packed: dict[str, list] = {}
         bytes_of = {}
         for prec in self.params.precisions:
