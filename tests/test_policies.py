@@ -296,14 +296,16 @@ def test_prune_fidelity_and_requests_end_to_end():
     assert s["miss_rate_vs_router"] == pytest.approx(s["misses"] / s["requests_router"])
 
 
-def test_fetch_lowest_bit_uses_the_lowest_stored_precision():
-    pol = MISS.build({"name": "fetch_lowest_bit"})
+def test_fetch_lowest_bit_uses_the_lowest_precision_of_its_cascade():
+    pol = MISS.build({"name": "fetch_lowest_bit", "precisions": "int8:4:2"})
 
     class V:
-        store = type("S", (), {"lowest": "int2"})()
+        store = type("S", (), {"bits_of": {"native": 32, "int8": 8, "int4": 4, "int2": 2},
+                               "check": lambda self, names, where: None})()
 
     pol.setup(V())
     assert pol.fetch_precision == "int2" and pol.handle(0, [1], None, None) is None
+    assert type(pol).required_precisions(pol.params) == ["int8", "int4", "int2"]
 
 
 @pytest.mark.parametrize("seed", range(30))

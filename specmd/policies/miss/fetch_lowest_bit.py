@@ -1,13 +1,27 @@
-from .base import MISS, MissPolicy
+from dataclasses import dataclass
+
+from .base import MISS, MissPolicy, parse_cascade
 
 
 @MISS.register("fetch_lowest_bit")
 class FetchLowestBit(MissPolicy):
-    """Blocking fetch of every miss (and every prefetch) at the lowest stored precision (SpecMD §5.4).
-    Under ``quant=none`` that is the native precision, i.e. plain ``fetch``."""
+    """Fetch Lowest Bit (SpecMD §5.4): experts are stored at the cascade ``precisions`` and every miss (and
+    every prefetch) is fetched at its lowest one (``int8:4:2`` -> int2)."""
+
+    @dataclass
+    class Params:
+        precisions: str = "int8:4:2"
+
+        def __post_init__(self):
+            self.cascade = parse_cascade(self.precisions)
+
+    @classmethod
+    def required_precisions(cls, params):
+        return list(params.cascade)
 
     def setup(self, model):
-        self.fetch_precision = model.store.lowest
+        model.store.check(self.params.cascade, f"miss={self.name}")
+        self.fetch_precision = min(self.params.cascade, key=lambda p: model.store.bits_of[p])
 
     def handle(self, layer, missing, record, cache):
         return None
