@@ -37,7 +37,12 @@ def tiny(family):
     from specmd.models.loader import build_tiny
 
     if family not in _MODELS:
-        _MODELS[family] = build_tiny(family)
+        model = build_tiny(family)
+        # One warm-up forward: a fresh process's first forward pass has been seen to differ in the last
+        # bits from later ones on some CPUs (kernel selection), which would break bit-exact comparisons.
+        with torch.no_grad():
+            model(sample_ids(batch=1, seq=16))
+        _MODELS[family] = model
     return _MODELS[family]
 
 
