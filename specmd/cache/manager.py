@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 from ..clock import SimClock, Transfer
 from ..policies.eviction.base import EvictionPolicy, KeySpace
-from ..policies.miss.base import DROP, HOST, SUBSTITUTE, MissPolicy
+from ..policies.miss.base import DROP, FETCH, HOST, SUBSTITUTE, MissPolicy
 from ..quant.base import NATIVE, ExpertStore
 from .stats import CacheStats, PassRecord
 
@@ -246,7 +246,7 @@ class CacheManager:
                 if key in self.evicted_this_pass:
                     st.collision_misses[layer] += 1
                 act = None if actions is None else actions[i]
-                if act is not None and act.kind != "fetch":
+                if act is not None and act.kind != FETCH:
                     if served is None:
                         served = Served()
                     if act.kind == DROP:

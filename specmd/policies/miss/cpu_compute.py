@@ -1,4 +1,4 @@
-from .base import HOST, MISS, MissAction, MissPolicy, expert_scores
+from .base import FETCH, HOST, MISS, MissAction, MissPolicy, expert_scores
 
 
 @MISS.register("cpu_compute")
@@ -28,4 +28,4 @@ class CPUCompute(MissPolicy):
                 t_cpu += cache.host_time(counts[hi], 1)
                 host.add(order[hi])
                 hi -= 1
-        return [MissAction(HOST) if i in host else MissAction("fetch") for i in range(len(missing))]
+        return [MissAction(HOST) if i in host else MissAction(FETCH) for i in range(len(missing))]

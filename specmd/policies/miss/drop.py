@@ -1,6 +1,6 @@
 from dataclasses import dataclass
 
-from .base import DROP, MISS, MissAction, MissPolicy, best_ranks
+from .base import DROP, FETCH, MISS, MissAction, MissPolicy, best_ranks
 
 
 @MISS.register("drop")
@@ -19,6 +19,6 @@ class Drop(MissPolicy):
 
     def handle(self, layer, missing, record, cache):
         ranks = best_ranks(record, missing)
-        fetch = MissAction("fetch")
+        fetch = MissAction(FETCH)
         drop = MissAction(DROP)
         return [fetch if r < self.params.J else drop for r in ranks]

@@ -1,6 +1,6 @@
 from dataclasses import dataclass
 
-from .base import (DROP, MISS, CascadeMissPolicy, CascadeParams, MissAction, best_ranks, expert_scores,
+from .base import (DROP, FETCH, MISS, CascadeMissPolicy, CascadeParams, MissAction, best_ranks, expert_scores,
                    percentile_bands)
 
 
@@ -24,5 +24,5 @@ class DropPriorityCascade(CascadeMissPolicy):
         out = []
         for e, r in zip(missing, ranks):
             b = 0 if r < self.params.J else band[e]
-            out.append(MissAction(DROP) if b >= len(cascade) else MissAction("fetch", cascade[b]))
+            out.append(MissAction(DROP) if b >= len(cascade) else MissAction(FETCH, cascade[b]))
         return out

@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import MISS, SUBSTITUTE, MissAction, MissPolicy
+from .base import FETCH, MISS, SUBSTITUTE, MissAction, MissPolicy
 
 
 @MISS.register("substitute")
@@ -44,7 +44,7 @@ class Substitute(MissPolicy):
             low = probs[tokens, e] < (1 + a) * s_k1[tokens]
             cand = eligible[tokens]
             if not bool(low.all()) or not bool(cand.any(-1).all()):
-                actions.append(MissAction("fetch"))
+                actions.append(MissAction(FETCH))
                 continue
             pick = torch.where(cand, probs[tokens], torch.full_like(probs[tokens], -1.0)).argmax(-1)
             sub = torch.full((probs.shape[0],), e, dtype=torch.long, device=probs.device)
