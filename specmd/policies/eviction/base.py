@@ -82,8 +82,9 @@ class EvictionPolicy(Policy):
 
 
 class OrderedEviction(EvictionPolicy):
-    """Shared machinery of policies that keep their keys in one insertion-ordered dict and evict the
-    first evictable key of it (LRU, FIFO): subclasses decide what reorders it."""
+    """Keeps the pool's resident keys in one insertion-ordered dict, ``_order``. By default the first
+    evictable key of it is the victim (FIFO; LRU reorders it on access); ranking policies (LFU, FLD,
+    score, ml) override ``victim`` and rank its keys."""
 
     def __init__(self, params=None, keys=None):
         super().__init__(params, keys)

@@ -1,10 +1,10 @@
 from dataclasses import dataclass
 
-from .base import EVICTION, EvictionPolicy, argmin_key
+from .base import EVICTION, OrderedEviction, argmin_key
 
 
 @EVICTION.register("lfu")
-class LFU(EvictionPolicy):
+class LFU(OrderedEviction):
     """Least frequently used (SpecMD App. B): evicts the resident expert with the fewest accesses over the
     whole run. Counts persist after eviction ("entire inference history"; set ``history: false`` for
     in-cache counts, which is what libCacheSim's LFU does). An insert counts as one access.
@@ -18,7 +18,6 @@ class LFU(EvictionPolicy):
         super().__init__(params or self.Params(), keys)
         self.count: dict[int, int] = {}
         self.last: dict[int, int] = {}
-        self.resident: dict[int, None] = {}
         self.clock = 0
 
     def weight(self, key) -> int:
@@ -31,17 +30,17 @@ class LFU(EvictionPolicy):
         self.last[key] = self.clock
 
     def on_insert(self, key, prefetch):
-        self.resident[key] = None
+        super().on_insert(key, prefetch)
         self._touch(key)
 
     def on_access(self, key):
         self._touch(key)
 
     def on_remove(self, key):
-        del self.resident[key]
+        super().on_remove(key)
         if not self.params.history:
             del self.count[key]
 
     def victim(self, evictable):
         count, last = self.count, self.last
-        return argmin_key(self.resident, evictable, lambda k: (count[k], last[k]))
+        return argmin_key(self._order, evictable, lambda k: (count[k], last[k]))

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ...errors import ConfigError
-from .base import EVICTION, EvictionPolicy
+from .base import EVICTION, OrderedEviction
 
 ASSET_FILE = "ml_eviction.safetensors"
 
@@ -79,7 +79,7 @@ def load_networks(spec: str) -> tuple[list[MLP], dict]:
 
 
 @EVICTION.register("ml")
-class ML(EvictionPolicy):
+class ML(OrderedEviction):
     """FlashMoE's learned eviction (see module docstring). ``weights``: a ``.safetensors`` file written by
     ``python -m specmd.train_eviction``, or ``specmd:<asset>`` for one shipped with a model (the embedded
     ``specmd:tiny-olmoe`` has one). Its layer count must match the model's MoE layers. Recency and
@@ -93,7 +93,6 @@ class ML(EvictionPolicy):
     def __init__(self, params=None, keys=None):
         super().__init__(params or self.Params(), keys)
         self.nets: list[MLP] = []
-        self.resident: dict[int, None] = {}
 
     def attach(self, cache, pool):
         super().attach(cache, pool)
@@ -126,15 +125,12 @@ class ML(EvictionPolicy):
             self.fmax[layer] = f
 
     def on_insert(self, key, prefetch):
-        self.resident[key] = None
+        super().on_insert(key, prefetch)
         if not prefetch:
             self._use(key)
 
     def on_access(self, key):
         self._use(key)
-
-    def on_remove(self, key):
-        del self.resident[key]
 
     def predictions(self, layer: int) -> np.ndarray:
         """Predicted next-use distance of every expert of ``layer`` (cached, see ``attach``)."""
@@ -149,7 +145,7 @@ class ML(EvictionPolicy):
         E = self.E
         best, best_key = None, None
         preds: dict = {}
-        for key in self.resident:
+        for key in self._order:
             if not evictable(key):
                 continue
             layer = key // E

@@ -3,11 +3,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import EVICTION, EvictionPolicy, argmin_key
+from .base import EVICTION, OrderedEviction, argmin_key
 
 
 @EVICTION.register("score")
-class Score(EvictionPolicy):
+class Score(OrderedEviction):
     """Score-based eviction (Zhu et al. 2025; SpecMD App. B): evicts the resident expert with the lowest
     mean gate score over the last ``n`` calls of its layer (decode steps; a prefill pass counts as one
     step, scored by its mean over tokens). The score of an expert at a step is its router probability
@@ -27,7 +27,6 @@ class Score(EvictionPolicy):
 
     def __init__(self, params=None, keys=None):
         super().__init__(params or self.Params(), keys)
-        self.resident: dict[int, None] = {}
         self.history: dict[int, deque] = {}
         self.mean: dict[int, np.ndarray] = {}
 
@@ -39,15 +38,6 @@ class Score(EvictionPolicy):
             hist.popleft()
         self.mean[layer] = sum(hist) / len(hist)
 
-    def on_insert(self, key, prefetch):
-        self.resident[key] = None
-
-    def on_access(self, key):
-        pass
-
-    def on_remove(self, key):
-        del self.resident[key]
-
     def victim(self, evictable):
         e, mean = self.keys.num_experts, self.mean
 
@@ -55,4 +45,4 @@ class Score(EvictionPolicy):
             m = mean.get(k // e)
             return (0.0 if m is None else float(m[k % e]), k)
 
-        return argmin_key(self.resident, evictable, rank)
+        return argmin_key(self._order, evictable, rank)
