@@ -219,17 +219,20 @@ class PolicyStack:
         st = cache.stats
         st.slots_total += slots
         n_run = len(experts)
-        if served is None and rec.index is rec.original:
+        rerouted = rec.index is not rec.original
+        # the router's own requests: what was just counted, unless a routing policy changed the selection
+        st.requests_router[layer] += int(torch.bincount(rec.original.reshape(-1)).count_nonzero()) if rerouted else n_run
+        if served is None and not rerouted:
             st.slots_unchanged += slots
-            st.requests_router[layer] += n_run
         else:
-            st.requests_router[layer] += int(torch.bincount(rec.original.reshape(-1)).count_nonzero())
-            kept = (index.unsqueeze(-1) == rec.original.unsqueeze(-2)).any(-1)
-            if rec.index is not rec.original:
+            if rerouted:
+                kept = (index.unsqueeze(-1) == rec.original.unsqueeze(-2)).any(-1)
                 void = weights == 0  # slots a routing policy emptied (prune): not run, not faithful
                 if bool(void.any()):
                     kept &= ~void
                     slots -= int(void.sum())
+            else:
+                kept = torch.ones_like(index, dtype=torch.bool)
             if served is not None:
                 index, weights, kept, slots, n_run = self._apply_served(served, index, weights, kept, counts, n_run,
                                                                         slots)
