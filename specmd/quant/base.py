@@ -38,8 +38,8 @@ def expert_params(experts: torch.nn.Module, num_experts: int) -> list[tuple[str,
 
 
 class ExpertStore:
-    """Per-precision bytes of one expert and, on demand, an expert's weights at a stored precision
-    (dequantized; the most recently used ``cache_experts`` are kept in memory)."""
+    """Per-precision bytes of one expert and, on demand, an expert's weights at a stored non-native
+    precision (dequantized; the most recently used ``cache_experts`` are kept in memory)."""
 
     def __init__(self, native_bits: int, expert_bytes: int, bytes_of: dict[str, int],
                  loader: Optional[Any] = None, cache_experts: int = 1024):

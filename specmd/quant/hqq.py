@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import BITS, CAST, NATIVE, QUANT, ExpertStore, QuantMethod, cache_dir, expert_params, model_fingerprint
+from .base import BITS, CAST, QUANT, ExpertStore, QuantMethod, cache_dir, expert_params, model_fingerprint
 
 INT = ("int8", "int4", "int3", "int2")
 
@@ -61,9 +61,7 @@ class HQQ(QuantMethod):
             bytes_of[prec] = other_bytes + per
 
         def load(layer, expert, prec):
-            mod = experts[layer]
-            if prec == NATIVE:
-                return {n: p.detach()[expert] for n, p in expert_params(mod, num_experts)}
+            mod = experts[layer]  # native experts run in place; only other precisions come through here
             if prec in CAST:
                 return {n: p.detach()[expert].to(CAST[prec]).to(native_dtype)
                         for n, p in expert_params(mod, num_experts)}
