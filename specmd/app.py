@@ -11,6 +11,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from .engine import StackSpec
 from .errors import ConfigError
 from .hardware import HardwareConfig
 from .registry import build_params
@@ -37,7 +38,10 @@ class Run:
         self.hardware = build_params(HardwareConfig, dict(c["hardware"]), "hardware")
         self.eval = build_params(EvalConfig, dict(c.get("eval") or {}), "eval")
         self.enabled = bool((c.get("stack") or {}).get("enabled", True))
-        self.save_trace = bool((c.get("trace") or {}).get("save", False))
+        tr = c.get("trace") or {}
+        self.save_trace = bool(tr.get("save", False))
+        self.trace_depth = int(tr.get("depth", 1))
+        self.trace_logits = str(tr.get("logits", "fp32"))
         self.quant = QUANT.params(c.get("quant") or {"name": "none"})
         regs = {"routing": ROUTING, "miss": MISS, "eviction": EVICTION, "prefetch": PREFETCH}
         self.policies = {g: regs[g].params(c[g]) for g in GROUPS}  # (class, params), validated
@@ -53,33 +57,29 @@ class Run:
         if missing:
             raise ConfigError(f"miss={mcls.name} needs precision(s) {missing}, but quant={qcls.name} stores only "
                               f"{', '.join(stored)}; use quant=hqq with quant.precisions including {missing}")
+        from .replay.driver import ReplayConfig
+
+        self.replay = build_params(ReplayConfig, dict(c.get("replay") or {}), "replay")
+        if self.trace_depth < 0:
+            raise ConfigError(f"trace.depth={self.trace_depth} must be >= 0")
         self.mirror = (c.get("data") or {}).get("mirror")
         self.device = c.get("device", "cpu")
+
+        self.spec = StackSpec(hardware=self.hardware, quant=self.quant, **self.policies)
 
     def build_stack(self, model):
         from .hook import install
         from .models.adapters import adapter_for
 
-        (rcls, rp), (mcls, mp), (ecls, ep), (pcls, pp) = (self.policies[g] for g in GROUPS)
-        qcls, qp = self.quant
-        return install(model, adapter_for(self.model.family), rcls(rp), mcls(mp),
-                       lambda keys: ecls(ep, keys), pcls(pp), self.hardware, qcls(qp))
+        return install(model, self.spec, adapter_for(self.model.family))
 
 
-def collect(run: Run, stack, tasks: dict, wall_s: float) -> dict:
+def collect(run: Run, engine, tasks: dict, wall_s: float) -> dict:
     results = {"config": run.raw, "tasks": tasks, "wall_s": wall_s}
-    if stack is None:
+    if engine is None:
         results.update(cache=None, timing=None, routing={"fidelity": 1.0})
         return results
-    stack.cache.finalize()
-    st = stack.cache.stats
-    cache = st.summary()
-    g = stack.geom
-    cache["capacity_bytes"] = sum(p.capacity for p in stack.cache.pools)
-    cache["expert_bytes"] = g.expert_bytes
-    cache["model_bytes"] = g.total_bytes
-    cache["layers"] = g.layer_ids
-    results.update(cache=cache, timing=st.timing(), routing={"fidelity": st.fidelity()})
+    results.update(engine.results())
     return results
 
 
@@ -87,11 +87,19 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
     """Run one configuration; writes ``results.json`` (atomically) into ``run_dir``."""
     from .eval.mirror import mirrored, require_hub_for, resolve_mirror, set_offline
     from .loggers import build_logger
-    from .results import write_json_atomic, write_passes_csv, write_trace
+    from .results import write_json_atomic, write_passes_csv
 
     run = Run(cfg)
     logger = build_logger(run.raw.get("logger"), group)
     run_dir = Path(run_dir or os.getcwd())
+    if run.replay.trace:
+        from .replay.driver import replay
+
+        results, engine = replay(run, run_dir)
+        write_passes_csv(run_dir / "passes.csv", engine.cache.stats.passes)
+        write_json_atomic(run_dir / "results.json", results)
+        logger.log_run(results, str(run_dir))
+        return results
     root = resolve_mirror(run.mirror)
     if root is not None:
         set_offline()
@@ -110,26 +118,30 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
     model, tokenizer = load_model(run.model)
     model.to(run.device)
     stack = run.build_stack(model) if run.enabled else None
+    engine = stack.engine if stack is not None else None
     if stack is not None and run.save_trace:
-        stack.trace = [[] for _ in range(stack.geom.num_layers)]
+        from .replay.trace import TraceWriter
+
+        stack.writer = TraceWriter(run_dir / "trace", stack.geom, stack.scoring, stack.store, run.trace_depth,
+                                   run.trace_logits, {"model": run.raw.get("model"), "run_dir": str(run_dir)})
     tasks: dict = {}
     try:
         with mirrored(root):
             tasks = evaluate(model, tokenizer, run.eval, device=run.device)
     except BaseException as exc:
         # Keep what was computed: the cache/timing accounting so far, marked failed (never results.json).
-        partial = collect(run, stack, tasks, time.perf_counter() - t0)
+        partial = collect(run, engine, tasks, time.perf_counter() - t0)
         partial["error"] = f"{type(exc).__name__}: {exc}"
         write_json_atomic(run_dir / "failed.json", partial)
         raise
     finally:
         if stack is not None:
             stack.remove()
-    results = collect(run, stack, tasks, time.perf_counter() - t0)
-    if stack is not None:
-        write_passes_csv(run_dir / "passes.csv", stack.cache.stats.passes)
-        if stack.trace is not None:
-            write_trace(run_dir / "trace.npz", stack.trace)
+            if stack.writer is not None:
+                stack.writer.close()
+    results = collect(run, engine, tasks, time.perf_counter() - t0)
+    if engine is not None:
+        write_passes_csv(run_dir / "passes.csv", engine.cache.stats.passes)
     write_json_atomic(run_dir / "results.json", results)
     logger.log_run(results, str(run_dir))
     return results

@@ -35,18 +35,6 @@ def write_json_atomic(path: Path, data: dict) -> None:
         raise
 
 
-def write_trace(path: Path, layers: list) -> None:
-    """Routing trace: ``layer<i>`` = the router's own top-k of every token of MoE layer i, in order ([N, k])."""
-    import numpy as np
-    import torch
-
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.npz")
-    arrays = {f"layer{i}": (torch.cat(x).numpy() if x else np.zeros((0, 0), dtype=np.int64)) for i, x in enumerate(layers)}
-    np.savez_compressed(tmp, **arrays)
-    os.replace(tmp, path)
-
-
 def write_passes_csv(path: Path, passes) -> None:
     """Per-forward-pass accounting (one row per prefill or decode pass)."""
     path = Path(path)

@@ -29,6 +29,70 @@ class Adapter:
     # Weight semantics that reweigh() cannot reproduce exactly (documented deviation), else None.
     reweigh_note: Optional[str] = None
 
+    # ---- model structure (nothing outside this module knows where a family keeps its parts) ----------
+    def num_experts(self, config) -> int:
+        return int(getattr(config, self.experts_attr))
+
+    def moe_layers(self, model) -> list[int]:
+        """Decoder-layer indices whose MLP is a routed MoE block."""
+        ids = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+        if not ids:
+            raise ValueError(f"no MoE layers found in {type(model).__name__}")
+        return ids
+
+    def block(self, model, layer_id: int):
+        return model.model.layers[layer_id].mlp
+
+    def router(self, model, layer_id: int):
+        return getattr(self.block(model, layer_id), self.router_attr)
+
+    def experts(self, model, layer_id: int):
+        return self.block(model, layer_id).experts
+
+    def set_experts(self, model, layer_id: int, module) -> None:
+        self.block(model, layer_id).experts = module
+
+    def decoder(self, model):
+        """The module whose forward is one forward pass (its pre/post hooks mark passes)."""
+        return model.model
+
+    def scoring(self, config):
+        from ..engine.record import Scoring
+
+        return Scoring(self.score == "sigmoid", self.renormalises(config), self.scale(config))
+
+    def geometry(self, model):
+        """The :class:`~specmd.engine.geometry.Geometry` of a loaded model (parameters at their dtype)."""
+        from ..engine.geometry import Geometry
+
+        config = model.config
+        layers = model.model.layers
+        moe_ids = self.moe_layers(model)
+        num_experts = self.num_experts(config)
+        experts0 = self.experts(model, moe_ids[0])
+        expert_params = sum(p.numel() for p in experts0.parameters()) // num_experts
+        expert_bytes = sum(p.numel() * p.element_size() for p in experts0.parameters()) // num_experts
+        dtype_bytes = next(experts0.parameters()).element_size()
+        total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+        def dense_params(i):
+            n = sum(p.numel() for p in layers[i].parameters())
+            return n - (sum(p.numel() for p in self.experts(model, i).parameters()) if i in moe_ids else 0)
+
+        dense, attn, prev = [], [], -1
+        for i in moe_ids:
+            dense.append(sum(dense_params(j) for j in range(prev + 1, i + 1)))
+            attn.append(i - prev)
+            prev = i
+        tail = sum(dense_params(j) for j in range(prev + 1, len(layers)))
+        tail += sum(p.numel() for p in model.model.norm.parameters()) + model.lm_head.weight.numel()
+        return Geometry(
+            num_layers=len(moe_ids), num_experts=num_experts, top_k=int(config.num_experts_per_tok),
+            expert_bytes=expert_bytes, total_bytes=total_bytes, hidden_size=int(config.hidden_size),
+            dtype_bytes=dtype_bytes, dense_params=dense, attn_layers=attn, tail_params=tail,
+            tail_attn_layers=len(layers) - 1 - prev, expert_params=expert_params, layer_ids=moe_ids,
+        )
+
     def renormalises(self, config) -> bool:
         return bool(getattr(config, self.renorm)) if isinstance(self.renorm, str) else bool(self.renorm)
 

@@ -22,8 +22,8 @@ class ARC(EvictionPolicy):
     layer's, in-flight prefetches) are skipped within the chosen list, falling back to the other list. A
     prefetch is admitted like a miss. Hit counts equal libCacheSim's ARC on flat traces (tests)."""
 
-    def __init__(self, params=None, keys=None):
-        super().__init__(params, keys)
+    def __init__(self, params=None):
+        super().__init__(params)
         self.t1: dict[int, None] = {}
         self.t2: dict[int, None] = {}
         self.b1: dict[int, None] = {}
@@ -34,8 +34,8 @@ class ARC(EvictionPolicy):
         self._in_b2 = False
         self._no_ghost = None  # victim chosen by case IV(a) with B1 empty: no ghost entry
 
-    def attach(self, cache, pool):
-        super().attach(cache, pool)
+    def attach(self, view, capacity):
+        super().attach(view, capacity)
         self.c = self.capacity_experts()
 
     def on_admit(self, key):

@@ -6,15 +6,14 @@ MoE layer in ``per_layer``) and tells it about every insert, hit and removal. Ke
 ``victim(evictable)`` returns the key to evict among those for which ``evictable(key)`` is true (the
 manager excludes the experts the running layer uses and prefetches still in flight), or ``None``.
 
-Hooks with a default no-op: ``on_pass_start`` (a new forward pass), ``on_layer`` (execution reached a
-MoE layer), ``on_admit`` (a missing key is about to be inserted, before room is made for it: adaptive
-policies such as ARC and LeCaR learn from their ghost lists here), ``on_scores`` (the mean router
-probability of every expert of the layer just routed; only called when ``wants_scores`` is true).
-``attach(cache)`` gives read access to the cache manager (``cache.entries[key].precision`` for LHU).
-
-Oracle policies (Belady, trace replay) will get the future the same way: a trace-replay driver calls
-``on_pass_start`` / ``on_layer`` with a cursor into the recorded trace, and ``victim`` reads the next use
-of each candidate from it; nothing in the manager needs to change.
+Hooks with a default no-op: ``on_pass_start`` (a new forward pass), ``on_layer(layer, record)``
+(execution reached a MoE layer; ``record`` is its :class:`~specmd.engine.record.GateRecord`, or None when
+a test drives the cache without one), ``on_admit`` (a missing key is about to be inserted, before room is
+made for it: adaptive policies such as ARC and LeCaR learn from their ghost lists here).
+``setup(model)`` sees the :class:`~specmd.engine.ModelView` (geometry; ``model.future`` when a trace
+provides the future, which is how ``belady`` sees next uses); ``attach(view, capacity)`` gives the pool's
+byte budget and the read-only :class:`~specmd.engine.view.CacheView` (an entry's precision, bits, bytes,
+in-flight state). A policy never sees the cache manager, and nothing tells it which driver feeds it.
 """
 
 from __future__ import annotations
@@ -39,22 +38,21 @@ class KeySpace:
 
 
 class EvictionPolicy(Policy):
-    wants_scores = False  # set True to receive on_scores(layer, probs) once per layer call
-
-    def __init__(self, params: Any = None, keys: Optional[KeySpace] = None):
+    def __init__(self, params: Any = None):
         super().__init__(params)
-        self.keys = keys
-        self.cache = None
-        self.pool = None
+        self.keys: Optional[KeySpace] = None
+        self.view = None
+        self.capacity = 0
 
-    def attach(self, cache: Any, pool: Any) -> None:
-        """Called once by the cache manager: ``pool.capacity`` is this instance's byte budget."""
-        self.cache = cache
-        self.pool = pool
+    def attach(self, view: Any, capacity: int) -> None:
+        """Called once by the engine: ``capacity`` is this instance's byte budget."""
+        self.view = view
+        self.capacity = capacity
+        self.keys = KeySpace(view.geometry.num_experts)
 
     def capacity_experts(self) -> int:
         """The pool's capacity in experts at the stored (native) precision (ARC's and LeCaR's ``c``)."""
-        return max(1, self.pool.capacity // self.cache.geom.expert_bytes)
+        return max(1, self.capacity // self.view.geometry.expert_bytes)
 
     def on_insert(self, key: int, prefetch: bool) -> None:
         raise NotImplementedError
@@ -71,13 +69,10 @@ class EvictionPolicy(Policy):
     def on_pass_start(self, pass_index: int) -> None:
         pass
 
-    def on_layer(self, layer: int) -> None:
+    def on_layer(self, layer: int, record: Any = None) -> None:
         pass
 
     def on_admit(self, key: int) -> None:
-        pass
-
-    def on_scores(self, layer: int, scores: Any) -> None:
         pass
 
 
@@ -86,8 +81,8 @@ class OrderedEviction(EvictionPolicy):
     evictable key of it is the victim (FIFO; LRU reorders it on access); ranking policies (LFU, FLD,
     score, ml) override ``victim`` and rank its keys."""
 
-    def __init__(self, params=None, keys=None):
-        super().__init__(params, keys)
+    def __init__(self, params=None):
+        super().__init__(params)
         self._order: dict[int, None] = {}
 
     def on_insert(self, key, prefetch):

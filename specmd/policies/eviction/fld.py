@@ -8,16 +8,16 @@ class FLD(OrderedEviction):
     next layer's experts (distance 1) are kept longest and the layer just executed (distance L-1, not needed
     until the next pass) goes first. Ties (same layer): the one resident longest (insertion order)."""
 
-    def __init__(self, params=None, keys=None):
-        super().__init__(params, keys)
+    def __init__(self, params=None):
+        super().__init__(params)
         self.current = 0
         self.num_layers = 1
 
-    def attach(self, cache, pool):
-        super().attach(cache, pool)
-        self.num_layers = cache.geom.num_layers
+    def attach(self, view, capacity):
+        super().attach(view, capacity)
+        self.num_layers = view.geometry.num_layers
 
-    def on_layer(self, layer):
+    def on_layer(self, layer, record=None):
         self.current = layer
 
     def victim(self, evictable):

@@ -10,8 +10,8 @@ class LeastStale(EvictionPolicy):
     current ones, layers already executed), and within one layer the expert that joined the queue first.
     Equivalent to the paper's two priority heaps keyed by (layer, arrival)."""
 
-    def __init__(self, params=None, keys=None):
-        super().__init__(params, keys)
+    def __init__(self, params=None):
+        super().__init__(params)
         self.mark: dict[int, tuple[int, int]] = {}  # key -> (pass it was last current in, arrival seq)
         self.pass_index = 0
         self.seq = 0

@@ -27,8 +27,8 @@ class LeCaR(EvictionPolicy):
             if not 0.0 <= self.lru_weight <= 1.0:
                 raise ValueError(f"lru_weight={self.lru_weight} must be in [0, 1]")
 
-    def __init__(self, params=None, keys=None):
-        super().__init__(params or self.Params(), keys)
+    def __init__(self, params=None):
+        super().__init__(params or self.Params())
         self.w_lru = self.params.lru_weight
         self.rng = random.Random(self.params.seed)
         self.recency: dict[int, None] = {}  # LRU order of resident keys
@@ -41,8 +41,8 @@ class LeCaR(EvictionPolicy):
         self.discount = 0.005
         self._pending = None  # the policy that chose the next victim
 
-    def attach(self, cache, pool):
-        super().attach(cache, pool)
+    def attach(self, view, capacity):
+        super().attach(view, capacity)
         self.c = self.capacity_experts()
         self.discount = 0.005 ** (1.0 / self.c)
 

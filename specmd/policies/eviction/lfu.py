@@ -14,8 +14,8 @@ class LFU(OrderedEviction):
     class Params:
         history: bool = True
 
-    def __init__(self, params=None, keys=None):
-        super().__init__(params or self.Params(), keys)
+    def __init__(self, params=None):
+        super().__init__(params or self.Params())
         self.count: dict[int, int] = {}
         self.last: dict[int, int] = {}
         self.clock = 0

@@ -90,14 +90,14 @@ class ML(OrderedEviction):
     class Params:
         weights: str = "specmd:tiny-olmoe"
 
-    def __init__(self, params=None, keys=None):
-        super().__init__(params or self.Params(), keys)
+    def __init__(self, params=None):
+        super().__init__(params or self.Params())
         self.nets: list[MLP] = []
 
-    def attach(self, cache, pool):
-        super().attach(cache, pool)
+    def attach(self, view, capacity):
+        super().attach(view, capacity)
         self.nets, meta = load_networks(self.params.weights)
-        geom = cache.geom
+        geom = view.geometry
         if len(self.nets) != geom.num_layers:
             raise ConfigError(f"eviction=ml: weights {self.params.weights!r} have {len(self.nets)} layers, the model "
                               f"has {geom.num_layers} MoE layers; train matching ones with python -m specmd.train_eviction")
@@ -113,7 +113,7 @@ class ML(OrderedEviction):
         self._pred: list = [None] * L
         self._pred_at: list = [None] * L
 
-    def on_layer(self, layer):
+    def on_layer(self, layer, record=None):
         self.step[layer] += 1
 
     def _use(self, key):

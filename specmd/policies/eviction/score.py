@@ -15,7 +15,6 @@ class Score(OrderedEviction):
     layer not yet seen score 0. The protection shield: the running layer's experts are never evicted
     while it computes (the cache manager's pinning). Ties: lower key first."""
 
-    wants_scores = True
 
     @dataclass
     class Params:
@@ -25,13 +24,15 @@ class Score(OrderedEviction):
             if self.n < 1:
                 raise ValueError(f"n={self.n} must be >= 1")
 
-    def __init__(self, params=None, keys=None):
-        super().__init__(params or self.Params(), keys)
+    def __init__(self, params=None):
+        super().__init__(params or self.Params())
         self.history: dict[int, deque] = {}
         self.mean: dict[int, np.ndarray] = {}
 
-    def on_scores(self, layer, scores):
-        scores = np.asarray(scores, dtype=np.float64)
+    def on_layer(self, layer, record=None):
+        if record is None:
+            return
+        scores = record.probs.mean(0).double().cpu().numpy()
         hist = self.history.setdefault(layer, deque())
         hist.append(scores)
         if len(hist) > self.params.n:

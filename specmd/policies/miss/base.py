@@ -1,49 +1,46 @@
 """Miss policies (SpecMD §3.1.2) decide what happens to requested experts that are not resident.
 
-``handle`` gets all misses of one layer call at once (some policies, e.g. Zhu's two-pointer schedule,
-need the whole set) and returns one :class:`MissAction` per missing expert, in the same order.
-Returning ``None`` means "fetch every miss at ``self.fetch_precision``".
+``handle(layer, missing, record, cache)`` gets all misses of one layer call at once (some policies, e.g.
+Zhu's two-pointer schedule, need the whole set), the layer's :class:`~specmd.engine.record.GateRecord` and
+the read-only :class:`~specmd.engine.view.CacheView`, and returns one outcome per missing expert, in the
+same order (``None`` means "fetch every miss at ``self.fetch_precision``").
 
-Outcomes: ``FETCH`` (blocking transfer at ``precision``, a stored precision name or ``None`` for the
-policy's own ``fetch_precision``), ``DROP`` (the expert does not run for this call; its tokens' weight
-for it is zeroed, the others are *not* renormalised), ``SUBSTITUTE`` (``substitute`` is a ``[T]`` long
-tensor: each token that selected the missing expert uses that resident expert instead, with the missing
-expert's weight), ``HOST`` (computed on the host at full precision, in parallel with the layer's
-transfers; timed by the hardware profile's host figures).
+Outcomes (:mod:`specmd.engine.outcomes`, each one class that accounts for itself and says how the layer
+executes): ``Fetch(precision)`` (blocking transfer at a stored precision; ``None`` = the policy's
+``fetch_precision``), ``Drop()`` (the expert does not run for this call; its tokens' weight for it is
+zeroed, the others are *not* renormalised), ``Substitute(substitute)`` (a ``[T]`` long tensor: each token
+that selected the missing expert uses that resident expert instead, with the missing expert's weight),
+``Host()`` (computed on the host at full precision, in parallel with the layer's transfers; timed by the
+hardware profile's host figures).
 
-``setup(model)`` sees the :class:`~specmd.hook.stack.ModelView`; ``model.store`` is the
-:class:`~specmd.quant.ExpertStore` (stored precisions, bytes of each).
+``setup(model)`` sees the :class:`~specmd.engine.ModelView`; ``model.store`` holds the stored precisions
+and the bytes of each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
+from ...engine.outcomes import Drop, Fetch, Host, Outcome, Substitute  # noqa: F401  (what handle returns)
 from ...registry import Registry
 from ..base import Policy
-
-FETCH = "fetch"
-DROP = "drop"
-SUBSTITUTE = "substitute"
-HOST = "host"
-
-
-class MissAction(NamedTuple):
-    kind: str
-    precision: Optional[str] = None  # FETCH: stored precision name; None = the policy's fetch precision
-    substitute: Any = None  # SUBSTITUTE: [T] long tensor of replacement experts
 
 
 class MissPolicy(Policy):
     fetch_precision: str = "native"  # precision of plain fetches and of prefetches
 
     @classmethod
+    def lossless(cls, params: Any) -> bool:
+        """True if every requested expert runs exactly (the model computes what it would unhooked)."""
+        return False
+
+    @classmethod
     def required_precisions(cls, params: Any) -> list[str]:
         """Stored precisions this configuration needs (checked against ``quant`` before a model loads)."""
         return []
 
-    def handle(self, layer: int, missing: list[int], record: Any, cache: Any) -> Optional[list[MissAction]]:
+    def handle(self, layer: int, missing: list[int], record: Any, cache: Any) -> Optional[list[Outcome]]:
         raise NotImplementedError
 
 

@@ -1,4 +1,4 @@
-from .base import FETCH, HOST, MISS, MissAction, MissPolicy, expert_scores
+from .base import MISS, Fetch, Host, MissPolicy, expert_scores
 
 
 @MISS.register("cpu_compute")
@@ -12,10 +12,14 @@ class CPUCompute(MissPolicy):
     ``host_mem_bandwidth_gbps``). Host-computed experts run at full precision (exact output) and are not
     inserted into the cache; their time overlaps the layer's transfers."""
 
+    @classmethod
+    def lossless(cls, params):
+        return True
+
     def handle(self, layer, missing, record, cache):
         scores = expert_scores(record, missing)
         order = sorted(range(len(missing)), key=lambda i: (-float(scores[i]), missing[i]))
-        c_load = cache.clock.channel.duration(cache.store.bytes_of[self.fetch_precision])
+        c_load = cache.transfer_time(self.fetch_precision)
         counts = [int((record.index == missing[i]).sum()) for i in order]
         t_load = t_cpu = 0.0
         lo, hi = 0, len(order) - 1
@@ -28,4 +32,5 @@ class CPUCompute(MissPolicy):
                 t_cpu += cache.host_time(counts[hi], 1)
                 host.add(order[hi])
                 hi -= 1
-        return [MissAction(HOST) if i in host else MissAction(FETCH) for i in range(len(missing))]
+        fetch, on_host = Fetch(), Host()
+        return [on_host if i in host else fetch for i in range(len(missing))]

@@ -1,6 +1,6 @@
 from dataclasses import dataclass
 
-from .base import DROP, FETCH, MISS, MissAction, MissPolicy, best_ranks
+from .base import MISS, Drop, Fetch, MissPolicy, best_ranks
 
 
 @MISS.register("drop")
@@ -19,6 +19,6 @@ class Drop(MissPolicy):
 
     def handle(self, layer, missing, record, cache):
         ranks = best_ranks(record, missing)
-        fetch = MissAction(FETCH)
-        drop = MissAction(DROP)
+        fetch = Fetch()
+        drop = Drop()
         return [fetch if r < self.params.J else drop for r in ranks]

@@ -1,7 +1,6 @@
 from dataclasses import dataclass
 
-from .base import (DROP, FETCH, MISS, CascadeMissPolicy, CascadeParams, MissAction, best_ranks, expert_scores,
-                   percentile_bands)
+from .base import MISS, CascadeMissPolicy, CascadeParams, Drop, Fetch, best_ranks, expert_scores, percentile_bands
 
 
 @MISS.register("drop_priority_cascade")
@@ -24,5 +23,5 @@ class DropPriorityCascade(CascadeMissPolicy):
         out = []
         for e, r in zip(missing, ranks):
             b = 0 if r < self.params.J else band[e]
-            out.append(MissAction(DROP) if b >= len(cascade) else MissAction(FETCH, cascade[b]))
+            out.append(Drop() if b >= len(cascade) else Fetch(cascade[b]))
         return out

@@ -13,6 +13,10 @@ class Fetch(MissPolicy):
         precision: str = "native"
 
     @classmethod
+    def lossless(cls, params):
+        return params.precision == "native"
+
+    @classmethod
     def required_precisions(cls, params):
         return [params.precision]
 

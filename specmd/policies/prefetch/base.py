@@ -1,10 +1,12 @@
 """Prefetch policies (SpecMD §3.1.4) predict experts of later layers and queue them on the channel.
 
 ``predict(record, model)`` runs after the current layer's misses are handled and returns
-``[(target_layer, [experts in issue order]), ...]``. ``model`` is a
-:class:`~specmd.hook.stack.ModelView`: ``model.next_layer(l)``, ``model.router_probs(l, hidden)`` and
-``model.router_predict(l, hidden)`` (layer ``l``'s router applied to any hidden state: probabilities with
-the family's scoring, and the router's own top-k) are what predictors use.
+``[(target_layer, [experts in issue order]), ...]``. ``record.predict(target)`` is the prefetch signal:
+MoE layer ``target``'s router applied to this call's router input, as ``(probs [T, E], its own top-k
+[T, k])`` (family rules included; computed from the model live, read from the trace in replay).
+``model`` is the :class:`~specmd.engine.ModelView` (``next_layer``, geometry, ``future`` in replay).
+``signal_depth(params)`` says how many layers ahead the policy reads the signal (a replayed trace must
+have recorded at least that depth).
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from ..base import Policy
 
 
 class PrefetchPolicy(Policy):
+    @classmethod
+    def signal_depth(cls, params: Any) -> int:
+        return 1
+
     def predict(self, record: Any, model: Any) -> list[tuple[int, list[int]]]:
         raise NotImplementedError
 
@@ -38,10 +44,10 @@ def union_by_score(probs: torch.Tensor, index: torch.Tensor, values: torch.Tenso
     return chosen[order].tolist()
 
 
-def topk_prediction(model: Any, target: int, hidden: torch.Tensor, count: int) -> list[int]:
-    """Layer ``target``'s router on ``hidden``: each token's top ``count`` experts (for ``count == k`` the
-    router's own selection, family rules included), united by :func:`union_by_score`."""
-    probs, index = model.router_predict(target, hidden)
+def topk_prediction(record: Any, target: int, count: int) -> list[int]:
+    """Layer ``target``'s router on this call's input: each token's top ``count`` experts (for ``count == k``
+    the router's own selection, family rules included), united by :func:`union_by_score`."""
+    probs, index = record.predict(target)
     if count == index.shape[-1]:
         values = probs.gather(-1, index)
     else:

@@ -23,6 +23,10 @@ class Lookahead(PrefetchPolicy):
             if self.overfetch <= 0:
                 raise ValueError(f"overfetch={self.overfetch} must be > 0")
 
+    @classmethod
+    def signal_depth(cls, params):
+        return params.depth
+
     def setup(self, model):
         self.count = min(model.num_experts, max(1, math.ceil(model.top_k * self.params.overfetch - 1e-9)))
         self.num_layers = model.num_layers
@@ -33,5 +37,5 @@ class Lookahead(PrefetchPolicy):
             target = record.layer + d
             if target >= self.num_layers:
                 break
-            out.append((target, topk_prediction(model, target, record.hidden, self.count)))
+            out.append((target, topk_prediction(record, target, self.count)))
         return out

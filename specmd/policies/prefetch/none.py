@@ -5,5 +5,9 @@ from .base import PREFETCH, PrefetchPolicy
 class NoPrefetch(PrefetchPolicy):
     """No prefetching: every expert arrives by a demand fetch."""
 
+    @classmethod
+    def signal_depth(cls, params):
+        return 0
+
     def predict(self, record, model):
         return []

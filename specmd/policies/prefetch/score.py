@@ -35,9 +35,9 @@ class Score(PrefetchPolicy):
         target = model.next_layer(record.layer)
         if target is None:
             return []
-        probs, _ = model.router_predict(target, record.hidden)
+        probs, _ = record.predict(target)
         hist = self.history[target]
-        hist = probs if hist is None else torch.cat([hist, probs])[-self.params.window:]
+        hist = (probs if hist is None else torch.cat([hist, probs]))[-self.params.window:]
         self.history[target] = hist
         threshold = torch.quantile(hist.reshape(-1).float(), self.params.percentile / 100.0)
         above = probs >= threshold

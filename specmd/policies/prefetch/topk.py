@@ -30,4 +30,4 @@ class TopK(PrefetchPolicy):
         target = model.next_layer(record.layer)
         if target is None:
             return []
-        return [(target, topk_prediction(model, target, record.hidden, self.count))]
+        return [(target, topk_prediction(record, target, self.count))]

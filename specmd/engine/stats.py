@@ -48,6 +48,7 @@ class CacheStats:
         for name in PER_LAYER:
             setattr(self, name, [0.0 if name == "stall_s" else 0 for _ in range(num_layers)])
         self.passes: list[PassRecord] = []
+        self.extra: list[str] = []  # per-layer counters of outcomes beyond the built-in ones
         self.peak_bytes = 0
         self.slots_total = 0  # token-expert selections made by the original router
         self.slots_unchanged = 0  # ... of which executed unchanged (routing fidelity)
@@ -55,6 +56,15 @@ class CacheStats:
         self.lifetime_n = 0
         self.fetched_by_precision: dict[str, int] = {}  # demand fetches per precision
         self.bytes_by_precision: dict[str, int] = {}  # demand + prefetch bytes per precision
+
+    def add(self, stat: str, layer: int) -> None:
+        """One more of a per-layer counter; an outcome's own counter is created on first use."""
+        counts = getattr(self, stat, None)
+        if counts is None:
+            counts = [0] * self.num_layers
+            setattr(self, stat, counts)
+            self.extra.append(stat)
+        counts[layer] += 1
 
     def count_precision(self, precision: str, nbytes: int, fetched: bool = True) -> None:
         if fetched:
@@ -88,6 +98,7 @@ class CacheStats:
         out["miss_outcomes"] = {
             **{f"fetched_{p}": n for p, n in sorted(self.fetched_by_precision.items())},
             "dropped": out["dropped"], "substituted": out["substituted"], "host_computed": out["host_computed"],
+            **{name: self.total(name) for name in self.extra},
         }
         out["bytes_by_precision"] = dict(sorted(self.bytes_by_precision.items()))
         out["per_layer"] = {name: list(getattr(self, name)) for name in PER_LAYER}
@@ -99,14 +110,14 @@ class CacheStats:
         ]
         return out
 
-    def timing(self) -> dict:
+    def timing(self, clock: str = "simulated") -> dict:
         pre = [p for p in self.passes if p.kind == "prefill"]
         dec = [p for p in self.passes if p.kind == "decode"]
         total_t = sum(p.time_s for p in self.passes)
         total_tok = sum(p.tokens for p in self.passes)
         dec_t = sum(p.time_s for p in dec)
         return {
-            "clock": "simulated",
+            "clock": clock,
             "passes": len(self.passes),
             "prefill_passes": len(pre),
             "decode_passes": len(dec),

@@ -1,0 +1,5 @@
+"""The model-free engine (cache manager + clock + policies) that both drivers feed: see ``engine.py``."""
+
+from .engine import GROUPS, Engine, ModelView, StackSpec  # noqa: F401
+from .geometry import Geometry, pool_capacities  # noqa: F401
+from .record import GateRecord, Scoring  # noqa: F401

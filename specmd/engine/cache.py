@@ -1,0 +1,361 @@
+"""The cache manager: which experts are resident on the emulated device, and the accounting of every
+request. It decides residency only; time comes from the clock, victims from the eviction policy (which
+sees a read-only :class:`~specmd.engine.view.CacheView`, never this class), what a miss becomes from the
+miss policy's outcomes (:mod:`specmd.engine.outcomes`).
+
+Semantics (README "Cache semantics"):
+* Requests of a layer call are the union of the experts its tokens selected. The call serves its hits
+  first (ascending expert index), then its misses (ascending, through the miss policy's outcomes).
+* A request is a *hit* if the expert is resident and its bytes have arrived when the layer runs. A request
+  for a prefetch still queued or in flight is a *miss* counted as ``prefetch_late``: no new bytes move,
+  compute stalls for the remainder (a queued prefetch is promoted to demand priority).
+* A *collision miss* is a miss on an expert evicted earlier in the same forward pass (SpecMD §4.2).
+* Capacity is a byte budget per pool (one global pool, or one per MoE layer). Prefetches reserve their
+  space when issued. The experts of the running layer and prefetches still in flight are never evicted.
+* If a demand miss finds no evictable space (the layer's own working set fills its pool), the expert is
+  *streamed*: its bytes are transferred, it runs, and it is not inserted. The pool never exceeds capacity.
+* A prefetch that finds no evictable space is skipped (``prefetch_skipped``); no bytes move.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .clock import Clock
+from .geometry import Geometry
+from .outcomes import NATIVE, Execution, Fetch
+from .stats import CacheStats, PassRecord
+
+
+class Pool:
+    __slots__ = ("capacity", "used", "policy")
+
+    def __init__(self, capacity: int, policy):
+        self.capacity = capacity
+        self.used = 0
+        self.policy = policy
+
+
+class Entry:
+    __slots__ = ("key", "layer", "nbytes", "pool", "transfer", "prefetched", "used", "precision", "bits", "since")
+
+    def __init__(self, key, layer, nbytes, pool, transfer, prefetched, precision=NATIVE, bits=16, since=0):
+        self.key = key
+        self.layer = layer
+        self.nbytes = nbytes
+        self.pool = pool
+        self.transfer = transfer  # the clock's handle while a prefetch has not been requested yet
+        self.prefetched = prefetched
+        self.used = False
+        self.precision = precision  # the stored precision this resident copy has
+        self.bits = bits
+        self.since = since  # forward pass it was inserted in (cache lifetime)
+
+
+class LayerCall:
+    """The state of the layer call being served: what an outcome may touch (one object, reused)."""
+
+    __slots__ = ("m", "layer", "base", "pool", "record", "ready", "execution", "host_slots", "host_experts",
+                 "fetch_precision", "index", "weights", "n")
+
+    def __init__(self, manager: "CacheManager"):
+        self.m = manager
+        self.fetch_precision = manager.fetch_precision
+
+    def reset(self, layer: int, pool: Pool, record, index, weights, n: int) -> None:
+        self.layer = layer
+        self.base = layer * self.m.geom.num_experts
+        self.pool = pool
+        self.record = record
+        self.ready = self.m.clock.now
+        self.execution = None
+        self.host_slots = 0
+        self.host_experts = 0
+        self.index = index
+        self.weights = weights
+        self.n = n
+
+    # -- what outcomes use ------------------------------------------------------------------------
+    def plan(self) -> Execution:
+        """The layer's execution plan, created on first use (the lossless path never needs one)."""
+        ex = self.execution
+        if ex is None:
+            import torch
+
+            index = self.index
+            ex = self.execution = Execution(index, self.weights, torch.ones_like(index, dtype=torch.bool),
+                                            index.numel(), self.n, self.m.geom.num_experts)
+        return ex
+
+    def pin(self, expert: int) -> None:
+        self.m.pinned.add(self.base + expert)
+
+    def count(self, stat: str) -> None:
+        self.m.stats.add(stat, self.layer)
+
+    def fetch(self, expert: int, precision: str) -> None:
+        """A blocking transfer of ``expert`` at ``precision``: inserted if room can be made, else streamed."""
+        m = self.m
+        key = self.base + expert
+        nbytes = m.precisions.bytes_of[precision]
+        pool = self.pool
+        pool.policy.on_admit(key)
+        st = m.stats
+        if m.make_room(pool, nbytes):
+            m.insert(key, self.layer, nbytes, pool, None, False, precision).used = True
+        else:
+            st.streamed[self.layer] += 1
+        t = m.clock.demand(nbytes)
+        st.bytes_demand[self.layer] += nbytes
+        st.count_precision(precision, nbytes)
+        if t > self.ready:
+            self.ready = t
+
+    def host(self, slots: int) -> None:
+        """Host compute of one expert's ``slots`` token-expert pairs (timed once per call, in ``finish``)."""
+        self.host_slots += slots
+        self.host_experts += 1
+
+
+class CacheManager:
+    def __init__(self, geom: Geometry, capacities: list[int], evictions: list, miss, clock: Clock, store=None):
+        """``evictions``: one eviction policy instance per pool (see ``pool_capacities``); ``store``: an
+        :class:`~specmd.quant.base.ExpertStore` (only its ``bytes_of`` / ``bits_of`` are read)."""
+        from ..quant.base import ExpertStore
+
+        self.geom = geom
+        self.precisions = store or ExpertStore(geom.dtype_bytes * 8, geom.expert_bytes, {})
+        self.miss = miss
+        self.fetch_precision = getattr(miss, "fetch_precision", NATIVE)
+        self.clock = clock
+        self.stats = CacheStats(geom.num_layers)
+        self.pools = [Pool(c, p) for c, p in zip(capacities, evictions)]
+        self._pool_of_layer = self.pools * geom.num_layers if len(self.pools) == 1 else list(self.pools)
+        self.entries: dict[int, Entry] = {}
+        self.used_bytes = 0  # over all pools
+        self.pinned: set[int] = set()
+        self.evicted_this_pass: set[int] = set()
+        self.pass_index = -1
+        self._pass: Optional[list] = None
+        self.predicted: list[Optional[set]] = [None] * geom.num_layers  # prefetch predictions per target layer
+        self._call = LayerCall(self)
+        from .view import CacheView
+
+        self.view = CacheView(self)
+        self._default_fetch = Fetch(None)
+
+    # ---- forward passes -------------------------------------------------------------------------
+    def begin_pass(self, kind: str, tokens: int, context: int) -> None:
+        self.pass_index += 1
+        self.evicted_this_pass.clear()
+        for pool in self.pools:
+            pool.policy.on_pass_start(self.pass_index)
+        s = self.stats
+        self._pass = [kind, tokens, context, self.clock.now, self.clock.stall_s,
+                      s.total("requests"), s.total("hits"), s.total("misses"), s.total("collision_misses")]
+
+    def end_pass(self) -> None:
+        if self._pass is None:
+            return
+        kind, tokens, context, t0, stall0, r0, h0, m0, c0 = self._pass
+        self.clock.tail(tokens, context)
+        s = self.stats
+        s.passes.append(PassRecord(
+            self.pass_index, kind, tokens, self.clock.now - t0, self.clock.stall_s - stall0,
+            s.total("requests") - r0, s.total("hits") - h0, s.total("misses") - m0,
+            s.total("collision_misses") - c0,
+        ))
+        self._pass = None
+
+    @property
+    def pass_shape(self) -> Optional[tuple[int, int]]:
+        """(tokens, context) of the ongoing forward pass, or None outside one."""
+        return None if self._pass is None else (self._pass[1], self._pass[2])
+
+    # ---- one MoE layer call: named steps --------------------------------------------------------
+    def serve(self, layer: int, experts: list[int], record=None, index=None, weights=None) -> LayerCall:
+        """Make the requested ``experts`` of ``layer`` available and stall until they are. Returns the
+        call; ``call.execution`` is None when every requested expert runs at native precision on the
+        device (the lossless fast path), else the plan the outcomes built. ``index``/``weights`` are the
+        selection the layer runs (default: the record's)."""
+        call = self._open(layer, experts, record, index, weights)
+        missing = self._serve_hits(call, experts)
+        if missing:
+            self._serve_misses(call, missing)
+        self._stall(call)
+        return call
+
+    def _open(self, layer, experts, record, index, weights) -> LayerCall:
+        """Step 1: pin the requests, tell the pool's policy where execution is, score the prediction."""
+        self.clock.begin_layer()
+        pinned = self.pinned
+        pinned.clear()
+        base = layer * self.geom.num_experts
+        for e in experts:
+            pinned.add(base + e)
+        pool = self._pool_of_layer[layer]
+        pool.policy.on_layer(layer, record)
+        pred = self.predicted[layer]
+        if pred is not None:
+            st = self.stats
+            st.pred_true[layer] += len(pred.intersection(experts))
+            st.pred_predicted[layer] += len(pred)
+            st.pred_actual[layer] += len(experts)
+            self.predicted[layer] = None
+        if record is not None and index is None:
+            index, weights = record.index, record.weights
+        call = self._call
+        call.reset(layer, pool, record, index, weights, len(experts))
+        return call
+
+    def _serve_hits(self, call: LayerCall, experts: list[int]) -> Optional[list[int]]:
+        """Step 2: resident experts (hits, late prefetches); returns the missing ones."""
+        entries = self.entries
+        st = self.stats
+        layer, base = call.layer, call.base
+        policy = call.pool.policy
+        missing = None
+        hits = 0
+        for e in experts:
+            key = base + e
+            ent = entries.get(key)
+            if ent is None:
+                if missing is None:
+                    missing = []
+                missing.append(e)
+                continue
+            if ent.precision != NATIVE:
+                call.plan().precisions[e] = ent.precision
+            tr = ent.transfer
+            if tr is not None:
+                ent.transfer = None
+                if tr.ready_at > self.clock.now:  # prefetch still queued or in flight: late
+                    t = self.clock.promote(tr)
+                    if t > call.ready:
+                        call.ready = t
+                    st.prefetch_late[layer] += 1
+                    st.misses[layer] += 1
+                    ent.used = True
+                    st.prefetch_used[layer] += 1
+                    policy.on_access(key)
+                    continue
+            if ent.prefetched and not ent.used:
+                st.prefetch_used[layer] += 1
+            ent.used = True
+            hits += 1
+            policy.on_access(key)
+        st.requests[layer] += len(experts)
+        st.hits[layer] += hits
+        return missing
+
+    def _serve_misses(self, call: LayerCall, missing: list[int]) -> None:
+        """Step 3: the miss policy names an outcome per missing expert; each outcome serves itself."""
+        layer, base = call.layer, call.base
+        st = self.stats
+        outcomes = self.miss.handle(layer, missing, call.record, self.view)
+        if outcomes is None:
+            outcomes = [self._default_fetch] * len(missing)
+        else:
+            for e, out in zip(missing, outcomes):
+                out.prepare(call, e)
+        evicted = self.evicted_this_pass
+        for e, out in zip(missing, outcomes):
+            st.misses[layer] += 1
+            if base + e in evicted:
+                st.collision_misses[layer] += 1
+            out.serve(call, e)
+
+    def _stall(self, call: LayerCall) -> None:
+        """Step 4: host work overlaps the transfers; compute waits for whichever finishes last."""
+        if call.host_experts:
+            t = self.clock.host(call.host_slots, call.host_experts)
+            if t > call.ready:
+                call.ready = t
+        self.stats.stall_s[call.layer] += self.clock.wait_until(call.ready)
+
+    def finish_layer(self) -> None:
+        self.pinned.clear()
+
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        """Queue asynchronous fetches of ``experts`` of MoE layer ``layer`` now (at the miss policy's
+        fetch precision). The prediction is remembered for precision/recall."""
+        base = layer * self.geom.num_experts
+        pool = self._pool_of_layer[layer]
+        prec = self.fetch_precision
+        nbytes = self.precisions.bytes_of[prec]
+        st = self.stats
+        pred = self.predicted[layer]
+        if pred is None:
+            self.predicted[layer] = set(experts)
+        else:
+            pred.update(experts)
+        entries = self.entries
+        for e in experts:
+            key = base + e
+            if key in entries:
+                continue
+            pool.policy.on_admit(key)
+            if not self.make_room(pool, nbytes):
+                st.prefetch_skipped[layer] += 1
+                continue
+            self.insert(key, layer, nbytes, pool, self.clock.prefetch(nbytes), True, prec)
+            st.prefetch_issued[layer] += 1
+            st.bytes_prefetch[layer] += nbytes
+            st.count_precision(prec, nbytes, fetched=False)
+
+    # ---- residency ------------------------------------------------------------------------------
+    def evictable(self, key: int) -> bool:
+        if key in self.pinned:
+            return False
+        tr = self.entries[key].transfer
+        return tr is None or tr.ready_at <= self.clock.now
+
+    def make_room(self, pool: Pool, nbytes: int) -> bool:
+        if nbytes > pool.capacity:
+            return False
+        evictable = self.evictable
+        while pool.capacity - pool.used < nbytes:
+            victim = pool.policy.victim(evictable)
+            if victim is None:
+                return False
+            self.evict(victim)
+        return True
+
+    def insert(self, key, layer, nbytes, pool, transfer, prefetched, precision=NATIVE) -> Entry:
+        ent = self.entries[key] = Entry(key, layer, nbytes, pool, transfer, prefetched, precision,
+                                        self.precisions.bits_of[precision], self.pass_index)
+        pool.used += nbytes
+        self.used_bytes += nbytes
+        pool.policy.on_insert(key, prefetched)
+        if self.used_bytes > self.stats.peak_bytes:
+            self.stats.peak_bytes = self.used_bytes
+        return ent
+
+    def evict(self, key: int) -> None:
+        ent = self.entries.pop(key)
+        ent.pool.used -= ent.nbytes
+        self.used_bytes -= ent.nbytes
+        ent.pool.policy.on_remove(key)
+        self.evicted_this_pass.add(key)
+        st = self.stats
+        st.evictions[ent.layer] += 1
+        st.lifetime_sum += self.pass_index - ent.since
+        st.lifetime_n += 1
+        if ent.prefetched and not ent.used:
+            st.prefetch_wasted[ent.layer] += 1
+
+    # ---- end of run and checks ------------------------------------------------------------------
+    def finalize(self) -> None:
+        """At the end of a run, prefetched experts never used count as wasted."""
+        for ent in self.entries.values():
+            if ent.prefetched and not ent.used:
+                self.stats.prefetch_wasted[ent.layer] += 1
+                ent.used = True
+
+    def check_invariants(self) -> None:
+        for pool in self.pools:
+            assert 0 <= pool.used <= pool.capacity, (pool.used, pool.capacity)
+        assert sum(p.used for p in self.pools) == self.used_bytes == sum(e.nbytes for e in self.entries.values())
+        st = self.stats
+        for l in range(self.geom.num_layers):
+            assert st.hits[l] + st.misses[l] == st.requests[l]

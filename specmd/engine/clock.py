@@ -1,0 +1,228 @@
+"""Timing: the clock owns time, the transfer channel, the device roofline and host compute.
+
+The cache manager never computes a time: it asks the clock (``demand``, ``prefetch``, ``promote``,
+``host``, ``wait_until``), and the engine charges compute through it (``dense``, ``experts``, ``tail``).
+Policies read time only through the cache view (``transfer_time``, ``host_time``).
+
+:class:`Clock` is the interface. :class:`SimClock` is the deterministic simulated clock (one
+non-preemptive transfer channel, demand before queued prefetches; roofline compute). A wall clock (real
+host->device copies on CUDA streams, throttled to the link) implements the same methods: ``demand`` /
+``prefetch`` issue real copies and return handles whose completion is an event, ``wait_until`` synchronises,
+``dense``/``experts``/``tail`` become no-ops (the real kernels take the time), ``now`` reads a timer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+INF = math.inf
+
+
+class Transfer:
+    """A prefetch waiting on or travelling through the channel. ``ready_at`` is INF until it starts."""
+
+    __slots__ = ("nbytes", "issued_at", "ready_at", "started")
+
+    def __init__(self, nbytes: int, issued_at: float):
+        self.nbytes = nbytes
+        self.issued_at = issued_at
+        self.ready_at = INF
+        self.started = False
+
+
+class TransferChannel:
+    def __init__(self, bandwidth_bytes_per_s: float, latency_s: float):
+        if bandwidth_bytes_per_s <= 0:
+            raise ValueError("bandwidth must be positive")
+        self.bw = float(bandwidth_bytes_per_s)
+        self.latency = float(latency_s)
+        self.free_at = 0.0  # when the transfer occupying the channel completes
+        self.queue: deque[Transfer] = deque()
+        self.busy_s = 0.0
+
+    def duration(self, nbytes: int) -> float:
+        return self.latency + nbytes / self.bw
+
+    def _start(self, tr: Transfer, at: float) -> None:
+        d = self.duration(tr.nbytes)
+        tr.started = True
+        tr.ready_at = at + d
+        self.free_at = tr.ready_at
+        self.busy_s += d
+
+    def advance(self, t: float) -> None:
+        """Start every queued prefetch whose start time falls strictly before ``t``."""
+        q = self.queue
+        while q:
+            start = max(self.free_at, q[0].issued_at)
+            if start >= t:
+                break
+            self._start(q.popleft(), start)
+
+    def submit(self, tr: Transfer) -> None:
+        """Queue an asynchronous prefetch (served after earlier queued ones, after demand)."""
+        self.queue.append(tr)
+
+    def demand(self, t: float, nbytes: int) -> float:
+        """A blocking fetch requested at ``t``: returns its completion time."""
+        self.advance(t)
+        start = max(t, self.free_at)
+        d = self.duration(nbytes)
+        self.free_at = start + d
+        self.busy_s += d
+        return self.free_at
+
+    def promote(self, tr: Transfer, t: float) -> float:
+        """A queued prefetch is now needed: if it has not started, serve it as a demand fetch."""
+        self.advance(t)
+        if tr.started:
+            return tr.ready_at
+        self.queue.remove(tr)
+        tr.issued_at = t
+        start = max(t, self.free_at)
+        self._start(tr, start)
+        return tr.ready_at
+
+    def cancel(self, tr: Transfer) -> bool:
+        """Drop a prefetch that has not started (its bytes never move). Returns True if cancelled."""
+        if tr.started:
+            return False
+        self.queue.remove(tr)
+        return True
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """time(op) = max(flops / peak, bytes / memory bandwidth)."""
+
+    peak_flops: float
+    mem_bytes_per_s: float
+
+    def time(self, flops: float, nbytes: float) -> float:
+        return max(flops / self.peak_flops, nbytes / self.mem_bytes_per_s)
+
+
+class Clock:
+    """What the engine needs from time. ``now`` and ``stall_s`` are read by the engine's accounting."""
+
+    now: float = 0.0
+    stall_s: float = 0.0
+    name = "abstract"
+
+    # -- transfers --------------------------------------------------------------------------------
+    def begin_layer(self) -> None:
+        """A layer call starts serving at ``now`` (start whatever the channel would have started)."""
+
+    def transfer_time(self, nbytes: int) -> float:
+        raise NotImplementedError
+
+    def demand(self, nbytes: int) -> float:
+        """A blocking fetch issued now; returns when its bytes have arrived."""
+        raise NotImplementedError
+
+    def prefetch(self, nbytes: int) -> Transfer:
+        """An asynchronous fetch issued now; the handle's ``ready_at`` says when it arrives (INF: queued)."""
+        raise NotImplementedError
+
+    def promote(self, transfer: Transfer) -> float:
+        """A prefetch is needed now: serve it at demand priority; returns when it arrives."""
+        raise NotImplementedError
+
+    # -- compute ----------------------------------------------------------------------------------
+    def host_time(self, slots: int, experts: int) -> float:
+        """Seconds the host needs for ``slots`` token-expert pairs over ``experts`` experts."""
+        raise NotImplementedError
+
+    def host(self, slots: int, experts: int) -> float:
+        """Host work started now (overlapping the layer's transfers); returns when it is done."""
+        return self.now + self.host_time(slots, experts)
+
+    def wait_until(self, t: float) -> float:
+        """Stall compute until ``t``; returns the stall added."""
+        raise NotImplementedError
+
+    def dense(self, layer: int, tokens: int, context: int) -> None:
+        """Everything the model runs between MoE layer ``layer - 1``'s experts and layer ``layer``'s."""
+
+    def experts(self, slots: int, experts: int) -> None:
+        """A layer's routed experts on the device: ``slots`` token-expert pairs over ``experts`` experts."""
+
+    def tail(self, tokens: int, context: int) -> None:
+        """Everything after the last MoE layer (trailing dense layers, final norm, LM head)."""
+
+
+class SimClock(Clock):
+    """Deterministic simulated time: one transfer channel plus a roofline per op (README "Simulated clock").
+    Time only moves when compute is charged or a stall is taken, so a run is a function of its inputs."""
+
+    name = "simulated"
+
+    def __init__(self, geom, channel: TransferChannel, roofline: Roofline, host: Roofline | None = None):
+        self.geom = geom
+        self.channel = channel
+        self.roofline = roofline
+        self.host_roofline = host or roofline
+        self.now = 0.0
+        self.stall_s = 0.0
+        self.compute_s = 0.0
+
+    @classmethod
+    def from_hardware(cls, geom, hw) -> "SimClock":
+        return cls(geom, TransferChannel(hw.bandwidth_gbps * 1e9, hw.latency_us * 1e-6),
+                   Roofline(hw.peak_tflops * 1e12, hw.mem_bandwidth_gbps * 1e9),
+                   Roofline(hw.host_tflops * 1e12, hw.host_mem_bandwidth_gbps * 1e9))
+
+    # -- transfers --------------------------------------------------------------------------------
+    def begin_layer(self) -> None:
+        self.channel.advance(self.now)
+
+    def transfer_time(self, nbytes: int) -> float:
+        return self.channel.duration(nbytes)
+
+    def demand(self, nbytes: int) -> float:
+        return self.channel.demand(self.now, nbytes)
+
+    def prefetch(self, nbytes: int) -> Transfer:
+        tr = Transfer(nbytes, self.now)
+        self.channel.submit(tr)
+        return tr
+
+    def promote(self, transfer: Transfer) -> float:
+        return self.channel.promote(transfer, self.now)
+
+    # -- compute ----------------------------------------------------------------------------------
+    def host_time(self, slots: int, experts: int) -> float:
+        g = self.geom
+        return self.host_roofline.time(2.0 * slots * g.expert_params, experts * g.expert_bytes)
+
+    def compute(self, flops: float, nbytes: float) -> None:
+        dt = self.roofline.time(flops, nbytes)
+        self.now += dt
+        self.compute_s += dt
+
+    def wait_until(self, t: float) -> float:
+        if t > self.now:
+            dt = t - self.now
+            self.now = t
+            self.stall_s += dt
+            return dt
+        return 0.0
+
+    def _dense(self, params: int, attn_layers: int, tokens: int, context: int) -> None:
+        g = self.geom
+        flops = 2.0 * tokens * params + 4.0 * tokens * context * g.hidden_size * attn_layers
+        self.compute(flops, params * g.dtype_bytes)
+
+    def dense(self, layer: int, tokens: int, context: int) -> None:
+        g = self.geom
+        self._dense(g.dense_params[layer], g.attn_layers[layer], tokens, context)
+
+    def experts(self, slots: int, experts: int) -> None:
+        g = self.geom
+        self.compute(2.0 * slots * g.expert_params, experts * g.expert_bytes)
+
+    def tail(self, tokens: int, context: int) -> None:
+        g = self.geom
+        self._dense(g.tail_params, g.tail_attn_layers, tokens, context)

@@ -1,0 +1,197 @@
+"""The engine: cache manager + clock + the four policy families, driven by a stream of gate records.
+
+Two drivers feed it the same calls in the same order: the live hook on a transformers model
+(:mod:`specmd.hook.stack`) and the trace replay (:mod:`specmd.replay.driver`)::
+
+    engine.begin_pass(kind, tokens, context)
+    for each MoE layer call:  engine.route(record)   # routing policy (the live hook returns its result to the model)
+                              plan = engine.layer(record)   # serve, prefetch, compute; None = run as routed
+    engine.end_pass()
+
+Nothing in the engine imports a model, and no policy knows which driver feeds it: policies see a
+:class:`ModelView` (geometry, stored precisions, the future when a trace provides it) and the cache's
+read-only :class:`~specmd.engine.view.CacheView`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .cache import CacheManager
+from .clock import Clock, SimClock
+from .geometry import Geometry, pool_capacities
+from .outcomes import Execution
+
+GROUPS = ("routing", "miss", "eviction", "prefetch")
+
+
+@dataclass
+class StackSpec:
+    """One policy stack and emulated device: each family as (class, validated params), the hardware, and
+    the quantization method (class, params) or None (native experts only)."""
+
+    routing: tuple
+    miss: tuple
+    eviction: tuple
+    prefetch: tuple
+    hardware: Any
+    quant: Optional[tuple] = None
+
+    @classmethod
+    def from_config(cls, groups: dict, hardware: Any, quant: Optional[dict] = None) -> "StackSpec":
+        """From config mappings: ``groups[family] = {"name": ..., params}`` (validated by the registries)."""
+        from ..policies import REGISTRIES
+
+        parts = {g: REGISTRIES[g].params(groups.get(g) or {"name": DEFAULTS[g]}) for g in GROUPS}
+        q = None
+        if quant is not None:
+            from ..quant import QUANT
+
+            q = QUANT.params(quant)
+        return cls(hardware=hardware, quant=q, **parts)
+
+    def build(self, family: str):
+        cls, params = getattr(self, family)
+        return cls(params)
+
+    def names(self) -> dict:
+        return {g: getattr(self, g)[0].name for g in GROUPS}
+
+
+DEFAULTS = {"routing": "standard", "miss": "fetch", "eviction": "lru", "prefetch": "topk"}
+
+
+class ModelView:
+    """What policies may know about the model: geometry, stored precisions (``store``) and, when a trace
+    provides it, the future (``future``: see :class:`specmd.replay.future.Future`; None in a live run)."""
+
+    def __init__(self, geom: Geometry, store, future=None):
+        self.geometry = geom
+        self.num_layers = geom.num_layers
+        self.num_experts = geom.num_experts
+        self.top_k = geom.top_k
+        self.layer_ids = list(geom.layer_ids)
+        self.store = store
+        self.future = future
+
+    def next_layer(self, layer: int) -> Optional[int]:
+        return layer + 1 if layer + 1 < self.num_layers else None
+
+
+class Engine:
+    def __init__(self, geom: Geometry, spec: StackSpec, store=None, future=None, clock: Optional[Clock] = None):
+        from ..quant.base import ExpertStore
+
+        self.geom = geom
+        self.spec = spec
+        self.store = store or ExpertStore(geom.dtype_bytes * 8, geom.expert_bytes, {})
+        self.model = ModelView(geom, self.store, future)
+        self.routing = spec.build("routing")
+        self.miss = spec.build("miss")
+        self.prefetch = spec.build("prefetch")
+        for policy in (self.routing, self.miss, self.prefetch):
+            policy.setup(self.model)
+        hw = spec.hardware
+        caps = pool_capacities(geom, hw.capacity, hw.experts_per_layer, hw.scope)
+        evictions = [spec.build("eviction") for _ in caps]
+        for policy in evictions:
+            policy.setup(self.model)
+        self.clock = clock or SimClock.from_hardware(geom, hw)
+        self.cache = CacheManager(geom, caps, evictions, self.miss, self.clock, self.store)
+        self.view = self.cache.view
+        for pool in self.cache.pools:
+            pool.policy.attach(self.view, pool.capacity)
+        self.calls = 0  # layer calls so far (each record's ``call``)
+
+    # ---- passes ---------------------------------------------------------------------------------
+    def begin_pass(self, kind: str, tokens: int, context: int) -> None:
+        self.cache.begin_pass(kind, tokens, context)
+
+    def end_pass(self) -> None:
+        self.cache.end_pass()
+
+    # ---- one MoE layer call ---------------------------------------------------------------------
+    def route(self, rec) -> bool:
+        """Number the call and let the routing policy change the selection (dual-logit semantics: the new
+        selection is weighted by the original probabilities). True if the selection changed."""
+        rec.call = self.calls
+        self.calls += 1
+        index = self.routing.apply(rec, self.view)
+        if index is None:
+            return False
+        rec.index = index
+        rec.weights = self.routing.weigh(rec, index).to(rec.weights.dtype)
+        return True
+
+    def layer(self, rec, index: Optional[torch.Tensor] = None, weights: Optional[torch.Tensor] = None
+              ) -> Optional[Execution]:
+        """Serve one MoE layer call. ``index``/``weights``: the selection the model's block passes to its
+        experts (default: the record's). Returns None when the layer runs exactly as routed, else the
+        :class:`Execution` its experts must run.
+
+        1. dense compute up to this layer's experts (attention, norms, router, shared experts);
+        2. the requested experts: the union of the selection's experts, ascending;
+        3. the cache serves them: hits, then misses through the miss policy's outcomes; stall until ready;
+        4. routing fidelity, and the device's share of the expert work;
+        5. prefetches for later layers, issued as this layer's experts start computing;
+        6. the experts' compute; the layer's experts are unpinned.
+        """
+        cache, clock, E = self.cache, self.clock, self.geom.num_experts
+        layer = rec.layer
+        if index is None:
+            index, weights = rec.index, rec.weights
+        shape = cache.pass_shape
+        if shape is not None:  # 1
+            clock.dense(layer, shape[0], shape[1])
+        experts = rec.requested(E)  # 2
+        plan = cache.serve(layer, experts, rec, index, weights).execution  # 3
+        slots, n_run = self._fidelity(rec, index, weights, plan, len(experts))  # 4
+        for target, predicted in self.prefetch.predict(rec, self.model):  # 5
+            cache.prefetch(target, predicted)
+        clock.experts(slots, n_run)  # 6
+        cache.finish_layer()
+        return plan
+
+    def _fidelity(self, rec, index, weights, plan, n: int) -> tuple[int, int]:
+        """Count the router's own selections that run unchanged; return the device's (slots, experts)."""
+        st = self.cache.stats
+        layer = rec.layer
+        slots = index.numel()
+        st.slots_total += slots
+        rerouted = rec.index is not rec.original
+        if not rerouted and plan is None:  # the lossless fast path
+            st.requests_router[layer] += n
+            st.slots_unchanged += slots
+            return slots, n
+        if rerouted:  # the router's own requests, before a routing policy changed the selection
+            st.requests_router[layer] += int(torch.bincount(rec.original.reshape(-1)).count_nonzero())
+        else:
+            st.requests_router[layer] += n
+        kept = torch.ones_like(index, dtype=torch.bool) if plan is None else plan.kept
+        if plan is not None:
+            slots, n = plan.slots, plan.n_run
+        if rerouted:
+            kept = kept & (index.unsqueeze(-1) == rec.original.unsqueeze(-2)).any(-1)
+            void = weights == 0  # slots a routing policy emptied (prune): not run, not faithful
+            if bool(void.any()):
+                kept &= ~void
+                slots -= int(void.sum())
+        st.slots_unchanged += int(kept.sum())
+        return slots, n
+
+    # ---- results --------------------------------------------------------------------------------
+    def results(self) -> dict:
+        """The ``cache``, ``timing`` and ``routing`` sections of results.json."""
+        cache = self.cache
+        cache.finalize()
+        st = cache.stats
+        summary = st.summary()
+        g = self.geom
+        summary["capacity_bytes"] = sum(p.capacity for p in cache.pools)
+        summary["expert_bytes"] = g.expert_bytes
+        summary["model_bytes"] = g.total_bytes
+        summary["layers"] = list(g.layer_ids)
+        return {"cache": summary, "timing": st.timing(self.clock.name), "routing": {"fidelity": st.fidelity()}}

@@ -1,0 +1,92 @@
+"""Read-only views that policies see instead of the engine's objects.
+
+:class:`CacheView` answers what a policy may ask about the cache: which experts of a layer are present
+(arrived or in flight) or resident (arrived), the precision / bytes / in-flight state of an entry, the
+transfer time of a precision, host time, the geometry. It has no method that changes anything.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .geometry import Geometry
+
+
+class CacheView:
+    __slots__ = ("_m",)
+
+    def __init__(self, manager):
+        self._m = manager
+
+    # -- geometry and precisions ------------------------------------------------------------------
+    @property
+    def geometry(self) -> Geometry:
+        return self._m.geom
+
+    @property
+    def fetch_precision(self) -> str:
+        """The precision plain fetches and prefetches use (the miss policy's)."""
+        return self._m.fetch_precision
+
+    def bytes_of(self, precision: str) -> int:
+        return self._m.precisions.bytes_of[precision]
+
+    def bits_of(self, precision: str) -> int:
+        return self._m.precisions.bits_of[precision]
+
+    @property
+    def precisions(self) -> list[str]:
+        return list(self._m.precisions.bytes_of)
+
+    # -- time -------------------------------------------------------------------------------------
+    @property
+    def now(self) -> float:
+        return self._m.clock.now
+
+    def transfer_time(self, precision: Optional[str] = None) -> float:
+        """Seconds one expert at ``precision`` (default: the fetch precision) takes on the link."""
+        return self._m.clock.transfer_time(self.bytes_of(precision or self._m.fetch_precision))
+
+    def host_time(self, slots: int, experts: int) -> float:
+        return self._m.clock.host_time(slots, experts)
+
+    # -- contents ---------------------------------------------------------------------------------
+    def present(self, layer: int) -> list[int]:
+        """Experts of ``layer`` in the cache, arrived or still in flight (what cache-aware routing sees)."""
+        m = self._m
+        E = m.geom.num_experts
+        base = layer * E
+        entries = m.entries
+        return [e for e in range(E) if base + e in entries]
+
+    def resident(self, layer: int) -> list[int]:
+        """Experts of ``layer`` whose bytes are on the device now."""
+        m = self._m
+        E = m.geom.num_experts
+        base = layer * E
+        now = m.clock.now
+        out = []
+        for e in range(E):
+            ent = m.entries.get(base + e)
+            if ent is not None and (ent.transfer is None or ent.transfer.ready_at <= now):
+                out.append(e)
+        return out
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._m.entries
+
+    def precision(self, key: int) -> Optional[str]:
+        ent = self._m.entries.get(key)
+        return None if ent is None else ent.precision
+
+    def bits(self, key: int) -> Optional[int]:
+        ent = self._m.entries.get(key)
+        return None if ent is None else ent.bits
+
+    def nbytes(self, key: int) -> Optional[int]:
+        ent = self._m.entries.get(key)
+        return None if ent is None else ent.nbytes
+
+    def in_flight(self, key: int) -> bool:
+        ent = self._m.entries.get(key)
+        return ent is not None and ent.transfer is not None and ent.transfer.ready_at > self._m.clock.now

@@ -1,0 +1,197 @@
+"""The replay driver: feeds a recorded (or imported) routing trace to the same engine the live hook feeds.
+
+``python -m specmd replay.trace=PATH [replay.format=...] eviction=... prefetch=... hardware...``: every
+group applies; the model and the task come from the trace. For each recorded forward pass the driver calls
+``engine.begin_pass``, then per MoE layer call ``engine.route(record)`` and ``engine.layer(record)``, then
+``engine.end_pass`` -- the order and the records the live hook produces, so for a stack that does not change
+what the model computes (standard routing, every requested expert executed exactly: ``miss=fetch`` at native
+precision or ``miss=cpu_compute``) the ``cache`` and ``timing`` sections equal the live run's bit for bit.
+Other stacks are applied to the recorded logits (later layers' routing cannot react to the change) and the
+results say ``exact: false`` with the reasons.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..engine import Engine, GateRecord, Geometry, Scoring
+from ..errors import ConfigError
+from .future import Future
+from .trace import KINDS, Trace, read_trace
+
+FORMATS = ("specmd", "jsonl", "llama_csv", "npy")
+
+
+@dataclass
+class ReplayConfig:
+    """The ``replay`` config group: ``trace`` (a specmd trace directory or an import file; null = live run),
+    ``format``, and for imports the geometry the file lacks."""
+
+    trace: Optional[str] = None
+    format: str = "specmd"
+    num_experts: Optional[int] = None
+    expert_bytes: Optional[int] = None
+    model_bytes: Optional[int] = None
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ConfigError(f"replay.format={self.format!r}; valid choices: {', '.join(FORMATS)}")
+        for key in ("num_experts", "expert_bytes", "model_bytes"):
+            v = getattr(self, key)
+            if v is not None and v < 1:
+                raise ConfigError(f"replay.{key}={v} must be >= 1")
+
+
+def open_trace(rc: ReplayConfig) -> Trace:
+    import os
+
+    if not os.path.exists(rc.trace):
+        raise ConfigError(f"replay.trace={rc.trace!r}: no such file or directory")
+    if rc.format == "specmd":
+        return read_trace(rc.trace)
+    from .imports import ImportOptions, load_import
+
+    return load_import(rc.trace, rc.format, ImportOptions(num_experts=rc.num_experts, expert_bytes=rc.expert_bytes,
+                                                           model_bytes=rc.model_bytes))
+
+
+class ReplaySignal:
+    """The recorded prefetch signal of one layer call: ``target``'s logits and top-k at depth
+    ``target - layer - 1``."""
+
+    __slots__ = ("trace", "rows", "layer", "scoring")
+
+    def __init__(self, trace: Trace, rows: slice, layer: int, scoring: Scoring):
+        self.trace = trace
+        self.rows = rows
+        self.layer = layer
+        self.scoring = scoring
+
+    def __call__(self, target: int):
+        d = target - self.layer - 1
+        tr = self.trace
+        if not 0 <= d < tr.depth or tr.signal_logits is None:
+            from ..engine.record import NoLogits
+
+            raise NoLogits(f"the trace records the prefetch signal {tr.depth} layer(s) ahead with "
+                           f"logits={tr.meta.get('logits')}; layer {self.layer} asked for layer {target}")
+        logits = torch.from_numpy(np.ascontiguousarray(tr.signal_logits[self.rows, d]))
+        index = torch.from_numpy(tr.signal_index[self.rows, d].astype(np.int64))
+        return self.scoring.probs(logits), index
+
+
+def requested_per_call(trace: Trace, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(call_ptr [C+1], experts): the ascending distinct experts of the router's own top-k of each call.
+    Calls hold consecutive rows in call order (both the writer and the importers lay them out so)."""
+    calls = trace.calls
+    total = int(calls[:, 3].sum())
+    if len(calls) and not (calls[0, 2] == 0 and np.all(calls[1:, 2] == calls[:-1, 2] + calls[:-1, 3])):
+        raise ValueError("trace calls must hold consecutive rows in call order")
+    call_of_row = np.repeat(np.arange(len(calls), dtype=np.int64), calls[:, 3])
+    idx = np.asarray(trace.index[:total], dtype=np.int64)
+    flat = np.unique((call_of_row[:, None] * num_experts + idx).reshape(-1))
+    ptr = np.searchsorted(flat // num_experts, np.arange(len(calls) + 1))
+    return ptr.astype(np.int64), flat % num_experts
+
+
+def exactness(trace: Trace, spec) -> list[str]:
+    """Why a replay of ``spec`` on ``trace`` may differ from the live run (empty: exact)."""
+    reasons = []
+    src = trace.meta.get("source") or {}
+    if src.get("format"):
+        reasons.append(f"imported {src['format']} trace (no live run to match)")
+    if spec.routing[0].name != "standard":
+        reasons.append(f"routing={spec.routing[0].name} changes the selection; later layers' routing is the recorded one")
+    mcls, mparams = spec.miss
+    if not mcls.lossless(mparams):
+        reasons.append(f"miss={mcls.name} changes what the model computes; later layers' routing is the recorded one")
+    if trace.meta.get("logits") not in ("fp32",):
+        reasons.append(f"router logits recorded as {trace.meta.get('logits')}")
+    return reasons
+
+
+def check(trace: Trace, spec) -> None:
+    """Config errors a replay can find before it starts."""
+    pcls, pparams = spec.prefetch
+    need = pcls.signal_depth(pparams)
+    if need > trace.depth:
+        raise ConfigError(f"prefetch={pcls.name} reads the prefetch signal {need} layer(s) ahead; the trace "
+                          f"{trace.path} records {trace.depth} (record it with trace.depth={need})")
+    if need and trace.signal_logits is None:
+        raise ConfigError(f"prefetch={pcls.name} needs the recorded signal logits; the trace {trace.path} has "
+                          f"logits={trace.meta.get('logits')} (record it with trace.logits=fp32)")
+    mcls, mparams = spec.miss
+    stored = trace.meta["store"]["bytes_of"]
+    missing = [p for p in mcls.required_precisions(mparams) if p not in stored]
+    if missing:
+        raise ConfigError(f"miss={mcls.name} needs precision(s) {missing}; the trace {trace.path} stores only "
+                          f"{', '.join(stored)} (record it with quant=hqq quant.precisions including {missing})")
+
+
+def build_engine(trace: Trace, spec):
+    from ..quant.base import ExpertStore
+
+    geom = Geometry.from_dict(trace.meta["geometry"])
+    st = trace.meta["store"]
+    store = ExpertStore(int(st["native_bits"]), int(st["bytes_of"]["native"]),
+                        {p: int(b) for p, b in st["bytes_of"].items() if p != "native"})
+    ptr, experts = requested_per_call(trace, geom.num_experts)
+    future = Future(trace.calls[:, 1], ptr, experts, geom.num_experts)
+    return Engine(geom, spec, store, future), ptr, experts
+
+
+def run_replay(trace: Trace, spec, engine=None, ptr=None, experts=None) -> Engine:
+    """Drive ``engine`` (built from ``spec`` when not given) through every pass and layer call of ``trace``."""
+    if engine is None:
+        check(trace, spec)
+        engine, ptr, experts = build_engine(trace, spec)
+    meta = trace.meta
+    sc = meta.get("scoring") or {}
+    scoring = Scoring(bool(sc.get("sigmoid", False)), bool(sc.get("renorm", True)), float(sc.get("scale", 1.0)))
+    index, weights, logits = trace.index, trace.weights, trace.logits
+    has_signal = trace.depth > 0 and trace.signal_logits is not None
+    passes, calls = trace.passes, trace.calls
+    c, C = 0, len(calls)
+    k = index.shape[1]
+    for p in range(len(passes)):
+        kind, tokens, context = passes[p]
+        engine.begin_pass(KINDS[kind], int(tokens), int(context))
+        while c < C and calls[c, 0] == p:
+            _, layer, r0, n = calls[c]
+            rows = slice(int(r0), int(r0 + n))
+            idx = torch.from_numpy(index[rows].astype(np.int64))
+            w = (torch.from_numpy(weights[rows].astype(np.float32)) if weights is not None
+                 else torch.full((int(n), k), 1.0 / k))
+            lg = torch.from_numpy(np.ascontiguousarray(logits[rows])) if logits is not None else None
+            rec = GateRecord(int(layer), lg, w, idx, scoring,
+                             ReplaySignal(trace, rows, int(layer), scoring) if has_signal else None)
+            rec._requested = experts[ptr[c]:ptr[c + 1]].tolist()
+            engine.route(rec)
+            engine.layer(rec)
+            c += 1
+        engine.end_pass()
+    return engine
+
+
+def replay(run, run_dir) -> dict:
+    """One replay run (from :func:`specmd.app.execute`): results.json's dict."""
+    t0 = time.perf_counter()
+    trace = open_trace(run.replay)
+    spec = run.spec
+    check(trace, spec)
+    engine, ptr, experts = build_engine(trace, spec)
+    run_replay(trace, spec, engine, ptr, experts)
+    reasons = exactness(trace, spec)
+    results = {"config": run.raw, "tasks": {}, "wall_s": time.perf_counter() - t0}
+    results.update(engine.results())
+    results["replay"] = {
+        "trace": str(trace.path), "format": run.replay.format, "exact": not reasons, "inexact_because": reasons,
+        "passes": int(len(trace.passes)), "layer_calls": int(len(trace.calls)), "requests": int(len(experts)),
+        "notes": list(trace.notes), "source": trace.meta.get("source") or {},
+    }
+    return results, engine
