@@ -16,14 +16,11 @@ import time
 
 import torch
 
+from specmd.engine import StackSpec
 from specmd.hardware import HardwareConfig
 from specmd.hook import install
 from specmd.models.adapters import adapter_for
 from specmd.models.loader import build_tiny
-from specmd.policies.eviction import EVICTION
-from specmd.policies.miss import MISS
-from specmd.policies.prefetch import PREFETCH
-from specmd.policies.routing import ROUTING
 
 MID = dict(hidden_size=512, intermediate_size=256, num_hidden_layers=8, num_attention_heads=8,
            num_key_value_heads=8, num_experts=64, num_experts_per_tok=8, vocab_size=4096)
@@ -65,9 +62,8 @@ def bench(name, model, prefetch, repeats, batch, seq, new_tokens):
     rows = []
     for case, fn in (("prefill", prefill), ("generate", decode)):
         base = timed(fn, repeats)
-        stack = install(model, adapter_for("olmoe"), ROUTING.build({"name": "standard"}),
-                        MISS.build({"name": "fetch"}), lambda k: EVICTION.get("lru")(None, k),
-                        PREFETCH.build({"name": prefetch}), HardwareConfig(capacity=1.0))
+        stack = install(model, StackSpec.of(prefetch=prefetch, hardware=HardwareConfig(capacity=1.0)),
+                        adapter_for("olmoe"))
         try:
             hooked = timed(fn, repeats)
         finally:

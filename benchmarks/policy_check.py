@@ -13,6 +13,7 @@ import torch
 sys.path.insert(0, "tests")
 from conftest import sample_ids, tiny  # noqa: E402
 
+from specmd.engine import StackSpec  # noqa: E402
 from specmd.hardware import HardwareConfig  # noqa: E402
 from specmd.hook import install  # noqa: E402
 from specmd.models.adapters import adapter_for  # noqa: E402
@@ -20,7 +21,6 @@ from specmd.policies.eviction import EVICTION  # noqa: E402
 from specmd.policies.miss import MISS  # noqa: E402
 from specmd.policies.prefetch import PREFETCH  # noqa: E402
 from specmd.policies.routing import ROUTING  # noqa: E402
-from specmd.quant import QUANT  # noqa: E402
 
 LOSSLESS_MISS = {"fetch", "cpu_compute"}
 
@@ -33,7 +33,6 @@ def main():
     args = ap.parse_args()
     model = tiny(args.family).to(args.device)
     ids = sample_ids().to(args.device)
-    quant = QUANT.build({"name": "hqq", "optimize": False})
     with torch.no_grad():
         ref = model(ids).logits
         gref = model.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)
@@ -42,10 +41,9 @@ def main():
     ok = True
     for group, name in stacks:
         choice = {"routing": "standard", "miss": "fetch", "eviction": "lru", "prefetch": "topk", group: name}
-        ecls = EVICTION.get(choice["eviction"])
-        stack = install(model, adapter_for(args.family), ROUTING.build({"name": choice["routing"]}),
-                        MISS.build({"name": choice["miss"]}), lambda k: ecls(None, k),
-                        PREFETCH.build({"name": choice["prefetch"]}), HardwareConfig(capacity=args.capacity), quant)
+        stack = install(model, StackSpec.of(hardware=HardwareConfig(capacity=args.capacity),
+                                            quant={"name": "hqq", "optimize": False}, **choice),
+                        adapter_for(args.family))
         with torch.no_grad(), stack:
             out = model(ids).logits
             gout = model.generate(ids[:1, :8], max_new_tokens=4, do_sample=False)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 

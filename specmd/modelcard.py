@@ -23,12 +23,11 @@ CHECK_LIMIT = 2
 
 @torch.no_grad()
 def routing_stats(model, tokenizer, texts: list[str], window: int = 512, max_tokens: int = 65536) -> dict:
-    from .hook.stack import geometry
     from .models.adapters import adapter_for
 
     adapter = adapter_for(model.config.model_type)
-    geom, moe_ids = geometry(model, adapter)
-    routers = [getattr(model.model.layers[i].mlp, adapter.router_attr) for i in moe_ids]
+    geom = adapter.geometry(model)
+    routers = [adapter.router(model, i) for i in geom.layer_ids]
     E, k = geom.num_experts, geom.top_k
     counts = torch.zeros(len(routers), E, dtype=torch.long)
     overlap_sum = torch.zeros(len(routers), dtype=torch.float64)
@@ -62,7 +61,7 @@ def routing_stats(model, tokenizer, texts: list[str], window: int = 512, max_tok
         "tokens": int(len(ids)),
         "num_experts": E,
         "top_k": k,
-        "layers": moe_ids,
+        "layers": geom.layer_ids,
         "entropy_ratio": [round(float(x), 4) for x in ent],
         "dead_fraction": [float((c == 0).sum()) / E for c in counts],
         "temporal_overlap": [round(float(x) / overlap_n, 4) for x in overlap_sum],

@@ -2,8 +2,8 @@
 
     # record routing of a model on WikiText-2 validation text (never an evaluated split) and train:
     python -m specmd.train_eviction --model specmd:tiny-olmoe --out specmd/assets/tiny-olmoe/ml_eviction.safetensors
-    # or from traces saved by runs (python -m specmd ... trace.save=true writes trace.npz):
-    python -m specmd.train_eviction --traces outputs/*/*/trace.npz --out my_policy.safetensors
+    # or from traces saved by runs (python -m specmd ... trace.save=true writes <run dir>/trace):
+    python -m specmd.train_eviction --traces outputs/*/*/trace --out my_policy.safetensors
 
 Labels are Belady's next-use distances along the trace (the oracle FlashMoE imitates); one network per MoE
 layer (see ``specmd/policies/eviction/ml.py``). The last ``--holdout`` of each trace is kept out of
@@ -29,12 +29,10 @@ from .policies.eviction.ml import features
 @torch.no_grad()
 def record_routing(model, texts: list[str], tokenizer, max_tokens: int, window: int = 512) -> list[np.ndarray]:
     """Per MoE layer, the router's own top-k of every token ([N, k] int arrays), in text order."""
-    from .hook.stack import geometry
     from .models.adapters import adapter_for
 
     adapter = adapter_for(model.config.model_type)
-    _, moe_ids = geometry(model, adapter)
-    routers = [getattr(model.model.layers[i].mlp, adapter.router_attr) for i in moe_ids]
+    routers = [adapter.router(model, i) for i in adapter.moe_layers(model)]
     out: list[list] = [[] for _ in routers]
     hooks = [r.register_forward_hook(lambda m, a, o, i=i: out[i].append(o[2].cpu().numpy()))
              for i, r in enumerate(routers)]
@@ -54,8 +52,18 @@ def record_routing(model, texts: list[str], tokenizer, max_tokens: int, window: 
 
 
 def load_traces(paths: list[str]) -> list[list[np.ndarray]]:
+    """Per trace, per MoE layer, the router's own top-k of every token ([N, k]): from specmd trace
+    directories (``trace.save=true``) or ``.npz`` files with one ``layer<i>`` array each."""
+    from .replay.trace import read_trace
+
     traces = []
     for p in paths:
+        if os.path.isdir(p):
+            tr = read_trace(p)
+            L = tr.meta["geometry"]["num_layers"]
+            traces.append([np.concatenate([tr.index[r0:r0 + n] for _, layer, r0, n in tr.calls if layer == l])
+                           for l in range(L)])
+            continue
         with np.load(p) as z:
             n = len([k for k in z.files if k.startswith("layer")])
             traces.append([z[f"layer{i}"] for i in range(n)])
@@ -116,8 +124,9 @@ def replay(traces: list[np.ndarray], num_experts: int, capacity: int, name: str,
     fetches only). Returns the hit rate and the replay's wall time (policy + manager cost)."""
     import time
 
-    from .cache.manager import CacheManager, Geometry
-    from .clock import Roofline, SimClock, TransferChannel
+    from .engine.cache import CacheManager
+    from .engine.clock import Roofline, SimClock, TransferChannel
+    from .engine.geometry import Geometry
     from .policies.eviction import EVICTION
     from .policies.miss import MISS
 
@@ -125,8 +134,8 @@ def replay(traces: list[np.ndarray], num_experts: int, capacity: int, name: str,
     geom = Geometry(num_layers=L, num_experts=num_experts, top_k=traces[0].shape[1], expert_bytes=1,
                     total_bytes=L * num_experts, dense_params=[0] * L, attn_layers=[0] * L)
     cls = EVICTION.get(name)
-    m = CacheManager(geom, [capacity] * L, lambda keys: cls(params, keys), MISS.build({"name": "fetch"}),
-                     SimClock(TransferChannel(1e18, 0.0), Roofline(1e18, 1e18)))
+    m = CacheManager(geom, [capacity] * L, [cls(params) for _ in range(L)], MISS.build({"name": "fetch"}),
+                     SimClock(geom, TransferChannel(1e18, 0.0), Roofline(1e18, 1e18)))
     steps = [[sorted(set(tr[t].tolist())) for tr in traces] for t in range(len(traces[0]))]
     t0 = time.perf_counter()
     for t, row in enumerate(steps):
@@ -174,7 +183,7 @@ def belady_hit_rate(traces: list[np.ndarray], capacity: int) -> float:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="specmd:<asset>, hub id or local checkpoint to record routing from")
-    ap.add_argument("--traces", nargs="*", default=[], help="trace.npz files saved by runs (trace.save=true)")
+    ap.add_argument("--traces", nargs="*", default=[], help="trace directories saved by runs (trace.save=true) or .npz files")
     ap.add_argument("--out", required=True)
     ap.add_argument("--mirror", default=os.environ.get("SPECMD_DATA_MIRROR"))
     ap.add_argument("--tokens", type=int, default=24000, help="tokens of WikiText-2 validation to record")

@@ -50,15 +50,11 @@ def make_stack(model, family, *, eviction="lru", prefetch="topk", capacity=0.05,
     from specmd.hardware import HardwareConfig
     from specmd.hook import install
     from specmd.models.adapters import adapter_for
-    from specmd.policies.eviction import EVICTION
-    from specmd.policies.miss import MISS
-    from specmd.policies.prefetch import PREFETCH
-    from specmd.policies.routing import ROUTING
 
-    ecls = EVICTION.get(eviction)
-    return install(model, adapter_for(family), ROUTING.build({"name": "standard"}), MISS.build({"name": "fetch"}),
-                   lambda keys: ecls(None, keys), PREFETCH.build({"name": prefetch}),
-                   HardwareConfig(capacity=capacity, **hw))
+    from specmd.engine import StackSpec
+
+    return install(model, StackSpec.of(eviction=eviction, prefetch=prefetch, hardware=HardwareConfig(capacity=capacity, **hw)),
+                   adapter_for(family))
 
 
 def sample_ids(batch=2, seq=32, seed=0):

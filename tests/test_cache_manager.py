@@ -1,11 +1,11 @@
 """Hand-worked traces for the cache manager + LRU, and invariants under random traces."""
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from specmd.cache.manager import CacheManager, Geometry
-from specmd.clock import Roofline, SimClock, TransferChannel
+from specmd.engine.cache import CacheManager
+from specmd.engine.clock import Roofline, SimClock, TransferChannel
+from specmd.engine.geometry import Geometry
 from specmd.policies.eviction import EVICTION
 from specmd.policies.miss import MISS
 
@@ -17,19 +17,19 @@ def manager(capacity_experts, layers=2, experts=4, expert_bytes=100, bw=1000.0, 
     geom = Geometry(num_layers=layers, num_experts=experts, top_k=2, expert_bytes=expert_bytes,
                     total_bytes=1000, hidden_size=0, dtype_bytes=1, dense_params=(list(dense) + [0] * layers)[:layers],
                     attn_layers=[0] * layers, tail_params=0, expert_params=expert_params)
-    clock = SimClock(TransferChannel(bw, latency), Roofline(peak, 1e15))
+    clock = SimClock(geom, TransferChannel(bw, latency), Roofline(peak, 1e15))
     caps = pools or [capacity_experts * expert_bytes]
-    return CacheManager(geom, caps, lambda keys: LRU(None, keys), MISS.build({"name": "fetch"}), clock)
+    return CacheManager(geom, caps, [LRU() for _ in caps], MISS.build({"name": "fetch"}), clock)
 
 
 def run_pass(m, requests, prefetch=None, tokens=1):
     m.begin_pass("prefill", tokens, tokens)
     for layer, experts in enumerate(requests):
-        m.dense(layer)
+        m.clock.dense(layer, tokens, tokens)
         m.serve(layer, sorted(experts))
         for target, pred in (prefetch or {}).get(layer, []):
             m.prefetch(target, pred)
-        m.compute_experts(layer, len(experts) * tokens, len(experts))
+        m.clock.experts(len(experts) * tokens, len(experts))
         m.finish_layer()
         m.check_invariants()
     m.end_pass()
@@ -67,10 +67,10 @@ def test_resident_view_excludes_prefetches_in_flight():
     m = manager(4)
     run_pass(m, [[0, 1], []])
     m.prefetch(0, [3])  # queued at the current time, not arrived yet
-    assert m.resident(0) == [0, 1]
+    assert m.view.resident(0) == [0, 1]
     m.clock.now += 1.0
     m.clock.channel.advance(m.clock.now)
-    assert m.resident(0) == [0, 1, 3]
+    assert m.view.resident(0) == [0, 1, 3]
 
 
 def test_working_set_larger_than_pool_streams():

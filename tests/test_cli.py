@@ -92,21 +92,26 @@ def test_failed_run_leaves_no_results_json(tmp_path, mirror):
 
 
 def test_trace_save_feeds_ml_eviction_training(tmp_path, mirror):
-    import numpy as np
-
+    from specmd.train_eviction import load_traces
     from specmd.train_eviction import main as train_eviction
 
     r = specmd(["trace.save=true", "eviction=ml", *FAST], tmp_path, mirror)
     assert r.returncode == 0, r.stderr[-3000:]
-    with np.load(tmp_path / "run" / "trace.npz") as z:
-        layers = [z[f"layer{i}"] for i in range(4)]
+    trace = tmp_path / "run" / "trace"
+    (layers,) = load_traces([str(trace)])
     res = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert all(l.shape == layers[0].shape and l.shape[1] == 8 for l in layers)
+    assert len(layers) == 4 and all(l.shape == layers[0].shape and l.shape[1] == 8 for l in layers)
     passes = (tmp_path / "run" / "passes.csv").read_text().splitlines()[1:]
     assert layers[0].shape[0] == sum(int(p.split(",")[2]) for p in passes)  # one row per token of every pass
     assert res["config"]["eviction"]["name"] == "ml" and res["cache"]["evictions"] > 0
+    # the replay of the trace, in its own process, equals the live run bit for bit
+    r = specmd([f"replay.trace={trace}", "eviction=ml", *FAST], tmp_path / "replay", mirror)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((tmp_path / "replay" / "run" / "results.json").read_text())
+    assert rep["replay"]["exact"] is True and rep["tasks"] == {}
+    assert rep["cache"] == res["cache"] and rep["timing"] == res["timing"]
     out = tmp_path / "mine.safetensors"
-    train_eviction(["--traces", str(tmp_path / "run" / "trace.npz"), "--out", str(out), "--steps", "10",
+    train_eviction(["--traces", str(trace), "--out", str(out), "--steps", "10",
                     "--batch", "128"])
     r = specmd(["eviction=ml", f"eviction.weights={out}", *FAST], tmp_path / "b", mirror)
     assert r.returncode == 0, r.stderr[-3000:]

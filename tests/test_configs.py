@@ -1,6 +1,5 @@
 """Every option of every config group composes and validates against its schema."""
 
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -101,18 +100,12 @@ def test_auto_quant_stores_what_the_miss_policy_needs():
 
 
 def test_store_rechecks_precisions_when_the_stack_is_built(embedded):
-    from specmd.hardware import HardwareConfig
+    from specmd.engine import StackSpec
     from specmd.hook import install
     from specmd.models.adapters import adapter_for
-    from specmd.policies.eviction import EVICTION
-    from specmd.policies.miss import MISS
-    from specmd.policies.prefetch import PREFETCH
-    from specmd.policies.routing import ROUTING
 
     with pytest.raises(ConfigError, match="int8.*not stored.*native.*quant=hqq"):
-        install(embedded[0], adapter_for("olmoe"), ROUTING.build({"name": "standard"}),
-                MISS.build({"name": "fetch_priority"}), lambda k: EVICTION.get("lru")(None, k),
-                PREFETCH.build({"name": "none"}), HardwareConfig())
+        install(embedded[0], StackSpec.of(miss="fetch_priority", prefetch="none"), adapter_for("olmoe"))
     assert all(type(l.mlp.experts).__name__ != "SpecmdExperts" for l in embedded[0].model.layers)
 
 

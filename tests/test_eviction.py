@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from specmd.cache.manager import CacheManager, Geometry
-from specmd.clock import Roofline, SimClock, TransferChannel
+from specmd.engine.cache import CacheManager
+from specmd.engine.clock import Roofline, SimClock, TransferChannel
+from specmd.engine.geometry import Geometry
 from specmd.policies.eviction import EVICTION
 from specmd.policies.miss import MISS
 
@@ -16,10 +17,9 @@ from specmd.policies.miss import MISS
 def manager(policy, capacity_experts, layers=1, experts=64, params=None, bw=1e12):
     geom = Geometry(num_layers=layers, num_experts=experts, top_k=1, expert_bytes=100, total_bytes=10**6,
                     dense_params=[0] * layers, attn_layers=[0] * layers, dtype_bytes=2)
-    clock = SimClock(TransferChannel(bw, 0.0), Roofline(1e15, 1e15))
+    clock = SimClock(geom, TransferChannel(bw, 0.0), Roofline(1e15, 1e15))
     cls = EVICTION.get(policy)
-    return CacheManager(geom, [capacity_experts * 100], lambda keys: cls(params, keys), MISS.build({"name": "fetch"}),
-                        clock)
+    return CacheManager(geom, [capacity_experts * 100], [cls(params)], MISS.build({"name": "fetch"}), clock)
 
 
 def flat_hits(policy, trace, capacity, params=None):
@@ -151,16 +151,37 @@ def test_least_stale_current_queue_only_when_nothing_stale():
     assert sorted(m.entries) == [4, 8]
 
 
+class _Rec:  # what score eviction reads of a gate record: router probabilities [T, E]
+    def __init__(self, probs):
+        import torch
+
+        self.probs = torch.tensor([probs], dtype=torch.float64)
+
+
+class _View:  # the read-only cache view, for policies tested without a cache manager
+    def __init__(self, bits=None, high_bits=16, experts=4):
+        self._bits = bits or {}
+        self.high_bits = high_bits
+        self.geometry = Geometry(num_layers=1, num_experts=experts, top_k=1, expert_bytes=1, total_bytes=experts)
+        self.fetch_precision = "native"
+
+    def bits_of(self, precision):
+        return self.high_bits
+
+    def bits(self, key):
+        return self._bits[key]
+
+
 def test_score_policy_mean_over_last_n():
-    from specmd.policies.eviction.base import KeySpace
     from specmd.policies.eviction.score import Score
 
     for n, expect in ((1, 1), (2, 3), (8, 3)):
-        pol = Score(Score.Params(n=n), KeySpace(4))
+        pol = Score(Score.Params(n=n))
+        pol.attach(_View(), 4)
         for k in range(4):
             pol.on_insert(k, False)
-        pol.on_scores(0, [0.1, 0.4, 0.3, 0.2])
-        pol.on_scores(0, [0.5, 0.1, 0.3, 0.2])
+        pol.on_layer(0, _Rec([0.1, 0.4, 0.3, 0.2]))
+        pol.on_layer(0, _Rec([0.5, 0.1, 0.3, 0.2]))
         # n=1: last = [.5,.1,.3,.2] -> 1; n>=2: mean = [.3,.25,.3,.2] -> 3
         assert pol.victim(lambda k: True) == expect
         assert pol.victim(lambda k: k != expect) != expect
@@ -169,31 +190,23 @@ def test_score_policy_mean_over_last_n():
 def test_score_policy_end_to_end_uses_router_probabilities():
     import torch
 
-    from specmd.hook.gate import GateRecord, Scoring
+    from specmd.engine.record import GateRecord, Scoring
 
     m = manager("score", 2, experts=4)
     logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
     for e in (3, 2):
-        rec = GateRecord(0, None, logits, None, torch.tensor([[e]]), Scoring(False, False, 1.0))
+        rec = GateRecord(0, logits, None, torch.tensor([[e]]), Scoring(False, False, 1.0))
         m.serve(0, [e], rec); m.finish_layer()
-    rec = GateRecord(0, None, logits, None, torch.tensor([[0]]), Scoring(False, False, 1.0))
+    rec = GateRecord(0, logits, None, torch.tensor([[0]]), Scoring(False, False, 1.0))
     m.serve(0, [0], rec)  # full: evicts the lower-scored resident, expert 2 (0.3 < 0.4)
     assert sorted(m.entries) == [0, 3]
 
 
-class _Cache:
-    def __init__(self, bits, high_bits=16):
-        self.entries = {k: type("E", (), {"bits": b}) for k, b in bits.items()}
-        self.high_bits = high_bits
-
-
 def test_lhu_counts_only_high_precision_uses():
-    from specmd.policies.eviction.base import KeySpace
     from specmd.policies.eviction.lhu import LHU
 
-    pol = LHU(None, KeySpace(4))
-    cache = _Cache({0: 16, 1: 4, 2: 16}, high_bits=16)
-    pol.attach(cache, None)
+    pol = LHU(None)
+    pol.attach(_View({0: 16, 1: 4, 2: 16}, high_bits=16), 3)
     for k in (0, 1, 2):
         pol.on_insert(k, False)
     for _ in range(3):
@@ -249,11 +262,11 @@ def test_invariants_random_traces(policy, data):
         m.begin_pass("decode" if p else "prefill", 1, p + 1)
         for layer in range(layers):
             req = sorted(set(data.draw(hs.lists(hs.integers(0, experts - 1), min_size=1, max_size=4))))
-            m.dense(layer)
+            m.clock.dense(layer, 1, p + 1)
             m.serve(layer, req)
             if layer + 1 < layers:
                 m.prefetch(layer + 1, data.draw(hs.lists(hs.integers(0, experts - 1), max_size=4, unique=True)))
-            m.compute_experts(layer, len(req), len(req))
+            m.clock.experts(len(req), len(req))
             m.finish_layer()
             m.check_invariants()
             assert m.used_bytes <= cap * 100

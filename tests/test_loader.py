@@ -29,11 +29,11 @@ def test_family_mismatch_is_rejected(tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiny_models_are_shaped_like_their_family(family):
-    from specmd.hook.stack import geometry
     from specmd.models.adapters import adapter_for
 
     model = tiny(family)
-    geom, moe_ids = geometry(model, adapter_for(family))
+    geom = adapter_for(family).geometry(model)
+    moe_ids = geom.layer_ids
     expert_share = geom.expert_bytes * geom.num_experts * geom.num_layers / geom.total_bytes
     assert expert_share > 0.8, expert_share  # experts dominate the bytes
     real = {"olmoe": (64, 8), "mixtral": (8, 2), "qwen2_moe": (60, 4), "qwen3_moe": (128, 8), "phimoe": (16, 2),

@@ -1,12 +1,12 @@
 """Hand-worked examples for routing, miss and prefetch policies (from the papers' definitions) and the
 quantized expert store."""
 
-import math
 
 import pytest
 import torch
 
-from specmd.hook.gate import GateRecord, Scoring
+from specmd.engine import StackSpec
+from specmd.engine.record import GateRecord, Scoring
 from specmd.policies.miss import MISS
 from specmd.policies.prefetch import PREFETCH
 from specmd.policies.routing import ROUTING
@@ -23,8 +23,7 @@ class FakeCache:
         self._resident = list(present if resident is None else resident)
         self.host_time = lambda slots, experts: host * slots
         self.fetch_transfer = transfer
-        self.clock = type("C", (), {"channel": type("Ch", (), {"duration": staticmethod(lambda n: transfer)})()})()
-        self.store = type("S", (), {"bytes_of": {"native": 1}})()
+        self.transfer_time = lambda precision=None: transfer
 
     def present(self, layer):
         return self._present
@@ -38,7 +37,7 @@ def record(probs, k, layer=0, index=None):
     logits = probs.log()
     if index is None:
         index = probs.topk(k, dim=-1).indices
-    return GateRecord(layer, None, logits, SOFTMAX.weigh(probs, index), index, SOFTMAX)
+    return GateRecord(layer, logits, SOFTMAX.weigh(probs, index), index, SOFTMAX)
 
 
 def test_promote_matches_paper_appendix_b():
@@ -73,7 +72,7 @@ def test_cache_prior_equation_9():
     # z = [3, 2, 1, 0] (as log-probabilities up to a constant), k = 2, cached {3}, J = 1:
     # Delta_avg = 3; lambda = 0.5 -> z' = [4.5, 2, 1, 1.5] -> {0, 1}; lambda = 1 -> [6, 2, 1, 3] -> {0, 3}
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
-    rec = GateRecord(0, None, logits, None, torch.tensor([[0, 1]]), SOFTMAX)
+    rec = GateRecord(0, logits, None, torch.tensor([[0, 1]]), SOFTMAX)
 
     class View:
         num_layers = 1
@@ -184,7 +183,7 @@ class PrefetchView:
     def next_layer(self, layer):
         return layer + 1 if layer + 1 < self.num_layers else None
 
-    def router_predict(self, layer, hidden):
+    def signal(self, layer):
         p = self.probs * (layer + 1)  # distinct per target layer
         p = p / p.sum(-1, keepdim=True)
         return p, p.topk(self.top_k, dim=-1).indices
@@ -194,7 +193,7 @@ def test_score_prefetch_percentile():
     view = PrefetchView([[0.5, 0.3, 0.15, 0.05]])
     pol = PREFETCH.build({"name": "score", "percentile": 50.0, "window": 1})
     pol.setup(view)
-    rec = GateRecord(0, torch.zeros(1, 2), torch.zeros(1, 4), None, torch.tensor([[0]]), SOFTMAX)
+    rec = GateRecord(0, torch.zeros(1, 4), None, torch.tensor([[0]]), SOFTMAX, view.signal)
     # median of [.5 .3 .15 .05] = .225 -> {0, 1}, issued by descending score
     assert pol.predict(rec, view) == [(1, [0, 1])]
 
@@ -203,7 +202,7 @@ def test_lookahead_targets_several_layers():
     view = PrefetchView([[0.1, 0.6, 0.2, 0.1]])
     pol = PREFETCH.build({"name": "lookahead", "depth": 2})
     pol.setup(view)
-    rec = GateRecord(1, torch.zeros(1, 2), torch.zeros(1, 4), None, torch.tensor([[1]]), SOFTMAX)
+    rec = GateRecord(1, torch.zeros(1, 4), None, torch.tensor([[1]]), SOFTMAX, view.signal)
     assert pol.predict(rec, view) == [(2, [1]), (3, [1])]
     rec.layer = 3
     assert pol.predict(rec, view) == []
@@ -246,22 +245,19 @@ def test_lossy_stack_runs_real_quantized_weights(tmp_path, monkeypatch):
 
     from specmd.hardware import HardwareConfig
     from specmd.hook import install
-    from specmd.models.adapters import adapter_for
-    from specmd.policies.eviction import EVICTION
     from specmd.quant import QUANT
 
     monkeypatch.setenv("SPECMD_CACHE", str(tmp_path))
     model = tiny("olmoe")
     ids = sample_ids()
-    q = QUANT.build({"name": "hqq", "optimize": False})
     before = {n: p.clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         ref = model(ids).logits
         outs = {}
         for prec in ("int8", "int2"):
-            st = install(model, adapter_for("olmoe"), ROUTING.build({"name": "standard"}),
-                         MISS.build({"name": "fetch", "precision": prec}), lambda k: EVICTION.get("lru")(None, k),
-                         PREFETCH.build({"name": "none"}), HardwareConfig(capacity=1.0), q)
+            st = install(model, StackSpec.of(miss={"name": "fetch", "precision": prec}, prefetch="none",
+                                             hardware=HardwareConfig(capacity=1.0),
+                                             quant={"name": "hqq", "optimize": False}))
             with st:
                 outs[prec] = model(ids).logits
             s = st.cache.stats.summary()
@@ -280,13 +276,11 @@ def test_prune_fidelity_and_requests_end_to_end():
 
     from specmd.hardware import HardwareConfig
     from specmd.hook import install
-    from specmd.models.adapters import adapter_for
-    from specmd.policies.eviction import EVICTION
 
     model = tiny("mixtral")  # top-2: h = 1 keeps one of two slots per token
     ids = sample_ids()
-    stack = install(model, adapter_for("mixtral"), ROUTING.build({"name": "prune", "h": 1}), MISS.build({"name": "fetch"}),
-                    lambda k: EVICTION.get("lru")(None, k), PREFETCH.build({"name": "none"}), HardwareConfig(capacity=1.0))
+    stack = install(model, StackSpec.of(routing={"name": "prune", "h": 1}, prefetch="none",
+                                        hardware=HardwareConfig(capacity=1.0)))
     with torch.no_grad(), stack:
         model(ids)
     st = stack.cache.stats

@@ -14,13 +14,12 @@ class FakeView:
     def next_layer(self, layer):
         return layer + 1 if layer + 1 < self.num_layers else None
 
-    def router_predict(self, layer, hidden):
-        return self.probs, self.probs.topk(self.top_k, dim=-1).indices
+class Rec:  # a gate record whose prefetch signal is the view's hand-made router output
+    def __init__(self, layer, view):
+        self.layer, self.view = layer, view
 
-
-class Rec:
-    def __init__(self, layer):
-        self.layer, self.hidden = layer, None
+    def predict(self, target):
+        return self.view.probs, self.view.probs.topk(self.view.top_k, dim=-1).indices
 
 
 PROBS = [[0.05, 0.40, 0.30, 0.10, 0.10, 0.05],   # token 0: top-2 {1, 2}, top-3 adds 3 (tie 3/4 -> lower index)
@@ -31,7 +30,7 @@ def predict(overfetch, probs=PROBS, layer=0):
     p = PREFETCH.build({"name": "topk", "overfetch": overfetch})
     view = FakeView(probs)
     p.setup(view)
-    return p.predict(Rec(layer), view)
+    return p.predict(Rec(layer, view), view)
 
 
 def test_union_of_token_topk_in_descending_probability():

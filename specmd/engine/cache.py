@@ -23,7 +23,7 @@ from typing import Optional
 
 from .clock import Clock
 from .geometry import Geometry
-from .outcomes import NATIVE, Execution, Fetch
+from .outcomes import NATIVE, Execution, Fetched
 from .stats import CacheStats, PassRecord
 
 
@@ -142,7 +142,9 @@ class CacheManager:
         from .view import CacheView
 
         self.view = CacheView(self)
-        self._default_fetch = Fetch(None)
+        self._default_fetch = Fetched(None)
+        for pool in self.pools:
+            pool.policy.attach(self.view, pool.capacity)
 
     # ---- forward passes -------------------------------------------------------------------------
     def begin_pass(self, kind: str, tokens: int, context: int) -> None:

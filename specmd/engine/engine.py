@@ -53,6 +53,18 @@ class StackSpec:
             q = QUANT.params(quant)
         return cls(hardware=hardware, quant=q, **parts)
 
+    @classmethod
+    def of(cls, hardware: Any = None, quant: Any = None, **groups) -> "StackSpec":
+        """Convenience for code and tests: ``StackSpec.of(eviction="lfu", miss={"name": "drop", "J": 1})``;
+        a family is a name or a config mapping, missing ones take the defaults; ``quant`` a mapping or None."""
+        from ..hardware import HardwareConfig
+
+        groups = {g: ({"name": v} if isinstance(v, str) else v) for g, v in groups.items()}
+        unknown = set(groups) - set(GROUPS)
+        if unknown:
+            raise TypeError(f"unknown policy families {sorted(unknown)}; valid: {GROUPS}")
+        return cls.from_config(groups, hardware or HardwareConfig(), quant)
+
     def build(self, family: str):
         cls, params = getattr(self, family)
         return cls(params)
@@ -102,8 +114,6 @@ class Engine:
         self.clock = clock or SimClock.from_hardware(geom, hw)
         self.cache = CacheManager(geom, caps, evictions, self.miss, self.clock, self.store)
         self.view = self.cache.view
-        for pool in self.cache.pools:
-            pool.policy.attach(self.view, pool.capacity)
         self.calls = 0  # layer calls so far (each record's ``call``)
 
     # ---- passes ---------------------------------------------------------------------------------

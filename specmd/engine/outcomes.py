@@ -42,7 +42,9 @@ class Execution:
 
 
 class Outcome:
+    kind: str = ""  # a short name (what tests and logs print)
     stat: str = ""  # per-layer counter in CacheStats (results.json ``miss_outcomes``)
+    precision: Optional[str] = None  # the precision a fetched copy runs at (None: not fetched / default)
 
     def prepare(self, call, expert: int) -> None:
         pass
@@ -54,9 +56,11 @@ class Outcome:
         return type(self).__name__
 
 
-class Fetch(Outcome):
+class Fetched(Outcome):
     """Blocking transfer of the expert at ``precision`` (None: the miss policy's ``fetch_precision``);
     inserted if room can be made, else streamed. A non-native copy runs at its precision."""
+
+    kind = "fetch"
 
     __slots__ = ("precision",)
 
@@ -70,18 +74,20 @@ class Fetch(Outcome):
             call.plan().precisions[expert] = prec
 
     def __repr__(self):
-        return f"Fetch({self.precision})"
+        return f"Fetched({self.precision})"
 
     def __eq__(self, other):
-        return isinstance(other, Fetch) and other.precision == self.precision
+        return isinstance(other, Fetched) and other.precision == self.precision
 
     def __hash__(self):
         return hash(("fetch", self.precision))
 
 
-class Drop(Outcome):
+class Dropped(Outcome):
     """The expert does not run in this call: its tokens' weight for it is zeroed (the others are not
     renormalised); its slots leave the device's compute."""
+
+    kind = "drop"
 
     stat = "dropped"
 
@@ -95,15 +101,17 @@ class Drop(Outcome):
         plan.n_run -= 1
 
     def __eq__(self, other):
-        return isinstance(other, Drop)
+        return isinstance(other, Dropped)
 
     def __hash__(self):
         return hash("drop")
 
 
-class Substitute(Outcome):
+class Substituted(Outcome):
     """Each token that selected the missing expert uses ``substitute[t]`` (a resident expert) instead, with
     the missing expert's weight. The substitutes are pinned for the call."""
+
+    kind = "substitute"
 
     stat = "substituted"
     __slots__ = ("substitute",)
@@ -127,9 +135,11 @@ class Substitute(Outcome):
         plan.n_run += len(set(plan.index.unique().tolist())) - len(before)
 
 
-class Host(Outcome):
+class HostComputed(Outcome):
     """Computed on the host at full precision (exact output), in parallel with the layer's transfers; the
     expert is not inserted and leaves the device's compute."""
+
+    kind = "host"
 
     stat = "host_computed"
 
@@ -142,7 +152,7 @@ class Host(Outcome):
         plan.n_run -= 1
 
     def __eq__(self, other):
-        return isinstance(other, Host)
+        return isinstance(other, HostComputed)
 
     def __hash__(self):
         return hash("host")

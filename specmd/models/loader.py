@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError
 from .adapters import adapter_for
 
 DTYPES = ("float32", "bfloat16", "float16")

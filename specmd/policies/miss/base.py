@@ -6,11 +6,11 @@ the read-only :class:`~specmd.engine.view.CacheView`, and returns one outcome pe
 same order (``None`` means "fetch every miss at ``self.fetch_precision``").
 
 Outcomes (:mod:`specmd.engine.outcomes`, each one class that accounts for itself and says how the layer
-executes): ``Fetch(precision)`` (blocking transfer at a stored precision; ``None`` = the policy's
-``fetch_precision``), ``Drop()`` (the expert does not run for this call; its tokens' weight for it is
-zeroed, the others are *not* renormalised), ``Substitute(substitute)`` (a ``[T]`` long tensor: each token
+executes): ``Fetched(precision)`` (blocking transfer at a stored precision; ``None`` = the policy's
+``fetch_precision``), ``Dropped()`` (the expert does not run for this call; its tokens' weight for it is
+zeroed, the others are *not* renormalised), ``Substituted(substitute)`` (a ``[T]`` long tensor: each token
 that selected the missing expert uses that resident expert instead, with the missing expert's weight),
-``Host()`` (computed on the host at full precision, in parallel with the layer's transfers; timed by the
+``HostComputed()`` (computed on the host at full precision, in parallel with the layer's transfers; timed by the
 hardware profile's host figures).
 
 ``setup(model)`` sees the :class:`~specmd.engine.ModelView`; ``model.store`` holds the stored precisions
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ...engine.outcomes import Drop, Fetch, Host, Outcome, Substitute  # noqa: F401  (what handle returns)
+from ...engine.outcomes import Dropped, Fetched, HostComputed, Outcome, Substituted  # noqa: F401  (what handle returns)
 from ...registry import Registry
 from ..base import Policy
 

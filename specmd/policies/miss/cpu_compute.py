@@ -1,4 +1,4 @@
-from .base import MISS, Fetch, Host, MissPolicy, expert_scores
+from .base import MISS, Fetched, HostComputed, MissPolicy, expert_scores
 
 
 @MISS.register("cpu_compute")
@@ -32,5 +32,5 @@ class CPUCompute(MissPolicy):
                 t_cpu += cache.host_time(counts[hi], 1)
                 host.add(order[hi])
                 hi -= 1
-        fetch, on_host = Fetch(), Host()
+        fetch, on_host = Fetched(), HostComputed()
         return [on_host if i in host else fetch for i in range(len(missing))]

@@ -1,6 +1,6 @@
 from dataclasses import dataclass
 
-from .base import MISS, Drop, Fetch, MissPolicy, best_ranks
+from .base import MISS, Dropped, Fetched, MissPolicy, best_ranks
 
 
 @MISS.register("drop")
@@ -19,6 +19,6 @@ class Drop(MissPolicy):
 
     def handle(self, layer, missing, record, cache):
         ranks = best_ranks(record, missing)
-        fetch = Fetch()
-        drop = Drop()
+        fetch = Fetched()
+        drop = Dropped()
         return [fetch if r < self.params.J else drop for r in ranks]

@@ -1,6 +1,6 @@
 from dataclasses import dataclass
 
-from .base import MISS, CascadeMissPolicy, CascadeParams, Drop, Fetch, best_ranks, expert_scores, percentile_bands
+from .base import MISS, CascadeMissPolicy, CascadeParams, Dropped, Fetched, best_ranks, expert_scores, percentile_bands
 
 
 @MISS.register("drop_priority_cascade")
@@ -23,5 +23,5 @@ class DropPriorityCascade(CascadeMissPolicy):
         out = []
         for e, r in zip(missing, ranks):
             b = 0 if r < self.params.J else band[e]
-            out.append(Drop() if b >= len(cascade) else Fetch(cascade[b]))
+            out.append(Dropped() if b >= len(cascade) else Fetched(cascade[b]))
         return out

@@ -1,4 +1,4 @@
-from .base import MISS, CascadeMissPolicy, Fetch, expert_scores, percentile_bands
+from .base import MISS, CascadeMissPolicy, Fetched, expert_scores, percentile_bands
 
 
 @MISS.register("fetch_priority")
@@ -15,4 +15,4 @@ class FetchPriority(CascadeMissPolicy):
         cascade = self.params.cascade
         bands = percentile_bands(scores, self.params.percentile, max(1, len(cascade) - 1))
         band = dict(zip(requested, bands))
-        return [Fetch(cascade[min(band[e], len(cascade) - 1)]) for e in missing]
+        return [Fetched(cascade[min(band[e], len(cascade) - 1)]) for e in missing]

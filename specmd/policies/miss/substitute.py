@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import MISS, Fetch, MissPolicy, Substitute
+from .base import MISS, Fetched, MissPolicy, Substituted
 
 
 @MISS.register("substitute")
@@ -44,11 +44,11 @@ class Substitute(MissPolicy):
             low = probs[tokens, e] < (1 + a) * s_k1[tokens]
             cand = eligible[tokens]
             if not bool(low.all()) or not bool(cand.any(-1).all()):
-                actions.append(Fetch())
+                actions.append(Fetched())
                 continue
             pick = torch.where(cand, probs[tokens], torch.full_like(probs[tokens], -1.0)).argmax(-1)
             sub = torch.full((probs.shape[0],), e, dtype=torch.long, device=probs.device)
             sub[tokens] = pick
             eligible[tokens.nonzero().squeeze(-1), pick] = False
-            actions.append(Substitute(sub))
+            actions.append(Substituted(sub))
         return actions

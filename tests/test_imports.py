@@ -1,0 +1,334 @@
+"""Importing routing traces from other engines (specmd.replay.imports): JSONL, llama.cpp moe-trace CSV, .npy."""
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+from specmd.errors import ConfigError
+from specmd.replay.imports import ImportOptions, load_import
+
+# 2 sequences (ids 7 then 3, by first appearance) x 3 tokens x 2 layers, E=8, k=2
+EXPERTS = {
+    (7, 0, 0): [1, 2], (7, 0, 1): [3, 4], (7, 1, 0): [1, 5], (7, 1, 1): [0, 7],
+    (7, 2, 0): [6, 2], (7, 2, 1): [3, 1], (3, 0, 0): [0, 1], (3, 0, 1): [2, 3],
+    (3, 1, 0): [4, 5], (3, 1, 1): [6, 7], (3, 2, 0): [7, 0], (3, 2, 1): [5, 4],
+}
+# the file's order is scrambled within each sequence; passes must come out sequence, token, layer
+FILE_ORDER = [(7, 1, 1), (7, 0, 0), (7, 2, 0), (7, 0, 1), (7, 1, 0), (7, 2, 1),
+              (3, 2, 1), (3, 0, 0), (3, 1, 1), (3, 0, 1), (3, 2, 0), (3, 1, 0)]
+PASSES = [[0, 1, 1], [1, 1, 2], [1, 1, 3], [0, 1, 1], [1, 1, 2], [1, 1, 3]]
+CALLS = [[p, layer, 2 * p + layer, 1] for p in range(6) for layer in range(2)]
+INDEX = [[1, 2], [3, 4], [1, 5], [0, 7], [6, 2], [3, 1], [0, 1], [2, 3], [4, 5], [6, 7], [7, 0], [5, 4]]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def canonical_records(keys=("seq", "token", "layer", "experts")):
+    s, t, la, e = keys
+    return [{s: q, t: tok, la: layer, e: EXPERTS[q, tok, layer]} for q, tok, layer in FILE_ORDER]
+
+
+def test_jsonl_exact_arrays(tmp_path):
+    f = write_jsonl(tmp_path / "r.jsonl", canonical_records())
+    tr = load_import(f, "jsonl", ImportOptions(num_experts=8))
+    assert tr.passes.dtype == np.int64 and tr.calls.dtype == np.int64
+    assert tr.passes.tolist() == PASSES
+    assert tr.calls.tolist() == CALLS
+    assert tr.index.dtype == np.uint8
+    assert tr.index.tolist() == INDEX
+    assert tr.weights is None and tr.logits is None and tr.signal_index is None and tr.signal_logits is None
+    assert tr.depth == 0
+    assert tr.path == str(f)
+    m = tr.meta
+    assert m["format"] == "specmd-trace" and m["version"] == 1 and m["depth"] == 0 and m["logits"] == "none"
+    g = m["geometry"]
+    assert (g["num_layers"], g["num_experts"], g["top_k"], g["expert_bytes"], g["total_bytes"]) == (2, 8, 2, 1, 16)
+    assert (g["hidden_size"], g["dense_params"], g["layer_ids"]) == (0, [0, 0], [0, 1])
+    assert m["scoring"] == {"sigmoid": False, "renorm": True, "scale": 1.0}
+    assert m["store"] == {"native_bits": 16, "bytes_of": {"native": 1}}
+    assert m["source"] == {"format": "jsonl", "path": str(f), "records": 12, "sequences": 2}
+    assert any(n.startswith("replay.expert_bytes not set: expert_bytes=1") for n in tr.notes)
+    assert any(n.startswith("replay.model_bytes not set") for n in tr.notes)
+    assert any("no dense/attention compute time is modelled" in n for n in tr.notes)
+    assert not any("skipped" in n for n in tr.notes)
+    # requests: distinct experts per call, summed
+    assert tr.requests == 24
+
+
+def test_jsonl_bytes_from_options(tmp_path):
+    f = write_jsonl(tmp_path / "r.jsonl", canonical_records())
+    tr = load_import(f, "jsonl", ImportOptions(num_experts=8, expert_bytes=1000, model_bytes=50_000))
+    g = tr.meta["geometry"]
+    assert (g["expert_bytes"], g["total_bytes"]) == (1000, 50_000)
+    assert tr.meta["store"]["bytes_of"] == {"native": 1000}
+    assert not any("expert_bytes not set" in n or "model_bytes not set" in n for n in tr.notes)
+
+
+@pytest.mark.parametrize("keys", [("request_id", "pos", "layer_id", "topk_ids"),
+                                  ("sequence", "position", "layer", "expert_ids"),
+                                  ("seq_id", "token_idx", "layer_id", "ids")])
+def test_jsonl_aliases(tmp_path, keys):
+    recs = canonical_records(keys)
+    if keys[0] == "request_id":  # string request ids keep first-appearance order
+        for r in recs:
+            r["request_id"] = {7: "cmpl-z", 3: "cmpl-a"}[r["request_id"]]
+    f = write_jsonl(tmp_path / "r.jsonl", recs)
+    tr = load_import(f, "jsonl", ImportOptions(num_experts=8))
+    assert tr.passes.tolist() == PASSES
+    assert tr.calls.tolist() == CALLS
+    assert tr.index.tolist() == INDEX
+
+
+def test_jsonl_default_sequence(tmp_path):
+    recs = [{"token": t, "layer": la, "experts": [t, la + 4]} for t in range(3) for la in range(2)]
+    tr = load_import(write_jsonl(tmp_path / "r.jsonl", recs), "jsonl", ImportOptions(num_experts=8))
+    assert tr.passes.tolist() == [[0, 1, 1], [1, 1, 2], [1, 1, 3]]
+    assert tr.index.tolist() == [[0, 4], [0, 5], [1, 4], [1, 5], [2, 4], [2, 5]]
+    assert tr.meta["source"]["sequences"] == 1
+
+
+def test_jsonl_noncontiguous_layers_mapped(tmp_path):
+    # DeepSeek-style: layer 0 is dense, MoE layers are model layers 1, 3 and 4
+    recs = [{"seq": 0, "token": t, "layer": la, "experts": [la, t + 5]} for t in (0, 1) for la in (4, 1, 3)]
+    tr = load_import(write_jsonl(tmp_path / "r.jsonl", recs), "jsonl", ImportOptions(num_experts=8))
+    assert tr.meta["geometry"]["layer_ids"] == [1, 3, 4]
+    assert tr.meta["geometry"]["num_layers"] == 3
+    assert tr.calls.tolist() == [[0, 0, 0, 1], [0, 1, 1, 1], [0, 2, 2, 1], [1, 0, 3, 1], [1, 1, 4, 1], [1, 2, 5, 1]]
+    assert tr.index.tolist() == [[1, 5], [3, 5], [4, 5], [1, 6], [3, 6], [4, 6]]
+    assert tr.meta["geometry"]["dense_params"] == [0, 0, 0]
+
+
+def test_jsonl_weights_and_logits_kept(tmp_path):
+    recs = []
+    for t in range(2):
+        for la in range(2):
+            logits = [float(i) for i in range(4)]
+            logits[t + la] = 10.0
+            recs.append({"token": t, "layer": la, "experts": [t + la, 3], "topk_weights": [0.75, 0.25],
+                         "router_logits": logits})
+    f = write_jsonl(tmp_path / "r.jsonl", recs)
+    tr = load_import(f, "jsonl", ImportOptions())  # E comes from the logits
+    assert tr.meta["geometry"]["num_experts"] == 4
+    assert tr.meta["logits"] == "fp32"
+    assert tr.weights.dtype == np.float16 and tr.weights.tolist() == [[0.75, 0.25]] * 4
+    assert tr.logits.dtype == np.float32
+    assert tr.logits.tolist() == [[10.0, 1.0, 2.0, 3.0], [0.0, 10.0, 2.0, 3.0], [0.0, 10.0, 2.0, 3.0],
+                                  [0.0, 1.0, 10.0, 3.0]]
+    assert tr.index.tolist() == [[0, 3], [1, 3], [1, 3], [2, 3]]
+    assert not any("no router weights" in n for n in tr.notes)
+    with pytest.raises(ConfigError, match=r"r\.jsonl, line 1: 4 logits, but replay.num_experts is 8"):
+        load_import(f, "jsonl", ImportOptions(num_experts=8))
+
+
+def test_jsonl_logits_only_uses_top_k(tmp_path):
+    recs = [{"token": 0, "layer": 0, "logits": [0.1, 0.9, 0.5, 0.7]},
+            {"token": 1, "layer": 0, "logits": [0.8, 0.2, 0.3, 0.1]}]
+    f = write_jsonl(tmp_path / "r.jsonl", recs)
+    tr = load_import(f, "jsonl", ImportOptions(top_k=2))
+    assert tr.index.tolist() == [[1, 3], [0, 2]]
+    assert tr.meta["geometry"]["top_k"] == 2
+    with pytest.raises(ConfigError, match=r"line 1: no expert list, only logits; set replay.top_k"):
+        load_import(f, "jsonl", ImportOptions())
+
+
+def test_jsonl_positions_not_from_zero_noted(tmp_path):
+    recs = [{"seq": 0, "token": t, "layer": 0, "experts": [t - 100]} for t in (100, 101, 102)]
+    tr = load_import(write_jsonl(tmp_path / "r.jsonl", recs), "jsonl", ImportOptions(num_experts=4))
+    assert tr.passes.tolist() == [[0, 1, 1], [1, 1, 2], [1, 1, 3]]
+    assert any(n.startswith("1 sequence(s) have token positions other than 0..n-1 (first: seq 0, positions "
+                            "100..102 for 3 tokens)") for n in tr.notes)
+
+
+GOOD = '{"seq": 0, "token": 0, "layer": 0, "experts": [1, 2], "weights": [0.5, 0.5]}\n'
+
+
+def _line(tok, experts, weights=(0.5, 0.5), layer=0):
+    rec = {"seq": 0, "token": tok, "layer": layer, "experts": list(experts), "weights": list(weights)}
+    return json.dumps(rec) + "\n"
+
+
+@pytest.mark.parametrize("text, match", [
+    (GOOD + _line(1, [1, 8]), r"r\.jsonl, line 2: expert id 8 out of range \[0, 8\)"),
+    (GOOD + "\n" + _line(1, [1, 2]) + _line(2, [-1, 2]), r"r\.jsonl, line 4: negative expert id -1"),
+    (GOOD + '{"seq": 0, "token": 1, "layer": 0, "experts": [1, 2\n', r"r\.jsonl, line 2: malformed JSON"),
+    (GOOD + _line(1, [1, 2]) + _line(2, [1, 2, 3], [0.3, 0.3, 0.4]),
+     r"r\.jsonl, line 3: 3 experts, but line 1 has 2: mixed top-k"),
+    (GOOD + _line(1, [1, 2], [1.0]), r"r\.jsonl, line 2: 1 weights for 2 experts"),
+    (GOOD + _line(1, [3, 3]), r"r\.jsonl, line 2: expert id 3 appears twice in one record"),
+    (GOOD + _line(1, [1, 2]) + _line(0, [4, 5]), r"r\.jsonl, line 3: duplicate record for seq 0 token 0 layer 0 "
+                                                 r"\(first at line 1\)"),
+    (GOOD + '{"seq": 0, "token": 1, "layer": 0, "experts": [1, 2]}\n', r"r\.jsonl, line 2: weights absent here"),
+    (GOOD + '{"seq": 0, "token": 1.5, "layer": 0, "experts": [1, 2], "weights": [1, 0]}\n',
+     r"r\.jsonl, line 2: token position 1.5 is not an integer"),
+    (GOOD + '{"seq": 0, "token": 1, "layer": 0, "experts": [1, 2.5], "weights": [1, 0]}\n',
+     r"r\.jsonl, line 2: expert id 2.5 is not an integer"),
+    (GOOD + '{"seq": 0, "layer": 0, "experts": [1, 2], "weights": [1, 0]}\n', r"r\.jsonl, line 2: no token position"),
+    ("[1, 2]\n", r"r\.jsonl, line 1: expected a JSON object"),
+])
+def test_jsonl_errors_name_the_line(tmp_path, text, match):
+    f = tmp_path / "r.jsonl"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_import(f, "jsonl", ImportOptions(num_experts=8))
+
+
+def test_empty_file_unknown_format_and_unknown_experts(tmp_path):
+    f = tmp_path / "r.jsonl"
+    f.write_text("\n\n")
+    with pytest.raises(ConfigError, match=r"r\.jsonl: empty file"):
+        load_import(f, "jsonl", ImportOptions(num_experts=8))
+    c = tmp_path / "r.csv"
+    c.write_text("")
+    with pytest.raises(ConfigError, match=r"r\.csv: empty file"):
+        load_import(c, "llama_csv", ImportOptions(num_experts=8))
+    f.write_text(GOOD)
+    with pytest.raises(ConfigError, match=r"replay.format='vllm' .*valid choices: jsonl, llama_csv, npy"):
+        load_import(f, "vllm", ImportOptions(num_experts=8))
+    with pytest.raises(ConfigError, match=r"r\.jsonl: the number of experts is unknown .*set replay.num_experts"):
+        load_import(f, "jsonl", ImportOptions())
+    with pytest.raises(ConfigError, match=r"no such file"):
+        load_import(tmp_path / "nope.jsonl", "jsonl", ImportOptions(num_experts=8))
+
+
+def _grid(tokens, layers, drop=()):
+    return [{"token": t, "layer": la, "experts": [(t + la) % 4]} for t in range(tokens) for la in range(layers)
+            if (t, la) not in drop]
+
+
+def test_missing_cell_skipped_with_note_and_warning(tmp_path):
+    f = write_jsonl(tmp_path / "r.jsonl", _grid(50, 2, drop={(5, 1)}))  # 1 of 100 cells = max_missing
+    with pytest.warns(UserWarning, match=r"skipped 1 missing \(token, layer\) cell: seq 0 token 5 layer 1"):
+        tr = load_import(f, "jsonl", ImportOptions(num_experts=4))
+    assert len(tr.passes) == 50 and len(tr.calls) == 99 and len(tr.index) == 99
+    assert tr.calls[8:13].tolist() == [[4, 0, 8, 1], [4, 1, 9, 1], [5, 0, 10, 1], [6, 0, 11, 1], [6, 1, 12, 1]]
+    assert tr.index[8:13, 0].tolist() == [0, 1, 1, 2, 3]
+    assert tr.passes[5].tolist() == [1, 1, 6]
+    assert ("skipped 1 missing (token, layer) cell: seq 0 token 5 layer 1 (1.00% of 100 cells; "
+            "replay.max_missing=0.01)") in tr.notes
+
+
+def test_missing_cells_over_threshold_raise(tmp_path):
+    f = write_jsonl(tmp_path / "r.jsonl", _grid(50, 2, drop={(5, 1), (7, 0)}))
+    with pytest.raises(ConfigError, match=r"r\.jsonl: 2 of 100 \(token, layer\) cells are missing \(2.00%, above "
+                                          r"replay.max_missing=0.01\): seq 0 token 5 layer 1, seq 0 token 7 layer 0"):
+        load_import(f, "jsonl", ImportOptions(num_experts=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr = load_import(f, "jsonl", ImportOptions(num_experts=4, max_missing=0.05))
+    assert len(caught) == 1 and "skipped 2 missing (token, layer) cells" in str(caught[0].message)
+    assert len(tr.calls) == 98
+
+
+def test_npy_round_trip(tmp_path):
+    rng = np.random.default_rng(0)
+    arr = np.stack([np.stack([rng.permutation(300)[:3] for _ in range(4)]) for _ in range(5)]).astype(np.int32)
+    f = tmp_path / "r.npy"
+    np.save(f, arr)
+    tr = load_import(f, "npy", ImportOptions(num_experts=300))
+    assert tr.index.dtype == np.int16  # E > 256
+    np.testing.assert_array_equal(tr.index, arr.reshape(20, 3))
+    assert tr.passes.tolist() == [[0, 1, 1], [1, 1, 2], [1, 1, 3], [1, 1, 4], [1, 1, 5]]
+    assert tr.calls.tolist() == [[p, la, 4 * p + la, 1] for p in range(5) for la in range(4)]
+    assert tr.meta["geometry"]["layer_ids"] == [0, 1, 2, 3]
+    assert tr.meta["source"]["records"] == 20 and tr.meta["source"]["format"] == "npy"
+    arr[1, 1, 2] = -3
+    np.save(f, arr)
+    with pytest.raises(ConfigError, match=r"r\.npy, record 5 \(token 1, layer 1\): negative expert id -3"):
+        load_import(f, "npy", ImportOptions(num_experts=300))
+    np.save(f, arr.astype(np.float32))
+    with pytest.raises(ConfigError, match=r"r\.npy: expected an integer array \[tokens, layers, k\], got dtype"):
+        load_import(f, "npy", ImportOptions(num_experts=300))
+
+
+def test_llama_csv_headerless_moe_trace(tmp_path):
+    # llama-moe-trace rows pos,layer,id0,id1 in execution order: a 3-token prompt ubatch (negative pos,
+    # layer-major), two decode steps, then a second run concatenated (prompt after decode = new sequence).
+    rows = ["-3,0,1,2", "-2,0,3,4", "-1,0,5,6", "-3,1,7,0", "-2,1,1,3", "-1,1,2,4",
+            "0,0,0,1", "0,1,2,3", "1,0,4,5", "1,1,6,7",
+            "-2,0,5,1", "-1,0,6,2", "-2,1,7,3", "-1,1,0,4", "0,0,1,2", "0,1,3,4"]
+    f = tmp_path / "trace.csv"
+    f.write_text("\n".join(rows) + "\n")
+    tr = load_import(f, "llama_csv", ImportOptions(num_experts=8))
+    assert tr.passes.tolist() == [[0, 1, 1], [1, 1, 2], [1, 1, 3], [1, 1, 4], [1, 1, 5],
+                                  [0, 1, 1], [1, 1, 2], [1, 1, 3]]
+    assert tr.calls.tolist() == [[p, la, 2 * p + la, 1] for p in range(8) for la in range(2)]
+    assert tr.index.tolist() == [[1, 2], [7, 0], [3, 4], [1, 3], [5, 6], [2, 4], [0, 1], [2, 3], [4, 5], [6, 7],
+                                 [5, 1], [7, 3], [6, 2], [0, 4], [1, 2], [3, 4]]
+    assert tr.meta["geometry"]["layer_ids"] == [0, 1]
+    assert tr.meta["source"] == {"format": "llama_csv", "path": str(f), "records": 16, "sequences": 2}
+    assert tr.notes[0] == ("llama.cpp moe-trace CSV (pos,layer,id0..): 2 run(s), 10 prompt rows (negative pos) and "
+                           "6 decode rows; prompt tokens replay one token per pass (the prefill batching is not kept)")
+
+
+def test_llama_csv_other_prompt_encoding_and_repeats(tmp_path):
+    # the -(pos + j + 1) fork encoding: the first prompt token is -1; order is by appearance, not value.
+    # A prompt-only second run starts at its repeated (pos, layer).
+    rows = ["-1,3,0", "-2,3,1", "-1,5,2", "-2,5,3", "0,3,4", "0,5,5", "-1,3,6", "-1,5,7"]
+    f = tmp_path / "trace.csv"
+    f.write_text("\n".join(rows) + "\n")
+    tr = load_import(f, "llama_csv", ImportOptions(num_experts=8))
+    assert tr.passes.tolist() == [[0, 1, 1], [1, 1, 2], [1, 1, 3], [0, 1, 1]]
+    assert tr.index[:, 0].tolist() == [0, 2, 1, 3, 4, 5, 6, 7]
+    assert tr.calls[:, 1].tolist() == [0, 1] * 4
+    assert tr.meta["geometry"]["layer_ids"] == [3, 5]
+    assert tr.meta["geometry"]["top_k"] == 1
+
+
+def test_llama_csv_headerless_errors(tmp_path):
+    f = tmp_path / "trace.csv"
+    f.write_text("-1,0,1,2\n-1,1,3\n")
+    with pytest.raises(ConfigError, match=r"trace\.csv, line 2: 1 experts, but line 1 has 2: mixed top-k"):
+        load_import(f, "llama_csv", ImportOptions(num_experts=8))
+    f.write_text("-1,0,1,2\n\n-1,1,3,9\n")
+    with pytest.raises(ConfigError, match=r"trace\.csv, line 3: expert id 9 out of range \[0, 8\)"):
+        load_import(f, "llama_csv", ImportOptions(num_experts=8))
+    f.write_text("-1,0,1,2\n-1,1,3,x\n")
+    with pytest.raises(ConfigError, match=r"trace\.csv, line 2: non-integer field"):
+        load_import(f, "llama_csv", ImportOptions(num_experts=8))
+    f.write_text("-1,0,1,2\n-1,1,3,3\n")
+    with pytest.raises(ConfigError, match=r"trace\.csv, line 2: expert id 3 appears twice"):
+        load_import(f, "llama_csv", ImportOptions(num_experts=8))
+
+
+def test_header_csv_list_column(tmp_path):
+    lines = ["seq,pos,layer,experts,weights"]
+    lines += [f"{q},{t},{la},{';'.join(map(str, EXPERTS[q, t, la]))},0.5|0.25" for q, t, la in FILE_ORDER]
+    f = tmp_path / "r.csv"
+    f.write_text("\n".join(lines) + "\n")
+    tr = load_import(f, "llama_csv", ImportOptions(num_experts=8))
+    assert tr.passes.tolist() == PASSES
+    assert tr.calls.tolist() == CALLS
+    assert tr.index.tolist() == INDEX
+    assert tr.weights.dtype == np.float16 and tr.weights.tolist() == [[0.5, 0.25]] * 12
+    # space-joined experts in a quoted cell work too
+    f.write_text("token,layer,experts\n0,0,\"[1 2]\"\n1,0,\"2 3\"\n")
+    tr = load_import(f, "llama_csv", ImportOptions(num_experts=8))
+    assert tr.index.tolist() == [[1, 2], [2, 3]]
+    assert tr.weights is None and any(n == "the file has no router weights" for n in tr.notes)
+
+
+def test_header_csv_indexed_columns(tmp_path):
+    lines = ["request_id,token,layer_id,expert_0,expert_1,weight_0,weight_1"]
+    lines += [f"r{q},{t},{la},{EXPERTS[q, t, la][0]},{EXPERTS[q, t, la][1]},0.75,0.125" for q, t, la in FILE_ORDER]
+    f = tmp_path / "r.csv"
+    f.write_text("\n".join(lines) + "\n")
+    tr = load_import(f, "llama_csv", ImportOptions(num_experts=8))
+    assert tr.passes.tolist() == PASSES
+    assert tr.calls.tolist() == CALLS
+    assert tr.index.tolist() == INDEX
+    assert tr.weights.tolist() == [[0.75, 0.125]] * 12
+    lines[3] = "r7,2,0,6,,0.75,0.125"
+    f.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=r"r\.csv, line 4: 1 experts, but line 2 has 2: mixed top-k"):
+        load_import(f, "llama_csv", ImportOptions(num_experts=8))
+    f.write_text("token,layer,expert_0,expert_1,weight_0\n0,0,1,2,0.5\n")
+    with pytest.raises(ConfigError, match=r"r\.csv, line 2: 1 weights for 2 experts"):
+        load_import(f, "llama_csv", ImportOptions(num_experts=8))
+    f.write_text("token,layer,note\n0,0,x\n")
+    with pytest.raises(ConfigError, match=r"r\.csv, line 1: the header names no experts column"):
+        load_import(f, "llama_csv", ImportOptions(num_experts=8))
