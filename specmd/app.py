@@ -59,6 +59,14 @@ class Run:
         from .replay.driver import ReplayConfig
 
         self.replay = build_params(ReplayConfig, dict(c.get("replay") or {}), "replay")
+        oracles = [f"{g}={cls.name}" for g, (cls, _) in self.policies.items() if cls.needs_future]
+        if oracles and not self.replay.trace:
+            raise ConfigError(f"{', '.join(oracles)} needs the future, which only a trace replay has: record a "
+                              f"trace with trace.save=true, then replay it with replay.trace=PATH")
+        from .replay.trace import LOGIT_DTYPES
+
+        if self.trace_logits not in LOGIT_DTYPES:
+            raise ConfigError(f"trace.logits={self.trace_logits!r}; valid choices: {', '.join(LOGIT_DTYPES)}")
         if self.trace_depth < 0:
             raise ConfigError(f"trace.depth={self.trace_depth} must be >= 0")
         self.mirror = (c.get("data") or {}).get("mirror")

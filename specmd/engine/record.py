@@ -7,6 +7,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..errors import ConfigError
+
 
 class Scoring:
     """How a family turns router logits into probabilities and top-k weights (from its adapter)."""
@@ -34,8 +36,8 @@ class Scoring:
         return {"sigmoid": self.sigmoid, "renorm": self.renorm, "scale": self.scale}
 
 
-class NoLogits(RuntimeError):
-    pass
+class NoLogits(ConfigError):
+    """A policy needs router probabilities (or the prefetch signal) that the trace did not record."""
 
 
 class GateRecord:

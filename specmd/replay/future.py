@@ -19,6 +19,7 @@ class Future:
     def __init__(self, call_layer: np.ndarray, call_ptr: np.ndarray, experts: np.ndarray, num_experts: int):
         """``experts[call_ptr[c]:call_ptr[c+1]]``: the ascending experts call ``c`` requests at MoE layer
         ``call_layer[c]``."""
+        self.call_layer = call_layer
         self.call_ptr = call_ptr
         self.experts = experts
         self.num_experts = num_experts
@@ -34,6 +35,9 @@ class Future:
 
     def __len__(self) -> int:
         return len(self.call_ptr) - 1
+
+    def layer_of(self, call: int) -> int:
+        return int(self.call_layer[call]) if 0 <= call < len(self.call_layer) else -1
 
     def requests(self, call: int) -> list[int]:
         if call < 0 or call + 1 >= len(self.call_ptr):

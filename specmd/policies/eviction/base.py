@@ -18,6 +18,7 @@ in-flight state). A policy never sees the cache manager, and nothing tells it wh
 
 from __future__ import annotations
 
+from heapq import heappop, heappush
 from typing import Any, Callable, Optional
 
 from ...registry import Registry
@@ -110,6 +111,32 @@ def argmin_key(candidates, evictable, rank):
             if best is None or r < best_rank:
                 best, best_rank = key, r
     return best
+
+
+def heap_first(heap: list, evictable: Callable[[int], bool], valid: Callable[[tuple], bool]) -> Optional[tuple]:
+    """The smallest entry of the lazily invalidated min-heap ``heap`` that is ``valid`` and whose key (an
+    entry's last item) is evictable, left in the heap (a policy may be asked again before the manager
+    evicts); None if there is none. Invalid entries met on the way are dropped; valid non-evictable ones
+    (the running layer's experts, prefetches in flight: a few) are popped and pushed back. Ranking policies
+    keep one heap entry ``(rank..., key)`` per ranking change, so a victim costs O(log N) amortised
+    instead of a scan of the pool."""
+    held = None
+    found = None
+    while heap:
+        ent = heap[0]
+        if not valid(ent):
+            heappop(heap)
+        elif evictable(ent[-1]):
+            found = ent
+            break
+        else:
+            if held is None:
+                held = []
+            held.append(heappop(heap))
+    if held is not None:
+        for ent in held:
+            heappush(heap, ent)
+    return found
 
 
 EVICTION: Registry[EvictionPolicy] = Registry("eviction", "specmd.policies.eviction")

@@ -1,6 +1,7 @@
 from dataclasses import dataclass
+from heapq import heapify, heappush
 
-from .base import EVICTION, OrderedEviction, argmin_key
+from .base import EVICTION, OrderedEviction, heap_first
 
 
 @EVICTION.register("lfu")
@@ -8,7 +9,11 @@ class LFU(OrderedEviction):
     """Least frequently used (SpecMD App. B): evicts the resident expert with the fewest accesses over the
     whole run. Counts persist after eviction ("entire inference history"; set ``history: false`` for
     in-cache counts, which is what libCacheSim's LFU does). An insert counts as one access.
-    Ties: least recently used first."""
+    Ties: least recently used first.
+
+    The ranking lives in a min-heap of ``(count, last, key)`` with lazy invalidation (an entry is live
+    while its key is resident and ``last[key]`` is still its ``last``); keys touched since the last victim
+    are pushed once, when the next victim is asked for."""
 
     @dataclass
     class Params:
@@ -19,6 +24,8 @@ class LFU(OrderedEviction):
         self.count: dict[int, int] = {}
         self.last: dict[int, int] = {}
         self.clock = 0
+        self._heap: list[tuple[int, int, int]] = []
+        self._dirty: set[int] = set()  # keys touched since their newest heap entry was pushed
 
     def weight(self, key) -> int:
         """How much one use of ``key`` counts (LHU counts only high-precision uses)."""
@@ -28,6 +35,7 @@ class LFU(OrderedEviction):
         self.clock += 1
         self.count[key] = self.count.get(key, 0) + self.weight(key)
         self.last[key] = self.clock
+        self._dirty.add(key)
 
     def on_insert(self, key, prefetch):
         super().on_insert(key, prefetch)
@@ -41,6 +49,20 @@ class LFU(OrderedEviction):
         if not self.params.history:
             del self.count[key]
 
+    def _live(self, ent) -> bool:
+        key = ent[2]
+        return key in self._order and self.last[key] == ent[1]
+
     def victim(self, evictable):
-        count, last = self.count, self.last
-        return argmin_key(self._order, evictable, lambda k: (count[k], last[k]))
+        count, last, order, heap = self.count, self.last, self._order, self._heap
+        dirty = self._dirty
+        if len(heap) + len(dirty) > 2 * len(order) + 64:  # mostly dead entries: rebuild from the residents
+            heap[:] = [(count[k], last[k], k) for k in order]
+            heapify(heap)
+        else:
+            for k in dirty:
+                if k in order:
+                    heappush(heap, (count[k], last[k], k))
+        dirty.clear()
+        ent = heap_first(heap, evictable, self._live)
+        return None if ent is None else ent[2]

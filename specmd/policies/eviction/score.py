@@ -1,9 +1,10 @@
 from collections import deque
 from dataclasses import dataclass
+from heapq import heapify, heappush
 
 import numpy as np
 
-from .base import EVICTION, OrderedEviction, argmin_key
+from .base import EVICTION, OrderedEviction, heap_first
 
 
 @EVICTION.register("score")
@@ -13,8 +14,11 @@ class Score(OrderedEviction):
     step, scored by its mean over tokens). The score of an expert at a step is its router probability
     averaged over the step's tokens (every expert of the layer gets one, selected or not); experts of a
     layer not yet seen score 0. The protection shield: the running layer's experts are never evicted
-    while it computes (the cache manager's pinning). Ties: lower key first."""
+    while it computes (the cache manager's pinning). Ties: lower key first.
 
+    The ranking lives in a min-heap of ``(score, key)`` entries with lazy invalidation (an entry is live
+    while it is its resident key's newest one, ``_entry[key]``); a layer call that changes a layer's means
+    pushes a new entry for each of that layer's resident keys whose score changed."""
 
     @dataclass
     class Params:
@@ -28,6 +32,29 @@ class Score(OrderedEviction):
         super().__init__(params or self.Params())
         self.history: dict[int, deque] = {}
         self.mean: dict[int, np.ndarray] = {}
+        self._entry: dict[int, tuple[float, int]] = {}  # resident key -> its live heap entry (score, key)
+        self._by_layer: dict[int, set[int]] = {}  # layer -> its resident keys
+        self._heap: list[tuple[float, int]] = []
+
+    def _push(self, key, score) -> None:
+        ent = self._entry[key] = (score, key)
+        heap = self._heap
+        heappush(heap, ent)
+        if len(heap) > 2 * len(self._entry) + 64:  # mostly dead entries: rebuild from the live ones
+            heap[:] = self._entry.values()
+            heapify(heap)
+
+    def on_insert(self, key, prefetch):
+        super().on_insert(key, prefetch)
+        layer, expert = divmod(key, self.keys.num_experts)
+        self._by_layer.setdefault(layer, set()).add(key)
+        m = self.mean.get(layer)
+        self._push(key, 0.0 if m is None else float(m[expert]))
+
+    def on_remove(self, key):
+        super().on_remove(key)
+        del self._entry[key]
+        self._by_layer[key // self.keys.num_experts].discard(key)
 
     def on_layer(self, layer, record=None):
         if record is None:
@@ -37,13 +64,18 @@ class Score(OrderedEviction):
         hist.append(scores)
         if len(hist) > self.params.n:
             hist.popleft()
-        self.mean[layer] = sum(hist) / len(hist)
+        mean = self.mean[layer] = sum(hist) / len(hist)
+        keys = self._by_layer.get(layer)
+        if keys:
+            m, base, entry, push = mean.tolist(), layer * self.keys.num_experts, self._entry, self._push
+            for k in keys:
+                s = m[k - base]
+                if s != entry[k][0]:
+                    push(k, s)
+
+    def _live(self, ent) -> bool:
+        return self._entry.get(ent[1]) is ent
 
     def victim(self, evictable):
-        e, mean = self.keys.num_experts, self.mean
-
-        def rank(k):
-            m = mean.get(k // e)
-            return (0.0 if m is None else float(m[k % e]), k)
-
-        return argmin_key(self._order, evictable, rank)
+        ent = heap_first(self._heap, evictable, self._live)
+        return None if ent is None else ent[1]

@@ -1,0 +1,203 @@
+"""Replay: the engine fed by a recorded trace equals the live run (cache and timing, bit for bit) for every
+exact stack; Belady is the optimum (libCacheSim equality, every policy at or below it); oracle prefetch."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from conftest import sample_ids, tiny
+from specmd.engine import Geometry, StackSpec
+from specmd.errors import ConfigError
+from specmd.hardware import HardwareConfig
+from specmd.hook import install
+from specmd.policies.eviction import EVICTION
+from specmd.replay.driver import check, exactness, run_replay
+from specmd.replay.trace import Trace, TraceWriter, full_calls, read_trace
+
+
+def spec_of(case):
+    case = dict(case)
+    hw = {k: case.pop(k) for k in list(case) if k in HardwareConfig.__dataclass_fields__}
+    return StackSpec.of(hardware=HardwareConfig(**hw), **case)
+
+
+def live(model, spec, prompts, trace_dir=None, depth=2):
+    """A live run: each prompt is prefilled, then 3 decode steps (generate)."""
+    stack = install(model, spec)
+    if trace_dir is not None:
+        stack.writer = TraceWriter(trace_dir, stack.geom, stack.scoring, stack.store, depth)
+    with torch.no_grad(), stack:
+        for ids in prompts:
+            model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    if stack.writer is not None:
+        stack.writer.close()
+    return stack.engine.results()
+
+
+EVICTIONS = [e for e in EVICTION.names() if e != "belady"]
+CASES = (
+    [dict(eviction=e, prefetch="topk", capacity=0.25) for e in EVICTIONS]
+    + [dict(prefetch=p, capacity=c) for p in ("none", "topk", "score", "lookahead") for c in (0.05, 0.25, 0.6)]
+    + [dict(eviction=e, prefetch="lookahead", capacity=0.3, scope="per_layer")
+       for e in ("lru", "least_stale", "lfu", "fld", "score", "arc")]
+    + [dict(miss="cpu_compute", capacity=0.1), dict(miss="cpu_compute", prefetch="score", capacity=0.3, scope="per_layer"),
+       dict(eviction="least_stale", capacity=0.2, bandwidth_gbps=0.5, latency_us=200.0),
+       dict(eviction="lfu", experts_per_layer=5, scope="per_layer")]
+)
+
+
+@pytest.fixture(scope="module", params=["olmoe", "mixtral"])
+def recorded(request, tmp_path_factory):
+    family = request.param
+    model = tiny(family)
+    prompts = [sample_ids(batch=1, seq=20, seed=s) for s in (0, 1)]
+    path = tmp_path_factory.mktemp(f"trace_{family}") / "trace"
+    first = live(model, spec_of(CASES[0]), prompts, path)
+    return family, model, prompts, read_trace(path), first
+
+
+def test_trace_holds_every_pass_and_layer_call(recorded):
+    family, model, prompts, trace, first = recorded
+    L = trace.meta["geometry"]["num_layers"]
+    assert trace.passes[:, 0].tolist() == [0, 1, 1, 1] * 2  # prefill, then 3 decode steps, per prompt
+    assert trace.passes[:, 1].tolist() == [20, 1, 1, 1] * 2
+    assert trace.passes[:, 2].tolist() == [20, 21, 22, 23] * 2  # context
+    assert len(trace.calls) == 8 * L and trace.depth == 2
+    assert trace.index.shape == (L * 23 * 2, trace.meta["geometry"]["top_k"])
+    assert first["timing"]["passes"] == 8
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_replay_equals_live(recorded, case):
+    family, model, prompts, trace, _ = recorded
+    spec = spec_of(case)
+    want = live(model, spec, prompts)
+    assert not exactness(trace, spec)
+    got = run_replay(trace, spec).results()
+    assert got["cache"] == want["cache"]
+    assert got["timing"] == want["timing"]
+    assert got["routing"] == want["routing"]
+
+
+def test_lossy_replay_says_inexact(recorded):
+    family, model, prompts, trace, _ = recorded
+    for case, needle in ((dict(routing="cache_prior"), "routing=cache_prior"), (dict(miss="drop"), "miss=drop"),
+                         (dict(miss="substitute"), "miss=substitute")):
+        spec = spec_of(case)
+        reasons = exactness(trace, spec)
+        assert reasons and needle in reasons[0]
+        res = run_replay(trace, spec).results()  # applies the policy to the recorded logits
+        assert res["cache"]["requests"] > 0
+
+
+def test_killed_run_leaves_a_readable_prefix(recorded, tmp_path):
+    family, model, prompts, trace, _ = recorded
+    stack = install(model, spec_of({}))
+    stack.writer = TraceWriter(tmp_path / "t", stack.geom, stack.scoring, stack.store, 1)
+    with torch.no_grad(), stack:
+        model(prompts[0])
+        model(prompts[1])
+    # a pass cut off mid-way: its rows reach the data files but never the pass table
+    stack.writer.begin_pass("prefill", 5, 5)
+    stack.writer._rows["index"].append(np.zeros((5, trace.index.shape[1]), dtype=np.uint8))
+    stack.writer.files["index"].write(b"\x01" * 7)
+    stack.writer.files["index"].flush()
+    t = read_trace(tmp_path / "t")
+    assert len(t.passes) == 2 and t.passes[:, 1].tolist() == [20, 20]
+    assert run_replay(t, spec_of({})).results()["timing"]["passes"] == 2
+
+
+def test_replay_rejects_what_the_trace_cannot_answer(recorded, tmp_path):
+    family, model, prompts, trace, _ = recorded
+    with pytest.raises(ConfigError, match="lookahead.*3 layer.*records 2"):
+        check(trace, spec_of(dict(prefetch={"name": "lookahead", "depth": 3})))
+    with pytest.raises(ConfigError, match="int8.*stores only native"):
+        check(trace, spec_of(dict(miss="fetch_priority")))
+    with pytest.raises(ConfigError, match="belady needs the future"):
+        install(model, spec_of(dict(eviction="belady")))
+
+
+# ---- Belady and the oracle prefetch on hand-made traces ---------------------------------------------------
+def flat_trace(requests, num_experts=None, layers=1, k=1) -> Trace:
+    """One token per pass; ``requests`` [passes][layers] lists of k experts."""
+    E = num_experts or (max(max(max(r) for r in p) for p in requests) + 1)
+    idx = np.asarray(requests, dtype=np.uint8).reshape(-1, k)
+    passes = np.array([[0 if i == 0 else 1, 1, i + 1] for i in range(len(requests))], dtype=np.int64)
+    geom = Geometry(num_layers=layers, num_experts=E, top_k=k, expert_bytes=100, total_bytes=100 * E * layers)
+    meta = {"geometry": geom.to_dict(), "store": {"native_bits": 16, "bytes_of": {"native": 100}}, "depth": 0,
+            "logits": "fp32", "scoring": {}, "source": {"format": "test"}}
+    logits = np.random.default_rng(len(idx)).normal(size=(len(idx), E)).astype(np.float32)  # for score eviction
+    return Trace(meta=meta, passes=passes, calls=full_calls(passes, layers), index=idx, logits=logits)
+
+
+def replay_hits(trace, eviction, slots, prefetch="none", scope="global"):
+    spec = StackSpec.of(eviction=eviction, prefetch=prefetch,
+                        hardware=HardwareConfig(experts_per_layer=slots, scope=scope, bandwidth_gbps=1e3))
+    return run_replay(trace, spec).cache.stats
+
+
+def zipf(n, universe, seed, s=1.1):
+    rng = random.Random(seed)
+    w = [1.0 / (i + 1) ** s for i in range(universe)]
+    return rng.choices(range(universe), w, k=n)
+
+
+@pytest.mark.parametrize("seed,cap", [(0, 4), (1, 8), (2, 16)])
+def test_belady_equals_libcachesim_on_flat_traces(seed, cap):
+    libcachesim = pytest.importorskip("libcachesim")
+    reqs = zipf(3000, 40, seed)
+    ours = replay_hits(flat_trace([[[e]] for e in reqs], 40), "belady", cap).total("hits")
+    nxt, last = [0] * len(reqs), {}
+    for i in range(len(reqs) - 1, -1, -1):
+        nxt[i] = last.get(reqs[i], np.iinfo(np.int64).max)
+        last[reqs[i]] = i
+    cache = libcachesim.Belady(cache_size=cap)
+    theirs = 0
+    for i, e in enumerate(reqs):
+        req = libcachesim.Request()
+        req.obj_id, req.obj_size, req.next_access_vtime = e + 1, 1, nxt[i]
+        theirs += bool(cache.get(req))
+    assert ours == theirs
+
+
+def test_belady_hand_worked():
+    # capacity 2: 0 1 2 0 1 -> at 2, evict the one needed last (1, next at t4) -> 0 hits at t3, then 1 misses
+    st = replay_hits(flat_trace([[[e]] for e in (0, 1, 2, 0, 1)]), "belady", 2)
+    assert (st.total("hits"), st.total("misses")) == (1, 4)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(data=hs.data())
+def test_no_policy_beats_belady(data):
+    layers, E = 4, 6  # 4 MoE layers: the shipped ml weights
+    n = data.draw(hs.integers(2, 25))
+    reqs = [[data.draw(hs.lists(hs.integers(0, E - 1), min_size=2, max_size=2, unique=True)) for _ in range(layers)]
+            for _ in range(n)]
+    trace = flat_trace(reqs, E, layers, k=2)
+    slots = data.draw(hs.integers(2, 6))
+    scope = data.draw(hs.sampled_from(["global", "per_layer"]))
+    best = replay_hits(trace, "belady", slots, scope=scope).total("hits")
+    for name in EVICTION.names():
+        assert replay_hits(trace, name, slots, scope=scope).total("hits") <= best, name
+
+
+def test_oracle_prefetch_has_perfect_prediction():
+    reqs = [[[0], [1]], [[2], [3]], [[0], [3]]]
+    st = replay_hits(flat_trace(reqs, 4, 2), "lru", 4, prefetch="oracle")
+    s = st.summary()
+    assert s["prefetch_precision"] == 1.0 and s["prefetch_recall"] == 1.0
+    assert s["prefetch_issued"] == 2  # layer 1's 1 and 3 (3 is resident for the last pass)
+    # layer 0: 0, 2 miss, 0 hits; layer 1: both prefetches requested before they arrive (compute takes no time)
+    assert st.misses == [2, 2] and st.prefetch_late == [0, 2] and st.hits == [1, 1]
+
+
+def test_oracle_and_belady_are_rejected_live_before_the_model_loads():
+    from test_configs import compose_run
+
+    for override in ("eviction=belady", "prefetch=oracle"):
+        with pytest.raises(ConfigError, match="needs the future.*replay.trace"):
+            compose_run([override])

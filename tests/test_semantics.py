@@ -1,0 +1,173 @@
+"""Semantic rules pinned by hand-worked cases: each test fails if its rule is broken by a one-line change
+(Least-Stale's FIFO and what makes an expert current, prefetch promotion, the miss outcomes' execution,
+host time, substitute pinning) and the accounting fields no other test reads."""
+
+import math
+
+import pytest
+import torch
+
+from specmd.engine import Engine, GateRecord, Geometry, Scoring, StackSpec
+from specmd.engine.cache import CacheManager
+from specmd.engine.clock import Roofline, SimClock, TransferChannel
+from specmd.hardware import HardwareConfig
+from specmd.policies.eviction import EVICTION
+from specmd.policies.miss import MISS
+
+SOFTMAX = Scoring(False, False, 1.0)
+
+
+def manager(policy, capacity_experts, layers=3, experts=4, bw=100.0):
+    """Expert = 100 bytes; ``bw`` bytes/s (default: one expert per simulated second); compute is free."""
+    geom = Geometry(num_layers=layers, num_experts=experts, top_k=1, expert_bytes=100, total_bytes=10**6)
+    clock = SimClock(geom, TransferChannel(bw, 0.0), Roofline(1e15, 1e15))
+    return CacheManager(geom, [capacity_experts * 100], [EVICTION.get(policy)()], MISS.build({"name": "fetch"}), clock)
+
+
+def call(m, layer, experts):
+    m.serve(layer, experts)
+    m.finish_layer()
+
+
+# ---- Least-Stale --------------------------------------------------------------------------------------------
+def test_least_stale_is_fifo_within_a_layer():
+    m = manager("least_stale", 2, layers=2, bw=1e12)
+    m.begin_pass("decode", 1, 1)
+    call(m, 0, [0])  # (0,0) joins first
+    call(m, 0, [1])  # (0,1) second
+    m.end_pass()
+    m.begin_pass("decode", 1, 2)  # both stale, same layer
+    call(m, 1, [0])  # miss: FIFO evicts (0,0), not the later (0,1)
+    assert sorted(m.entries) == [1, 4]
+
+
+def test_least_stale_prefetched_experts_are_current():
+    m = manager("least_stale", 2, layers=3, bw=1e12)
+    m.begin_pass("decode", 1, 1)
+    call(m, 0, [0])
+    m.end_pass()
+    m.begin_pass("decode", 1, 2)
+    m.serve(1, [0])  # evicts nothing (room for 2): {(0,0) stale, (1,0) current}
+    m.prefetch(2, [0])  # needs room: evicts the stale (0,0); (2,0) is current (prefetched this pass)
+    m.finish_layer()
+    m.clock.compute(1e15, 0)  # the prefetch arrives
+    call(m, 2, [1])  # both residents current: the lowest layer (1,0) goes, the prefetched (2,0) stays
+    assert sorted(m.entries) == [8, 9]
+
+
+def test_least_stale_a_hit_makes_an_expert_current():
+    m = manager("least_stale", 2, layers=2, bw=1e12)
+    m.begin_pass("decode", 1, 1)
+    call(m, 0, [0])
+    call(m, 1, [0])
+    m.end_pass()
+    m.begin_pass("decode", 1, 2)
+    call(m, 0, [0])  # hit: (0,0) current again
+    call(m, 1, [1])  # miss: the only stale expert is (1,0)
+    assert sorted(m.entries) == [0, 5]
+
+
+# ---- the transfer channel -------------------------------------------------------------------------------------
+def test_a_requested_queued_prefetch_is_promoted_to_demand_priority():
+    m = manager("lru", 4, layers=2)
+    m.begin_pass("decode", 1, 1)
+    m.prefetch(1, [0, 1])  # both queued at t=0, (1,0) first
+    call(m, 1, [1])  # (1,1) is requested: served before the queued (1,0), ready after one transfer
+    assert m.stats.stall_s[1] == pytest.approx(1.0)
+    assert m.stats.prefetch_late[1] == 1 and m.stats.misses[1] == 1 and m.stats.hits[1] == 0
+    m.end_pass()
+
+
+# ---- miss outcomes through the engine --------------------------------------------------------------------------
+def engine(miss, slots=4, bw_bytes=100.0, host_s_per_expert=None, **policies):
+    geom = Geometry(num_layers=1, num_experts=4, top_k=1, expert_bytes=100, total_bytes=400, expert_params=50)
+    hw = dict(experts_per_layer=slots, bandwidth_gbps=bw_bytes / 1e9, latency_us=0.0, peak_tflops=1e6,
+              mem_bandwidth_gbps=1e9)
+    if host_s_per_expert is not None:  # host roofline: 2 * 50 flops per token-expert pair
+        hw.update(host_tflops=100.0 / host_s_per_expert / 1e12, host_mem_bandwidth_gbps=1e9)
+    return Engine(geom, StackSpec.of(miss=miss, prefetch="none", hardware=HardwareConfig(**hw), **policies))
+
+
+def record(probs, index):
+    probs = torch.tensor(probs)
+    index = torch.tensor(index)
+    return GateRecord(0, probs.log(), SOFTMAX.weigh(probs, index), index, SOFTMAX)
+
+
+def layer(eng, rec):
+    eng.route(rec)
+    return eng.layer(rec)
+
+
+def test_drop_zeroes_the_dropped_experts_weight():
+    eng = engine({"name": "drop", "J": 0})
+    plan = layer(eng, record([[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]], [[0], [3]]))
+    assert plan.weights.tolist() == [[0.0], [0.0]] and plan.index.tolist() == [[0], [3]]
+    assert (plan.slots, plan.n_run) == (0, 0) and eng.cache.stats.dropped == [2]
+
+
+def test_substitute_changes_the_index_and_pins_the_substitute():
+    eng = engine({"name": "substitute", "alpha": 0.5}, slots=2)
+    layer(eng, record([[0.1, 0.6, 0.2, 0.1]], [[1]]))  # (0,1) resident, older
+    layer(eng, record([[0.1, 0.1, 0.2, 0.6]], [[3]]))  # (0,3) resident: the cache is full, LRU = 1
+    # token 0 selects 0 (missing; .40 < 1.5 * S2 = .525): expert 1 (.35, resident, unselected) substitutes it;
+    # token 1 selects 2 (missing, not low-score) -> fetched: room is made by evicting 3, never the pinned 1
+    plan = layer(eng, record([[0.40, 0.35, 0.15, 0.10], [0.05, 0.05, 0.6, 0.3]], [[0], [2]]))
+    assert plan.index.tolist() == [[1], [2]]
+    assert sorted(eng.cache.entries) == [1, 2]
+    st = eng.cache.stats
+    assert st.substituted == [1] and st.fidelity() == pytest.approx(3 / 4)  # 4 slots, one changed
+
+
+def test_host_compute_takes_host_time():
+    # two misses: the two-pointer loads the higher-scored one (1 s) and computes the other on the host (3 s)
+    eng = engine("cpu_compute", host_s_per_expert=3.0)
+    plan = layer(eng, record([[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]], [[0], [3]]))
+    st = eng.cache.stats
+    assert st.host_computed == [1] and st.streamed == [0]
+    assert st.stall_s[0] == pytest.approx(3.0)  # compute waits for the host, the slower of the two
+    assert (plan.slots, plan.n_run) == (1, 1)
+
+
+# ---- accounting fields ------------------------------------------------------------------------------------------
+def test_prefetch_and_pass_accounting_fields():
+    # capacity 2 experts, 2 layers. Pass 0 (prefill): L0 {0} miss; prefetch L1 {1, 2}: (1,1) issued, the
+    # second finds no room (the running layer's expert is pinned, (1,1) in flight) -> skipped. L1 {1}: the
+    # prefetch is still in flight (late). Pass 1 (decode): L0 {0} hit; prefetch L1 {3}: evicts... nothing
+    # evictable but (1,1) -> issued, (1,1) evicted. L1 {3} late again. Finalize: nothing unused.
+    m = manager("lru", 2, layers=2)
+    m.begin_pass("prefill", 4, 4)
+    m.serve(0, [0]); m.prefetch(1, [1, 2]); m.finish_layer()
+    call(m, 1, [1])
+    m.end_pass()
+    m.begin_pass("decode", 1, 5)
+    m.serve(0, [0]); m.prefetch(1, [3]); m.finish_layer()
+    call(m, 1, [3])
+    m.end_pass()
+    m.finalize()
+    s = m.stats.summary()
+    assert (s["requests"], s["hits"], s["misses"], s["prefetch_late"]) == (4, 1, 3, 2)
+    assert (s["prefetch_issued"], s["prefetch_skipped"], s["prefetch_wasted"], s["prefetch_used"]) == (2, 1, 0, 2)
+    assert s["in_cache_rate"] == pytest.approx(3 / 4) and s["hit_rate"] == pytest.approx(1 / 4)
+    assert s["prefill_hit_rate"] == 0.0 and s["decode_hit_rate"] == pytest.approx(1 / 2)
+    assert s["prefetch_precision"] == pytest.approx(2 / 3) and s["prefetch_recall"] == 1.0
+    assert s["collision_rate"] == 0.0
+    t = m.stats.timing()
+    assert t["tokens_per_s"] == pytest.approx(5 / t["total_s"]) and t["total_s"] > 0
+
+
+def test_wasted_prefetch_and_collision_rate():
+    m = manager("lru", 1, layers=2, bw=1e12)
+    m.begin_pass("decode", 1, 1)
+    m.serve(0, [0]); m.prefetch(1, [1]); m.finish_layer()  # no room: (0,0) pinned -> skipped
+    call(m, 1, [2])  # evicts (0,0)
+    call(m, 0, [0])  # (0,0) again in the same pass: a collision miss
+    m.end_pass()
+    m.begin_pass("decode", 1, 2)
+    m.prefetch(1, [3])  # evicts (0,0); never used before the run ends
+    m.end_pass()
+    m.finalize()
+    s = m.stats.summary()
+    assert s["collision_misses"] == 1 and s["collision_rate"] == pytest.approx(1 / 3)
+    assert s["prefetch_wasted"] == 1 and s["prefetch_skipped"] == 1
+    assert not math.isnan(s["cache_lifetime"])
