@@ -167,9 +167,10 @@ def test_cpu_compute_two_pointer():
     pol = MISS.build({"name": "cpu_compute"})
     acts = pol.handle(0, [0, 1, 2, 3], rec, FakeCache(host=0.4, transfer=1.0))
     assert [a.kind for a in acts] == ["fetch", "host", "host", "host"]
+    # C_cpu = 5: load E(.4) [1 vs 0], cpu E(.1) [1 vs 5], load E(.3) [2], load E(.2) [3] -> max = 5, although
+    # loading all four would take 4: Zhu's greedy does not minimise max(T_load, T_cpu) in every case
     acts = pol.handle(0, [0, 1, 2, 3], rec, FakeCache(host=5.0, transfer=1.0))
-    assert [a.kind for a in acts] == ["fetch", "fetch", "fetch", "fetch"] or \
-        [a.kind for a in acts].count("host") == 1
+    assert [a.kind for a in acts] == ["fetch", "fetch", "fetch", "host"]
 
 
 class PrefetchView:

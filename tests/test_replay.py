@@ -201,3 +201,20 @@ def test_oracle_and_belady_are_rejected_live_before_the_model_loads():
     for override in ("eviction=belady", "prefetch=oracle"):
         with pytest.raises(ConfigError, match="needs the future.*replay.trace"):
             compose_run([override])
+
+
+def test_miss_ratio_curves(recorded, tmp_path):
+    import csv
+
+    from specmd.replay.mrc import main
+
+    family, model, prompts, trace, _ = recorded
+    assert main([f"replay.trace={trace.path}", "eviction=[lru,belady]", "mrc.capacities=[0.1,0.5]",
+                 f"mrc.out={tmp_path}", "prefetch=none"]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "mrc.csv")))
+    assert [(r["policy"], float(r["capacity"])) for r in rows] == [("lru", 0.1), ("lru", 0.5), ("belady", 0.1),
+                                                                     ("belady", 0.5)]
+    hit = {(r["policy"], r["capacity"]): float(r["hit_rate"]) for r in rows}
+    assert hit["belady", "0.1"] >= hit["lru", "0.1"] and hit["belady", "0.5"] >= hit["lru", "0.5"]
+    assert hit["lru", "0.5"] >= hit["lru", "0.1"]
+    assert (tmp_path / "mrc.png").stat().st_size > 1000

@@ -82,8 +82,10 @@ class LayerCall:
         if ex is None:
             import torch
 
-            index = self.index
-            ex = self.execution = Execution(index, self.weights, torch.ones_like(index, dtype=torch.bool),
+            index, weights = self.index, self.weights
+            if index is None:  # the record's own selection
+                index, weights = self.record.index, self.record.weights
+            ex = self.execution = Execution(index, weights, torch.ones_like(index, dtype=torch.bool),
                                             index.numel(), self.n, self.m.geom.num_experts)
         return ex
 
@@ -179,7 +181,7 @@ class CacheManager:
         """Make the requested ``experts`` of ``layer`` available and stall until they are. Returns the
         call; ``call.execution`` is None when every requested expert runs at native precision on the
         device (the lossless fast path), else the plan the outcomes built. ``index``/``weights`` are the
-        selection the layer runs (default: the record's)."""
+        selection the layer runs (None: the record's, read only if an outcome needs it)."""
         call = self._open(layer, experts, record, index, weights)
         missing = self._serve_hits(call, experts)
         if missing:
@@ -204,8 +206,6 @@ class CacheManager:
             st.pred_predicted[layer] += len(pred)
             st.pred_actual[layer] += len(experts)
             self.predicted[layer] = None
-        if record is not None and index is None:
-            index, weights = record.index, record.weights
         call = self._call
         call.reset(layer, pool, record, index, weights, len(experts))
         return call

@@ -151,8 +151,6 @@ class Engine:
         """
         cache, clock, E = self.cache, self.clock, self.geom.num_experts
         layer = rec.layer
-        if index is None:
-            index, weights = rec.index, rec.weights
         shape = cache.pass_shape
         if shape is not None:  # 1
             clock.dense(layer, shape[0], shape[1])
@@ -169,13 +167,15 @@ class Engine:
         """Count the router's own selections that run unchanged; return the device's (slots, experts)."""
         st = self.cache.stats
         layer = rec.layer
-        slots = index.numel()
+        slots = rec.slots
         st.slots_total += slots
-        rerouted = rec.index is not rec.original
+        rerouted = rec.rerouted
         if not rerouted and plan is None:  # the lossless fast path
             st.requests_router[layer] += n
             st.slots_unchanged += slots
             return slots, n
+        if index is None:
+            index, weights = rec.index, rec.weights
         if rerouted:  # the router's own requests, before a routing policy changed the selection
             st.requests_router[layer] += int(torch.bincount(rec.original.reshape(-1)).count_nonzero())
         else:

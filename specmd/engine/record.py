@@ -82,6 +82,16 @@ class GateRecord:
         return self.index.shape[0]
 
     @property
+    def slots(self) -> int:
+        """Token-expert selections of this call (tokens x k)."""
+        return self.index.numel()
+
+    @property
+    def rerouted(self) -> bool:
+        """True once a routing policy replaced the router's selection."""
+        return self.index is not self.original
+
+    @property
     def top_k(self) -> int:
         return self.index.shape[-1]
 

@@ -60,6 +60,91 @@ def open_trace(rc: ReplayConfig) -> Trace:
                                                            model_bytes=rc.model_bytes))
 
 
+class ReplayRecord:
+    """A :class:`~specmd.engine.record.GateRecord` read from a trace, its tensors built on first use: an
+    exact replay of a stack that reads no router output (LRU, no prefetch) never builds any. Same
+    interface and same values as the live record (index int64, logits fp32 as recorded)."""
+
+    __slots__ = ("trace", "rows", "layer", "call", "scoring", "k", "n", "_index", "_original", "_weights",
+                 "_original_weights", "_logits", "_probs", "_requested", "_signal")
+
+    def __init__(self, trace: Trace, rows: slice, layer: int, scoring: Scoring, requested: list, signal):
+        self.trace = trace
+        self.rows = rows
+        self.layer = layer
+        self.call = -1
+        self.scoring = scoring
+        self.k = trace.index.shape[1]
+        self.n = rows.stop - rows.start
+        self._index = self._original = self._weights = self._original_weights = None
+        self._logits = self._probs = None
+        self._requested = requested
+        self._signal = signal
+
+    # the router's own selection, as recorded
+    @property
+    def original(self) -> torch.Tensor:
+        if self._original is None:
+            self._original = torch.from_numpy(self.trace.index[self.rows].astype(np.int64))
+        return self._original
+
+    @property
+    def original_weights(self) -> torch.Tensor:
+        if self._original_weights is None:
+            w = self.trace.weights
+            self._original_weights = (torch.from_numpy(w[self.rows].astype(np.float32)) if w is not None
+                                      else torch.full((self.n, self.k), 1.0 / self.k))
+        return self._original_weights
+
+    # what runs: the recorded selection unless a routing policy replaced it
+    @property
+    def index(self) -> torch.Tensor:
+        return self.original if self._index is None else self._index
+
+    @index.setter
+    def index(self, value):
+        self._index = value
+
+    @property
+    def weights(self) -> torch.Tensor:
+        return self.original_weights if self._weights is None else self._weights
+
+    @weights.setter
+    def weights(self, value):
+        self._weights = value
+
+    @property
+    def rerouted(self) -> bool:
+        return self._index is not None and self._index is not self._original
+
+    @property
+    def logits(self):
+        if self._logits is None and self.trace.logits is not None:
+            self._logits = torch.from_numpy(np.ascontiguousarray(self.trace.logits[self.rows]))
+        return self._logits
+
+    probs = GateRecord.probs
+    predict = GateRecord.predict
+    reweigh = GateRecord.reweigh
+
+    @property
+    def tokens(self) -> int:
+        return self.n
+
+    @property
+    def top_k(self) -> int:
+        return self.k
+
+    @property
+    def slots(self) -> int:
+        return self.n * self.k
+
+    def requested(self, num_experts: int) -> list[int]:
+        if self.rerouted:
+            return torch.bincount(self._index.reshape(-1), minlength=num_experts).nonzero().squeeze(1).tolist()
+        return self._requested
+
+
 class ReplaySignal:
     """The recorded prefetch signal of one layer call: ``target``'s logits and top-k at depth
     ``target - layer - 1``."""
@@ -153,28 +238,22 @@ def run_replay(trace: Trace, spec, engine=None, ptr=None, experts=None) -> Engin
     meta = trace.meta
     sc = meta.get("scoring") or {}
     scoring = Scoring(bool(sc.get("sigmoid", False)), bool(sc.get("renorm", True)), float(sc.get("scale", 1.0)))
-    index, weights, logits = trace.index, trace.weights, trace.logits
     has_signal = trace.depth > 0 and trace.signal_logits is not None
-    passes, calls = trace.passes, trace.calls
+    calls = trace.calls.tolist()
+    ptr, experts = ptr.tolist(), experts.tolist()
+    begin, route, layer_call, end = engine.begin_pass, engine.route, engine.layer, engine.end_pass
     c, C = 0, len(calls)
-    k = index.shape[1]
-    for p in range(len(passes)):
-        kind, tokens, context = passes[p]
-        engine.begin_pass(KINDS[kind], int(tokens), int(context))
-        while c < C and calls[c, 0] == p:
+    for p, (kind, tokens, context) in enumerate(trace.passes.tolist()):
+        begin(KINDS[kind], tokens, context)
+        while c < C and calls[c][0] == p:
             _, layer, r0, n = calls[c]
-            rows = slice(int(r0), int(r0 + n))
-            idx = torch.from_numpy(index[rows].astype(np.int64))
-            w = (torch.from_numpy(weights[rows].astype(np.float32)) if weights is not None
-                 else torch.full((int(n), k), 1.0 / k))
-            lg = torch.from_numpy(np.ascontiguousarray(logits[rows])) if logits is not None else None
-            rec = GateRecord(int(layer), lg, w, idx, scoring,
-                             ReplaySignal(trace, rows, int(layer), scoring) if has_signal else None)
-            rec._requested = experts[ptr[c]:ptr[c + 1]].tolist()
-            engine.route(rec)
-            engine.layer(rec)
+            rows = slice(r0, r0 + n)
+            rec = ReplayRecord(trace, rows, layer, scoring, experts[ptr[c]:ptr[c + 1]],
+                               ReplaySignal(trace, rows, layer, scoring) if has_signal else None)
+            route(rec)
+            layer_call(rec)
             c += 1
-        engine.end_pass()
+        end()
     return engine
 
 

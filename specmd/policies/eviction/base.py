@@ -113,18 +113,21 @@ def argmin_key(candidates, evictable, rank):
     return best
 
 
-def heap_first(heap: list, evictable: Callable[[int], bool], valid: Callable[[tuple], bool]) -> Optional[tuple]:
-    """The smallest entry of the lazily invalidated min-heap ``heap`` that is ``valid`` and whose key (an
-    entry's last item) is evictable, left in the heap (a policy may be asked again before the manager
-    evicts); None if there is none. Invalid entries met on the way are dropped; valid non-evictable ones
-    (the running layer's experts, prefetches in flight: a few) are popped and pushed back. Ranking policies
-    keep one heap entry ``(rank..., key)`` per ranking change, so a victim costs O(log N) amortised
-    instead of a scan of the pool."""
+def heap_first(heap: list, evictable: Callable[[int], bool], live: dict) -> Optional[tuple]:
+    """The smallest live entry of the lazily invalidated min-heap ``heap`` whose key is evictable, left in
+    the heap (a policy may be asked again before the manager evicts); None if there is none.
+
+    Entries are tuples ``(rank..., key)``; an entry is live while it is ``live[key]`` (the same object:
+    a ranking policy pushes a new entry whenever a key's rank changes and forgets the key when it leaves).
+    Dead entries met on the way are dropped; live non-evictable ones (the running layer's experts,
+    prefetches in flight: a few) are popped and pushed back. So a victim costs O(log N) amortised instead
+    of a scan of the pool."""
     held = None
     found = None
+    get = live.get
     while heap:
         ent = heap[0]
-        if not valid(ent):
+        if get(ent[-1]) is not ent:
             heappop(heap)
         elif evictable(ent[-1]):
             found = ent

@@ -13,8 +13,9 @@ class LeastStale(EvictionPolicy):
     Equivalent to the paper's two priority heaps keyed by (layer, arrival).
 
     Implemented as those two heaps of ``(layer, arrival seq, key)`` with lazy invalidation: an entry is
-    live while ``mark[key]`` still carries its seq (a key that becomes current again gets a new seq; a
-    removed key has no mark). A new pass moves the current heap's live entries into the stale heap."""
+    live while it is its key's newest one, ``_entry[key]`` (a key that becomes current again gets a new
+    seq and entry; a removed key has none). A new pass moves the current heap's live entries into the
+    stale heap."""
 
     def __init__(self, params=None):
         super().__init__(params)
@@ -22,18 +23,16 @@ class LeastStale(EvictionPolicy):
         self.pass_index = 0
         self.seq = 0
         self._max_pass = 0  # highest pass index seen: no key is marked with a pass above it
-        self._stale: list[tuple[int, int, int]] = []  # heaps of (layer, seq, key)
+        self._entry: dict[int, tuple[int, int, int]] = {}  # key -> its live heap entry (layer, seq, key)
+        self._stale: list[tuple[int, int, int]] = []  # heaps of live and dead entries
         self._cur: list[tuple[int, int, int]] = []
-
-    def _live(self, ent) -> bool:
-        m = self.mark.get(ent[2])
-        return m is not None and m[1] == ent[1]
 
     def _rebuild(self) -> None:
         """Both heaps from ``mark`` (drops dead entries; also the path for a pass index seen before)."""
         e, cur = self.keys.num_experts, self.pass_index
-        self._stale = [(k // e, s, k) for k, (p, s) in self.mark.items() if p != cur]
-        self._cur = [(k // e, s, k) for k, (p, s) in self.mark.items() if p == cur]
+        entry = self._entry = {k: (k // e, s, k) for k, (p, s) in self.mark.items()}
+        self._stale = [entry[k] for k, (p, s) in self.mark.items() if p != cur]
+        self._cur = [entry[k] for k, (p, s) in self.mark.items() if p == cur]
         heapify(self._stale)
         heapify(self._cur)
 
@@ -43,9 +42,9 @@ class LeastStale(EvictionPolicy):
         self.pass_index = pass_index
         if pass_index > self._max_pass:  # a fresh pass: every current key becomes stale, nothing is current
             self._max_pass = pass_index
-            stale, live = self._stale, self._live
+            stale, entry = self._stale, self._entry
             for ent in self._cur:
-                if live(ent):
+                if entry.get(ent[2]) is ent:
                     heappush(stale, ent)
             self._cur = []
         else:
@@ -56,8 +55,9 @@ class LeastStale(EvictionPolicy):
         if m is None or m[0] != self.pass_index:
             self.seq += 1
             self.mark[key] = (self.pass_index, self.seq)
+            ent = self._entry[key] = (key // self.keys.num_experts, self.seq, key)
             cur = self._cur
-            heappush(cur, (key // self.keys.num_experts, self.seq, key))
+            heappush(cur, ent)
             if len(cur) + len(self._stale) > 2 * len(self.mark) + 64:
                 self._rebuild()
 
@@ -69,8 +69,9 @@ class LeastStale(EvictionPolicy):
 
     def on_remove(self, key):
         del self.mark[key]
+        del self._entry[key]
 
     def victim(self, evictable):
-        live = self._live
+        live = self._entry
         ent = heap_first(self._stale, evictable, live) or heap_first(self._cur, evictable, live)
         return None if ent is None else ent[2]

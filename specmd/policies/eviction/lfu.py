@@ -12,8 +12,8 @@ class LFU(OrderedEviction):
     Ties: least recently used first.
 
     The ranking lives in a min-heap of ``(count, last, key)`` with lazy invalidation (an entry is live
-    while its key is resident and ``last[key]`` is still its ``last``); keys touched since the last victim
-    are pushed once, when the next victim is asked for."""
+    while it is its resident key's newest one, ``_entry[key]``); keys touched since the last victim are
+    pushed once, when the next victim is asked for."""
 
     @dataclass
     class Params:
@@ -25,6 +25,7 @@ class LFU(OrderedEviction):
         self.last: dict[int, int] = {}
         self.clock = 0
         self._heap: list[tuple[int, int, int]] = []
+        self._entry: dict[int, tuple[int, int, int]] = {}  # resident key -> its live heap entry
         self._dirty: set[int] = set()  # keys touched since their newest heap entry was pushed
 
     def weight(self, key) -> int:
@@ -46,23 +47,24 @@ class LFU(OrderedEviction):
 
     def on_remove(self, key):
         super().on_remove(key)
+        self._entry.pop(key, None)
         if not self.params.history:
             del self.count[key]
 
-    def _live(self, ent) -> bool:
-        key = ent[2]
-        return key in self._order and self.last[key] == ent[1]
-
     def victim(self, evictable):
-        count, last, order, heap = self.count, self.last, self._order, self._heap
+        count, last, order, heap, entry = self.count, self.last, self._order, self._heap, self._entry
         dirty = self._dirty
         if len(heap) + len(dirty) > 2 * len(order) + 64:  # mostly dead entries: rebuild from the residents
-            heap[:] = [(count[k], last[k], k) for k in order]
+            entry.clear()
+            for k in order:
+                entry[k] = (count[k], last[k], k)
+            heap[:] = entry.values()
             heapify(heap)
         else:
             for k in dirty:
                 if k in order:
-                    heappush(heap, (count[k], last[k], k))
+                    ent = entry[k] = (count[k], last[k], k)
+                    heappush(heap, ent)
         dirty.clear()
-        ent = heap_first(heap, evictable, self._live)
+        ent = heap_first(heap, evictable, entry)
         return None if ent is None else ent[2]

@@ -73,9 +73,6 @@ class Score(OrderedEviction):
                 if s != entry[k][0]:
                     push(k, s)
 
-    def _live(self, ent) -> bool:
-        return self._entry.get(ent[1]) is ent
-
     def victim(self, evictable):
-        ent = heap_first(self._heap, evictable, self._live)
+        ent = heap_first(self._heap, evictable, self._entry)
         return None if ent is None else ent[1]

@@ -6,8 +6,10 @@ class CPUCompute(MissPolicy):
     """CPU-assisted computing (Zhu et al. 2025, Algorithm 2; Fiddler-style): the misses of a layer call,
     sorted by gate score (highest first), are split with a two-pointer sweep between transfers to the device
     (from the front: high-score experts are loaded, they are more likely to be reused) and computation on
-    the host (from the back), always extending whichever side has the smaller accumulated time, so that
-    ``max(T_load, T_cpu)`` is minimised. ``C_load`` is one expert's transfer time on the emulated link;
+    the host (from the back), always extending whichever side has the smaller accumulated time (ties: load), which balances
+    ``max(T_load, T_cpu)``. This greedy does not minimise it in every case: with ``C_load = 1`` and one
+    expert's ``C_cpu = 5`` it still sends the lowest-scored miss to the host (max 5) where loading all four
+    would take 4 -- it is Zhu's schedule as published, not an optimiser. ``C_load`` is one expert's transfer time on the emulated link;
     ``C_cpu`` the host roofline time of that expert for its tokens (hardware ``host_tflops``,
     ``host_mem_bandwidth_gbps``). Host-computed experts run at full precision (exact output) and are not
     inserted into the cache; their time overlaps the layer's transfers."""

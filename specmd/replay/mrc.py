@@ -1,0 +1,124 @@
+"""Miss-ratio curves: hit rate and collision rate vs capacity for several eviction policies (and Belady,
+the optimum) over one trace -- "is my problem the policy or the working set?".
+
+    specmd mrc replay.trace=outputs/.../trace eviction=[lru,lfu,least_stale,belady] [mrc.capacities=[...]]
+    python -m specmd.replay.mrc replay.trace=...                       # the same
+
+Every other override (prefetch, hardware, ...) applies to every point. Capacities are fractions of the
+model's bytes (``hardware.capacity``); default: 12 points from 1% to 100% on a log scale. Writes
+``mrc.csv`` and ``mrc.png`` into ``mrc.out`` (default ``outputs/mrc/<date>/<time>``) and prints the table.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CAPACITIES = [0.01, 0.02, 0.03, 0.05, 0.08, 0.12, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0]
+
+
+def _split(value: str) -> list[str]:
+    value = value.strip()
+    if value.startswith("[") and value.endswith("]"):
+        value = value[1:-1]
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str]]:
+    policies, caps, out, rest = ["lru", "lfu", "least_stale", "belady"], DEFAULT_CAPACITIES, None, []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key == "eviction":
+            policies = _split(value)
+        elif key == "mrc.capacities":
+            caps = [float(v) for v in _split(value)]
+        elif key == "mrc.out":
+            out = value
+        else:
+            rest.append(arg)
+    if not any(a.startswith("replay.trace=") for a in rest):
+        from ..errors import ConfigError
+
+        raise ConfigError("specmd mrc needs replay.trace=PATH (a trace from a run with trace.save=true, or an import)")
+    out = out or time.strftime("outputs/mrc/%Y-%m-%d/%H-%M-%S")
+    return policies, caps, out, rest
+
+
+def compute(policies: list[str], capacities: list[float], overrides: list[str]) -> list[dict]:
+    """One row per (policy, capacity): hit rate, in-cache rate, collision rate, misses, stall."""
+    from hydra import compose, initialize_config_dir
+
+    from ..__main__ import CONF_DIR
+    from ..app import Run
+    from .driver import build_engine, check, open_trace, run_replay
+
+    rows = []
+    trace = None
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        for name in policies:
+            for cap in capacities:
+                run = Run(compose(config_name="config", overrides=[*overrides, f"eviction={name}",
+                                                                    f"hardware.capacity={cap}"]))
+                if trace is None:
+                    trace = open_trace(run.replay)
+                check(trace, run.spec)
+                engine, ptr, experts = build_engine(trace, run.spec)
+                s = run_replay(trace, run.spec, engine, ptr, experts).results()
+                c = s["cache"]
+                rows.append({"policy": name, "capacity": cap, "hit_rate": c["hit_rate"],
+                             "in_cache_rate": c["in_cache_rate"], "collision_rate": c["collision_rate"],
+                             "misses": c["misses"], "requests": c["requests"], "stall_s": s["timing"]["stall_s"]})
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in dict.fromkeys(r["policy"] for r in rows):
+        pts = [r for r in rows if r["policy"] == name]
+        style = dict(ls="--", color="black") if name == "belady" else {}
+        a.plot([r["capacity"] for r in pts], [1 - r["hit_rate"] for r in pts], marker="o", label=name, **style)
+        b.plot([r["capacity"] for r in pts], [r["collision_rate"] for r in pts], marker="o", label=name, **style)
+    for ax, title in ((a, "miss ratio"), (b, "collision rate")):
+        ax.set_xscale("log")
+        ax.set_xlabel("cache capacity (fraction of model bytes)")
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+    a.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    from ..errors import ConfigError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        policies, caps, out, rest = parse(argv)
+        rows = compute(policies, caps, rest)
+    except ConfigError as exc:
+        print(f"specmd mrc: error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "mrc.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, out / "mrc.png")
+    print(f"{'policy':<12} {'capacity':>8} {'hit rate':>9} {'collisions':>10}")
+    for r in rows:
+        print(f"{r['policy']:<12} {r['capacity']:>8.3f} {r['hit_rate']:>9.4f} {r['collision_rate']:>10.4f}")
+    print(f"wrote {out / 'mrc.csv'} and {out / 'mrc.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
