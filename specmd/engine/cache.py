@@ -103,7 +103,7 @@ class LayerCall:
         pool = self.pool
         pool.policy.on_admit(key)
         st = m.stats
-        if m.make_room(pool, nbytes):
+        if pool.capacity - pool.used >= nbytes or m.make_room(pool, nbytes):
             m.insert(key, self.layer, nbytes, pool, None, False, precision).used = True
         else:
             st.streamed[self.layer] += 1
@@ -255,16 +255,19 @@ class CacheManager:
         layer, base = call.layer, call.base
         st = self.stats
         outcomes = self.miss.handle(layer, missing, call.record, self.view)
-        if outcomes is None:
-            outcomes = [self._default_fetch] * len(missing)
-        else:
-            for e, out in zip(missing, outcomes):
-                out.prepare(call, e)
         evicted = self.evicted_this_pass
+        st.misses[layer] += len(missing)
+        st.collision_misses[layer] += sum(1 for e in missing if base + e in evicted)
+        if outcomes is None:  # every miss fetched at the policy's precision (what Fetched(None) does)
+            if self.fetch_precision == NATIVE:
+                fetch = call.fetch
+                for e in missing:
+                    fetch(e, NATIVE)
+                return
+            outcomes = [self._default_fetch] * len(missing)
         for e, out in zip(missing, outcomes):
-            st.misses[layer] += 1
-            if base + e in evicted:
-                st.collision_misses[layer] += 1
+            out.prepare(call, e)
+        for e, out in zip(missing, outcomes):
             out.serve(call, e)
 
     def _stall(self, call: LayerCall) -> None:

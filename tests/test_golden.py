@@ -1,0 +1,43 @@
+"""Golden values of whole replays of the embedded model's recorded routing (tests/data/embedded_trace,
+recorded by tests/data/record_embedded_trace.py): any change to the cache, clock or policy semantics that
+moves a number shows here. Re-pin only on purpose, saying why in the commit."""
+
+from pathlib import Path
+
+import pytest
+
+from specmd.engine import StackSpec
+from specmd.hardware import HardwareConfig
+from specmd.replay.driver import exactness, run_replay
+from specmd.replay.trace import read_trace
+
+TRACE = Path(__file__).resolve().parent / "data" / "embedded_trace"
+
+GOLDEN = {
+    "lru, no prefetch, 25% global": (
+        dict(eviction="lru", prefetch="none", hardware=HardwareConfig(capacity=0.25)),
+        dict(requests=640, hits=94, misses=546, collision_misses=46, evictions=468, prefetch_issued=0,
+             prefetch_late=0, prefetch_wasted=0, streamed=0),
+        dict(total_s=0.021678628280385633, stall_s=0.021562195199999773, ttft_s=0.0072111795652732786,
+             tpot_s=0.0009070336437298845)),
+    "least_stale, lookahead depth 2, 30% per layer": (
+        dict(eviction="least_stale", prefetch={"name": "lookahead", "depth": 2},
+             hardware=HardwareConfig(capacity=0.3, scope="per_layer")),
+        dict(requests=640, hits=100, misses=540, collision_misses=37, evictions=296, prefetch_issued=276,
+             prefetch_late=223, prefetch_wasted=50, streamed=205),
+        dict(total_s=0.022561904123472407, stall_s=0.022445471043086546, ttft_s=0.007350912226366517,
+             tpot_s=0.0009825099588424216)),
+}
+
+
+@pytest.mark.parametrize("name", GOLDEN)
+def test_golden_replay(name):
+    case, counts, times = GOLDEN[name]
+    trace = read_trace(TRACE)
+    assert trace.passes[:, 1].tolist() == [24, 1, 1, 1, 1] * 2
+    spec = StackSpec.of(**case)
+    assert not exactness(trace, spec)
+    res = run_replay(trace, spec).results()
+    assert {k: res["cache"][k] for k in counts} == counts
+    for k, v in times.items():
+        assert res["timing"][k] == pytest.approx(v, rel=1e-6), k
