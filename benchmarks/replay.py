@@ -33,6 +33,8 @@ from specmd.replay.trace import Trace, TraceWriter, full_calls, read_trace
 
 
 def live_run(model, spec, ids, new_tokens, path):
+    with torch.no_grad():  # warm-up: the first forward passes select kernels
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     stack = install(model, spec)
     stack.writer = TraceWriter(path, stack.geom, stack.scoring, stack.store, 1)
     t0 = time.perf_counter()

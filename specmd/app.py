@@ -103,6 +103,7 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
         from .replay.driver import replay
 
         results, engine = replay(run, run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
         write_passes_csv(run_dir / "passes.csv", engine.cache.stats.passes)
         write_json_atomic(run_dir / "results.json", results)
         logger.log_run(results, str(run_dir))

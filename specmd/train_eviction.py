@@ -211,8 +211,9 @@ def main(argv=None):
         model, tok = load_model(ModelConfig(family=family or "olmoe", pretrained=args.model))
         model.eval()
         traces.append(record_routing(model, wikitext2_valid(root), tok, args.tokens))
-        num_experts = int(model.config.num_experts if hasattr(model.config, "num_experts")
-                          else model.config.n_routed_experts)
+        from .models.adapters import adapter_for
+
+        num_experts = adapter_for(model.config.model_type).num_experts(model.config)
         source.append(f"{args.model} on WikiText-2 validation ({args.tokens} tokens)")
     if not traces:
         ap.error("give --model or --traces")

@@ -218,3 +218,37 @@ def test_miss_ratio_curves(recorded, tmp_path):
     assert hit["belady", "0.1"] >= hit["lru", "0.1"] and hit["belady", "0.5"] >= hit["lru", "0.5"]
     assert hit["lru", "0.5"] >= hit["lru", "0.1"]
     assert (tmp_path / "mrc.png").stat().st_size > 1000
+
+
+def test_imported_jsonl_replays_with_every_eviction_policy(tmp_path):
+    """A routing capture of another engine (JSON Lines, ids + weights, no logits) through the CLI path."""
+    import json
+
+    from hydra import compose, initialize_config_dir
+
+    from specmd.app import execute
+    from test_configs import CONF
+
+    rng = random.Random(0)
+    path = tmp_path / "routes.jsonl"
+    with open(path, "w") as f:
+        for seq in range(3):
+            for tok in range(12):
+                for layer in range(4):
+                    ids = rng.sample(range(16), 2) if rng.random() < 0.5 else [layer, (tok + layer) % 16 if (tok + layer) % 16 != layer else 15]
+                    f.write(json.dumps({"seq": seq, "token": tok, "layer": layer, "experts": ids,
+                                        "weights": [0.7, 0.3]}) + "\n")
+    base = [f"replay.trace={path}", "replay.format=jsonl", "replay.num_experts=16", "prefetch=none",
+            "hardware.experts_per_layer=3"]
+    hits = {}
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for name in EVICTION.names():
+            res = execute(compose(config_name="config", overrides=[*base, f"eviction={name}"]), run_dir=tmp_path / name)
+            assert (tmp_path / name / "results.json").is_file()
+            assert res["replay"]["format"] == "jsonl" and res["replay"]["exact"] is False
+            assert res["replay"]["passes"] == 36 and res["cache"]["requests"] == 36 * 4 * 2
+            hits[name] = res["cache"]["hits"]
+        with pytest.raises(ConfigError, match="prefetch=topk.*records 0"):
+            execute(compose(config_name="config", overrides=[*base, "prefetch=topk"]), run_dir=tmp_path / "topk")
+    assert all(h <= hits["belady"] for h in hits.values()), hits
+    assert hits["belady"] > hits["fifo"]

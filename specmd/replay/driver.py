@@ -123,7 +123,21 @@ class ReplayRecord:
             self._logits = torch.from_numpy(np.ascontiguousarray(self.trace.logits[self.rows]))
         return self._logits
 
-    probs = GateRecord.probs
+    @property
+    def probs(self) -> torch.Tensor:
+        """Router probabilities from the recorded logits. An import without logits approximates them by its
+        recorded top-k weights (uniform 1/k when it has none) scattered over the experts, zero elsewhere:
+        enough for policies that rank experts by score (``exact`` is false for imports anyway)."""
+        if self._probs is None:
+            if self.logits is not None:
+                self._probs = self.scoring.probs(self.logits)
+            elif self.trace.meta.get("source", {}).get("format"):
+                self._probs = torch.zeros(self.n, self.trace.meta["geometry"]["num_experts"]).scatter_(
+                    -1, self.original, self.original_weights.float())
+            else:
+                return GateRecord.probs.fget(self)  # a specmd trace recorded without logits: a clear error
+        return self._probs
+
     predict = GateRecord.predict
     reweigh = GateRecord.reweigh
 

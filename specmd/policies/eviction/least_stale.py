@@ -52,10 +52,11 @@ class LeastStale(EvictionPolicy):
 
     def _current(self, key):
         m = self.mark.get(key)
-        if m is None or m[0] != self.pass_index:
-            self.seq += 1
-            self.mark[key] = (self.pass_index, self.seq)
-            ent = self._entry[key] = (key // self.keys.num_experts, self.seq, key)
+        p = self.pass_index
+        if m is None or m[0] != p:
+            s = self.seq = self.seq + 1
+            self.mark[key] = (p, s)
+            ent = self._entry[key] = (key // self.keys.num_experts, s, key)
             cur = self._cur
             heappush(cur, ent)
             if len(cur) + len(self._stale) > 2 * len(self.mark) + 64:

@@ -34,6 +34,7 @@ class Score(OrderedEviction):
         self.mean: dict[int, np.ndarray] = {}
         self._entry: dict[int, tuple[float, int]] = {}  # resident key -> its live heap entry (score, key)
         self._by_layer: dict[int, set[int]] = {}  # layer -> its resident keys
+        self._means: dict[int, list[float]] = {}  # layer -> mean[layer] as Python floats
         self._heap: list[tuple[float, int]] = []
 
     def _push(self, key, score) -> None:
@@ -48,8 +49,8 @@ class Score(OrderedEviction):
         super().on_insert(key, prefetch)
         layer, expert = divmod(key, self.keys.num_experts)
         self._by_layer.setdefault(layer, set()).add(key)
-        m = self.mean.get(layer)
-        self._push(key, 0.0 if m is None else float(m[expert]))
+        m = self._means.get(layer)
+        self._push(key, 0.0 if m is None else m[expert])
 
     def on_remove(self, key):
         super().on_remove(key)
@@ -64,10 +65,11 @@ class Score(OrderedEviction):
         hist.append(scores)
         if len(hist) > self.params.n:
             hist.popleft()
-        mean = self.mean[layer] = sum(hist) / len(hist)
+        self.mean[layer] = sum(hist) / len(hist)
+        m = self._means[layer] = self.mean[layer].tolist()
         keys = self._by_layer.get(layer)
         if keys:
-            m, base, entry, push = mean.tolist(), layer * self.keys.num_experts, self._entry, self._push
+            base, entry, push = layer * self.keys.num_experts, self._entry, self._push
             for k in keys:
                 s = m[k - base]
                 if s != entry[k][0]:
