@@ -246,7 +246,6 @@ def test_lossy_stack_runs_real_quantized_weights(tmp_path, monkeypatch):
 
     from specmd.hardware import HardwareConfig
     from specmd.hook import install
-    from specmd.quant import QUANT
 
     monkeypatch.setenv("SPECMD_CACHE", str(tmp_path))
     model = tiny("olmoe")

@@ -171,3 +171,33 @@ def test_wasted_prefetch_and_collision_rate():
     assert s["collision_misses"] == 1 and s["collision_rate"] == pytest.approx(1 / 3)
     assert s["prefetch_wasted"] == 1 and s["prefetch_skipped"] == 1
     assert not math.isnan(s["cache_lifetime"])
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from specmd.models.loader import ModelConfig, load_model
+
+    return load_model(ModelConfig(family="olmoe", pretrained="specmd:tiny-olmoe"))
+
+
+def test_token_by_token_scores_one_token_per_pass(embedded):
+    """eval.token_by_token: the window goes through the KV cache one token per forward pass (one prefill,
+    then decode steps), with the same logits as the whole-window forward."""
+    from conftest import make_stack
+
+    from specmd.eval.harness import _token_by_token_lm
+
+    model, tok = embedded
+    lm = _token_by_token_lm()(pretrained=model, tokenizer=tok, batch_size=1, device="cpu")
+    ids = torch.randint(0, 4000, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(ids).logits
+    stack = make_stack(model, "olmoe", prefetch="none", capacity=0.25)
+    with stack:
+        out = lm._model_call(ids)
+    assert torch.allclose(out, ref, atol=1e-4)
+    passes = stack.engine.cache.stats.passes
+    assert [p.kind for p in passes] == ["prefill"] + ["decode"] * 11 and all(p.tokens == 1 for p in passes)
+    timing = stack.engine.results()["timing"]
+    assert (timing["prefill_passes"], timing["decode_passes"]) == (1, 11)
+    assert timing["decode_tokens_per_s"] == pytest.approx(11 / sum(p.time_s for p in passes[1:]))

@@ -30,7 +30,7 @@ class Prune(RoutingPolicy):
         return index
 
     def weigh(self, record, index):
-        k, h = record.top_k, self.params.h
+        h = self.params.h
         w = record.scoring.weigh(record.probs, record.original[:, :h])
         out = w.new_zeros(index.shape)
         out[:, :h] = w
