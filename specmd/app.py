@@ -130,8 +130,11 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
     if stack is not None and run.save_trace:
         from .replay.trace import TraceWriter
 
+        exact = run.spec.routing[0].name == "standard" and run.spec.miss[0].lossless(run.spec.miss[1])
         stack.writer = TraceWriter(run_dir / "trace", stack.geom, stack.scoring, stack.store, run.trace_depth,
-                                   run.trace_logits, {"model": run.raw.get("model"), "run_dir": str(run_dir)})
+                                   run.trace_logits, {"model": run.raw.get("model"), "run_dir": str(run_dir),
+                                                      "device": run.device, "stack": run.spec.names(),
+                                                      "exact": exact})
     tasks: dict = {}
     try:
         with mirrored(root):

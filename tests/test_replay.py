@@ -2,6 +2,7 @@
 exact stack; Belady is the optimum (libCacheSim equality, every policy at or below it); oracle prefetch."""
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -252,3 +253,37 @@ def test_imported_jsonl_replays_with_every_eviction_policy(tmp_path):
             execute(compose(config_name="config", overrides=[*base, "prefetch=topk"]), run_dir=tmp_path / "topk")
     assert all(h <= hits["belady"] for h in hits.values()), hits
     assert hits["belady"] > hits["fifo"]
+
+
+def test_bad_traces_get_clear_errors(recorded, tmp_path):
+    import json
+    import shutil
+
+    family, model, prompts, trace, _ = recorded
+    src = Path(trace.path)
+    empty = tmp_path / "empty"
+    shutil.copytree(src, empty)
+    (empty / "passes.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match="no complete forward pass"):
+        read_trace(empty)
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    meta = json.loads((broken / "meta.json").read_text())
+    del meta["geometry"]
+    (broken / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match="missing or invalid field.*geometry"):
+        read_trace(broken)
+    with pytest.raises(ConfigError, match="not a specmd trace directory"):
+        read_trace(tmp_path)
+    # a trace without logits cannot feed a routing policy that reads them
+    t = read_trace(src)
+    t.logits, t.meta = None, dict(t.meta, logits="none")
+    with pytest.raises(ConfigError, match="no router logits.*max_rank"):
+        run_replay(t, spec_of(dict(routing="max_rank", prefetch="none")))
+
+
+def test_a_trace_recorded_under_a_lossy_stack_is_not_exact(recorded):
+    family, model, prompts, trace, _ = recorded
+    t = read_trace(trace.path)
+    t.meta = dict(t.meta, source={"stack": {"miss": "drop"}, "exact": False})
+    assert "changed what the model computed" in " ".join(exactness(t, spec_of({})))

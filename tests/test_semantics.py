@@ -201,3 +201,18 @@ def test_token_by_token_scores_one_token_per_pass(embedded):
     timing = stack.engine.results()["timing"]
     assert (timing["prefill_passes"], timing["decode_passes"]) == (1, 11)
     assert timing["decode_tokens_per_s"] == pytest.approx(11 / sum(p.time_s for p in passes[1:]))
+
+
+def test_pruned_slots_are_not_counted_twice_by_outcomes():
+    # prune h=1 on top-2: each token's second slot points at its top-1 expert with weight 0 (not run).
+    # drop J=0 then drops every miss: the device runs nothing -- 0 slots, not a negative count.
+    geom = Geometry(num_layers=1, num_experts=4, top_k=2, expert_bytes=100, total_bytes=400, expert_params=50)
+    hw = HardwareConfig(experts_per_layer=4, bandwidth_gbps=1e-7, latency_us=0.0)
+    for miss, device_slots, host in (({"name": "drop", "J": 0}, 0, 0), ("cpu_compute", 1, 1)):
+        eng = Engine(geom, StackSpec.of(routing={"name": "prune", "h": 1}, miss=miss, prefetch="none", hardware=hw))
+        probs = torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.1, 0.2, 0.3, 0.4]])
+        index = torch.tensor([[0, 1], [3, 2]])
+        rec = GateRecord(0, probs.log(), SOFTMAX.weigh(probs, index), index, SOFTMAX)
+        plan = layer(eng, rec)
+        assert plan.slots == device_slots, miss
+        assert eng.cache.stats.host_computed == [host]

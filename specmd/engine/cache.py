@@ -55,19 +55,19 @@ class Entry:
 class LayerCall:
     """The state of the layer call being served: what an outcome may touch (one object, reused)."""
 
-    __slots__ = ("m", "layer", "base", "pool", "record", "ready", "execution", "host_slots", "host_experts",
+    __slots__ = ("_m", "layer", "base", "pool", "record", "ready", "execution", "host_slots", "host_experts",
                  "fetch_precision", "index", "weights", "n")
 
     def __init__(self, manager: "CacheManager"):
-        self.m = manager
+        self._m = manager
         self.fetch_precision = manager.fetch_precision
 
     def reset(self, layer: int, pool: Pool, record, index, weights, n: int) -> None:
         self.layer = layer
-        self.base = layer * self.m.geom.num_experts
+        self.base = layer * self._m.geom.num_experts
         self.pool = pool
         self.record = record
-        self.ready = self.m.clock.now
+        self.ready = self._m.clock.now
         self.execution = None
         self.host_slots = 0
         self.host_experts = 0
@@ -85,19 +85,24 @@ class LayerCall:
             index, weights = self.index, self.weights
             if index is None:  # the record's own selection
                 index, weights = self.record.index, self.record.weights
-            ex = self.execution = Execution(index, weights, torch.ones_like(index, dtype=torch.bool),
-                                            index.numel(), self.n, self.m.geom.num_experts)
+            void = None
+            if self.record is not None and self.record.rerouted:  # slots a routing policy emptied (prune)
+                void = self.record.weights == 0
+                void = void if bool(void.any()) else None
+            slots = index.numel() - (0 if void is None else int(void.sum()))
+            ex = self.execution = Execution(index, weights, torch.ones_like(index, dtype=torch.bool), slots, self.n,
+                                            void)
         return ex
 
     def pin(self, expert: int) -> None:
-        self.m.pinned.add(self.base + expert)
+        self._m.pinned.add(self.base + expert)
 
     def count(self, stat: str) -> None:
-        self.m.stats.add(stat, self.layer)
+        self._m.stats.add(stat, self.layer)
 
     def fetch(self, expert: int, precision: str) -> None:
         """A blocking transfer of ``expert`` at ``precision``: inserted if room can be made, else streamed."""
-        m = self.m
+        m = self._m
         key = self.base + expert
         nbytes = m.precisions.bytes_of[precision]
         pool = self.pool

@@ -85,13 +85,6 @@ class TransferChannel:
         self._start(tr, start)
         return tr.ready_at
 
-    def cancel(self, tr: Transfer) -> bool:
-        """Drop a prefetch that has not started (its bytes never move). Returns True if cancelled."""
-        if tr.started:
-            return False
-        self.queue.remove(tr)
-        return True
-
 
 @dataclass(frozen=True)
 class Roofline:
@@ -166,7 +159,6 @@ class SimClock(Clock):
         self.host_roofline = host or roofline
         self.now = 0.0
         self.stall_s = 0.0
-        self.compute_s = 0.0
 
     @classmethod
     def from_hardware(cls, geom, hw) -> "SimClock":
@@ -200,7 +192,6 @@ class SimClock(Clock):
     def compute(self, flops: float, nbytes: float) -> None:
         dt = self.roofline.time(flops, nbytes)
         self.now += dt
-        self.compute_s += dt
 
     def wait_until(self, t: float) -> float:
         if t > self.now:

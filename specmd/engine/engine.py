@@ -181,14 +181,15 @@ class Engine:
         else:
             st.requests_router[layer] += n
         kept = torch.ones_like(index, dtype=torch.bool) if plan is None else plan.kept
-        if plan is not None:
+        if plan is not None:  # the plan's device share already leaves out emptied slots
             slots, n = plan.slots, plan.n_run
         if rerouted:
             kept = kept & (index.unsqueeze(-1) == rec.original.unsqueeze(-2)).any(-1)
             void = weights == 0  # slots a routing policy emptied (prune): not run, not faithful
             if bool(void.any()):
                 kept &= ~void
-                slots -= int(void.sum())
+                if plan is None:
+                    slots -= int(void.sum())
         st.slots_unchanged += int(kept.sum())
         return slots, n
 

@@ -22,23 +22,28 @@ class Execution:
 
     ``index`` [T, k] / ``weights`` [T, k]: what the experts kernel receives; ``kept`` [T, k] bool: the
     router's own selections that run unchanged (routing fidelity); ``slots``/``n_run``: the token-expert
-    pairs and experts the device computes (roofline); ``precisions``: expert -> stored precision it runs at
-    (non-native only)."""
+    pairs and experts the device computes (roofline; slots a routing policy emptied, ``void``, never
+    count); ``precisions``: expert -> stored precision it runs at (non-native only)."""
 
-    __slots__ = ("index", "weights", "kept", "slots", "n_run", "precisions", "num_experts")
+    __slots__ = ("index", "weights", "kept", "slots", "n_run", "precisions", "void")
 
     def __init__(self, index: torch.Tensor, weights: torch.Tensor, kept: torch.Tensor, slots: int, n_run: int,
-                 num_experts: int):
+                 void: Optional[torch.Tensor] = None):
         self.index = index
         self.weights = weights
         self.kept = kept
         self.slots = slots
         self.n_run = n_run
         self.precisions: dict[int, str] = {}
-        self.num_experts = num_experts
+        self.void = void  # [T, k] slots a routing policy emptied (weight 0: not run, counted once by the engine)
 
-    def slots_of(self, expert: int) -> int:
-        return int((self.index == expert).sum())
+    def slots_of(self, expert: int, mask: Optional[torch.Tensor] = None) -> int:
+        """Slots of ``expert`` that really run (emptied slots excluded)."""
+        if mask is None:
+            mask = self.index == expert
+        if self.void is not None:
+            mask = mask & ~self.void
+        return int(mask.sum())
 
 
 class Outcome:
@@ -61,8 +66,6 @@ class Fetched(Outcome):
     inserted if room can be made, else streamed. A non-native copy runs at its precision."""
 
     kind = "fetch"
-
-    __slots__ = ("precision",)
 
     def __init__(self, precision: Optional[str] = None):
         self.precision = precision
@@ -97,7 +100,7 @@ class Dropped(Outcome):
         mask = plan.index == expert
         plan.weights = plan.weights.masked_fill(mask, 0)
         plan.kept &= ~mask
-        plan.slots -= int(mask.sum())
+        plan.slots -= plan.slots_of(expert, mask)
         plan.n_run -= 1
 
     def __eq__(self, other):
@@ -114,7 +117,6 @@ class Substituted(Outcome):
     kind = "substitute"
 
     stat = "substituted"
-    __slots__ = ("substitute",)
 
     def __init__(self, substitute: torch.Tensor):
         self.substitute = substitute  # [T] long

@@ -14,4 +14,4 @@ class Policy:
         self.params = params
 
     def setup(self, model: Any) -> None:
-        """Called once with the :class:`~specmd.hook.stack.ModelView` after the stack is installed."""
+        """Called once with the :class:`~specmd.engine.ModelView` when the engine is built."""

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
 from ..engine import Engine, GateRecord, Geometry, Scoring
+from ..engine.record import NoLogits
 from ..errors import ConfigError
 from .future import Future
 from .trace import KINDS, Trace, read_trace
@@ -119,7 +121,10 @@ class ReplayRecord:
 
     @property
     def logits(self):
-        if self._logits is None and self.trace.logits is not None:
+        if self._logits is None:
+            if self.trace.logits is None:
+                raise NoLogits(f"the trace {self.trace.path} has no router logits, which this stack reads (a routing "
+                               f"policy such as max_rank or cache_prior); record one with trace.logits=fp32")
             self._logits = torch.from_numpy(np.ascontiguousarray(self.trace.logits[self.rows]))
         return self._logits
 
@@ -129,13 +134,14 @@ class ReplayRecord:
         recorded top-k weights (uniform 1/k when it has none) scattered over the experts, zero elsewhere:
         enough for policies that rank experts by score (``exact`` is false for imports anyway)."""
         if self._probs is None:
-            if self.logits is not None:
+            if self.trace.logits is not None:
                 self._probs = self.scoring.probs(self.logits)
             elif self.trace.meta.get("source", {}).get("format"):
                 self._probs = torch.zeros(self.n, self.trace.meta["geometry"]["num_experts"]).scatter_(
                     -1, self.original, self.original_weights.float())
             else:
-                return GateRecord.probs.fget(self)  # a specmd trace recorded without logits: a clear error
+                raise NoLogits(f"the trace {self.trace.path} has no router logits, which this stack reads (router "
+                               f"probabilities); record one with trace.logits=fp32")
         return self._probs
 
     predict = GateRecord.predict
@@ -190,7 +196,7 @@ def requested_per_call(trace: Trace, num_experts: int) -> tuple[np.ndarray, np.n
     calls = trace.calls
     total = int(calls[:, 3].sum())
     if len(calls) and not (calls[0, 2] == 0 and np.all(calls[1:, 2] == calls[:-1, 2] + calls[:-1, 3])):
-        raise ValueError("trace calls must hold consecutive rows in call order")
+        raise ConfigError(f"{trace.path}: the layer calls must hold consecutive rows in call order")
     call_of_row = np.repeat(np.arange(len(calls), dtype=np.int64), calls[:, 3])
     idx = np.asarray(trace.index[:total], dtype=np.int64)
     flat = np.unique((call_of_row[:, None] * num_experts + idx).reshape(-1))
@@ -204,6 +210,12 @@ def exactness(trace: Trace, spec) -> list[str]:
     src = trace.meta.get("source") or {}
     if src.get("format"):
         reasons.append(f"imported {src['format']} trace (no live run to match)")
+    if src.get("exact") is False:
+        reasons.append(f"the recording run's stack ({src.get('stack')}) changed what the model computed, so the "
+                       f"recorded routing is not the unmodified model's")
+    if src.get("device", "cpu") != "cpu":
+        reasons.append(f"recorded on {src['device']}: router probabilities recomputed on the CPU can differ in the "
+                       f"last bits")
     if spec.routing[0].name != "standard":
         reasons.append(f"routing={spec.routing[0].name} changes the selection; later layers' routing is the recorded one")
     mcls, mparams = spec.miss
@@ -219,8 +231,10 @@ def check(trace: Trace, spec) -> None:
     pcls, pparams = spec.prefetch
     need = pcls.signal_depth(pparams)
     if need > trace.depth:
+        how = (f"record it with trace.depth={need}" if not (trace.meta.get("source") or {}).get("format")
+               else "an imported trace has no prefetch signal: use prefetch=none or prefetch=oracle")
         raise ConfigError(f"prefetch={pcls.name} reads the prefetch signal {need} layer(s) ahead; the trace "
-                          f"{trace.path} records {trace.depth} (record it with trace.depth={need})")
+                          f"{trace.path} records {trace.depth} ({how})")
     if need and trace.signal_logits is None:
         raise ConfigError(f"prefetch={pcls.name} needs the recorded signal logits; the trace {trace.path} has "
                           f"logits={trace.meta.get('logits')} (record it with trace.logits=fp32)")
@@ -280,7 +294,11 @@ def replay(run, run_dir) -> dict:
     engine, ptr, experts = build_engine(trace, spec)
     run_replay(trace, spec, engine, ptr, experts)
     reasons = exactness(trace, spec)
-    results = {"config": run.raw, "tasks": {}, "wall_s": time.perf_counter() - t0}
+    config = dict(run.raw)
+    model = (trace.meta.get("source") or {}).get("model")
+    config["model"] = model if isinstance(model, dict) else {"name": f"trace:{Path(trace.path).name}",
+                                                              "source": trace.meta.get("source")}
+    results = {"config": config, "tasks": {}, "wall_s": time.perf_counter() - t0}
     results.update(engine.results())
     results["replay"] = {
         "trace": str(trace.path), "format": run.replay.format, "exact": not reasons, "inexact_because": reasons,

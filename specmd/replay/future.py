@@ -26,6 +26,9 @@ class Future:
         E = num_experts
         calls = np.repeat(np.arange(len(call_layer), dtype=np.int64), np.diff(call_ptr))
         keys = np.repeat(call_layer.astype(np.int64), np.diff(call_ptr)) * E + experts
+        if not len(keys):
+            self._uses = {}
+            return
         order = np.lexsort((calls, keys))
         keys, calls = keys[order], calls[order]
         bounds = np.flatnonzero(np.diff(keys)) + 1

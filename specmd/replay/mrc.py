@@ -102,6 +102,12 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         policies, caps, out, rest = parse(argv)
+        if not policies or not caps:
+            raise ConfigError(f"specmd mrc needs at least one policy and one capacity (got eviction={policies}, "
+                              f"mrc.capacities={caps})")
+        if any(a.startswith("hardware.experts_per_layer=") and a.split("=", 1)[1] not in ("null", "None")
+               for a in rest):
+            raise ConfigError("specmd mrc varies hardware.capacity; drop hardware.experts_per_layer")
         rows = compute(policies, caps, rest)
     except ConfigError as exc:
         print(f"specmd mrc: error: {exc}", file=sys.stderr)

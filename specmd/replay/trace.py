@@ -15,13 +15,12 @@ Rows are ordered pass-major, then MoE layer, then token: pass p has ``L * tokens
 appends a pass's rows to the data files, flushes them, then appends the pass's row to ``passes.bin``: a
 killed run leaves a trace whose complete passes are all readable (trailing partial data is ignored).
 Bytes per token per MoE layer: ``k*(b_i + 2) + E*b_l + D*(k*b_i + E*b_l)`` (b_i index bytes, b_l logit
-bytes): 560 B for the embedded model (E=64, k=8, fp32 logits, depth 1).
+bytes): 544 B for the embedded model (E=64, k=8, fp32 logits, depth 1), 288 B with fp16 logits.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -150,6 +149,11 @@ class TraceWriter:
     def end_pass(self) -> None:
         if self._pass is None:
             return
+        want = self._pass[1] * self.geom.num_layers
+        got = sum(len(a) for a in self._rows["index"])
+        if got != want:  # every later row would shift: refuse rather than write a wrong trace
+            raise RuntimeError(f"trace writer: a {KINDS[self._pass[0]]} pass of {self._pass[1]} tokens recorded {got} "
+                               f"rows, expected {want} (tokens x {self.geom.num_layers} MoE layers)")
         for name, rows in self._rows.items():
             f = self.files[name]
             for a in rows:
@@ -174,17 +178,29 @@ def read_trace(path) -> Trace:
     if not meta_path.is_file():
         raise ConfigError(f"replay.trace={str(path)!r} is not a specmd trace directory (no meta.json); for other "
                           f"files set replay.format (jsonl, llama_csv, npy)")
-    meta = json.loads(meta_path.read_text())
+    try:
+        meta = json.loads(meta_path.read_text())
+    except ValueError as exc:
+        raise ConfigError(f"{meta_path}: not valid JSON ({exc})") from None
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise ConfigError(f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r}; this specmd "
                           f"reads {FORMAT} version {VERSION}")
-    g = meta["geometry"]
-    L, E, k, D = g["num_layers"], g["num_experts"], g["top_k"], int(meta["depth"])
+    try:
+        g = meta["geometry"]
+        L, E, k, D = g["num_layers"], g["num_experts"], g["top_k"], int(meta["depth"])
+        idt = np.dtype(meta["index_dtype"])
+        ldt = LOGIT_DTYPES[meta["logits"]]
+        meta["store"]["bytes_of"]["native"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{meta_path}: missing or invalid field {exc} (a specmd v1 trace has geometry, store, depth, "
+                          f"index_dtype and logits)") from None
+    if not (path / "passes.bin").is_file():
+        raise ConfigError(f"{path}: no passes.bin (the run stopped before writing any pass)")
     passes = np.fromfile(path / "passes.bin", dtype=np.int64)
     passes = passes[: len(passes) // 3 * 3].reshape(-1, 3)
+    if not len(passes):
+        raise ConfigError(f"{path}: the trace holds no complete forward pass")
     rows = int(passes[:, 1].sum()) * L
-    idt = np.dtype(meta["index_dtype"])
-    ldt = LOGIT_DTYPES[meta["logits"]]
 
     def mm(name, dtype, shape):
         f = path / f"{name}.bin"
@@ -205,6 +221,3 @@ def read_trace(path) -> Trace:
         path=str(path),
     )
 
-
-def trace_size(path) -> int:
-    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))

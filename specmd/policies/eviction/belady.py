@@ -35,7 +35,11 @@ class Belady(EvictionPolicy):
     def _touch(self, key):
         nu = self.future.next_use(key, self.call)
         self.next[key] = nu
-        heapq.heappush(self.heap, (-nu, key))
+        heap = self.heap
+        heapq.heappush(heap, (-nu, key))
+        if len(heap) > 2 * len(self.next) + 64:  # drop superseded entries: memory stays O(resident)
+            self.heap = heap = [(-n, k) for k, n in self.next.items()]
+            heapq.heapify(heap)
 
     def on_insert(self, key, prefetch):
         self._touch(key)
