@@ -18,7 +18,8 @@ in-flight state). A policy never sees the cache manager, and nothing tells it wh
 
 from __future__ import annotations
 
-from heapq import heappop, heappush
+from bisect import bisect_left
+from heapq import heapify, heappop, heappush
 from typing import Any, Callable, Optional
 
 from ...registry import Registry
@@ -113,33 +114,63 @@ def argmin_key(candidates, evictable, rank):
     return best
 
 
-def heap_first(heap: list, evictable: Callable[[int], bool], live: dict) -> Optional[tuple]:
-    """The smallest live entry of the lazily invalidated min-heap ``heap`` whose key is evictable, left in
-    the heap (a policy may be asked again before the manager evicts); None if there is none.
+class LazyHeap:
+    """A ranking policy's priority queue with lazy invalidation, so a victim costs O(log N) amortised
+    instead of a scan of the pool.
 
-    Entries are tuples ``(rank..., key)``; an entry is live while it is ``live[key]`` (the same object:
-    a ranking policy pushes a new entry whenever a key's rank changes and forgets the key when it leaves).
-    Dead entries met on the way are dropped; live non-evictable ones (the running layer's experts,
-    prefetches in flight: a few) are popped and pushed back. So a victim costs O(log N) amortised instead
-    of a scan of the pool."""
-    held = None
-    found = None
-    get = live.get
-    while heap:
-        ent = heap[0]
-        if get(ent[-1]) is not ent:
+    Entries are tuples ``(rank..., key)``, compared as tuples (a key's rank must be unique, or ties broken
+    by the key). An entry is live while it is ``live[key]`` (the same object): a policy pushes a new entry
+    whenever a key's rank changes and forgets the key when it leaves; dead entries are dropped when met.
+    The queue is a heap plus ``held``, a sorted list of entries the search found not evictable (the running
+    layer's experts, prefetches in flight): they leave the heap once and are merged back in order on every
+    search, so a search calls ``evictable`` only on the live entries ranked before its answer."""
+
+    __slots__ = ("heap", "held")
+
+    def __init__(self, entries=()):
+        self.heap = list(entries)
+        heapify(self.heap)
+        self.held: list = []
+
+    def __len__(self) -> int:
+        return len(self.heap) + len(self.held)
+
+    def push(self, entry) -> None:
+        heappush(self.heap, entry)
+
+    def entries(self) -> list:
+        """Every entry, live or dead, in no particular order."""
+        return self.heap + self.held
+
+    def first(self, evictable: Callable[[int], bool], live: dict) -> Optional[tuple]:
+        """The smallest live entry whose key is evictable, left in the queue (a policy may be asked again
+        before the manager evicts); None if there is none."""
+        heap, held = self.heap, self.held
+        get = live.get
+        i = 0
+        while True:
+            while heap and get(heap[0][-1]) is not heap[0]:
+                heappop(heap)
+            top = heap[0] if heap else None
+            # the held entries ranked before the heap's top come first
+            j = len(held) if top is None else bisect_left(held, top, i)
+            while i < j:
+                ent = held[i]
+                key = ent[-1]
+                if get(key) is not ent:
+                    del held[i]
+                    j -= 1
+                elif evictable(key):
+                    return ent
+                else:
+                    i += 1
+            if top is None:
+                return None
+            if evictable(top[-1]):
+                return top
             heappop(heap)
-        elif evictable(ent[-1]):
-            found = ent
-            break
-        else:
-            if held is None:
-                held = []
-            held.append(heappop(heap))
-    if held is not None:
-        for ent in held:
-            heappush(heap, ent)
-    return found
+            held.insert(i, top)  # held stays sorted: the entries before i rank lower, those after higher
+            i += 1
 
 
 EVICTION: Registry[EvictionPolicy] = Registry("eviction", "specmd.policies.eviction")

@@ -1,6 +1,4 @@
-from heapq import heapify, heappush
-
-from .base import EVICTION, EvictionPolicy, heap_first
+from .base import EVICTION, EvictionPolicy, LazyHeap
 
 
 @EVICTION.register("least_stale")
@@ -12,10 +10,10 @@ class LeastStale(EvictionPolicy):
     current ones, layers already executed), and within one layer the expert that joined the queue first.
     Equivalent to the paper's two priority heaps keyed by (layer, arrival).
 
-    Implemented as those two heaps of ``(layer, arrival seq, key)`` with lazy invalidation: an entry is
-    live while it is its key's newest one, ``_entry[key]`` (a key that becomes current again gets a new
-    seq and entry; a removed key has none). A new pass moves the current heap's live entries into the
-    stale heap."""
+    Implemented as those two heaps of ``(layer, arrival seq, key)`` with lazy invalidation
+    (:class:`~.base.LazyHeap`): an entry is live while it is its key's newest one, ``_entry[key]`` (a key
+    that becomes current again gets a new seq and entry; a removed key has none). A new pass moves the
+    current heap's live entries into the stale heap."""
 
     def __init__(self, params=None):
         super().__init__(params)
@@ -24,17 +22,15 @@ class LeastStale(EvictionPolicy):
         self.seq = 0
         self._max_pass = 0  # highest pass index seen: no key is marked with a pass above it
         self._entry: dict[int, tuple[int, int, int]] = {}  # key -> its live heap entry (layer, seq, key)
-        self._stale: list[tuple[int, int, int]] = []  # heaps of live and dead entries
-        self._cur: list[tuple[int, int, int]] = []
+        self._stale = LazyHeap()  # entries of stale keys (and dead ones)
+        self._cur = LazyHeap()  # entries of keys current in this pass (and dead ones)
 
     def _rebuild(self) -> None:
         """Both heaps from ``mark`` (drops dead entries; also the path for a pass index seen before)."""
         e, cur = self.keys.num_experts, self.pass_index
         entry = self._entry = {k: (k // e, s, k) for k, (p, s) in self.mark.items()}
-        self._stale = [entry[k] for k, (p, s) in self.mark.items() if p != cur]
-        self._cur = [entry[k] for k, (p, s) in self.mark.items() if p == cur]
-        heapify(self._stale)
-        heapify(self._cur)
+        self._stale = LazyHeap([entry[k] for k, (p, s) in self.mark.items() if p != cur])
+        self._cur = LazyHeap([entry[k] for k, (p, s) in self.mark.items() if p == cur])
 
     def on_pass_start(self, pass_index):
         if pass_index == self.pass_index:
@@ -43,10 +39,10 @@ class LeastStale(EvictionPolicy):
         if pass_index > self._max_pass:  # a fresh pass: every current key becomes stale, nothing is current
             self._max_pass = pass_index
             stale, entry = self._stale, self._entry
-            for ent in self._cur:
+            for ent in self._cur.entries():
                 if entry.get(ent[2]) is ent:
-                    heappush(stale, ent)
-            self._cur = []
+                    stale.push(ent)
+            self._cur = LazyHeap()
         else:
             self._rebuild()
 
@@ -58,7 +54,7 @@ class LeastStale(EvictionPolicy):
             self.mark[key] = (p, s)
             ent = self._entry[key] = (key // self.keys.num_experts, s, key)
             cur = self._cur
-            heappush(cur, ent)
+            cur.push(ent)
             if len(cur) + len(self._stale) > 2 * len(self.mark) + 64:
                 self._rebuild()
 
@@ -74,5 +70,5 @@ class LeastStale(EvictionPolicy):
 
     def victim(self, evictable):
         live = self._entry
-        ent = heap_first(self._stale, evictable, live) or heap_first(self._cur, evictable, live)
+        ent = self._stale.first(evictable, live) or self._cur.first(evictable, live)
         return None if ent is None else ent[2]

@@ -1,7 +1,6 @@
 from dataclasses import dataclass
-from heapq import heapify, heappush
 
-from .base import EVICTION, OrderedEviction, heap_first
+from .base import EVICTION, LazyHeap, OrderedEviction
 
 
 @EVICTION.register("lfu")
@@ -11,9 +10,9 @@ class LFU(OrderedEviction):
     in-cache counts, which is what libCacheSim's LFU does). An insert counts as one access.
     Ties: least recently used first.
 
-    The ranking lives in a min-heap of ``(count, last, key)`` with lazy invalidation (an entry is live
-    while it is its resident key's newest one, ``_entry[key]``); keys touched since the last victim are
-    pushed once, when the next victim is asked for."""
+    The ranking lives in a min-heap of ``(count, last, key)`` with lazy invalidation
+    (:class:`~.base.LazyHeap`; an entry is live while it is its resident key's newest one, ``_entry[key]``);
+    keys touched since the last victim are pushed once, when the next victim is asked for."""
 
     @dataclass
     class Params:
@@ -24,7 +23,7 @@ class LFU(OrderedEviction):
         self.count: dict[int, int] = {}
         self.last: dict[int, int] = {}
         self.clock = 0
-        self._heap: list[tuple[int, int, int]] = []
+        self._heap = LazyHeap()
         self._entry: dict[int, tuple[int, int, int]] = {}  # resident key -> its live heap entry
         self._dirty: set[int] = set()  # keys touched since their newest heap entry was pushed
 
@@ -58,13 +57,12 @@ class LFU(OrderedEviction):
             entry.clear()
             for k in order:
                 entry[k] = (count[k], last[k], k)
-            heap[:] = entry.values()
-            heapify(heap)
+            heap = self._heap = LazyHeap(entry.values())
         else:
             for k in dirty:
                 if k in order:
                     ent = entry[k] = (count[k], last[k], k)
-                    heappush(heap, ent)
+                    heap.push(ent)
         dirty.clear()
-        ent = heap_first(heap, evictable, entry)
+        ent = heap.first(evictable, entry)
         return None if ent is None else ent[2]

@@ -1,10 +1,9 @@
 from collections import deque
 from dataclasses import dataclass
-from heapq import heapify, heappush
 
 import numpy as np
 
-from .base import EVICTION, OrderedEviction, heap_first
+from .base import EVICTION, LazyHeap, OrderedEviction
 
 
 @EVICTION.register("score")
@@ -16,9 +15,10 @@ class Score(OrderedEviction):
     layer not yet seen score 0. The protection shield: the running layer's experts are never evicted
     while it computes (the cache manager's pinning). Ties: lower key first.
 
-    The ranking lives in a min-heap of ``(score, key)`` entries with lazy invalidation (an entry is live
-    while it is its resident key's newest one, ``_entry[key]``); a layer call that changes a layer's means
-    pushes a new entry for each of that layer's resident keys whose score changed."""
+    The ranking lives in a min-heap of ``(score, key)`` entries with lazy invalidation
+    (:class:`~.base.LazyHeap`; an entry is live while it is its resident key's newest one, ``_entry[key]``);
+    a layer call that changes a layer's means pushes a new entry for each of that layer's resident keys
+    whose score changed."""
 
     @dataclass
     class Params:
@@ -35,15 +35,14 @@ class Score(OrderedEviction):
         self._entry: dict[int, tuple[float, int]] = {}  # resident key -> its live heap entry (score, key)
         self._by_layer: dict[int, set[int]] = {}  # layer -> its resident keys
         self._means: dict[int, list[float]] = {}  # layer -> mean[layer] as Python floats
-        self._heap: list[tuple[float, int]] = []
+        self._heap = LazyHeap()
 
     def _push(self, key, score) -> None:
         ent = self._entry[key] = (score, key)
         heap = self._heap
-        heappush(heap, ent)
+        heap.push(ent)
         if len(heap) > 2 * len(self._entry) + 64:  # mostly dead entries: rebuild from the live ones
-            heap[:] = self._entry.values()
-            heapify(heap)
+            self._heap = LazyHeap(self._entry.values())
 
     def on_insert(self, key, prefetch):
         super().on_insert(key, prefetch)
@@ -76,5 +75,5 @@ class Score(OrderedEviction):
                     push(k, s)
 
     def victim(self, evictable):
-        ent = heap_first(self._heap, evictable, self._entry)
+        ent = self._heap.first(evictable, self._entry)
         return None if ent is None else ent[1]
