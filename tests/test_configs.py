@@ -1,5 +1,6 @@
 """Every option of every config group composes and validates against its schema."""
 
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -22,9 +23,19 @@ def compose_run(overrides):
         return Run(compose(config_name="config", overrides=overrides))
 
 
+EMBEDDED_TRACE = Path(__file__).resolve().parent / "data" / "embedded_trace"
+
+
+def oracle(group, option) -> bool:
+    """Oracles need the future: only a trace replay runs them."""
+    from specmd.policies import REGISTRIES
+
+    return group in REGISTRIES and REGISTRIES[group].get(option).needs_future
+
+
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_validates(group, option):
-    run = compose_run([f"{group}={option}"])
+    run = compose_run([f"{group}={option}"] + ([f"replay.trace={EMBEDDED_TRACE}"] if oracle(group, option) else []))
     if group in ("routing", "miss", "eviction", "prefetch"):
         assert run.policies[group][0].name == option  # config file named like its registry name
     if group == "model":
@@ -63,6 +74,15 @@ def test_every_option_runs_on_the_embedded_model(group, option, embedded):
 
     model, tok = embedded
     overrides = [f"{group}={option}", "hardware.capacity=0.05"]
+    if oracle(group, option):  # replayed on the embedded model's recorded routing instead
+        from specmd.replay.driver import run_replay
+        from specmd.replay.trace import read_trace
+
+        engine = run_replay(read_trace(EMBEDDED_TRACE), compose_run(overrides + [f"replay.trace={EMBEDDED_TRACE}"]).spec)
+        engine.cache.check_invariants()
+        s = engine.cache.stats.summary()
+        assert s["requests"] > 0 and s["hits"] + s["misses"] == s["requests"]
+        return
     if option in NEEDS_QUANT or option in ("hqq", "auto"):
         overrides.append("quant.optimize=false")  # HQQ's refinement costs ~30 s on 2 cores; the path is the same
     run = compose_run(overrides)
