@@ -287,3 +287,21 @@ def test_a_trace_recorded_under_a_lossy_stack_is_not_exact(recorded):
     t = read_trace(trace.path)
     t.meta = dict(t.meta, source={"stack": {"miss": "drop"}, "exact": False})
     assert "changed what the model computed" in " ".join(exactness(t, spec_of({})))
+
+
+def test_import_takes_its_geometry_from_a_model_config(tmp_path):
+    from specmd.replay.driver import ReplayConfig, open_trace
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "routes.npy"
+    np.save(path, np.stack([rng.permutation(64)[:8] for _ in range(5 * 4)]).reshape(5, 4, 8))
+    trace = open_trace(ReplayConfig(trace=str(path), format="npy", model="tiny"))
+    g = trace.meta["geometry"]
+    assert (g["num_experts"], g["expert_bytes"], g["total_bytes"]) == (64, 147456, 46416896)  # the embedded model
+    assert g["dense_params"][0] > 0 and trace.meta["store"]["bytes_of"] == {"native": 147456}
+    res = run_replay(trace, spec_of(dict(prefetch="none", capacity=0.25))).results()
+    assert res["timing"]["total_s"] > res["timing"]["stall_s"] > 0  # dense compute is modelled
+    with pytest.raises(ConfigError, match=r"replay.model=tiny_mixtral.*\(4, 8, 2\).*\(4, 64, 8\)"):
+        open_trace(ReplayConfig(trace=str(path), format="npy", model="tiny_mixtral", num_experts=64))
+    with pytest.raises(ConfigError, match="replay.model='nope'.*valid choices"):
+        open_trace(ReplayConfig(trace=str(path), format="npy", model="nope"))

@@ -76,6 +76,27 @@ def _is_local(path: str) -> bool:
     return os.path.isdir(os.path.expanduser(path))
 
 
+def model_geometry(cfg: ModelConfig):
+    """The :class:`~specmd.engine.geometry.Geometry` of a model without loading its weights (built on the meta
+    device from its config): what an imported routing trace lacks (expert bytes, roofline parameters)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if cfg.pretrained is None:
+        config = tiny_config(cfg.family, dict(cfg.tiny))
+    else:
+        from ..eval.mirror import require_hub_for
+
+        path = resolve_pretrained(cfg.pretrained)
+        if not _is_local(path):
+            require_hub_for(f"the geometry of model.pretrained={path}", path)
+        config = AutoConfig.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.dtype),
+                                                 trust_remote_code=cfg.trust_remote_code)
+    return adapter_for(cfg.family).geometry(model)
+
+
 def load_model(cfg: ModelConfig):
     """Returns (model, tokenizer)."""
     import torch

@@ -32,13 +32,16 @@ FORMATS = ("specmd", "jsonl", "llama_csv", "npy")
 @dataclass
 class ReplayConfig:
     """The ``replay`` config group: ``trace`` (a specmd trace directory or an import file; null = live run),
-    ``format``, and for imports the geometry the file lacks."""
+    ``format``, and for imports the geometry the file lacks: ``num_experts``, ``expert_bytes``,
+    ``model_bytes``, or ``model`` (a ``model`` config name, e.g. ``olmoe``: its geometry -- expert and model
+    bytes, the roofline's dense parameters -- is read from its config without loading weights)."""
 
     trace: Optional[str] = None
     format: str = "specmd"
     num_experts: Optional[int] = None
     expert_bytes: Optional[int] = None
     model_bytes: Optional[int] = None
+    model: Optional[str] = None
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -58,8 +61,36 @@ def open_trace(rc: ReplayConfig) -> Trace:
         return read_trace(rc.trace)
     from .imports import ImportOptions, load_import
 
-    return load_import(rc.trace, rc.format, ImportOptions(num_experts=rc.num_experts, expert_bytes=rc.expert_bytes,
-                                                           model_bytes=rc.model_bytes))
+    geom = model_geometry(rc.model) if rc.model else None
+    trace = load_import(rc.trace, rc.format, ImportOptions(
+        num_experts=rc.num_experts or (geom.num_experts if geom else None), expert_bytes=rc.expert_bytes,
+        model_bytes=rc.model_bytes))
+    if geom is not None:
+        g = trace.meta["geometry"]
+        have = (g["num_layers"], g["num_experts"], g["top_k"])
+        want = (geom.num_layers, geom.num_experts, geom.top_k)
+        if have != want:
+            raise ConfigError(f"replay.model={rc.model}: the model has (MoE layers, experts, top-k) = {want}, the "
+                              f"trace {rc.trace} has {have}")
+        trace.meta["geometry"] = geom.to_dict()
+        trace.meta["store"] = {"native_bits": geom.dtype_bytes * 8, "bytes_of": {"native": geom.expert_bytes}}
+        trace.notes.append(f"geometry (expert bytes, dense compute) of model config {rc.model!r}")
+    return trace
+
+
+def model_geometry(name: str):
+    """The geometry of the model config ``conf/model/<name>.yaml`` (no weights are loaded)."""
+    from omegaconf import OmegaConf
+
+    from ..__main__ import CONF_DIR
+    from ..models.loader import ModelConfig, model_geometry as geometry
+    from ..registry import build_params
+
+    path = Path(CONF_DIR) / "model" / f"{name}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ConfigError(f"replay.model={name!r}: no such model config; valid choices: {', '.join(names)}")
+    return geometry(build_params(ModelConfig, dict(OmegaConf.to_container(OmegaConf.load(path))), "model"))
 
 
 class ReplayRecord:
