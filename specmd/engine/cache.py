@@ -102,21 +102,33 @@ class LayerCall:
 
     def fetch(self, expert: int, precision: str) -> None:
         """A blocking transfer of ``expert`` at ``precision``: inserted if room can be made, else streamed."""
+        self.fetch_many((expert,), precision)
+
+    def fetch_many(self, experts, precision: str) -> None:
+        """:meth:`fetch` for each of ``experts`` in order (one home for the demand-fetch accounting)."""
         m = self._m
-        key = self.base + expert
         nbytes = m.precisions.bytes_of[precision]
-        pool = self.pool
-        pool.policy.on_admit(key)
+        pool, base, layer = self.pool, self.base, self.layer
+        admit = pool.policy.on_admit
+        make_room, insert, demand = m.make_room, m.insert, m.clock.demand
+        ready = self.ready
+        streamed = 0
+        for e in experts:
+            key = base + e
+            admit(key)
+            if pool.capacity - pool.used >= nbytes or make_room(pool, nbytes):
+                insert(key, layer, nbytes, pool, None, False, precision).used = True
+            else:
+                streamed += 1
+            t = demand(nbytes)
+            if t > ready:
+                ready = t
+        self.ready = ready
+        n = len(experts)
         st = m.stats
-        if pool.capacity - pool.used >= nbytes or m.make_room(pool, nbytes):
-            m.insert(key, self.layer, nbytes, pool, None, False, precision).used = True
-        else:
-            st.streamed[self.layer] += 1
-        t = m.clock.demand(nbytes)
-        st.bytes_demand[self.layer] += nbytes
-        st.count_precision(precision, nbytes)
-        if t > self.ready:
-            self.ready = t
+        st.streamed[layer] += streamed
+        st.bytes_demand[layer] += n * nbytes
+        st.count_precision(precision, n * nbytes, n)
 
     def host(self, slots: int) -> None:
         """Host compute of one expert's ``slots`` token-expert pairs (timed once per call, in ``finish``)."""
@@ -265,9 +277,7 @@ class CacheManager:
         st.collision_misses[layer] += sum(1 for e in missing if base + e in evicted)
         if outcomes is None:  # every miss fetched at the policy's precision (what Fetched(None) does)
             if self.fetch_precision == NATIVE:
-                fetch = call.fetch
-                for e in missing:
-                    fetch(e, NATIVE)
+                call.fetch_many(missing, NATIVE)
                 return
             outcomes = [self._default_fetch] * len(missing)
         for e, out in zip(missing, outcomes):

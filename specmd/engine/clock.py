@@ -202,17 +202,17 @@ class SimClock(Clock):
         return 0.0
 
     def _dense(self, params: int, attn_layers: int, tokens: int, context: int) -> None:
-        g = self.geom
+        g, r = self.geom, self.roofline  # roofline of the dense part, inlined (called every layer)
         flops = 2.0 * tokens * params + 4.0 * tokens * context * g.hidden_size * attn_layers
-        self.compute(flops, params * g.dtype_bytes)
+        self.now += max(flops / r.peak_flops, params * g.dtype_bytes / r.mem_bytes_per_s)
 
     def dense(self, layer: int, tokens: int, context: int) -> None:
         g = self.geom
         self._dense(g.dense_params[layer], g.attn_layers[layer], tokens, context)
 
     def experts(self, slots: int, experts: int) -> None:
-        g = self.geom
-        self.compute(2.0 * slots * g.expert_params, experts * g.expert_bytes)
+        g, r = self.geom, self.roofline
+        self.now += max(2.0 * slots * g.expert_params / r.peak_flops, experts * g.expert_bytes / r.mem_bytes_per_s)
 
     def tail(self, tokens: int, context: int) -> None:
         g = self.geom

@@ -151,9 +151,9 @@ class Engine:
         """
         cache, clock, E = self.cache, self.clock, self.geom.num_experts
         layer = rec.layer
-        shape = cache.pass_shape
+        shape = cache._pass
         if shape is not None:  # 1
-            clock.dense(layer, shape[0], shape[1])
+            clock.dense(layer, shape[1], shape[2])
         experts = rec.requested(E)  # 2
         plan = cache.serve(layer, experts, rec, index, weights).execution  # 3
         slots, n_run = self._fidelity(rec, index, weights, plan, len(experts))  # 4

@@ -66,9 +66,10 @@ class CacheStats:
             self.extra.append(stat)
         counts[layer] += 1
 
-    def count_precision(self, precision: str, nbytes: int, fetched: bool = True) -> None:
+    def count_precision(self, precision: str, nbytes: int, fetched: int = 1) -> None:
+        """``fetched`` demand fetches (0 for prefetches) moving ``nbytes`` in all at ``precision``."""
         if fetched:
-            self.fetched_by_precision[precision] = self.fetched_by_precision.get(precision, 0) + 1
+            self.fetched_by_precision[precision] = self.fetched_by_precision.get(precision, 0) + fetched
         self.bytes_by_precision[precision] = self.bytes_by_precision.get(precision, 0) + nbytes
 
     def total(self, name: str):
