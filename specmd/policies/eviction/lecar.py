@@ -2,7 +2,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from .base import EVICTION, EvictionPolicy
+from .base import EVICTION, EvictionPolicy, LazyHeap
 
 
 @EVICTION.register("lecar")
@@ -40,6 +40,8 @@ class LeCaR(EvictionPolicy):
         self.c = 1
         self.discount = 0.005
         self._pending = None  # the policy that chose the next victim
+        self._lfu = LazyHeap()  # (freq, last, key) of resident keys: LFU's choice without a scan
+        self._entry: dict[int, tuple[int, int, int]] = {}
 
     def attach(self, view, capacity):
         super().attach(view, capacity)
@@ -60,10 +62,18 @@ class LeCaR(EvictionPolicy):
             return
         self.w_lru = w_lru / (w_lru + w_lfu)
 
+    def _rank(self, key):
+        ent = self._entry[key] = (self.freq[key], self.last[key], key)
+        heap = self._lfu
+        heap.push(ent)
+        if len(heap) > 2 * len(self._entry) + 64:
+            self._lfu = LazyHeap(self._entry.values())
+
     def on_insert(self, key, prefetch):
         self.recency[key] = None
         self.freq[key] = 1
         self.last[key] = self.time
+        self._rank(key)
 
     def on_access(self, key):
         self.time += 1
@@ -71,11 +81,13 @@ class LeCaR(EvictionPolicy):
         self.recency[key] = None
         self.freq[key] += 1
         self.last[key] = self.time
+        self._rank(key)
 
     def on_remove(self, key):
         del self.recency[key]
         del self.freq[key]
         del self.last[key]
+        del self._entry[key]
         hist = {"lru": self.hist_lru, "lfu": self.hist_lfu}.get(self._pending)
         self._pending = None
         if hist is not None:
@@ -87,8 +99,7 @@ class LeCaR(EvictionPolicy):
         lru = next((k for k in self.recency if evictable(k)), None)
         if lru is None:
             return None
-        freq, last = self.freq, self.last
-        lfu = min((k for k in self.recency if evictable(k)), key=lambda k: (freq[k], last[k]))
+        lfu = self._lfu.first(evictable, self._entry)[2]  # min (freq, last): last is unique per use
         use_lru = self.rng.random() < self.w_lru
         self._pending = None if lru == lfu else ("lru" if use_lru else "lfu")
         return lru if use_lru else lfu
