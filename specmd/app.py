@@ -10,13 +10,12 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from .engine import StackSpec
+from .engine import GROUPS, StackSpec
 from .errors import ConfigError
 from .hardware import HardwareConfig
 from .registry import build_params
 
 log = logging.getLogger("specmd")
-GROUPS = ("routing", "miss", "eviction", "prefetch")
 
 
 class Run:
@@ -25,10 +24,7 @@ class Run:
     def __init__(self, cfg: DictConfig):
         from .eval.harness import EvalConfig
         from .models.loader import ModelConfig
-        from .policies.eviction import EVICTION
-        from .policies.miss import MISS
-        from .policies.prefetch import PREFETCH
-        from .policies.routing import ROUTING
+        from .policies import REGISTRIES
         from .quant import QUANT
 
         c = OmegaConf.to_container(cfg, resolve=True)
@@ -42,8 +38,7 @@ class Run:
         self.trace_depth = int(tr.get("depth", 1))
         self.trace_logits = str(tr.get("logits", "fp32"))
         self.quant = QUANT.params(c.get("quant") or {"name": "none"})
-        regs = {"routing": ROUTING, "miss": MISS, "eviction": EVICTION, "prefetch": PREFETCH}
-        self.policies = {g: regs[g].params(c[g]) for g in GROUPS}  # (class, params), validated
+        self.policies = {g: REGISTRIES[g].params(c[g]) for g in GROUPS}  # (class, params), validated
         mcls, mparams = self.policies["miss"]
         qcls, qparams = self.quant
         needed = mcls.required_precisions(mparams)
