@@ -155,7 +155,8 @@ class CacheManager:
         self.pinned: set[int] = set()
         self.evicted_this_pass: set[int] = set()
         self.pass_index = -1
-        self._pass: Optional[list] = None
+        # the ongoing forward pass: [kind, tokens, context, then its start figures], None outside one
+        self.current_pass: Optional[list] = None
         self.predicted: list[Optional[set]] = [None] * geom.num_layers  # prefetch predictions per target layer
         self._call = LayerCall(self)
         from .view import CacheView
@@ -172,13 +173,13 @@ class CacheManager:
         for pool in self.pools:
             pool.policy.on_pass_start(self.pass_index)
         s = self.stats
-        self._pass = [kind, tokens, context, self.clock.now, self.clock.stall_s,
+        self.current_pass = [kind, tokens, context, self.clock.now, self.clock.stall_s,
                       s.total("requests"), s.total("hits"), s.total("misses"), s.total("collision_misses")]
 
     def end_pass(self) -> None:
-        if self._pass is None:
+        if self.current_pass is None:
             return
-        kind, tokens, context, t0, stall0, r0, h0, m0, c0 = self._pass
+        kind, tokens, context, t0, stall0, r0, h0, m0, c0 = self.current_pass
         self.clock.tail(tokens, context)
         s = self.stats
         s.passes.append(PassRecord(
@@ -186,12 +187,7 @@ class CacheManager:
             s.total("requests") - r0, s.total("hits") - h0, s.total("misses") - m0,
             s.total("collision_misses") - c0,
         ))
-        self._pass = None
-
-    @property
-    def pass_shape(self) -> Optional[tuple[int, int]]:
-        """(tokens, context) of the ongoing forward pass, or None outside one."""
-        return None if self._pass is None else (self._pass[1], self._pass[2])
+        self.current_pass = None
 
     # ---- one MoE layer call: named steps --------------------------------------------------------
     def serve(self, layer: int, experts: list[int], record=None, index=None, weights=None) -> LayerCall:

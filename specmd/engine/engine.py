@@ -151,7 +151,7 @@ class Engine:
         """
         cache, clock, E = self.cache, self.clock, self.geom.num_experts
         layer = rec.layer
-        shape = cache._pass
+        shape = cache.current_pass  # [kind, tokens, context, ...]
         if shape is not None:  # 1
             clock.dense(layer, shape[1], shape[2])
         experts = rec.requested(E)  # 2
