@@ -1,6 +1,8 @@
-"""Train the embedded model: ``python -m specmd.train [overrides]`` (config: ``conf/train.yaml``).
+"""Train an embedded model: ``python -m specmd.train [overrides]`` (config: ``conf/train.yaml``; the deeper
+models: ``--config-name train_deep_olmoe`` / ``train_deep_mixtral``).
 
-An OLMoE-architecture MoE (transformers' ``OlmoeForCausalLM``: fine-grained experts, top-k routing) with
+An OLMoE- or Mixtral-architecture MoE (``architecture``; transformers' ``OlmoeForCausalLM`` /
+``MixtralForCausalLM``) with
 the load-balancing auxiliary loss, on WikiText-2 *validation* + GSM8K *train* read through the data mirror
 (or the hub), with a byte-level BPE tokenizer trained on the same text. Seeded: the data order of step s
 is a function of (seed, s), so a run interrupted and resumed from its checkpoint continues exactly.
@@ -122,14 +124,23 @@ def batch_indices(step: int, batch_size: int, n_blocks: int, seed: int) -> torch
 
 
 # ---- model / optimisation ----------------------------------------------------------------------------
-def build_model(cfg, tokenizer):
-    from transformers import OlmoeConfig, OlmoeForCausalLM
+ARCHITECTURES = {"olmoe": ("OlmoeConfig", "OlmoeForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
 
-    mc = OlmoeConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
-                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                     output_router_logits=True, **OmegaConf.to_container(cfg.model, resolve=True))
+
+def build_model(cfg, tokenizer):
+    """The ``architecture``'s transformers model (``olmoe``: fine-grained experts, softmax top-k without
+    renormalisation; ``mixtral``: few coarse experts, renormalised top-k) from the ``model`` fields."""
+    import transformers
+
+    arch = cfg.get("architecture", "olmoe")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"architecture={arch!r}; valid: {sorted(ARCHITECTURES)}")
+    config_cls, model_cls = (getattr(transformers, n) for n in ARCHITECTURES[arch])
+    mc = config_cls(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                    output_router_logits=True, **OmegaConf.to_container(cfg.model, resolve=True))
     torch.manual_seed(cfg.seed)
-    return OlmoeForCausalLM(mc)
+    return model_cls(mc)
 
 
 def lr_at(step: int, cfg) -> float:

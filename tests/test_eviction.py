@@ -108,14 +108,55 @@ def test_lfu_counts_history_across_evictions():
     assert sorted(m.entries) == [1, 3]
 
 
-def test_fld_evicts_the_layer_just_executed():
-    # 4 layers, capacity 3: L0 {0}, L1 {0}, L2 {0}, then L3 {0}: distances from layer 3 in forward order are
-    # L0: 1, L1: 2, L2: 3 -> FLD evicts (2, 0); LRU would evict (0, 0).
-    for policy, gone in (("fld", 2 * 4 + 0), ("lru", 0)):
-        m = manager(policy, 3, layers=4, experts=4)
+def reading(policy, **params):
+    return EVICTION.get(policy).Params(**params)
+
+
+@pytest.mark.parametrize("counts,left", [("requests", [2, 3]), ("inserts", [0, 3])])
+def test_lfu_counts_readings_streamed_misses(counts, left):
+    # capacity 2, one layer. {0,1,2}: 0 and 1 inserted, 2 streamed (the call's own experts fill the pool).
+    # {0}: hit. {2}: miss, evicts 1 (count 1 < 0's 2). {3}: miss; 0 has 2 counts; 2 has 2 under
+    # ``requests`` (the streamed miss and this miss) -> tie, the least recently counted 0 goes; 1 under
+    # ``inserts`` (the streamed miss does not count) -> 2 goes.
+    m = manager("lfu", 2, experts=4, params=reading("lfu", counts=counts))
+    for experts in ([0, 1, 2], [0], [2], [3]):
+        m.serve(0, experts); m.finish_layer()
+    assert m.stats.total("streamed") == 1
+    assert sorted(m.entries) == left
+
+
+def test_lfu_counts_requests_a_prefetch_is_not_an_access():
+    # capacity 2. {0}, {0}: 2 counts. Prefetch 1, then {1} hits it, then {3} misses.
+    # A hit on the prefetched expert counts once under requests, twice (insert + hit) under inserts:
+    for counts, left in (("requests", [0, 3]), ("inserts", [1, 3])):
+        m = manager("lfu", 2, experts=4, params=reading("lfu", counts=counts))
+        for _ in range(2):
+            m.serve(0, [0]); m.finish_layer()
+        m.prefetch(0, [1]); m.clock.compute(1e15, 0)
+        m.serve(0, [1]); m.finish_layer()  # 0: 2 counts; 1: 1 (requests) or 2, more recent (inserts)
+        m.serve(0, [3]); m.finish_layer()
+        assert sorted(m.entries) == left, counts
+
+
+def test_fld_distance_readings():
+    # 4 layers, capacity 3: L0 {0}, L1 {0}, L2 {0}, then L3 {0} misses. From layer 3: forward distances
+    # (l - 3) mod 4 are L0: 1, L1: 2, L2: 3 -> evict (2,0); absolute |l - 3| are L0: 3, L1: 2, L2: 1 -> (0,0).
+    for params, gone in ((reading("fld", distance="forward"), 2 * 4), (reading("fld", distance="absolute"), 0),
+                         (None, 0)):  # the default reading is SpecMD's "distance between ... layers"
+        m = manager("fld", 3, layers=4, experts=4, params=params)
         for layer in range(4):
             m.serve(layer, [0]); m.finish_layer()
-        assert gone not in m.entries and len(m.entries) == 3, policy
+        assert gone not in m.entries and len(m.entries) == 3, params
+
+
+def test_fld_absolute_ties_evict_the_left_layer():
+    # 5 layers, capacity 4: L0, L1, L3, L4 hold expert 0, then L2 {0} misses. Absolute distances from 2:
+    # L0: 2, L4: 2 (tie: the left L0 goes), L1: 1, L3: 1. Forward (l - 2) mod 5: L1: 4 is the furthest.
+    for distance, gone in (("absolute", 0), ("forward", 1 * 4)):
+        m = manager("fld", 4, layers=5, experts=4, params=reading("fld", distance=distance))
+        for layer in (0, 1, 3, 4, 2):
+            m.serve(layer, [0]); m.finish_layer()
+        assert gone not in m.entries and len(m.entries) == 4, distance
 
 
 def test_least_stale_keeps_upcoming_layers():
@@ -140,6 +181,58 @@ def test_least_stale_keeps_upcoming_layers():
 
     assert run("lru") == [1, 4, 5, 9]  # keys: (0,1)=1, (1,0)=4, (1,1)=5, (2,1)=9
     assert run("least_stale") == [1, 5, 8, 9]  # (2,0)=8 kept, (1,0) evicted
+
+
+def _ls_right_only(order):
+    # 4 layers, capacity 4. Pass 0: L0 {0} (prefetching (2,0)), L1 {0}, L2 {0} (hit), L3 {0}: the stale
+    # queue of pass 1 in joining order is (0,0), (2,0), (1,0), (3,0). Pass 1, L0 requests {0, 1}: (0,0) hits
+    # (current again), (0,1) misses; every stale candidate is right of the execution point.
+    m = manager("least_stale", 4, layers=4, experts=4, params=reading("least_stale", order=order) if order else None)
+    m.begin_pass("decode", 1, 1)
+    m.serve(0, [0]); m.prefetch(2, [0]); m.finish_layer()
+    m.clock.compute(1e15, 0)  # the prefetch arrives
+    for layer in (1, 2, 3):
+        m.serve(layer, [0]); m.finish_layer()
+    m.end_pass()
+    m.begin_pass("decode", 1, 2)
+    m.serve(0, [0, 1]); m.finish_layer()
+    return ({4, 8, 12} - set(m.entries)).pop()
+
+
+def _ls_left_layers(order):
+    # 3 layers, capacity 5. Pass 0: L0 {0, 1}, L1 {0, 1}, L2 {0}. Pass 1: L0 {1} and L1 {1} hit, then L2 {1}
+    # misses: the stale candidates (0,0), (1,0), (2,0) are all left of (or at) the execution point.
+    m = manager("least_stale", 5, layers=3, experts=4, params=reading("least_stale", order=order))
+    m.begin_pass("decode", 1, 1)
+    for layer, experts in ((0, [0, 1]), (1, [0, 1]), (2, [0])):
+        m.serve(layer, experts); m.finish_layer()
+    m.end_pass()
+    m.begin_pass("decode", 1, 2)
+    for layer in (0, 1, 2):
+        m.serve(layer, [1]); m.finish_layer()
+    return ({0, 4, 8} - set(m.entries)).pop()
+
+
+@pytest.mark.parametrize("order,right_only,left_layers", [
+    # left_then_right: left layers lowest first, then the right layer furthest ahead: (3,0); (0,0)
+    ("left_then_right", 12, 0),
+    (None, 12, 0),  # the default is the paper's text
+    # layer: lowest layer first: the next layer's (1,0), needed soonest; (0,0)
+    ("layer", 4, 0),
+    # needed_last: c, c-1, ..., 0, L-1, ..., c+1: (3,0) from layer 0; from layer 2 its own stale (2,0)
+    ("needed_last", 12, 8),
+    # insertion: the first to join the queue: (2,0) (prefetched during layer 0); (0,0)
+    ("insertion", 8, 0),
+])
+def test_least_stale_order_readings(order, right_only, left_layers):
+    assert _ls_right_only(order) == right_only
+    if order:
+        assert _ls_left_layers(order) == left_layers
+
+
+def test_least_stale_rejects_an_unknown_order():
+    with pytest.raises(ValueError, match="order='lifo'; valid: left_then_right, layer, needed_last, insertion"):
+        reading("least_stale", order="lifo")
 
 
 def test_least_stale_current_queue_only_when_nothing_stale():
@@ -214,6 +307,31 @@ def test_lhu_counts_only_high_precision_uses():
     pol.on_access(2)
     # high-precision counts: 0 -> 1, 1 -> 0, 2 -> 2: LHU evicts 1 although LFU would evict 0
     assert pol.victim(lambda k: True) == 1
+
+
+class _QuantView(_View):
+    def __init__(self, bits):
+        super().__init__(bits)
+        self.fetch_precision = "int8"
+
+    def bits_of(self, precision):
+        return {"native": 16, "int8": 8}[precision]
+
+
+@pytest.mark.parametrize("high,victim", [("fetch", 1), ("native", 0)])
+def test_lhu_high_precision_readings(high, victim):
+    # copies: 0 at int8 (the fetch precision), 1 native. 0 is used three times, 1 once. ``fetch``: every
+    # use of an int8-or-better copy counts (0: 3, 1: 1 -> evict 1); ``native``: only native copies count
+    # (0: 0, 1: 1 -> evict 0).
+    from specmd.policies.eviction.lhu import LHU
+
+    pol = LHU(LHU.Params(high=high))
+    pol.attach(_QuantView({0: 8, 1: 16}), 2)
+    pol.on_insert(0, False)
+    pol.on_insert(1, False)
+    pol.on_access(0)
+    pol.on_access(0)
+    assert pol.victim(lambda k: True) == victim
 
 
 def test_arc_adapts_p_on_ghost_hits():

@@ -28,12 +28,17 @@ from .stats import CacheStats, PassRecord
 
 
 class Pool:
-    __slots__ = ("capacity", "used", "policy")
+    __slots__ = ("capacity", "used", "policy", "on_miss")
 
     def __init__(self, capacity: int, policy):
         self.capacity = capacity
         self.used = 0
         self.policy = policy
+        # the policy's on_miss, or None when it keeps the base class's no-op (no call per miss then)
+        from ..policies.eviction.base import EvictionPolicy
+
+        hook = getattr(type(policy), "on_miss", None)
+        self.on_miss = policy.on_miss if hook is not None and hook is not EvictionPolicy.on_miss else None
 
 
 class Entry:
@@ -267,6 +272,10 @@ class CacheManager:
         """Step 3: the miss policy names an outcome per missing expert; each outcome serves itself."""
         layer, base = call.layer, call.base
         st = self.stats
+        on_miss = call.pool.on_miss
+        if on_miss is not None:
+            for e in missing:
+                on_miss(base + e)
         outcomes = self.miss.handle(layer, missing, call.record, self.view)
         evicted = self.evicted_this_pass
         st.misses[layer] += len(missing)

@@ -6,7 +6,10 @@ MoE layer in ``per_layer``) and tells it about every insert, hit and removal. Ke
 ``victim(evictable)`` returns the key to evict among those for which ``evictable(key)`` is true (the
 manager excludes the experts the running layer uses and prefetches still in flight), or ``None``.
 
-Hooks with a default no-op: ``on_pass_start`` (a new forward pass), ``on_layer(layer, record)``
+Hooks with a default no-op: ``on_miss(key)`` (the model requested ``key`` and it was not resident:
+called for every demand miss whatever becomes of it -- fetched and inserted, streamed, dropped,
+substituted or computed on the host -- before room is made; policies that count requests use it),
+``on_pass_start`` (a new forward pass), ``on_layer(layer, record)``
 (execution reached a MoE layer; ``record`` is its :class:`~specmd.engine.record.GateRecord`, or None when
 a test drives the cache without one), ``on_admit`` (a missing key is about to be inserted, before room is
 made for it: adaptive policies such as ARC and LeCaR learn from their ghost lists here).
@@ -67,6 +70,9 @@ class EvictionPolicy(Policy):
 
     def victim(self, evictable: Callable[[int], bool]) -> Optional[int]:
         raise NotImplementedError
+
+    def on_miss(self, key: int) -> None:
+        pass
 
     def on_pass_start(self, pass_index: int) -> None:
         pass
@@ -171,6 +177,44 @@ class LazyHeap:
             heappop(heap)
             held.insert(i, top)  # held stays sorted: the entries before i rank lower, those after higher
             i += 1
+
+
+class LayerQueues:
+    """One FIFO of keys per MoE layer (insertion-ordered dicts), searched layer by layer in an order that
+    depends on the layer being executed: the building block of the layer-aware policies (FLD,
+    Least-Stale). A victim search costs O(L) plus the pinned keys it skips, never a scan of the pool.
+
+    ``order(current, num_layers)`` returns the layers in eviction order (first = evicted first); it is
+    evaluated once per current layer and cached."""
+
+    __slots__ = ("fifo", "order", "_scan", "_scan_for")
+
+    def __init__(self, num_layers: int, order: Callable[[int, int], list]):
+        self.fifo: list[dict[int, None]] = [{} for _ in range(num_layers)]
+        self.order = order
+        self._scan: list = []
+        self._scan_for: Optional[int] = None
+
+    def add(self, layer: int, key: int) -> None:
+        """``key`` joins the back of ``layer``'s FIFO (moves there if it is already in it)."""
+        q = self.fifo[layer]
+        q.pop(key, None)
+        q[key] = None
+
+    def discard(self, layer: int, key: int) -> None:
+        self.fifo[layer].pop(key, None)
+
+    def first(self, current: int, evictable: Callable[[int], bool]) -> Optional[int]:
+        """The first evictable key, layers in ``order(current)``, each layer's FIFO front to back."""
+        if self._scan_for != current:
+            self._scan = [self.fifo[l] for l in self.order(current, len(self.fifo))]
+            self._scan_for = current
+        for q in self._scan:
+            if q:
+                for key in q:
+                    if evictable(key):
+                        return key
+        return None
 
 
 EVICTION: Registry[EvictionPolicy] = Registry("eviction", "specmd.policies.eviction")

@@ -1,52 +1,68 @@
-from collections import OrderedDict
+from dataclasses import dataclass
 
-from .base import EVICTION, OrderedEviction
+from .base import EVICTION, EvictionPolicy, LayerQueues
+
+
+def _forward(current, n):  # distance (layer - current) mod n, furthest first; the current layer last
+    return sorted(range(n), key=lambda l: -((l - current) % n))
+
+
+def _absolute(current, n):  # |layer - current|, furthest first; ties: the left layer (already executed) first
+    return sorted(range(n), key=lambda l: (-abs(l - current), l))
+
+
+DISTANCES = {"absolute": _absolute, "forward": _forward}
 
 
 @EVICTION.register("fld")
-class FLD(OrderedEviction):
-    """Furthest Layer Distance (HOBBIT, Tang et al. 2024; SpecMD App. B): evicts the expert whose layer is
-    furthest from the current layer *in forward order*: distance = (expert_layer - current) mod L, so the
-    next layer's experts (distance 1) are kept longest and the layer just executed (distance L-1, not needed
-    until the next pass) goes first. Ties (same layer): the one resident longest (insertion order).
+class FLD(EvictionPolicy):
+    """Furthest Layer Distance (HOBBIT, Tang et al. 2024; SpecMD App. B): evicts an expert of the layer
+    furthest from the layer executing. SpecMD's description: "This policy computes the distance between
+    each cached expert's layer and the current inference layer, evicting experts from the farthest layers
+    first." ``distance`` names the reading (``c`` = the layer executing, ``L`` layers):
 
-    Each layer keeps its resident keys in insertion order (one FIFO per layer); a victim is the first
-    evictable key of the furthest non-empty layer: O(L) per eviction, not O(pool)."""
+    * ``absolute`` (default, the paper's words: a plain distance between two layers): ``|layer - c|``.
+      Layers ``c-d`` and ``c+d`` tie; the left one goes first (it has executed in this pass and is not
+      needed before the next one, the right one is needed later in this pass). This is a *spatial-only*
+      policy, as SpecMD classes FLD, and SpecMD finds it "only slightly better than LRU".
+    * ``forward``: ``(layer - c) mod L``, the distance execution still has to travel to reach the layer
+      (the next layer, distance 1, is kept longest; the layer just executed, distance L-1, goes first).
+      This reading is close to Belady's order at layer granularity and is a much stronger baseline.
+
+    The executing layer has distance 0 in both and goes last. Ties within a layer: the expert resident
+    longest (insertion order). Each layer keeps its resident keys in insertion order
+    (:class:`~.base.LayerQueues`); a victim costs O(L), not O(pool)."""
+
+    @dataclass
+    class Params:
+        distance: str = "absolute"
+
+        def __post_init__(self):
+            if self.distance not in DISTANCES:
+                raise ValueError(f"distance={self.distance!r}; valid: {', '.join(DISTANCES)}")
 
     def __init__(self, params=None):
-        super().__init__(params)
+        super().__init__(params or self.Params())
         self.current = 0
-        self.num_layers = 1
-        self._fifo: list[OrderedDict] = [OrderedDict()]  # per layer: its resident keys, insertion order
-        self._scan: list[OrderedDict] = []  # the FIFOs, furthest layer first (cached per current layer)
-        self._scan_for = None
+        self._e = 1
+        self._queues = LayerQueues(1, DISTANCES[self.params.distance])
 
     def attach(self, view, capacity):
         super().attach(view, capacity)
-        self.num_layers = view.geometry.num_layers
-        self._fifo = [OrderedDict() for _ in range(self.num_layers)]
-        self._scan_for = None
+        self._e = view.geometry.num_experts
+        self._queues = LayerQueues(view.geometry.num_layers, DISTANCES[self.params.distance])
 
     def on_layer(self, layer, record=None):
         self.current = layer
 
     def on_insert(self, key, prefetch):
-        super().on_insert(key, prefetch)
-        self._fifo[key // self.keys.num_experts][key] = None
+        self._queues.add(key // self._e, key)
+
+    def on_access(self, key):
+        pass
 
     def on_remove(self, key):
-        super().on_remove(key)
-        del self._fifo[key // self.keys.num_experts][key]
+        self._queues.discard(key // self._e, key)
 
     def victim(self, evictable):
-        if self._scan_for != self.current:
-            cur, n = self.current, self.num_layers
-            # distance (layer - cur) % n from n - 1 down to 0; equal distances cannot occur (layer < n)
-            self._scan = [self._fifo[l] for l in sorted(range(n), key=lambda l: -((l - cur) % n))]
-            self._scan_for = self.current
-        for fifo in self._scan:
-            if fifo:
-                for key in fifo:
-                    if evictable(key):
-                        return key
-        return None
+        return self._queues.first(self.current, evictable)

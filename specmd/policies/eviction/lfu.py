@@ -2,13 +2,24 @@ from dataclasses import dataclass
 
 from .base import EVICTION, LazyHeap, OrderedEviction
 
+COUNTS = ("requests", "inserts")
+
 
 @EVICTION.register("lfu")
 class LFU(OrderedEviction):
-    """Least frequently used (SpecMD App. B): evicts the resident expert with the fewest accesses over the
-    whole run. Counts persist after eviction ("entire inference history"; set ``history: false`` for
-    in-cache counts, which is what libCacheSim's LFU does). An insert counts as one access.
-    Ties: least recently used first.
+    """Least frequently used (SpecMD App. B): "evicts the expert with the lowest access count over the
+    entire inference history". Ties: least recently counted first. Two choices the text leaves open:
+
+    * what an *access* is (``counts``):
+      - ``requests`` (default, the paper's "access count"): every time the model requests the expert --
+        a hit, a late prefetch, or a miss whatever becomes of it (inserted, streamed because the layer's own
+        working set fills the pool, dropped, substituted, computed on the host). A prefetch is not an
+        access; the prefetched expert counts when the model requests it.
+      - ``inserts``: every insert (demand fetch or prefetch) and every hit; a streamed or otherwise
+        unserved miss does not count (specmd before this reading was named).
+    * whether counts survive eviction (``history``): ``true`` (default, "entire inference history");
+      ``false`` keeps in-cache counts only, restarting at 1 when the expert is inserted by a miss (0 by a
+      prefetch), which is libCacheSim's LFU (equal hit counts on flat traces: tests).
 
     The ranking lives in a min-heap of ``(count, last, key)`` with lazy invalidation
     (:class:`~.base.LazyHeap`; an entry is live while it is its resident key's newest one, ``_entry[key]``);
@@ -17,12 +28,18 @@ class LFU(OrderedEviction):
     @dataclass
     class Params:
         history: bool = True
+        counts: str = "requests"
+
+        def __post_init__(self):
+            if self.counts not in COUNTS:
+                raise ValueError(f"counts={self.counts!r}; valid: {', '.join(COUNTS)}")
 
     def __init__(self, params=None):
         super().__init__(params or self.Params())
         self.count: dict[int, int] = {}
         self.last: dict[int, int] = {}
         self.clock = 0
+        self._requests = self.params.counts == "requests"
         self._heap = LazyHeap()
         self._entry: dict[int, tuple[int, int, int]] = {}  # resident key -> its live heap entry
         self._dirty: set[int] = set()  # keys touched since their newest heap entry was pushed
@@ -31,18 +48,29 @@ class LFU(OrderedEviction):
         """How much one use of ``key`` counts (LHU counts only high-precision uses)."""
         return 1
 
-    def _touch(self, key):
+    def _touch(self, key, weight):
         self.clock += 1
-        self.count[key] = self.count.get(key, 0) + self.weight(key)
+        self.count[key] = self.count.get(key, 0) + weight
         self.last[key] = self.clock
         self._dirty.add(key)
 
+    def on_miss(self, key):
+        if self._requests:
+            self._touch(key, self.weight(key))
+
     def on_insert(self, key, prefetch):
         super().on_insert(key, prefetch)
-        self._touch(key)
+        if not self._requests:
+            self._touch(key, self.weight(key))
+            return
+        if not self.params.history:  # in-cache counts restart: 1 for the miss that inserted it, 0 for a prefetch
+            self.count[key] = 0 if prefetch else self.weight(key)
+        self.count.setdefault(key, 0)  # a prefetch of an expert never requested: count 0, least recent
+        self.last.setdefault(key, 0)
+        self._dirty.add(key)
 
     def on_access(self, key):
-        self._touch(key)
+        self._touch(key, self.weight(key))
 
     def on_remove(self, key):
         super().on_remove(key)
