@@ -280,6 +280,32 @@ def test_score_policy_mean_over_last_n():
         assert pol.victim(lambda k: k != expect) == {1: 3, 3: 1}[expect]
 
 
+@pytest.mark.parametrize("unit,n,after_prefill,after_decode", [
+    ("token", 1, 1, 0), ("call", 1, 3, 0), ("token", 3, 3, 3), ("call", 2, 3, 0)])
+def test_score_policy_unit_readings(unit, n, after_prefill, after_decode):
+    # A prefill call of two tokens [.1,.4,.3,.2], [.5,.1,.3,.2] (mean [.3,.25,.3,.2]), then a decode token
+    # [.05,.35,.4,.2]. ``token``: each token is a step; ``call``: a call is one step, its mean over tokens.
+    # After the prefill: token n=1 sees the last token -> 1; call n=1 the mean -> 3; token n=3 both tokens
+    # -> 3; call n=2 the mean -> 3. After the decode: token/call n=1 see [.05,...] -> 0; token n=3 the mean
+    # of three tokens [.2167,.2833,.3333,.2] -> 3; call n=2 the mean of two steps [.175,.3,.35,.2] -> 0.
+    import torch
+
+    from specmd.policies.eviction.score import Score
+
+    class Rec:
+        def __init__(self, rows):
+            self.probs = torch.tensor(rows, dtype=torch.float64)
+
+    pol = Score(Score.Params(n=n, unit=unit))
+    pol.attach(_View(), 4)
+    for k in range(4):
+        pol.on_insert(k, False)
+    pol.on_layer(0, Rec([[0.1, 0.4, 0.3, 0.2], [0.5, 0.1, 0.3, 0.2]]))
+    assert pol.victim(lambda k: True) == after_prefill
+    pol.on_layer(0, Rec([[0.05, 0.35, 0.4, 0.2]]))
+    assert pol.victim(lambda k: True) == after_decode
+
+
 def test_score_policy_end_to_end_uses_router_probabilities():
     import torch
 
@@ -332,6 +358,27 @@ def test_lhu_high_precision_readings(high, victim):
     pol.on_access(0)
     pol.on_access(0)
     assert pol.victim(lambda k: True) == victim
+
+
+@pytest.mark.parametrize("policy", ["arc", "lecar"])
+@pytest.mark.parametrize("unit,c", [("fetch", 8), ("native", 4)])
+def test_adaptive_policies_capacity_unit_readings(policy, unit, c):
+    # a 400-byte pool, native experts of 100 bytes, the miss policy fetching int4 copies of 50 bytes
+    class View(_View):
+        def __init__(self):
+            super().__init__()
+            self.fetch_precision = "int4"
+            self.geometry = Geometry(num_layers=1, num_experts=16, top_k=1, expert_bytes=100, total_bytes=1600)
+
+        def bytes_of(self, precision):
+            return {"native": 100, "int4": 50}[precision]
+
+    cls = EVICTION.get(policy)
+    pol = cls(cls.Params(capacity_unit=unit))
+    pol.attach(View(), 400)
+    assert pol.c == c
+    with pytest.raises(ValueError, match="capacity_unit='bytes'; valid: fetch, native"):
+        cls.Params(capacity_unit="bytes")
 
 
 def test_arc_adapts_p_on_ghost_hits():

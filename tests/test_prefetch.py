@@ -1,4 +1,4 @@
-"""topk prefetch on a hand-made router output."""
+"""topk and score prefetch on hand-made router outputs."""
 
 import torch
 
@@ -44,3 +44,20 @@ def test_overfetch_widens_each_token_to_ceil_k_times_factor():
 def test_decode_single_token_and_last_layer():
     assert predict(1.0, probs=[PROBS[1]]) == [(1, [0, 5])]
     assert predict(1.0, layer=1) == []
+
+
+def test_score_percentile_basis_readings():
+    # percentile 50 over the last two predictions of the target layer: a peaked one, then [.4, .3, .2, .1].
+    # window: the 8 scores' median is (.1 + .2) / 2 = .15 -> {0, 1, 2}: the count adapts to the window;
+    # token: the token's own median is .25 -> {0, 1} (always half the experts, a fixed top-k).
+    def run(basis):
+        p = PREFETCH.build({"name": "score", "percentile": 50.0, "window": 2, "basis": basis})
+        p.setup(FakeView(PROBS))
+        out = []
+        for probs in ([[0.7, 0.1, 0.1, 0.1]], [[0.4, 0.3, 0.2, 0.1]]):
+            view = FakeView(probs)
+            out.append(p.predict(Rec(0, view), view))
+        return out
+
+    assert run("window") == [[(1, [0, 1, 2, 3])], [(1, [0, 1, 2])]]
+    assert run("token") == [[(1, [0, 1, 2, 3])], [(1, [0, 1])]]

@@ -1,4 +1,6 @@
-from .base import EVICTION, EvictionPolicy
+from dataclasses import dataclass
+
+from .base import EVICTION, EvictionPolicy, check_capacity_unit
 
 
 def _first(keys, evictable):
@@ -13,7 +15,10 @@ class ARC(EvictionPolicy):
     """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003). T1 holds keys seen once recently, T2 keys
     seen at least twice; ghost lists B1/B2 remember recent evictions from each; the target size ``p`` of T1
     grows on a B1 ghost hit (by max(|B2|/|B1|, 1)) and shrinks on a B2 ghost hit. ``c`` is the pool's
-    capacity in experts at the stored precision.
+    capacity in experts; ARC's c is "the cache size in pages" of equal size, and expert copies differ in
+    size when a miss policy loads quantized ones, so ``capacity_unit`` names the reading: ``fetch``
+    (default: copies at the miss policy's fetch precision, the number of copies the pool actually holds
+    under a cascade) or ``native`` (experts at the stored precision). They agree under ``miss=fetch``.
 
     Mapping onto the cache manager: ``on_admit`` classifies the incoming key (ghost hit: adapt ``p``; else
     the paper's case IV) before room is made; ``victim`` performs the case's ghost bookkeeping and REPLACE
@@ -22,8 +27,15 @@ class ARC(EvictionPolicy):
     layer's, in-flight prefetches) are skipped within the chosen list, falling back to the other list. A
     prefetch is admitted like a miss. Hit counts equal libCacheSim's ARC on flat traces (tests)."""
 
+    @dataclass
+    class Params:
+        capacity_unit: str = "fetch"
+
+        def __post_init__(self):
+            check_capacity_unit(self.capacity_unit)
+
     def __init__(self, params=None):
-        super().__init__(params)
+        super().__init__(params or self.Params())
         self.t1: dict[int, None] = {}
         self.t2: dict[int, None] = {}
         self.b1: dict[int, None] = {}
@@ -36,7 +48,7 @@ class ARC(EvictionPolicy):
 
     def attach(self, view, capacity):
         super().attach(view, capacity)
-        self.c = self.capacity_experts()
+        self.c = self.capacity_experts(self.params.capacity_unit)
 
     def on_admit(self, key):
         b1, b2 = self.b1, self.b2

@@ -55,9 +55,13 @@ class EvictionPolicy(Policy):
         self.capacity = capacity
         self.keys = KeySpace(view.geometry.num_experts)
 
-    def capacity_experts(self) -> int:
-        """The pool's capacity in experts at the stored (native) precision (ARC's and LeCaR's ``c``)."""
-        return max(1, self.capacity // self.view.geometry.expert_bytes)
+    def capacity_experts(self, unit: str = "fetch") -> int:
+        """The pool's capacity in experts (ARC's and LeCaR's ``c``), counted in copies at ``unit``:
+        ``fetch``, the precision the miss policy loads (how many copies the pool really holds when a
+        quantized cascade fills it), or ``native``, the stored precision (the model's own expert size)."""
+        nbytes = (self.view.bytes_of(self.view.fetch_precision) if unit == "fetch"
+                  else self.view.geometry.expert_bytes)
+        return max(1, self.capacity // nbytes)
 
     def on_insert(self, key: int, prefetch: bool) -> None:
         raise NotImplementedError
@@ -118,6 +122,14 @@ def argmin_key(candidates, evictable, rank):
             if best is None or r < best_rank:
                 best, best_rank = key, r
     return best
+
+
+CAPACITY_UNITS = ("fetch", "native")
+
+
+def check_capacity_unit(unit: str) -> None:
+    if unit not in CAPACITY_UNITS:
+        raise ValueError(f"capacity_unit={unit!r}; valid: {', '.join(CAPACITY_UNITS)}")
 
 
 class LazyHeap:

@@ -2,14 +2,14 @@ import math
 import random
 from dataclasses import dataclass
 
-from .base import EVICTION, EvictionPolicy, LazyHeap
+from .base import EVICTION, EvictionPolicy, LazyHeap, check_capacity_unit
 
 
 @EVICTION.register("lecar")
 class LeCaR(EvictionPolicy):
     """LeCaR (Vietri et al., HotStorage 2018): regret minimisation over two experts, LRU and LFU. Each
     eviction follows LRU with probability ``w_lru`` (else LFU); the evicted key enters that policy's
-    history (size ``c``, the pool's capacity in experts). A miss on a key found in LRU's history means
+    history (size ``c``, the pool's capacity in experts: ``capacity_unit`` as ARC's). A miss on a key found in LRU's history means
     LRU erred: ``w_lfu *= exp(learning_rate * discount**age)`` (and symmetrically), then the weights are
     renormalised; ``discount = 0.005 ** (1/c)`` as in the paper, age in requests since that eviction.
     When both policies name the same victim it is recorded in neither history. Random draws come from
@@ -22,8 +22,10 @@ class LeCaR(EvictionPolicy):
         lru_weight: float = 0.5
         update_weight: bool = True
         seed: int = 0
+        capacity_unit: str = "fetch"
 
         def __post_init__(self):
+            check_capacity_unit(self.capacity_unit)
             if not 0.0 <= self.lru_weight <= 1.0:
                 raise ValueError(f"lru_weight={self.lru_weight} must be in [0, 1]")
 
@@ -45,7 +47,7 @@ class LeCaR(EvictionPolicy):
 
     def attach(self, view, capacity):
         super().attach(view, capacity)
-        self.c = self.capacity_experts()
+        self.c = self.capacity_experts(self.params.capacity_unit)
         self.discount = 0.005 ** (1.0 / self.c)
 
     def on_admit(self, key):

@@ -1,4 +1,3 @@
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -9,11 +8,25 @@ from .base import EVICTION, LazyHeap, OrderedEviction
 @EVICTION.register("score")
 class Score(OrderedEviction):
     """Score-based eviction (Zhu et al. 2025; SpecMD App. B): evicts the resident expert with the lowest
-    mean gate score over the last ``n`` calls of its layer (decode steps; a prefill pass counts as one
-    step, scored by its mean over tokens). The score of an expert at a step is its router probability
-    averaged over the step's tokens (every expert of the layer gets one, selected or not); experts of a
-    layer not yet seen score 0. The protection shield: the running layer's experts are never evicted
-    while it computes (the cache manager's pinning). Ties: lower key first.
+    mean gate score over a window of recent steps of its layer. Zhu et al. define it for decoding: "for an
+    expert i, its score at the j-th token generation during decoding is denoted as S_{i,j}", and the victim
+    is argmin_i of the mean of S_{i,k} over k = max(1, j-n)..j (Eq. 3); "the activation scores of all
+    experts accessed within the observation window" count, selected or not. Readings:
+
+    * ``unit``: what one step of the window is. ``token`` (default, Eq. 3's S_{i,j} is per generated
+      token): every token of a layer call is one step, so a prefill call of T tokens pushes its last
+      min(T, n) tokens' router probabilities. ``call``: one layer call is one step, scored by its
+      probabilities averaged over its tokens (a prefill pass counts as one step). They agree in decoding
+      (one token per call).
+    * ``n``: the window length in steps, the current one included. Eq. 3 sums n+1 terms (k = j-n..j) while
+      the text says "the preceding n iterations"; ``n`` here is the number of terms (Eq. 3 literally is
+      ``n`` = its n + 1).
+
+    The score of an expert at a step is its router probability (every expert of the layer gets one);
+    experts of a layer not yet seen score 0. The protection shield ("the system dynamically elevates the
+    eviction priority of any expert selected by the expert router for computation in a layer"): the
+    running layer's experts are never evicted while it computes (the cache manager's pinning). Ties: lower
+    key first.
 
     The ranking lives in a min-heap of ``(score, key)`` entries with lazy invalidation
     (:class:`~.base.LazyHeap`; an entry is live while it is its resident key's newest one, ``_entry[key]``);
@@ -23,14 +36,17 @@ class Score(OrderedEviction):
     @dataclass
     class Params:
         n: int = 8
+        unit: str = "token"
 
         def __post_init__(self):
             if self.n < 1:
                 raise ValueError(f"n={self.n} must be >= 1")
+            if self.unit not in ("token", "call"):
+                raise ValueError(f"unit={self.unit!r}; valid: token, call")
 
     def __init__(self, params=None):
         super().__init__(params or self.Params())
-        self.history: dict[int, deque] = {}
+        self.history: dict[int, np.ndarray] = {}  # layer -> its window, [steps <= n, E] float64
         self.mean: dict[int, np.ndarray] = {}
         self._entry: dict[int, tuple[float, int]] = {}  # resident key -> its live heap entry (score, key)
         self._by_layer: dict[int, set[int]] = {}  # layer -> its resident keys
@@ -59,12 +75,12 @@ class Score(OrderedEviction):
     def on_layer(self, layer, record=None):
         if record is None:
             return
-        scores = record.probs.mean(0).double().cpu().numpy()
-        hist = self.history.setdefault(layer, deque())
-        hist.append(scores)
-        if len(hist) > self.params.n:
-            hist.popleft()
-        self.mean[layer] = sum(hist) / len(hist)
+        probs = record.probs
+        steps = (probs[-self.params.n:] if self.params.unit == "token" else probs.mean(0, keepdim=True))
+        steps = steps.double().cpu().numpy()  # [steps, E]
+        hist = self.history.get(layer)
+        hist = self.history[layer] = steps if hist is None else np.concatenate([hist, steps])[-self.params.n:]
+        self.mean[layer] = hist.sum(0) / len(hist)
         m = self._means[layer] = self.mean[layer].tolist()
         keys = self._by_layer.get(layer)
         if keys:
