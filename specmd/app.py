@@ -16,6 +16,7 @@ from .hardware import HardwareConfig
 from .registry import build_params
 
 log = logging.getLogger("specmd")
+GENERATION_TASKS = ("gsm8k", "nq_open")  # tasks that decode (generate_until); the others only prefill
 
 
 class Run:
@@ -32,7 +33,13 @@ class Run:
         self.model = build_params(ModelConfig, dict(c["model"]), "model")
         self.hardware = build_params(HardwareConfig, dict(c["hardware"]), "hardware")
         self.eval = build_params(EvalConfig, dict(c.get("eval") or {}), "eval")
-        self.enabled = bool((c.get("stack") or {}).get("enabled", True))
+        stack = c.get("stack") or {}
+        self.enabled = bool(stack.get("enabled", True))
+        from .engine.cache import MEASURES
+
+        self.measure = str(stack.get("measure", "all"))
+        if self.measure not in MEASURES:
+            raise ConfigError(f"stack.measure={self.measure!r}; valid choices: {', '.join(MEASURES)}")
         tr = c.get("trace") or {}
         self.save_trace = bool(tr.get("save", False))
         self.trace_depth = int(tr.get("depth", 1))
@@ -67,7 +74,12 @@ class Run:
         self.mirror = (c.get("data") or {}).get("mirror")
         self.device = c.get("device", "cpu")
 
-        self.spec = StackSpec(hardware=self.hardware, quant=self.quant, **self.policies)
+        if self.measure == "decode" and not self.replay.trace and not self.eval.token_by_token and not any(
+                t in GENERATION_TASKS for t in self.eval.tasks):
+            raise ConfigError(f"stack.measure=decode counts decode passes only, and eval.tasks={self.eval.tasks} "
+                              f"run none (loglikelihood tasks are prefill passes): add a generation task "
+                              f"({', '.join(GENERATION_TASKS)}) or set eval.token_by_token=true")
+        self.spec = StackSpec(hardware=self.hardware, quant=self.quant, measure=self.measure, **self.policies)
 
     def build_stack(self, model):
         from .hook import install

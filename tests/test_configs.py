@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import re
+
 import pytest
 from hydra import compose, initialize_config_dir
 
@@ -143,7 +145,19 @@ def test_real_model_configs_name_their_checkpoints():
     ("eval.batch_size=0", "eval.batch_size=0"),
     ("model.dtype=int3", "float32"),
     ("+hardware.colour=red", "colour"),
+    ("stack.measure=prefill", "stack.measure='prefill'; valid choices: all, decode"),
+    ("stack.measure=decode", "stack.measure=decode counts decode passes only, and eval.tasks=['wikitext'] run none"),
+    ("eviction=least_stale eviction.order=lifo", "order='lifo'; valid: left_then_right, layer, needed_last, insertion"),
+    ("eviction=fld eviction.distance=cyclic", "distance='cyclic'; valid: absolute, forward"),
+    ("eviction=lfu eviction.counts=hits", "counts='hits'; valid: requests, inserts"),
+    ("eviction=score eviction.unit=pass", "unit='pass'; valid: token, call"),
+    ("prefetch=score prefetch.basis=layer", "basis='layer'; valid: window, token"),
 ])
 def test_invalid_values_rejected(override, needle):
-    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace("+", r"\+")):
-        compose_run([override])
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        compose_run(override.split())
+
+
+def test_measure_decode_accepts_generation_tasks_and_token_by_token():
+    assert compose_run(["stack.measure=decode", "eval.tasks=[gsm8k]"]).spec.measure == "decode"
+    assert compose_run(["stack.measure=decode", "eval.token_by_token=true"]).spec.measure == "decode"

@@ -216,3 +216,22 @@ def test_pruned_slots_are_not_counted_twice_by_outcomes():
         plan = layer(eng, rec)
         assert plan.slots == device_slots, miss
         assert eng.cache.stats.host_computed == [host]
+
+
+# ---- which passes count -----------------------------------------------------------------------------------------
+def test_measure_decode_counts_decode_passes_only():
+    # capacity 2, one layer of 4 experts. Prefill {0, 1}: 2 misses (rolled back); decode {0}: a hit the
+    # prefill warmed; decode {2}: a miss evicting 1 (LRU). Counted: 2 requests, 1 hit, 1 miss, 1 eviction.
+    geom = Geometry(num_layers=1, num_experts=4, top_k=1, expert_bytes=100, total_bytes=10**6)
+    for measure, expect in (("decode", (2, 1, 1, 1)), ("all", (4, 1, 3, 1))):
+        clock = SimClock(geom, TransferChannel(100.0, 0.0), Roofline(1e15, 1e15))
+        m = CacheManager(geom, [200], [EVICTION.get("lru")()], MISS.build({"name": "fetch"}), clock, measure=measure)
+        for kind, experts in (("prefill", [0, 1]), ("decode", [0]), ("decode", [2])):
+            m.begin_pass(kind, 1, 1)
+            call(m, 0, experts)
+            m.end_pass()
+        st = m.stats
+        assert (st.total("requests"), st.total("hits"), st.total("misses"), st.total("evictions")) == expect
+        assert [p.kind for p in st.passes] == ["prefill", "decode", "decode"]  # the timing keeps every pass
+        assert st.passes[0].misses == 2 and st.summary()["prefill_hit_rate"] == 0.0
+        m.check_invariants()

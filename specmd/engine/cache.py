@@ -27,6 +27,9 @@ from .outcomes import NATIVE, Execution, Fetched
 from .stats import CacheStats, PassRecord
 
 
+MEASURES = ("all", "decode")  # the forward passes the cache counters count
+
+
 class Pool:
     __slots__ = ("capacity", "used", "policy", "on_miss")
 
@@ -142,9 +145,12 @@ class LayerCall:
 
 
 class CacheManager:
-    def __init__(self, geom: Geometry, capacities: list[int], evictions: list, miss, clock: Clock, store=None):
+    def __init__(self, geom: Geometry, capacities: list[int], evictions: list, miss, clock: Clock, store=None,
+                 measure: str = "all"):
         """``evictions``: one eviction policy instance per pool (see ``pool_capacities``); ``store``: an
-        :class:`~specmd.quant.base.ExpertStore` (only its ``bytes_of`` / ``bits_of`` are read)."""
+        :class:`~specmd.quant.base.ExpertStore` (only its ``bytes_of`` / ``bits_of`` are read);
+        ``measure``: which passes the counters keep (``all``, or ``decode``: a prefill pass runs and warms
+        the cache, then its counts are rolled back; its pass record stays for the timing section)."""
         from ..quant.base import ExpertStore
 
         self.geom = geom
@@ -153,6 +159,10 @@ class CacheManager:
         self.fetch_precision = getattr(miss, "fetch_precision", NATIVE)
         self.clock = clock
         self.stats = CacheStats(geom.num_layers)
+        if measure not in MEASURES:
+            raise ValueError(f"measure={measure!r}; valid: {', '.join(MEASURES)}")
+        self.measure = measure
+        self._uncounted: Optional[dict] = None  # the counters before a pass that does not count
         self.pools = [Pool(c, p) for c, p in zip(capacities, evictions)]
         self._pool_of_layer = self.pools * geom.num_layers if len(self.pools) == 1 else list(self.pools)
         self.entries: dict[int, Entry] = {}
@@ -178,6 +188,8 @@ class CacheManager:
         for pool in self.pools:
             pool.policy.on_pass_start(self.pass_index)
         s = self.stats
+        if self.measure != "all" and kind != self.measure:
+            self._uncounted = s.snapshot()
         self.current_pass = [kind, tokens, context, self.clock.now, self.clock.stall_s,
                       s.total("requests"), s.total("hits"), s.total("misses"), s.total("collision_misses")]
 
@@ -193,6 +205,9 @@ class CacheManager:
             s.total("collision_misses") - c0,
         ))
         self.current_pass = None
+        if self._uncounted is not None:
+            s.restore(self._uncounted)
+            self._uncounted = None
 
     # ---- one MoE layer call: named steps --------------------------------------------------------
     def serve(self, layer: int, experts: list[int], record=None, index=None, weights=None) -> LayerCall:

@@ -39,9 +39,11 @@ class StackSpec:
     prefetch: tuple
     hardware: Any
     quant: Optional[tuple] = None
+    measure: str = "all"  # the passes the cache section counts: all | decode (README "Prefill and decode")
 
     @classmethod
-    def from_config(cls, groups: dict, hardware: Any, quant: Optional[dict] = None) -> "StackSpec":
+    def from_config(cls, groups: dict, hardware: Any, quant: Optional[dict] = None, measure: str = "all"
+                    ) -> "StackSpec":
         """From config mappings: ``groups[family] = {"name": ..., params}`` (validated by the registries)."""
         from ..policies import REGISTRIES
 
@@ -51,10 +53,10 @@ class StackSpec:
             from ..quant import QUANT
 
             q = QUANT.params(quant)
-        return cls(hardware=hardware, quant=q, **parts)
+        return cls(hardware=hardware, quant=q, measure=measure, **parts)
 
     @classmethod
-    def of(cls, hardware: Any = None, quant: Any = None, **groups) -> "StackSpec":
+    def of(cls, hardware: Any = None, quant: Any = None, measure: str = "all", **groups) -> "StackSpec":
         """Convenience for code and tests: ``StackSpec.of(eviction="lfu", miss={"name": "drop", "J": 1})``;
         a family is a name or a config mapping, missing ones take the defaults; ``quant`` a mapping or None."""
         from ..hardware import HardwareConfig
@@ -63,7 +65,7 @@ class StackSpec:
         unknown = set(groups) - set(GROUPS)
         if unknown:
             raise TypeError(f"unknown policy families {sorted(unknown)}; valid: {GROUPS}")
-        return cls.from_config(groups, hardware or HardwareConfig(), quant)
+        return cls.from_config(groups, hardware or HardwareConfig(), quant, measure)
 
     def build(self, family: str):
         cls, params = getattr(self, family)
@@ -112,7 +114,7 @@ class Engine:
         for policy in evictions:
             policy.setup(self.model)
         self.clock = clock or SimClock.from_hardware(geom, hw)
-        self.cache = CacheManager(geom, caps, evictions, self.miss, self.clock, self.store)
+        self.cache = CacheManager(geom, caps, evictions, self.miss, self.clock, self.store, spec.measure)
         self.view = self.cache.view
         self.calls = 0  # layer calls so far (each record's ``call``)
 
@@ -205,4 +207,5 @@ class Engine:
         summary["expert_bytes"] = g.expert_bytes
         summary["model_bytes"] = g.total_bytes
         summary["layers"] = list(g.layer_ids)
+        summary["measured_passes"] = cache.measure
         return {"cache": summary, "timing": st.timing(self.clock.name), "routing": {"fidelity": st.fidelity()}}

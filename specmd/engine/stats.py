@@ -57,6 +57,17 @@ class CacheStats:
         self.fetched_by_precision: dict[str, int] = {}  # demand fetches per precision
         self.bytes_by_precision: dict[str, int] = {}  # demand + prefetch bytes per precision
 
+    def snapshot(self) -> dict:
+        """Every counter (not the pass records), to :meth:`restore` after a pass that must not count."""
+        return {k: (v.copy() if isinstance(v, (list, dict)) else v) for k, v in vars(self).items() if k != "passes"}
+
+    def restore(self, snap: dict) -> None:
+        """Counters back to ``snap`` (outcome counters created since are dropped); pass records stay."""
+        for k in [k for k in vars(self) if k not in snap and k != "passes"]:
+            delattr(self, k)
+        for k, v in snap.items():
+            setattr(self, k, v)
+
     def add(self, stat: str, layer: int) -> None:
         """One more of a per-layer counter; an outcome's own counter is created on first use."""
         counts = getattr(self, stat, None)
