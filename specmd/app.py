@@ -79,7 +79,10 @@ class Run:
             raise ConfigError(f"stack.measure=decode counts decode passes only, and eval.tasks={self.eval.tasks} "
                               f"run none (loglikelihood tasks are prefill passes): add a generation task "
                               f"({', '.join(GENERATION_TASKS)}) or set eval.token_by_token=true")
-        self.spec = StackSpec(hardware=self.hardware, quant=self.quant, measure=self.measure, **self.policies)
+        from .engine.engine import timing_of
+
+        self.spec = StackSpec(hardware=self.hardware, quant=self.quant, measure=self.measure,
+                              timing=timing_of(self.hardware), **self.policies)
 
     def build_stack(self, model):
         from .hook import install

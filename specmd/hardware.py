@@ -26,6 +26,10 @@ class HardwareConfig:
     # Host compute (miss=cpu_compute runs missing experts on the host, Zhu et al. 2025 / Fiddler).
     host_tflops: float = 1.0
     host_mem_bandwidth_gbps: float = 100.0
+    # Time the run's routing on a real model's sizes and compute: a config shipped in specmd/assets/configs
+    # (olmoe, mixtral): expert bytes, dense and LM-head FLOPs/bytes; layers and experts mapped proportionally
+    # (README "Timing a small model as a real one"). null: the running model's own.
+    timing_as: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not (0.0 < self.capacity <= 1.0):

@@ -34,6 +34,16 @@ def print_summary(results: dict, run_dir: str, console: Console | None = None) -
         t.add_row("collision misses", str(cache["collision_misses"]))
         t.add_row("evictions", str(cache["evictions"]))
         t.add_row("prefetch issued / used", f"{cache['prefetch_issued']} / {cache['prefetch_used']}")
+        late = cache.get("prefetch_lateness")
+        if late and late["structural"]:
+            t.add_row("[yellow]warning[/yellow]",
+                      f"[yellow]every decode prefetch is late by construction: one expert transfer takes "
+                      f"{late['transfer_s'] * 1e6:.3g} µs, a decode layer computes in {late['decode_window_s'] * 1e6:.3g} µs; "
+                      f"prefetch hit rates measure the link, not the predictor: compare in_cache_rate"
+                      + ("" if cache.get("timing_geometry", "model") != "model" else
+                         ", or time the routing as a real model (hardware.timing_as=olmoe)") + "[/yellow]")
+        if cache.get("timing_geometry", "model") != "model":
+            t.add_row("timing geometry", f"{cache['timing_geometry']} (sizes and compute; routing from the model)")
         if cache.get("prefetch_precision") is not None:
             t.add_row("prediction precision / recall",
                       f"{cache['prefetch_precision']:.3f} / {cache['prefetch_recall']:.3f}")

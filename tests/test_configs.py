@@ -145,6 +145,7 @@ def test_real_model_configs_name_their_checkpoints():
     ("eval.batch_size=0", "eval.batch_size=0"),
     ("model.dtype=int3", "float32"),
     ("+hardware.colour=red", "colour"),
+    ("hardware.timing_as=gpt5", "hardware.timing_as='gpt5': no shipped model config; valid choices: mixtral, olmoe"),
     ("stack.measure=prefill", "stack.measure='prefill'; valid choices: all, decode"),
     ("stack.measure=decode", "stack.measure=decode counts decode passes only, and eval.tasks=['wikitext'] run none"),
     ("eviction=least_stale eviction.order=lifo", "order='lifo'; valid: left_then_right, layer, needed_last, insertion"),

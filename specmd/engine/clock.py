@@ -136,6 +136,14 @@ class Clock:
         """Stall compute until ``t``; returns the stall added."""
         raise NotImplementedError
 
+    def dense_time(self, layer: int, tokens: int, context: int):
+        """Seconds :meth:`dense` would take, or None when the clock cannot say in advance."""
+        return None
+
+    def experts_time(self, slots: int, experts: int):
+        """Seconds :meth:`experts` would take, or None when the clock cannot say in advance."""
+        return None
+
     def dense(self, layer: int, tokens: int, context: int) -> None:
         """Everything the model runs between MoE layer ``layer - 1``'s experts and layer ``layer``'s."""
 
@@ -201,19 +209,27 @@ class SimClock(Clock):
             return dt
         return 0.0
 
-    def _dense(self, params: int, attn_layers: int, tokens: int, context: int) -> None:
-        g, r = self.geom, self.roofline  # roofline of the dense part, inlined (called every layer)
+    def _dense_time(self, params, attn_layers, tokens: int, context: int) -> float:
+        g, r = self.geom, self.roofline
         flops = 2.0 * tokens * params + 4.0 * tokens * context * g.hidden_size * attn_layers
-        self.now += max(flops / r.peak_flops, params * g.dtype_bytes / r.mem_bytes_per_s)
+        return max(flops / r.peak_flops, params * g.dtype_bytes / r.mem_bytes_per_s)
+
+    def dense_time(self, layer: int, tokens: int, context: int) -> float:
+        """Seconds of everything before MoE layer ``layer``'s experts (its share of dense layers)."""
+        g = self.geom
+        return self._dense_time(g.dense_params[layer], g.attn_layers[layer], tokens, context)
+
+    def experts_time(self, slots: int, experts: int) -> float:
+        """Seconds of a layer's routed experts: ``slots`` token-expert pairs over ``experts`` experts."""
+        g, r = self.geom, self.roofline
+        return max(2.0 * slots * g.expert_params / r.peak_flops, experts * g.expert_bytes / r.mem_bytes_per_s)
 
     def dense(self, layer: int, tokens: int, context: int) -> None:
-        g = self.geom
-        self._dense(g.dense_params[layer], g.attn_layers[layer], tokens, context)
+        self.now += self.dense_time(layer, tokens, context)
 
     def experts(self, slots: int, experts: int) -> None:
-        g, r = self.geom, self.roofline
-        self.now += max(2.0 * slots * g.expert_params / r.peak_flops, experts * g.expert_bytes / r.mem_bytes_per_s)
+        self.now += self.experts_time(slots, experts)
 
     def tail(self, tokens: int, context: int) -> None:
         g = self.geom
-        self._dense(g.tail_params, g.tail_attn_layers, tokens, context)
+        self.now += self._dense_time(g.tail_params, g.tail_attn_layers, tokens, context)

@@ -22,7 +22,7 @@ import torch
 
 from .cache import CacheManager
 from .clock import Clock, SimClock
-from .geometry import Geometry, pool_capacities
+from .geometry import Geometry, pool_capacities, timed_as
 from .outcomes import Execution
 
 GROUPS = ("routing", "miss", "eviction", "prefetch")
@@ -40,6 +40,7 @@ class StackSpec:
     hardware: Any
     quant: Optional[tuple] = None
     measure: str = "all"  # the passes the cache section counts: all | decode (README "Prefill and decode")
+    timing: Optional[tuple] = None  # (name, Geometry): a real model's sizes and compute (hardware.timing_as)
 
     @classmethod
     def from_config(cls, groups: dict, hardware: Any, quant: Optional[dict] = None, measure: str = "all"
@@ -53,7 +54,7 @@ class StackSpec:
             from ..quant import QUANT
 
             q = QUANT.params(quant)
-        return cls(hardware=hardware, quant=q, measure=measure, **parts)
+        return cls(hardware=hardware, quant=q, measure=measure, timing=timing_of(hardware), **parts)
 
     @classmethod
     def of(cls, hardware: Any = None, quant: Any = None, measure: str = "all", **groups) -> "StackSpec":
@@ -73,6 +74,21 @@ class StackSpec:
 
     def names(self) -> dict:
         return {g: getattr(self, g)[0].name for g in GROUPS}
+
+
+def timing_of(hardware: Any) -> Optional[tuple]:
+    """``(name, Geometry)`` of the real model named by ``hardware.timing_as`` (its shipped config; no
+    weights), or None: the running model's own sizes and compute."""
+    name = getattr(hardware, "timing_as", None)
+    if not name:
+        return None
+    from ..errors import ConfigError
+    from ..models.loader import shipped_geometry
+
+    try:
+        return name, shipped_geometry(name)
+    except ConfigError as e:
+        raise ConfigError(f"hardware.timing_as={e}") from None
 
 
 DEFAULTS = {"routing": "standard", "miss": "fetch", "eviction": "lru", "prefetch": "topk"}
@@ -99,9 +115,19 @@ class Engine:
     def __init__(self, geom: Geometry, spec: StackSpec, store=None, future=None, clock: Optional[Clock] = None):
         from ..quant.base import ExpertStore
 
+        store = store or ExpertStore(geom.dtype_bytes * 8, geom.expert_bytes, {})
+        self.timing_as = None
+        if spec.timing is not None:  # the routing's layers and experts with a real model's sizes and compute
+            self.timing_as, timing = spec.timing
+            routing = geom
+            geom, f_bytes, _ = timed_as(routing, timing)
+            # each precision keeps its bytes per parameter; a routing expert holds its timing share of parameters
+            per_param = timing.expert_params * f_bytes / routing.expert_params
+            store = store.resized({p: (geom.expert_bytes if p == "native" else round(b * per_param))
+                                   for p, b in store.bytes_of.items()})
         self.geom = geom
         self.spec = spec
-        self.store = store or ExpertStore(geom.dtype_bytes * 8, geom.expert_bytes, {})
+        self.store = store
         self.model = ModelView(geom, self.store, future)
         self.routing = spec.build("routing")
         self.miss = spec.build("miss")
@@ -196,6 +222,29 @@ class Engine:
         return slots, n
 
     # ---- results --------------------------------------------------------------------------------
+    def _lateness(self, summary: dict) -> Optional[dict]:
+        """Whether late prefetches are a policy effect or structural: a prefetch for layer l+1 is issued as
+        layer l's experts start, so it can only arrive in time if one expert's transfer fits in layer l's
+        expert compute plus layer l+1's dense compute. ``structural`` when it fits in no layer for a decode
+        token: then every decode prefetch is late whatever the policy predicts, and prefetch hit rates
+        measure the link, not the predictor (``in_cache_rate`` still compares predictors). With a tiny
+        model's microsecond layers this is an artefact (``hardware.timing_as`` gives a real model's
+        ratio); for a real model at batch 1 over PCIe it is often the truth."""
+        if not summary["prefetch_issued"]:
+            return None
+        clock, g = self.clock, self.geom
+        transfer = clock.transfer_time(self.store.bytes_of[self.cache.fetch_precision])
+        windows = [clock.experts_time(g.top_k, g.top_k) + clock.dense_time(l + 1, 1, 1)
+                   for l in range(g.num_layers - 1)] if clock.experts_time(1, 1) is not None else []
+        used = summary["prefetch_used"]
+        return {
+            "late_fraction": summary["prefetch_late"] / used if used else None,
+            "transfer_s": transfer,
+            "decode_window_s": max(windows) if windows else None,
+            "structural": bool(windows) and transfer > max(windows),
+        }
+
+
     def results(self) -> dict:
         """The ``cache``, ``timing`` and ``routing`` sections of results.json."""
         cache = self.cache
@@ -208,4 +257,6 @@ class Engine:
         summary["model_bytes"] = g.total_bytes
         summary["layers"] = list(g.layer_ids)
         summary["measured_passes"] = cache.measure
+        summary["timing_geometry"] = self.timing_as or "model"
+        summary["prefetch_lateness"] = self._lateness(summary)
         return {"cache": summary, "timing": st.timing(self.clock.name), "routing": {"fidelity": st.fidelity()}}

@@ -44,6 +44,47 @@ class Geometry:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
+def _regroup(values: list, n: int) -> list[float]:
+    """``values`` (one per source layer) summed into ``n`` consecutive groups of equal fractional width
+    (len(values) / n source layers each; a source layer split between two groups counts pro rata)."""
+    m = len(values)
+    cum = [0.0]
+    for v in values:
+        cum.append(cum[-1] + v)
+
+    def at(x: float) -> float:  # cumulative sum at fractional position x in [0, m]
+        i = min(int(x), m - 1)
+        return cum[i] + (x - i) * values[i]
+
+    return [at((l + 1) * m / n) - at(l * m / n) for l in range(n)]
+
+
+def timed_as(routing: Geometry, timing: Geometry) -> tuple[Geometry, float, float]:
+    """The geometry of ``routing``'s layers and experts with the sizes and compute of ``timing`` (a real
+    model), for running a small model's routing on a real model's clock (``hardware.timing_as``).
+
+    Mapping when the counts differ (L layers, E experts, top-k; r = routing, t = timing):
+    * each routing MoE layer stands for L_t / L_r timing layers: its dense parameters and attention layers
+      are those of its share of the timing model's layers (consecutive, split pro rata);
+    * each routing expert stands for (L_t·E_t) / (L_r·E_r) timing experts in bytes (so the whole model's
+      expert bytes, and what a capacity fraction holds, are the timing model's) and for
+      (L_t·k_t) / (L_r·k_r) timing experts in compute (so a token's expert FLOPs are the timing model's);
+    * the LM head and trailing layers, hidden size, dtype and total bytes are the timing model's.
+    Returns (geometry, bytes factor, params factor): factors on one routing expert's timing-model size."""
+    f_bytes = (timing.num_layers * timing.num_experts) / (routing.num_layers * routing.num_experts)
+    f_compute = (timing.num_layers * timing.top_k) / (routing.num_layers * routing.top_k)
+    geom = Geometry(
+        num_layers=routing.num_layers, num_experts=routing.num_experts, top_k=routing.top_k,
+        expert_bytes=round(timing.expert_bytes * f_bytes), total_bytes=timing.total_bytes,
+        hidden_size=timing.hidden_size, dtype_bytes=timing.dtype_bytes,
+        dense_params=_regroup(timing.dense_params, routing.num_layers),
+        attn_layers=_regroup(timing.attn_layers, routing.num_layers),
+        tail_params=timing.tail_params, tail_attn_layers=timing.tail_attn_layers,
+        expert_params=timing.expert_params * f_compute, layer_ids=list(routing.layer_ids),
+    )
+    return geom, f_bytes, f_compute
+
+
 def pool_capacities(geom: Geometry, capacity: float, experts_per_layer: Optional[int], scope: str) -> list[int]:
     """Byte budget of each pool."""
     if experts_per_layer is not None:

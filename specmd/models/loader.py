@@ -97,6 +97,29 @@ def model_geometry(cfg: ModelConfig):
     return adapter_for(cfg.family).geometry(model)
 
 
+SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "assets" / "configs"
+
+
+def shipped_geometry(name: str, dtype: str = "bfloat16"):
+    """The geometry of a real model from the architecture fields of its config.json shipped in
+    ``specmd/assets/configs/<name>.json`` (built on the meta device: no weights, no hub), at ``dtype``."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = SHIPPED_CONFIGS / f"{name}.json"
+    if not path.is_file():
+        names = sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.json"))
+        raise ConfigError(f"{name!r}: no shipped model config; valid choices: {', '.join(names)}")
+    fields = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
+    family = fields.pop("model_type")
+    config = AutoConfig.for_model(family, **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    return adapter_for(family).geometry(model)
+
+
 def load_model(cfg: ModelConfig):
     """Returns (model, tokenizer)."""
     import torch

@@ -54,6 +54,15 @@ class ExpertStore:
         self._dequant: "OrderedDict[tuple[int, int, str], dict[str, torch.Tensor]]" = OrderedDict()
         self._cache_experts = cache_experts
 
+    def resized(self, bytes_of: dict) -> "ExpertStore":
+        """The same store (weights, precisions, bits) with other bytes per precision: the sizes a real
+        model's experts would have (``hardware.timing_as``)."""
+        import copy
+
+        out = copy.copy(self)
+        out.bytes_of = dict(bytes_of)
+        return out
+
     def check(self, names, where: str) -> None:
         for p in names:
             if p not in self.bytes_of:
