@@ -81,11 +81,12 @@ def wikitext_test_pages(mirror) -> list[str]:
 def measure(model_path: str, mirror: str, limits: dict, max_gen_toks: int = 64) -> dict:
     from .eval.harness import EvalConfig, evaluate
     from .eval.mirror import mirrored, resolve_mirror, set_offline
-    from .models.loader import ModelConfig, load_model
+    from .models.loader import ModelConfig, load_model, resolve_pretrained
 
     set_offline()
     root = resolve_mirror(mirror)
-    model, tok = load_model(ModelConfig(name="card", family="olmoe", pretrained=model_path, dtype="float32"))
+    family = json.loads((Path(resolve_pretrained(model_path)) / "config.json").read_text())["model_type"]
+    model, tok = load_model(ModelConfig(name="card", family=family, pretrained=model_path, dtype="float32"))
     out = {"routing": routing_stats(model, tok, wikitext_test_pages(root)), "tasks": {}, "limits": limits}
     with mirrored(root):
         for task, limit in limits.items():

@@ -138,6 +138,35 @@ def test_lfu_counts_requests_a_prefetch_is_not_an_access():
         assert sorted(m.entries) == left, counts
 
 
+def test_lfu_in_cache_counts_restart_at_insert():
+    # history=false (libCacheSim's LFU), counts=requests, capacity 2.
+    # (a) {0,1,2}: 2 streamed (count 1 lingers, never resident); {0}: 0 -> 2; {2}: evicts 1, and 2's count
+    # restarts at 1 on insert (not 2); {3}: victim 2 (1 < 0's 2) -> [0, 3] (without the restart: a tie at 2,
+    # the least recently counted 0 would go).
+    m = manager("lfu", 2, experts=4, params=reading("lfu", history=False))
+    for experts in ([0, 1, 2], [0], [2], [3]):
+        m.serve(0, experts); m.finish_layer()
+    assert sorted(m.entries) == [0, 3]
+    # (b) a prefetched copy restarts at 0: {0}, {0}: 0 -> 2; prefetch 1 (0), {1} hits (1); {2}: 1 < 2 -> 1 goes
+    m = manager("lfu", 2, experts=4, params=reading("lfu", history=False))
+    m.serve(0, [0]); m.finish_layer(); m.serve(0, [0]); m.finish_layer()
+    m.prefetch(0, [1]); m.clock.compute(1e15, 0)
+    m.serve(0, [1]); m.finish_layer()
+    m.serve(0, [2]); m.finish_layer()
+    assert sorted(m.entries) == [0, 2]
+
+
+def test_lfu_never_requested_prefetches_are_least_recent():
+    # capacity 3, counts=requests: prefetch 2, then {0}, then prefetch 1: 1 and 2 have 0 counts and no use;
+    # neither is more recent than the other (ties: lower key), so {3} evicts 1, not the older prefetch 2.
+    m = manager("lfu", 3, experts=4)
+    m.prefetch(0, [2]); m.clock.compute(1e15, 0)
+    m.serve(0, [0]); m.finish_layer()
+    m.prefetch(0, [1]); m.clock.compute(1e15, 0)
+    m.serve(0, [3]); m.finish_layer()
+    assert sorted(m.entries) == [0, 2, 3]
+
+
 def test_fld_distance_readings():
     # 4 layers, capacity 3: L0 {0}, L1 {0}, L2 {0}, then L3 {0} misses. From layer 3: forward distances
     # (l - 3) mod 4 are L0: 1, L1: 2, L2: 3 -> evict (2,0); absolute |l - 3| are L0: 3, L1: 2, L2: 1 -> (0,0).
@@ -262,7 +291,7 @@ class _View:  # the read-only cache view, for policies tested without a cache ma
         return self.high_bits
 
     def bits(self, key):
-        return self._bits[key]
+        return self._bits.get(key)  # None: not resident (as the real view)
 
 
 def test_score_policy_mean_over_last_n():
@@ -379,6 +408,19 @@ def test_adaptive_policies_capacity_unit_readings(policy, unit, c):
     assert pol.c == c
     with pytest.raises(ValueError, match="capacity_unit='bytes'; valid: fetch, native"):
         cls.Params(capacity_unit="bytes")
+
+
+@pytest.mark.parametrize("high,count", [("fetch", 1), ("native", 0)])
+def test_lhu_counts_requests_weighs_a_miss_by_the_fetch_precision(high, count):
+    # counts=requests: a miss of a non-resident expert counts as a use at the fetch precision (int8 here),
+    # high precision under ``fetch``, not under ``native``
+    from specmd.policies.eviction.lhu import LHU
+
+    pol = LHU(LHU.Params(counts="requests", high=high))
+    pol.attach(_QuantView({}), 2)
+    pol.on_miss(5)
+    assert pol.count[5] == count
+    assert pol.miss_hook() is not None and LHU(LHU.Params()).miss_hook() is None  # inserts: no call per miss
 
 
 def test_arc_adapts_p_on_ghost_hits():

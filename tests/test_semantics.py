@@ -235,3 +235,37 @@ def test_measure_decode_counts_decode_passes_only():
         assert [p.kind for p in st.passes] == ["prefill", "decode", "decode"]  # the timing keeps every pass
         assert st.passes[0].misses == 2 and st.summary()["prefill_hit_rate"] == 0.0
         m.check_invariants()
+
+
+def test_measure_decode_prefill_prefetches_count_as_neither_issued_used_nor_wasted():
+    # capacity 3, 2 layers. Prefill (not counted): L0 {0} prefetches (1,0) and (1,1); L1 {0} uses (1,0).
+    # Decode: L0 {0} hits; L1 {1} hits the prefill's unused prefetch: a hit, not a used prefetch.
+    geom = Geometry(num_layers=2, num_experts=4, top_k=1, expert_bytes=100, total_bytes=10**6)
+    clock = SimClock(geom, TransferChannel(1e12, 0.0), Roofline(1e15, 1e15))
+    m = CacheManager(geom, [300], [EVICTION.get("lru")()], MISS.build({"name": "fetch"}), clock, measure="decode")
+    m.begin_pass("prefill", 1, 1)
+    m.serve(0, [0]); m.prefetch(1, [0, 1]); m.finish_layer()
+    m.clock.compute(1e15, 0)
+    call(m, 1, [0])
+    m.end_pass()
+    m.begin_pass("decode", 1, 2)
+    call(m, 0, [0])
+    call(m, 1, [1])
+    m.end_pass()
+    m.finalize()
+    s = m.stats.summary()
+    assert (s["requests"], s["hits"]) == (2, 2)
+    assert (s["prefetch_issued"], s["prefetch_used"], s["prefetch_wasted"]) == (0, 0, 0)
+
+
+def test_stats_restore_drops_counters_created_since():
+    from specmd.engine.stats import CacheStats
+
+    st = CacheStats(2)
+    snap = st.snapshot()
+    st.add("rerouted_to_host", 1)
+    st.peak_bytes = 500
+    st.requests[0] += 3
+    st.restore(snap)
+    assert st.extra == [] and not hasattr(st, "rerouted_to_host")
+    assert st.peak_bytes == 0 and st.requests == [0, 0]

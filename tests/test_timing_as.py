@@ -45,9 +45,12 @@ def test_mapping_keeps_the_real_models_bytes_and_compute():
     assert geom.num_layers * geom.num_experts * geom.expert_bytes == olmoe.num_layers * olmoe.num_experts * olmoe.expert_bytes
     assert sum(geom.dense_params) == pytest.approx(sum(olmoe.dense_params))
     assert geom.attn_layers == [4.0] * 4 and geom.tail_params == olmoe.tail_params
+    assert geom.expert_params == 4 * olmoe.expert_params
     # wide routing on a deep real model: Mixtral (32 x 8, top-2) -> bytes x1, compute x2 per routing expert
-    _, f_bytes, f_compute = timed_as(routing, shipped_geometry("mixtral"))
+    mixtral = shipped_geometry("mixtral")
+    geom, f_bytes, f_compute = timed_as(routing, mixtral)
     assert (f_bytes, f_compute) == (1.0, 2.0)
+    assert (geom.expert_bytes, geom.expert_params) == (mixtral.expert_bytes, 2 * mixtral.expert_params)
 
 
 def test_store_sizes_keep_bytes_per_parameter():
@@ -77,15 +80,51 @@ def test_replay_timed_as_olmoe():
     assert real["timing"]["ttft_s"] > 100 * own["timing"]["ttft_s"]
 
 
-@pytest.mark.parametrize("bandwidth,structural", [(5.0, True), (1e6, False)])
-def test_prefetch_lateness_is_diagnosed(bandwidth, structural):
+def _decode_windows(geom, hw, depth):
+    """Hand-computed: the roofline time of a decode token's experts of layer l plus layer l+1's dense part,
+    summed over ``depth`` consecutive layers, for every layer a prefetch can be issued from."""
+    peak, mem = hw.peak_tflops * 1e12, hw.mem_bandwidth_gbps * 1e9
+    k = geom.top_k
+    step = []
+    for l in range(geom.num_layers - 1):
+        experts = max(2.0 * k * geom.expert_params / peak, k * geom.expert_bytes / mem)
+        p, a = geom.dense_params[l + 1], geom.attn_layers[l + 1]
+        dense = max((2.0 * p + 4.0 * geom.hidden_size * a) / peak, p * geom.dtype_bytes / mem)
+        step.append(experts + dense)
+    return [sum(step[l:l + depth]) for l in range(geom.num_layers - depth)]
+
+
+@pytest.mark.parametrize("prefetch,depth", [("topk", 1), ({"name": "lookahead", "depth": 2}, 2)])
+def test_prefetch_lateness_is_diagnosed(prefetch, depth):
     trace = read_trace(TRACE)
-    hw = HardwareConfig(capacity=0.5, bandwidth_gbps=bandwidth, latency_us=0.0)
-    res = run_replay(trace, StackSpec.of(prefetch="topk", hardware=hw)).results()["cache"]
-    late = res["prefetch_lateness"]
-    assert late["structural"] is structural
-    assert (late["transfer_s"] > late["decode_window_s"]) is structural
-    if structural:
-        assert res["prefetch_late"] > 0
-    none = run_replay(trace, StackSpec.of(prefetch="none", hardware=hw)).results()["cache"]
-    assert none["prefetch_lateness"] is None
+    geom = Geometry.from_dict(trace.meta["geometry"])
+    windows = _decode_windows(geom, HardwareConfig(), depth)
+    # a link whose one-expert transfer falls between the shortest and the longest window: not structural
+    # (some layer has time), and links far slower / faster than every window
+    middle = geom.expert_bytes / ((min(windows) + max(windows)) / 2) / 1e9
+    for bandwidth, structural in ((5.0, True), (middle, False), (1e6, False)):
+        hw = HardwareConfig(capacity=0.5, bandwidth_gbps=bandwidth, latency_us=0.0)
+        res = run_replay(trace, StackSpec.of(prefetch=prefetch, hardware=hw)).results()["cache"]
+        late = res["prefetch_lateness"]
+        assert late["decode_window_s"] == pytest.approx(max(windows), rel=1e-9)
+        assert late["structural"] is structural, bandwidth
+        if structural:
+            assert res["prefetch_late"] > 0
+    hw = HardwareConfig(capacity=0.5)
+    assert run_replay(trace, StackSpec.of(prefetch="none", hardware=hw)).results()["cache"]["prefetch_lateness"] is None
+
+
+def test_no_lateness_diagnosis_without_decode_passes():
+    from specmd.replay.trace import Trace, full_calls
+
+    trace = read_trace(TRACE)
+    keep = trace.passes[:, 0] == 0  # prefill passes only
+    L = trace.meta["geometry"]["num_layers"]
+    rows = [r for p in range(len(trace.passes)) if keep[p]
+            for c in trace.calls[p * L:(p + 1) * L] for r in range(c[2], c[2] + c[3])]
+    passes = trace.passes[keep]
+    pre = Trace(meta=dict(trace.meta), passes=passes, calls=full_calls(passes, L), index=trace.index[rows],
+                weights=None, logits=trace.logits[rows], path="prefill-only",
+                signal_index=trace.signal_index[rows], signal_logits=trace.signal_logits[rows])
+    res = run_replay(pre, StackSpec.of(prefetch="topk", hardware=HardwareConfig(capacity=0.5))).results()["cache"]
+    assert res["prefetch_issued"] > 0 and res["prefetch_lateness"] is None

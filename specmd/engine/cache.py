@@ -37,11 +37,8 @@ class Pool:
         self.capacity = capacity
         self.used = 0
         self.policy = policy
-        # the policy's on_miss, or None when it keeps the base class's no-op (no call per miss then)
-        from ..policies.eviction.base import EvictionPolicy
-
-        hook = getattr(type(policy), "on_miss", None)
-        self.on_miss = policy.on_miss if hook is not None and hook is not EvictionPolicy.on_miss else None
+        # called for every demand miss, or None (no call per miss): the policy's ``miss_hook()``
+        self.on_miss = policy.miss_hook() if hasattr(policy, "miss_hook") else None
 
 
 class Entry:
@@ -208,6 +205,9 @@ class CacheManager:
         if self._uncounted is not None:
             s.restore(self._uncounted)
             self._uncounted = None
+            for ent in self.entries.values():  # its prefetches were not counted issued: nor used nor wasted
+                if ent.prefetched and not ent.used:
+                    ent.prefetched = False
 
     # ---- one MoE layer call: named steps --------------------------------------------------------
     def serve(self, layer: int, experts: list[int], record=None, index=None, weights=None) -> LayerCall:
@@ -271,7 +271,8 @@ class CacheManager:
                     st.prefetch_late[layer] += 1
                     st.misses[layer] += 1
                     ent.used = True
-                    st.prefetch_used[layer] += 1
+                    if ent.prefetched:  # not a prefetch of a pass that did not count (measure=decode)
+                        st.prefetch_used[layer] += 1
                     policy.on_access(key)
                     continue
             if ent.prefetched and not ent.used:

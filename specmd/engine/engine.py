@@ -121,9 +121,11 @@ class Engine:
             self.timing_as, timing = spec.timing
             routing = geom
             geom, f_bytes, _ = timed_as(routing, timing)
-            # each precision keeps its bytes per parameter; a routing expert holds its timing share of parameters
-            per_param = timing.expert_params * f_bytes / routing.expert_params
-            store = store.resized({p: (geom.expert_bytes if p == "native" else round(b * per_param))
+            # each precision keeps its bytes per parameter, and a routing expert holds its timing share of
+            # parameters: scale by (timing-share parameters) / (routing parameters), both from bytes / dtype
+            # (an imported trace has no parameter count, only bytes)
+            scale = (geom.expert_bytes / geom.dtype_bytes) / (routing.expert_bytes / routing.dtype_bytes)
+            store = store.resized({p: (geom.expert_bytes if p == "native" else round(b * scale))
                                    for p, b in store.bytes_of.items()})
         self.geom = geom
         self.spec = spec
@@ -223,27 +225,34 @@ class Engine:
 
     # ---- results --------------------------------------------------------------------------------
     def _lateness(self, summary: dict) -> Optional[dict]:
-        """Whether late prefetches are a policy effect or structural: a prefetch for layer l+1 is issued as
-        layer l's experts start, so it can only arrive in time if one expert's transfer fits in layer l's
-        expert compute plus layer l+1's dense compute. ``structural`` when it fits in no layer for a decode
+        """Whether late prefetches are a policy effect or structural. A prefetch for layer l+d (d = the
+        prefetch policy's depth, 1 for next-layer prefetch) is issued as layer l's experts start, so it can
+        only arrive in time if one expert's transfer fits in the compute between: the experts of layers
+        l..l+d-1 and the dense parts of layers l+1..l+d. ``structural`` when it fits for no layer of a decode
         token: then every decode prefetch is late whatever the policy predicts, and prefetch hit rates
         measure the link, not the predictor (``in_cache_rate`` still compares predictors). With a tiny
         model's microsecond layers this is an artefact (``hardware.timing_as`` gives a real model's
-        ratio); for a real model at batch 1 over PCIe it is often the truth."""
-        if not summary["prefetch_issued"]:
+        ratio); for a real model at batch 1 over PCIe it is often the truth. None without prefetches or
+        decode passes, or when the clock cannot say in advance."""
+        if not summary["prefetch_issued"] or not any(p.kind == "decode" for p in self.cache.stats.passes):
             return None
         clock, g = self.clock, self.geom
+        if clock.experts_time(1, 1) is None:
+            return None
+        pcls, pparams = self.spec.prefetch
+        d = max(1, pcls.signal_depth(pparams))
+        step = [clock.experts_time(g.top_k, g.top_k) + clock.dense_time(l + 1, 1, 1) for l in range(g.num_layers - 1)]
+        windows = [sum(step[l:l + d]) for l in range(g.num_layers - d)]
+        if not windows:
+            return None
         transfer = clock.transfer_time(self.store.bytes_of[self.cache.fetch_precision])
-        windows = [clock.experts_time(g.top_k, g.top_k) + clock.dense_time(l + 1, 1, 1)
-                   for l in range(g.num_layers - 1)] if clock.experts_time(1, 1) is not None else []
         used = summary["prefetch_used"]
         return {
             "late_fraction": summary["prefetch_late"] / used if used else None,
             "transfer_s": transfer,
-            "decode_window_s": max(windows) if windows else None,
-            "structural": bool(windows) and transfer > max(windows),
+            "decode_window_s": max(windows),
+            "structural": transfer > max(windows),
         }
-
 
     def results(self) -> dict:
         """The ``cache``, ``timing`` and ``routing`` sections of results.json."""

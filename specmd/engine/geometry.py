@@ -70,6 +70,9 @@ def timed_as(routing: Geometry, timing: Geometry) -> tuple[Geometry, float, floa
       expert bytes, and what a capacity fraction holds, are the timing model's) and for
       (L_t·k_t) / (L_r·k_r) timing experts in compute (so a token's expert FLOPs are the timing model's);
     * the LM head and trailing layers, hidden size, dtype and total bytes are the timing model's.
+    Expert *bytes read* per token then scale by (k_r/E_r) / (k_t/E_t): exact when the two models select
+    the same fraction of their experts (the embedded model as OLMoE), half the real figure for the embedded
+    model as Mixtral (memory-bound decode compute is then understated; transfers and capacity are exact).
     Returns (geometry, bytes factor, params factor): factors on one routing expert's timing-model size."""
     f_bytes = (timing.num_layers * timing.num_experts) / (routing.num_layers * routing.num_experts)
     f_compute = (timing.num_layers * timing.top_k) / (routing.num_layers * routing.top_k)

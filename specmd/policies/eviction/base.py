@@ -78,6 +78,11 @@ class EvictionPolicy(Policy):
     def on_miss(self, key: int) -> None:
         pass
 
+    def miss_hook(self) -> Optional[Callable[[int], None]]:
+        """What the manager calls for every demand miss: ``on_miss`` when a subclass overrides it, else
+        None (then no call per miss at all). A policy whose params switch miss counting off returns None."""
+        return self.on_miss if type(self).on_miss is not EvictionPolicy.on_miss else None
+
     def on_pass_start(self, pass_index: int) -> None:
         pass
 
@@ -199,13 +204,12 @@ class LayerQueues:
     ``order(current, num_layers)`` returns the layers in eviction order (first = evicted first); it is
     evaluated once per current layer and cached."""
 
-    __slots__ = ("fifo", "order", "_scan", "_scan_for")
+    __slots__ = ("fifo", "order", "_scans")
 
     def __init__(self, num_layers: int, order: Callable[[int, int], list]):
         self.fifo: list[dict[int, None]] = [{} for _ in range(num_layers)]
         self.order = order
-        self._scan: list = []
-        self._scan_for: Optional[int] = None
+        self._scans: dict[int, list] = {}  # executing layer -> the FIFOs in eviction order
 
     def add(self, layer: int, key: int) -> None:
         """``key`` joins the back of ``layer``'s FIFO (moves there if it is already in it)."""
@@ -218,10 +222,10 @@ class LayerQueues:
 
     def first(self, current: int, evictable: Callable[[int], bool]) -> Optional[int]:
         """The first evictable key, layers in ``order(current)``, each layer's FIFO front to back."""
-        if self._scan_for != current:
-            self._scan = [self.fifo[l] for l in self.order(current, len(self.fifo))]
-            self._scan_for = current
-        for q in self._scan:
+        scan = self._scans.get(current)
+        if scan is None:
+            scan = self._scans[current] = [self.fifo[l] for l in self.order(current, len(self.fifo))]
+        for q in scan:
             if q:
                 for key in q:
                     if evictable(key):

@@ -26,7 +26,8 @@ class FLD(EvictionPolicy):
       needed before the next one, the right one is needed later in this pass). This is a *spatial-only*
       policy, as SpecMD classes FLD, and SpecMD finds it "only slightly better than LRU".
     * ``forward``: ``(layer - c) mod L``, the distance execution still has to travel to reach the layer
-      (the next layer, distance 1, is kept longest; the layer just executed, distance L-1, goes first).
+      (after the executing layer, the next layer, distance 1, is kept longest; the layer just executed,
+      distance L-1, goes first).
       This reading is close to Belady's order at layer granularity and is a much stronger baseline.
 
     The executing layer has distance 0 in both and goes last. Ties within a layer: the expert resident

@@ -38,7 +38,8 @@ class LeastStale(EvictionPolicy):
       working set this gives LRU's counts exactly, and right of ``c`` it evicts the next layer's experts
       first (the ones needed soonest); above it, it hoards the deepest layers.
     * ``needed_last``: the layer whose next request comes last goes first: ``c, c-1, ..., 0, L-1, ..., c+1``
-      (Belady's order at layer granularity, which is FLD's forward distance inside each queue).
+      (Belady's order at layer granularity; FLD's forward distance differs only at the executing layer,
+      which FLD keeps longest).
     * ``insertion``: FIFO by the time the expert joined its queue, ignoring layers.
 
     Within one layer the expert that joined the queue first goes first (a key that becomes current again
@@ -71,8 +72,6 @@ class LeastStale(EvictionPolicy):
         self._stale, self._cur = LayerQueues(n, order), LayerQueues(n, order)
 
     def on_pass_start(self, pass_index):
-        if pass_index == self.pass_index:
-            return
         self.pass_index = pass_index
         for stale, cur in zip(self._stale.fifo, self._cur.fifo):  # every current key becomes stale
             if cur:

@@ -54,9 +54,11 @@ class LFU(OrderedEviction):
         self.last[key] = self.clock
         self._dirty.add(key)
 
+    def miss_hook(self):
+        return self.on_miss if self._requests else None
+
     def on_miss(self, key):
-        if self._requests:
-            self._touch(key, self.weight(key))
+        self._touch(key, self.weight(key))
 
     def on_insert(self, key, prefetch):
         super().on_insert(key, prefetch)
