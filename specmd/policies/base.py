@@ -15,3 +15,10 @@ class Policy:
 
     def setup(self, model: Any) -> None:
         """Called once with the :class:`~specmd.engine.ModelView` when the engine is built."""
+
+
+def check_choice(name: str, value: Any, choices) -> None:
+    """A reading parameter must be one of ``choices``: else a ValueError naming the value and the choices
+    (the registry turns it into a ConfigError before any model work)."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}; valid: {', '.join(choices)}")

@@ -1,6 +1,7 @@
 from dataclasses import dataclass
 
-from .base import EVICTION, EvictionPolicy, check_capacity_unit
+from ..base import check_choice
+from .base import CAPACITY_UNITS, EVICTION, EvictionPolicy
 
 
 def _first(keys, evictable):
@@ -32,7 +33,7 @@ class ARC(EvictionPolicy):
         capacity_unit: str = "fetch"
 
         def __post_init__(self):
-            check_capacity_unit(self.capacity_unit)
+            check_choice("capacity_unit", self.capacity_unit, CAPACITY_UNITS)
 
     def __init__(self, params=None):
         super().__init__(params or self.Params())

@@ -129,12 +129,7 @@ def argmin_key(candidates, evictable, rank):
     return best
 
 
-CAPACITY_UNITS = ("fetch", "native")
-
-
-def check_capacity_unit(unit: str) -> None:
-    if unit not in CAPACITY_UNITS:
-        raise ValueError(f"capacity_unit={unit!r}; valid: {', '.join(CAPACITY_UNITS)}")
+CAPACITY_UNITS = ("fetch", "native")  # ARC's and LeCaR's ``capacity_unit`` readings
 
 
 class LazyHeap:

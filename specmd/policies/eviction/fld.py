@@ -1,5 +1,6 @@
 from dataclasses import dataclass
 
+from ..base import check_choice
 from .base import EVICTION, EvictionPolicy, LayerQueues
 
 
@@ -39,8 +40,7 @@ class FLD(EvictionPolicy):
         distance: str = "absolute"
 
         def __post_init__(self):
-            if self.distance not in DISTANCES:
-                raise ValueError(f"distance={self.distance!r}; valid: {', '.join(DISTANCES)}")
+            check_choice("distance", self.distance, DISTANCES)
 
     def __init__(self, params=None):
         super().__init__(params or self.Params())

@@ -1,5 +1,6 @@
 from dataclasses import dataclass
 
+from ..base import check_choice
 from .base import EVICTION, EvictionPolicy, LayerQueues
 
 
@@ -52,8 +53,7 @@ class LeastStale(EvictionPolicy):
         order: str = "left_then_right"
 
         def __post_init__(self):
-            if self.order not in ORDERS:
-                raise ValueError(f"order={self.order!r}; valid: {', '.join(ORDERS)}")
+            check_choice("order", self.order, ORDERS)
 
     def __init__(self, params=None):
         super().__init__(params or self.Params())

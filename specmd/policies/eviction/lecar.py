@@ -2,7 +2,8 @@ import math
 import random
 from dataclasses import dataclass
 
-from .base import EVICTION, EvictionPolicy, LazyHeap, check_capacity_unit
+from ..base import check_choice
+from .base import CAPACITY_UNITS, EVICTION, EvictionPolicy, LazyHeap
 
 
 @EVICTION.register("lecar")
@@ -25,7 +26,7 @@ class LeCaR(EvictionPolicy):
         capacity_unit: str = "fetch"
 
         def __post_init__(self):
-            check_capacity_unit(self.capacity_unit)
+            check_choice("capacity_unit", self.capacity_unit, CAPACITY_UNITS)
             if not 0.0 <= self.lru_weight <= 1.0:
                 raise ValueError(f"lru_weight={self.lru_weight} must be in [0, 1]")
 

@@ -1,5 +1,6 @@
 from dataclasses import dataclass
 
+from ..base import check_choice
 from .base import EVICTION, LazyHeap, OrderedEviction
 
 COUNTS = ("requests", "inserts")
@@ -31,8 +32,7 @@ class LFU(OrderedEviction):
         counts: str = "requests"
 
         def __post_init__(self):
-            if self.counts not in COUNTS:
-                raise ValueError(f"counts={self.counts!r}; valid: {', '.join(COUNTS)}")
+            check_choice("counts", self.counts, COUNTS)
 
     def __init__(self, params=None):
         super().__init__(params or self.Params())

@@ -1,5 +1,6 @@
 from dataclasses import dataclass
 
+from ..base import check_choice
 from .base import EVICTION
 from .lfu import COUNTS, LFU
 
@@ -32,10 +33,8 @@ class LHU(LFU):
         high: str = "fetch"
 
         def __post_init__(self):
-            if self.counts not in COUNTS:
-                raise ValueError(f"counts={self.counts!r}; valid: {', '.join(COUNTS)}")
-            if self.high not in HIGH:
-                raise ValueError(f"high={self.high!r}; valid: {', '.join(HIGH)}")
+            check_choice("counts", self.counts, COUNTS)
+            check_choice("high", self.high, HIGH)
 
     high_bits = 0
 

@@ -2,6 +2,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..base import check_choice
 from .base import EVICTION, LazyHeap, OrderedEviction
 
 
@@ -41,8 +42,7 @@ class Score(OrderedEviction):
         def __post_init__(self):
             if self.n < 1:
                 raise ValueError(f"n={self.n} must be >= 1")
-            if self.unit not in ("token", "call"):
-                raise ValueError(f"unit={self.unit!r}; valid: token, call")
+            check_choice("unit", self.unit, ("token", "call"))
 
     def __init__(self, params=None):
         super().__init__(params or self.Params())

@@ -2,6 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..base import check_choice
 from .base import PREFETCH, PrefetchPolicy, union_by_score
 
 
@@ -33,8 +34,7 @@ class Score(PrefetchPolicy):
                 raise ValueError(f"percentile={self.percentile} must be in [0, 100)")
             if self.window < 1:
                 raise ValueError(f"window={self.window} must be >= 1")
-            if self.basis not in ("window", "token"):
-                raise ValueError(f"basis={self.basis!r}; valid: window, token")
+            check_choice("basis", self.basis, ("window", "token"))
 
     def setup(self, model):
         self.history = [None] * model.num_layers
