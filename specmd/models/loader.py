@@ -79,8 +79,7 @@ def _is_local(path: str) -> bool:
 def model_geometry(cfg: ModelConfig):
     """The :class:`~specmd.engine.geometry.Geometry` of a model without loading its weights (built on the meta
     device from its config): what an imported routing trace lacks (expert bytes, roofline parameters)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if cfg.pretrained is None:
         config = tiny_config(cfg.family, dict(cfg.tiny))
@@ -91,10 +90,17 @@ def model_geometry(cfg: ModelConfig):
         if not _is_local(path):
             require_hub_for(f"the geometry of model.pretrained={path}", path)
         config = AutoConfig.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    return _meta_geometry(config, cfg.family, cfg.dtype, cfg.trust_remote_code)
+
+
+def _meta_geometry(config, family: str, dtype: str, trust_remote_code: bool = False):
+    """The adapter's geometry of ``config``'s model built on the meta device (no weights are allocated)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.dtype),
-                                                 trust_remote_code=cfg.trust_remote_code)
-    return adapter_for(cfg.family).geometry(model)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
+    return adapter_for(family).geometry(model)
 
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "assets" / "configs"
@@ -105,8 +111,7 @@ def shipped_geometry(name: str, dtype: str = "bfloat16"):
     ``specmd/assets/configs/<name>.json`` (built on the meta device: no weights, no hub), at ``dtype``."""
     import json
 
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     path = SHIPPED_CONFIGS / f"{name}.json"
     if not path.is_file():
@@ -114,10 +119,7 @@ def shipped_geometry(name: str, dtype: str = "bfloat16"):
         raise ConfigError(f"{name!r}: no shipped model config; valid choices: {', '.join(names)}")
     fields = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
     family = fields.pop("model_type")
-    config = AutoConfig.for_model(family, **fields)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    return adapter_for(family).geometry(model)
+    return _meta_geometry(AutoConfig.for_model(family, **fields), family, dtype)
 
 
 def load_model(cfg: ModelConfig):
