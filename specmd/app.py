@@ -138,9 +138,10 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
     stack = run.build_stack(model) if run.enabled else None
     engine = stack.engine if stack is not None else None
     if stack is not None and run.save_trace:
+        from .replay.driver import changes_computation
         from .replay.trace import TraceWriter
 
-        exact = run.spec.routing[0].name == "standard" and run.spec.miss[0].lossless(run.spec.miss[1])
+        exact = not changes_computation(run.spec)
         stack.writer = TraceWriter(run_dir / "trace", stack.geom, stack.scoring, stack.store, run.trace_depth,
                                    run.trace_logits, {"model": run.raw.get("model"), "run_dir": str(run_dir),
                                                       "device": run.device, "stack": run.spec.names(),

@@ -235,6 +235,18 @@ def requested_per_call(trace: Trace, num_experts: int) -> tuple[np.ndarray, np.n
     return ptr.astype(np.int64), flat % num_experts
 
 
+def changes_computation(spec) -> list[str]:
+    """Why ``spec`` makes the model compute something else than its router chose (empty: it does not, so a
+    run of it records the unmodified model's routing and a replay of it is exact)."""
+    reasons = []
+    if spec.routing[0].name != "standard":
+        reasons.append(f"routing={spec.routing[0].name} changes the selection; later layers' routing is the recorded one")
+    mcls, mparams = spec.miss
+    if not mcls.lossless(mparams):
+        reasons.append(f"miss={mcls.name} changes what the model computes; later layers' routing is the recorded one")
+    return reasons
+
+
 def exactness(trace: Trace, spec) -> list[str]:
     """Why a replay of ``spec`` on ``trace`` may differ from the live run (empty: exact)."""
     reasons = []
@@ -247,11 +259,7 @@ def exactness(trace: Trace, spec) -> list[str]:
     if src.get("device", "cpu") != "cpu":
         reasons.append(f"recorded on {src['device']}: router probabilities recomputed on the CPU can differ in the "
                        f"last bits")
-    if spec.routing[0].name != "standard":
-        reasons.append(f"routing={spec.routing[0].name} changes the selection; later layers' routing is the recorded one")
-    mcls, mparams = spec.miss
-    if not mcls.lossless(mparams):
-        reasons.append(f"miss={mcls.name} changes what the model computes; later layers' routing is the recorded one")
+    reasons += changes_computation(spec)
     if trace.meta.get("logits") not in ("fp32",):
         reasons.append(f"router logits recorded as {trace.meta.get('logits')}")
     return reasons
