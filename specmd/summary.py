@@ -28,7 +28,9 @@ def print_summary(results: dict, run_dir: str, console: Console | None = None) -
         t.add_row("hit rate", f"{cache['hit_rate']:.4f}  ({cache['hits']}/{cache['requests']} requests)")
         if cache.get("prefetch_late"):
             t.add_row("  incl. late prefetches", f"{cache['in_cache_rate']:.4f}  (in cache, still in flight)")
-        split = [f"{k} {cache[f'{k}_hit_rate']:.4f}" for k in ("prefill", "decode") if cache.get(f"{k}_hit_rate") is not None]
+        measure = (cfg.get("stack") or {}).get("measure", "all")
+        split = [f"{k} {cache[f'{k}_hit_rate']:.4f}" + ("" if measure in ("all", k) else " (not counted above)")
+                 for k in ("prefill", "decode") if cache.get(f"{k}_hit_rate") is not None]
         if split:
             t.add_row("  by pass kind", ", ".join(split))
         t.add_row("collision misses", str(cache["collision_misses"]))
