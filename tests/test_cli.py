@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ROOT
 
-FAST = ["eval.limit=1", "eval.max_length=128", "logger=none"]
+FAST = ["model=tiny", "eval.tasks=[wikitext]", "eval.limit=1", "eval.max_length=128", "logger=none"]
 
 
 def specmd(args, tmp_path, mirror=None, timeout=300):
@@ -58,6 +58,19 @@ def test_run_writes_results_json(tmp_path, mirror):
     assert "hit rate" in r.stdout
 
 
+def test_default_run_decodes_caches_and_prefetches(tmp_path, mirror):
+    """`python -m specmd` with no arguments: the deep embedded model on a decode-heavy GSM8K slice, where the
+    default stack's cache and prefetcher visibly act, and a hint to the comparison sweep."""
+    r = specmd([], tmp_path, mirror)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["config"]["model"]["name"] == "deep_olmoe" and list(res["tasks"]) == ["gsm8k"]
+    assert res["timing"]["decode_passes"] > 10 * res["timing"]["prefill_passes"] > 0
+    cache = res["cache"]
+    assert cache["prefetch_used"] > 0 and cache["in_cache_rate"] > 0.2 and cache["collision_misses"] > 0
+    assert "which stack wins here?" in r.stdout
+
+
 def test_stack_disabled_gives_same_perplexity(tmp_path, mirror):
     a = specmd(["stack.enabled=false", *FAST], tmp_path / "a", mirror)
     b = specmd(["hardware.capacity=0.05", *FAST], tmp_path / "b", mirror)
@@ -83,7 +96,7 @@ def test_multirun_writes_one_results_per_job(tmp_path, mirror):
 
 def test_failed_run_leaves_no_results_json(tmp_path, mirror):
     # a task the mirror does not hold: the run fails after the model was built and hooked
-    r = specmd(["eval.tasks=[arc_easy]", *FAST], tmp_path, mirror)
+    r = specmd(["eval.tasks=[arc_easy]", *(a for a in FAST if not a.startswith("eval.tasks"))], tmp_path, mirror)
     assert r.returncode != 0
     assert "not in the data mirror" in r.stdout + r.stderr
     assert not (tmp_path / "run" / "results.json").exists()

@@ -147,7 +147,8 @@ def test_real_model_configs_name_their_checkpoints():
     ("+hardware.colour=red", "colour"),
     ("hardware.timing_as=gpt5", "hardware.timing_as='gpt5': no shipped model config; valid choices: mixtral, olmoe"),
     ("stack.measure=prefill", "stack.measure='prefill'; valid choices: all, decode"),
-    ("stack.measure=decode", "stack.measure=decode counts decode passes only, and eval.tasks=['wikitext'] run none"),
+    ("stack.measure=decode eval.tasks=[wikitext]",
+     "stack.measure=decode counts decode passes only, and eval.tasks=['wikitext'] run none"),
     ("eviction=least_stale eviction.order=lifo", "order='lifo'; valid: left_then_right, layer, needed_last, insertion"),
     ("eviction=fld eviction.distance=cyclic", "distance='cyclic'; valid: absolute, forward"),
     ("eviction=lfu eviction.counts=hits", "counts='hits'; valid: requests, inserts"),
@@ -161,4 +162,10 @@ def test_invalid_values_rejected(override, needle):
 
 def test_measure_decode_accepts_generation_tasks_and_token_by_token():
     assert compose_run(["stack.measure=decode", "eval.tasks=[gsm8k]"]).spec.measure == "decode"
-    assert compose_run(["stack.measure=decode", "eval.token_by_token=true"]).spec.measure == "decode"
+    assert compose_run(["stack.measure=decode", "eval.tasks=[wikitext]", "eval.token_by_token=true"]).spec.measure == "decode"
+
+
+@pytest.mark.parametrize("model,asset", [("deep_olmoe", "specmd:deep-olmoe"), ("tiny", "specmd:tiny-olmoe")])
+def test_ml_eviction_defaults_to_the_models_own_networks(model, asset):
+    run = compose_run([f"model={model}", "eviction=ml"])
+    assert run.policies["eviction"][1].weights == asset

@@ -58,8 +58,9 @@ def resolve_weights(spec: str) -> Path:
     else:
         path = Path(spec).expanduser()
     if not path.is_file():
-        raise ConfigError(f"eviction=ml: weights {spec!r} not found ({path}); train some with "
-                          f"`python -m specmd.train_eviction --model <model> --out <file>`")
+        raise ConfigError(f"eviction=ml: weights {spec!r} not found ({path}); eviction.weights defaults to the "
+                          f"model's own networks (model.pretrained), which only specmd's embedded models ship; "
+                          f"train some with `python -m specmd.train_eviction --model <model> --out <file>`")
     return path
 
 
@@ -81,7 +82,7 @@ def load_networks(spec: str) -> tuple[list[MLP], dict]:
 class ML(OrderedEviction):
     """FlashMoE's learned eviction (see module docstring). ``weights``: a ``.safetensors`` file written by
     ``python -m specmd.train_eviction``, or ``specmd:<asset>`` for one shipped with a model (the embedded
-    ``specmd:tiny-olmoe`` has one). Its layer count must match the model's MoE layers. Recency and
+    ``specmd:tiny-olmoe`` and ``specmd:deep-olmoe`` have one; the config's default is the model's own). Its layer count must match the model's MoE layers. Recency and
     frequency count routed uses only (a prefetch insert is not a use); they persist after eviction.
     Ties: the lower key."""
 
