@@ -1,9 +1,9 @@
 """The papers' directions on specmd's deep embedded models, measured by replay of recorded routing.
 
-    python experiments/directions.py --out outputs/directions                  # both deep models
+    python experiments/directions.py --out outputs/directions                  # deep_olmoe (132 s on 2 cores)
     python experiments/directions.py --models tiny --limit 2 --out /tmp/d        # a quick look
 
-(The deep models' configs and weights ship together once they pass their card: experiments/README.md.)
+(Any model config works, e.g. a local checkpoint of the unshipped Mixtral-shaped recipe: experiments/README.md.)
 
 1. Record: one live generation run per model through the CLI (GSM8K test, ``--limit`` problems, 5-shot
    prompts, ``--new-tokens`` greedy tokens each; SpecMD measures on generation tasks) with
@@ -174,7 +174,7 @@ def claims(model: str, rows: list) -> list[str]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="*", default=["deep_olmoe", "deep_mixtral"])
+    ap.add_argument("--models", nargs="*", default=["deep_olmoe"])
     ap.add_argument("--limit", type=int, default=10, help="GSM8K problems in the recorded run")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--out", default="outputs/directions")
