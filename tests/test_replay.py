@@ -239,8 +239,9 @@ def test_imported_jsonl_replays_with_every_eviction_policy(tmp_path):
                     ids = rng.sample(range(16), 2) if rng.random() < 0.5 else [layer, (tok + layer) % 16 if (tok + layer) % 16 != layer else 15]
                     f.write(json.dumps({"seq": seq, "token": tok, "layer": layer, "experts": ids,
                                         "weights": [0.7, 0.3]}) + "\n")
+    # model=tiny: eviction=ml's default networks are the model's own, and tiny's have this trace's 4 layers
     base = [f"replay.trace={path}", "replay.format=jsonl", "replay.num_experts=16", "prefetch=none",
-            "hardware.experts_per_layer=3"]
+            "hardware.experts_per_layer=3", "model=tiny"]
     hits = {}
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         for name in EVICTION.names():
