@@ -92,7 +92,9 @@ class Run:
 
 
 def collect(run: Run, engine, tasks: dict, wall_s: float) -> dict:
-    results = {"config": run.raw, "tasks": tasks, "wall_s": wall_s}
+    from .provenance import provenance
+
+    results = {"config": run.raw, "tasks": tasks, "wall_s": wall_s, "provenance": provenance(run.model)}
     if engine is None:
         results.update(cache=None, timing=None, routing={"fidelity": 1.0})
         return results

@@ -56,6 +56,12 @@ def test_run_writes_results_json(tmp_path, mirror):
     assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()
     assert (tmp_path / "run" / "passes.csv").exists()
     assert "hit rate" in r.stdout
+    from specmd.models.loader import ASSETS
+    from specmd.provenance import files_fingerprint
+
+    prov = res["provenance"]
+    assert prov["model"]["fingerprint"] == files_fingerprint(ASSETS / "tiny-olmoe")
+    assert prov["versions"]["lm_eval"] and prov["versions"]["torch"]
 
 
 def test_default_run_decodes_caches_and_prefetches(tmp_path, mirror):
@@ -123,6 +129,9 @@ def test_trace_save_feeds_ml_eviction_training(tmp_path, mirror):
     rep = json.loads((tmp_path / "replay" / "run" / "results.json").read_text())
     assert rep["replay"]["exact"] is True and rep["tasks"] == {}
     assert rep["cache"] == res["cache"] and rep["timing"] == res["timing"]
+    from specmd.provenance import files_fingerprint
+
+    assert rep["provenance"]["trace"]["fingerprint"] == files_fingerprint(trace)
     out = tmp_path / "mine.safetensors"
     train_eviction(["--traces", str(trace), "--out", str(out), "--steps", "10",
                     "--batch", "128"])

@@ -337,7 +337,10 @@ def replay(run, run_dir) -> dict:
     model = (trace.meta.get("source") or {}).get("model")
     config["model"] = model if isinstance(model, dict) else {"name": f"trace:{Path(trace.path).name}",
                                                               "source": trace.meta.get("source")}
-    results = {"config": config, "tasks": {}, "wall_s": time.perf_counter() - t0}
+    from ..provenance import provenance
+
+    results = {"config": config, "tasks": {}, "wall_s": time.perf_counter() - t0,
+               "provenance": provenance(trace_path=trace.path)}
     results.update(engine.results())
     results["replay"] = {
         "trace": str(trace.path), "format": run.replay.format, "exact": not reasons, "inexact_because": reasons,
