@@ -43,6 +43,12 @@ def print_summary(results: dict, run_dir: str, console: Console | None = None) -
         t.add_row("collision misses", str(cache["collision_misses"]))
         t.add_row("evictions", str(cache["evictions"]))
         t.add_row("prefetch issued / used", f"{cache['prefetch_issued']} / {cache['prefetch_used']}")
+        # misses that no cache policy could have turned into hits: they explain a low hit rate
+        if cache.get("streamed"):
+            t.add_row("  streamed (not cached)",
+                      f"{cache['streamed']} misses ran without a cache slot (the layer's own experts filled it)")
+        if cache.get("prefetch_skipped"):
+            t.add_row("  prefetch skipped", f"{cache['prefetch_skipped']} predictions not fetched (no evictable slot)")
         late = cache.get("prefetch_lateness")
         if late and late["structural"]:
             t.add_row("[yellow]warning[/yellow]",

@@ -55,11 +55,34 @@ def _flatten(metrics: dict) -> dict:
     return out
 
 
-def _token_by_token_lm():
-    import torch
+def _phase_bar_lm():
     from lm_eval.models.huggingface import HFLM
 
-    class TokenByTokenLM(HFLM):
+    class PhaseBarLM(HFLM):
+        """HFLM with one progress bar per request type. lm-eval 0.4.13's ``loglikelihood_rolling`` shows its
+        own bar over the documents and then opens another one for every batch of windows it scores
+        (``disable_tqdm=False`` hard-coded): a WikiText run printed a bar per document."""
+
+        _rolling = False
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            self._rolling = True
+            try:
+                return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+            finally:
+                self._rolling = False
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm or self._rolling,
+                                                 override_bs=override_bs)
+
+    return PhaseBarLM
+
+
+def _token_by_token_lm():
+    import torch
+
+    class TokenByTokenLM(_phase_bar_lm()):
         """HFLM whose scoring forward feeds the window one token at a time through the KV cache."""
 
         def _model_call(self, inps, attn_mask=None, labels=None):
@@ -84,7 +107,6 @@ def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu") -> dict:
     if not cfg.tasks:
         return {}
     import lm_eval
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
@@ -94,7 +116,7 @@ def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu") -> dict:
     if unknown:
         raise ConfigError(f"unknown eval task(s) {unknown}; specmd's tasks: {', '.join(SUPPORTED)} "
                           "(any lm-eval task name also works when its data is reachable)")
-    cls = _token_by_token_lm() if cfg.token_by_token else HFLM
+    cls = _token_by_token_lm() if cfg.token_by_token else _phase_bar_lm()
     lm = cls(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size, device=device,
              max_length=cfg.max_length)
     gen_kwargs = {"max_gen_toks": cfg.max_gen_toks} if cfg.max_gen_toks else None

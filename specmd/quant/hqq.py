@@ -103,9 +103,12 @@ class HQQ(QuantMethod):
         if path.exists():
             return torch.load(path, weights_only=False)
         from hqq.core.quantize import Quantizer
+        from tqdm.auto import tqdm
 
         layers = []
-        for mod in experts:
+        # the first run of a model x precision quantizes every expert (minutes on a real model); later runs load
+        for mod in tqdm(experts, desc=f"HQQ-quantizing experts to {prec} (once; cached in {path.parent})",
+                        unit="layer"):
             entry = {}
             for n, p in expert_params(mod, num_experts):
                 entry[n] = self._quantize_fused(p.detach(), num_experts, BITS[prec], g, Quantizer)
