@@ -23,7 +23,8 @@ def _hydra_main(cfg: DictConfig):
 
     hc = HydraConfig.get()
     run_dir = hc.runtime.output_dir
-    group = os.path.basename(hc.sweep.dir) if hc.mode.name == "MULTIRUN" else None
+    # a multirun's runs share a W&B group: its sweep directory's last two parts (<date>/<time> by default)
+    group = "/".join(Path(hc.sweep.dir).parts[-2:]) if hc.mode.name == "MULTIRUN" else None
     console = Console(stderr=False)
     try:
         results = execute(cfg, run_dir=run_dir, group=group)

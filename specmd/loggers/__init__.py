@@ -16,10 +16,20 @@ class NoLogger:
 
 
 class WandbLogger:
-    """One W&B run per specmd run: resolved config, summary metrics, per-layer table.
+    """One W&B run per specmd run, browsable without specmd:
+
+    * name: the run's Hydra overrides (``eviction=lru,hardware.capacity=0.05``; "defaults" for none), so
+      the runs of a sweep are told apart in the UI;
+    * config: the resolved config, flattened to dotted keys, plus ``provenance.*``;
+    * tags: the policy names, the model, the capacity and the tasks; group: the experiment (``experiment``
+      in the config) or the multirun's ``<date>/<time>``; job type: ``live`` or ``replay``;
+    * summary: every scalar of ``results.json`` (:func:`flat_summary`), a replay's trace identity included;
+    * history: one step per forward pass (``pass/hit_rate``, ``pass/cumulative_hit_rate``,
+      ``pass/stall_s``, ``pass/collision_misses``, ``pass/decode``...) from the run's ``passes.csv``;
+    * a ``per_layer`` table.
 
     ``mode: auto`` logs online when the user has a W&B key (``WANDB_API_KEY`` or ``wandb login``) and
-    offline otherwise (``wandb sync`` uploads later). Runs of one Hydra multirun share a group.
+    offline otherwise (``wandb sync`` uploads later).
     """
 
     def __init__(self, project: str = "specmd", entity: Optional[str] = None, mode: str = "auto",
@@ -47,13 +57,15 @@ class WandbLogger:
         import wandb
 
         cfg = results["config"]
-        tags = self.tags + [f"{g}={cfg[g]['name']}" for g in ("routing", "miss", "eviction", "prefetch", "quant")
-                            if isinstance(cfg.get(g), dict) and "name" in cfg[g]]
-        run = wandb.init(project=self.project, entity=self.entity, mode=self._mode(), group=self.group,
-                         tags=tags, config=cfg, dir=run_dir, reinit="finish_previous",
-                         name=os.path.basename(os.path.normpath(run_dir)))
-        summary = flat_summary(results)
-        run.summary.update(summary)
+        config = flatten(cfg)
+        config.update(flatten(results.get("provenance") or {}, "provenance"))
+        run = wandb.init(project=self.project, entity=self.entity, mode=self._mode(),
+                         group=cfg.get("experiment") or self.group, job_type="replay" if "replay" in results else "live",
+                         tags=self.tags + run_tags(cfg), config=config, dir=run_dir, reinit="finish_previous",
+                         name=run_name(run_dir))
+        for row in pass_series(run_dir):
+            run.log(row, step=row.pop("step"))
+        run.summary.update(flat_summary(results))
         cache = results.get("cache") or {}
         per_layer = cache.get("per_layer")
         if per_layer:
@@ -61,6 +73,64 @@ class WandbLogger:
             rows = [[i] + [per_layer[c][i] for c in per_layer] for i in range(len(per_layer["requests"]))]
             run.log({"per_layer": wandb.Table(columns=cols, data=rows)})
         run.finish()
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict):
+            out.update(flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def run_tags(cfg: dict) -> list[str]:
+    tags = [f"{g}={cfg[g]['name']}" for g in ("routing", "miss", "eviction", "prefetch", "quant")
+            if isinstance(cfg.get(g), dict) and "name" in cfg[g]]
+    model = cfg.get("model") or {}
+    if model.get("name"):
+        tags.append(f"model={model['name']}")
+    hw = cfg.get("hardware") or {}
+    if hw.get("experts_per_layer"):
+        tags.append(f"experts_per_layer={hw['experts_per_layer']}")
+    elif hw.get("capacity") is not None:
+        tags.append(f"capacity={hw['capacity']}")
+    tags += [f"task={t}" for t in ((cfg.get("eval") or {}).get("tasks") or [])]
+    return tags
+
+
+def run_name(run_dir: str) -> str:
+    """The overrides Hydra recorded for this job (``<run dir>/.hydra/overrides.yaml``), logger and hydra
+    settings left out; the run directory's name when there is no such file (a run started from Python)."""
+    path = os.path.join(run_dir, ".hydra", "overrides.yaml")
+    if not os.path.isfile(path):
+        return os.path.basename(os.path.normpath(run_dir))
+    from omegaconf import OmegaConf
+
+    items = [str(o) for o in OmegaConf.load(path) if not str(o).lstrip("+~").startswith(("logger", "hydra."))]
+    return ",".join(items) or "defaults"
+
+
+def pass_series(run_dir: str) -> list[dict]:
+    """One W&B history step per forward pass, from ``<run dir>/passes.csv`` (empty if the run has none)."""
+    import csv
+
+    path = os.path.join(run_dir, "passes.csv")
+    if not os.path.isfile(path):
+        return []
+    rows, hits, requests = [], 0, 0
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            h, q = int(r["hits"]), int(r["requests"])
+            hits, requests = hits + h, requests + q
+            rows.append({"step": int(r["pass"]), "pass/decode": int(r["kind"] == "decode"),
+                         "pass/tokens": int(r["tokens"]), "pass/time_s": float(r["time_s"]),
+                         "pass/stall_s": float(r["stall_s"]), "pass/hit_rate": h / q if q else None,
+                         "pass/cumulative_hit_rate": hits / requests if requests else None,
+                         "pass/collision_misses": int(r["collision_misses"])})
+    return [{k: v for k, v in row.items() if v is not None} for row in rows]
 
 
 def flat_summary(results: dict) -> dict:
@@ -81,6 +151,13 @@ def flat_summary(results: dict) -> dict:
     for task, metrics in (results.get("tasks") or {}).items():
         for k, v in metrics.items():
             summary[f"tasks/{task}/{k}"] = v
+    rep = results.get("replay") or {}
+    for k in ("trace", "exact", "passes", "requests"):  # which trace a replay read
+        if k in rep:
+            summary[f"replay/{k}"] = rep[k]
+    fp = ((results.get("provenance") or {}).get("trace") or {}).get("fingerprint")
+    if fp:
+        summary["replay/trace_fingerprint"] = fp
     return {k: v for k, v in summary.items() if v is not None}
 
 
