@@ -110,9 +110,13 @@ def fig6(model: str, trace, rows: list) -> list[str]:
     lines = [f"#### {model}: FlashMoE Fig. 6 (decode hit rate % vs capacity)", "",
              "| policy | " + " | ".join(f"{c:g}" for c in FIG6_CAPACITIES) + " |",
              "|---|" + "---|" * len(FIG6_CAPACITIES)]
-    from specmd.models.loader import resolve_pretrained
+    from specmd.errors import ConfigError
+    from specmd.policies.eviction.ml import resolve_weights
 
-    has_ml = (Path(resolve_pretrained(asset)) / "ml_eviction.safetensors").is_file()
+    try:
+        has_ml = bool(resolve_weights(asset))  # the networks eviction=ml would load for this model
+    except ConfigError:
+        has_ml = False
     for name in FIG6:
         if name == "ml" and not has_ml:
             lines.append(f"| ml | networks not shipped for {asset} yet (`python -m specmd.train_eviction`) |")

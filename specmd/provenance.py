@@ -9,6 +9,7 @@ cheap for multi-GB checkpoints, and it changes whenever a file is replaced, trun
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import subprocess
 import sys
@@ -20,16 +21,22 @@ LIBRARIES = ("specmd", "torch", "transformers", "lm_eval", "hydra-core", "numpy"
 CHUNK = 1 << 20
 
 
-def versions() -> dict:
-    out = {"python": sys.version.split()[0]}
+@functools.lru_cache(maxsize=None)  # fixed for the process: a batched replay sweep asks once, not per run
+def _versions() -> tuple:
+    out = [("python", sys.version.split()[0])]
     for name in LIBRARIES:
         try:
-            out[name] = metadata.version(name)
+            out.append((name, metadata.version(name)))
         except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+            out.append((name, None))
+    return tuple(out)
 
 
+def versions() -> dict:
+    return dict(_versions())
+
+
+@functools.lru_cache(maxsize=None)  # the code a process runs is the code it imported at its start
 def git_state(source: Path = Path(__file__).resolve().parent) -> Optional[dict]:
     """The commit of the checkout holding specmd's source, or None (an installed wheel, no git)."""
     try:
@@ -75,7 +82,8 @@ def model_identity(model_cfg) -> dict:
 
 
 def provenance(model_cfg=None, trace_path=None) -> dict:
-    out = {"versions": versions(), "git": git_state()}
+    git = git_state()
+    out = {"versions": versions(), "git": dict(git) if git else None}
     if model_cfg is not None:
         out["model"] = model_identity(model_cfg)
     if trace_path is not None:

@@ -82,8 +82,9 @@ def load_networks(spec: str) -> tuple[list[MLP], dict]:
 class ML(OrderedEviction):
     """FlashMoE's learned eviction (see module docstring). ``weights``: a ``.safetensors`` file written by
     ``python -m specmd.train_eviction``, or ``specmd:<asset>`` for one shipped with a model (the embedded
-    ``specmd:tiny-olmoe`` and ``specmd:deep-olmoe`` have one; the config's default is the model's own). Its layer count must match the model's MoE layers. Recency and
-    frequency count routed uses only (a prefetch insert is not a use); they persist after eviction.
+    ``specmd:tiny-olmoe`` and ``specmd:deep-olmoe`` have one; the config's default is the model's own).
+    Its layer count must match the model's MoE layers. Recency and frequency count routed uses only (a
+    prefetch insert is not a use); they persist after eviction.
     Ties: the lower key."""
 
     @dataclass
