@@ -63,15 +63,19 @@ class WandbLogger:
                          group=cfg.get("experiment") or self.group, job_type="replay" if "replay" in results else "live",
                          tags=self.tags + run_tags(cfg), config=config, dir=run_dir, reinit="finish_previous",
                          name=run_name(run_dir))
-        for row in pass_series(run_dir):
-            run.log(row, step=row.pop("step"))
-        run.summary.update(flat_summary(results))
-        cache = results.get("cache") or {}
-        per_layer = cache.get("per_layer")
-        if per_layer:
+        series = pass_series(run_dir)
+        per_layer = (results.get("cache") or {}).get("per_layer")
+        if per_layer:  # logged with the last pass: every history step comes from exactly one log call
             cols = ["layer"] + list(per_layer)
             rows = [[i] + [per_layer[c][i] for c in per_layer] for i in range(len(per_layer["requests"]))]
-            run.log({"per_layer": wandb.Table(columns=cols, data=rows)})
+            table = {"per_layer": wandb.Table(columns=cols, data=rows)}
+            if series:
+                series[-1].update(table)
+            else:
+                series = [dict(table, step=0)]
+        for row in series:
+            run.log(row, step=row.pop("step"))
+        run.summary.update(flat_summary(results))
         run.finish()
 
 
