@@ -113,6 +113,10 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
     run_dir = Path(run_dir or os.getcwd())
     if run.replay.trace:
         from .replay.driver import replay
+        from .replay.record import KEYWORD, recorded_trace
+
+        if run.replay.trace == KEYWORD:
+            run.replay.trace = recorded_trace(run)
 
         results, engine = replay(run, run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)

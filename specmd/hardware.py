@@ -15,8 +15,9 @@ class HardwareConfig:
     name: str = "custom"
     # Cache size as a fraction of the full model's bytes at its storage dtype (SpecMD's convention).
     capacity: float = 0.05
-    # Alternative: a fixed number of expert slots per MoE layer (Cache-Conditional Experts, FlashMoE).
-    experts_per_layer: Optional[int] = None
+    # Alternative: a fixed number of expert slots per MoE layer (Cache-Conditional Experts, FlashMoE), or a
+    # fraction < 1 of each layer's experts (Cache-Conditional Experts' default cache N/2: 0.5).
+    experts_per_layer: Optional[float] = None
     # One pool shared by all layers, or one pool per MoE layer (capacity split evenly).
     scope: str = "global"
     bandwidth_gbps: float = 5.0  # host -> device transfer bandwidth, GB/s (1e9 bytes/s)
@@ -34,8 +35,10 @@ class HardwareConfig:
     def __post_init__(self) -> None:
         if not (0.0 < self.capacity <= 1.0):
             raise ConfigError(f"hardware.capacity={self.capacity} must be in (0, 1] (a fraction of model bytes)")
-        if self.experts_per_layer is not None and self.experts_per_layer < 1:
-            raise ConfigError(f"hardware.experts_per_layer={self.experts_per_layer} must be >= 1 or null")
+        epl = self.experts_per_layer
+        if epl is not None and not (0 < epl < 1 or (epl >= 1 and float(epl).is_integer())):
+            raise ConfigError(f"hardware.experts_per_layer={epl} must be a whole number of slots >= 1, a fraction "
+                              f"in (0, 1) of each layer's experts, or null")
         if self.scope not in SCOPES:
             raise ConfigError(f"hardware.scope={self.scope!r}; valid choices: {', '.join(SCOPES)}")
         for key in ("bandwidth_gbps", "peak_tflops", "mem_bandwidth_gbps", "host_tflops", "host_mem_bandwidth_gbps"):

@@ -19,6 +19,10 @@ def _clean(obj):
     return obj
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -28,6 +32,7 @@ def write_json_atomic(path: Path, data: dict) -> None:
             json.dump(_clean(data), f, indent=2, allow_nan=False)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are shared like any file the user writes
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -131,6 +131,17 @@ def test_store_rechecks_precisions_when_the_stack_is_built(embedded):
     assert all(type(l.mlp.experts).__name__ != "SpecmdExperts" for l in embedded[0].model.layers)
 
 
+def test_experts_per_layer_fraction_is_a_share_of_each_layers_experts():
+    from specmd.engine import Geometry
+    from specmd.engine.geometry import pool_capacities
+
+    g = Geometry(num_layers=4, num_experts=64, top_k=8, expert_bytes=10, total_bytes=10 * 64 * 4)
+    assert pool_capacities(g, 0.05, 0.5, "per_layer") == [320] * 4  # Cache-Conditional Experts' N/2
+    assert pool_capacities(g, 0.05, 0.5, "global") == [1280]
+    assert pool_capacities(g, 0.05, 3, "per_layer") == [30] * 4  # whole numbers stay slot counts
+    assert pool_capacities(g, 0.05, 0.001, "per_layer") == [10] * 4  # at least one slot
+
+
 def test_real_model_configs_name_their_checkpoints():
     for name in ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "deepseek_v2", "deepseek_v3", "gpt_oss"):
         run = compose_run([f"model={name}"])
@@ -140,6 +151,7 @@ def test_real_model_configs_name_their_checkpoints():
 @pytest.mark.parametrize("override,needle", [
     ("hardware.capacity=0", "hardware.capacity=0"),
     ("hardware.experts_per_layer=0", "experts_per_layer=0"),
+    ("hardware.experts_per_layer=2.5", "experts_per_layer=2.5 must be a whole number of slots >= 1, a fraction"),
     ("hardware.latency_us=-1", "latency_us=-1"),
     ("prefetch.overfetch=0", "overfetch=0"),
     ("eval.batch_size=0", "eval.batch_size=0"),

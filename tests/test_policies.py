@@ -7,6 +7,7 @@ import torch
 
 from specmd.engine import StackSpec
 from specmd.engine.record import GateRecord, Scoring
+from specmd.errors import ConfigError
 from specmd.policies.miss import MISS
 from specmd.policies.prefetch import PREFETCH
 from specmd.policies.routing import ROUTING
@@ -96,6 +97,22 @@ def test_prune_keeps_top_h_with_family_weights():
     assert w.tolist()[0] == pytest.approx([0.4, 0.0])  # ...with weight 0 (OLMoE-style: no renormalisation)
     rec.scoring = Scoring(False, True, 1.0)  # Mixtral-style renormalisation over the kept set
     assert pol.weigh(rec, index).tolist()[0] == pytest.approx([1.0, 0.0])
+
+
+def test_replace_rank_swaps_only_that_rank_for_an_unselected_expert():
+    probs = [[0.4, 0.3, 0.2, 0.1]] * 50
+    rec = record(probs, 2)  # every token selects E0, E1
+    for rank in (0, 1):
+        index = ROUTING.build({"name": "replace_rank", "rank": rank, "seed": 3}).apply(rec, FakeCache())
+        kept = 1 - rank
+        assert index[:, kept].tolist() == [kept] * 50  # the other rank is untouched
+        drawn = index[:, rank].tolist()
+        assert set(drawn) == {2, 3}  # only experts the token did not select, both drawn over 50 tokens
+        again = ROUTING.build({"name": "replace_rank", "rank": rank, "seed": 3}).apply(rec, FakeCache())
+        assert again.tolist() == index.tolist()  # seeded: a live run and its replay swap the same experts
+    assert ROUTING.build({"name": "replace_rank", "rank": 2}).apply(rec, FakeCache()) is None  # k = 2
+    with pytest.raises(ConfigError, match="rank=-1"):
+        ROUTING.params({"name": "replace_rank", "rank": -1})
 
 
 def test_drop_keeps_top_j_misses():

@@ -306,3 +306,31 @@ def test_import_takes_its_geometry_from_a_model_config(tmp_path):
         open_trace(ReplayConfig(trace=str(path), format="npy", model="tiny_mixtral", num_experts=64))
     with pytest.raises(ConfigError, match="replay.model='nope'.*valid choices"):
         open_trace(ReplayConfig(trace=str(path), format="npy", model="nope"))
+
+
+def test_reuse_by_rank_hand_worked():
+    """One layer, E = 3, k = 1. Passes: prefill, decode x3, prefill, decode x2. Logits rank the experts
+    per decode step; the top-1 (selected) sequence per generation is [0, 1, 0] then [2, 2].
+    Horizon 1, generation 1: step 0 ranks (0, 1, 2) -> next selects 1: rank0 no, rank1 yes, rank2 no;
+    step 1 ranks (1, 2, 0) -> next selects 0: rank2 yes. Generation 2: step 0 ranks (2, 0, 1) -> next
+    selects 2: rank0 yes. The last step of each generation has no successor; the first step of
+    generation 2 is not paired with generation 1's last. So 3 samples: P(rank0) = 1/3, rank1 1/3, rank2 1/3."""
+    from specmd.replay.analysis import reuse_by_rank
+    from specmd.replay.trace import Trace, full_calls
+
+    passes = np.array([[0, 1, 1], [1, 1, 2], [1, 1, 3], [1, 1, 4], [0, 1, 1], [1, 1, 2], [1, 1, 3]])
+    ranks = {1: [0, 1, 2], 2: [1, 2, 0], 3: [0, 2, 1], 5: [2, 0, 1], 6: [2, 1, 0]}
+    logits = np.zeros((7, 3), dtype=np.float32)
+    for row, order in ranks.items():
+        logits[row, order] = [3.0, 2.0, 1.0]
+    idx = logits.argmax(axis=1)[:, None].astype(np.int64)
+    geom = Geometry(num_layers=1, num_experts=3, top_k=1, expert_bytes=100, total_bytes=300, layer_ids=[0])
+    meta = {"geometry": geom.to_dict(), "store": {"native_bits": 16, "bytes_of": {"native": 100}}, "depth": 0,
+            "logits": "fp32", "scoring": {}, "source": {"format": "test"}}
+    trace = Trace(meta=meta, passes=passes, calls=full_calls(passes, 1), index=idx, logits=logits)
+    out = reuse_by_rank(trace, 1)
+    assert out["samples"] == 3
+    assert out["probability"] == pytest.approx([1 / 3, 1 / 3, 1 / 3])
+    # horizon 2: only generation 1's step 0 has two successors (1, 0): ranks (0, 1, 2) -> 0 yes, 1 yes, 2 no
+    out = reuse_by_rank(trace, 2)
+    assert out["samples"] == 1 and out["probability"] == [1.0, 1.0, 0.0]

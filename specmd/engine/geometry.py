@@ -88,10 +88,11 @@ def timed_as(routing: Geometry, timing: Geometry) -> tuple[Geometry, float, floa
     return geom, f_bytes, f_compute
 
 
-def pool_capacities(geom: Geometry, capacity: float, experts_per_layer: Optional[int], scope: str) -> list[int]:
-    """Byte budget of each pool."""
+def pool_capacities(geom: Geometry, capacity: float, experts_per_layer: Optional[float], scope: str) -> list[int]:
+    """Byte budget of each pool (``experts_per_layer`` < 1: that fraction of a layer's experts, at least one)."""
     if experts_per_layer is not None:
-        per_layer = experts_per_layer * geom.expert_bytes
+        slots = experts_per_layer if experts_per_layer >= 1 else max(1, round(experts_per_layer * geom.num_experts))
+        per_layer = int(slots) * geom.expert_bytes
         return [per_layer] * geom.num_layers if scope == "per_layer" else [per_layer * geom.num_layers]
     total = int(capacity * geom.total_bytes)
     if scope == "per_layer":

@@ -12,6 +12,7 @@ results say ``exact: false`` with the reasons.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,13 +32,17 @@ FORMATS = ("specmd", "jsonl", "llama_csv", "npy")
 
 @dataclass
 class ReplayConfig:
-    """The ``replay`` config group: ``trace`` (a specmd trace directory or an import file; null = live run),
+    """The ``replay`` config group: ``trace`` (a specmd trace directory or an import file; null = live run;
+    ``record`` = record this run's model and tasks once into ``cache`` and replay that: :mod:`.record`),
     ``format``, and for imports the geometry the file lacks: ``num_experts``, ``expert_bytes``,
     ``model_bytes``, or ``model`` (a ``model`` config name, e.g. ``olmoe``: its geometry -- expert and model
-    bytes, the roofline's dense parameters -- is read from its config without loading weights)."""
+    bytes, the roofline's dense parameters -- is read from its config without loading weights).
+    ``reuse_horizon``: also measure the trace's reuse probability by score rank (:mod:`.analysis`)."""
 
     trace: Optional[str] = None
     format: str = "specmd"
+    cache: str = "outputs/traces"
+    reuse_horizon: Optional[int] = None
     num_experts: Optional[int] = None
     expert_bytes: Optional[int] = None
     model_bytes: Optional[int] = None
@@ -342,9 +347,19 @@ def replay(run, run_dir) -> dict:
     results = {"config": config, "tasks": {}, "wall_s": time.perf_counter() - t0,
                "provenance": provenance(trace_path=trace.path)}
     results.update(engine.results())
+    src = trace.meta.get("source") or {}
+    recorded = Path(trace.path).parent / "results.json"  # a recorded run writes its trace into <run dir>/trace
+    if not reasons and src.get("exact") and recorded.exists():
+        # an exact replay of a lossless recording computes what the recorded run computed: its task scores hold
+        results["tasks"] = json.loads(recorded.read_text()).get("tasks") or {}
     results["replay"] = {
         "trace": str(trace.path), "format": run.replay.format, "exact": not reasons, "inexact_because": reasons,
         "passes": int(len(trace.passes)), "layer_calls": int(len(trace.calls)), "requests": int(len(experts)),
         "notes": list(trace.notes), "source": trace.meta.get("source") or {},
+        "tasks_from": str(recorded) if results["tasks"] else None,
     }
+    if run.replay.reuse_horizon:
+        from .analysis import reuse_by_rank
+
+        results["analysis"] = {"reuse_by_rank": reuse_by_rank(trace, int(run.replay.reuse_horizon))}
     return results, engine

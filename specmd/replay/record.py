@@ -1,0 +1,74 @@
+"""``replay.trace=record``: record the routing a run's model and tasks produce once, then replay every job on it.
+
+A sweep over eviction, prefetch or capacity on one model and one task asks the same live question in every
+job: which experts does the router pick? ``replay.trace=record`` answers it once. The first job to need a
+trace runs the model live with the lossless recording stack (standard routing, ``miss=fetch`` at native
+precision, LRU, no prefetch, ``trace.save=true``) into ``<replay.cache>/<model>-<key>``; every other job of
+the sweep -- in this process, in a parallel launcher's workers, or a later sweep -- waits on a file lock and
+replays the same trace. The key hashes everything that decides the routing and nothing that does not:
+
+* the model config and the fingerprint of its weight files (a retrained checkpoint gets a new trace);
+* the ``eval`` section (tasks, limit, few-shot, generation length, seed, ...);
+* the ``quant`` section as resolved for the run's miss policy (a cascade needs the quantized byte sizes);
+* ``trace.depth`` and ``trace.logits`` (what the prefetch and routing policies read); the device.
+
+The hardware, the policies and the logger are not in the key: under the recording stack they do not change
+which experts the model routes to. A recorded run whose stack is lossless is the unhooked model's
+computation, so an exact replay also reports the recording's task scores (``replay.tasks_from``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger("specmd")
+KEYWORD = "record"
+# the stack the trace is recorded under: computes what the unhooked model computes (DESIGN "exact replay")
+RECORDING_STACK = {"routing": {"name": "standard"}, "miss": {"name": "fetch", "precision": "native"},
+                   "eviction": {"name": "lru"}, "prefetch": {"name": "none"}}
+
+
+def recording_config(raw: dict) -> dict:
+    """The live run that records the trace ``raw`` (a resolved run config with replay.trace=record) needs."""
+    tr = raw.get("trace") or {}
+    cfg = {k: v for k, v in raw.items() if k not in ("replay", "logger", "hydra", "report")}
+    cfg.update(RECORDING_STACK)
+    cfg["stack"] = {"enabled": True, "measure": "all"}
+    cfg["trace"] = {"save": True, "depth": int(tr.get("depth", 1)), "logits": str(tr.get("logits", "fp32"))}
+    cfg["replay"] = {"trace": None}
+    cfg["logger"] = {"name": "none"}
+    return cfg
+
+
+def trace_key(run, cfg: dict) -> str:
+    """16 hex digits naming the routing a recording of ``cfg`` produces (module docstring: what counts)."""
+    from ..provenance import model_identity
+
+    ident = {"model": cfg["model"], "weights": model_identity(run.model), "eval": cfg.get("eval"),
+             "quant": cfg.get("quant"), "trace": cfg["trace"], "device": cfg.get("device", "cpu")}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def recorded_trace(run) -> str:
+    """The trace directory for ``run`` (``replay.trace=record``): recorded now unless the cache holds it."""
+    from filelock import FileLock
+    from omegaconf import OmegaConf
+
+    cfg = recording_config(run.raw)
+    name = str((cfg["model"] or {}).get("name") or "model").replace("/", "_")
+    root = Path(run.replay.cache).expanduser().resolve()
+    out = root / f"{name}-{trace_key(run, cfg)}"
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not (out / "results.json").exists():  # results.json is written last: its presence means complete
+            from ..app import execute
+
+            log.warning("replay.trace=record: recording the routing of %s on %s into %s (once; later jobs "
+                        "replay it)", name, (cfg.get("eval") or {}).get("tasks"), out)
+            (out / "config.json").parent.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+            execute(OmegaConf.create(cfg), run_dir=str(out))
+    return str(out / "trace")
