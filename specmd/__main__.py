@@ -36,11 +36,16 @@ def _hydra_main(cfg: DictConfig):
 
 
 def main() -> None:
-    """``specmd [overrides]`` runs like ``python -m specmd``; ``specmd mrc ...`` computes miss-ratio curves."""
+    """``specmd [overrides]`` runs like ``python -m specmd``; ``specmd mrc ...`` computes miss-ratio curves;
+    ``specmd report ...`` writes the tables and figures of sweeps (:mod:`specmd.report`)."""
     if len(sys.argv) > 1 and sys.argv[1] == "mrc":
         from .replay.mrc import main as mrc
 
         sys.exit(mrc(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "report":
+        from .report import main as report
+
+        sys.exit(report(sys.argv[2:]))
     if not os.path.isdir(CONF_DIR):
         sys.exit(f"specmd: config directory {CONF_DIR} not found (install with `pip install -e .`)")
     _hydra_main()

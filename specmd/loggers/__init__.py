@@ -26,7 +26,8 @@ class WandbLogger:
     * summary: every scalar of ``results.json`` (:func:`flat_summary`), a replay's trace identity included;
     * history: one step per forward pass (``pass/hit_rate``, ``pass/cumulative_hit_rate``,
       ``pass/stall_s``, ``pass/collision_misses``, ``pass/decode``...) from the run's ``passes.csv``;
-    * a ``per_layer`` table.
+    * a ``per_layer`` table (and the per-layer lists in the summary, for ``specmd report --wandb``);
+    * config ``hydra_overrides``: the job's overrides (how ``specmd report`` groups a sweep read from W&B).
 
     ``mode: auto`` logs online when the user has a W&B key (``WANDB_API_KEY`` or ``wandb login``) and
     offline otherwise (``wandb sync`` uploads later).
@@ -59,6 +60,7 @@ class WandbLogger:
         cfg = results["config"]
         config = flatten(cfg)
         config.update(flatten(results.get("provenance") or {}, "provenance"))
+        config["hydra_overrides"] = run_overrides(run_dir)  # what specmd report groups a sweep's runs by
         run = wandb.init(project=self.project, entity=self.entity, mode=self._mode(),
                          group=cfg.get("experiment") or self.group, job_type="replay" if "replay" in results else "live",
                          tags=self.tags + run_tags(cfg), config=config, dir=run_dir, reinit="finish_previous",
@@ -105,16 +107,23 @@ def run_tags(cfg: dict) -> list[str]:
     return tags
 
 
-def run_name(run_dir: str) -> str:
+def run_overrides(run_dir: str) -> list:
     """The overrides Hydra recorded for this job (``<run dir>/.hydra/overrides.yaml``), logger and hydra
-    settings left out; the run directory's name when there is no such file (a run started from Python)."""
+    settings left out; empty when there is no such file (a run started from Python)."""
     path = os.path.join(run_dir, ".hydra", "overrides.yaml")
     if not os.path.isfile(path):
-        return os.path.basename(os.path.normpath(run_dir))
+        return []
     from omegaconf import OmegaConf
 
-    items = [str(o) for o in OmegaConf.load(path) if not str(o).lstrip("+~").startswith(("logger", "hydra."))]
-    return ",".join(items) or "defaults"
+    return [str(o) for o in OmegaConf.load(path) if not str(o).lstrip("+~").startswith(("logger", "hydra."))]
+
+
+def run_name(run_dir: str) -> str:
+    """The job's overrides joined by commas ("defaults" for none); the run directory's name when Hydra
+    recorded none (a run started from Python)."""
+    if not os.path.isfile(os.path.join(run_dir, ".hydra", "overrides.yaml")):
+        return os.path.basename(os.path.normpath(run_dir))
+    return ",".join(run_overrides(run_dir)) or "defaults"
 
 
 def pass_series(run_dir: str) -> list[dict]:
@@ -145,7 +154,7 @@ def flat_summary(results: dict) -> dict:
     for k, v in cache.items():
         if isinstance(v, (int, float)):
             summary[f"cache/{k}"] = v
-        elif isinstance(v, dict) and k != "per_layer":  # miss_outcomes, bytes_by_precision
+        elif isinstance(v, dict):  # miss_outcomes, bytes_by_precision, per_layer (lists: specmd report reads them)
             for kk, vv in v.items():
                 summary[f"cache/{k}/{kk}"] = vv
     for k, v in (results.get("timing") or {}).items():
@@ -155,6 +164,9 @@ def flat_summary(results: dict) -> dict:
     for task, metrics in (results.get("tasks") or {}).items():
         for k, v in metrics.items():
             summary[f"tasks/{task}/{k}"] = v
+    for name, stats in (results.get("analysis") or {}).items():  # trace statistics (reuse_by_rank)
+        for k, v in stats.items():
+            summary[f"analysis/{name}/{k}"] = v
     rep = results.get("replay") or {}
     for k in ("trace", "exact", "passes", "requests"):  # which trace a replay read
         if k in rep:

@@ -19,8 +19,9 @@ def reuse_by_rank(trace: Trace, horizon: int) -> dict:
     (descending; rank 0 = the top-1) and ask whether the expert at each rank is among the router's top-k
     at the same layer in any of the next ``horizon`` decode steps of the same generation (a prefill pass
     starts a new one; steps too close to the end to have ``horizon`` successors are not counted). Returns
-    ``{"horizon", "samples", "probability": [E]}`` -- the fraction of samples per rank. Only ranks < k are
-    "active"; the paper's point is the slope below k."""
+    ``{"horizon", "samples", "top_k", "probability": [E], "active", "first_inactive", "inactive"}``: the
+    fraction of samples per rank, its mean over the active ranks (< k), at rank k, and over ranks >= k (the
+    paper's point is that inactive high-score experts are reused more than low-score ones)."""
     if trace.logits is None:
         raise ConfigError(f"replay.reuse_horizon needs router logits; the trace {trace.path} has none (record it "
                           f"with trace.logits=fp32 or fp16)")
@@ -50,5 +51,11 @@ def reuse_by_rank(trace: Trace, horizon: int) -> dict:
         reused = np.take_along_axis(future, order[:n], axis=1)[same]  # [S, E] by rank
         sums += reused.sum(axis=0)
         samples += len(reused)
-    prob = (sums / samples).tolist() if samples else [None] * E
-    return {"horizon": horizon, "samples": int(samples), "probability": prob}
+    k = int(trace.meta["geometry"]["top_k"])
+    if not samples:
+        return {"horizon": horizon, "samples": 0, "top_k": k, "probability": [None] * E, "active": None,
+                "first_inactive": None, "inactive": None}
+    prob = sums / samples
+    return {"horizon": horizon, "samples": int(samples), "top_k": k, "probability": prob.tolist(),
+            "active": float(prob[:k].mean()), "first_inactive": float(prob[k]) if k < E else None,
+            "inactive": float(prob[k:].mean()) if k < E else None}

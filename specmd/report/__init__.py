@@ -1,0 +1,253 @@
+"""``specmd report``: the tables and figures of one or more sweeps, in their papers' layout.
+
+    specmd report outputs/experiments/specmd_fig4/<time>          # one sweep
+    specmd report outputs/experiments                              # the newest sweep of every experiment
+    specmd report DIR... --wandb ENTITY/PROJECT                    # also log the report to a W&B run
+    specmd report --wandb ENTITY/PROJECT --group specmd_fig4       # read the runs back from W&B instead
+
+1. Find the sweeps and every job each was asked for (collect.py): finished, failed or missing.
+2. Group each experiment's jobs by its ``report`` spec (tables.py): one section per report id, rows and
+   column groups from its axes, mean ± std over repeat axes only.
+3. Write ``report.md`` and ``index.html`` (every section), ``<id>.md``, ``<id>.csv`` (long format: one
+   row per group and metric) and ``<id>_<n>.png`` per figure (figures.py) into ``--out``.
+4. With ``--wandb``: log the tables and figures to a W&B run of job type ``report`` (wandb_io.py); with
+   ``--publish`` (online), also a W&B Report with one panel per table and figure.
+
+The layout of a section comes from the experiment's ``report`` spec: the installed
+``conf/experiment/<experiment>.yaml`` when it exists (so a fixed caption or figure applies to old sweeps;
+the numbers always come from the jobs' results.json), else the copy in the sweep's ``multirun.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import html
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..errors import ConfigError
+from .collect import Sweep, find_sweeps, sweep_for_also
+from .tables import Spec, cell, fmt, group_jobs
+
+CONF_EXPERIMENTS = Path(__file__).resolve().parent.parent.parent / "conf" / "experiment"
+
+
+@dataclass
+class Section:
+    spec: Spec
+    sweeps: list
+    groups: list = field(default_factory=list)
+    rows: list = field(default_factory=list)
+    figures: list = field(default_factory=list)  # [(file name, caption)]
+
+    @property
+    def jobs(self) -> list:
+        return [j for s in self.sweeps for j in s.jobs]
+
+
+def spec_of(sweep: Sweep) -> Spec:
+    conf = CONF_EXPERIMENTS / f"{sweep.experiment}.yaml"
+    raw = sweep.spec
+    if conf.exists():
+        from omegaconf import OmegaConf
+
+        raw = OmegaConf.to_container(OmegaConf.load(conf)).get("report") or raw
+    return Spec.parse(raw, sweep.experiment)
+
+
+def sections_of(sweeps: list) -> list:
+    out: dict = {}
+    for s in sweeps:
+        spec = spec_of(s)
+        sec = out.setdefault(spec.id, Section(spec, []))
+        if s not in sec.sweeps:
+            sec.sweeps.append(s)
+        for name in spec.also:
+            extra = sweep_for_also(sweeps, name, [x.dir for x in sweeps])
+            if extra is not None and extra not in sec.sweeps:
+                sec.sweeps.append(extra)
+    for sec in out.values():
+        sec.groups, sec.rows = group_jobs(sec.spec, sec.jobs)
+    return list(out.values())
+
+
+# --- tables -------------------------------------------------------------------------------------------
+
+def table(sec: Section) -> tuple[list, list]:
+    """(header, rows) of the section's table: row axes, then each metric (per column value when pivoted)."""
+    spec = sec.spec
+    cols = list(dict.fromkeys(g.axes[spec.cols] for g in sec.groups)) if spec.cols else [None]  # sweep order
+    header = list(sec.rows)
+    for c in cols:
+        for label, _ in spec.metrics:
+            header.append(label if c is None else f"{label} @ {spec.cols}={c}")
+    if not spec.metrics:
+        header.append("status")
+    rows, seen = [], {}
+    for g in sec.groups:
+        key = tuple(g.axes[a] for a in sec.rows)
+        seen.setdefault(key, {})[g.axes.get(spec.cols) if spec.cols else None] = g
+    for key, by_col in seen.items():
+        line = list(key)
+        for c in cols:
+            g = by_col.get(c)
+            for label, expr in spec.metrics:
+                if g is None:
+                    line.append("not run")
+                elif g.status() != "ok":
+                    line.append(g.status())
+                else:
+                    line.append(fmt(*cell(spec, label, expr, g, sec.groups), label.rstrip().endswith("%"),
+                                    len(g.jobs)))
+            if not spec.metrics:
+                line.append(g.status() if g else "not run")
+        rows.append(line)
+    return header, rows
+
+
+def markdown_table(header: list, rows: list) -> list:
+    esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
+    return ["| " + " | ".join(map(esc, header)) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join(map(esc, r)) + " |" for r in rows]
+
+
+def problems(sec: Section) -> list:
+    """One line per job that did not finish: never averaged over, always shown."""
+    out = []
+    for s in sec.sweeps:
+        for j in s.jobs:
+            if j.status != "ok":
+                what = " ".join(j.overrides) or "(no overrides)"
+                why = f": {j.error}" if j.error else ""
+                where = f" ({j.dir})" if j.dir else ""
+                out.append(f"- **{j.status}** {what}{where}{why}")
+    return out
+
+
+def csv_rows(sec: Section) -> list:
+    spec = sec.spec
+    axes = sec.rows + ([spec.cols] if spec.cols else [])
+    out = []
+    for g in sec.groups:
+        for label, expr in spec.metrics:
+            mean, sd, n = cell(spec, label, expr, g, sec.groups) if g.status() == "ok" else (None, None, 0)
+            out.append({"section": spec.id, **{a: g.axes[a] for a in axes}, "metric": label, "mean": mean,
+                        "std": sd, "n": n, "status": g.status(), "jobs": len(g.jobs)})
+    return out
+
+
+# --- the report ---------------------------------------------------------------------------------------
+
+def write_section(sec: Section, out: Path) -> list:
+    from .figures import draw
+
+    spec = sec.spec
+    lines = [f"## {spec.title or spec.id}", "", f"`{spec.id}` · sweeps: " + ", ".join(f"`{s.dir}`" for s in sec.sweeps)]
+    ok = sum(j.status == "ok" for j in sec.jobs)
+    lines += [f"· {ok}/{len(sec.jobs)} jobs finished", ""]
+    if spec.paper:
+        lines += [f"**Paper:** {spec.paper}", ""]
+    header, rows = table(sec)
+    lines += markdown_table(header, rows) + [""]
+    sec.figures = []
+    for i, fs in enumerate(spec.figures, 1):
+        name = f"{spec.id}_{i}.png"
+        if any(g.ok for g in sec.groups):
+            caption = draw(spec, dict(fs), sec.groups, out / name)
+            sec.figures.append((name, caption))
+            lines += [f"![{caption}]({name})", ""]
+    bad = problems(sec)
+    if bad:
+        lines += [f"**Not finished ({len(bad)} of {len(sec.jobs)} jobs; left out of every number above):**", ""]
+        lines += bad + [""]
+    (out / f"{spec.id}.md").write_text("\n".join(lines) + "\n")
+    rows_csv = csv_rows(sec)
+    if rows_csv:
+        keys = list(dict.fromkeys(k for r in rows_csv for k in r))
+        with open(out / f"{spec.id}.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, keys)
+            w.writeheader()
+            w.writerows(rows_csv)
+    return lines
+
+
+def write_html(sections: list, notes: list, out: Path) -> None:
+    parts = ["<!doctype html><meta charset='utf-8'><title>specmd report</title>",
+             "<style>body{font-family:sans-serif;max-width:1200px;margin:auto}table{border-collapse:collapse;"
+             "font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px}img{max-width:100%}"
+             ".bad{color:#a00}</style><h1>specmd report</h1>"]
+    parts += [f"<p class='bad'>{html.escape(n)}</p>" for n in notes]
+    parts.append("<ul>" + "".join(f"<li><a href='#{html.escape(s.spec.id)}'>{html.escape(s.spec.title or s.spec.id)}"
+                                  f"</a></li>" for s in sections) + "</ul>")
+    for sec in sections:
+        spec = sec.spec
+        parts.append(f"<h2 id='{html.escape(spec.id)}'>{html.escape(spec.title or spec.id)}</h2>")
+        if spec.paper:
+            parts.append(f"<p><b>Paper:</b> {html.escape(spec.paper)}</p>")
+        header, rows = table(sec)
+        parts.append("<table><tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in header) + "</tr>" + "".join(
+            "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows) + "</table>")
+        parts += [f"<figure><img src='{n}'><figcaption>{html.escape(c)}</figcaption></figure>" for n, c in sec.figures]
+        bad = problems(sec)
+        if bad:
+            parts.append("<p class='bad'>Not finished (left out of every number):</p><ul>" + "".join(
+                f"<li class='bad'>{html.escape(b[2:])}</li>" for b in bad) + "</ul>")
+        parts.append(f"<p><a href='{html.escape(spec.id)}.csv'>{html.escape(spec.id)}.csv</a></p>")
+    (out / "index.html").write_text("\n".join(parts) + "\n")
+
+
+def build(paths: list, out: Optional[str] = None, sweeps: Optional[list] = None) -> tuple[Path, list]:
+    """Write the report of ``paths`` (or of already-loaded ``sweeps``) into ``out``; returns (out, sections)."""
+    notes: list = []
+    if sweeps is None:
+        sweeps, notes = find_sweeps(paths)
+    if not sweeps:
+        raise ConfigError("specmd report: no sweeps to report")
+    outp = Path(out) if out else Path(paths[0] if len(paths) == 1 else ".") / "report"
+    outp.mkdir(parents=True, exist_ok=True)
+    sections = sorted(sections_of(sweeps), key=lambda s: s.spec.id)
+    lines = ["# specmd report", ""] + [f"- note: {n}" for n in notes] + ([""] if notes else [])
+    for sec in sections:
+        lines += write_section(sec, outp)
+    (outp / "report.md").write_text("\n".join(lines) + "\n")
+    write_html(sections, notes, outp)
+    return outp, sections
+
+
+def main(argv: Optional[list] = None) -> int:
+    ap = argparse.ArgumentParser(prog="specmd report", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="*", help="sweep directories, run directories, or parents of them")
+    ap.add_argument("--out", help="output directory (default: <path>/report, or ./report for several paths)")
+    ap.add_argument("--wandb", metavar="ENTITY/PROJECT", help="log the report to W&B (and read runs from there "
+                    "when no paths are given)")
+    ap.add_argument("--group", help="with --wandb and no paths: the W&B group (experiment) to read")
+    ap.add_argument("--mode", default="auto", choices=["auto", "online", "offline"], help="W&B mode")
+    ap.add_argument("--publish", action="store_true", help="with --wandb online: also save a W&B Report")
+    args = ap.parse_args(argv)
+    try:
+        sweeps = None
+        if not args.paths:
+            if not args.wandb:
+                ap.error("give sweep directories, or --wandb ENTITY/PROJECT to read runs from W&B")
+            from .wandb_io import sweeps_from_wandb
+
+            sweeps = sweeps_from_wandb(args.wandb, args.group)
+        out, sections = build(args.paths, args.out, sweeps)
+        if args.wandb:
+            from .wandb_io import log_report
+
+            url = log_report(sections, out, args.wandb, args.group, args.mode, args.publish)
+            if url:
+                print(f"W&B: {url}")
+    except ConfigError as exc:
+        print(f"specmd report: error: {exc}", file=sys.stderr)
+        return 2
+    for sec in sections:
+        bad = sum(j.status != "ok" for j in sec.jobs)
+        print(f"{sec.spec.id}: {len(sec.jobs) - bad}/{len(sec.jobs)} jobs" + (f" ({bad} not finished)" if bad else ""))
+    print(f"report: {out / 'index.html'}")
+    return 0

@@ -1,0 +1,269 @@
+"""Step 2 of a report: an experiment's ``report`` section (its spec) applied to its jobs -> grouped values.
+
+The spec lives beside the sweep in the experiment config (conf/experiment/<name>.yaml), so an experiment's
+axes and its paper's layout have one home::
+
+    report:
+      id: specmd_fig6              # sections merge the sweeps that share an id (default: the experiment)
+      title: ...                   # the caption
+      paper: ...                   # the paper's numbers, quoted beside ours
+      rows: [eviction.name]        # axes naming a table row (an override key or a config path)
+      cols: hardware.capacity      # optional axis pivoted into column groups
+      repeat: [eval.seed]          # axes averaged as mean ± std (default: eval.seed, model.seed)
+      baseline: {miss.name: fetch} # the group rel: metrics compare with ...
+      match: [system]              # ... among the groups that share these axes
+      also: [cce_fig4_cache_prior] # other experiments whose newest sweep this section also reads
+      metrics:                     # table columns in order; a label ending in % shows the value x 100
+        - collision %: cache.collision_rate
+      figures: [...]               # see figures.py
+
+Every swept axis not named in rows, cols or repeat becomes a row axis too: runs are averaged only over the
+``repeat`` axes, never silently over anything else.
+
+A metric is an arithmetic expression over dotted paths into the job's results (``cache.misses /
+cache.requests``, ``timing.ttft_s * 1000``; operators and parentheses separated by spaces, because task
+metric names contain ``/`` and ``-``), optionally prefixed by ``rel:`` (``x / baseline - 1``), ``rel-:``
+(``baseline / x - 1``, for lower-is-better values such as perplexity or TTFT), ``mean_first_half:`` or
+``mean_second_half:`` (of a per-layer list). A path into a list may index it (``probability.0``, ``.-1``).
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..errors import ConfigError
+
+DEFAULT_REPEAT = ["eval.seed", "model.seed"]
+PREFIXES = ("rel:", "rel-:", "mean_first_half:", "mean_second_half:")
+MISSING = "-"
+
+
+@dataclass
+class Spec:
+    id: str
+    title: str = ""
+    paper: str = ""
+    rows: list = field(default_factory=list)
+    cols: Optional[str] = None
+    repeat: list = field(default_factory=lambda: list(DEFAULT_REPEAT))
+    baseline: dict = field(default_factory=dict)
+    match: list = field(default_factory=list)
+    also: list = field(default_factory=list)
+    metrics: list = field(default_factory=list)  # [(label, expression)]
+    figures: list = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, raw: dict, experiment: str) -> "Spec":
+        raw = dict(raw or {})
+        known = set(cls.__dataclass_fields__)
+        bad = sorted(set(raw) - known)
+        if bad:
+            raise ConfigError(f"report section of {experiment}: unknown key(s) {bad}; valid: {', '.join(sorted(known))}")
+        metrics = []
+        for m in raw.pop("metrics", None) or []:
+            if not (isinstance(m, dict) and len(m) == 1):
+                raise ConfigError(f"report.metrics of {experiment}: {m!r} must be one 'label: expression' pair")
+            (label, expr), = m.items()
+            metrics.append((str(label), str(expr)))
+        spec = cls(id=str(raw.pop("id", None) or experiment), metrics=metrics, **raw)
+        spec.rows = list(spec.rows or [])
+        spec.repeat = list(spec.repeat if spec.repeat is not None else DEFAULT_REPEAT)
+        return spec
+
+
+# --- values -------------------------------------------------------------------------------------------
+
+def lookup(tree: Any, path: str) -> Any:
+    """``a.b.0.c`` in nested dicts/lists; None when absent."""
+    node = tree
+    for part in path.split("."):
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and re.fullmatch(r"-?\d+", part):
+            i = int(part)
+            node = node[i] if -len(node) <= i < len(node) else None
+        else:
+            return None
+        if node is None:
+            return None
+    return node
+
+
+def axis_value(job, key: str) -> str:
+    """An axis of a job: its override value when the key was overridden, else the config's value (a policy
+    group's ``name`` for a group key such as ``eviction``); ``-`` when the config has no such key."""
+    axes = job.axes
+    if key in axes:
+        return axes[key]
+    v = lookup((job.results or {}).get("config") or {}, key)
+    if isinstance(v, dict):
+        v = v.get("name", MISSING)
+    return MISSING if v is None else str(v)
+
+
+_TOKEN = re.compile(r"\(|\)|[^\s()]+")
+_ALLOWED = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Load, ast.Add, ast.Sub, ast.Mult,
+            ast.Div, ast.USub)
+
+
+def _number(tok: str) -> bool:
+    try:
+        float(tok)
+        return True
+    except ValueError:
+        return False
+
+
+def evaluate(results: dict, expr: str) -> Any:
+    """A metric expression (module docstring) on one job's results (``config`` included); None if a path is
+    absent. A bare path may yield a list (per-layer or per-rank values)."""
+    for p in ("mean_first_half:", "mean_second_half:"):
+        if expr.startswith(p):
+            values = evaluate(results, expr[len(p):])
+            if not isinstance(values, list) or not values:
+                return None
+            h = len(values) // 2
+            part = values[:h] if p == "mean_first_half:" else values[h:]
+            part = [v for v in part if v is not None]
+            return sum(part) / len(part) if part else None
+    tokens = _TOKEN.findall(expr)
+    if len(tokens) == 1:
+        return lookup(results, tokens[0])
+    names, py = {}, []
+    for tok in tokens:
+        if re.fullmatch(r"[-+*/]{2,}", tok):
+            raise ConfigError(f"report metric {expr!r}: only + - * / and parentheses between paths and numbers")
+        if tok in ("(", ")", "+", "-", "*", "/") or _number(tok):
+            py.append(tok)
+        else:
+            v = lookup(results, tok)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                return None
+            names.setdefault(tok, f"v{len(names)}")
+            py.append(names[tok])
+    source = " ".join(py)
+    tree = ast.parse(source, mode="eval")
+    if not all(isinstance(n, _ALLOWED) for n in ast.walk(tree)):
+        raise ConfigError(f"report metric {expr!r}: only + - * / and parentheses between paths and numbers")
+    env = {name: lookup(results, path) for path, name in names.items()}
+    try:
+        return eval(compile(tree, "<metric>", "eval"), {"__builtins__": {}}, env)  # noqa: S307 (checked AST)
+    except ZeroDivisionError:
+        return None
+
+
+def split_prefix(expr: str) -> tuple[str, str]:
+    for p in ("rel:", "rel-:"):
+        if expr.startswith(p):
+            return p, expr[len(p):]
+    return "", expr
+
+
+# --- groups -------------------------------------------------------------------------------------------
+
+@dataclass
+class Group:
+    axes: dict  # axis -> value string (rows and cols)
+    jobs: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> list:
+        return [j for j in self.jobs if j.status == "ok"]
+
+    def values(self, expr: str) -> list:
+        out = []
+        for j in self.ok:
+            v = evaluate({**j.results}, expr)
+            if v is not None and not (isinstance(v, float) and math.isnan(v)):
+                out.append(v)
+        return out
+
+    def mean(self, expr: str):
+        vals = [v for v in self.values(expr) if isinstance(v, (int, float))]
+        return statistics.fmean(vals) if vals else None
+
+    def status(self) -> str:
+        if self.ok:
+            return "ok"
+        return "failed" if any(j.status == "failed" for j in self.jobs) else "missing"
+
+
+def _covered(key: str, named: list) -> bool:
+    return any(n == key or n.startswith(key + ".") or key.startswith(n + ".") for n in named)
+
+
+def row_axes(spec: Spec, jobs: list) -> list:
+    """The spec's rows, plus every swept axis it does not name (never averaged silently)."""
+    named = spec.rows + ([spec.cols] if spec.cols else []) + spec.repeat + ["experiment"]  # the section itself
+    varying = []
+    for j in jobs:
+        for k in j.axes:
+            if k not in varying and len({jj.axes.get(k) for jj in jobs}) > 1 and not _covered(k, named):
+                varying.append(k)
+    return spec.rows + varying
+
+
+def group_jobs(spec: Spec, jobs: list) -> tuple[list, list]:
+    """Groups in first-seen order (the sweep's order), and the row axes used."""
+    rows = row_axes(spec, jobs)
+    axes = rows + ([spec.cols] if spec.cols else [])
+    groups: dict = {}
+    for j in jobs:
+        key = tuple(axis_value(j, a) for a in axes)
+        groups.setdefault(key, Group(dict(zip(axes, key)))).jobs.append(j)
+    # axes whose value is "-" in every group tell nothing (a row axis of another half of a merged figure)
+    rows = [a for a in rows if any(g.axes[a] != MISSING for g in groups.values())]
+    return list(groups.values()), rows
+
+
+def baseline_of(spec: Spec, group: Group, groups: list) -> Optional[Group]:
+    for g in groups:
+        if all(g.axes.get(k, axis_value(g.jobs[0], k)) == str(v) for k, v in spec.baseline.items()) and all(
+                g.axes.get(m) == group.axes.get(m) for m in spec.match):
+            return g
+    return None
+
+
+def cell(spec: Spec, label: str, expr: str, group: Group, groups: list) -> tuple[Optional[float], Optional[float], int]:
+    """(mean, std or None, n) of one metric for one group; rel: metrics against the group's baseline."""
+    prefix, inner = split_prefix(expr)
+    vals = [v for v in group.values(inner) if isinstance(v, (int, float))]
+    if not vals:
+        return None, None, 0
+    if prefix:
+        base = baseline_of(spec, group, groups)
+        b = base.mean(inner) if base is not None else None
+        if not b:
+            return None, None, len(vals)
+        vals = [v / b - 1 if prefix == "rel:" else (b / v - 1 if v else math.nan) for v in vals]
+    scale = 100.0 if label.rstrip().endswith("%") else 1.0
+    vals = [v * scale for v in vals]
+    sd = statistics.stdev(vals) if len(vals) > 1 else None
+    return statistics.fmean(vals), sd, len(vals)
+
+
+def fmt(mean, sd, n, percent: bool, total: Optional[int] = None) -> str:
+    """``mean``, ``mean ± std (n=N)`` over repeats, and ``(n of total)`` when some of the group's jobs did
+    not finish (the value stands on fewer runs than asked for)."""
+    if mean is None:
+        return MISSING
+    partial = f" ({n} of {total} runs)" if total is not None and n < total else ""
+
+    def one(x):
+        if percent:
+            return f"{x:.1f}"
+        return f"{x:.4g}" if abs(x) < 1e4 else f"{x:.0f}" if abs(x) < 1e9 else f"{x:.3e}"
+
+    return (one(mean) if sd is None else f"{one(mean)} ± {one(sd)} (n={n})") + partial
+
+
+def sort_key(value: str):
+    try:
+        return (0, float(value), "")
+    except ValueError:
+        return (1, 0.0, value)
