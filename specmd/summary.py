@@ -7,7 +7,8 @@ from rich.table import Table
 
 
 COMPARE_HINT = ("which stack wins here? python -m specmd -m eviction=lru,least_stale,fld,score "
-                "hardware.capacity=0.05,0.25")
+                "hardware.capacity=0.05,0.25 && specmd report outputs/multirun   (a paper's figure: "
+                "python -m specmd -m +experiment=specmd_fig4)")
 
 
 def _fmt(v, unit="", scale=1.0, digits=4):

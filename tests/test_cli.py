@@ -137,3 +137,33 @@ def test_trace_save_feeds_ml_eviction_training(tmp_path, mirror):
                     "--batch", "128"])
     r = specmd(["eviction=ml", f"eviction.weights={out}", *FAST], tmp_path / "b", mirror)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_sweep_records_its_trace_once_replays_every_job_and_reports(tmp_path, mirror):
+    """replay.trace=record: the first job records the model's routing (lossless stack) into replay.cache, the
+    others replay it; exact replays carry the recording's task scores; a new eval slice records anew.
+    `specmd report` then writes the sweep's table."""
+    cache = tmp_path / "traces"
+    r = specmd(["-m", "replay.trace=record", f"replay.cache={cache}", "eviction=lru,belady", *FAST], tmp_path, mirror)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recordings = [p for p in cache.iterdir() if p.is_dir()]
+    assert len(recordings) == 1 and (recordings[0] / "trace" / "meta.json").exists()
+    recorded = json.loads((recordings[0] / "results.json").read_text())
+    assert recorded["config"]["eviction"]["name"] == "lru" and recorded["config"]["prefetch"]["name"] == "none"
+    jobs = [json.loads(p.read_text()) for p in sorted((tmp_path / "sweep").glob("*/results.json"))]
+    assert [j["config"]["eviction"]["name"] for j in jobs] == ["lru", "belady"]
+    for j in jobs:
+        assert j["replay"]["exact"] and j["replay"]["trace"] == str(recordings[0] / "trace")
+        assert j["tasks"] == recorded["tasks"] and j["replay"]["tasks_from"] == str(recordings[0] / "results.json")
+    assert jobs[1]["cache"]["hits"] >= jobs[0]["cache"]["hits"]  # Belady is the optimum
+    stamp = (recordings[0] / "results.json").stat().st_mtime_ns
+    again = specmd(["replay.trace=record", f"replay.cache={cache}", "eviction=fifo", *FAST], tmp_path / "b", mirror)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [p for p in cache.iterdir() if p.is_dir()] == recordings  # reused, not re-recorded
+    assert (recordings[0] / "results.json").stat().st_mtime_ns == stamp
+    rep = subprocess.run([sys.executable, "-m", "specmd", "report", str(tmp_path / "sweep")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr[-2000:]
+    md = (tmp_path / "sweep" / "report" / "report.md").read_text()
+    assert "2/2 jobs finished" in md and "| eviction | hit % |" in md  # an ad-hoc sweep gets default metrics
+    assert "wikitext word_perplexity" in md

@@ -218,3 +218,14 @@ def test_publish_builds_a_wandb_report_with_a_panel_per_table_and_figure(tmp_pat
     panels = grids[0].panels
     assert panels[0].table_name == "hand/table" and panels[1].media_keys == ["hand/figure_1", "hand/figure_2"]
     assert any(isinstance(b, wr.P) and "LS beats LRU" in str(b.text) for b in report.blocks)
+
+
+def test_a_job_that_never_ran_lands_in_its_own_row(tmp_path):
+    """Rows named by config path (eviction.name) read a missing job's value from its group override."""
+    spec = dict(SPEC, rows=["eviction.name"], cols=None, repeat=["eval.seed", "hardware.capacity"], baseline={},
+                match=[], figures=[], metrics=[{"hit %": "cache.hit_rate"}])
+    hits = {("lru", "0.05", "1"): 0.4}
+    out, _ = build([str(make_sweep(tmp_path / "s", spec=spec, hits=hits))], str(tmp_path / "o"))
+    t = read_table((out / "hand.md").read_text())
+    assert set(t) == {"lru", "least_stale"}
+    assert t["lru"]["hit %"] == "40.0 (1 of 4 runs)" and t["least_stale"]["hit %"] == "missing"

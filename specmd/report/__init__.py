@@ -70,8 +70,24 @@ def sections_of(sweeps: list) -> list:
             if extra is not None and extra not in sec.sweeps:
                 sec.sweeps.append(extra)
     for sec in out.values():
+        if not sec.spec.metrics:
+            sec.spec.metrics = default_metrics(sec.jobs)
         sec.groups, sec.rows = group_jobs(sec.spec, sec.jobs)
     return list(out.values())
+
+
+def default_metrics(jobs: list) -> list:
+    """An ad-hoc sweep (no ``report`` spec): the cache, the speed, and each task's headline metric."""
+    from ..eval.harness import QUALITY
+
+    metrics = [("hit %", "cache.hit_rate"), ("in-cache %", "cache.in_cache_rate"),
+               ("collision %", "cache.collision_rate"), ("TTFT (ms)", "timing.ttft_s * 1000"),
+               ("decode tok/s", "timing.decode_tokens_per_s")]
+    tasks = dict.fromkeys(t for j in jobs if j.status == "ok" for t in (j.results.get("tasks") or {}))
+    for task in tasks:
+        if task in QUALITY:
+            metrics.append((f"{task} {QUALITY[task][0]}", f"tasks.{task}.{QUALITY[task][0]}"))
+    return metrics
 
 
 # --- tables -------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ class Job:
     dir: Optional[str] = None
     results: dict = field(default_factory=dict)  # results.json (or failed.json's partial results)
     error: Optional[str] = None
+    config: dict = field(default_factory=dict)  # the job's resolved config (its sweep's, for a job that never ran)
 
     @property
     def axes(self) -> dict:
@@ -88,18 +89,20 @@ def _job_dirs(root: Path) -> dict:
     return out
 
 
-def _job(overrides: list, job_dir: Optional[Path]) -> Job:
+def _job(overrides: list, job_dir: Optional[Path], base: dict) -> Job:
+    """``base``: the sweep's config without its overrides; a job that wrote nothing is described by it (its
+    swept values come from its overrides, tables.axis_value)."""
     if job_dir is None:
-        return Job(overrides, "missing")
+        return Job(overrides, "missing", config=base)
     res = _read(job_dir / "results.json")
     if res is not None:
-        return Job(overrides, "ok", str(job_dir), res)
+        return Job(overrides, "ok", str(job_dir), res, config=res.get("config") or base)
     failed = _read(job_dir / "failed.json")
     if failed is not None:
-        return Job(overrides, "failed", str(job_dir), failed, failed.get("error"))
+        return Job(overrides, "failed", str(job_dir), failed, failed.get("error"), failed.get("config") or base)
     log = job_dir / "__main__.log"
     tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
-    return Job(overrides, "missing", str(job_dir), error=(tail[0][:300] if tail else None))
+    return Job(overrides, "missing", str(job_dir), error=(tail[0][:300] if tail else None), config=base)
 
 
 def load_sweep(path: Path) -> Sweep:
@@ -110,12 +113,13 @@ def load_sweep(path: Path) -> Sweep:
     if (path / "multirun.yaml").exists():
         mr = OmegaConf.to_container(OmegaConf.load(path / "multirun.yaml"), resolve=False)
         dirs = _job_dirs(path)
-        jobs = [_job(ov, dirs.get(tuple(_normalise(ov)))) for ov in expected_jobs(mr)]
+        base = {k: v for k, v in mr.items() if k != "hydra"}
+        jobs = [_job(ov, dirs.get(tuple(_normalise(ov))), base) for ov in expected_jobs(mr)]
         time = (path / "multirun.yaml").stat().st_mtime
     elif (path / ".hydra" / "config.yaml").exists():
         mr = OmegaConf.to_container(OmegaConf.load(path / ".hydra" / "config.yaml"), resolve=False)
         overrides = list(OmegaConf.load(path / ".hydra" / "overrides.yaml"))
-        jobs = [_job(overrides, path)]
+        jobs = [_job(overrides, path, {k: v for k, v in mr.items() if k != "hydra"})]
         time = (path / ".hydra" / "config.yaml").stat().st_mtime
     else:
         raise ConfigError(f"{path}: not a specmd sweep (no multirun.yaml) or run directory (no .hydra/config.yaml)")

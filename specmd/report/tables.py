@@ -95,12 +95,15 @@ def lookup(tree: Any, path: str) -> Any:
 
 
 def axis_value(job, key: str) -> str:
-    """An axis of a job: its override value when the key was overridden, else the config's value (a policy
-    group's ``name`` for a group key such as ``eviction``); ``-`` when the config has no such key."""
+    """An axis of a job: its override value when the key was overridden (``eviction.name`` reads a group
+    override ``eviction=lru``), else the config's value (a policy group's ``name`` for a group key such as
+    ``eviction``); ``-`` when the config has no such key."""
     axes = job.axes
     if key in axes:
         return axes[key]
-    v = lookup((job.results or {}).get("config") or {}, key)
+    if key.endswith(".name") and key[:-5] in axes:
+        return axes[key[:-5]]
+    v = lookup(job.config or (job.results or {}).get("config") or {}, key)
     if isinstance(v, dict):
         v = v.get("name", MISSING)
     return MISSING if v is None else str(v)

@@ -88,7 +88,7 @@ def sweeps_from_wandb(path: str, group: Optional[str] = None, api=None) -> list:
         status = STATES.get(getattr(run, "state", "finished"), "missing")
         exp = str(results["config"].get("experiment") or getattr(run, "group", None) or group or project)
         job = Job(overrides, status, f"wandb:{run.id}", results if status == "ok" else {},
-                  None if status == "ok" else f"W&B state {run.state}")
+                  None if status == "ok" else f"W&B state {run.state}", config=results["config"])
         sw = by_experiment.setdefault(exp, Sweep(f"wandb:{path}" + (f"?group={group}" if group else ""), exp,
                                                  dict(results["config"].get("report") or {}), []))
         sw.jobs.append(job)
