@@ -115,7 +115,7 @@ def test_cce_fig4_table2_fig9_fig10_the_prior_trades_misses(tmp):
     sec = report(tmp, "cce_fig4_cache_prior")
     miss = by(sec, "routing.lambda", "cache.miss_rate_vs_router")
     assert miss["1.0"] < miss["0.0"]  # the cache prior lowers the miss rate
-    for name in ("cce_fig4_max_rank", "cce_fig4_cumsum", "cce_table2", "cce_fig10_prior"):
+    for name in ("cce_fig4_prune", "cce_fig4_max_rank", "cce_fig4_cumsum", "cce_table2", "cce_fig10_prior"):
         run(name, CCE, tmp)
         report(tmp, name)
     run("cce_fig9", CCE, tmp)

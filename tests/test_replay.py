@@ -334,3 +334,26 @@ def test_reuse_by_rank_hand_worked():
     # horizon 2: only generation 1's step 0 has two successors (1, 0): ranks (0, 1, 2) -> 0 yes, 1 yes, 2 no
     out = reuse_by_rank(trace, 2)
     assert out["samples"] == 1 and out["probability"] == [1.0, 1.0, 0.0]
+
+
+def test_recorded_trace_key_changes_with_what_decides_routing_only():
+    from hydra import compose, initialize_config_dir
+
+    from specmd.app import Run
+    from specmd.replay.record import recording_config, trace_key
+
+    conf = str(Path(__file__).resolve().parent.parent / "conf")
+
+    def key(*overrides):
+        with initialize_config_dir(config_dir=conf, version_base="1.3"):
+            run = Run(compose(config_name="config", overrides=["model=tiny", "replay.trace=record", *overrides]))
+        cfg = recording_config(run.raw)
+        assert cfg["eviction"] == {"name": "lru"} and cfg["trace"]["save"] and cfg["replay"]["trace"] is None
+        return trace_key(run, cfg)
+
+    base = key()
+    # the stack and the device's figures do not change which experts the model routes to: one recording
+    assert key("eviction=belady", "prefetch=score", "hardware.capacity=0.25", "hardware=rtx4090") == base
+    # what the model computes or reads does: a new recording each
+    for change in ("eval.limit=3", "eval.tasks=[wikitext]", "trace.depth=2", "model.seed=1", "trace.logits=fp16"):
+        assert key(change) != base, change

@@ -30,7 +30,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from .collect import Sweep, find_sweeps, sweep_for_also
-from .tables import Spec, cell, fmt, group_jobs
+from .tables import Spec, cell, fmt, group_jobs, is_percent
 
 CONF_EXPERIMENTS = Path(__file__).resolve().parent.parent.parent / "conf" / "experiment"
 
@@ -116,7 +116,7 @@ def table(sec: Section) -> tuple[list, list]:
                 elif g.status() != "ok":
                     line.append(g.status())
                 else:
-                    line.append(fmt(*cell(spec, label, expr, g, sec.groups), label.rstrip().endswith("%"),
+                    line.append(fmt(*cell(spec, label, expr, g, sec.groups), is_percent(label),
                                     len(g.jobs)))
             if not spec.metrics:
                 line.append(g.status() if g else "not run")

@@ -104,7 +104,9 @@ def draw(spec, fig_spec: dict, groups: list, path: Path) -> str:
         ax.grid(alpha=0.3)
     axs[0][0].set_ylabel(fig_spec.get("ylabel") or fig_spec.get("y"))
     title = fig_spec.get("title") or spec.title
-    fig.suptitle(title, fontsize=10)
+    import textwrap
+
+    fig.suptitle(textwrap.fill(title, int(14 * fig.get_figwidth())), fontsize=10)  # ~14 characters per inch
     handles, labels = axs[0][-1].get_legend_handles_labels()
     if handles:
         axs[0][-1].legend(fontsize=7, loc="best")

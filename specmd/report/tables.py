@@ -13,7 +13,7 @@ axes and its paper's layout have one home::
       baseline: {miss.name: fetch} # the group rel: metrics compare with ...
       match: [system]              # ... among the groups that share these axes
       also: [cce_fig4_cache_prior] # other experiments whose newest sweep this section also reads
-      metrics:                     # table columns in order; a label ending in % shows the value x 100
+      metrics:                     # table columns in order; a label holding % shows the value x 100
         - collision %: cache.collision_rate
       figures: [...]               # see figures.py
 
@@ -244,10 +244,15 @@ def cell(spec: Spec, label: str, expr: str, group: Group, groups: list) -> tuple
         if not b:
             return None, None, len(vals)
         vals = [v / b - 1 if prefix == "rel:" else (b / v - 1 if v else math.nan) for v in vals]
-    scale = 100.0 if label.rstrip().endswith("%") else 1.0
+    scale = 100.0 if is_percent(label) else 1.0
     vals = [v * scale for v in vals]
     sd = statistics.stdev(vals) if len(vals) > 1 else None
     return statistics.fmean(vals), sd, len(vals)
+
+
+def is_percent(label: str) -> bool:
+    """A column whose label holds ``%`` shows its value x 100 (``hit %``, ``miss % of router requests``)."""
+    return "%" in label
 
 
 def fmt(mean, sd, n, percent: bool, total: Optional[int] = None) -> str:
