@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 
@@ -19,20 +19,18 @@ def _clean(obj):
     return obj
 
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-
-
 def write_json_atomic(path: Path, data: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    # a unique temporary name, created with mode 0666 less the umask like any file the user writes (mkstemp
+    # would make it 0600)
+    tmp = str(path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(_clean(data), f, indent=2, allow_nan=False)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are shared like any file the user writes
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -32,7 +32,7 @@ def run(name, extra, tmp):
 
 def report(tmp, *names):
     _, sections = build([str(tmp / n) for n in names], str(tmp / f"report_{names[0]}"))
-    assert len(sections) == 1
+    assert len(sections) == 1, [s.spec.id for s in sections]
     sec = sections[0]
     assert all(j.status == "ok" for j in sec.jobs), [(j.overrides, j.error) for j in sec.jobs if j.status != "ok"]
     return sec
@@ -119,15 +119,21 @@ def test_cce_fig4_table2_fig9_fig10_the_prior_trades_misses(tmp):
         run(name, CCE, tmp)
         report(tmp, name)
     run("cce_fig9", CCE, tmp)
-    sec = report(tmp, "cce_fig9", "cce_fig4_cache_prior")
+    sec = report(tmp, "cce_fig9")  # report.also draws cce_fig4_cache_prior's sweep beside it
+    assert {s.experiment for s in sec.sweeps} == {"cce_fig9", "cce_fig4_cache_prior"}
     loaded = by(sec, ["eviction.name", "routing.name"], "cache.bytes_demand + cache.bytes_prefetch")
     assert loaded["belady", "standard"] <= loaded["lru", "standard"]
     run("cce_fig10", CCE, tmp)
     sec = report(tmp, "cce_fig10", "cce_fig10_prior")
-    miss = by(sec, ["eviction.name", "hardware.experts_per_layer"], "cache.miss_rate_vs_router")
+    miss = by(sec, ["eviction.name", "routing.name", "hardware.experts_per_layer"], "cache.miss_rate_vs_router")
     sizes = ["1", "4", "8", "16", "32", "48", "64"]
-    assert [miss["lru", s] for s in sizes] == sorted((miss["lru", s] for s in sizes), reverse=True)
-    assert all(miss["belady", s] <= miss["lru", s] for s in sizes) and miss["lru", "64"] == 0.0
+    lru = [miss["lru", "standard", s] for s in sizes]
+    # at N only first uses miss (few in the committed 2,048-token run: 0.4 %; ~15 % in this short prefill slice)
+    assert lru == sorted(lru, reverse=True) and lru[-1] < 0.25
+    assert all(miss["belady", "standard", s] <= miss["lru", "standard", s] for s in sizes)
+    for s in ("1", "4", "8"):  # CCE Fig. 10: at <= k slots every resident the call does not use is evicted anyway
+        assert miss["belady", "standard", s] == miss["lru", "standard", s]
+    assert miss["lru", "cache_prior", "16"] < miss["lru", "standard", "16"]  # the prior below LRU
 
 
 def test_live_specmd_and_zhu_experiments_run_and_report(tmp):

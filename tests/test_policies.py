@@ -111,6 +111,12 @@ def test_replace_rank_swaps_only_that_rank_for_an_unselected_expert():
         again = ROUTING.build({"name": "replace_rank", "rank": rank, "seed": 3}).apply(rec, FakeCache())
         assert again.tolist() == index.tolist()  # seeded: a live run and its replay swap the same experts
     assert ROUTING.build({"name": "replace_rank", "rank": 2}).apply(rec, FakeCache()) is None  # k = 2
+    # a router that returns its top-k unsorted (DeepSeek: topk(sorted=False)): rank 0 is still the top-1
+    unsorted = record([[0.4, 0.3, 0.2, 0.1]] * 50, 2, index=torch.tensor([[1, 0]] * 50))
+    index = ROUTING.build({"name": "replace_rank", "rank": 0, "seed": 3}).apply(unsorted, FakeCache())
+    assert 0 not in index.reshape(-1).tolist() and index[:, 1].tolist() == [1] * 50
+    pruned = ROUTING.build({"name": "prune", "h": 1}).apply(unsorted, FakeCache())
+    assert pruned.tolist() == [[0, 0]] * 50  # keeps E0 (the top-1), not column 0's E1
     with pytest.raises(ConfigError, match="rank=-1"):
         ROUTING.params({"name": "replace_rank", "rank": -1})
 

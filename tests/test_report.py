@@ -161,8 +161,9 @@ def test_report_logs_tables_and_figures_to_an_offline_wandb_run(tmp_path, monkey
 
 
 class FakeRun:
-    def __init__(self, rid, config, summary, state="finished"):
+    def __init__(self, rid, config, summary, state="finished", created_at="2026-11-23T06:00:00Z"):
         self.id, self.config, self.summary, self.state, self.group = rid, config, summary, state, "hand"
+        self.created_at = created_at
 
 
 class FakeApi:
@@ -189,9 +190,15 @@ def test_sweeps_read_back_from_wandb_runs(tmp_path):
                                                       {"L1 hit %": "cache.per_layer.hit_rate.1"}])},
                    "cache": {"hit_rate": hit, "per_layer": {"hit_rate": [0.0, hit]}},
                    "tasks": {"wikitext": {"word_perplexity": 10.0 + i}}}
-        config = dict(flatten(results["config"]), hydra_overrides=[f"eviction={ev}"], **{"provenance.git.commit": "x"})
+        config = dict(flatten(results["config"]), hydra_overrides=[f"eviction={ev}"], sweep_dir="/s/new",
+                      **{"provenance.git.commit": "x"})
         runs.append(FakeRun(f"r{i}", config, dict(flat_summary(results), _runtime=3)))
-    runs.append(FakeRun("r9", {"experiment": "hand", "hydra_overrides": ["eviction=fifo"]}, {}, state="crashed"))
+        if ev == "lru":  # an older multirun of the same experiment: not mixed in as a repeat
+            old = dict(config, sweep_dir="/s/old")
+            runs.append(FakeRun("old", old, flat_summary(dict(results, cache={"hit_rate": 0.9})),
+                                created_at="2026-11-22T06:00:00Z"))
+    runs.append(FakeRun("r9", {"experiment": "hand", "hydra_overrides": ["eviction=fifo"], "sweep_dir": "/s/new"},
+                        {}, state="crashed"))
     api = FakeApi(runs)
     sweeps = sweeps_from_wandb("ent/proj", "hand", api=api)
     assert api.calls == [("ent/proj", {"group": "hand"})]

@@ -13,7 +13,7 @@ TASK_ALIASES = {"truthfulqa": "truthfulqa_mc2"}
 SUPPORTED = ("wikitext", "mmlu", "gsm8k", "truthfulqa", "nq_open")
 # The metric each paper reports per task (specmd task name -> results key, True when higher is better):
 # SpecMD Table 1 (GSM8K strict match, TruthfulQA mc2, NQ exact match), Cache-Conditional Experts (WikiText
-# word perplexity), MMLU accuracy. ``specmd report`` averages these into a run's "quality".
+# word perplexity), MMLU accuracy. ``specmd report`` shows them for a sweep without a report spec.
 QUALITY = {"gsm8k": ("exact_match/strict-match", True), "truthfulqa": ("acc", True),
            "nq_open": ("exact_match/remove_whitespace", True), "mmlu": ("acc", True),
            "wikitext": ("word_perplexity", False)}

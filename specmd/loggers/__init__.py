@@ -27,7 +27,8 @@ class WandbLogger:
     * history: one step per forward pass (``pass/hit_rate``, ``pass/cumulative_hit_rate``,
       ``pass/stall_s``, ``pass/collision_misses``, ``pass/decode``...) from the run's ``passes.csv``;
     * a ``per_layer`` table (and the per-layer lists in the summary, for ``specmd report --wandb``);
-    * config ``hydra_overrides``: the job's overrides (how ``specmd report`` groups a sweep read from W&B).
+    * config ``hydra_overrides`` (the job's overrides) and ``sweep_dir`` (its multirun): how ``specmd report``
+      regroups runs read back from W&B into sweeps.
 
     ``mode: auto`` logs online when the user has a W&B key (``WANDB_API_KEY`` or ``wandb login``) and
     offline otherwise (``wandb sync`` uploads later).
@@ -61,6 +62,8 @@ class WandbLogger:
         config = flatten(cfg)
         config.update(flatten(results.get("provenance") or {}, "provenance"))
         config["hydra_overrides"] = run_overrides(run_dir)  # what specmd report groups a sweep's runs by
+        parent = os.path.dirname(os.path.normpath(run_dir))  # one multirun = one sweep (its dir holds multirun.yaml)
+        config["sweep_dir"] = parent if os.path.isfile(os.path.join(parent, "multirun.yaml")) else run_dir
         run = wandb.init(project=self.project, entity=self.entity, mode=self._mode(),
                          group=cfg.get("experiment") or self.group, job_type="replay" if "replay" in results else "live",
                          tags=self.tags + run_tags(cfg), config=config, dir=run_dir, reinit="finish_previous",

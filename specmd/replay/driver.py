@@ -51,6 +51,8 @@ class ReplayConfig:
     def __post_init__(self):
         if self.format not in FORMATS:
             raise ConfigError(f"replay.format={self.format!r}; valid choices: {', '.join(FORMATS)}")
+        if self.reuse_horizon is not None and self.reuse_horizon < 1:
+            raise ConfigError(f"replay.reuse_horizon={self.reuse_horizon} must be >= 1 or null")
         for key in ("num_experts", "expert_bytes", "model_bytes"):
             v = getattr(self, key)
             if v is not None and v < 1:

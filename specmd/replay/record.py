@@ -7,13 +7,18 @@ precision, LRU, no prefetch, ``trace.save=true``) into ``<replay.cache>/<model>-
 the sweep -- in this process, in a parallel launcher's workers, or a later sweep -- waits on a file lock and
 replays the same trace. The key hashes everything that decides the routing and nothing that does not:
 
-* the model config and the fingerprint of its weight files (a retrained checkpoint gets a new trace);
-* the ``eval`` section (tasks, limit, few-shot, generation length, seed, ...);
-* the ``quant`` section as resolved for the run's miss policy (a cascade needs the quantized byte sizes);
-* ``trace.depth`` and ``trace.logits`` (what the prefetch and routing policies read); the device.
+* the model config and the fingerprint of its weight files (a retrained checkpoint gets a new trace; a hub
+  id not downloaded here is keyed by name and revision, with a warning);
+* the ``eval`` and ``data`` sections (tasks, limit, few-shot, generation length, seed, the mirror);
+* the ``quant`` section as resolved for the run's miss policy (a cascade needs the quantized byte sizes,
+  so ``quant=auto`` with precisions records as ``hqq`` with them);
+* ``trace.depth`` and ``trace.logits`` (what the prefetch and routing policies read); the device;
+* the versions of specmd, torch, transformers and lm-eval (their kernels and task definitions).
 
 The hardware, the policies and the logger are not in the key: under the recording stack they do not change
-which experts the model routes to. A recorded run whose stack is lossless is the unhooked model's
+which experts the model routes to. Nor is the specmd git commit (every commit would record anew): after a
+change to the hook or an adapter, delete ``replay.cache``. A recording that failed leaves ``failed.json``
+and no ``results.json``; the next job records again. A recorded run whose stack is lossless is the unhooked model's
 computation, so an exact replay also reports the recording's task scores (``replay.tasks_from``).
 """
 
@@ -38,6 +43,12 @@ def recording_config(raw: dict) -> dict:
     cfg.update(RECORDING_STACK)
     cfg["stack"] = {"enabled": True, "measure": "all"}
     cfg["trace"] = {"save": True, "depth": int(tr.get("depth", 1)), "logits": str(tr.get("logits", "fp32"))}
+    quant = dict(raw.get("quant") or {"name": "none"})
+    if quant.get("name") == "auto" and quant.get("precisions"):
+        # auto resolved for the run's miss policy (a cascade's precisions); under the recording's miss=fetch
+        # it would store none of them, and the replay needs their byte sizes: store them explicitly
+        quant["name"] = "hqq"
+    cfg["quant"] = quant
     cfg["replay"] = {"trace": None}
     cfg["logger"] = {"name": "none"}
     return cfg
@@ -45,10 +56,15 @@ def recording_config(raw: dict) -> dict:
 
 def trace_key(run, cfg: dict) -> str:
     """16 hex digits naming the routing a recording of ``cfg`` produces (module docstring: what counts)."""
-    from ..provenance import model_identity
+    from ..provenance import model_identity, versions
 
-    ident = {"model": cfg["model"], "weights": model_identity(run.model), "eval": cfg.get("eval"),
-             "quant": cfg.get("quant"), "trace": cfg["trace"], "device": cfg.get("device", "cpu")}
+    weights = model_identity(run.model)
+    if run.model.pretrained is not None and not weights.get("fingerprint"):
+        log.warning("replay.trace=record: %s is not on disk here, so the recording is keyed by its name and "
+                    "revision only", run.model.pretrained)
+    ident = {"model": cfg["model"], "weights": weights, "eval": cfg.get("eval"), "data": cfg.get("data"),
+             "quant": cfg.get("quant"), "trace": cfg["trace"], "device": cfg.get("device", "cpu"),
+             "versions": versions()}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

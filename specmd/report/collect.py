@@ -158,10 +158,12 @@ def sweep_for_also(sweeps: list, name: str, roots: list) -> Optional[Sweep]:
     have = [s for s in sweeps if s.experiment == name]
     if have:
         return max(have, key=lambda s: s.time)
-    cands = []
-    for root in {str(Path(r).parent.parent) for r in roots}:
-        base = Path(root) / name
-        if base.is_dir():
+    cands, seen = [], set()
+    # outputs/experiments/<experiment>/<time> (the experiments' layout) or <dir>/<experiment> (a chosen one)
+    for root in {p for r in roots for p in (Path(r).parent.parent, Path(r).parent)}:
+        base = root / name
+        if base.is_dir() and base.resolve() not in seen:
+            seen.add(base.resolve())
             cands += [load_sweep(m.parent) for m in base.rglob("multirun.yaml")]
     return max(cands, key=lambda s: s.time) if cands else None
 

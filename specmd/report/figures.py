@@ -16,6 +16,7 @@ A figure entry of an experiment's ``report.figures``::
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -52,7 +53,8 @@ def _value(spec, group: Group, groups: list, expr: str):
         return None
     if isinstance(vals[0], list):  # list-valued (per layer / per rank): element-wise mean over repeats
         n = min(len(v) for v in vals)
-        return [sum(v[i] or 0.0 for v in vals) / len(vals) for i in range(n)]
+        cols = [[v[i] for v in vals if isinstance(v[i], (int, float))] for i in range(n)]
+        return [sum(c) / len(c) if c else None for c in cols]
     nums = [v for v in vals if isinstance(v, (int, float))]
     return sum(nums) / len(nums) if nums else None
 
@@ -69,6 +71,10 @@ def draw(spec, fig_spec: dict, groups: list, path: Path) -> str:
     if bad or kind not in KINDS:
         raise ConfigError(f"report.figures of {spec.id}: kind={kind!r} (valid: {', '.join(KINDS)}); unknown keys "
                           f"{bad} (valid: {', '.join(sorted(KEYS))})")
+    need = ("x", "y") if kind in ("bars", "scatter") else ("y",)
+    missing = [k for k in need if not fig_spec.get(k)]
+    if missing:
+        raise ConfigError(f"report.figures of {spec.id}: kind={kind} needs {' and '.join(missing)}")
     ok = [g for g in groups if g.ok]
     panel_axis = fig_spec.get("panels")
     panels = sorted({_name(g, g.ok[0], [panel_axis]) for g in ok}, key=sort_key) if panel_axis else ["all"]
@@ -82,6 +88,7 @@ def draw(spec, fig_spec: dict, groups: list, path: Path) -> str:
 
         ref = baseline_of(spec, Group({}), [g for g in ok])
         base = _value(spec, ref, groups, fig_spec["y"]) if ref is not None else None
+        base = base if isinstance(base, (int, float)) else None  # a curve has no single baseline value
     px = 100.0 if fig_spec.get("percent_x") else 1.0
     for ax, panel in zip(axs[0], panels):
         members = [g for g in ok if not panel_axis or _name(g, g.ok[0], [panel_axis]) == panel]
@@ -138,13 +145,14 @@ def _lines(spec, fs, members, groups, ax, series_axes, kind, px, py):
         pts = []
         for g in gs:
             y = _value(spec, g, groups, fs["y"])
-            if isinstance(y, list):  # a per-layer / per-rank curve: x is the index
-                ax.plot(range(len(y)), [v * py for v in y], marker=".", label=name if len(gs) == 1 else
+            if isinstance(y, list):  # a per-layer / per-rank curve: x is the index (None: a gap)
+                ax.plot(range(len(y)), [math.nan if v is None else v * py for v in y], marker=".",
+                        label=name if len(gs) == 1 else
                         f"{name} {_name(g, g.ok[0], label_axes)}".strip())
                 continue
             x = _value(spec, g, groups, fs["x"]) if fs.get("x") else None
-            if x is None or y is None:
-                continue
+            if not isinstance(x, (int, float)) or not isinstance(y, (int, float)):
+                continue  # absent here (the other half of a merged figure) or not a number
             pts.append((float(x) * px, y * py, _name(g, g.ok[0], label_axes) if label_axes else ""))
         if not pts:
             continue

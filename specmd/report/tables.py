@@ -23,7 +23,8 @@ Every swept axis not named in rows, cols or repeat becomes a row axis too: runs 
 A metric is an arithmetic expression over dotted paths into the job's results (``cache.misses /
 cache.requests``, ``timing.ttft_s * 1000``; operators and parentheses separated by spaces, because task
 metric names contain ``/`` and ``-``), optionally prefixed by ``rel:`` (``x / baseline - 1``), ``rel-:``
-(``baseline / x - 1``, for lower-is-better values such as perplexity or TTFT), ``mean_first_half:`` or
+(``baseline / x - 1``, for lower-is-better values such as perplexity), ``reduction:`` (``1 - x /
+baseline``, e.g. a TTFT reduction), ``mean_first_half:`` or
 ``mean_second_half:`` (of a per-layer list). A path into a list may index it (``probability.0``, ``.-1``).
 """
 
@@ -39,7 +40,7 @@ from typing import Any, Optional
 from ..errors import ConfigError
 
 DEFAULT_REPEAT = ["eval.seed", "model.seed"]
-PREFIXES = ("rel:", "rel-:", "mean_first_half:", "mean_second_half:")
+PREFIXES = ("rel:", "rel-:", "reduction:", "mean_first_half:", "mean_second_half:")
 MISSING = "-"
 
 
@@ -70,10 +71,20 @@ class Spec:
                 raise ConfigError(f"report.metrics of {experiment}: {m!r} must be one 'label: expression' pair")
             (label, expr), = m.items()
             metrics.append((str(label), str(expr)))
+        base = raw.pop("baseline", None) or {}
+        raw["baseline"] = _dotted(base)  # a spec read back from W&B arrives un-flattened: {miss: {name: fetch}}
         spec = cls(id=str(raw.pop("id", None) or experiment), metrics=metrics, **raw)
         spec.rows = list(spec.rows or [])
         spec.repeat = list(spec.repeat if spec.repeat is not None else DEFAULT_REPEAT)
         return spec
+
+
+def _dotted(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        out.update(_dotted(v, key) if isinstance(v, dict) else {key: v})
+    return out
 
 
 # --- values -------------------------------------------------------------------------------------------
@@ -150,7 +161,11 @@ def evaluate(results: dict, expr: str) -> Any:
             names.setdefault(tok, f"v{len(names)}")
             py.append(names[tok])
     source = " ".join(py)
-    tree = ast.parse(source, mode="eval")
+    try:
+        tree = ast.parse(source, mode="eval")
+    except SyntaxError:
+        raise ConfigError(f"report metric {expr!r}: not an expression of paths, numbers, + - * / and "
+                          f"parentheses (separate operators by spaces)") from None
     if not all(isinstance(n, _ALLOWED) for n in ast.walk(tree)):
         raise ConfigError(f"report metric {expr!r}: only + - * / and parentheses between paths and numbers")
     env = {name: lookup(results, path) for path, name in names.items()}
@@ -161,7 +176,7 @@ def evaluate(results: dict, expr: str) -> Any:
 
 
 def split_prefix(expr: str) -> tuple[str, str]:
-    for p in ("rel:", "rel-:"):
+    for p in ("rel:", "rel-:", "reduction:"):
         if expr.startswith(p):
             return p, expr[len(p):]
     return "", expr
@@ -197,7 +212,9 @@ class Group:
 
 
 def _covered(key: str, named: list) -> bool:
-    return any(n == key or n.startswith(key + ".") or key.startswith(n + ".") for n in named)
+    """A swept override key is named by the spec when it is named exactly, or as its group's ``.name``
+    (``eviction`` <-> ``eviction.name``); ``model.seed`` does not cover a ``model`` sweep."""
+    return any(n == key or n == key + ".name" or key == n + ".name" for n in named)
 
 
 def row_axes(spec: Spec, jobs: list) -> list:
@@ -225,9 +242,13 @@ def group_jobs(spec: Spec, jobs: list) -> tuple[list, list]:
 
 
 def baseline_of(spec: Spec, group: Group, groups: list) -> Optional[Group]:
+    """The group ``group``'s rel: metrics compare with: the one holding the ``baseline`` values and sharing
+    ``group``'s values of the ``match`` axes (default: every row and column axis the baseline does not fix,
+    so an extra swept axis compares within its own value)."""
+    match = spec.match or [a for a in group.axes if a not in spec.baseline]
     for g in groups:
         if all(g.axes.get(k, axis_value(g.jobs[0], k)) == str(v) for k, v in spec.baseline.items()) and all(
-                g.axes.get(m) == group.axes.get(m) for m in spec.match):
+                g.axes.get(m) == group.axes.get(m) for m in match):
             return g
     return None
 
@@ -243,7 +264,10 @@ def cell(spec: Spec, label: str, expr: str, group: Group, groups: list) -> tuple
         b = base.mean(inner) if base is not None else None
         if not b:
             return None, None, len(vals)
-        vals = [v / b - 1 if prefix == "rel:" else (b / v - 1 if v else math.nan) for v in vals]
+        vals = [relative(prefix, v, b) for v in vals]
+        vals = [v for v in vals if v is not None]
+        if not vals:
+            return None, None, 0
     scale = 100.0 if is_percent(label) else 1.0
     vals = [v * scale for v in vals]
     sd = statistics.stdev(vals) if len(vals) > 1 else None
@@ -253,6 +277,16 @@ def cell(spec: Spec, label: str, expr: str, group: Group, groups: list) -> tuple
 def is_percent(label: str) -> bool:
     """A column whose label holds ``%`` shows its value x 100 (``hit %``, ``miss % of router requests``)."""
     return "%" in label
+
+
+def relative(prefix: str, v: float, b: float) -> Optional[float]:
+    """``rel:`` v/b - 1 (a gain), ``rel-:`` b/v - 1 (a gain where lower is better: perplexity, time),
+    ``reduction:`` 1 - v/b (SpecMD Table 2's "TTFT reduction")."""
+    if prefix == "rel:":
+        return v / b - 1
+    if prefix == "rel-:":
+        return b / v - 1 if v else None
+    return 1 - v / b
 
 
 def fmt(mean, sd, n, percent: bool, total: Optional[int] = None) -> str:

@@ -3,7 +3,9 @@
 * :func:`sweeps_from_wandb` reads the runs of a project (one group = one experiment, as ``logger=wandb``
   logs them) back through ``wandb.Api`` into the same sweeps a directory gives: config (un-flattened),
   summary (un-flattened into results.json's sections), the job's overrides, and its state (finished ->
-  ok; failed/crashed -> failed; anything else -> missing).
+  ok; failed/crashed -> failed; anything else -> missing). Runs are regrouped into their multiruns
+  (config ``sweep_dir``) and only the newest multirun of each experiment is read. A job that never
+  started has no W&B run: jobs missing from a sweep are only seen from its directory.
 * :func:`log_report` logs a report's tables (``<id>/table``) and figures (``<id>/figure_<n>``) to a W&B run
   of job type ``report`` -- browsable in the UI like any run -- plus the whole report directory as an
   artifact; with ``publish`` (online only) it also saves a W&B Report (``wandb-workspaces``) with one
@@ -77,7 +79,7 @@ def sweeps_from_wandb(path: str, group: Optional[str] = None, api=None) -> list:
     entity, project = _split_path(path)
     api = api or wandb.Api()
     runs = api.runs(f"{entity}/{project}" if entity else project, filters={"group": group} if group else {})
-    by_experiment: dict = {}
+    sweeps: dict = {}  # (experiment, sweep_dir) -> Sweep
     for run in runs:
         config = dict(run.config)
         if config.get("job_type") == "report" or getattr(run, "job_type", None) == "report":
@@ -89,12 +91,29 @@ def sweeps_from_wandb(path: str, group: Optional[str] = None, api=None) -> list:
         exp = str(results["config"].get("experiment") or getattr(run, "group", None) or group or project)
         job = Job(overrides, status, f"wandb:{run.id}", results if status == "ok" else {},
                   None if status == "ok" else f"W&B state {run.state}", config=results["config"])
-        sw = by_experiment.setdefault(exp, Sweep(f"wandb:{path}" + (f"?group={group}" if group else ""), exp,
-                                                 dict(results["config"].get("report") or {}), []))
+        sweep_dir = str(config.get("sweep_dir") or "")
+        sw = sweeps.setdefault((exp, sweep_dir), Sweep(f"wandb:{path}:{sweep_dir or exp}", exp,
+                                                       dict(results["config"].get("report") or {}), []))
         sw.jobs.append(job)
-    if not by_experiment:
+        created = str(getattr(run, "created_at", "") or "")
+        sw.time = max(sw.time, _epoch(created))
+    if not sweeps:
         raise ConfigError(f"--wandb {path}: no runs" + (f" in group {group!r}" if group else ""))
-    return list(by_experiment.values())
+    # as with a parent directory: the newest sweep of each experiment, never re-runs mixed in as repeats
+    newest: dict = {}
+    for sw in sweeps.values():
+        if sw.experiment not in newest or sw.time > newest[sw.experiment].time:
+            newest[sw.experiment] = sw
+    return list(newest.values())
+
+
+def _epoch(created: str) -> float:
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
 
 
 def log_report(sections: list, out: Path, path: str, group: Optional[str], mode: str = "auto",
@@ -124,7 +143,9 @@ def log_report(sections: list, out: Path, path: str, group: Optional[str], mode:
             payload[f"{sec.spec.id}/figure_{i}"] = wandb.Image(str(out / fname), caption=caption)
     run.log(payload)
     art = wandb.Artifact(f"specmd-report-{'-'.join(ids)}"[:120], type="report")
-    art.add_dir(str(out))
+    for f in sorted(out.iterdir()):  # the report's files; not the wandb/ run directories beside them
+        if f.is_file():
+            art.add_file(str(f))
     run.log_artifact(art)
     url = getattr(run, "url", None)
     run.finish()

@@ -1,6 +1,6 @@
 from dataclasses import dataclass
 
-from .base import ROUTING, RoutingPolicy
+from .base import ROUTING, RoutingPolicy, by_score
 
 
 @ROUTING.register("prune")
@@ -25,13 +25,13 @@ class Prune(RoutingPolicy):
         h = self.params.h
         if h >= k:
             return None
-        index = record.original.clone()
+        index = by_score(record)  # [T, k], rank 0 first
         index[:, h:] = index[:, :1]
         return index
 
     def weigh(self, record, index):
         h = self.params.h
-        w = record.scoring.weigh(record.probs, record.original[:, :h])
+        w = record.scoring.weigh(record.probs, index[:, :h])  # apply() put the kept ranks first
         out = w.new_zeros(index.shape)
         out[:, :h] = w
         return out
