@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from .engine import GROUPS, StackSpec
 from .errors import ConfigError
 from .hardware import HardwareConfig
-from .registry import build_params
+from .registry import build_params, check_type
 
 log = logging.getLogger("specmd")
 GENERATION_TASKS = ("gsm8k", "nq_open")  # tasks that decode (generate_until); the others only prefill
@@ -34,16 +34,16 @@ class Run:
         self.hardware = build_params(HardwareConfig, dict(c["hardware"]), "hardware")
         self.eval = build_params(EvalConfig, dict(c.get("eval") or {}), "eval")
         stack = c.get("stack") or {}
-        self.enabled = bool(stack.get("enabled", True))
+        self.enabled = check_type(stack.get("enabled", True), bool, "stack.enabled")
         from .engine.cache import MEASURES
 
         self.measure = str(stack.get("measure", "all"))
         if self.measure not in MEASURES:
             raise ConfigError(f"stack.measure={self.measure!r}; valid choices: {', '.join(MEASURES)}")
         tr = c.get("trace") or {}
-        self.save_trace = bool(tr.get("save", False))
-        self.trace_depth = int(tr.get("depth", 1))
-        self.trace_logits = str(tr.get("logits", "fp32"))
+        self.save_trace = check_type(tr.get("save", False), bool, "trace.save")
+        self.trace_depth = check_type(tr.get("depth", 1), int, "trace.depth")
+        self.trace_logits = check_type(tr.get("logits", "fp32"), str, "trace.logits")
         self.quant = QUANT.params(c.get("quant") or {"name": "none"})
         self.policies = {g: REGISTRIES[g].params(c[g]) for g in GROUPS}  # (class, params), validated
         mcls, mparams = self.policies["miss"]

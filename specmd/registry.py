@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+import types
+import typing
 from typing import Any, Callable, Generic, TypeVar
 
 from .errors import ConfigError
@@ -67,6 +69,41 @@ class Registry(Generic[T]):
         return cls(params, **kwargs)
 
 
+_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list"}
+
+
+def check_type(val: Any, want: Any, where: str) -> Any:
+    """``val`` checked against a dataclass field's annotation (``bool``, ``int``, ``float``, ``str``,
+    ``list``, ``Optional[...]``, ``Union[...]``); an int is widened to a float field. No ``bool("maybe")``,
+    no string iterated as a list: a wrong type is a ConfigError naming the key, the value and what it takes."""
+    if want is None or want is Any:
+        return val
+    origin = typing.get_origin(want)
+    if origin is typing.Union or (types.UnionType is not None and isinstance(want, types.UnionType)):
+        options = typing.get_args(want)
+        if val is None and type(None) in options:
+            return None
+        for opt in options:
+            if opt is type(None):
+                continue
+            try:
+                return check_type(val, opt, where)
+            except ConfigError:
+                continue
+        names = [("null" if o is type(None) else _NAMES.get(typing.get_origin(o) or o, str(o))) for o in options]
+        raise ConfigError(f"{where}={val!r} must be {' or '.join(names)}")
+    base = origin or want
+    if not isinstance(base, type):
+        return val
+    if base is float and isinstance(val, int) and not isinstance(val, bool):
+        return float(val)
+    ok = isinstance(val, base) and not (base in (int, float) and isinstance(val, bool))
+    if not ok:
+        hint = f" (e.g. {where}=[{val}])" if base is list and isinstance(val, str) else ""
+        raise ConfigError(f"{where}={val!r} must be {_NAMES.get(base, base.__name__)}{hint}")
+    return val
+
+
 def build_params(schema: type | None, values: dict, where: str) -> Any:
     """Instantiate a Params dataclass from a mapping, rejecting unknown keys and wrong types by name."""
     if schema is None:
@@ -79,17 +116,12 @@ def build_params(schema: type | None, values: dict, where: str) -> Any:
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ConfigError(f"{where}: unknown parameter(s) {unknown}; valid: {sorted(f.rstrip('_') for f in fields)}")
+    hints = typing.get_type_hints(schema)
     kwargs = {}
     for key, val in values.items():
-        want = fields[key].type
-        want = want if isinstance(want, type) else {"int": int, "float": float, "str": str, "bool": bool}.get(
-            str(want), None
-        )
-        if want is float and isinstance(val, int) and not isinstance(val, bool):
-            val = float(val)
-        if want is not None and val is not None and not isinstance(val, want):
-            raise ConfigError(f"{where}: {key}={val!r} must be {want.__name__}")
-        kwargs[key] = val
+        name = key.rstrip("_")
+        label = f"{where}: {name}" if "=" in where else f"{where}.{name}"  # eviction=lfu: history / eval.tasks
+        kwargs[key] = check_type(val, hints.get(key), label)
     try:
         return schema(**kwargs)
     except ConfigError:

@@ -142,6 +142,23 @@ def test_experts_per_layer_fraction_is_a_share_of_each_layers_experts():
     assert pool_capacities(g, 0.05, 0.001, "per_layer") == [10] * 4  # at least one slot
 
 
+def test_ranges_that_depend_on_the_model_are_checked_when_its_geometry_is_known():
+    from specmd.engine import Geometry, StackSpec
+    from specmd.engine.engine import Engine
+    from specmd.hardware import HardwareConfig
+
+    g = Geometry(num_layers=2, num_experts=8, top_k=2, expert_bytes=10, total_bytes=200)
+    for kw, needle in ((dict(routing={"name": "cache_prior", "J": 3}), "routing=cache_prior: J=3 must be in 0..2"),
+                       (dict(miss={"name": "drop", "J": 5}), "miss=drop: J=5 must be in 0..2"),
+                       (dict(routing={"name": "cumsum", "J": -1}), "routing=cumsum: J=-1 must be in 0..2"),
+                       (dict(hardware=HardwareConfig(experts_per_layer=9)),
+                        "hardware.experts_per_layer=9 exceeds the model's 8 experts per layer")):
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            Engine(g, StackSpec.of(**kw))
+    Engine(g, StackSpec.of(routing={"name": "cache_prior", "J": 2}, hardware=HardwareConfig(experts_per_layer=8)))
+    assert compose_run(["eval.limit=2.0"]).eval.limit == 2  # a whole float is a document count
+
+
 def test_real_model_configs_name_their_checkpoints():
     for name in ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "deepseek_v2", "deepseek_v3", "gpt_oss"):
         run = compose_run([f"model={name}"])
@@ -152,6 +169,17 @@ def test_real_model_configs_name_their_checkpoints():
     ("hardware.capacity=0", "hardware.capacity=0"),
     ("hardware.experts_per_layer=0", "experts_per_layer=0"),
     ("hardware.experts_per_layer=2.5", "experts_per_layer=2.5 must be a whole number of slots >= 1, a fraction"),
+    # typed fields: no bool("maybe"), no string iterated as a list (issue 10's accepted-wrongly cases)
+    ("stack.enabled=maybe", "stack.enabled='maybe' must be true or false"),
+    ("trace.save=notabool", "trace.save='notabool' must be true or false"),
+    ("eval.tasks=wikitext", "eval.tasks='wikitext' must be a list (e.g. eval.tasks=[wikitext])"),
+    ("eval.token_by_token=yes", "eval.token_by_token='yes' must be true or false"),
+    ("eval.limit=1.5", "eval.limit=1.5: a number of documents (a whole number) or a fraction"),
+    ("eval.max_length=1", "eval.max_length=1 must be >= 2"),
+    ("eval.max_length=-5", "eval.max_length=-5 must be >= 2"),
+    ("eval.batch_size=two", "eval.batch_size='two' must be an integer"),
+    ("eviction=lfu eviction.history=sometimes", "eviction=lfu: history='sometimes' must be true or false"),
+    ("trace.depth=deep", "trace.depth='deep' must be an integer"),
     ("hardware.latency_us=-1", "latency_us=-1"),
     ("prefetch.overfetch=0", "overfetch=0"),
     ("eval.batch_size=0", "eval.batch_size=0"),

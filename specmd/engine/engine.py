@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..errors import ConfigError
 from .cache import CacheManager
 from .clock import Clock, SimClock
 from .geometry import Geometry, pool_capacities, timed_as
@@ -111,10 +112,28 @@ class ModelView:
         return layer + 1 if layer + 1 < self.num_layers else None
 
 
+def check_model_ranges(spec: StackSpec, model: Geometry) -> None:
+    """Settings whose valid range depends on the model, checked as soon as its geometry is known (before any
+    forward pass): every policy's top-J (Cache-Conditional Experts' and Skliar et al.'s J: ranks always
+    kept, 0..k) and the cache's slots per layer (at most the layer's experts)."""
+    errors = []
+    for group in ("routing", "miss", "prefetch", "eviction"):
+        cls, params = getattr(spec, group)
+        j = getattr(params, "J", None)
+        if j is not None and not 0 <= j <= model.top_k:
+            errors.append(f"{group}={cls.name}: J={j} must be in 0..{model.top_k} (the model's top-k)")
+    epl = spec.hardware.experts_per_layer
+    if epl is not None and epl > model.num_experts:
+        errors.append(f"hardware.experts_per_layer={epl:g} exceeds the model's {model.num_experts} experts per layer")
+    if errors:
+        raise ConfigError("; ".join(errors))
+
+
 class Engine:
     def __init__(self, geom: Geometry, spec: StackSpec, store=None, future=None, clock: Optional[Clock] = None):
         from ..quant.base import ExpertStore
 
+        check_model_ranges(spec, geom)  # the routing's own geometry (timing_as may map it to another)
         store = store or ExpertStore(geom.dtype_bytes * 8, geom.expert_bytes, {})
         self.timing_as = None
         if spec.timing is not None:  # the routing's layers and experts with a real model's sizes and compute

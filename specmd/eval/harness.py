@@ -42,6 +42,15 @@ class EvalConfig:
             raise ConfigError(f"eval.batch_size={self.batch_size} must be >= 1")
         if self.limit is not None and not self.limit > 0:
             raise ConfigError(f"eval.limit={self.limit} must be positive or null")
+        if isinstance(self.limit, float) and self.limit >= 1:
+            if not self.limit.is_integer():
+                raise ConfigError(f"eval.limit={self.limit}: a number of documents (a whole number) or a fraction "
+                                  f"of each task (< 1)")
+            self.limit = int(self.limit)
+        if self.max_length is not None and self.max_length < 2:
+            raise ConfigError(f"eval.max_length={self.max_length} must be >= 2 (a context window in tokens) or null")
+        if self.max_gen_toks is not None and self.max_gen_toks < 1:
+            raise ConfigError(f"eval.max_gen_toks={self.max_gen_toks} must be >= 1 or null")
         if self.num_fewshot is not None and self.num_fewshot < 0:
             raise ConfigError(f"eval.num_fewshot={self.num_fewshot} must be >= 0 or null")
 
