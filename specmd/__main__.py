@@ -10,6 +10,7 @@ import hydra
 from omegaconf import DictConfig
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+_FAILED: list = []  # run dirs of the jobs of this multirun that failed on a config or data error
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -23,14 +24,27 @@ def _hydra_main(cfg: DictConfig):
 
     hc = HydraConfig.get()
     run_dir = hc.runtime.output_dir
+    multirun = hc.mode.name == "MULTIRUN"
     # a multirun's runs share a W&B group: its sweep directory's last two parts (<date>/<time> by default)
-    group = "/".join(Path(hc.sweep.dir).parts[-2:]) if hc.mode.name == "MULTIRUN" else None
+    group = "/".join(Path(hc.sweep.dir).parts[-2:]) if multirun else None
     console = Console(stderr=False)
     try:
         results = execute(cfg, run_dir=run_dir, group=group)
     except (ConfigError, DataError) as exc:
-        console.print(f"[bold red]specmd: error:[/] {exc}", highlight=False, soft_wrap=True)
-        raise SystemExit(2)
+        Console(stderr=True).print(f"[bold red]specmd: error:[/] {exc}", highlight=False, soft_wrap=True)
+        if not (Path(run_dir) / "failed.json").exists():  # a config error, found before any model work
+            from omegaconf import OmegaConf
+
+            from .results import write_json_atomic
+
+            write_json_atomic(Path(run_dir) / "failed.json", {
+                "config": OmegaConf.to_container(cfg, resolve=False), "stage": "config",
+                "error": f"{type(exc).__name__}: {exc}"})
+        if not multirun:
+            raise SystemExit(2)
+        # one bad job fails itself, not the sweep: the others run, and the sweep exits 2 at the end
+        _FAILED.append(run_dir)
+        return None
     print_summary(results, run_dir, console)
     return results.get("cache", {}) and results["cache"].get("hit_rate")
 
@@ -49,6 +63,10 @@ def main() -> None:
     if not os.path.isdir(CONF_DIR):
         sys.exit(f"specmd: config directory {CONF_DIR} not found (install with `pip install -e .`)")
     _hydra_main()
+    if _FAILED:
+        print(f"specmd: {len(_FAILED)} job(s) of the sweep failed (failed.json in each): {', '.join(_FAILED)}",
+              file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

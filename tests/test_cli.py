@@ -168,3 +168,16 @@ def test_sweep_records_its_trace_once_replays_every_job_and_reports(tmp_path, mi
     md = (tmp_path / "sweep" / "report" / "report.md").read_text()
     assert "2/2 jobs finished" in md and "| eviction | hit % |" in md  # an ad-hoc sweep gets default metrics
     assert "wikitext word_perplexity" in md
+
+
+def test_a_bad_job_fails_itself_not_the_sweep(tmp_path, mirror):
+    """A config error in one job of a multirun: that job writes failed.json (stage config, the error), the
+    other jobs run, the error goes to stderr, and the sweep exits 2 at the end."""
+    r = specmd(["-m", "hardware.capacity=1.5,0.05", *FAST], tmp_path, mirror)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "hardware.capacity=1.5" in r.stderr and "1 job(s) of the sweep failed" in r.stderr
+    bad, good = tmp_path / "sweep" / "0", tmp_path / "sweep" / "1"
+    failed = json.loads((bad / "failed.json").read_text())
+    assert failed["stage"] == "config" and "hardware.capacity=1.5" in failed["error"]
+    assert not (bad / "results.json").exists()
+    assert json.loads((good / "results.json").read_text())["config"]["hardware"]["capacity"] == 0.05

@@ -105,7 +105,11 @@ def best_ranks(record: Any, experts: list[int]) -> list[int]:
 
 
 def parse_cascade(spec: str) -> list[str]:
-    """``"int8:4:2"`` -> ``["int8", "int4", "int2"]`` (a bare number repeats the previous prefix)."""
+    """``"int8:4:2"`` -> ``["int8", "int4", "int2"]`` (a bare number repeats the previous prefix). Every
+    precision must be one specmd stores, and the cascade runs from the highest precision down (the most
+    important misses get the first): ``int4:8`` would give them int4, so it is rejected, not run backwards."""
+    from ...quant.base import BITS
+
     out, prefix = [], "int"
     for part in str(spec).split(":"):
         part = part.strip()
@@ -116,6 +120,13 @@ def parse_cascade(spec: str) -> list[str]:
         else:
             out.append(part)
             prefix = part.rstrip("0123456789") or "int"
+    unknown = [p for p in out if p not in BITS]
+    if unknown:
+        raise ValueError(f"precisions={spec!r}: unknown precision(s) {unknown}; valid: {', '.join(BITS)}")
+    bits = [BITS[p] for p in out]
+    if any(a <= b for a, b in zip(bits, bits[1:])):
+        raise ValueError(f"precisions={spec!r}: a cascade runs from the highest precision down, each lower than "
+                         f"the one before (e.g. {':'.join(sorted(out, key=lambda p: -BITS[p]))})")
     return out
 
 

@@ -12,6 +12,12 @@ class Fetch(MissPolicy):
     class Params:
         precision: str = "native"
 
+        def __post_init__(self):
+            from ...quant.base import BITS
+
+            if self.precision != "native" and self.precision not in BITS:
+                raise ValueError(f"precision={self.precision!r}; valid: native, {', '.join(BITS)}")
+
     @classmethod
     def lossless(cls, params):
         return params.precision == "native"
