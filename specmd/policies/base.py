@@ -22,3 +22,13 @@ def check_choice(name: str, value: Any, choices) -> None:
     (the registry turns it into a ConfigError before any model work)."""
     if value not in choices:
         raise ValueError(f"{name}={value!r}; valid: {', '.join(choices)}")
+
+
+def ranked_by_score(probs: Any, index: Any) -> Any:
+    """``[T, k]``: ``index`` (experts selected per token) ordered by descending router probability, ties in
+    their selection order (rank 0 = the top-1). Some routers return their top-k unsorted (DeepSeek-V2/V3:
+    ``topk(sorted=False)``), so code that acts on a rank must not read the index's column order."""
+    import torch
+
+    order = torch.argsort(-probs.gather(-1, index), dim=-1, stable=True)
+    return index.gather(-1, order)

@@ -141,15 +141,20 @@ def find_sweeps(paths: list) -> tuple[list, list]:
         found = [load_sweep(m.parent) for m in sorted(p.rglob("multirun.yaml"))]
         if not found:
             raise ConfigError(f"specmd report: {p}: no sweep (multirun.yaml) below it")
-        newest = {}
-        for s in found:
-            if s.experiment not in newest or s.time > newest[s.experiment].time:
-                newest[s.experiment] = s
-        for s in found:
-            if newest[s.experiment] is not s:
-                notes.append(f"{s.dir}: an older sweep of {s.experiment}, not read (name it to include it)")
-        sweeps += newest.values()
+        newest = newest_per_experiment(found)
+        notes += [f"{s.dir}: an older sweep of {s.experiment}, not read (name it to include it)"
+                  for s in found if s not in newest]
+        sweeps += newest
     return sweeps, notes
+
+
+def newest_per_experiment(sweeps: list) -> list:
+    """Of several sweeps of one experiment, the newest (re-runs are never mixed in as repeats)."""
+    newest: dict = {}
+    for s in sweeps:
+        if s.experiment not in newest or s.time > newest[s.experiment].time:
+            newest[s.experiment] = s
+    return list(newest.values())
 
 
 def sweep_for_also(sweeps: list, name: str, roots: list) -> Optional[Sweep]:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..errors import ConfigError
+from ..loggers import flatten
 
 DEFAULT_REPEAT = ["eval.seed", "model.seed"]
 PREFIXES = ("rel:", "rel-:", "reduction:", "mean_first_half:", "mean_second_half:")
@@ -72,19 +73,11 @@ class Spec:
             (label, expr), = m.items()
             metrics.append((str(label), str(expr)))
         base = raw.pop("baseline", None) or {}
-        raw["baseline"] = _dotted(base)  # a spec read back from W&B arrives un-flattened: {miss: {name: fetch}}
+        raw["baseline"] = flatten(base)  # a spec read back from W&B arrives un-flattened: {miss: {name: fetch}}
         spec = cls(id=str(raw.pop("id", None) or experiment), metrics=metrics, **raw)
         spec.rows = list(spec.rows or [])
         spec.repeat = list(spec.repeat if spec.repeat is not None else DEFAULT_REPEAT)
         return spec
-
-
-def _dotted(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        out.update(_dotted(v, key) if isinstance(v, dict) else {key: v})
-    return out
 
 
 # --- values -------------------------------------------------------------------------------------------

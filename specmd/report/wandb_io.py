@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ConfigError
-from .collect import Job, Sweep
+from .collect import Job, Sweep, newest_per_experiment
 
 STATES = {"finished": "ok", "failed": "failed", "crashed": "failed", "killed": "failed"}
 
@@ -99,12 +99,7 @@ def sweeps_from_wandb(path: str, group: Optional[str] = None, api=None) -> list:
         sw.time = max(sw.time, _epoch(created))
     if not sweeps:
         raise ConfigError(f"--wandb {path}: no runs" + (f" in group {group!r}" if group else ""))
-    # as with a parent directory: the newest sweep of each experiment, never re-runs mixed in as repeats
-    newest: dict = {}
-    for sw in sweeps.values():
-        if sw.experiment not in newest or sw.time > newest[sw.experiment].time:
-            newest[sw.experiment] = sw
-    return list(newest.values())
+    return newest_per_experiment(list(sweeps.values()))  # as with a parent directory
 
 
 def _epoch(created: str) -> float:

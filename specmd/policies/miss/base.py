@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from ...engine.outcomes import Dropped, Fetched, HostComputed, Outcome, Substituted  # noqa: F401  (what handle returns)
 from ...registry import Registry
-from ..base import Policy
+from ..base import Policy, ranked_by_score
 
 
 class MissPolicy(Policy):
@@ -90,12 +90,7 @@ def expert_scores(record: Any, experts: list[int]):
 def best_ranks(record: Any, experts: list[int]) -> list[int]:
     """Each listed expert's best (lowest, 0-based) rank among the tokens that selected it, ranks being
     positions in the token's selection by descending probability (k if no token selected it)."""
-    import torch
-
-    probs = record.probs
-    w = probs.gather(-1, record.index)
-    order = torch.argsort(-w, dim=-1, stable=True)
-    ranked = record.index.gather(-1, order)  # [T, k] by descending probability
+    ranked = ranked_by_score(record.probs, record.index)  # [T, k] by descending probability
     k = ranked.shape[-1]
     out = []
     for e in experts:

@@ -26,15 +26,6 @@ class RoutingPolicy(Policy):
         return record.scoring.weigh(record.probs, index)
 
 
-def by_score(record: Any) -> torch.Tensor:
-    """``[T, k]``: the router's own selection ordered by descending probability (rank 0 = the top-1). Some
-    routers return their top-k unsorted (DeepSeek-V2/V3: ``topk(sorted=False)``), so a policy that acts on a
-    rank must not read the index's column order."""
-    index = record.original  # [T, k]
-    order = record.probs.gather(1, index.to(record.probs.device)).argsort(dim=1, descending=True, stable=True)
-    return index.gather(1, order.to(index.device))
-
-
 def cache_mask(record: Any, cache: Any) -> torch.Tensor:
     """``[E]`` bool: experts of the record's layer that are in the cache (arrived or on their way)."""
     mask = torch.zeros(record.logits.shape[-1], dtype=torch.bool, device=record.logits.device)

@@ -1,6 +1,7 @@
 from dataclasses import dataclass
 
-from .base import ROUTING, RoutingPolicy, by_score
+from ..base import ranked_by_score
+from .base import ROUTING, RoutingPolicy
 
 
 @ROUTING.register("prune")
@@ -25,7 +26,7 @@ class Prune(RoutingPolicy):
         h = self.params.h
         if h >= k:
             return None
-        index = by_score(record)  # [T, k], rank 0 first
+        index = ranked_by_score(record.probs, record.original)  # [T, k], rank 0 first
         index[:, h:] = index[:, :1]
         return index
 
