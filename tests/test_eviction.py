@@ -516,6 +516,48 @@ def test_ml_policy_evicts_largest_predicted_distance(tmp_path):
     assert sorted(m.entries) == [1, 2, 3]
 
 
+def test_ml_victims_equal_rescoring_from_scratch(monkeypatch):
+    """Every victim ML picks equals the one found by re-scoring every candidate's features at that moment:
+    the cached predictions are never stale (an expert used since they were computed is re-scored)."""
+    import random
+
+    from specmd.policies.eviction.ml import ML, features
+
+    checked = {"n": 0}
+    orig = ML.victim
+
+    def checking_victim(self, evictable):
+        got = orig(self, evictable)
+        best, best_key = None, None
+        for key in self._order:
+            if not evictable(key):
+                continue
+            layer, e = divmod(key, self.E)
+            v = float(self.nets[layer](features(self.last[layer], self.freq[layer], self.step[layer]))[e])
+            if best is None or v > best or (v == best and key < best_key):
+                best, best_key = v, key
+        assert got == best_key
+        checked["n"] += 1
+        return got
+
+    monkeypatch.setattr(ML, "victim", checking_victim)
+    rng = random.Random(0)
+    layers, experts = 4, 8  # the shipped tiny-olmoe networks: 4 layers
+    m = manager("ml", 6, layers=layers, experts=experts, bw=5e4)
+    for p in range(60):
+        m.begin_pass("decode", 1, p + 1)
+        for layer in range(layers):
+            m.clock.dense(layer, 1, p + 1)
+            req = sorted(rng.sample(range(experts), 2))
+            m.serve(layer, req)
+            if layer + 1 < layers:
+                m.prefetch(layer + 1, rng.sample(range(experts), 2))
+            m.clock.experts(len(req), len(req))
+            m.finish_layer()
+        m.end_pass()
+    assert checked["n"] > 100
+
+
 def test_ml_rejects_mismatched_weights():
     from specmd.errors import ConfigError
 
