@@ -1,3 +1,8 @@
 """specmd: declarative experiments on expert caching for MoE inference under memory limits."""
 
+from pathlib import Path
+
 __version__ = "0.1.0"
+# The Hydra configs ship inside the package (package data), so an installed wheel runs from any directory; a
+# user's own config directory joins the search path with hydra.searchpath=[file:///path/to/conf].
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+from . import CONF_DIR
+
 _FAILED: list = []  # run dirs of the jobs of this multirun that failed on a config or data error
 
 
@@ -60,8 +60,6 @@ def main() -> None:
         from .report import main as report
 
         sys.exit(report(sys.argv[2:]))
-    if not os.path.isdir(CONF_DIR):
-        sys.exit(f"specmd: config directory {CONF_DIR} not found (install with `pip install -e .`)")
     _hydra_main()
     if _FAILED:
         print(f"specmd: {len(_FAILED)} job(s) of the sweep failed (failed.json in each): {', '.join(_FAILED)}",

@@ -23,7 +23,7 @@ class Run:
     """A validated run specification (all config errors surface here, before any model is built)."""
 
     def __init__(self, cfg: DictConfig):
-        from .eval.harness import EvalConfig
+        from .eval.harness import SUPPORTED, EvalConfig, task_index
         from .models.loader import ModelConfig
         from .policies import REGISTRIES
         from .quant import QUANT
@@ -33,6 +33,8 @@ class Run:
         self.model = build_params(ModelConfig, dict(c["model"]), "model")
         self.hardware = build_params(HardwareConfig, dict(c["hardware"]), "hardware")
         self.eval = build_params(EvalConfig, dict(c.get("eval") or {}), "eval")
+        if any(t not in SUPPORTED for t in self.eval.tasks):  # another lm-eval task: checked in its index now
+            task_index(self.eval.tasks)
         stack = c.get("stack") or {}
         self.enabled = check_type(stack.get("enabled", True), bool, "stack.enabled")
         from .engine.cache import MEASURES

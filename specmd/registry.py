@@ -1,7 +1,7 @@
 """Registries: one per policy family. A policy registers its class under its name; its config file
-``conf/<family>/<name>.yaml`` carries ``name: <name>`` plus the keys of the class's ``Params`` dataclass.
+``specmd/conf/<family>/<name>.yaml`` carries ``name: <name>`` plus the keys of the class's ``Params`` dataclass.
 
-Adding a policy = one new module in ``specmd/policies/<family>/`` and one yaml in ``conf/<family>/``:
+Adding a policy = one new module in ``specmd/policies/<family>/`` and one yaml in ``specmd/conf/<family>/``:
 modules in a family package are imported automatically, nothing else needs an edit.
 """
 

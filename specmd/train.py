@@ -1,4 +1,4 @@
-"""Train an embedded model: ``python -m specmd.train [overrides]`` (config: ``conf/train.yaml``; the deeper
+"""Train an embedded model: ``python -m specmd.train [overrides]`` (config: ``specmd/conf/train.yaml``; the deeper
 models: ``--config-name train_deep_olmoe`` / ``train_deep_mixtral``).
 
 An OLMoE- or Mixtral-architecture MoE (``architecture``; transformers' ``OlmoeForCausalLM`` /
@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .errors import DataError
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+from . import CONF_DIR
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 SOURCES = ("wikitext2_valid", "gsm8k_train")
 

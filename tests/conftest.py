@@ -13,7 +13,14 @@ settings.load_profile("specmd")
 ROOT = Path(__file__).resolve().parent.parent
 # Quantized expert copies go to a per-session cache (shared by every test and CLI subprocess of the
 # session, so each model is quantized once), never to the user's ~/.cache/specmd.
-os.environ["SPECMD_CACHE"] = tempfile.mkdtemp(prefix="specmd-test-cache-")
+# The session removes it at the end (pytest_sessionfinish), so no specmd-test-cache-* is left in the temp dir.
+_SESSION_CACHE = os.environ["SPECMD_CACHE"] = tempfile.mkdtemp(prefix="specmd-test-cache-")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 FAMILIES = ["olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "deepseek_v2", "deepseek_v3", "gpt_oss"]
 

@@ -8,10 +8,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from conftest import ROOT
+from specmd import CONF_DIR
 from specmd.app import Run
 from specmd.errors import ConfigError
 
-CONF = ROOT / "conf"
+CONF = Path(CONF_DIR)
 GROUPS = ["model", "routing", "miss", "eviction", "prefetch", "quant", "hardware", "logger"]
 NEEDS_QUANT = {"fetch_priority", "drop_priority_cascade"}  # cascades of stored precisions
 

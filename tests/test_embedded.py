@@ -7,7 +7,7 @@ import pytest
 from specmd.models.loader import ASSETS, ModelConfig, load_model
 
 # asset -> (family, size limit in MiB, MoE layers, experts, top-k, ships eviction=ml networks). The
-# Mixtral-shaped model (conf/train_deep_mixtral.yaml) joins when it meets the card's routing bounds.
+# Mixtral-shaped model (specmd/conf/train_deep_mixtral.yaml) joins when it meets the card's routing bounds.
 SHIPPED = {
     "tiny-olmoe": ("olmoe", 30, 4, 64, 8, True),
     "deep-olmoe": ("olmoe", 40, 16, 64, 8, True),

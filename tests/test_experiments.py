@@ -7,12 +7,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from specmd import CONF_DIR
 from specmd.app import Run
 from specmd.report.collect import expected_jobs
 from specmd.report.figures import KEYS, KINDS
 from specmd.report.tables import Spec
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+CONF = Path(CONF_DIR)
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
@@ -37,7 +38,7 @@ def test_the_papers_headline_figures_all_have_an_experiment():
             "cce_fig4_cache_prior", "cce_table2", "cce_fig9", "cce_fig10", "cce_fig10_prior", "flashmoe_fig6",
             "zhu_table4", "zhu_fig6"}
     assert want <= set(EXPERIMENTS)
-    assert not (CONF.parent / "experiments" / "directions.py").exists()  # one home: conf/experiment
+    assert not (CONF.parent.parent / "experiments" / "directions.py").exists()  # one home: specmd/conf/experiment
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

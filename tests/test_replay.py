@@ -339,10 +339,11 @@ def test_reuse_by_rank_hand_worked():
 def test_recorded_trace_key_changes_with_what_decides_routing_only():
     from hydra import compose, initialize_config_dir
 
+    from specmd import CONF_DIR
     from specmd.app import Run
     from specmd.replay.record import recording_config, trace_key
 
-    conf = str(Path(__file__).resolve().parent.parent / "conf")
+    conf = CONF_DIR
 
     def key(*overrides):
         with initialize_config_dir(config_dir=conf, version_base="1.3"):

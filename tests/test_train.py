@@ -5,6 +5,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from conftest import ROOT
+from specmd import CONF_DIR
 
 SMALL = ["steps={steps}", "batch_size=4", "seq_len=32", "data.max_docs=10", "tokenizer.vocab_size=300",
          "model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2",
@@ -17,7 +18,7 @@ def cfg(tmp, steps, mirror, ckpt_every=1000, stop_after=None, window=1):
                                                           f"ckpt_every={ckpt_every}", f"balance_window={window}"]
     if stop_after:
         overrides.append(f"stop_after={stop_after}")
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 
 

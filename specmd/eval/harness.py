@@ -59,6 +59,35 @@ def lm_eval_name(task: str) -> str:
     return TASK_ALIASES.get(task, task)
 
 
+_INDEX: dict = {}
+
+
+def task_index(tasks):
+    """lm-eval's ``TaskManager`` for ``tasks``. For specmd's own tasks it indexes only their five folders
+    of lm-eval's task tree (0.2 s) instead of all 14,683 task files (6-8 s, most of a small run's start-up);
+    a task outside them gets the full index. Task names are checked here, so an unknown one is reported
+    before the model loads (``Run`` calls this), with the valid choices."""
+    import os
+
+    import lm_eval.tasks
+    from lm_eval.tasks import TaskManager
+
+    full = any(t not in SUPPORTED for t in tasks)
+    tm = _INDEX.get(full)
+    if tm is None:
+        if full:
+            tm = TaskManager()
+        else:
+            root = os.path.dirname(lm_eval.tasks.__file__)
+            tm = TaskManager(include_defaults=False, include_path=[os.path.join(root, t) for t in SUPPORTED])
+        _INDEX[full] = tm
+    unknown = [t for t in tasks if lm_eval_name(t) not in tm.all_tasks]
+    if unknown:
+        raise ConfigError(f"unknown eval task(s) {unknown}; specmd's tasks: {', '.join(SUPPORTED)} "
+                          "(any lm-eval task name also works when its data is reachable)")
+    return tm
+
+
 def _flatten(metrics: dict) -> dict:
     out = {}
     for key, val in metrics.items():
@@ -122,15 +151,10 @@ def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu") -> dict:
     if not cfg.tasks:
         return {}
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    tm = TaskManager()
+    tm = task_index(cfg.tasks)
     names = [lm_eval_name(t) for t in cfg.tasks]
-    unknown = [t for t, n in zip(cfg.tasks, names) if n not in tm.all_tasks]
-    if unknown:
-        raise ConfigError(f"unknown eval task(s) {unknown}; specmd's tasks: {', '.join(SUPPORTED)} "
-                          "(any lm-eval task name also works when its data is reachable)")
     cls = _token_by_token_lm() if cfg.token_by_token else _phase_bar_lm()
     lm = cls(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size, device=device,
              max_length=cfg.max_length)

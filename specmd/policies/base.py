@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 class Policy:
     name: ClassVar[str]  # set by Registry.register
-    Params: ClassVar[Any] = None  # optional dataclass: the keys of conf/<family>/<name>.yaml besides `name`
+    Params: ClassVar[Any] = None  # optional dataclass: the keys of specmd/conf/<family>/<name>.yaml besides `name`
     needs_future: ClassVar[bool] = False  # oracles: only a trace replay can run them
 
     def __init__(self, params: Any = None):

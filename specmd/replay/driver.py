@@ -86,10 +86,10 @@ def open_trace(rc: ReplayConfig) -> Trace:
 
 
 def model_geometry(name: str):
-    """The geometry of the model config ``conf/model/<name>.yaml`` (no weights are loaded)."""
+    """The geometry of the model config ``specmd/conf/model/<name>.yaml`` (no weights are loaded)."""
     from omegaconf import OmegaConf
 
-    from ..__main__ import CONF_DIR
+    from .. import CONF_DIR
     from ..models.loader import ModelConfig, model_geometry as geometry
     from ..registry import build_params
 

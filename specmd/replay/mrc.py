@@ -50,7 +50,7 @@ def compute(policies: list[str], capacities: list[float], overrides: list[str]) 
     """One row per (policy, capacity): hit rate, in-cache rate, collision rate, misses, stall."""
     from hydra import compose, initialize_config_dir
 
-    from ..__main__ import CONF_DIR
+    from .. import CONF_DIR
     from ..app import Run
     from .driver import build_engine, check, open_trace, run_replay
 

@@ -14,7 +14,7 @@
    ``--publish`` (online), also a W&B Report with one panel per table and figure.
 
 The layout of a section comes from the experiment's ``report`` spec: the installed
-``conf/experiment/<experiment>.yaml`` when it exists (so a fixed caption or figure applies to old sweeps;
+``specmd/conf/experiment/<experiment>.yaml`` when it exists (so a fixed caption or figure applies to old sweeps;
 the numbers always come from the jobs' results.json), else the copy in the sweep's ``multirun.yaml``.
 """
 
@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .. import CONF_DIR
 from ..errors import ConfigError
 from .collect import Sweep, find_sweeps, sweep_for_also
 from .tables import Spec, cell, fmt, group_jobs, is_percent
 
-CONF_EXPERIMENTS = Path(__file__).resolve().parent.parent.parent / "conf" / "experiment"
+CONF_EXPERIMENTS = Path(CONF_DIR) / "experiment"
 
 
 @dataclass

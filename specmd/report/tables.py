@@ -1,6 +1,6 @@
 """Step 2 of a report: an experiment's ``report`` section (its spec) applied to its jobs -> grouped values.
 
-The spec lives beside the sweep in the experiment config (conf/experiment/<name>.yaml), so an experiment's
+The spec lives beside the sweep in the experiment config (specmd/conf/experiment/<name>.yaml), so an experiment's
 axes and its paper's layout have one home::
 
     report:
