@@ -1,0 +1,54 @@
+"""The package as a user installs it: a wheel built from the source tree, installed non-editable into a fresh
+virtual environment, runs the default job from an unrelated directory with the configs it ships."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from conftest import ROOT
+
+IGNORE = shutil.ignore_patterns(".git", ".venv", "outputs", "build", "dist", "*.egg-info", "__pycache__",
+                                "wandb", ".hypothesis", "multirun")
+
+
+def _venv_with_deps(path: Path) -> Path:
+    """A fresh venv (no pip, no specmd) that sees this environment's dependencies through a .pth file. The
+    .pth adds a plain path, not a site directory, so the editable install's own .pth hook is not run: only
+    the wheel's ``specmd`` can be imported."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    py = path / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "specmd_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return py
+
+
+def test_wheel_in_fresh_venv_runs_default_job(tmp_path, mirror):
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=IGNORE)
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(dist), str(src)], check=True)
+    (wheel,) = dist.glob("specmd-*.whl")
+    py = _venv_with_deps(tmp_path / "venv")
+    subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True)
+
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {**os.environ, "SPECMD_DATA_MIRROR": str(mirror), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "WANDB_MODE": "offline", "PYTHONPATH": ""}
+    where = subprocess.run([str(py), "-c", "import specmd, pathlib; assert pathlib.Path(specmd.CONF_DIR, 'config.yaml').is_file(); "
+                            "print(specmd.__file__)"], cwd=work,
+                           env=env, check=True, capture_output=True, text=True).stdout.strip()
+    assert Path(where).is_relative_to(tmp_path / "venv"), where  # the installed wheel, not the checkout
+    # the console script and the configs shipped in the wheel: the default job, smaller
+    out = subprocess.run([str(tmp_path / "venv" / "bin" / "specmd"), "eval.limit=1", "eval.max_gen_toks=4",
+                          "hydra.run.dir=run"], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads((work / "run" / "results.json").read_text())
+    assert res["config"]["model"]["name"] == "deep_olmoe" and res["cache"]["requests"] > 0
+    assert "gsm8k" in res["tasks"]
