@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from .base import BITS, CAST, QUANT, ExpertStore, QuantMethod, cache_dir, expert_params, model_fingerprint
+from .base import (
+    BITS,
+    CAST,
+    QUANT,
+    ExpertStore,
+    QuantMethod,
+    cache_dir,
+    expert_params,
+    load_or_compute,
+    model_fingerprint,
+)
 
 INT = ("int8", "int4", "int3", "int2")
 
@@ -18,9 +29,15 @@ class HQQ(QuantMethod):
     the input axis, half-quadratic refinement when ``optimize``), one call per fused weight tensor with
     each expert's rows bit-packed separately (identical to per-expert quantization without ``optimize``;
     with it, only HQQ's early-stopping test is shared across a layer's experts); bytes per expert count the bit-packed weights plus one fp16 scale and zero per group,
-    biases stay native. Copies are cached on disk (``$SPECMD_CACHE`` or ``~/.cache/specmd``/quant) keyed by
-    a fingerprint of the weights and the settings, so sweeps never re-quantize; an expert is dequantized
-    when it first runs at a low precision (the last ``cache_experts`` are kept).
+    biases stay native. Integer copies are cached on disk, one file per precision in ``$SPECMD_CACHE/quant``
+    (default ``~/.cache/specmd/quant``), named by a fingerprint of all experts' weights
+    (:func:`~specmd.quant.base.model_fingerprint`), the precision, ``group_size``, ``optimize`` and the hqq
+    version, so sweeps never re-quantize. Each file stores that key and a SHA-256 of its payload, both
+    checked on every load; a file failing a check (truncated, corrupted, another key's) is logged as a
+    WARNING naming it and the reason, renamed to ``<name>.bad-<token>`` and recomputed. Of concurrent
+    processes needing the same file, one quantizes and the others wait on a file lock and then load it
+    (:func:`~specmd.quant.base.load_or_compute`). An expert is
+    dequantized when it first runs at a low precision (the last ``cache_experts`` are kept).
 
     Why HQQ: it needs no calibration data, supports int2/int3 (quanto has no int3; bitsandbytes no
     int2), and runs on CPU and GPU; the dequantized weights run in the family's own fused kernel, so the
@@ -97,11 +114,23 @@ class HQQ(QuantMethod):
             out.append((Quantizer.pack[packing](wq[sl].to(torch.uint8)).cpu(), m))
         return out
 
+    def cache_key(self, prec: str, fp: str) -> dict:
+        """What a cached copy depends on; stored in the file and compared on every load."""
+        from importlib.metadata import version
+
+        return {"fingerprint": fp, "method": "hqq", "precision": prec, "group_size": int(self.params.group_size),
+                "optimize": bool(self.params.optimize), "hqq": version("hqq")}
+
+    def cache_path(self, prec: str, fp: str) -> Path:
+        k = self.cache_key(prec, fp)
+        return cache_dir() / f"{fp}-hqq-{prec}-g{k['group_size']}-o{int(k['optimize'])}-hqq{k['hqq']}.pt"
+
     def _load_or_quantize(self, experts, num_experts, prec, fp):
-        g = self.params.group_size
-        path = cache_dir() / f"{fp}-hqq-{prec}-g{g}-o{int(self.params.optimize)}.pt"
-        if path.exists():
-            return torch.load(path, weights_only=False)
+        path = self.cache_path(prec, fp)
+        return load_or_compute(path, self.cache_key(prec, fp),
+                               lambda: self._quantize_all(experts, num_experts, prec, path))
+
+    def _quantize_all(self, experts, num_experts, prec, path):
         from hqq.core.quantize import Quantizer
         from tqdm.auto import tqdm
 
@@ -111,10 +140,6 @@ class HQQ(QuantMethod):
                         unit="layer"):
             entry = {}
             for n, p in expert_params(mod, num_experts):
-                entry[n] = self._quantize_fused(p.detach(), num_experts, BITS[prec], g, Quantizer)
+                entry[n] = self._quantize_fused(p.detach(), num_experts, BITS[prec], self.params.group_size, Quantizer)
             layers.append(entry)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save(layers, tmp)
-        tmp.replace(path)
         return layers
