@@ -6,11 +6,12 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from . import CONF_DIR
+from .jobs import SWEEP_EXIT, Interrupted, raise_on_signals, register_resolvers, torch_threads
 
-_FAILED: list = []  # run dirs of the jobs of this multirun that failed on a config or data error
+register_resolvers()  # ${specmd_unique:} and ${specmd_job:...} in the run and sweep directory names
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -18,7 +19,7 @@ def _hydra_main(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
     from rich.console import Console
 
-    from .app import execute
+    from .app import JobRunning, execute
     from .errors import ConfigError, DataError
     from .summary import print_summary
 
@@ -27,25 +28,35 @@ def _hydra_main(cfg: DictConfig):
     multirun = hc.mode.name == "MULTIRUN"
     # a multirun's runs share a W&B group: its sweep directory's last two parts (<date>/<time> by default)
     group = "/".join(Path(hc.sweep.dir).parts[-2:]) if multirun else None
-    console = Console(stderr=False)
+    err = Console(stderr=True)
+    threads = torch_threads(cfg.get("threads"), OmegaConf.to_container(hc.launcher, resolve=True))
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     try:
-        results = execute(cfg, run_dir=run_dir, group=group)
-    except (ConfigError, DataError) as exc:
-        Console(stderr=True).print(f"[bold red]specmd: error:[/] {exc}", highlight=False, soft_wrap=True)
-        if not (Path(run_dir) / "failed.json").exists():  # a config error, found before any model work
-            from omegaconf import OmegaConf
-
-            from .results import write_json_atomic
-
-            write_json_atomic(Path(run_dir) / "failed.json", {
-                "config": OmegaConf.to_container(cfg, resolve=False), "stage": "config",
-                "error": f"{type(exc).__name__}: {exc}"})
+        # a sweep's job resumes: done with this config -> not run again (specmd.jobs)
+        results = execute(cfg, run_dir=run_dir, group=group, resume=multirun,
+                          overrides=list(hc.overrides.task))
+    except JobRunning as exc:
+        err.print(f"[yellow]specmd: skipped:[/] {exc}", highlight=False, soft_wrap=True)
+        return None
+    except (ConfigError, DataError) as exc:  # failed.json is written; one clear line, no traceback
+        err.print(f"[bold red]specmd: error:[/] {exc}", highlight=False, soft_wrap=True)
         if not multirun:
             raise SystemExit(2)
-        # one bad job fails itself, not the sweep: the others run, and the sweep exits 2 at the end
-        _FAILED.append(run_dir)
+        return None  # one bad job fails itself, not the sweep (SweepEnd sets the exit code)
+    except Exception:  # model load, quantization, evaluation: failed.json names the stage
+        if not multirun:
+            raise
+        err.print_exception(max_frames=8)
+        err.print(f"[bold red]specmd: job failed[/] (failed.json in {run_dir}); the sweep goes on")
         return None
-    print_summary(results, run_dir, console)
+    if results.get("resumed"):
+        Console().print(f"specmd: done already, not run again: {run_dir}/results.json (same config hash)",
+                        highlight=False, soft_wrap=True)
+    else:
+        print_summary(results, run_dir, Console())
     return results.get("cache", {}) and results["cache"].get("hit_rate")
 
 
@@ -60,11 +71,17 @@ def main() -> None:
         from .report import main as report
 
         sys.exit(report(sys.argv[2:]))
-    _hydra_main()
-    if _FAILED:
-        print(f"specmd: {len(_FAILED)} job(s) of the sweep failed (failed.json in each): {', '.join(_FAILED)}",
-              file=sys.stderr)
-        sys.exit(2)
+    if len(sys.argv) > 1 and sys.argv[1] == "status":
+        from .report.status import main as status
+
+        sys.exit(status(sys.argv[2:]))
+    raise_on_signals()
+    try:
+        _hydra_main()
+    except Interrupted as exc:  # failed.json of the running job names the stage and the signal
+        print(f"specmd: {exc}", file=sys.stderr)
+        sys.exit(128 + __import__("signal").Signals[exc.signal_name].value)
+    sys.exit(SWEEP_EXIT["code"])
 
 
 if __name__ == "__main__":

@@ -22,32 +22,63 @@ GENERATION_TASKS = ("gsm8k", "nq_open")  # tasks that decode (generate_until); t
 class Run:
     """A validated run specification (all config errors surface here, before any model is built)."""
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: DictConfig, overrides: Optional[list] = None):
+        """``overrides``: the command line's overrides (Hydra's task overrides), for the checks that depend on
+        what the user set rather than on the composed value (mutually exclusive options)."""
         from .eval.harness import SUPPORTED, EvalConfig, task_index
-        from .models.loader import ModelConfig
+        from .models.loader import ModelConfig, check_checkpoint
         from .policies import REGISTRIES
         from .quant import QUANT
 
         c = OmegaConf.to_container(cfg, resolve=True)
         self.raw = c
-        self.model = build_params(ModelConfig, dict(c["model"]), "model")
-        self.hardware = build_params(HardwareConfig, dict(c["hardware"]), "hardware")
-        self.eval = build_params(EvalConfig, dict(c.get("eval") or {}), "eval")
-        if any(t not in SUPPORTED for t in self.eval.tasks):  # another lm-eval task: checked in its index now
-            task_index(self.eval.tasks)
+        # 1. every independent section is checked, and all their errors are reported together
+        errors: list = []
+
+        def check(fn, *args):
+            try:
+                return fn(*args)
+            except ConfigError as exc:
+                errors.append(str(exc))
+                return None
+
+        self.model = check(build_params, ModelConfig, dict(c["model"]), "model")
+        if self.model is not None and self.model.pretrained:
+            check(check_checkpoint, self.model.pretrained)
+        self.hardware = check(build_params, HardwareConfig, dict(c["hardware"]), "hardware")
+        set_by_user = {o.split("=", 1)[0].lstrip("+~") for o in overrides or ()}
+        if {"hardware.capacity", "hardware.experts_per_layer"} <= set_by_user and \
+                (c["hardware"] or {}).get("experts_per_layer") is not None:
+            errors.append("hardware.capacity and hardware.experts_per_layer are mutually exclusive (a byte budget "
+                          "or a number of slots per layer): set one of them")
+        self.eval = check(build_params, EvalConfig, dict(c.get("eval") or {}), "eval")
+        if self.eval is not None and any(t not in SUPPORTED for t in self.eval.tasks):
+            check(task_index, self.eval.tasks)  # another lm-eval task: checked in the full index now
         stack = c.get("stack") or {}
-        self.enabled = check_type(stack.get("enabled", True), bool, "stack.enabled")
+        self.enabled = check(check_type, stack.get("enabled", True), bool, "stack.enabled")
         from .engine.cache import MEASURES
 
         self.measure = str(stack.get("measure", "all"))
         if self.measure not in MEASURES:
-            raise ConfigError(f"stack.measure={self.measure!r}; valid choices: {', '.join(MEASURES)}")
+            errors.append(f"stack.measure={self.measure!r}; valid choices: {', '.join(MEASURES)}")
         tr = c.get("trace") or {}
-        self.save_trace = check_type(tr.get("save", False), bool, "trace.save")
-        self.trace_depth = check_type(tr.get("depth", 1), int, "trace.depth")
-        self.trace_logits = check_type(tr.get("logits", "fp32"), str, "trace.logits")
-        self.quant = QUANT.params(c.get("quant") or {"name": "none"})
-        self.policies = {g: REGISTRIES[g].params(c[g]) for g in GROUPS}  # (class, params), validated
+        self.save_trace = check(check_type, tr.get("save", False), bool, "trace.save")
+        self.trace_depth = check(check_type, tr.get("depth", 1), int, "trace.depth")
+        self.trace_logits = check(check_type, tr.get("logits", "fp32"), str, "trace.logits")
+        self.device = c.get("device", "cpu")
+        check(check_device, self.device)
+        threads = check(check_type, c.get("threads"), Optional[int], "threads")
+        if threads is not None and threads < 1:
+            errors.append(f"threads={threads} must be >= 1 or null (the launcher's share of the cores)")
+        self.quant = check(QUANT.params, c.get("quant") or {"name": "none"})
+        self.policies = {g: check(REGISTRIES[g].params, c[g]) for g in GROUPS}  # (class, params), validated
+        from .replay.driver import ReplayConfig
+
+        self.replay = check(build_params, ReplayConfig, dict(c.get("replay") or {}), "replay")
+        if errors:
+            raise ConfigError(errors[0] if len(errors) == 1 else
+                              f"{len(errors)} config errors:\n  - " + "\n  - ".join(errors))
+        # 2. checks across sections
         mcls, mparams = self.policies["miss"]
         qcls, qparams = self.quant
         needed = mcls.required_precisions(mparams)
@@ -60,9 +91,6 @@ class Run:
         if missing:
             raise ConfigError(f"miss={mcls.name} needs precision(s) {missing}, but quant={qcls.name} stores only "
                               f"{', '.join(stored)}; use quant=hqq with quant.precisions including {missing}")
-        from .replay.driver import ReplayConfig
-
-        self.replay = build_params(ReplayConfig, dict(c.get("replay") or {}), "replay")
         oracles = [f"{g}={cls.name}" for g, (cls, _) in self.policies.items() if cls.needs_future]
         if oracles and not self.replay.trace:
             raise ConfigError(f"{', '.join(oracles)} needs the future, which only a trace replay has: record a "
@@ -74,7 +102,6 @@ class Run:
         if self.trace_depth < 0:
             raise ConfigError(f"trace.depth={self.trace_depth} must be >= 0")
         self.mirror = (c.get("data") or {}).get("mirror")
-        self.device = c.get("device", "cpu")
 
         if self.measure == "decode" and not self.replay.trace and not self.eval.token_by_token and not any(
                 t in GENERATION_TASKS for t in self.eval.tasks):
@@ -104,27 +131,102 @@ def collect(run: Run, engine, tasks: dict, wall_s: float) -> dict:
     return results
 
 
-def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str] = None) -> dict:
-    """Run one configuration; writes ``results.json`` (atomically) into ``run_dir``."""
+def check_device(device: str) -> None:
+    """``device`` names a torch device that this machine has (checked before any model work)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device={device!r} is not a torch device ({exc}); valid choices: cpu, cuda, cuda:N, "
+                          f"mps") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device}: this torch ({torch.__version__}) sees no CUDA device; use device=cpu "
+                              f"or install a CUDA build of torch")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device={device}: only {torch.cuda.device_count()} CUDA device(s) here")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device={device}: MPS is not available here; use device=cpu")
+
+
+class JobRunning(RuntimeError):
+    """The job's directory is locked by another process running the same job (a second launch)."""
+
+
+class _Progress:
+    """Where a job is (``stage``, one of :data:`specmd.jobs.STAGES`) and what it has computed so far."""
+
+    def __init__(self):
+        self.stage = "config"
+        self.run: Optional[Run] = None
+        self.partial = None  # () -> dict: the cache/timing accounting so far, once a stack exists
+        self.wrote_results = False
+
+
+def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str] = None,
+            resume: bool = False, overrides: Optional[list] = None) -> dict:
+    """Run one configuration: ``results.json`` (atomically) into ``run_dir`` when it succeeds, else
+    ``failed.json`` naming the stage that failed (:mod:`specmd.jobs`). ``resume`` (a sweep's job): return the
+    results already in ``run_dir`` when they are this config's (``results["resumed"]`` is then true), and
+    raise :class:`JobRunning` when another process holds the job."""
+    from . import jobs
+
+    run_dir = Path(run_dir or os.getcwd())
+    progress = _Progress()
+    lock = None
+    try:
+        run = progress.run = Run(cfg, overrides)
+        digest = jobs.config_hash(run.raw)
+        if resume:
+            from filelock import Timeout
+
+            lock = jobs.job_lock(run_dir)
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                lock = None
+                raise JobRunning(f"{run_dir} is locked by another process running this job") from None
+            done = jobs.finished(run_dir, digest)
+            if done is not None:
+                done["resumed"] = True
+                return done
+        return _execute(run, digest, run_dir, group, progress)
+    except JobRunning:
+        raise
+    except BaseException as exc:
+        if not progress.wrote_results:
+            config = progress.run.raw if progress.run is not None else OmegaConf.to_container(cfg, resolve=False)
+            partial = progress.partial() if progress.partial is not None else None
+            jobs.write_failed(run_dir, progress.stage, exc, config, partial)
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progress: _Progress) -> dict:
     from .eval.mirror import mirrored, require_hub_for, resolve_mirror, set_offline
     from .loggers import build_logger
     from .results import write_json_atomic, write_passes_csv
 
-    run = Run(cfg)
     logger = build_logger(run.raw.get("logger"), group)
-    run_dir = Path(run_dir or os.getcwd())
     if run.replay.trace:
         from .replay.driver import replay
         from .replay.record import KEYWORD, recorded_trace
 
+        progress.stage = "replay"
         if run.replay.trace == KEYWORD:
             run.replay.trace = recorded_trace(run)
 
         results, engine = replay(run, run_dir)
+        progress.stage = "write"
+        results["config_hash"] = digest
         run_dir.mkdir(parents=True, exist_ok=True)
         write_passes_csv(run_dir / "passes.csv", engine.cache.stats.passes)
         write_json_atomic(run_dir / "results.json", results)
-        logger.log_run(results, str(run_dir))
+        progress.wrote_results = True
+        logger.log_run(results, str(run_dir))  # never raises: W&B trouble is a warning (specmd.loggers)
         return results
     root = resolve_mirror(run.mirror)
     if root is not None:
@@ -141,10 +243,14 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
     from .models.loader import load_model
 
     t0 = time.perf_counter()
+    progress.stage = "load"
     model, tokenizer = load_model(run.model)
     model.to(run.device)
+    progress.stage = "stack"
     stack = run.build_stack(model) if run.enabled else None
     engine = stack.engine if stack is not None else None
+    tasks: dict = {}
+    progress.partial = lambda: collect(run, engine, tasks, time.perf_counter() - t0)
     if stack is not None and run.save_trace:
         from .replay.driver import changes_computation
         from .replay.trace import TraceWriter
@@ -154,24 +260,22 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
                                    run.trace_logits, {"model": run.raw.get("model"), "run_dir": str(run_dir),
                                                       "device": run.device, "stack": run.spec.names(),
                                                       "exact": exact})
-    tasks: dict = {}
+    progress.stage = "evaluate"
     try:
         with mirrored(root):
             tasks = evaluate(model, tokenizer, run.eval, device=run.device)
-    except BaseException as exc:
-        # Keep what was computed: the cache/timing accounting so far, marked failed (never results.json).
-        partial = collect(run, engine, tasks, time.perf_counter() - t0)
-        partial["error"] = f"{type(exc).__name__}: {exc}"
-        write_json_atomic(run_dir / "failed.json", partial)
-        raise
     finally:
         if stack is not None:
             stack.remove()
             if stack.writer is not None:
                 stack.writer.close()
+    progress.stage = "write"
     results = collect(run, engine, tasks, time.perf_counter() - t0)
+    results["config_hash"] = digest
     if engine is not None:
         write_passes_csv(run_dir / "passes.csv", engine.cache.stats.passes)
     write_json_atomic(run_dir / "results.json", results)
+    progress.wrote_results = True
     logger.log_run(results, str(run_dir))
     return results
+

@@ -151,7 +151,8 @@ def test_sweep_records_its_trace_once_replays_every_job_and_reports(tmp_path, mi
     assert len(recordings) == 1 and (recordings[0] / "trace" / "meta.json").exists()
     recorded = json.loads((recordings[0] / "results.json").read_text())
     assert recorded["config"]["eviction"]["name"] == "lru" and recorded["config"]["prefetch"]["name"] == "none"
-    jobs = [json.loads(p.read_text()) for p in sorted((tmp_path / "sweep").glob("*/results.json"))]
+    jobs = [json.loads(p.read_text()) for p in (tmp_path / "sweep").glob("*/results.json")]
+    jobs.sort(key=lambda j: j["config"]["eviction"]["name"] != "lru")  # lru, then belady
     assert [j["config"]["eviction"]["name"] for j in jobs] == ["lru", "belady"]
     for j in jobs:
         assert j["replay"]["exact"] and j["replay"]["trace"] == str(recordings[0] / "trace")
@@ -176,7 +177,8 @@ def test_a_bad_job_fails_itself_not_the_sweep(tmp_path, mirror):
     r = specmd(["-m", "hardware.capacity=1.5,0.05", *FAST], tmp_path, mirror)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert "hardware.capacity=1.5" in r.stderr and "1 job(s) of the sweep failed" in r.stderr
-    bad, good = tmp_path / "sweep" / "0", tmp_path / "sweep" / "1"
+    (bad,) = (tmp_path / "sweep").glob("*capacity=1.5*")  # job dirs are named by their overrides
+    (good,) = (tmp_path / "sweep").glob("*capacity=0.05*")
     failed = json.loads((bad / "failed.json").read_text())
     assert failed["stage"] == "config" and "hardware.capacity=1.5" in failed["error"]
     assert not (bad / "results.json").exists()

@@ -71,3 +71,127 @@ def test_replay_runs_say_which_trace_they_read():
     s = flat_summary(res)
     assert s["replay/trace"] == "/t/trace" and s["replay/exact"] is True
     assert s["replay/trace_fingerprint"] == "0123456789abcdef"
+
+
+# --- W&B never turns a finished run into a failure (issue 10) -------------------------------------------------
+
+FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def blackhole():
+    """A W&B server that accepts connections (the kernel's backlog does) and never answers."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(128)
+    yield f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    import specmd.loggers as loggers
+
+    monkeypatch.setattr(loggers, "_UNREACHABLE", None)
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # as in the test env: the logger's own mode must decide
+
+
+def _wandb_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "specmd" and r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("server", ["refused", "blackhole"])
+def test_unreachable_wandb_saves_offline_warns_and_returns_within_the_bound(server, blackhole, no_network,
+                                                                           monkeypatch, tmp_path, caplog):
+    import time
+
+    from wandb_offline import read_offline_run
+
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9" if server == "refused" else blackhole)
+    logger = build_logger({"name": "wandb", "project": "t", "mode": "online", "init_timeout_s": 10,
+                           "finish_timeout_s": 3})
+    caplog.set_level("WARNING", logger="specmd")
+    t0 = time.monotonic()
+    logger.log_run(RESULTS, str(tmp_path / "a"))  # no exception
+    took = time.monotonic() - t0
+    assert took < 3 + 12, took  # the upload bound + offline init / process start on a loaded 2-core box
+    (warning,) = _wandb_warnings(caplog)
+    (run,) = (tmp_path / "a" / "wandb").glob("offline-run-*")
+    assert f"saved offline at {run}" in warning and f"`wandb sync {run}`" in warning and "timed out" in warning
+    assert read_offline_run(tmp_path / "a")["summary"]["cache/hit_rate"] == 0.5  # the whole run is on disk
+
+    caplog.clear()  # a multirun's next job: saved offline at once, not another finish_timeout_s
+    t0 = time.monotonic()
+    logger.log_run(RESULTS, str(tmp_path / "b"))
+    assert time.monotonic() - t0 < 3, "W&B unreachable earlier: no second upload attempt"
+    (warning,) = _wandb_warnings(caplog)
+    (run,) = (tmp_path / "b" / "wandb").glob("offline-run-*")
+    assert "unreachable earlier" in warning and f"`wandb sync {run}`" in warning
+
+
+def test_finished_process_exits_0_promptly_when_wandb_never_answers(blackhole, tmp_path):
+    """The whole process, atexit hooks included (the trial's hang was ~100 s then exit 1)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = ("import logging, sys; logging.basicConfig(); sys.path.insert(0, 'tests')\n"
+              "from test_loggers import RESULTS\nfrom specmd.loggers import build_logger\n"
+              "build_logger({'name': 'wandb', 'project': 't', 'mode': 'auto', 'init_timeout_s': 10, "
+              "'finish_timeout_s': 3}).log_run(RESULTS, sys.argv[1])\n")
+    env = dict(os.environ, WANDB_API_KEY=FAKE_KEY, WANDB_BASE_URL=blackhole, WANDB_SILENT="true")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr
+    assert "saved offline at" in proc.stderr and "wandb sync" in proc.stderr
+    assert took < 3 + 20, took  # python + torch-free imports + the 3 s bound; was 90 s + 22 s at exit
+
+
+def test_log_run_never_raises(tmp_path, monkeypatch, caplog):
+    import wandb
+
+    def broken(*a, **k):
+        raise wandb.errors.CommError("network is unreachable")
+
+    monkeypatch.setattr(wandb, "init", broken)
+    caplog.set_level("WARNING", logger="specmd")
+    WandbLogger(mode="online").log_run(RESULTS, str(tmp_path))
+    (warning,) = _wandb_warnings(caplog)
+    assert "CommError: network is unreachable" in warning and "the run itself succeeded" in warning
+
+
+def test_a_successful_upload_warns_nothing(tmp_path, no_network, monkeypatch, caplog):
+    import sys
+
+    import specmd.loggers as loggers
+
+    touch = "import pathlib, sys; [p.with_suffix('.wandb.synced').touch() for p in pathlib.Path(sys.argv[1]).glob('*.wandb')]"
+    monkeypatch.setattr(loggers, "sync_command", lambda d: [sys.executable, "-c", touch, d])
+    caplog.set_level("WARNING", logger="specmd")
+    WandbLogger(mode="online", finish_timeout_s=20).log_run(RESULTS, str(tmp_path))
+    assert _wandb_warnings(caplog) == []
+    assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb.synced"))
+
+
+def test_timeouts_are_configured_and_validated():
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    import specmd
+
+    yaml = Path(specmd.__file__).parent / "conf" / "logger" / "wandb.yaml"
+    logger = build_logger(OmegaConf.to_container(OmegaConf.load(yaml)))
+    assert (logger.init_timeout_s, logger.finish_timeout_s) == (30, 60)
+    for bad in (0, -1, "soon", True):
+        with pytest.raises(ConfigError, match="finish_timeout_s"):
+            WandbLogger(finish_timeout_s=bad)
+    with pytest.raises(ConfigError, match="init_timeout_s"):
+        build_logger({"name": "wandb", "init_timeout_s": 0})

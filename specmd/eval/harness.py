@@ -29,7 +29,7 @@ class EvalConfig:
     num_fewshot: Optional[int] = None
     # Cap on generated tokens for generation tasks (gsm8k, nq_open); null = the task's own.
     max_gen_toks: Optional[int] = None
-    max_length: Optional[int] = None  # context window given to lm-eval; null = the model's
+    max_length: Optional[int] = None  # context window given to lm-eval; null = the model's, at most WINDOW_CAP
     seed: int = 1234
     # Score loglikelihoods one token at a time with a KV cache, so every token is a decode step whose
     # routing sees the cache state its predecessors left (Cache-Conditional Experts' evaluation of
@@ -57,6 +57,27 @@ class EvalConfig:
 
 def lm_eval_name(task: str) -> str:
     return TASK_ALIASES.get(task, task)
+
+
+# The context window when eval.max_length is null: the model's declared maximum (lm-eval's rule) up to this
+# many tokens. Without a cap a model declaring 131,072 positions (GPT-OSS, and the tiny_gpt_oss shaped like it)
+# gets one WikiText document as a single eager-attention window: the process was killed for memory on 24 GB.
+WINDOW_CAP = 4096
+_WINDOW_ATTRS = ("n_positions", "max_position_embeddings", "n_ctx")  # lm-eval HFLM.max_length's order
+
+
+def window(config, max_length: Optional[int]) -> Optional[int]:
+    """The ``max_length`` given to lm-eval: ``eval.max_length`` when set; else the model's declared window
+    capped at :data:`WINDOW_CAP`, with a warning naming the override that lifts the cap."""
+    if max_length is not None:
+        return max_length
+    declared = next((getattr(config, a) for a in _WINDOW_ATTRS if isinstance(getattr(config, a, None), int)), None)
+    if declared is not None and declared > WINDOW_CAP:
+        logging.getLogger("specmd").warning(
+            "the model declares %d positions; evaluating with a %d-token window (eval.max_length=%d uses them all)",
+            declared, WINDOW_CAP, declared)
+        return WINDOW_CAP
+    return None
 
 
 _INDEX: dict = {}
@@ -157,7 +178,7 @@ def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu") -> dict:
     names = [lm_eval_name(t) for t in cfg.tasks]
     cls = _token_by_token_lm() if cfg.token_by_token else _phase_bar_lm()
     lm = cls(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size, device=device,
-             max_length=cfg.max_length)
+             max_length=window(model.config, cfg.max_length))
     gen_kwargs = {"max_gen_toks": cfg.max_gen_toks} if cfg.max_gen_toks else None
     res = lm_eval.simple_evaluate(
         model=lm, tasks=names, num_fewshot=cfg.num_fewshot, limit=cfg.limit, task_manager=tm,

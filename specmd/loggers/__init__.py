@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional
 
 from ..errors import ConfigError
 
 MODES = ("auto", "online", "offline", "disabled")
+log = logging.getLogger("specmd")
 
 
 class NoLogger:
@@ -32,42 +34,75 @@ class WandbLogger:
 
     ``mode: auto`` logs online when the user has a W&B key (``WANDB_API_KEY`` or ``wandb login``) and
     offline otherwise (``wandb sync`` uploads later).
+
+    W&B never turns a finished run into a failure: :meth:`log_run` is called after ``results.json`` is
+    written, so it never raises (a problem is a WARNING on the ``specmd`` logger) and never blocks past
+    ``init_timeout_s + finish_timeout_s`` (plus a process kill). How: every run is first written *offline*
+    (local files only, ``<run dir>/wandb/offline-run-*``); ``online`` then uploads it with ``wandb sync`` in
+    a child process (own session) that is killed at ``finish_timeout_s``. If the upload fails or times out,
+    the warning names the offline directory and the ``wandb sync <dir>`` command that uploads it later.
+
+    Why not ``wandb.init(mode="online", settings=Settings(init_timeout=..., finish_timeout=...))`` with an
+    offline fallback: those settings bound only two of wandb's waits. Measured with wandb 0.31 against a
+    server that accepts connections and never answers, an online init that timed out after 3 s still held
+    the process ~22 s at exit (its analytics exporter probes the server with its own 10 s timeouts from an
+    atexit hook), and the defaults (``init_timeout`` 90 s) gave the ~100 s hang then exit 1 of issue 10. A
+    child process killed at a deadline is the only bound that holds whatever wandb does inside, and costs
+    nothing here: the run is logged in one go after it finished, so a live online run shows nothing more.
+    A timed-out upload also marks W&B unreachable for the rest of the process (a Hydra multirun's later
+    jobs save offline straight away instead of each waiting ``finish_timeout_s``).
     """
 
     def __init__(self, project: str = "specmd", entity: Optional[str] = None, mode: str = "auto",
-                 group: Optional[str] = None, tags: Optional[list] = None):
+                 group: Optional[str] = None, tags: Optional[list] = None, init_timeout_s: float = 30,
+                 finish_timeout_s: float = 60):
         if mode not in MODES:
             raise ConfigError(f"logger.mode={mode!r}; valid choices: {', '.join(MODES)}")
+        for key, val in (("init_timeout_s", init_timeout_s), ("finish_timeout_s", finish_timeout_s)):
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not val > 0:
+                raise ConfigError(f"logger.{key}={val!r}; expected a number of seconds > 0")
         self.project, self.entity, self.mode, self.group = project, entity, mode, group
         self.tags = list(tags or [])
+        self.init_timeout_s, self.finish_timeout_s = float(init_timeout_s), float(finish_timeout_s)
 
     def _mode(self) -> str:
         if self.mode != "auto":
             return self.mode
         if os.environ.get("WANDB_API_KEY"):
             return "online"
-        try:
-            import wandb
+        try:  # the key `wandb login` saved; read locally (wandb.Api() would verify it over the network)
+            from wandb.sdk.lib.wbauth.wbnetrc import read_netrc_auth
 
-            if wandb.Api().api_key:
+            if read_netrc_auth(host=os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"):
                 return "online"
         except Exception:
             pass
         return "offline"
 
     def log_run(self, results: dict, run_dir: str) -> None:
+        """Log the run to W&B; never raises (``Exception``) and never waits past the configured bounds."""
+        try:
+            self._log_run(results, run_dir)
+        except Exception as exc:
+            log.warning("W&B logging failed (%s: %s); the run itself succeeded (results.json in %s)",
+                        type(exc).__name__, exc, run_dir, exc_info=True)
+
+    def _log_run(self, results: dict, run_dir: str) -> None:
+        global _UNREACHABLE
         import wandb
 
+        mode = self._mode()
         cfg = results["config"]
         config = flatten(cfg)
         config.update(flatten(results.get("provenance") or {}, "provenance"))
         config["hydra_overrides"] = run_overrides(run_dir)  # what specmd report groups a sweep's runs by
         parent = os.path.dirname(os.path.normpath(run_dir))  # one multirun = one sweep (its dir holds multirun.yaml)
         config["sweep_dir"] = parent if os.path.isfile(os.path.join(parent, "multirun.yaml")) else run_dir
-        run = wandb.init(project=self.project, entity=self.entity, mode=self._mode(),
+        settings = wandb.Settings(init_timeout=self.init_timeout_s, finish_timeout=self.finish_timeout_s)
+        run = wandb.init(project=self.project, entity=self.entity, mode="disabled" if mode == "disabled" else "offline",
                          group=cfg.get("experiment") or self.group, job_type="replay" if "replay" in results else "live",
                          tags=self.tags + run_tags(cfg), config=config, dir=run_dir, reinit="finish_previous",
-                         name=run_name(run_dir))
+                         name=run_name(run_dir), settings=settings)
         series = pass_series(run_dir)
         per_layer = (results.get("cache") or {}).get("per_layer")
         if per_layer:  # logged with the last pass: every history step comes from exactly one log call
@@ -81,7 +116,56 @@ class WandbLogger:
         for row in series:
             run.log(row, step=row.pop("step"))
         run.summary.update(flat_summary(results))
+        sync_dir = None if mode == "disabled" else run.settings.sync_dir
         run.finish()
+        if mode != "online":
+            return
+        if _UNREACHABLE:
+            log.warning("W&B was unreachable earlier in this process (%s); the run is saved offline at %s and "
+                        "can be uploaded with `wandb sync %s`", _UNREACHABLE, sync_dir, sync_dir)
+            return
+        problem = upload(sync_dir, self.finish_timeout_s)
+        if problem:
+            if "timed out" in problem:
+                _UNREACHABLE = problem
+            log.warning("W&B upload failed (%s); the run is saved offline at %s and can be uploaded with "
+                        "`wandb sync %s`", problem, sync_dir, sync_dir)
+
+
+_UNREACHABLE: Optional[str] = None  # why an upload timed out earlier in this process (None: none did)
+
+
+def upload(sync_dir: str, timeout_s: float) -> Optional[str]:
+    """``wandb sync <sync_dir>`` in a child process (its own session, output to ``<sync_dir>/sync.log``),
+    killed with everything it started after ``timeout_s``; None when it uploaded, else what went wrong."""
+    import signal
+    import subprocess
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}  # the logger decided: upload
+    log_path = os.path.join(sync_dir, "sync.log")
+    t0 = time.monotonic()
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(sync_command(sync_dir), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                env=env, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        proc.wait()
+        return f"timed out after {time.monotonic() - t0:.0f} s"
+    if any(f.endswith(".wandb.synced") for f in os.listdir(sync_dir)):
+        return None
+    return f"`wandb sync` exited with {rc} without marking the run synced; see {log_path}"
+
+
+def sync_command(sync_dir: str) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "wandb", "sync", sync_dir]
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

@@ -72,6 +72,28 @@ def resolve_pretrained(path: str) -> str:
     return path
 
 
+def check_checkpoint(pretrained: str) -> None:
+    """Before the model loads: a local checkpoint (a path: it starts with ``/``, ``.`` or ``~``, or exists)
+    must be a directory with a readable ``config.json``; the error names the path. A hub id (``org/name``)
+    is left to the hub."""
+    import json
+
+    path = resolve_pretrained(pretrained)
+    local = os.path.expanduser(path)
+    if not (path.startswith(("/", ".", "~")) or os.path.exists(local)):
+        return
+    if not os.path.isdir(local):
+        raise ConfigError(f"model.pretrained={pretrained}: no such directory ({os.path.abspath(local)})")
+    cfg = Path(local) / "config.json"
+    if not cfg.is_file():
+        raise ConfigError(f"model.pretrained={pretrained}: {cfg} not found (a checkpoint directory holds config.json "
+                          f"and the weights)")
+    try:
+        json.loads(cfg.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.pretrained={pretrained}: {cfg} is not valid JSON ({exc})") from None
+
+
 def _is_local(path: str) -> bool:
     return os.path.isdir(os.path.expanduser(path))
 

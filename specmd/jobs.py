@@ -1,0 +1,189 @@
+"""A job's identity and lifecycle on disk: where it writes, whether it is already done, how it failed.
+
+Job directories. A single run writes to ``outputs/<date>/<time>-<host>-<pid>``: two runs started in the
+same second, on one machine or on several sharing a filesystem, never share a directory. A job of a sweep
+writes to ``<sweep dir>/<overrides>-<hash>`` (:func:`job_dirname`, the ``specmd_job`` resolver): the same
+job of a re-launched sweep lands in the same directory whatever its number or launcher, and two different
+jobs never do.
+
+Resume. ``results.json`` records ``config_hash``, a hash of the resolved config (:func:`config_hash`). A
+sweep job whose directory already holds a ``results.json`` with the same hash is not run again: it is
+reported done. A ``results.json`` of another config (the defaults changed between launches) is kept as
+``results.<its hash>.json`` and the job runs. Failed and interrupted jobs (``failed.json`` or nothing) run
+again. While a job runs it holds ``<job dir>/.lock`` (a ``filelock``); a second launch that finds the lock
+held skips the job as running elsewhere instead of writing into the same directory.
+
+Failures. Every failure writes ``failed.json`` (:func:`write_failed`): the stage that failed (``config``,
+``load``, ``stack`` -- which quantizes the experts --, ``evaluate``, ``replay``, ``write``), the error, and
+the signal when one stopped the job (SIGTERM and SIGINT are turned into exceptions by
+:func:`raise_on_signals`; SIGKILL leaves no ``failed.json`` and the job counts as interrupted).
+``results.json`` is written only by a job that succeeded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import socket
+from pathlib import Path
+from typing import Optional
+
+STAGES = ("config", "load", "stack", "evaluate", "replay", "write")
+# keys that do not change a job's numbers, left out of its config hash
+UNHASHED = ("logger", "threads")
+_NAME_CHARS = re.compile(r"[^A-Za-z0-9=,._+-]+")
+
+
+def unique_suffix() -> str:
+    """``<host>-<pid>``: no two processes running at the same time share it, on one machine or several."""
+    return f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
+
+
+def job_dirname(override_dirname: str) -> str:
+    """A sweep job's directory name: its overrides, readable and capped at 80 characters, plus 8 hex digits
+    of their hash (so two jobs that differ only past the cap, or only in characters replaced here, still get
+    their own directory)."""
+    digest = hashlib.sha256(override_dirname.encode()).hexdigest()[:8]
+    readable = _NAME_CHARS.sub("_", override_dirname)[:80] or "job"
+    return f"{readable}-{digest}"
+
+
+def register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    # use_cache: one value per config, copied with Hydra's resolver cache into each job's config
+    OmegaConf.register_new_resolver("specmd_unique", unique_suffix, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("specmd_job", job_dirname, replace=True)
+
+
+def config_hash(resolved: dict) -> str:
+    """sha256 (16 hex digits) of the resolved config without :data:`UNHASHED` keys: equal hashes, equal job."""
+    body = {k: v for k, v in resolved.items() if k not in UNHASHED}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def finished(run_dir: Path, digest: str) -> Optional[dict]:
+    """The job's ``results.json`` if it finished with this config; otherwise None, after moving a
+    ``results.json`` of another config aside (kept, never overwritten) and a stale ``failed.json`` away."""
+    path = run_dir / "results.json"
+    try:
+        results = json.loads(path.read_text())
+    except FileNotFoundError:
+        results = None
+    except ValueError:  # not written by write_json_atomic: keep it for inspection, run again
+        os.replace(path, run_dir / "results.unreadable.json")
+        results = None
+    if results is not None:
+        if results.get("config_hash") == digest:
+            return results
+        os.replace(path, run_dir / f"results.{results.get('config_hash') or 'old'}.json")
+    (run_dir / "failed.json").unlink(missing_ok=True)
+    return None
+
+
+def job_lock(run_dir: Path):
+    """The lock a job holds while it runs (``FileLock``; acquire with ``timeout=0`` to skip a held one)."""
+    from filelock import FileLock
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(run_dir / ".lock"))
+
+
+def write_failed(run_dir: Path, stage: str, exc: BaseException, config: Optional[dict] = None,
+                 partial: Optional[dict] = None) -> None:
+    """``failed.json``: ``stage`` (one of :data:`STAGES`), ``error``, ``signal`` when a signal stopped the
+    job, the config and what was computed before the failure (``partial``: cache and timing so far)."""
+    from .results import write_json_atomic
+
+    body = dict(partial or {})
+    if config is not None:
+        body.setdefault("config", config)
+    body.update(stage=stage, error=f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, Interrupted):
+        body["signal"] = exc.signal_name
+    write_json_atomic(Path(run_dir) / "failed.json", body)
+
+
+class Interrupted(BaseException):
+    """A signal stopped the job (SIGTERM from a scheduler or ``kill``, SIGINT from Ctrl-C)."""
+
+    def __init__(self, signum: int):
+        self.signal_name = signal.Signals(signum).name
+        super().__init__(f"stopped by {self.signal_name}")
+
+
+def raise_on_signals() -> None:
+    """SIGTERM and SIGINT raise :class:`Interrupted` in the main thread, so the running job writes its
+    ``failed.json`` (with the stage it was in) before the process exits."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, handler)
+
+
+def torch_threads(requested: Optional[int], launcher: dict) -> Optional[int]:
+    """Intra-op threads for one job: ``threads`` when set; else the cores this process may use divided by
+    the jobs its launcher runs beside it on one machine (joblib's ``n_jobs``), or the task's CPUs (submitit's
+    ``cpus_per_task``, Ray's ``num_cpus``); None (torch's default, every core) for a job running alone. Two
+    jobs each spinning every core of a small machine ran 10-19x slower than with one thread each."""
+    if requested is not None:
+        return requested
+    target = str(launcher.get("_target_", "")).lower()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if "joblib" in target:
+        n = launcher.get("n_jobs") or -1
+        n = cores if n < 0 else n
+        return max(1, cores // max(1, n))
+    if "submitit" in target:  # SLURM gives a task one CPU unless cpus_per_task asks for more; submitit's
+        return launcher.get("cpus_per_task") or 1  # local executor runs every task at once
+    if "ray" in target:
+        cpus = ((launcher.get("ray") or {}).get("remote") or {}).get("num_cpus")
+        return int(cpus) if cpus else 1  # Ray's default task reserves one CPU
+    return None
+
+
+SWEEP_EXIT = {"code": 0}  # set by SweepEnd in the process that launched the sweep
+
+
+def _sweep_end_callback():
+    from hydra.experimental.callback import Callback
+
+    class SweepEnd(Callback):
+        """After a multirun, in the launching process, whatever the launcher: reads the sweep directory
+        (``specmd status``) and sets the exit code: 0 when every job is done, 2 when only config or data
+        errors failed jobs, 1 otherwise."""
+
+        def on_multirun_end(self, config, **kwargs) -> None:
+            import sys
+
+            from .report.collect import load_sweep
+            from .report.status import job_state
+
+            sweep_dir = Path(str(config.hydra.sweep.dir))
+            states = [(job_state(j), j) for j in load_sweep(sweep_dir).jobs]
+            bad = [(s, j) for s, j in states if s != "done"]
+            print(f"specmd: sweep {sweep_dir}: {len(states) - len(bad)} of {len(states)} jobs done"
+                  + (f"; not done: " + ", ".join(f"{' '.join(j.overrides)} ({s})" for s, j in bad) if bad else ""),
+                  file=sys.stderr)
+            if bad:
+                only_config = all(s == "failed" and j.results.get("stage") == "config" for s, j in bad)
+                SWEEP_EXIT["code"] = 2 if only_config else 1
+                print("specmd: see `specmd status " + str(sweep_dir) + "`; re-launching the same command with "
+                      f"hydra.sweep.dir={sweep_dir} runs only the jobs not done", file=sys.stderr)
+
+    return SweepEnd
+
+
+def __getattr__(name):  # hydra.callbacks' _target_ specmd.jobs.SweepEnd, defined lazily (imports Hydra)
+    if name == "SweepEnd":
+        return _sweep_end_callback()
+    raise AttributeError(name)

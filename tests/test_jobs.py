@@ -1,0 +1,144 @@
+"""Loss-free sweeps (specmd/jobs.py): unique run directories, resume, failed.json for every stage, and a
+fault-injection test that kills a sweep at random points and re-launches it."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from specmd.jobs import config_hash, finished, job_dirname
+
+FAST = ["model=tiny", "eval.tasks=[wikitext]", "eval.limit=1", "eval.max_length=128", "logger=none"]
+
+
+def _env(mirror):
+    return dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", SPECMD_DATA_MIRROR=str(mirror),
+                PYTHONUNBUFFERED="1")
+
+
+def _launch(args, cwd, mirror, **kw):
+    return subprocess.Popen([sys.executable, "-m", "specmd", *args], cwd=cwd, env=_env(mirror),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_job_dirname_is_stable_readable_and_distinct():
+    a = job_dirname("eviction=lru,hardware.capacity=0.05")
+    assert a == job_dirname("eviction=lru,hardware.capacity=0.05") and a.startswith("eviction=lru,hardware.capacity=0.05-")
+    assert job_dirname("eviction=lru,hardware.capacity=0.05") != job_dirname("eviction=lru,hardware.capacity=0.25")
+    long_a, long_b = "x=" + "a" * 100 + "1", "x=" + "a" * 100 + "2"  # equal in the first 80 characters
+    assert job_dirname(long_a) != job_dirname(long_b) and len(job_dirname(long_a)) <= 89
+    assert "/" not in job_dirname("model.pretrained=/data/ckpt")
+
+
+def test_finished_matches_config_hash_and_keeps_other_results(tmp_path):
+    h = config_hash({"eviction": {"name": "lru"}})
+    assert h == config_hash({"eviction": {"name": "lru"}, "logger": {"name": "wandb"}})  # logger: same job
+    assert h != config_hash({"eviction": {"name": "fifo"}})
+    (tmp_path / "results.json").write_text(json.dumps({"config_hash": h, "cache": {"hits": 3}}))
+    assert finished(tmp_path, h)["cache"]["hits"] == 3
+    other = config_hash({"eviction": {"name": "fifo"}})
+    (tmp_path / "failed.json").write_text("{}")
+    assert finished(tmp_path, other) is None
+    assert not (tmp_path / "results.json").exists() and not (tmp_path / "failed.json").exists()
+    assert json.loads((tmp_path / f"results.{h}.json").read_text())["cache"]["hits"] == 3  # kept, not lost
+
+
+def test_two_runs_started_in_the_same_second_keep_both(tmp_path, mirror):
+    procs = [_launch([*FAST, f"eviction={e}"], tmp_path, mirror) for e in ("lru", "fifo")]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    found = sorted((tmp_path / "outputs").glob("*/*/results.json"))
+    assert len(found) == 2 and found[0].parent != found[1].parent
+    assert sorted(json.loads(p.read_text())["config"]["eviction"]["name"] for p in found) == ["fifo", "lru"]
+
+
+def test_resume_skips_done_jobs_reruns_failed_and_status_lists_them(tmp_path, mirror):
+    sweep = tmp_path / "sweep"
+    args = ["-m", *FAST, "hardware.capacity=0.05,0.25,1.5", f"hydra.sweep.dir={sweep}"]
+    first = _launch(args, ROOT, mirror)
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 2, err[-2000:]
+    done = {p: p.stat().st_mtime_ns for p in sweep.glob("*/results.json")}
+    assert len(done) == 2
+    (bad,) = sweep.glob("*capacity=1.5*")
+    assert json.loads((bad / "failed.json").read_text())["stage"] == "config"
+    st = subprocess.run([sys.executable, "-m", "specmd", "status", str(sweep)], capture_output=True, text=True,
+                        cwd=ROOT, timeout=120)
+    assert st.returncode == 1 and "3 jobs: 2 done, 1 failed, 0 running, 0 missing" in st.stdout, st.stdout
+    assert "resume: python -m specmd -m" in st.stdout and "[config]" in st.stdout
+    again = _launch(args, ROOT, mirror)
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 2 and "2 of 3 jobs done" in err and out.count("done already") == 2, err[-2000:]
+    assert {p: p.stat().st_mtime_ns for p in sweep.glob("*/results.json")} == done  # not redone
+    assert (bad / "failed.json").exists()  # the failed job ran again (and failed again)
+
+
+def test_failed_json_names_the_load_stage(tmp_path, mirror):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "olmoe", "num_hidden_layers": 1}))
+    r = subprocess.run([sys.executable, "-m", "specmd", *FAST, f"model.pretrained={ckpt}", "model.family=olmoe",
+                        f"hydra.run.dir={tmp_path}/run"], cwd=ROOT, env=_env(mirror), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode != 0
+    failed = json.loads((tmp_path / "run" / "failed.json").read_text())
+    assert failed["stage"] == "load" and str(ckpt) in failed["error"], failed
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_sigterm_writes_failed_json_with_stage_and_signal(tmp_path, mirror):
+    # token_by_token WikiText: a job long enough to be stopped while it evaluates
+    p = _launch([*FAST, "eval.token_by_token=true", "eval.max_length=512", f"hydra.run.dir={tmp_path}/run"],
+                ROOT, mirror)
+    deadline = time.time() + 120
+    while not (tmp_path / "run" / ".hydra" / "config.yaml").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(4)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
+    failed = json.loads((tmp_path / "run" / "failed.json").read_text())
+    assert failed["signal"] == "SIGTERM" and failed["stage"] in ("load", "stack", "evaluate"), failed
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_random_kills_and_relaunches_lose_and_redo_nothing(tmp_path, mirror):
+    """A 6-job sweep killed (SIGTERM, SIGKILL) at random points 4 times, re-launched after each kill: every
+    results.json written before a kill is still there, unchanged (same inode and mtime: not redone), and the
+    final launch completes the sweep."""
+    rng = random.Random(1)
+    sweep = tmp_path / "sweep"
+    args = ["-m", *FAST, "hardware.capacity=0.02,0.05,0.1,0.25,0.5,1.0", f"hydra.sweep.dir={sweep}"]
+
+    def snapshot():
+        return {str(p): (p.stat().st_ino, p.stat().st_mtime_ns) for p in sweep.glob("*/results.json")}
+
+    seen: dict = {}
+    kills = 0
+    for attempt in range(4):
+        p = _launch(args, ROOT, mirror)
+        time.sleep(rng.uniform(3.0, 12.0))
+        sig = rng.choice([signal.SIGTERM, signal.SIGKILL])
+        if p.poll() is None:
+            p.send_signal(sig)
+            kills += 1
+        p.communicate(timeout=120)
+        now = snapshot()
+        assert {k: now.get(k) for k in seen} == seen, "a finished job was lost or redone"
+        seen = now
+    p = _launch(args, ROOT, mirror)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-2000:]
+    final = snapshot()
+    assert {k: final.get(k) for k in seen} == seen and len(final) == 6
+    assert kills >= 2
+    caps = sorted(json.loads(Path(k).read_text())["config"]["hardware"]["capacity"] for k in final)
+    assert caps == [0.02, 0.05, 0.1, 0.25, 0.5, 1.0]
+    assert not list(sweep.glob("*/failed.json"))  # interrupted jobs ran again and succeeded
