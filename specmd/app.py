@@ -65,6 +65,12 @@ class Run:
         self.save_trace = check(check_type, tr.get("save", False), bool, "trace.save")
         self.trace_depth = check(check_type, tr.get("depth", 1), int, "trace.depth")
         self.trace_logits = check(check_type, tr.get("logits", "fp32"), str, "trace.logits")
+        from .replay.trace import LOGIT_DTYPES
+
+        if self.trace_logits is not None and self.trace_logits not in LOGIT_DTYPES:
+            errors.append(f"trace.logits={self.trace_logits!r}; valid choices: {', '.join(LOGIT_DTYPES)}")
+        if isinstance(self.trace_depth, int) and self.trace_depth < 0:
+            errors.append(f"trace.depth={self.trace_depth} must be >= 0")
         self.device = c.get("device", "cpu")
         check(check_device, self.device)
         threads = check(check_type, c.get("threads"), Optional[int], "threads")
@@ -72,6 +78,9 @@ class Run:
             errors.append(f"threads={threads} must be >= 1 or null (the launcher's share of the cores)")
         self.quant = check(QUANT.params, c.get("quant") or {"name": "none"})
         self.policies = {g: check(REGISTRIES[g].params, c[g]) for g in GROUPS}  # (class, params), validated
+        for g, pol in self.policies.items():  # top-J's upper bound is the model's top-k (engine, once known)
+            if pol is not None and isinstance(getattr(pol[1], "J", None), int) and pol[1].J < 0:
+                errors.append(f"{g}.J={pol[1].J} must be >= 0 (ranks always kept, at most the model's top-k)")
         from .replay.driver import ReplayConfig
 
         self.replay = check(build_params, ReplayConfig, dict(c.get("replay") or {}), "replay")
@@ -95,12 +104,6 @@ class Run:
         if oracles and not self.replay.trace:
             raise ConfigError(f"{', '.join(oracles)} needs the future, which only a trace replay has: record a "
                               f"trace with trace.save=true, then replay it with replay.trace=PATH")
-        from .replay.trace import LOGIT_DTYPES
-
-        if self.trace_logits not in LOGIT_DTYPES:
-            raise ConfigError(f"trace.logits={self.trace_logits!r}; valid choices: {', '.join(LOGIT_DTYPES)}")
-        if self.trace_depth < 0:
-            raise ConfigError(f"trace.depth={self.trace_depth} must be >= 0")
         self.mirror = (c.get("data") or {}).get("mirror")
 
         if self.measure == "decode" and not self.replay.trace and not self.eval.token_by_token and not any(
@@ -270,6 +273,7 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
             if stack.writer is not None:
                 stack.writer.close()
     progress.stage = "write"
+    run_dir.mkdir(parents=True, exist_ok=True)
     results = collect(run, engine, tasks, time.perf_counter() - t0)
     results["config_hash"] = digest
     if engine is not None:

@@ -41,7 +41,7 @@ def write_json_atomic(path: Path, data: dict) -> None:
 def write_passes_csv(path: Path, passes) -> None:
     """Per-forward-pass accounting (one row per prefill or decode pass)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write("pass,kind,tokens,time_s,stall_s,requests,hits,misses,collision_misses\n")
         for p in passes:

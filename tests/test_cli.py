@@ -176,7 +176,7 @@ def test_a_bad_job_fails_itself_not_the_sweep(tmp_path, mirror):
     other jobs run, the error goes to stderr, and the sweep exits 2 at the end."""
     r = specmd(["-m", "hardware.capacity=1.5,0.05", *FAST], tmp_path, mirror)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "hardware.capacity=1.5" in r.stderr and "1 job(s) of the sweep failed" in r.stderr
+    assert "hardware.capacity=1.5" in r.stderr and "1 of 2 jobs done" in r.stderr
     (bad,) = (tmp_path / "sweep").glob("*capacity=1.5*")  # job dirs are named by their overrides
     (good,) = (tmp_path / "sweep").glob("*capacity=0.05*")
     failed = json.loads((bad / "failed.json").read_text())

@@ -149,9 +149,9 @@ def test_ranges_that_depend_on_the_model_are_checked_when_its_geometry_is_known(
     from specmd.hardware import HardwareConfig
 
     g = Geometry(num_layers=2, num_experts=8, top_k=2, expert_bytes=10, total_bytes=200)
-    for kw, needle in ((dict(routing={"name": "cache_prior", "J": 3}), "routing=cache_prior: J=3 must be in 0..2"),
-                       (dict(miss={"name": "drop", "J": 5}), "miss=drop: J=5 must be in 0..2"),
-                       (dict(routing={"name": "cumsum", "J": -1}), "routing=cumsum: J=-1 must be in 0..2"),
+    for kw, needle in ((dict(routing={"name": "cache_prior", "J": 3}), "routing.J=3 must be in 0..2"),
+                       (dict(miss={"name": "drop", "J": 5}), "miss.J=5 must be in 0..2"),
+                       (dict(routing={"name": "cumsum", "J": -1}), "routing.J=-1 must be in 0..2"),
                        (dict(hardware=HardwareConfig(experts_per_layer=9)),
                         "hardware.experts_per_layer=9 exceeds the model's 8 experts per layer")):
         with pytest.raises(ConfigError, match=re.escape(needle)):

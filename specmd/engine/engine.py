@@ -121,7 +121,7 @@ def check_model_ranges(spec: StackSpec, model: Geometry) -> None:
         cls, params = getattr(spec, group)
         j = getattr(params, "J", None)
         if j is not None and not 0 <= j <= model.top_k:
-            errors.append(f"{group}={cls.name}: J={j} must be in 0..{model.top_k} (the model's top-k)")
+            errors.append(f"{group}.J={j} must be in 0..{model.top_k} (the model's top-k; {group}={cls.name})")
     epl = spec.hardware.experts_per_layer
     if epl is not None and epl > model.num_experts:
         errors.append(f"hardware.experts_per_layer={epl:g} exceeds the model's {model.num_experts} experts per layer")

@@ -156,12 +156,22 @@ def load_model(cfg: ModelConfig):
     from ..eval.mirror import require_hub_for
 
     path = resolve_pretrained(cfg.pretrained)
-    if not _is_local(path):
+    local = _is_local(path)
+    if not local:
         require_hub_for(f"model.pretrained={path}", path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, revision=cfg.revision, dtype=getattr(torch, cfg.dtype),
-        trust_remote_code=cfg.trust_remote_code,
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, revision=cfg.revision, dtype=getattr(torch, cfg.dtype),
+            trust_remote_code=cfg.trust_remote_code,
+        )
+    except Exception as exc:
+        if not local:
+            raise
+        from ..errors import DataError  # a local checkpoint's files are the user's data: name them
+
+        files = ", ".join(sorted(p.name for p in Path(os.path.expanduser(path)).iterdir()))
+        raise DataError(f"model.pretrained={cfg.pretrained}: the checkpoint in {os.path.abspath(os.path.expanduser(path))} "
+                        f"could not be loaded ({type(exc).__name__}: {exc}); its files: {files}") from exc
     if model.config.model_type != cfg.family:
         raise ConfigError(
             f"model.pretrained={cfg.pretrained} is a {model.config.model_type!r} model but model.family={cfg.family!r}"

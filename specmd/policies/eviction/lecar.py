@@ -29,6 +29,8 @@ class LeCaR(EvictionPolicy):
             check_choice("capacity_unit", self.capacity_unit, CAPACITY_UNITS)
             if not 0.0 <= self.lru_weight <= 1.0:
                 raise ValueError(f"lru_weight={self.lru_weight} must be in [0, 1]")
+            if not self.learning_rate >= 0.0:
+                raise ValueError(f"learning_rate={self.learning_rate} must be >= 0 (LeCaR's lambda; 0 freezes the weights)")
 
     def __init__(self, params=None):
         super().__init__(params or self.Params())
