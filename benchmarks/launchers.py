@@ -6,8 +6,9 @@ timing sections equal the serial run's.
 Sweep: model=tiny, one WikiText document, eviction in {lru, fifo, lfu} x capacity in {0.05, 0.1, 0.25, 0.5}
 (``--replay``: the same sweep replaying one recording, replay.trace=record, where a job is milliseconds and
 the launcher's overhead is everything). Printed per launcher: wall time of the whole command, the jobs' own
-time (sum of ``wall_s`` in results.json), and the overhead per configuration = (wall x parallel workers -
-jobs' time) / jobs. Ray runs against a head started on 127.0.0.1 and stopped afterwards.
+time (sum of ``wall_s`` in results.json: model load + evaluation or replay), wall time per configuration and
+the speed-up over the serial run; and whether the cache and timing sections equal the serial run's. Ray runs
+against a head started on 127.0.0.1 and stopped afterwards.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -49,12 +51,10 @@ def main(argv=None) -> int:
     common = ["replay.trace=record", f"replay.cache={root / 'traces'}"] if args.replay else []
     if args.replay:  # record once, outside the timings
         sweep(root / "warm", common, env)
-    runs = [("serial (basic)", [], 1),
-            ("joblib n_jobs=2", ["hydra/launcher=specmd_joblib", "hydra.launcher.n_jobs=2"], 2),
-            ("submitit_local 6 jobs/task", ["hydra/launcher=specmd_submitit_local",
-                                            "hydra.launcher.jobs_per_task=6"], 2),
-            ("submitit_local 1 job/task", ["hydra/launcher=specmd_submitit_local",
-                                           "hydra.launcher.jobs_per_task=1"], 12)]
+    runs = [("serial (basic)", []),
+            ("joblib n_jobs=2", ["hydra/launcher=specmd_joblib", "hydra.launcher.n_jobs=2"]),
+            ("submitit_local 6 jobs/task", ["hydra/launcher=specmd_submitit_local", "hydra.launcher.jobs_per_task=6"]),
+            ("submitit_local 1 job/task", ["hydra/launcher=specmd_submitit_local", "hydra.launcher.jobs_per_task=1"])]
     ray_stop = None
     if not args.skip_ray:
         ray = shutil.which("ray", path=str(Path(sys.executable).parent))
@@ -66,17 +66,19 @@ def main(argv=None) -> int:
                        capture_output=True)
         ray_stop = [ray, "stop", "--force"]
         runs.append(("ray (local head, 2 CPUs)", ["hydra/launcher=specmd_ray",
-                                                   f"hydra.launcher.ray.init.address=127.0.0.1:{port}"], 2))
+                                                   f"hydra.launcher.ray.init.address=127.0.0.1:{port}"]))
     base = None
-    print(f"{'launcher':30s} {'wall s':>8s} {'jobs s':>8s} {'overhead s/config':>18s}  same numbers as serial")
+    print(f"{'launcher':30s} {'wall s':>8s} {'jobs s':>8s} {'s/config':>9s} {'speed-up':>9s}  same numbers as serial")
+    serial_wall = None
     try:
-        for name, extra, workers in runs:
-            wall, res = sweep(root / name.split()[0], [*common, *extra], env)
+        for name, extra in runs:
+            wall, res = sweep(root / re.sub(r"[^A-Za-z0-9]+", "_", name), [*common, *extra], env)
             numbers = {k: (r["cache"], r["timing"]) for k, r in res.items()}
             base = base or numbers
             jobs_s = sum(r["wall_s"] for r in res.values())
-            over = (wall * min(workers, len(res)) - jobs_s) / len(res)
-            print(f"{name:30s} {wall:8.1f} {jobs_s:8.1f} {over:18.2f}  {numbers == base} ({len(res)} jobs)")
+            serial_wall = serial_wall or wall
+            print(f"{name:30s} {wall:8.1f} {jobs_s:8.1f} {wall / len(res):9.2f} {serial_wall / wall:8.2f}x  "
+                  f"{numbers == base} ({len(res)} jobs)")
     finally:
         if ray_stop:
             subprocess.run(ray_stop, env=env, capture_output=True)

@@ -249,6 +249,7 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
     progress.stage = "load"
     model, tokenizer = load_model(run.model)
     model.to(run.device)
+    t_load = time.perf_counter()
     progress.stage = "stack"
     stack = run.build_stack(model) if run.enabled else None
     engine = stack.engine if stack is not None else None
@@ -263,6 +264,7 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
                                    run.trace_logits, {"model": run.raw.get("model"), "run_dir": str(run_dir),
                                                       "device": run.device, "stack": run.spec.names(),
                                                       "exact": exact})
+    t_stack = time.perf_counter()
     progress.stage = "evaluate"
     try:
         with mirrored(root):
@@ -274,7 +276,10 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
                 stack.writer.close()
     progress.stage = "write"
     run_dir.mkdir(parents=True, exist_ok=True)
-    results = collect(run, engine, tasks, time.perf_counter() - t0)
+    t_end = time.perf_counter()
+    results = collect(run, engine, tasks, t_end - t0)
+    # wall seconds of each stage of this process (start-up = the process's wall time - evaluate)
+    results["wall_stages_s"] = {"load": t_load - t0, "stack": t_stack - t_load, "evaluate": t_end - t_stack}
     results["config_hash"] = digest
     if engine is not None:
         write_passes_csv(run_dir / "passes.csv", engine.cache.stats.passes)
