@@ -6,3 +6,12 @@ __version__ = "0.1.0"
 # The Hydra configs ship inside the package (package data), so an installed wheel runs from any directory; a
 # user's own config directory joins the search path with hydra.searchpath=[file:///path/to/conf].
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
+
+
+def _register_resolvers() -> None:
+    from .jobs import register_resolvers  # ${specmd_unique:} and ${specmd_job:...}, used by the configs' dirs
+
+    register_resolvers()
+
+
+_register_resolvers()

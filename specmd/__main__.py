@@ -9,9 +9,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from . import CONF_DIR
-from .jobs import SWEEP_EXIT, Interrupted, raise_on_signals, register_resolvers, torch_threads
-
-register_resolvers()  # ${specmd_unique:} and ${specmd_job:...} in the run and sweep directory names
+from .jobs import SWEEP_EXIT, Interrupted, raise_on_signals, torch_threads
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

@@ -10,7 +10,7 @@ Resume. ``results.json`` records ``config_hash``, a hash of the resolved config 
 sweep job whose directory already holds a ``results.json`` with the same hash is not run again: it is
 reported done. A ``results.json`` of another config (the defaults changed between launches) is kept as
 ``results.<its hash>.json`` and the job runs. Failed and interrupted jobs (``failed.json`` or nothing) run
-again. While a job runs it holds ``<job dir>/.lock`` (a ``filelock``); a second launch that finds the lock
+again. The hash covers the config, not specmd's code (a code change is a new sweep, in a new directory). While a job runs it holds ``<job dir>/.lock`` (a ``filelock``); a second launch that finds the lock
 held skips the job as running elsewhere instead of writing into the same directory.
 
 Failures. Every failure writes ``failed.json`` (:func:`write_failed`): the stage that failed (``config``,
