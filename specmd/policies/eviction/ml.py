@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -89,7 +90,14 @@ class ML(OrderedEviction):
 
     @dataclass
     class Params:
-        weights: str = "specmd:tiny-olmoe"
+        weights: Optional[str] = "specmd:tiny-olmoe"
+
+        def __post_init__(self):  # the file is found before any model work, or the run stops here
+            if self.weights is None:
+                raise ConfigError("eviction=ml needs trained networks, and this model ships none (its "
+                                  "model.pretrained is null): train them with `python -m specmd.train_eviction "
+                                  "--model <model> --out FILE` and set eviction.weights=FILE")
+            resolve_weights(self.weights)
 
     def __init__(self, params=None):
         super().__init__(params or self.Params())
