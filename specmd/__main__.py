@@ -9,7 +9,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from . import CONF_DIR
-from .jobs import SWEEP_EXIT, Interrupted, raise_on_signals, torch_threads
+from .jobs import SWEEP_EXIT, Interrupted, torch_threads
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -27,15 +27,10 @@ def _hydra_main(cfg: DictConfig):
     # a multirun's runs share a W&B group: its sweep directory's last two parts (<date>/<time> by default)
     group = "/".join(Path(hc.sweep.dir).parts[-2:]) if multirun else None
     err = Console(stderr=True)
-    threads = torch_threads(cfg.get("threads"), OmegaConf.to_container(hc.launcher, resolve=True))
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
     try:
         # a sweep's job resumes: done with this config -> not run again (specmd.jobs)
-        results = execute(cfg, run_dir=run_dir, group=group, resume=multirun,
-                          overrides=list(hc.overrides.task))
+        results = execute(cfg, run_dir=run_dir, group=group, resume=multirun, overrides=list(hc.overrides.task),
+                          threads=torch_threads(None, OmegaConf.to_container(hc.launcher, resolve=True)))
     except JobRunning as exc:
         err.print(f"[yellow]specmd: skipped:[/] {exc}", highlight=False, soft_wrap=True)
         return None
@@ -73,7 +68,6 @@ def main() -> None:
         from .report.status import main as status
 
         sys.exit(status(sys.argv[2:]))
-    raise_on_signals()
     try:
         _hydra_main()
     except Interrupted as exc:  # failed.json of the running job names the stage and the signal

@@ -73,9 +73,12 @@ class Run:
             errors.append(f"trace.depth={self.trace_depth} must be >= 0")
         self.device = c.get("device", "cpu")
         check(check_device, self.device)
-        threads = check(check_type, c.get("threads"), Optional[int], "threads")
-        if threads is not None and threads < 1:
-            errors.append(f"threads={threads} must be >= 1 or null (the launcher's share of the cores)")
+        self.threads = check(check_type, c.get("threads"), Optional[int], "threads")
+        if self.threads is not None and self.threads < 1:
+            errors.append(f"threads={self.threads} must be >= 1 or null (the launcher's share of the cores)")
+        from .loggers import build_logger
+
+        check(build_logger, c.get("logger"))  # its settings are checked with the others
         self.quant = check(QUANT.params, c.get("quant") or {"name": "none"})
         self.policies = {g: check(REGISTRIES[g].params, c[g]) for g in GROUPS}  # (class, params), validated
         for g, pol in self.policies.items():  # top-J's upper bound is the model's top-k (engine, once known)
@@ -168,39 +171,50 @@ class _Progress:
 
 
 def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str] = None,
-            resume: bool = False, overrides: Optional[list] = None) -> dict:
+            resume: bool = False, overrides: Optional[list] = None, threads: Optional[int] = None) -> dict:
     """Run one configuration: ``results.json`` (atomically) into ``run_dir`` when it succeeds, else
-    ``failed.json`` naming the stage that failed (:mod:`specmd.jobs`). ``resume`` (a sweep's job): return the
+    ``failed.json`` naming the stage that failed (:mod:`specmd.jobs`; a ``results.json`` an earlier run left
+    there is then moved aside, so the directory never says done). ``resume`` (a sweep's job): return the
     results already in ``run_dir`` when they are this config's (``results["resumed"]`` is then true), and
-    raise :class:`JobRunning` when another process holds the job."""
+    raise :class:`JobRunning` when another process holds the job. ``threads``: torch's intra-op threads
+    unless the config's ``threads`` says otherwise (the launcher's share of the cores, specmd.jobs)."""
     from . import jobs
 
     run_dir = Path(run_dir or os.getcwd())
     progress = _Progress()
     lock = None
     try:
-        run = progress.run = Run(cfg, overrides)
-        digest = jobs.config_hash(run.raw)
-        if resume:
-            from filelock import Timeout
+        with jobs.signals_raise():
+            digest = jobs.config_hash(OmegaConf.to_container(cfg, resolve=True))
+            if resume:  # before validation: a job whose config became invalid is not reported done
+                from filelock import Timeout
 
-            lock = jobs.job_lock(run_dir)
-            try:
-                lock.acquire(timeout=0)
-            except Timeout:
-                lock = None
-                raise JobRunning(f"{run_dir} is locked by another process running this job") from None
-            done = jobs.finished(run_dir, digest)
-            if done is not None:
-                done["resumed"] = True
-                return done
-        return _execute(run, digest, run_dir, group, progress)
+                lock = jobs.job_lock(run_dir)
+                try:
+                    lock.acquire(timeout=5)  # `specmd status` probes the lock for an instant
+                except Timeout:
+                    lock = None
+                    raise JobRunning(f"{run_dir} is locked by another process running this job") from None
+                done = jobs.finished(run_dir, digest)
+                if done is not None:
+                    done["resumed"] = True
+                    return done
+            run = progress.run = Run(cfg, overrides)
+            threads = run.threads or threads
+            if threads:
+                import torch
+
+                torch.set_num_threads(threads)
+            return _execute(run, digest, run_dir, group, progress)
     except JobRunning:
         raise
     except BaseException as exc:
         if not progress.wrote_results:
             config = progress.run.raw if progress.run is not None else OmegaConf.to_container(cfg, resolve=False)
-            partial = progress.partial() if progress.partial is not None else None
+            try:
+                partial = progress.partial() if progress.partial is not None else None
+            except Exception:  # noqa: BLE001 -- the accounting of a broken engine: the error itself matters more
+                partial = None
             jobs.write_failed(run_dir, progress.stage, exc, config, partial)
         raise
     finally:

@@ -16,12 +16,13 @@ held skips the job as running elsewhere instead of writing into the same directo
 Failures. Every failure writes ``failed.json`` (:func:`write_failed`): the stage that failed (``config``,
 ``load``, ``stack`` -- which quantizes the experts --, ``evaluate``, ``replay``, ``write``), the error, and
 the signal when one stopped the job (SIGTERM and SIGINT are turned into exceptions by
-:func:`raise_on_signals`; SIGKILL leaves no ``failed.json`` and the job counts as interrupted).
+:func:`signals_raise`; SIGKILL leaves no ``failed.json`` and the job counts as interrupted).
 ``results.json`` is written only by a job that succeeded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -32,8 +33,8 @@ from pathlib import Path
 from typing import Optional
 
 STAGES = ("config", "load", "stack", "evaluate", "replay", "write")
-# keys that do not change a job's numbers, left out of its config hash
-UNHASHED = ("logger", "threads")
+# keys that do not change a job's numbers, left out of its config hash (data: where the mirror lies)
+UNHASHED = ("logger", "threads", "data")
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9=,._+-]+")
 
 
@@ -94,17 +95,27 @@ def job_lock(run_dir: Path):
 
 def write_failed(run_dir: Path, stage: str, exc: BaseException, config: Optional[dict] = None,
                  partial: Optional[dict] = None) -> None:
-    """``failed.json``: ``stage`` (one of :data:`STAGES`), ``error``, ``signal`` when a signal stopped the
-    job, the config and what was computed before the failure (``partial``: cache and timing so far)."""
+    """``failed.json``: ``stage`` (one of :data:`STAGES`), ``kind`` (``config``, ``data``, ``signal`` or
+    ``error``), ``error``, ``signal`` when a signal stopped the job, the config and what was computed before the
+    failure (``partial``: cache and timing so far). A ``results.json`` an earlier run left in the directory is
+    moved to ``results.stale-<token>.json``: kept, but the directory no longer says done."""
+    import secrets
+
+    from .errors import ConfigError, DataError
     from .results import write_json_atomic
 
+    run_dir = Path(run_dir)
     body = dict(partial or {})
     if config is not None:
         body.setdefault("config", config)
-    body.update(stage=stage, error=f"{type(exc).__name__}: {exc}")
+    kind = ("config" if isinstance(exc, ConfigError) else "data" if isinstance(exc, DataError)
+            else "signal" if isinstance(exc, Interrupted) else "error")
+    body.update(stage=stage, kind=kind, error=f"{type(exc).__name__}: {exc}")
     if isinstance(exc, Interrupted):
         body["signal"] = exc.signal_name
-    write_json_atomic(Path(run_dir) / "failed.json", body)
+    if (run_dir / "results.json").exists():
+        os.replace(run_dir / "results.json", run_dir / f"results.stale-{secrets.token_hex(4)}.json")
+    write_json_atomic(run_dir / "failed.json", body)
 
 
 class Interrupted(BaseException):
@@ -115,19 +126,34 @@ class Interrupted(BaseException):
         super().__init__(f"stopped by {self.signal_name}")
 
 
-def raise_on_signals() -> None:
-    """SIGTERM and SIGINT raise :class:`Interrupted` in the main thread, so the running job writes its
-    ``failed.json`` (with the stage it was in) before the process exits."""
+@contextlib.contextmanager
+def signals_raise():
+    """While a job runs, SIGTERM and SIGINT raise :class:`Interrupted` in the main thread, so the job writes
+    its ``failed.json`` (with the stage it was in) before the process exits; in the CLI's process and in a
+    launcher's worker (joblib, submitit, Ray) alike. Only default handlers are replaced (a launcher's own
+    handlers, e.g. submitit's, are left alone), and they are restored afterwards. The first signal makes both
+    ignored, so a second one cannot interrupt the writing of ``failed.json``."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
+        yield
         return
+    defaults = (signal.SIG_DFL, signal.default_int_handler)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def handler(signum, frame):
+        for s in saved:
+            signal.signal(s, signal.SIG_IGN)
         raise Interrupted(signum)
 
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, handler)
+    for s, h in saved.items():
+        if h in defaults:
+            signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
 
 
 def torch_threads(requested: Optional[int], launcher: dict) -> Optional[int]:
@@ -160,7 +186,7 @@ def _sweep_end_callback():
     class SweepEnd(Callback):
         """After a multirun, in the launching process, whatever the launcher: reads the sweep directory
         (``specmd status``) and sets the exit code: 0 when every job is done, 2 when only config or data
-        errors failed jobs, 1 otherwise."""
+        errors failed jobs (``failed.json``'s ``kind``), 1 otherwise (as a single run exits)."""
 
         def on_multirun_end(self, config, **kwargs) -> None:
             import sys
@@ -175,8 +201,8 @@ def _sweep_end_callback():
                   + (f"; not done: " + ", ".join(f"{' '.join(j.overrides)} ({s})" for s, j in bad) if bad else ""),
                   file=sys.stderr)
             if bad:
-                only_config = all(s == "failed" and j.results.get("stage") == "config" for s, j in bad)
-                SWEEP_EXIT["code"] = 2 if only_config else 1
+                only_input = all(s == "failed" and j.results.get("kind") in ("config", "data") for s, j in bad)
+                SWEEP_EXIT["code"] = 2 if only_input else 1
                 print("specmd: see `specmd status " + str(sweep_dir) + "`; re-launching the same command with "
                       f"hydra.sweep.dir={sweep_dir} runs only the jobs not done", file=sys.stderr)
 

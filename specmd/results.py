@@ -42,9 +42,14 @@ def write_passes_csv(path: Path, passes) -> None:
     """Per-forward-pass accounting (one row per prefill or decode pass)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("pass,kind,tokens,time_s,stall_s,requests,hits,misses,collision_misses\n")
-        for p in passes:
-            f.write(f"{p.index},{p.kind},{p.tokens},{p.time_s:.9g},{p.stall_s:.9g},"
-                    f"{p.requests},{p.hits},{p.misses},{p.collision_misses}\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("pass,kind,tokens,time_s,stall_s,requests,hits,misses,collision_misses\n")
+            for p in passes:
+                f.write(f"{p.index},{p.kind},{p.tokens},{p.time_s:.9g},{p.stall_s:.9g},"
+                        f"{p.requests},{p.hits},{p.misses},{p.collision_misses}\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

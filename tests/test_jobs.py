@@ -73,11 +73,34 @@ def test_resume_skips_done_jobs_reruns_failed_and_status_lists_them(tmp_path, mi
                         cwd=ROOT, timeout=120)
     assert st.returncode == 1 and "3 jobs: 2 done, 1 failed, 0 running, 0 missing" in st.stdout, st.stdout
     assert "resume: python -m specmd -m" in st.stdout and "[config]" in st.stdout
+    failed_at = (bad / "failed.json").stat().st_mtime_ns
     again = _launch(args, ROOT, mirror)
     out, err = again.communicate(timeout=300)
     assert again.returncode == 2 and "2 of 3 jobs done" in err and out.count("done already") == 2, err[-2000:]
     assert {p: p.stat().st_mtime_ns for p in sweep.glob("*/results.json")} == done  # not redone
-    assert (bad / "failed.json").exists()  # the failed job ran again (and failed again)
+    assert (bad / "failed.json").stat().st_mtime_ns != failed_at  # the failed job ran again (and failed again)
+
+
+def test_a_failure_never_leaves_an_earlier_results_json_saying_done(tmp_path, mirror):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps({"config_hash": "old", "cache": {"hits": 1}}))
+    r = subprocess.run([sys.executable, "-m", "specmd", *FAST, "hardware.capacity=1.5", f"hydra.run.dir={run}"],
+                       cwd=ROOT, env=_env(mirror), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert not (run / "results.json").exists() and (run / "failed.json").exists()
+    (stale,) = run.glob("results.stale-*.json")  # kept, not lost
+    assert json.loads(stale.read_text())["cache"]["hits"] == 1
+    assert json.loads((run / "failed.json").read_text())["kind"] == "config"
+
+
+def test_bad_threads_is_a_config_error_of_its_job(tmp_path, mirror):
+    # threads is not part of a job's identity (its directory, its hash), so it is not swept here
+    r = subprocess.run([sys.executable, "-m", "specmd", "-m", *FAST, "threads=0", "hardware.capacity=0.05,0.25",
+                        f"hydra.sweep.dir={tmp_path}"], cwd=ROOT, env=_env(mirror), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "threads=0 must be >= 1" in r.stderr and "0 of 2 jobs done" in r.stderr, r.stderr[-2000:]
+    assert [json.loads(p.read_text())["stage"] for p in tmp_path.glob("*/failed.json")] == ["config", "config"]
 
 
 def test_failed_json_names_the_load_stage(tmp_path, mirror):

@@ -22,8 +22,20 @@ def _sweep(tmp_path, name, mirror, *args, axes=("eviction=lru,fifo", "hardware.c
     r = subprocess.run([sys.executable, "-m", "specmd", "-m", *SWEEP, *axes, *args, f"hydra.sweep.dir={out}"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return {p.parent.name: (json.loads(p.read_text())["cache"], json.loads(p.read_text())["timing"])
-            for p in out.glob("*/results.json")}
+    res = {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/results.json")}
+    return {k: (r["cache"], r["timing"], r["tasks"]) for k, r in res.items()}
+
+
+def same(par: dict, serial: dict) -> bool:
+    """Cache and timing sections identical; task scores equal up to float rounding (a job's torch thread count
+    differs between launchers, and so may the order of a reduction)."""
+    assert par.keys() == serial.keys()
+    for k in serial:
+        assert par[k][:2] == serial[k][:2], k
+        flat = lambda t: {f"{a}/{m}": v for a, ms in t.items() for m, v in ms.items()  # noqa: E731
+                          if isinstance(v, (int, float))}
+        assert flat(par[k][2]) == pytest.approx(flat(serial[k][2]), rel=1e-5), k
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +45,13 @@ def serial(tmp_path_factory, mirror):
 
 def test_joblib_equals_serial(serial, tmp_path, mirror):
     par = _sweep(tmp_path, "joblib", mirror, "hydra/launcher=specmd_joblib", "hydra.launcher.n_jobs=2")
-    assert len(serial) == 4 and par == serial
+    assert len(serial) == 4 and same(par, serial)
 
 
 def test_submitit_local_batched_equals_serial(serial, tmp_path, mirror):
     par = _sweep(tmp_path, "submitit", mirror, "hydra/launcher=specmd_submitit_local",
                  "hydra.launcher.jobs_per_task=2")
-    assert par == serial
+    assert same(par, serial)
     # 4 jobs, 2 per task: two array tasks, each one process that ran two jobs
     tasks = [p for p in (tmp_path / "submitit" / ".submitit").iterdir() if p.name.isdigit()]
     assert len(tasks) == 2, tasks
@@ -76,4 +88,4 @@ def test_local_ray_cluster_equals_serial(serial, tmp_path, mirror):
                      f"hydra.launcher.ray.init.address=127.0.0.1:{port}")
     finally:
         subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
-    assert par == serial
+    assert same(par, serial)

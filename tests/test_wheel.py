@@ -49,6 +49,10 @@ def test_wheel_in_fresh_venv_runs_default_job(tmp_path, mirror):
     out = subprocess.run([str(tmp_path / "venv" / "bin" / "specmd"), "eval.limit=1", "eval.max_gen_toks=4",
                           "hydra.run.dir=run"], cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    # the launcher configs are package data too (three levels down: conf/hydra/launcher)
+    cfg = subprocess.run([str(tmp_path / "venv" / "bin" / "specmd"), "hydra/launcher=specmd_joblib", "--cfg", "hydra"],
+                         cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert cfg.returncode == 0 and "JoblibLauncher" in cfg.stdout, cfg.stderr[-2000:]
     res = json.loads((work / "run" / "results.json").read_text())
     assert res["config"]["model"]["name"] == "deep_olmoe" and res["cache"]["requests"] > 0
     assert "gsm8k" in res["tasks"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, List, Sequence
 
 from hydra.core.config_store import ConfigStore
-from hydra.core.utils import JobReturn
+from hydra.core.utils import JobReturn, JobStatus
 from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 
@@ -55,8 +55,17 @@ class _BatchedMixin:
                          for j, o in enumerate(batch)])
             idx += len(batch)
         tasks = executor.map_array(_Batched(self), args)
-        assert all(isinstance(t, submitit.Job) for t in tasks)
-        return [r for t in tasks for r in t.results()[0]]
+        out: List[JobReturn] = []
+        for task, batch in zip(tasks, args):
+            try:  # every task is awaited; a lost one (timeout, OOM kill, node failure) fails its own jobs
+                out += task.results()[0]
+            except Exception as exc:  # noqa: BLE001 -- reported per job by Hydra's sweeper
+                for _ in batch:
+                    ret = JobReturn()
+                    ret.status = JobStatus.FAILED
+                    ret.return_value = exc
+                    out.append(ret)
+        return out
 
     def _executor(self):
         """Hydra's ``BaseSubmititLauncher.launch`` up to the submission: the executor with the queue's

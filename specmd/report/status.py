@@ -32,14 +32,17 @@ def job_state(job: Job) -> str:
 
 
 def resume_command(sweep_dir: Path) -> Optional[str]:
-    """The command line that re-launches the sweep into its own directory."""
+    """The command line that re-launches the sweep into its own directory: its overrides and its Hydra
+    overrides (launcher, search path...), but the sweep directory."""
     from omegaconf import OmegaConf
 
     mr = sweep_dir / "multirun.yaml"
     if not mr.exists():
         return None
-    task = list(OmegaConf.load(mr).hydra.overrides.task)
-    return shlex.join(["python", "-m", "specmd", "-m", *task, f"hydra.sweep.dir={sweep_dir}"])
+    ov = OmegaConf.load(mr).hydra.overrides
+    task = list(ov.task)
+    own = [o for o in (ov.get("hydra") or []) if not o.split("=", 1)[0] in ("hydra.mode", "hydra.sweep.dir")]
+    return shlex.join(["python", "-m", "specmd", "-m", *task, *own, f"hydra.sweep.dir={sweep_dir}"])
 
 
 def _sweep_dirs(path: Path) -> list:
