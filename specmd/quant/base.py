@@ -238,6 +238,8 @@ def read_cache_file(path: Path, key: dict) -> Any:
                                f"header says {str(want_sha)[:12]}...)")
         try:
             return torch.load(io.BufferedReader(_Window(f, start, want_bytes), _CHUNK), weights_only=True)
+        except MemoryError:  # the machine's trouble, not the file's: never move a good file aside for it
+            raise
         except Exception as e:  # noqa: BLE001 -- a payload with a valid checksum that torch cannot read
             raise BadCacheFile(f"payload unreadable ({type(e).__name__}: {e})") from None
 
