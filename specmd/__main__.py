@@ -72,7 +72,7 @@ def main() -> None:
         _hydra_main()
     except Interrupted as exc:  # failed.json of the running job names the stage and the signal
         print(f"specmd: {exc}", file=sys.stderr)
-        sys.exit(128 + __import__("signal").Signals[exc.signal_name].value)
+        sys.exit(128 + exc.signum)
     sys.exit(SWEEP_EXIT["code"])
 
 

@@ -225,7 +225,6 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
 def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progress: _Progress) -> dict:
     from .eval.mirror import mirrored, require_hub_for, resolve_mirror, set_offline
     from .loggers import build_logger
-    from .results import write_json_atomic, write_passes_csv
 
     logger = build_logger(run.raw.get("logger"), group)
     if run.replay.trace:
@@ -238,13 +237,7 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
 
         results, engine = replay(run, run_dir)
         progress.stage = "write"
-        results["config_hash"] = digest
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_passes_csv(run_dir / "passes.csv", engine.cache.stats.passes)
-        write_json_atomic(run_dir / "results.json", results)
-        progress.wrote_results = True
-        logger.log_run(results, str(run_dir))  # never raises: W&B trouble is a warning (specmd.loggers)
-        return results
+        return _finish(results, engine, digest, run_dir, logger, progress)
     root = resolve_mirror(run.mirror)
     if root is not None:
         set_offline()
@@ -289,12 +282,20 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
             if stack.writer is not None:
                 stack.writer.close()
     progress.stage = "write"
-    run_dir.mkdir(parents=True, exist_ok=True)
     t_end = time.perf_counter()
     results = collect(run, engine, tasks, t_end - t0)
     # wall seconds of each stage of this process (start-up = the process's wall time - evaluate)
     results["wall_stages_s"] = {"load": t_load - t0, "stack": t_stack - t_load, "evaluate": t_end - t_stack}
+    return _finish(results, engine, digest, run_dir, logger, progress)
+
+
+def _finish(results: dict, engine, digest: str, run_dir: Path, logger, progress: _Progress) -> dict:
+    """The one way a run succeeds, live or replayed: ``passes.csv``, then ``results.json`` (atomically, with
+    the config hash), then the logger (which never raises: W&B trouble is a warning, specmd.loggers)."""
+    from .results import write_json_atomic, write_passes_csv
+
     results["config_hash"] = digest
+    run_dir.mkdir(parents=True, exist_ok=True)
     if engine is not None:
         write_passes_csv(run_dir / "passes.csv", engine.cache.stats.passes)
     write_json_atomic(run_dir / "results.json", results)

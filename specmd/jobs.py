@@ -122,6 +122,7 @@ class Interrupted(BaseException):
     """A signal stopped the job (SIGTERM from a scheduler or ``kill``, SIGINT from Ctrl-C)."""
 
     def __init__(self, signum: int):
+        self.signum = signum
         self.signal_name = signal.Signals(signum).name
         super().__init__(f"stopped by {self.signal_name}")
 
