@@ -87,6 +87,9 @@ class Run:
         from .replay.driver import ReplayConfig
 
         self.replay = check(build_params, ReplayConfig, dict(c.get("replay") or {}), "replay")
+        from .executor import EXECUTION
+
+        self.execution = check(EXECUTION.params, c.get("execution") or {"name": "simulated"})
         if errors:
             raise ConfigError(errors[0] if len(errors) == 1 else
                               f"{len(errors)} config errors:\n  - " + "\n  - ".join(errors))
@@ -114,19 +117,60 @@ class Run:
             raise ConfigError(f"stack.measure=decode counts decode passes only, and eval.tasks={self.eval.tasks} "
                               f"run none (loglikelihood tasks are prefill passes): add a generation task "
                               f"({', '.join(GENERATION_TASKS)}) or set eval.token_by_token=true")
+        check_execution(self, c)
         from .engine.engine import timing_of
 
         self.spec = StackSpec(hardware=self.hardware, quant=self.quant, measure=self.measure,
-                              timing=timing_of(self.hardware), **self.policies)
+                              timing=timing_of(self.hardware), execution=self.execution, **self.policies)
+
+    @property
+    def offload(self) -> bool:
+        return self.execution[0].offloads
 
     def build_stack(self, model):
         from .hook import install
         from .models.adapters import adapter_for
+        from .models.loader import local_checkpoint
 
-        return install(model, self.spec, adapter_for(self.model.family))
+        return install(model, self.spec, adapter_for(self.model.family), self.device,
+                       local_checkpoint(self.model.pretrained) if self.model.pretrained else None)
 
 
-def collect(run: Run, engine, tasks: dict, wall_s: float) -> dict:
+def check_execution(run: "Run", c: dict) -> None:
+    """``execution=offload`` against the rest of the config, before any model work: what it cannot carry out
+    is an error naming the setting and the way out."""
+    ecls, ep = run.execution
+    if not ecls.offloads:
+        return
+    errors = []
+    if run.replay.trace:
+        errors.append("execution=offload runs a model, and replay.trace replays a trace without one: drop one of them")
+    if not run.enabled:
+        errors.append("execution=offload needs the policy stack (stack.enabled=false runs the unhooked model)")
+    if run.hardware.timing_as:
+        errors.append(f"execution=offload moves this model's own bytes; hardware.timing_as={run.hardware.timing_as} "
+                      f"times another model's: drop one of them")
+    mcls, mparams = run.policies["miss"]
+    lossy = [p for p in mcls.required_precisions(mparams) if p != "native"]
+    if lossy or getattr(mparams, "precision", "native") not in (None, "native"):
+        errors.append(f"execution=offload moves native-precision experts; miss={mcls.name} fetches {lossy} copies "
+                      f"(offloading quantized copies is not built yet): use execution=simulated for this stack")
+    if ep.host == "disk":
+        from .models.loader import local_checkpoint
+
+        if not run.model.pretrained or local_checkpoint(run.model.pretrained) is None:
+            errors.append(f"execution.host=disk reads experts from a local checkpoint's safetensors, and "
+                          f"model={run.model.name} has none (model.pretrained={run.model.pretrained}): use a local "
+                          f"directory or specmd:<name>, or execution.host=ram")
+    elif "page_cache" in (c.get("execution") or {}) and ep.page_cache != "drop":
+        errors.append(f"execution.page_cache={ep.page_cache} applies to execution.host=disk, and host=ram")
+    if not (str(run.device) == "cpu" or str(run.device).startswith("cuda")):
+        errors.append(f"execution=offload runs on device=cpu or cuda[:N], not device={run.device}")
+    if errors:
+        raise ConfigError("; ".join(errors))
+
+
+def collect(run: Run, engine, tasks: dict, wall_s: float, executor=None) -> dict:
     from .provenance import provenance
 
     results = {"config": run.raw, "tasks": tasks, "wall_s": wall_s, "provenance": provenance(run.model)}
@@ -134,6 +178,8 @@ def collect(run: Run, engine, tasks: dict, wall_s: float) -> dict:
         results.update(cache=None, timing=None, routing={"fidelity": 1.0})
         return results
     results.update(engine.results())
+    if executor is not None:  # the wall clock beside the simulated one, and what the run held in memory
+        results.update(executor.results())
     return results
 
 
@@ -254,14 +300,20 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
 
     t0 = time.perf_counter()
     progress.stage = "load"
-    model, tokenizer = load_model(run.model)
-    model.to(run.device)
+    offload = run.offload
+    # offload from disk: the experts are never materialised (meta), only the dense weights load
+    model, tokenizer = load_model(run.model, experts_on_meta=offload and run.execution[1].host == "disk")
+    if not offload:
+        model.to(run.device)
     t_load = time.perf_counter()
     progress.stage = "stack"
     stack = run.build_stack(model) if run.enabled else None
+    if offload:  # the experts stay in their host tier: only the dense weights go to the device
+        model.to(run.device)
     engine = stack.engine if stack is not None else None
+    executor = stack.executor if stack is not None else None
     tasks: dict = {}
-    progress.partial = lambda: collect(run, engine, tasks, time.perf_counter() - t0)
+    progress.partial = lambda: collect(run, engine, tasks, time.perf_counter() - t0, executor)
     if stack is not None and run.save_trace:
         from .replay.driver import changes_computation
         from .replay.trace import TraceWriter
@@ -283,7 +335,7 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
                 stack.writer.close()
     progress.stage = "write"
     t_end = time.perf_counter()
-    results = collect(run, engine, tasks, t_end - t0)
+    results = collect(run, engine, tasks, t_end - t0, executor)
     # wall seconds of each stage of this process (start-up = the process's wall time - evaluate)
     results["wall_stages_s"] = {"load": t_load - t0, "stack": t_stack - t_load, "evaluate": t_end - t_stack}
     return _finish(results, engine, digest, run_dir, logger, progress)

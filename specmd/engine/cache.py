@@ -60,19 +60,20 @@ class Entry:
 class LayerCall:
     """The state of the layer call being served: what an outcome may touch (one object, reused)."""
 
-    __slots__ = ("_m", "layer", "base", "pool", "record", "ready", "execution", "host_slots", "host_experts",
+    __slots__ = ("_m", "layer", "base", "pool", "record", "waits", "execution", "host_slots", "host_experts",
                  "fetch_precision", "index", "weights", "n")
 
     def __init__(self, manager: "CacheManager"):
         self._m = manager
         self.fetch_precision = manager.fetch_precision
+        self.waits: list = []  # the clock's handles compute waits for (demand fetches, late prefetches, host)
 
     def reset(self, layer: int, pool: Pool, record, index, weights, n: int) -> None:
         self.layer = layer
         self.base = layer * self._m.geom.num_experts
         self.pool = pool
         self.record = record
-        self.ready = self._m.clock.now
+        self.waits.clear()
         self.execution = None
         self.host_slots = 0
         self.host_experts = 0
@@ -90,13 +91,11 @@ class LayerCall:
             index, weights = self.index, self.weights
             if index is None:  # the record's own selection
                 index, weights = self.record.index, self.record.weights
-            void = None
-            if self.record is not None and self.record.rerouted:  # slots a routing policy emptied (prune)
-                void = self.record.weights == 0
-                void = void if bool(void.any()) else None
+            # slots a routing policy declared empty (prune: RoutingPolicy.empties)
+            void = self.record.void if self.record is not None and self.record.rerouted else None
             slots = index.numel() - (0 if void is None else int(void.sum()))
             ex = self.execution = Execution(index, weights, torch.ones_like(index, dtype=torch.bool), slots, self.n,
-                                            void)
+                                            void, self._m.geom.num_experts)
         return ex
 
     def pin(self, expert: int) -> None:
@@ -116,7 +115,8 @@ class LayerCall:
         pool, base, layer = self.pool, self.base, self.layer
         admit = pool.policy.on_admit
         make_room, insert, demand = m.make_room, m.insert, m.clock.demand
-        ready = self.ready
+        waits = self.waits
+        events = m.events
         streamed = 0
         for e in experts:
             key = base + e
@@ -125,10 +125,9 @@ class LayerCall:
                 insert(key, layer, nbytes, pool, None, False, precision).used = True
             else:
                 streamed += 1
-            t = demand(nbytes)
-            if t > ready:
-                ready = t
-        self.ready = ready
+                if events is not None:  # the executor stages its bytes for this call only
+                    events.streamed(layer, e, precision)
+            waits.append(demand(nbytes))
         n = len(experts)
         st = m.stats
         st.streamed[layer] += streamed
@@ -163,6 +162,9 @@ class CacheManager:
         self.pools = [Pool(c, p) for c, p in zip(capacities, evictions)]
         self._pool_of_layer = self.pools * geom.num_layers if len(self.pools) == 1 else list(self.pools)
         self.entries: dict[int, Entry] = {}
+        # who materialises residency (execution=offload's executor: ``inserted``, ``evicted``, ``streamed``),
+        # or None; it follows the manager's decisions and never makes one
+        self.events = None
         self.used_bytes = 0  # over all pools
         self.pinned: set[int] = set()
         self.evicted_this_pass: set[int] = set()
@@ -187,17 +189,18 @@ class CacheManager:
         s = self.stats
         if self.measure != "all" and kind != self.measure:
             self._uncounted = s.snapshot()
-        self.current_pass = [kind, tokens, context, self.clock.now, self.clock.stall_s,
-                      s.total("requests"), s.total("hits"), s.total("misses"), s.total("collision_misses")]
+        self.current_pass = [kind, tokens, context, self.clock.mark(),
+                             s.total("requests"), s.total("hits"), s.total("misses"), s.total("collision_misses")]
 
     def end_pass(self) -> None:
         if self.current_pass is None:
             return
-        kind, tokens, context, t0, stall0, r0, h0, m0, c0 = self.current_pass
+        kind, tokens, context, mark, r0, h0, m0, c0 = self.current_pass
         self.clock.tail(tokens, context)
         s = self.stats
+        seconds, stall = self.clock.since(mark)
         s.passes.append(PassRecord(
-            self.pass_index, kind, tokens, self.clock.now - t0, self.clock.stall_s - stall0,
+            self.pass_index, kind, tokens, seconds, stall,
             s.total("requests") - r0, s.total("hits") - h0, s.total("misses") - m0,
             s.total("collision_misses") - c0,
         ))
@@ -249,6 +252,7 @@ class CacheManager:
         st = self.stats
         layer, base = call.layer, call.base
         policy = call.pool.policy
+        clock = self.clock
         missing = None
         hits = 0
         for e in experts:
@@ -264,10 +268,8 @@ class CacheManager:
             tr = ent.transfer
             if tr is not None:
                 ent.transfer = None
-                if tr.ready_at > self.clock.now:  # prefetch still queued or in flight: late
-                    t = self.clock.promote(tr)
-                    if t > call.ready:
-                        call.ready = t
+                if not clock.done(tr):  # prefetch still queued or in flight: late
+                    call.waits.append(clock.promote(tr))
                     st.prefetch_late[layer] += 1
                     st.misses[layer] += 1
                     ent.used = True
@@ -309,10 +311,9 @@ class CacheManager:
     def _stall(self, call: LayerCall) -> None:
         """Step 4: host work overlaps the transfers; compute waits for whichever finishes last."""
         if call.host_experts:
-            t = self.clock.host(call.host_slots, call.host_experts)
-            if t > call.ready:
-                call.ready = t
-        self.stats.stall_s[call.layer] += self.clock.wait_until(call.ready)
+            call.waits.append(self.clock.host(call.host_slots, call.host_experts))
+        if call.waits:
+            self.stats.stall_s[call.layer] += self.clock.wait(call.waits)
 
     def finish_layer(self) -> None:
         self.pinned.clear()
@@ -349,7 +350,7 @@ class CacheManager:
         if key in self.pinned:
             return False
         tr = self.entries[key].transfer
-        return tr is None or tr.ready_at <= self.clock.now
+        return tr is None or self.clock.done(tr)
 
     def make_room(self, pool: Pool, nbytes: int) -> bool:
         if nbytes > pool.capacity:
@@ -368,6 +369,8 @@ class CacheManager:
         pool.used += nbytes
         self.used_bytes += nbytes
         pool.policy.on_insert(key, prefetched)
+        if self.events is not None:
+            self.events.inserted(key, layer, precision, prefetched)
         if self.used_bytes > self.stats.peak_bytes:
             self.stats.peak_bytes = self.used_bytes
         return ent
@@ -377,6 +380,8 @@ class CacheManager:
         ent.pool.used -= ent.nbytes
         self.used_bytes -= ent.nbytes
         ent.pool.policy.on_remove(key)
+        if self.events is not None:
+            self.events.evicted(key)
         self.evicted_this_pass.add(key)
         st = self.stats
         st.evictions[ent.layer] += 1

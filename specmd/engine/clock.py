@@ -1,14 +1,19 @@
 """Timing: the clock owns time, the transfer channel, the device roofline and host compute.
 
-The cache manager never computes a time: it asks the clock (``demand``, ``prefetch``, ``promote``,
-``host``, ``wait_until``), and the engine charges compute through it (``dense``, ``experts``, ``tail``).
-Policies read time only through the cache view (``transfer_time``, ``host_time``).
+The cache manager never reads or computes a time. Time is a **handle**: ``demand``, ``prefetch``,
+``promote`` and ``host`` return one, the manager asks ``done(handle)`` (has it arrived?) and
+``wait(handles)`` (stall compute until all have; returns the stall added), and ``mark``/``since`` give a
+forward pass its duration and stall for the pass record. The engine charges compute through the clock
+(``dense``, ``experts``, ``tail``). Policies read time only through the cache view (``transfer_time``,
+``host_time``).
 
 :class:`Clock` is the interface. :class:`SimClock` is the deterministic simulated clock (one
-non-preemptive transfer channel, demand before queued prefetches; roofline compute). A wall clock (real
-host->device copies on CUDA streams, throttled to the link) implements the same methods: ``demand`` /
-``prefetch`` issue real copies and return handles whose completion is an event, ``wait_until`` synchronises,
-``dense``/``experts``/``tail`` become no-ops (the real kernels take the time), ``now`` reads a timer.
+non-preemptive transfer channel, demand before queued prefetches; roofline compute): its handles are
+:class:`Transfer` objects whose arithmetic stays inside it. :class:`specmd.executor.wall.WallClock`
+implements the same interface on real copies (its handles are tickets of the executor's transfer thread or
+CUDA stream, ``done`` polls, ``wait`` blocks, ``dense``/``experts``/``tail`` are no-ops because the real
+kernels take the time). ``execution=offload`` keeps the simulated clock deciding (so residency, victims and
+outputs are those of ``execution=simulated``, bit for bit) and measures the same passes on a WallClock.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ INF = math.inf
 
 
 class Transfer:
-    """A prefetch waiting on or travelling through the channel. ``ready_at`` is INF until it starts."""
+    """The simulated clock's handle: a transfer (or host work) waiting on or travelling through the channel.
+    ``ready_at`` is INF until it starts; only :class:`SimClock` reads it."""
 
     __slots__ = ("nbytes", "issued_at", "ready_at", "started")
 
@@ -111,16 +117,32 @@ class Clock:
     def transfer_time(self, nbytes: int) -> float:
         raise NotImplementedError
 
-    def demand(self, nbytes: int) -> float:
-        """A blocking fetch issued now; returns when its bytes have arrived."""
+    def demand(self, nbytes: int):
+        """A blocking fetch issued now (demand priority); returns its handle (wait on it before computing)."""
         raise NotImplementedError
 
-    def prefetch(self, nbytes: int) -> Transfer:
-        """An asynchronous fetch issued now; the handle's ``ready_at`` says when it arrives (INF: queued)."""
+    def prefetch(self, nbytes: int):
+        """An asynchronous fetch issued now, queued behind earlier ones; returns its handle."""
         raise NotImplementedError
 
-    def promote(self, transfer: Transfer) -> float:
-        """A prefetch is needed now: serve it at demand priority; returns when it arrives."""
+    def promote(self, handle):
+        """A prefetch is needed now: serve it at demand priority if it has not started; returns its handle."""
+        raise NotImplementedError
+
+    def done(self, handle) -> bool:
+        """Whether ``handle``'s bytes (or host work) have arrived by now."""
+        raise NotImplementedError
+
+    def wait(self, handles) -> float:
+        """Stall compute until every handle in ``handles`` is done; returns the stall added (seconds)."""
+        raise NotImplementedError
+
+    def mark(self):
+        """An opaque mark of now, for :meth:`since` (a forward pass's start)."""
+        raise NotImplementedError
+
+    def since(self, mark) -> tuple[float, float]:
+        """(seconds elapsed, stall seconds added) since ``mark``."""
         raise NotImplementedError
 
     # -- compute ----------------------------------------------------------------------------------
@@ -128,12 +150,8 @@ class Clock:
         """Seconds the host needs for ``slots`` token-expert pairs over ``experts`` experts."""
         raise NotImplementedError
 
-    def host(self, slots: int, experts: int) -> float:
-        """Host work started now (overlapping the layer's transfers); returns when it is done."""
-        return self.now + self.host_time(slots, experts)
-
-    def wait_until(self, t: float) -> float:
-        """Stall compute until ``t``; returns the stall added."""
+    def host(self, slots: int, experts: int):
+        """Host work started now (overlapping the layer's transfers); returns its handle."""
         raise NotImplementedError
 
     def dense_time(self, layer: int, tokens: int, context: int):
@@ -181,16 +199,42 @@ class SimClock(Clock):
     def transfer_time(self, nbytes: int) -> float:
         return self.channel.duration(nbytes)
 
-    def demand(self, nbytes: int) -> float:
-        return self.channel.demand(self.now, nbytes)
+    def demand(self, nbytes: int) -> Transfer:
+        tr = Transfer(nbytes, self.now)
+        tr.started = True
+        tr.ready_at = self.channel.demand(self.now, nbytes)
+        return tr
 
     def prefetch(self, nbytes: int) -> Transfer:
         tr = Transfer(nbytes, self.now)
         self.channel.submit(tr)
         return tr
 
-    def promote(self, transfer: Transfer) -> float:
-        return self.channel.promote(transfer, self.now)
+    def promote(self, transfer: Transfer) -> Transfer:
+        self.channel.promote(transfer, self.now)
+        return transfer
+
+    def done(self, handle: Transfer) -> bool:
+        return handle.ready_at <= self.now
+
+    def wait(self, handles) -> float:
+        t = self.now
+        for h in handles:
+            if h.ready_at > t:
+                t = h.ready_at
+        return self.wait_until(t)
+
+    def mark(self) -> tuple[float, float]:
+        return self.now, self.stall_s
+
+    def since(self, mark) -> tuple[float, float]:
+        return self.now - mark[0], self.stall_s - mark[1]
+
+    def host(self, slots: int, experts: int) -> Transfer:
+        tr = Transfer(0, self.now)
+        tr.started = True
+        tr.ready_at = self.now + self.host_time(slots, experts)
+        return tr
 
     # -- compute ----------------------------------------------------------------------------------
     def host_time(self, slots: int, experts: int) -> float:

@@ -42,6 +42,7 @@ class StackSpec:
     quant: Optional[tuple] = None
     measure: str = "all"  # the passes the cache section counts: all | decode (README "Prefill and decode")
     timing: Optional[tuple] = None  # (name, Geometry): a real model's sizes and compute (hardware.timing_as)
+    execution: Optional[tuple] = None  # (Executor class, params): who carries the decisions out (live runs)
 
     @classmethod
     def from_config(cls, groups: dict, hardware: Any, quant: Optional[dict] = None, measure: str = "all"
@@ -183,6 +184,7 @@ class Engine:
             return False
         rec.index = index
         rec.weights = self.routing.weigh(rec, index).to(rec.weights.dtype)
+        rec.void = self.routing.empties(rec, index)
         return True
 
     def layer(self, rec, index: Optional[torch.Tensor] = None, weights: Optional[torch.Tensor] = None
@@ -234,8 +236,8 @@ class Engine:
             slots, n = plan.slots, plan.n_run
         if rerouted:
             kept = kept & (index.unsqueeze(-1) == rec.original.unsqueeze(-2)).any(-1)
-            void = weights == 0  # slots a routing policy emptied (prune): not run, not faithful
-            if bool(void.any()):
+            void = rec.void  # slots the routing policy declared empty (prune): not run, not faithful
+            if void is not None:
                 kept &= ~void
                 if plan is None:
                     slots -= int(void.sum())

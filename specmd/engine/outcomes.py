@@ -23,12 +23,14 @@ class Execution:
     ``index`` [T, k] / ``weights`` [T, k]: what the experts kernel receives; ``kept`` [T, k] bool: the
     router's own selections that run unchanged (routing fidelity); ``slots``/``n_run``: the token-expert
     pairs and experts the device computes (roofline; slots a routing policy emptied, ``void``, never
-    count); ``precisions``: expert -> stored precision it runs at (non-native only)."""
+    count); ``precisions``: expert -> stored precision it runs at (non-native only); ``expert_map`` [E]
+    long (vLLM's ``expert_map``): the expert whose weights each expert runs from on the device, -1 = not
+    run there (dropped, or computed on the host: ``host``). The executor maps it to its own slots."""
 
-    __slots__ = ("index", "weights", "kept", "slots", "n_run", "precisions", "void")
+    __slots__ = ("index", "weights", "kept", "slots", "n_run", "precisions", "void", "expert_map", "host")
 
     def __init__(self, index: torch.Tensor, weights: torch.Tensor, kept: torch.Tensor, slots: int, n_run: int,
-                 void: Optional[torch.Tensor] = None):
+                 void: Optional[torch.Tensor] = None, num_experts: Optional[int] = None):
         self.index = index
         self.weights = weights
         self.kept = kept
@@ -36,6 +38,10 @@ class Execution:
         self.n_run = n_run
         self.precisions: dict[int, str] = {}
         self.void = void  # [T, k] slots a routing policy emptied (weight 0: not run, counted once by the engine)
+        self.host: list[int] = []  # experts computed on the host (exact, full precision)
+        E = num_experts if num_experts is not None else int(index.max()) + 1
+        runs = torch.bincount(index.reshape(-1), minlength=E) > 0
+        self.expert_map = torch.where(runs, torch.arange(E), torch.full((E,), -1))  # [E]
 
     def slots_of(self, expert: int, mask: Optional[torch.Tensor] = None) -> int:
         """Slots of ``expert`` that really run (emptied slots excluded)."""
@@ -102,6 +108,7 @@ class Dropped(Outcome):
         plan.kept &= ~mask
         plan.slots -= plan.slots_of(expert, mask)
         plan.n_run -= 1
+        plan.expert_map[expert] = -1
 
     def __eq__(self, other):
         return isinstance(other, Dropped)
@@ -134,7 +141,12 @@ class Substituted(Outcome):
         before = set(plan.index.unique().tolist())
         plan.index = torch.where(hit, sub, plan.index)
         plan.kept &= ~hit
-        plan.n_run += len(set(plan.index.unique().tolist())) - len(before)
+        after = set(plan.index.unique().tolist())
+        plan.n_run += len(after) - len(before)
+        for e in after - before:
+            plan.expert_map[e] = e
+        if expert not in after:
+            plan.expert_map[expert] = -1
 
 
 class HostComputed(Outcome):
@@ -152,6 +164,8 @@ class HostComputed(Outcome):
         call.host(slots)
         plan.slots -= slots
         plan.n_run -= 1
+        plan.expert_map[expert] = -1
+        plan.host.append(expert)
 
     def __eq__(self, other):
         return isinstance(other, HostComputed)

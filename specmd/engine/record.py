@@ -44,7 +44,8 @@ class GateRecord:
     """One MoE layer call.
 
     ``index`` [T, k] / ``weights`` [T, k]: what will run (routing policies replace them); ``original`` /
-    ``original_weights``: the router's own selection. ``logits`` [T, E] (None for traces that did not record
+    ``original_weights``: the router's own selection; ``void`` [T, k] bool or None: slots the routing policy
+    declared empty (:meth:`RoutingPolicy.empties`: not run, not faithful). ``logits`` [T, E] (None for traces that did not record
     them); ``probs`` [T, E] is derived on first use. ``call``: the position of this call in the run's stream
     of layer calls (the engine numbers them). ``predict(target)``: the prefetch signal, i.e. MoE layer
     ``target``'s router applied to this call's router input: ``(probs [T, E], its own top-k index [T, k])``
@@ -52,7 +53,7 @@ class GateRecord:
     """
 
     __slots__ = ("layer", "call", "logits", "weights", "index", "original", "original_weights", "scoring",
-                 "_probs", "_requested", "_signal")
+                 "void", "_probs", "_requested", "_signal")
 
     def __init__(self, layer: int, logits: Optional[torch.Tensor], weights: torch.Tensor, index: torch.Tensor,
                  scoring: Scoring, signal: Optional[Callable] = None):
@@ -64,6 +65,7 @@ class GateRecord:
         self.original = index  # the router's own selection (routing policies replace ``index``)
         self.original_weights = weights
         self.scoring = scoring
+        self.void = None
         self._probs = None
         self._requested = None
         self._signal = signal

@@ -39,10 +39,6 @@ class CacheView:
         return list(self._m.precisions.bytes_of)
 
     # -- time -------------------------------------------------------------------------------------
-    @property
-    def now(self) -> float:
-        return self._m.clock.now
-
     def transfer_time(self, precision: Optional[str] = None) -> float:
         """Seconds one expert at ``precision`` (default: the fetch precision) takes on the link."""
         return self._m.clock.transfer_time(self.bytes_of(precision or self._m.fetch_precision))
@@ -64,11 +60,11 @@ class CacheView:
         m = self._m
         E = m.geom.num_experts
         base = layer * E
-        now = m.clock.now
+        done = m.clock.done
         out = []
         for e in range(E):
             ent = m.entries.get(base + e)
-            if ent is not None and (ent.transfer is None or ent.transfer.ready_at <= now):
+            if ent is not None and (ent.transfer is None or done(ent.transfer)):
                 out.append(e)
         return out
 
@@ -89,4 +85,4 @@ class CacheView:
 
     def in_flight(self, key: int) -> bool:
         ent = self._m.entries.get(key)
-        return ent is not None and ent.transfer is not None and ent.transfer.ready_at > self._m.clock.now
+        return ent is not None and ent.transfer is not None and not self._m.clock.done(ent.transfer)

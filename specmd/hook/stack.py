@@ -4,8 +4,8 @@ Per MoE layer call (SpecMD Algorithm 1):
 1. a forward hook on the router builds the :class:`~specmd.engine.record.GateRecord` and lets the engine
    apply the routing policy (dual-logit semantics: new selection, original probabilities as weights);
 2. the block calls its experts, replaced by :class:`SpecmdExperts`: the engine serves the layer call
-   (cache, miss outcomes, prefetch, clock) and says how the experts run; they run through the family's
-   own fused kernel (low-precision copies swapped in for the call when an outcome asks for them);
+   (cache, miss outcomes, prefetch, clock) and says how the experts run; the executor (``execution``:
+   simulated or offload, :mod:`specmd.executor`) runs them;
 3. pre/post hooks on the decoder mark forward passes (prefill or decode).
 The hook decides no cache question; model structure comes from the family's adapter.
 """
@@ -27,7 +27,10 @@ class SpecmdExperts(nn.Module):
 
     def __init__(self, inner: nn.Module, layer: int, stack: "PolicyStack"):
         super().__init__()
-        self.inner = inner
+        if stack.executor.offloads:  # not a submodule: model.to(device) leaves the experts in their host tier
+            self.__dict__["inner"] = inner
+        else:
+            self.inner = inner
         self.layer = layer
         self.__dict__["stack"] = stack  # not a submodule
 
@@ -64,7 +67,10 @@ class LiveSignal:
 class PolicyStack:
     """A policy stack installed in a model: the engine plus the hooks that feed it."""
 
-    def __init__(self, model, spec: StackSpec, adapter: Optional[Adapter] = None):
+    def __init__(self, model, spec: StackSpec, adapter: Optional[Adapter] = None, device=None,
+                 checkpoint: Optional[str] = None):
+        """``device``: where the model runs (default: where its first real parameter is); ``checkpoint``: the
+        local checkpoint directory the model was loaded from (``execution.host=disk`` reads experts there)."""
         self.model = model
         self.adapter = adapter = adapter or adapter_for(model.config.model_type)
         self.spec = spec
@@ -72,6 +78,12 @@ class PolicyStack:
         self.moe_ids = list(self.geom.layer_ids)
         self.scoring = adapter.scoring(model.config)
         self.routers = [adapter.router(model, i) for i in self.moe_ids]
+        self.expert_modules = [adapter.experts(model, i) for i in self.moe_ids]
+        self.device = torch.device(device) if device is not None else next(
+            p.device for p in model.parameters() if not p.is_meta)
+        self.checkpoint = checkpoint
+        expert_bytes = sum(p.numel() * p.element_size() for m in self.expert_modules for p in m.parameters())
+        self.dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - expert_bytes
         if spec.quant is None:
             from ..quant.none import NoQuant
 
@@ -84,6 +96,11 @@ class PolicyStack:
         self.store = quant.build([adapter.experts(model, i) for i in self.moe_ids], self.geom.num_experts, tag)
         self.engine = Engine(self.geom, spec, self.store)
         self.cache = self.engine.cache
+        from ..executor import EXECUTION
+
+        ecls, eparams = spec.execution or EXECUTION.params({"name": "simulated"})
+        self.executor = ecls(eparams)
+        self.executor.attach(self)
         self.records: list[Optional[GateRecord]] = [None] * self.geom.num_layers
         self.writer = None  # a specmd.replay.trace.TraceWriter recording every pass and layer call
         self._handles = []
@@ -108,6 +125,7 @@ class PolicyStack:
         for i, experts in self._originals:
             self.adapter.set_experts(self.model, i, experts)
         self._handles, self._originals = [], []
+        self.executor.close()
 
     def __enter__(self):
         return self
@@ -124,12 +142,14 @@ class PolicyStack:
         past = kwargs.get("past_key_values")
         past_len = int(past.get_seq_length()) if past is not None else 0
         kind = "decode" if past_len > 0 else "prefill"
+        self.executor.begin_pass(kind, batch * seq)
         self.engine.begin_pass(kind, batch * seq, past_len + seq)
         if self.writer is not None:
             self.writer.begin_pass(kind, batch * seq, past_len + seq)
 
     def _pass_end(self, module, args, output):
         self.engine.end_pass()
+        self.executor.end_pass()
         if self.writer is not None:
             self.writer.end_pass()
 
@@ -154,29 +174,10 @@ class PolicyStack:
         if self.writer is not None:
             self.writer.layer(rec)
         plan = self.engine.layer(rec, index, weights)
-        if plan is None:
-            return mod.inner(hidden, index, weights)
-        if plan.precisions:
-            return self._run_lossy(mod, plan, hidden)
-        return mod.inner(hidden, plan.index, plan.weights)
-
-    def _run_lossy(self, mod, plan, hidden):
-        """Run the layer with the listed experts' weights replaced by their stored low-precision copies
-        (dequantized HQQ weights: the real quantized expert computes), then restore the native ones."""
-        inner = mod.inner
-        saved = []
-        try:
-            for e, prec in plan.precisions.items():
-                for name, w in self.store.weights(mod.layer, e, prec).items():
-                    p = getattr(inner, name)
-                    saved.append((p, e, p.data[e].clone()))
-                    p.data[e].copy_(w)
-            return inner(hidden, plan.index, plan.weights)
-        finally:
-            for p, e, old in reversed(saved):
-                p.data[e].copy_(old)
+        return self.executor.run(mod, hidden, index, weights, plan)
 
 
-def install(model, spec: StackSpec, adapter: Optional[Adapter] = None) -> PolicyStack:
+def install(model, spec: StackSpec, adapter: Optional[Adapter] = None, device=None,
+            checkpoint: Optional[str] = None) -> PolicyStack:
     """Install the policy stack ``spec`` into ``model``; ``stack.remove()`` (or ``with``) restores it."""
-    return PolicyStack(model, spec, adapter).install()
+    return PolicyStack(model, spec, adapter, device, checkpoint).install()

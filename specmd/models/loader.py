@@ -144,13 +144,28 @@ def shipped_geometry(name: str, dtype: str = "bfloat16"):
     return _meta_geometry(AutoConfig.for_model(family, **fields), family, dtype)
 
 
-def load_model(cfg: ModelConfig):
-    """Returns (model, tokenizer)."""
+def local_checkpoint(pretrained: str) -> Optional[str]:
+    """The local directory ``pretrained`` names (``specmd:<name>`` or a path), or None for a hub id."""
+    path = os.path.expanduser(resolve_pretrained(pretrained))
+    return path if os.path.isdir(path) else None
+
+
+def load_model(cfg: ModelConfig, experts_on_meta: bool = False):
+    """Returns (model, tokenizer). ``experts_on_meta``: the routed experts' weights are never materialised
+    (they stay on the meta device; ``execution=offload execution.host=disk`` reads them from the checkpoint
+    per expert), only the dense weights load -- how a model larger than host memory runs."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .tokenizer import byte_tokenizer
 
+    if experts_on_meta:
+        path = local_checkpoint(cfg.pretrained) if cfg.pretrained else None
+        if path is None:
+            raise ConfigError(f"model.pretrained={cfg.pretrained}: reading experts from disk needs a local checkpoint")
+        model = load_dense(path, cfg)
+        tok = AutoTokenizer.from_pretrained(resolve_pretrained(cfg.tokenizer or cfg.pretrained), revision=cfg.revision)
+        return model, tok
     if cfg.pretrained is None:
         return build_tiny(cfg.family, dict(cfg.tiny), cfg.seed, cfg.dtype), byte_tokenizer()
     from ..eval.mirror import require_hub_for
@@ -179,3 +194,69 @@ def load_model(cfg: ModelConfig):
     model.eval()
     tok = AutoTokenizer.from_pretrained(resolve_pretrained(cfg.tokenizer or cfg.pretrained), revision=cfg.revision)
     return model, tok
+
+
+def load_dense(path: str, cfg: ModelConfig):
+    """The model of the checkpoint in ``path`` with its dense weights loaded and its routed experts left on
+    the meta device (no bytes): the experts class's ``__init__`` runs under ``torch.device("meta")`` while the
+    model is built, then every non-expert tensor of the checkpoint's safetensors files is loaded (names as
+    transformers uses them; the hub's ``block_sparse_moe`` is transformers' ``mlp``). A dense weight the
+    checkpoint lacks is a DataError naming it."""
+    import contextlib
+
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    from ..errors import DataError
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    if config.model_type != cfg.family:
+        raise ConfigError(f"model.pretrained={cfg.pretrained} is a {config.model_type!r} model but model.family={cfg.family!r}")
+    adapter = adapter_for(cfg.family)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.dtype),
+                                                    trust_remote_code=cfg.trust_remote_code)
+    experts_cls = type(adapter.experts(skeleton, adapter.moe_layers(skeleton)[0]))
+    del skeleton
+    original = experts_cls.__init__
+
+    def meta_init(self, *args, **kwargs):
+        with torch.device("meta"):
+            original(self, *args, **kwargs)
+
+    experts_cls.__init__ = meta_init
+    try:
+        with no_init_weights() if callable(no_init_weights) else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.dtype),
+                                                     trust_remote_code=cfg.trust_remote_code)
+    finally:
+        experts_cls.__init__ = original
+    wanted = {n for n, p in model.named_parameters() if not p.is_meta}
+    wanted |= {n for n, b in model.named_buffers() if not b.is_meta and n in model.state_dict()}
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise DataError(f"model.pretrained={cfg.pretrained}: no *.safetensors files in {path}")
+    loaded = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            part = {}
+            for name in st.keys():
+                if ".experts." in name:
+                    continue
+                target = name.replace(".block_sparse_moe.", ".mlp.")
+                if target in wanted:
+                    part[target] = st.get_tensor(name)
+            model.load_state_dict(part, strict=False)
+            loaded |= set(part)
+            del part
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+        loaded |= {n for n in wanted if n.startswith("lm_head")}
+    missing = sorted(n for n in wanted - loaded if not n.endswith("inv_freq"))
+    if missing:
+        raise DataError(f"model.pretrained={cfg.pretrained}: {path} lacks dense weights {missing[:6]}"
+                        f"{' ...' if len(missing) > 6 else ''} (read as transformers names them)")
+    model.eval()
+    return model

@@ -106,7 +106,7 @@ class ReplayRecord:
     interface and same values as the live record (index int64, logits fp32 as recorded)."""
 
     __slots__ = ("trace", "rows", "layer", "call", "scoring", "k", "n", "_index", "_original", "_weights",
-                 "_original_weights", "_logits", "_probs", "_requested", "_signal")
+                 "_original_weights", "_logits", "_probs", "_requested", "_signal", "void")
 
     def __init__(self, trace: Trace, rows: slice, layer: int, scoring: Scoring, requested: list, signal):
         self.trace = trace
@@ -120,6 +120,7 @@ class ReplayRecord:
         self._logits = self._probs = None
         self._requested = requested
         self._signal = signal
+        self.void = None  # slots a routing policy declared empty (Engine.route sets it)
 
     # the router's own selection, as recorded
     @property

@@ -21,6 +21,11 @@ class RoutingPolicy(Policy):
     def apply(self, record: Any, cache: Any):  # -> torch.Tensor | None
         raise NotImplementedError
 
+    def empties(self, record: Any, index: torch.Tensor):  # -> torch.Tensor | None
+        """``[T, k]`` bool: the slots of ``index`` this policy emptied (they run nothing: the engine counts
+        them neither as device work nor as faithful), or None. Declared, never guessed from weights."""
+        return None
+
     def weigh(self, record: Any, index: torch.Tensor) -> torch.Tensor:
         """Weights of a modified selection: the original probabilities, the family's way (dual-logit)."""
         return record.scoring.weigh(record.probs, index)

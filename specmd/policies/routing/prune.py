@@ -1,5 +1,7 @@
 from dataclasses import dataclass
 
+import torch
+
 from ..base import ranked_by_score
 from .base import ROUTING, RoutingPolicy
 
@@ -29,6 +31,11 @@ class Prune(RoutingPolicy):
         index = ranked_by_score(record.probs, record.original)  # [T, k], rank 0 first
         index[:, h:] = index[:, :1]
         return index
+
+    def empties(self, record, index):
+        void = torch.zeros(index.shape, dtype=torch.bool, device=index.device)
+        void[:, self.params.h:] = True
+        return void
 
     def weigh(self, record, index):
         h = self.params.h

@@ -1,0 +1,94 @@
+"""The executor interface: what the live driver (:mod:`specmd.hook.stack`) calls to run a layer's experts."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+
+from ..policies.base import Policy
+from ..registry import Registry
+
+
+class Executor(Policy):
+    """One per installed stack. ``attach`` once (the stack's model, adapter, geometry, store, engine), then
+    per forward pass ``begin_pass``/``end_pass`` and per MoE layer call ``run``; ``results`` gives the
+    ``wall`` and ``memory`` sections of results.json; ``close`` releases threads and files."""
+
+    #: True: the experts modules' weights are not needed on the device (the loader may leave them on the
+    #: meta device or in host memory, :func:`specmd.models.loader.load_model`)
+    offloads = False
+
+    def __init__(self, params: Any = None):
+        super().__init__(params)
+        self.pass_kinds: list[str] = []
+        self.pass_wall: list[float] = []
+        self.pass_stall: list[float] = []
+        self.pass_tokens: list[int] = []
+        self._t0 = 0.0
+        self.stall_s = 0.0  # wall seconds compute waited for transfers (offload)
+
+    def attach(self, stack) -> None:
+        self.stack = stack
+
+    def run(self, mod, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, plan) -> torch.Tensor:
+        raise NotImplementedError
+
+    # -- forward passes: the wall clock beside the simulated one ---------------------------------------
+    def begin_pass(self, kind: str, tokens: int) -> None:
+        self.pass_kinds.append(kind)
+        self.pass_tokens.append(tokens)
+        self._stall0 = self.stall_s
+        self._t0 = time.perf_counter()
+
+    def end_pass(self) -> None:
+        self.pass_wall.append(time.perf_counter() - self._t0)
+        self.pass_stall.append(self.stall_s - self._stall0)
+
+    def wall(self) -> dict:
+        """The ``wall`` section: the passes as measured on this machine (same definitions as ``timing``)."""
+        pre = [t for k, t in zip(self.pass_kinds, self.pass_wall) if k == "prefill"]
+        dec = [t for k, t in zip(self.pass_kinds, self.pass_wall) if k == "decode"]
+        total = sum(self.pass_wall)
+        dec_tok = sum(n for k, n in zip(self.pass_kinds, self.pass_tokens) if k == "decode")
+        return {
+            "clock": "wall",
+            "executor": self.name,
+            "ttft_s": sum(pre) / len(pre) if pre else None,
+            "tpot_s": sum(dec) / len(dec) if dec else None,
+            "tokens_per_s": sum(self.pass_tokens) / total if total > 0 else None,
+            "decode_tokens_per_s": dec_tok / sum(dec) if dec and sum(dec) > 0 else None,
+            "total_s": total,
+            "stall_s": self.stall_s,
+        }
+
+    def memory(self) -> dict:
+        return {"host_peak_rss_bytes": peak_rss_bytes(), "device_peak_bytes": device_peak_bytes(self.device)}
+
+    def results(self) -> dict:
+        return {"wall": self.wall(), "memory": self.memory()}
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def device(self) -> torch.device:
+        return getattr(self, "_device", torch.device("cpu"))
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux ru_maxrss is in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def device_peak_bytes(device: torch.device) -> Optional[int]:
+    """Peak memory torch allocated on a CUDA device, None on the CPU (there the host RSS is the figure)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return None
+
+
+EXECUTION: Registry[Executor] = Registry("execution", "specmd.executor")

@@ -1,0 +1,211 @@
+"""Host tiers of ``execution=offload``: where expert weights live when they are not in the arena.
+
+* :class:`RamTier` (``execution.host=ram``): the experts' fused tensors in host memory (pinned when the
+  device is CUDA, so copies are DMA).
+* :class:`DiskTier` (``execution.host=disk``, FlashMoE's SSD tier): the checkpoint's safetensors files, read
+  per expert with ``pread`` at the byte offsets of the file's header -- no copy of the experts is ever held
+  in memory. With ``page_cache=drop`` (default) each read's pages are dropped from the kernel's page cache
+  afterwards (``posix_fadvise(DONTNEED)``), so every fetch really reads the device and the host's memory is
+  what the process holds; with ``keep`` the kernel may serve repeated reads from memory it does not count
+  in the process RSS (results.json says which).
+
+Both fill a destination ``{name: tensor}`` (an arena slot's views) with one expert at the run dtype.
+Checkpoints with fused expert tensors (transformers' names) and per-expert ones (the hub's:
+``experts.{e}.gate_proj/up_proj/down_proj``, Mixtral's ``w1/w3/w2``) are both read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..errors import DataError
+
+ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+             "U8": torch.uint8, "I8": torch.int8}
+
+
+class HostTier:
+    name = "abstract"
+    bytes_held = 0  # host memory the tier holds (experts), bytes
+    bytes_read = 0  # bytes read from disk
+
+    def copy_into(self, layer: int, expert: int, dst: dict) -> None:
+        raise NotImplementedError
+
+    def host_views(self, layer: int, expert: int) -> dict:
+        """Expert ``expert`` of ``layer`` in host memory (``miss=cpu_compute`` runs it there)."""
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        return {"host": self.name, "host_tier_bytes": self.bytes_held, "disk_bytes_read": self.bytes_read}
+
+    def close(self) -> None:
+        pass
+
+
+class RamTier(HostTier):
+    name = "ram"
+
+    def __init__(self, layers: list[dict], pin: bool):
+        """``layers[l][name]``: the fused [E, ...] tensor of MoE layer ``l`` (host memory)."""
+        if pin:
+            layers = [{n: t.pin_memory() for n, t in d.items()} for d in layers]
+        self.layers = layers
+        self.views = [{n: [t[e] for e in range(t.shape[0])] for n, t in d.items()} for d in layers]
+        self.bytes_held = sum(t.numel() * t.element_size() for d in layers for t in d.values())
+
+    def copy_into(self, layer, expert, dst):
+        src = self.views[layer]
+        for n, d in dst.items():
+            d.copy_(src[n][expert], non_blocking=True)
+
+    def host_views(self, layer, expert):
+        return {n: v[expert] for n, v in self.views[layer].items()}
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header and the offset its data starts at."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise DataError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        (n,) = struct.unpack("<Q", raw)
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as exc:
+            raise DataError(f"{path}: unreadable safetensors header ({exc})") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+class _Piece:
+    """``nbytes`` at ``offset`` of file ``fd`` (dtype ``dtype``) -> rows ``rows`` of destination ``name``."""
+
+    __slots__ = ("fd", "path", "offset", "nbytes", "dtype", "name", "rows", "shape")
+
+    def __init__(self, fd, path, offset, nbytes, dtype, name, rows, shape):
+        self.fd, self.path, self.offset, self.nbytes = fd, path, offset, nbytes
+        self.dtype, self.name, self.rows, self.shape = dtype, name, rows, shape
+
+
+# Per-expert hub names of a fused parameter: fused name -> [(per-expert suffix), ...] concatenated along rows
+PER_EXPERT = {
+    "gate_up_proj": [("gate_proj.weight", "up_proj.weight"), ("w1.weight", "w3.weight")],
+    "down_proj": [("down_proj.weight",), ("w2.weight",)],
+    "up_proj": [("up_proj.weight",)],
+}
+BLOCKS = ("mlp", "block_sparse_moe")
+
+
+class DiskTier(HostTier):
+    name = "disk"
+
+    def __init__(self, checkpoint: str, layer_ids: list[int], shapes: dict, dtype: torch.dtype, num_experts: int,
+                 page_cache: str = "drop", device: Optional[torch.device] = None):
+        """``shapes[name]``: one expert's shape of each per-expert parameter (as the model runs it)."""
+        self.dir = Path(checkpoint)
+        self.dtype = dtype
+        self.page_cache = page_cache
+        files = sorted(self.dir.glob("*.safetensors"))
+        if not files:
+            raise DataError(f"execution.host=disk: no *.safetensors files in {self.dir}")
+        tensors = {}
+        self._fds = []
+        for path in files:
+            header, start = read_header(path)
+            fd = os.open(path, os.O_RDONLY)
+            self._fds.append(fd)
+            size = os.fstat(fd).st_size
+            for name, info in header.items():
+                b, e = info["data_offsets"]
+                if start + e > size:
+                    raise DataError(f"{path}: truncated: tensor {name} ends at byte {start + e}, the file has {size}")
+                tensors[name] = (fd, path, start + b, e - b, info["dtype"], info["shape"])
+        self.pieces: list[list[list[_Piece]]] = []  # [layer][expert] -> pieces
+        biggest = 0
+        for layer_id in layer_ids:
+            per_expert = []
+            for e in range(num_experts):
+                pieces = []
+                for name, shape in shapes.items():
+                    got = self._locate(tensors, layer_id, e, name, shape, num_experts)
+                    pieces.extend(got)
+                    biggest = max([biggest] + [p.nbytes for p in got])
+                per_expert.append(pieces)
+            self.pieces.append(per_expert)
+        self._bounce = torch.empty(biggest, dtype=torch.uint8, pin_memory=device is not None and device.type == "cuda")
+        self.bytes_held = 0
+
+    def _locate(self, tensors, layer_id, e, name, shape, E) -> list[_Piece]:
+        for block in BLOCKS:
+            prefix = f"model.layers.{layer_id}.{block}.experts"
+            fused = tensors.get(f"{prefix}.{name}")
+            if fused is not None:  # [E, ...]: expert e's bytes are the e-th of E equal chunks
+                fd, path, off, nbytes, dt, fshape = fused
+                if fshape[0] != E or tuple(fshape[1:]) != tuple(shape):
+                    raise DataError(f"{path}: {prefix}.{name} has shape {fshape}, expected [{E}, {', '.join(map(str, shape))}]")
+                per = nbytes // E
+                return [_Piece(fd, path, off + e * per, per, ST_DTYPES[dt], name, None, tuple(shape))]
+            for parts in PER_EXPERT.get(name, ()):
+                found = [tensors.get(f"{prefix}.{e}.{p}") for p in parts]
+                if all(f is None for f in found):
+                    continue
+                missing = [f"{prefix}.{e}.{p}" for p, f in zip(parts, found) if f is None]
+                if missing:
+                    raise DataError(f"execution.host=disk: {self.dir} lacks {', '.join(missing)} (layer {layer_id}, "
+                                    f"expert {e})")
+                out, row = [], 0
+                for p, (fd, path, off, nbytes, dt, fshape) in zip(parts, found):
+                    rows = fshape[0]
+                    out.append(_Piece(fd, path, off, nbytes, ST_DTYPES[dt], name, (row, row + rows), tuple(fshape)))
+                    row += rows
+                if row != shape[0]:
+                    raise DataError(f"execution.host=disk: {prefix}.{e}.{'+'.join(parts)} give {row} rows of {name}, "
+                                    f"the model has {shape[0]}")
+                return out
+        raise DataError(f"execution.host=disk: expert {e} of layer {layer_id} ({name}) is not in the checkpoint "
+                        f"{self.dir} (looked for model.layers.{layer_id}.{{{','.join(BLOCKS)}}}.experts.{name} "
+                        f"and per-expert tensors)")
+
+    def _read(self, piece: _Piece, out: torch.Tensor) -> None:
+        """Read ``piece`` into ``out`` (a uint8 view of exactly its bytes)."""
+        mv = memoryview(out.numpy())
+        got = os.preadv(piece.fd, [mv], piece.offset)
+        if got != piece.nbytes:
+            raise DataError(f"{piece.path}: short read of {piece.name} at byte {piece.offset} ({got} of "
+                            f"{piece.nbytes} bytes): the file is truncated or unreadable")
+        if self.page_cache == "drop":
+            os.posix_fadvise(piece.fd, piece.offset, piece.nbytes, os.POSIX_FADV_DONTNEED)
+        self.bytes_read += piece.nbytes
+
+    def copy_into(self, layer, expert, dst):
+        for piece in self.pieces[layer][expert]:
+            d = dst[piece.name]
+            if piece.rows is not None:
+                d = d[piece.rows[0]:piece.rows[1]]
+            if piece.dtype == d.dtype and d.device.type == "cpu" and d.is_contiguous():
+                self._read(piece, d.view(-1).view(torch.uint8))  # straight into the slot
+            else:
+                buf = self._bounce[:piece.nbytes]
+                self._read(piece, buf)
+                d.copy_(buf.view(piece.dtype).view(d.shape))
+
+    def host_views(self, layer, expert):
+        raise NotImplementedError  # the offload executor reads into host scratch with copy_into
+
+    def describe(self):
+        return {**super().describe(), "page_cache": self.page_cache}
+
+    def close(self):
+        for fd in self._fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = []

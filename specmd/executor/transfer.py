@@ -1,0 +1,212 @@
+"""The transfer channel of ``execution=offload``: one small interface, :class:`Mover`, with a CPU
+implementation (a transfer thread: what SpecMD's watchdog thread does, App. A.3) and a CUDA one (a side
+stream, pinned bounce buffers and events; Fiddler's and MoE-PolicyLang's mechanism).
+
+A job is a callable that copies one expert's bytes into its destination (the tier knows how: a tensor copy
+from host memory, or reads from the checkpoint file); the mover runs jobs one at a time, demand jobs before
+queued prefetches (the simulated channel's order: non-preemptive, demand first), paces each to the link
+(``latency + nbytes / bandwidth``, SpecMD's software throttle) when throttling is on, and counts bytes and
+busy seconds. :class:`Ticket` is the handle: ``done()`` polls, :meth:`Mover.wait` blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable, Optional
+
+
+class TransferError(RuntimeError):
+    """A transfer failed (an unreadable or truncated checkpoint file, a missing expert): the run fails."""
+
+
+class Ticket:
+    __slots__ = ("job", "nbytes", "state", "error", "issued", "started", "finished", "what")
+
+    QUEUED, RUNNING, DONE, CANCELLED = 0, 1, 2, 3
+
+    def __init__(self, job: Callable[[], None], nbytes: int, what: str):
+        self.job = job
+        self.nbytes = nbytes
+        self.state = Ticket.QUEUED
+        self.error: Optional[BaseException] = None
+        self.issued = time.perf_counter()
+        self.started = self.finished = 0.0
+        self.what = what  # "layer 3 expert 17 (int4)": named in errors
+
+    def done(self) -> bool:
+        return self.state >= Ticket.DONE
+
+
+class Mover:
+    """Runs copy jobs in order on one channel. ``submit(job, nbytes, demand)`` -> :class:`Ticket`."""
+
+    def __init__(self, bandwidth_bytes_per_s: Optional[float], latency_s: float = 0.0):
+        self.bw = bandwidth_bytes_per_s  # None: unthrottled (what the machine does)
+        self.latency = latency_s
+        self.bytes_moved = 0
+        self.busy_s = 0.0  # seconds the channel was busy (including throttle pacing)
+        self.copy_s = 0.0  # seconds spent in the copies themselves
+        self.transfers = 0
+
+    def submit(self, job: Callable[[], None], nbytes: int, demand: bool, what: str = "") -> Ticket:
+        raise NotImplementedError
+
+    def promote(self, ticket: Ticket) -> None:
+        """A queued prefetch is needed now: move it to the front of the queue."""
+
+    def cancel(self, ticket: Ticket) -> bool:
+        """Drop a queued job (its slot is being freed); False if it already started (then wait for it)."""
+        return False
+
+    def wait(self, ticket: Ticket) -> float:
+        """Block until ``ticket`` is done; returns the seconds waited. Raises :class:`TransferError` if it
+        failed."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def _pace(self, t0: float, nbytes: int) -> None:
+        """Hold the channel until ``t0 + latency + nbytes / bandwidth`` (busy-wait the last 200 µs: sleep
+        granularity would otherwise add its own latency)."""
+        if self.bw is None:
+            return
+        target = t0 + self.latency + nbytes / self.bw
+        while True:
+            left = target - time.perf_counter()
+            if left <= 0:
+                return
+            if left > 2e-4:
+                time.sleep(left - 1.5e-4)
+
+
+class ThreadMover(Mover):
+    """The CPU implementation: one daemon transfer thread (copies release the GIL, so they overlap the
+    model's compute on another core)."""
+
+    def __init__(self, bandwidth_bytes_per_s: Optional[float], latency_s: float = 0.0):
+        super().__init__(bandwidth_bytes_per_s, latency_s)
+        self._demand: deque[Ticket] = deque()
+        self._prefetch: deque[Ticket] = deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="specmd-transfer", daemon=True)
+        self._thread.start()
+
+    def submit(self, job, nbytes, demand, what=""):
+        t = Ticket(job, nbytes, what)
+        with self._cv:
+            (self._demand if demand else self._prefetch).append(t)
+            self._cv.notify_all()
+        return t
+
+    def promote(self, ticket):
+        with self._cv:
+            if ticket.state == Ticket.QUEUED:
+                try:
+                    self._prefetch.remove(ticket)
+                except ValueError:
+                    return
+                self._demand.append(ticket)
+
+    def cancel(self, ticket):
+        with self._cv:
+            if ticket.state != Ticket.QUEUED:
+                return False
+            for q in (self._prefetch, self._demand):
+                try:
+                    q.remove(ticket)
+                    break
+                except ValueError:
+                    continue
+            ticket.state = Ticket.CANCELLED
+            self._cv.notify_all()
+            return True
+
+    def wait(self, ticket):
+        if ticket.state >= Ticket.DONE:
+            if ticket.error is not None:
+                raise TransferError(f"transfer of {ticket.what} failed: {ticket.error}") from ticket.error
+            return 0.0
+        t0 = time.perf_counter()
+        with self._cv:
+            while ticket.state < Ticket.DONE:
+                if self._closed:
+                    raise TransferError(f"transfer of {ticket.what}: the transfer thread stopped")
+                self._cv.wait()
+        if ticket.error is not None:
+            raise TransferError(f"transfer of {ticket.what} failed: {ticket.error}") from ticket.error
+        return time.perf_counter() - t0
+
+    def _loop(self):
+        cv = self._cv
+        while True:
+            with cv:
+                while not self._demand and not self._prefetch and not self._closed:
+                    cv.wait()
+                if self._closed:
+                    return
+                t = self._demand.popleft() if self._demand else self._prefetch.popleft()
+                t.state = Ticket.RUNNING
+            t0 = time.perf_counter()
+            t.started = t0
+            try:
+                t.job()
+                c = time.perf_counter()
+                self.copy_s += c - t0
+                self._pace(t0, t.nbytes)
+            except BaseException as exc:  # noqa: BLE001 -- handed to the waiter, who fails the run with it
+                t.error = exc
+            t.finished = time.perf_counter()
+            self.busy_s += t.finished - t0
+            self.bytes_moved += t.nbytes
+            self.transfers += 1
+            t.job = None
+            with cv:
+                t.state = Ticket.DONE
+                cv.notify_all()
+
+    def close(self):
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+
+
+class CudaMover(ThreadMover):
+    """The CUDA implementation (written for GPU users; **not run on a GPU by this project's CI**, which has
+    none: ``benchmarks/offload.py --device cuda`` measures it). The same transfer thread issues each job's
+    host->device copies with ``non_blocking=True`` on a dedicated side stream from pinned host memory and
+    records a CUDA event; the job is done when its event has completed, and the compute stream waits on the
+    event (no host synchronisation on the compute side). Before a slot is overwritten the side stream waits
+    for the compute stream's work issued so far (a slot evicted by the engine may still be read by the
+    previous layer's kernels)."""
+
+    def __init__(self, bandwidth_bytes_per_s, latency_s, device):
+        import torch
+
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self.compute = torch.cuda.current_stream(device)
+        super().__init__(bandwidth_bytes_per_s, latency_s)
+
+    def run_on_stream(self, job):
+        """Wrap a job so its copies go on the side stream, ordered after the compute issued so far."""
+        import torch
+
+        stream, compute = self.stream, self.compute
+
+        def wrapped():
+            stream.wait_stream(compute)
+            with torch.cuda.stream(stream):
+                job()
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            ev.synchronize()  # the transfer thread waits, the compute thread does not
+
+        return wrapped
+
+    def submit(self, job, nbytes, demand, what=""):
+        return super().submit(self.run_on_stream(job), nbytes, demand, what)
