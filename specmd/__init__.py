@@ -15,3 +15,16 @@ def _register_resolvers() -> None:
 
 
 _register_resolvers()
+
+
+def user_config_dir() -> str:
+    """The user's specmd config directory, on Hydra's search path (``specmd calibrate`` writes hardware
+    profiles to ``<it>/hardware/``): ``$SPECMD_CONFIG``, else ``$XDG_CONFIG_HOME/specmd``, else
+    ``~/.config/specmd``."""
+    import os
+
+    d = os.environ.get("SPECMD_CONFIG")
+    if d:
+        return os.path.abspath(os.path.expanduser(d))
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return os.path.join(base, "specmd")

@@ -64,6 +64,10 @@ def main() -> None:
         from .report import main as report
 
         sys.exit(report(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "calibrate":
+        from .calibrate import main as calibrate
+
+        sys.exit(calibrate(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "status":
         from .report.status import main as status
 

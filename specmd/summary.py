@@ -17,6 +17,32 @@ def _fmt(v, unit="", scale=1.0, digits=4):
     return f"{v * scale:.{digits}g}{unit}"
 
 
+def _ratio(measured, simulated) -> str:
+    if measured is None or simulated is None or simulated <= 0:
+        return "-"
+    return f"{measured / simulated:.3g}x"
+
+
+def _wall_rows(t: Table, timing: dict, wall, memory) -> None:
+    """Simulated and measured side by side (execution=offload measures the passes on this machine)."""
+    if not wall or wall.get("executor") != "offload":
+        return
+    for key, label, unit, scale in (("ttft_s", "TTFT", " ms", 1e3), ("tpot_s", "TPOT", " ms", 1e3),
+                                    ("tokens_per_s", "tokens/s", "", 1.0)):
+        t.add_row(f"{label} simulated | measured",
+                  f"{_fmt(timing.get(key), unit, scale)} | {_fmt(wall.get(key), unit, scale)}  "
+                  f"(measured/simulated {_ratio(wall.get(key), timing.get(key))})")
+    moved = wall.get("bytes_moved") or 0
+    t.add_row("transfers (measured)",
+              f"{wall.get('transfers')} copies, {moved / 1e6:.4g} MB, {_fmt(wall.get('achieved_gbps'), ' GB/s')}"
+              f"{' (throttled)' if wall.get('throttled') else ''}; stall {_fmt(wall.get('stall_s'), ' ms', 1e3)}")
+    if memory:
+        t.add_row("memory", f"arena {memory.get('arena_capacity_bytes', 0) / 1e6:.4g} MB "
+                            f"({memory.get('arena_slots')} slots, peak {memory.get('arena_peak_bytes', 0) / 1e6:.4g} MB), "
+                            f"host tier {memory.get('host')} {memory.get('host_tier_bytes', 0) / 1e6:.4g} MB, "
+                            f"peak RSS {memory.get('host_peak_rss_bytes', 0) / 1e9:.3g} GB")
+
+
 def print_summary(results: dict, run_dir: str, console: Console | None = None) -> None:
     console = console or Console()
     cfg = results["config"]
@@ -70,6 +96,7 @@ def print_summary(results: dict, run_dir: str, console: Console | None = None) -
         t.add_row("TTFT", _fmt(timing["ttft_s"], " ms", 1e3))
         t.add_row("TPOT", _fmt(timing["tpot_s"], " ms", 1e3))
         t.add_row("tokens/s (simulated)", _fmt(timing["tokens_per_s"], "", 1.0, 6))
+        _wall_rows(t, timing, results.get("wall"), results.get("memory"))
         t.add_row("routing fidelity", f"{results['routing']['fidelity']:.4f}")
     for task, metrics in (results.get("tasks") or {}).items():
         shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if not k.endswith("_stderr") and k != "sample_len")

@@ -178,11 +178,16 @@ class SimClock(Clock):
 
     name = "simulated"
 
-    def __init__(self, geom, channel: TransferChannel, roofline: Roofline, host: Roofline | None = None):
+    def __init__(self, geom, channel: TransferChannel, roofline: Roofline, host: Roofline | None = None,
+                 overheads: tuple = (0.0, 0.0, 0.0, 0.0)):
+        """``overheads``: (per pass, per token, per expert run, per transfer issued) seconds the roofline does
+        not see (``specmd calibrate`` fits them; issuing is host work charged with the layer's compute)."""
         self.geom = geom
         self.channel = channel
         self.roofline = roofline
         self.host_roofline = host or roofline
+        self.pass_overhead, self.token_overhead, self.expert_overhead, self.issue_overhead = overheads
+        self.issued = 0  # transfers issued since the last charge of compute
         self.now = 0.0
         self.stall_s = 0.0
 
@@ -190,7 +195,9 @@ class SimClock(Clock):
     def from_hardware(cls, geom, hw) -> "SimClock":
         return cls(geom, TransferChannel(hw.bandwidth_gbps * 1e9, hw.latency_us * 1e-6),
                    Roofline(hw.peak_tflops * 1e12, hw.mem_bandwidth_gbps * 1e9),
-                   Roofline(hw.host_tflops * 1e12, hw.host_mem_bandwidth_gbps * 1e9))
+                   Roofline(hw.host_tflops * 1e12, hw.host_mem_bandwidth_gbps * 1e9),
+                   (getattr(hw, "pass_overhead_us", 0.0) * 1e-6, getattr(hw, "token_overhead_us", 0.0) * 1e-6,
+                    getattr(hw, "expert_overhead_us", 0.0) * 1e-6, getattr(hw, "transfer_issue_us", 0.0) * 1e-6))
 
     # -- transfers --------------------------------------------------------------------------------
     def begin_layer(self) -> None:
@@ -200,12 +207,14 @@ class SimClock(Clock):
         return self.channel.duration(nbytes)
 
     def demand(self, nbytes: int) -> Transfer:
+        self.issued += 1
         tr = Transfer(nbytes, self.now)
         tr.started = True
         tr.ready_at = self.channel.demand(self.now, nbytes)
         return tr
 
     def prefetch(self, nbytes: int) -> Transfer:
+        self.issued += 1
         tr = Transfer(nbytes, self.now)
         self.channel.submit(tr)
         return tr
@@ -266,14 +275,17 @@ class SimClock(Clock):
     def experts_time(self, slots: int, experts: int) -> float:
         """Seconds of a layer's routed experts: ``slots`` token-expert pairs over ``experts`` experts."""
         g, r = self.geom, self.roofline
-        return max(2.0 * slots * g.expert_params / r.peak_flops, experts * g.expert_bytes / r.mem_bytes_per_s)
+        return (max(2.0 * slots * g.expert_params / r.peak_flops, experts * g.expert_bytes / r.mem_bytes_per_s)
+                + experts * self.expert_overhead)
 
     def dense(self, layer: int, tokens: int, context: int) -> None:
         self.now += self.dense_time(layer, tokens, context)
 
     def experts(self, slots: int, experts: int) -> None:
-        self.now += self.experts_time(slots, experts)
+        self.now += self.experts_time(slots, experts) + self.issued * self.issue_overhead
+        self.issued = 0
 
     def tail(self, tokens: int, context: int) -> None:
         g = self.geom
-        self.now += self._dense_time(g.tail_params, g.tail_attn_layers, tokens, context)
+        self.now += (self._dense_time(g.tail_params, g.tail_attn_layers, tokens, context)
+                     + self.pass_overhead + tokens * self.token_overhead)
