@@ -28,6 +28,9 @@ class Adapter:
     tiny: dict = field(default_factory=dict)
     # Weight semantics that reweigh() cannot reproduce exactly (documented deviation), else None.
     reweigh_note: Optional[str] = None
+    # Hub checkpoint names -> transformers' (substring renames, in order), for loading the dense weights
+    # without transformers' loader (execution=offload execution.host=disk, models.loader.load_dense).
+    hub_renames: tuple = ()
 
     # ---- model structure (nothing outside this module knows where a family keeps its parts) ----------
     def num_experts(self, config) -> int:
@@ -113,6 +116,7 @@ ADAPTERS: dict[str, Adapter] = {
                           norm_topk_prob=False)),
         # Mixtral-8x7B: 8 experts, top-2, renormalised softmax.
         Adapter("mixtral", renorm=True, experts_attr="num_local_experts",
+                hub_renames=((".block_sparse_moe.", ".mlp."),),
                 tiny=dict(_COMMON, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)),
         # Qwen1.5-MoE-A2.7B: 60 experts, top-4, plus a gated shared expert (always resident).
         Adapter("qwen2_moe", renorm="norm_topk_prob", experts_attr="num_experts",
@@ -124,6 +128,7 @@ ADAPTERS: dict[str, Adapter] = {
                           num_experts_per_tok=8, norm_topk_prob=True, head_dim=16)),
         # Phi-3.5-MoE: 16 experts, top-2 through sparsemixer.
         Adapter("phimoe", router_attr="router", renorm=True, experts_attr="num_local_experts",
+                hub_renames=((".block_sparse_moe.gate.", ".mlp.router."), (".block_sparse_moe.", ".mlp.")),
                 tiny=dict(_COMMON, intermediate_size=128, num_local_experts=16, num_experts_per_tok=2),
                 reweigh_note="sparsemixer weights each pick by a softmax over logits within a jitter "
                              "threshold of it; reweigh() uses the renormalised full softmax instead"),

@@ -200,7 +200,7 @@ def load_dense(path: str, cfg: ModelConfig):
     """The model of the checkpoint in ``path`` with its dense weights loaded and its routed experts left on
     the meta device (no bytes): the experts class's ``__init__`` runs under ``torch.device("meta")`` while the
     model is built, then every non-expert tensor of the checkpoint's safetensors files is loaded (names as
-    transformers uses them; the hub's ``block_sparse_moe`` is transformers' ``mlp``). A dense weight the
+    transformers uses them, or the hub's renamed by the adapter's ``hub_renames``). A dense weight the
     checkpoint lacks is a DataError naming it."""
     import contextlib
 
@@ -245,7 +245,9 @@ def load_dense(path: str, cfg: ModelConfig):
             for name in st.keys():
                 if ".experts." in name:
                     continue
-                target = name.replace(".block_sparse_moe.", ".mlp.")
+                target = name
+                for old, new in adapter.hub_renames:
+                    target = target.replace(old, new)
                 if target in wanted:
                     part[target] = st.get_tensor(name)
             model.load_state_dict(part, strict=False)
