@@ -306,8 +306,11 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
     if not offload:
         model.to(run.device)
     t_load = time.perf_counter()
-    progress.stage = "stack"
+    # with execution=offload the experts' host tier (the checkpoint's expert index, for disk) is built with the
+    # stack and is part of loading the model: its errors are load errors
+    progress.stage = "load" if offload else "stack"
     stack = run.build_stack(model) if run.enabled else None
+    progress.stage = "stack"
     if offload:  # the experts stay in their host tier: only the dense weights go to the device
         model.to(run.device)
     engine = stack.engine if stack is not None else None

@@ -7,6 +7,10 @@ from hydra.plugins.search_path_plugin import SearchPathPlugin
 
 class SpecmdUserConfigs(SearchPathPlugin):
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+        import os
+
         from specmd import user_config_dir
 
-        search_path.append(provider="specmd-user", path=f"file://{user_config_dir()}")
+        d = user_config_dir()
+        if os.path.isdir(d):  # created by the first `specmd calibrate`; Hydra warns about a missing one
+            search_path.append(provider="specmd-user", path=f"file://{d}")

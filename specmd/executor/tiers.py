@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -139,7 +140,10 @@ class DiskTier(HostTier):
                     biggest = max([biggest] + [p.nbytes for p in got])
                 per_expert.append(pieces)
             self.pieces.append(per_expert)
-        self._bounce = torch.empty(biggest, dtype=torch.uint8, pin_memory=device is not None and device.type == "cuda")
+        self._biggest = biggest
+        self._pin = device is not None and device.type == "cuda"
+        self._bounces: dict = {}  # one bounce buffer per reading thread (transfer thread; main: cpu_compute, checks)
+        self._lock = threading.Lock()
         self.bytes_held = 0
 
     def _locate(self, tensors, layer_id, e, name, shape, E) -> list[_Piece]:
@@ -173,6 +177,14 @@ class DiskTier(HostTier):
                         f"{self.dir} (looked for model.layers.{layer_id}.{{{','.join(BLOCKS)}}}.experts.{name} "
                         f"and per-expert tensors)")
 
+    def _bounce_of_thread(self) -> torch.Tensor:
+        """This thread's bounce buffer (allocated once per thread: never per transfer)."""
+        tid = threading.get_ident()
+        buf = self._bounces.get(tid)
+        if buf is None:
+            buf = self._bounces[tid] = torch.empty(self._biggest, dtype=torch.uint8, pin_memory=self._pin)
+        return buf
+
     def _read(self, piece: _Piece, out: torch.Tensor) -> None:
         """Read ``piece`` into ``out`` (a uint8 view of exactly its bytes)."""
         mv = memoryview(out.numpy())
@@ -182,7 +194,8 @@ class DiskTier(HostTier):
                             f"{piece.nbytes} bytes): the file is truncated or unreadable")
         if self.page_cache == "drop":
             os.posix_fadvise(piece.fd, piece.offset, piece.nbytes, os.POSIX_FADV_DONTNEED)
-        self.bytes_read += piece.nbytes
+        with self._lock:
+            self.bytes_read += piece.nbytes
 
     def copy_into(self, layer, expert, dst):
         for piece in self.pieces[layer][expert]:
@@ -192,7 +205,7 @@ class DiskTier(HostTier):
             if piece.dtype == d.dtype and d.device.type == "cpu" and d.is_contiguous():
                 self._read(piece, d.view(-1).view(torch.uint8))  # straight into the slot
             else:
-                buf = self._bounce[:piece.nbytes]
+                buf = self._bounce_of_thread()[:piece.nbytes]
                 self._read(piece, buf)
                 d.copy_(buf.view(piece.dtype).view(d.shape))
 

@@ -240,19 +240,14 @@ def load_dense(path: str, cfg: ModelConfig):
         raise DataError(f"model.pretrained={cfg.pretrained}: no *.safetensors files in {path}")
     loaded = set()
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            part = {}
-            for name in st.keys():
-                if ".experts." in name:
-                    continue
-                target = name
-                for old, new in adapter.hub_renames:
-                    target = target.replace(old, new)
-                if target in wanted:
-                    part[target] = st.get_tensor(name)
-            model.load_state_dict(part, strict=False)
-            loaded |= set(part)
-            del part
+        try:
+            part = _dense_tensors(f, adapter, wanted, safe_open)
+        except Exception as exc:  # a truncated or corrupt shard: the user's data, named
+            raise DataError(f"model.pretrained={cfg.pretrained}: {f} could not be read ({type(exc).__name__}: "
+                            f"{exc})") from exc
+        model.load_state_dict(part, strict=False)
+        loaded |= set(part)
+        del part
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
         loaded |= {n for n in wanted if n.startswith("lm_head")}
@@ -262,3 +257,18 @@ def load_dense(path: str, cfg: ModelConfig):
                         f"{' ...' if len(missing) > 6 else ''} (read as transformers names them)")
     model.eval()
     return model
+
+
+def _dense_tensors(path, adapter, wanted: set, safe_open) -> dict:
+    """The dense (non-expert) tensors of one safetensors file, under transformers' names."""
+    part = {}
+    with safe_open(str(path), framework="pt") as st:
+        for name in st.keys():
+            if ".experts." in name:
+                continue
+            target = name
+            for old, new in adapter.hub_renames:
+                target = target.replace(old, new)
+            if target in wanted:
+                part[target] = st.get_tensor(name)
+    return part

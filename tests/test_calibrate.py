@@ -1,0 +1,109 @@
+"""specmd calibrate, the hardware profile it writes, the user config directory on Hydra's search path, and
+the fixed costs of the simulated clock it fits."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT
+
+
+def _env(tmp_path, **extra):
+    return dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", SPECMD_CONFIG=str(tmp_path / "cfg"),
+                **extra)
+
+
+def test_quick_calibration_profile_is_used_by_name(tmp_path, mirror):
+    """calibrate --quick writes <user dir>/hardware/<name>.yaml (+ _disk); hardware=<name> then composes and
+    runs with no hydra.searchpath (the plugin puts the user dir on the search path); the profile's figures
+    are what results.json's config holds."""
+    env = _env(tmp_path, SPECMD_DATA_MIRROR=str(mirror))
+    r = subprocess.run([sys.executable, "-m", "specmd", "calibrate", "--quick", "--name", "mybox"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    prof = tmp_path / "cfg" / "hardware" / "mybox.yaml"
+    assert prof.is_file() and (tmp_path / "cfg" / "hardware" / "mybox_disk.yaml").is_file()
+    text = prof.read_text()
+    bw = float(next(l for l in text.splitlines() if l.startswith("bandwidth_gbps:")).split(":")[1])
+    assert bw > 0.1  # GB/s of a host memory copy
+    r = subprocess.run([sys.executable, "-m", "specmd", "hardware=mybox", "model=tiny", "eval.tasks=[wikitext]",
+                        "eval.limit=1", "eval.max_length=64", "execution=offload",
+                        f"hydra.run.dir={tmp_path}/run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["config"]["hardware"]["name"] == "mybox"
+    assert abs(res["config"]["hardware"]["bandwidth_gbps"] - bw) < 1e-3 * bw
+    assert res["wall"]["executor"] == "offload" and res["wall"]["transfers"] > 0
+    assert "measured/simulated" in r.stdout
+
+
+def test_out_dir_profile_needs_searchpath(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from specmd import CONF_DIR
+    from specmd.calibrate import _yaml
+
+    hw = tmp_path / "prof" / "hardware"
+    hw.mkdir(parents=True)
+    (hw / "lab.yaml").write_text(_yaml("lab", {"bandwidth_gbps": 3.5, "latency_us": 2.0}, ["test"]))
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=["hardware=lab", f"hydra.searchpath=[file://{tmp_path / 'prof'}]"])
+    assert cfg.hardware.bandwidth_gbps == 3.5 and cfg.hardware.name == "lab"
+
+
+def test_link_fit_recovers_latency_and_bandwidth():
+    from specmd.calibrate import _fit_link, _nnls
+
+    pts = [(n, 20e-6 + n / 8e9) for n in (1 << 18, 1 << 20, 1 << 22, 1 << 24)]
+    bw, lat = _fit_link(pts)
+    assert abs(bw - 8e9) / 8e9 < 1e-6 and abs(lat - 20e-6) < 1e-9
+    X = np.array([[1, 1, 8, 0], [1, 40, 64, 30], [1, 1, 8, 5], [1, 90, 64, 60], [1, 1, 9, 2]], dtype=float)
+    coef = np.array([5e-3, 1e-4, 2e-5, 3e-5])
+    got = _nnls(X, X @ coef)
+    assert np.allclose(got, coef, rtol=1e-6)
+    assert (_nnls(X, -(X @ coef)) >= 0).all()  # never a negative cost
+
+
+def test_overheads_charged_exactly():
+    """Each fixed cost adds exactly its figure per pass / token / expert run / transfer issued."""
+    from specmd.engine import Engine, GateRecord, StackSpec
+    from specmd.engine.geometry import Geometry
+    from specmd.engine.record import Scoring
+    from specmd.hardware import HardwareConfig
+
+    g = Geometry(num_layers=2, num_experts=8, top_k=2, expert_bytes=1000, total_bytes=2 * 8 * 1000 * 2)
+
+    def run(**over):
+        eng = Engine(g, StackSpec.of(hardware=HardwareConfig(capacity=0.2, **over), prefetch="none"))
+        eng.begin_pass("prefill", 3, 3)
+        for layer in range(2):
+            idx = torch.tensor([[0, 1], [1, 2], [0, 2]])
+            rec = GateRecord(layer, torch.zeros(3, 8), torch.full((3, 2), 0.5), idx, Scoring(False, True, 1.0))
+            eng.route(rec)
+            eng.layer(rec)
+        eng.end_pass()
+        return eng.results()["timing"]["total_s"], eng.results()["cache"]
+
+    base, cache = run()
+    transfers = cache["misses"]  # every miss is one demand transfer here (no prefetch)
+    assert transfers == 6
+    assert run(pass_overhead_us=100)[0] == pytest.approx(base + 100e-6, abs=1e-12)
+    assert run(token_overhead_us=10)[0] == pytest.approx(base + 3 * 10e-6, abs=1e-12)
+    assert run(expert_overhead_us=7)[0] == pytest.approx(base + 6 * 7e-6, abs=1e-12)  # 3 experts x 2 layers
+    assert run(transfer_issue_us=5)[0] == pytest.approx(base + transfers * 5e-6, abs=1e-12)
+
+
+@pytest.mark.parametrize("key,value", [("expert_overhead_us", -1.0), ("transfer_issue_us", float("inf")),
+                                       ("pass_overhead_us", float("nan"))])
+def test_bad_overheads_rejected(key, value):
+    from specmd.errors import ConfigError
+    from specmd.hardware import HardwareConfig
+
+    with pytest.raises(ConfigError, match=key):
+        HardwareConfig(**{key: value})

@@ -1,0 +1,572 @@
+"""``execution=offload``: the experts kernel, outputs bit-identical to ``execution=simulated`` (every tiny
+family, lossless and lossy stacks; deep_olmoe from host RAM and from disk), the arena following the engine's
+residency byte for byte, failed transfers, the transfer thread's pacing and order, and bad configs."""
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from conftest import FAMILIES, ROOT, sample_ids, tiny
+from specmd import CONF_DIR
+from specmd.app import execute
+from specmd.errors import ConfigError, DataError
+from specmd.executor import EXECUTION
+from specmd.executor.kernel import expert_tensors, run_experts, views_of
+from specmd.executor.transfer import ThreadMover, Ticket, TransferError
+from specmd.hardware import HardwareConfig
+from specmd.models.adapters import ADAPTERS, adapter_for
+
+ASSET = ROOT / "specmd" / "assets" / "deep-olmoe"
+
+
+def spec_of(execution: dict, *, miss="fetch", routing="standard", eviction="lru", prefetch="topk", **hw):
+    from specmd.engine import StackSpec
+
+    spec = StackSpec.of(miss=miss, eviction=eviction, prefetch=prefetch, routing=routing,
+                        hardware=HardwareConfig(**hw))
+    spec.execution = EXECUTION.params(execution)
+    return spec
+
+
+def run_stack(model, spec, ids, prefill_ids, adapter=None, checkpoint=None, new_tokens=5):
+    """Greedy tokens and one more prefill's logits through the stack; (tokens, logits, engine results,
+    executor results, executor)."""
+    from specmd.hook import install
+
+    with torch.no_grad():
+        stack = install(model, spec, adapter, checkpoint=checkpoint)
+        try:
+            tokens = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+            logits = model(prefill_ids).logits
+            engine, executor = stack.engine.results(), stack.executor.results()
+        finally:
+            stack.remove()
+    return tokens, logits, engine, executor, stack.executor
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. the kernel: grouped_mm's arithmetic, weights read from wherever each expert is
+# ---------------------------------------------------------------------------------------------------------
+
+def _layer_inputs(model, family, T, seed):
+    adapter = ADAPTERS[family]
+    mod = adapter.experts(model, adapter.moe_layers(model)[-1])
+    E, k = adapter.num_experts(model.config), int(model.config.num_experts_per_tok)
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, model.config.hidden_size, generator=g)
+    index = torch.rand(T, E, generator=g).argsort(dim=-1)[:, :k]  # k distinct experts per row
+    weights = torch.rand(T, k, generator=g)
+    return mod, E, hidden, index, weights
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_kernel_equals_the_family_experts_forward(family, T):
+    model = tiny(family)
+    mod, E, hidden, index, weights = _layer_inputs(model, family, T, seed=T)
+    with torch.no_grad():
+        ref = mod(hidden, index, weights)
+        tensors = expert_tensors(mod, E)
+        assert tensors and all(t.shape[0] == E for t in tensors.values())
+        out = run_experts(mod, hidden, index, weights, views_of(tensors, E))
+        assert torch.equal(out, ref)
+        # the views permuted into a bigger slot table (an arena): expert e's bytes in slot perm[e]
+        g = torch.Generator().manual_seed(100 + T)
+        slots = E + 7
+        perm = torch.randperm(slots, generator=g)[:E].tolist()
+        sources = {}
+        for name, t in tensors.items():
+            table = torch.randn(slots, *t.shape[1:], generator=g).to(t.dtype)  # other slots hold junk
+            for e in range(E):
+                table[perm[e]] = t[e]
+            sources[name] = [table[perm[e]] for e in range(E)]
+        assert torch.equal(run_experts(mod, hidden, index, weights, sources), ref)
+        # an expert that does not run here (None): its rows contribute zero, as a zero weight does
+        gone = int(index[0, 0])
+        sources = {n: [None if e == gone else v for e, v in enumerate(vs)] for n, vs in views_of(tensors, E).items()}
+        zeroed = torch.where(index == gone, torch.zeros_like(weights), weights)
+        assert torch.equal(run_experts(mod, hidden, index, weights, sources), mod(hidden, index, zeroed))
+
+
+def test_kernel_with_no_expert_available_returns_zeros():
+    model = tiny("olmoe")
+    mod, E, hidden, index, weights = _layer_inputs(model, "olmoe", 5, seed=0)
+    sources = {n: [None] * E for n in expert_tensors(mod, E)}
+    assert torch.equal(run_experts(mod, hidden, index, weights, sources), torch.zeros_like(hidden))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2. lossless and lossy stacks: offload (check=true) equals simulated bit for bit
+# ---------------------------------------------------------------------------------------------------------
+
+# kind -> (miss, routing, the engine counter showing the stack was lossy, or None)
+KINDS = {
+    "fetch": ("fetch", "standard", None),
+    "drop": ({"name": "drop", "J": 1}, "standard", "dropped"),
+    "substitute": ({"name": "substitute", "alpha": 1.0}, "standard", "substituted"),
+    "cpu_compute": ("cpu_compute", "standard", "host_computed"),
+    "prune": ("fetch", {"name": "prune", "h": 1}, None),
+}
+LOSSY = ["drop", "substitute", "cpu_compute", "prune"]
+SCOPES = ["global", "per_layer"]
+
+
+def _parity_cases():
+    """Per family: fetch at both capacities (in different scopes) and two lossy kinds (each lossy kind on four
+    families, at alternating capacities and scopes; substitute at 0.3, where resident experts are there to
+    substitute with)."""
+    cases = []
+    for i, fam in enumerate(FAMILIES):
+        cases.append((fam, "fetch", 0.05, SCOPES[i % 2]))
+        cases.append((fam, "fetch", 0.3, SCOPES[(i + 1) % 2]))
+        for j, kind in enumerate((LOSSY[i % 4], LOSSY[(i + 1) % 4])):
+            cap = 0.3 if kind == "substitute" else (0.05, 0.3)[(i // 2 + j) % 2]
+            cases.append((fam, kind, cap, SCOPES[(i + j) % 2]))
+    return cases
+
+
+PARITY = _parity_cases()
+
+
+def test_parity_cases_cover_every_family_and_kind():
+    for fam in FAMILIES:
+        assert any(c[0] == fam and c[1] == "fetch" for c in PARITY)
+    for kind in KINDS:
+        assert len({c[0] for c in PARITY if c[1] == kind}) >= 2, kind
+    assert {c[2] for c in PARITY} == {0.05, 0.3} and {c[3] for c in PARITY} == set(SCOPES)
+
+
+@pytest.mark.parametrize("family,kind,capacity,scope", PARITY, ids=["-".join(map(str, c)) for c in PARITY])
+def test_offload_equals_simulated(family, kind, capacity, scope):
+    model = tiny(family)
+    adapter = adapter_for(family)
+    miss, routing, counter = KINDS[kind]
+    ids, prefill = sample_ids(batch=1, seq=8, seed=1), sample_ids(batch=1, seq=16, seed=2)
+    hw = dict(capacity=capacity, scope=scope)
+    sim = run_stack(model, spec_of({"name": "simulated"}, miss=miss, routing=routing, **hw), ids, prefill, adapter)
+    off = run_stack(model, spec_of({"name": "offload", "check": True}, miss=miss, routing=routing, **hw), ids,
+                    prefill, adapter)
+    assert torch.equal(off[0], sim[0]), (sim[0], off[0])
+    assert torch.equal(off[1], sim[1]), (off[1] - sim[1]).abs().max()
+    assert off[2] == sim[2]  # the engine decided exactly the same (cache, timing, routing sections)
+    cache, wall, memory = off[2]["cache"], off[3]["wall"], off[3]["memory"]
+    # the stack is what it claims to be, and the copies were real
+    if counter is not None:
+        assert cache[counter] > 0, (counter, cache[counter])
+    if kind == "prune":
+        assert off[2]["routing"]["fidelity"] < 1.0
+    assert wall["transfers"] > 0 and wall["bytes_moved"] == wall["transfers"] * memory["slot_bytes"]
+    assert wall["host_computed_experts"] == cache["host_computed"]
+    assert memory["arena_capacity_bytes"] == cache["capacity_bytes"]
+    assert memory["arena_peak_bytes"] == cache["peak_bytes"] <= memory["arena_capacity_bytes"]
+    assert memory["host"] == "ram" and memory["host_tier_bytes"] > 0 and memory["disk_bytes_read"] == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. deep_olmoe from host RAM and from its checkpoint on disk
+# ---------------------------------------------------------------------------------------------------------
+
+def _deep_cfg(pretrained="specmd:deep-olmoe"):
+    from specmd.models.loader import ModelConfig
+
+    return ModelConfig(name="deep_olmoe", family="olmoe", pretrained=pretrained, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def deep():
+    """(the deep_olmoe model fully loaded, the same with its experts on the meta device, prompt, prefill)."""
+    from specmd.models.loader import load_model
+
+    cfg = _deep_cfg()
+    full, _ = load_model(cfg)
+    dense, _ = load_model(cfg, experts_on_meta=True)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, full.config.vocab_size, (1, 12), generator=g)
+    prefill = torch.randint(0, full.config.vocab_size, (1, 24), generator=g)
+    with torch.no_grad():  # warm-up (see conftest.tiny)
+        full(prefill)
+    return full, dense, ids, prefill
+
+
+@pytest.mark.parametrize("miss", ["fetch", "cpu_compute"])
+def test_deep_olmoe_ram_and_disk_equal_simulated(deep, miss):
+    """``cpu_compute`` from disk reads host copies on the compute thread while the transfer thread reads too
+    (no ``check``: the run as a user has it)."""
+    from specmd.models.loader import local_checkpoint
+
+    full, dense, ids, prefill = deep
+    check = miss == "fetch"
+    hw = dict(capacity=0.05, miss=miss)
+    sim = run_stack(full, spec_of({"name": "simulated"}, **hw), ids, prefill)
+    ram = run_stack(full, spec_of({"name": "offload", "host": "ram", "check": check}, **hw), ids, prefill)
+    ckpt = local_checkpoint(_deep_cfg().pretrained)
+    assert ckpt is not None and Path(ckpt) == ASSET
+    disk = run_stack(dense, spec_of({"name": "offload", "host": "disk", "check": check}, **hw), ids, prefill,
+                     checkpoint=ckpt)
+    for name, got in (("ram", ram), ("disk", disk)):
+        assert torch.equal(got[0], sim[0]), (name, sim[0], got[0])
+        assert torch.equal(got[1], sim[1]), (name, (got[1] - sim[1]).abs().max())
+        assert got[2] == sim[2], name
+    if miss == "cpu_compute":
+        assert disk[3]["wall"]["host_computed_experts"] == sim[2]["cache"]["host_computed"] > 0
+    mem = disk[3]["memory"]
+    assert mem["host"] == "disk" and mem["host_tier_bytes"] == 0 and mem["disk_bytes_read"] > 0
+    assert mem["page_cache"] == "drop"
+    assert ram[3]["memory"]["host_tier_bytes"] > 0 and ram[3]["memory"]["disk_bytes_read"] == 0
+    # the disk run's model never held its experts: they are on the meta device, and stay there
+    experts = [p for n, p in dense.named_parameters() if ".experts." in n]
+    assert experts and all(p.is_meta for p in experts)
+    assert all(not p.is_meta for n, p in dense.named_parameters() if ".experts." not in n)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. the arena holds exactly the engine's resident set (random stacks, check=true)
+# ---------------------------------------------------------------------------------------------------------
+
+def _random_stack(seed):
+    rnd = random.Random(seed)
+    hw = dict(scope=rnd.choice(SCOPES), capacity=round(rnd.uniform(0.02, 0.5), 3))
+    if rnd.random() < 0.35:
+        hw["experts_per_layer"] = rnd.choice([1, 3, 8, 0.25])
+    return dict(eviction=rnd.choice(["lru", "lfu", "fifo", "least_stale", "score"]),
+                prefetch=rnd.choice(["none", "topk", "score"]),
+                miss=rnd.choice(["fetch", "fetch", "cpu_compute", {"name": "drop", "J": 1}]), **hw)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_arena_follows_the_engine_on_random_stacks(seed):
+    model = tiny("olmoe")
+    adapter = adapter_for("olmoe")
+    kw = _random_stack(seed)
+    ids, prefill = sample_ids(batch=1, seq=12, seed=seed), sample_ids(batch=2, seq=10, seed=seed + 50)
+    # check=true: Offload.run asserts after every layer call that the slots are the engine's entries, pool by
+    # pool, and that every arrived slot holds its expert's bytes
+    off = run_stack(model, spec_of({"name": "offload", "check": True, "throttle": seed % 2 == 0}, **kw), ids, prefill,
+                    adapter, new_tokens=4)
+    sim = run_stack(model, spec_of({"name": "simulated"}, **kw), ids, prefill, adapter, new_tokens=4)
+    assert torch.equal(off[0], sim[0]) and torch.equal(off[1], sim[1]), kw
+    assert off[2] == sim[2], kw
+    cache, mem = off[2]["cache"], off[3]["memory"]
+    assert mem["arena_capacity_bytes"] == cache["capacity_bytes"], kw
+    assert mem["arena_peak_bytes"] <= mem["arena_capacity_bytes"], kw
+    assert mem["arena_peak_bytes"] == cache["peak_bytes"], kw
+    assert mem["arena_slots"] * mem["slot_bytes"] <= mem["arena_capacity_bytes"] < \
+        (mem["arena_slots"] + len(off[4].arenas)) * mem["slot_bytes"], kw
+    ex = off[4]
+    assert sum(ex.used) * ex.slot_bytes == sum(p.used for p in ex.stack.cache.pools), kw
+    held = sorted(k for k, s in enumerate(ex.slot_of) if s >= 0)
+    assert held == sorted(ex.stack.cache.entries), kw
+    for pi, views in enumerate(ex.slot_views):  # free + held slots partition each pool's slots
+        taken = [ex.slot_of[k] for k in held if ex.pool_index[k // ex.E] == pi]
+        assert sorted(taken + ex.free[pi]) == list(range(len(views))), kw
+
+
+def test_check_residency_catches_a_wrong_slot():
+    """The check itself: a slot overwritten behind the engine's back, or a slot the engine does not hold, fails it."""
+    from specmd.hook import install
+
+    model = tiny("olmoe")
+    spec = spec_of({"name": "offload", "check": False, "throttle": False}, capacity=0.1)
+    with torch.no_grad(), install(model, spec, adapter_for("olmoe")) as stack:
+        model(sample_ids(batch=1, seq=8, seed=3))
+        ex = stack.executor
+        for t in ex.tickets:
+            if t is not None:
+                ex.mover.wait(t)
+        ex.check_residency()
+        key = next(k for k, s in enumerate(ex.slot_of) if s >= 0)
+        layer, e = divmod(key, ex.E)
+        views = ex.slot_views[ex.pool_index[layer]][ex.slot_of[key]]
+        saved = {n: v.clone() for n, v in views.items()}
+        next(iter(views.values())).add_(1.0)
+        with pytest.raises(AssertionError, match=f"layer {layer} expert {e}"):
+            ex.check_residency()
+        for n, v in views.items():
+            v.copy_(saved[n])
+        ex.check_residency()
+        free_key = next(k for k, s in enumerate(ex.slot_of) if s < 0)
+        ex.slot_of[free_key] = 0
+        with pytest.raises(AssertionError, match="arena holds"):
+            ex.check_residency(contents=False)
+        ex.slot_of[free_key] = -1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. failed transfers: a truncated checkpoint, a missing expert
+# ---------------------------------------------------------------------------------------------------------
+
+def _ckpt_copy(tmp_path: Path, name="ckpt") -> Path:
+    """deep-olmoe's checkpoint directory: the non-weight files symlinked, model.safetensors copied."""
+    d = tmp_path / name
+    d.mkdir()
+    for f in ASSET.iterdir():
+        if f.name != "model.safetensors":
+            (d / f.name).symlink_to(f)
+    shutil.copyfile(ASSET / "model.safetensors", d / "model.safetensors")
+    return d
+
+
+def _data_start(path: Path) -> int:
+    from specmd.executor.tiers import read_header
+
+    return read_header(path)[1]
+
+
+DISK_RUN = ["execution=offload", "execution.host=disk", "eval.tasks=[]", "eval.limit=1", "logger=none"]
+
+
+def _execute(overrides, run_dir):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    return execute(cfg, run_dir=str(run_dir), overrides=overrides)
+
+
+def test_truncated_checkpoint_fails_the_cli_run_at_load(tmp_path):
+    d = _ckpt_copy(tmp_path)
+    st = d / "model.safetensors"
+    os.truncate(st, st.stat().st_size // 2)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-m", "specmd", f"model.pretrained={d}", *DISK_RUN,
+                        f"hydra.run.dir={tmp_path}/run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0, r.stdout[-2000:]
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.iterdir() if p.name not in (".hydra", "__main__.log")) == ["failed.json"]
+    assert json.loads((run / "failed.json").read_text())["stage"] == "load"
+
+
+def test_truncated_checkpoint_error_names_the_file(tmp_path):
+    d = _ckpt_copy(tmp_path)
+    st = d / "model.safetensors"
+    os.truncate(st, st.stat().st_size // 2)
+    run = tmp_path / "run"
+    with pytest.raises(Exception) as exc:
+        _execute([f"model.pretrained={d}", *DISK_RUN], run)
+    assert sorted(p.name for p in run.iterdir()) == ["failed.json"]
+    failed = json.loads((run / "failed.json").read_text())
+    assert failed["stage"] == "load"
+    assert isinstance(exc.value, DataError), repr(exc.value)
+    assert str(st) in str(exc.value) or "model.safetensors" in str(exc.value), str(exc.value)
+
+
+def test_missing_expert_tensor_fails_naming_layer_and_expert(tmp_path):
+    """The dense weights load (experts are skipped on the meta device); the host tier, part of loading an
+    offloaded model, finds the hole: stage ``load``."""
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    for f in ASSET.iterdir():
+        if f.name != "model.safetensors":
+            (d / f.name).symlink_to(f)
+    gone = "model.layers.3.mlp.experts.7.up_proj.weight"
+    tensors = load_file(ASSET / "model.safetensors")
+    del tensors[gone]
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    del tensors
+    run = tmp_path / "run"
+    with pytest.raises(DataError) as exc:
+        _execute([f"model.pretrained={d}", *DISK_RUN], run)
+    msg = str(exc.value)
+    assert gone in msg and "layer 3" in msg and "expert 7" in msg, msg
+    assert sorted(p.name for p in run.iterdir()) == ["failed.json"]
+    failed = json.loads((run / "failed.json").read_text())
+    assert failed["stage"] == "load" and failed["kind"] == "data", failed["stage"]
+    assert gone in failed["error"]
+
+
+def test_disk_tier_truncated_after_construction_is_a_short_read(tmp_path):
+    from specmd.executor.tiers import DiskTier
+
+    d = _ckpt_copy(tmp_path)
+    st = d / "model.safetensors"
+    shapes = {"gate_up_proj": (64, 128), "down_proj": (128, 32)}
+    tier = DiskTier(str(d), list(range(16)), shapes, torch.float32, 64)
+    try:
+        dst = {n: torch.empty(s) for n, s in shapes.items()}
+        tier.copy_into(15, 63, dst)  # whole: reads fine
+        assert tier.bytes_read == 64 * 128 * 2 + 128 * 32 * 2  # bf16 on disk
+        os.truncate(st, _data_start(st) + 16)
+        with pytest.raises(DataError, match="short read") as exc:
+            tier.copy_into(15, 63, dst)
+        assert str(st) in str(exc.value) and "truncated" in str(exc.value)
+    finally:
+        tier.close()
+
+
+def test_truncated_during_a_run_is_a_transfer_error(tmp_path):
+    from specmd.hook import install
+    from specmd.models.loader import load_model
+
+    d = _ckpt_copy(tmp_path)
+    st = d / "model.safetensors"
+    model, _ = load_model(_deep_cfg(str(d)), experts_on_meta=True)
+    spec = spec_of({"name": "offload", "host": "disk", "throttle": False}, capacity=0.05)
+    stack = install(model, spec, checkpoint=str(d))  # the tier opens the file and checks its size here
+    try:
+        os.truncate(st, _data_start(st) + 16)
+        with torch.no_grad(), pytest.raises(TransferError, match=r"layer \d+ expert \d+") as exc:
+            model(torch.arange(1, 9).unsqueeze(0))
+        cause = exc.value.__cause__
+        assert isinstance(cause, DataError) and str(st) in str(cause) and "short read" in str(cause)
+    finally:
+        stack.remove()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 6. the transfer thread: pacing, demand before prefetch, cancel, promote
+# ---------------------------------------------------------------------------------------------------------
+
+def _copy_job(n_floats=1 << 20):
+    src, dst = torch.ones(n_floats), torch.empty(n_floats)
+    return (lambda: dst.copy_(src)), src.numel() * src.element_size()
+
+
+def test_throttled_copy_takes_latency_plus_bytes_over_bandwidth():
+    B, L = 0.25e9, 4e-3
+    job, nbytes = _copy_job()  # 4 MiB: 16.8 ms + 4 ms at this link
+    m = ThreadMover(bandwidth_bytes_per_s=B, latency_s=L)
+    try:
+        t = m.submit(job, nbytes, demand=True, what="big")
+        m.wait(t)
+        took = t.finished - t.issued
+        assert took >= nbytes / B + L, took
+        assert took < nbytes / B + L + 1.0, took
+        assert t.finished - t.started >= nbytes / B + L
+        assert m.bytes_moved == nbytes and m.transfers == 1 and m.busy_s >= nbytes / B + L
+    finally:
+        m.close()
+    fast = ThreadMover(bandwidth_bytes_per_s=None)
+    try:
+        best = float("inf")
+        for _ in range(3):  # the best of three: a busy machine may deschedule the thread once
+            t = fast.submit(job, nbytes, demand=True)
+            fast.wait(t)
+            best = min(best, t.finished - t.started)
+        assert best < (nbytes / B + L) / 2, best
+    finally:
+        fast.close()
+
+
+class _Gate:
+    """A job that blocks the transfer thread until released (so later submissions queue behind it)."""
+
+    def __init__(self, mover):
+        self.running, self.release = threading.Event(), threading.Event()
+        self.ticket = mover.submit(self._run, 0, demand=False, what="gate")
+        assert self.running.wait(5)
+
+    def _run(self):
+        self.running.set()
+        assert self.release.wait(5)
+
+
+def test_demand_runs_before_queued_prefetch_and_cancel_and_promote():
+    order = []
+
+    def job(name):
+        return lambda: order.append(name)
+
+    m = ThreadMover(bandwidth_bytes_per_s=None)
+    try:
+        gate = _Gate(m)
+        a = m.submit(job("A"), 10, demand=False)  # prefetch, queued first
+        b = m.submit(job("B"), 10, demand=True)  # demand, queued second: runs first
+        c = m.submit(job("C"), 10, demand=False)
+        assert m.cancel(c) and c.state == Ticket.CANCELLED and c.done()
+        assert not m.cancel(gate.ticket)  # running: cannot be cancelled
+        gate.release.set()
+        m.wait(a), m.wait(b)
+        assert order == ["B", "A"] and b.finished <= a.started
+        assert m.wait(c) == 0.0 and m.transfers == 3  # gate, B, A: the cancelled job never ran
+
+        order.clear()
+        gate = _Gate(m)
+        p = [m.submit(job(f"P{i}"), 10, demand=False) for i in range(3)]
+        m.promote(p[2])  # needed now: ahead of the earlier prefetches
+        m.promote(gate.ticket)  # running: no effect
+        gate.release.set()
+        for t in p:
+            m.wait(t)
+        assert order == ["P2", "P0", "P1"]
+        m.promote(p[0])  # done: no effect
+        assert not m.cancel(p[0])
+    finally:
+        m.close()
+
+
+def test_failed_job_raises_transfer_error_naming_it():
+    m = ThreadMover(bandwidth_bytes_per_s=None)
+    try:
+        def boom():
+            raise DataError("/x/model.safetensors: short read")
+
+        t = m.submit(boom, 10, demand=True, what="layer 2 expert 5")
+        with pytest.raises(TransferError, match="layer 2 expert 5.*short read"):
+            m.wait(t)
+        with pytest.raises(TransferError):  # done already: still raises
+            m.wait(t)
+        ok = m.submit(lambda: None, 10, demand=True)  # the thread goes on
+        m.wait(ok)
+    finally:
+        m.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 7. bad input: rejected before any model work
+# ---------------------------------------------------------------------------------------------------------
+
+BASE = ["model=tiny", "eval.tasks=[wikitext]", "eval.limit=1", "eval.max_length=64", "logger=none"]
+BAD = [
+    (["execution=offload", "replay.trace={trace}"], ["execution=offload", "replay.trace"]),
+    (["execution=offload", "stack.enabled=false"], ["execution=offload", "stack.enabled=false"]),
+    (["execution=offload", "hardware.timing_as=olmoe"], ["execution=offload", "hardware.timing_as=olmoe"]),
+    (["execution=offload", "miss=fetch_lowest_bit"], ["execution=offload", "miss=fetch_lowest_bit"]),
+    (["execution=offload", "execution.host=disk", "model=tiny_olmoe"], ["execution.host=disk", "tiny_olmoe",
+                                                                         "execution.host=ram"]),
+    (["execution=offload", "execution.page_cache=keep"], ["execution.page_cache=keep", "host=disk"]),
+    (["execution=offload", "execution.host=ssd"], ["ssd", "ram, disk"]),
+    (["execution=offload", "execution.throttle=maybe"], ["throttle", "maybe", "true or false"]),
+]
+
+
+@pytest.mark.parametrize("overrides,needles", BAD, ids=[" ".join(c[0]) for c in BAD])
+def test_bad_offload_config_rejected_before_the_model_loads(overrides, needles, tmp_path, monkeypatch):
+    import specmd.models.loader as loader
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded for a config error")
+
+    monkeypatch.setattr(loader, "load_model", no_load)
+    monkeypatch.setattr(loader, "load_dense", no_load)
+    trace = ROOT / "tests" / "data" / "embedded_trace"
+    overrides = [o.replace("{trace}", str(trace)) for o in overrides]
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError) as exc:
+        _execute([*BASE, *overrides], run)
+    msg = str(exc.value)
+    assert all(n in msg for n in needles), msg
+    assert sorted(p.name for p in run.iterdir()) == ["failed.json"]
+    failed = json.loads((run / "failed.json").read_text())
+    assert failed["stage"] == "config" and failed["kind"] == "config"
+    assert msg.splitlines()[0] in failed["error"]
+
+
+def test_unknown_execution_option_is_hydras_error_with_the_choices():
+    from hydra.errors import MissingConfigException
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        with pytest.raises(MissingConfigException) as exc:
+            compose(config_name="config", overrides=[*BASE, "execution=warp"])
+    msg = str(exc.value) + " " + " ".join(getattr(exc.value, "options", None) or [])
+    assert "execution/warp" in msg and "offload" in msg and "simulated" in msg, msg
