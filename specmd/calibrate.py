@@ -71,6 +71,8 @@ def measure_disk_link(device: torch.device, path: Path, reps: int = 5) -> tuple[
     if not path.exists() or path.stat().st_size != total:
         with open(path, "wb") as f:
             f.write(os.urandom(total))
+            f.flush()
+            os.fsync(f.fileno())  # dirty pages cannot be dropped: the reads below would hit memory
     fd = os.open(path, os.O_RDONLY)
     mover = ThreadMover(None, 0.0)
     points = []
@@ -161,10 +163,12 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
         finally:
             stack.remove()
         passes = stack.cache.stats.passes[1:]  # the first pass also warms the framework up
-        for p, w, c in zip(passes, ex.pass_wall[1:], copies[1:]):
+        # compute only on both sides: the measured pass minus its measured stall, against the simulated pass
+        # minus its simulated stall (stalls depend on compute speed; fitting them would bias the overheads)
+        for p, w, ws, c in zip(passes, ex.pass_wall[1:], ex.pass_stall[1:], copies[1:]):
             X.append([1.0, p.tokens, p.requests, c])
             means.append(w)
-            y.append(w - p.time_s)
+            y.append((w - ws) - (p.time_s - p.stall_s))
     X, y = np.array(X), np.array(y)
     coef = _nnls(X, y)
     pred = X @ coef

@@ -40,9 +40,13 @@ class Executor(Policy):
         self.pass_kinds.append(kind)
         self.pass_tokens.append(tokens)
         self._stall0 = self.stall_s
+        if self.device.type == "cuda":  # the previous pass's kernels are not this pass's time
+            torch.cuda.synchronize(self.device)
         self._t0 = time.perf_counter()
 
     def end_pass(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.pass_wall.append(time.perf_counter() - self._t0)
         self.pass_stall.append(self.stall_s - self._stall0)
 

@@ -123,7 +123,8 @@ class Offload(Executor):
         free = self.free[pi]
         e = key - layer * self.E
         if not free:
-            raise RuntimeError(f"execution=offload: pool {pi} has no free slot for layer {layer} expert {e}, but the "
+            raise RuntimeError(f"execution=offload: pool {pi} has no free slot for MoE layer {layer} (model.layers."
+                               f"{self.stack.moe_ids[layer]}) expert {e}, but the "
                                f"engine admitted it (the arena and the engine disagree)")
         slot = free.pop()
         views = self.slot_views[pi][slot]
@@ -136,7 +137,7 @@ class Offload(Executor):
         if used > self.peak_slots:
             self.peak_slots = used
         self.tickets[key] = self.mover.submit(partial(self.tier.copy_into, layer, e, views), self.slot_bytes,
-                                              not prefetched, f"layer {layer} expert {e}")
+                                              not prefetched, f"model.layers.{self.stack.moe_ids[layer]} expert {e}")
         self.copies += 1
 
     def evicted(self, key: int) -> None:
@@ -161,7 +162,7 @@ class Offload(Executor):
             self.staging.append(self._views_at(buf, 0))
         views = self.staging[i]
         t = self.mover.submit(partial(self.tier.copy_into, layer, expert, views), self.slot_bytes, True,
-                              f"layer {layer} expert {expert} (streamed)")
+                              f"model.layers.{self.stack.moe_ids[layer]} expert {expert} (streamed)")
         self._staged.append((layer, expert, t))
         src = self.sources[layer]
         for n in self.names:
@@ -199,7 +200,8 @@ class Offload(Executor):
                     mover.wait(t)
                 tickets[base + e] = None
             if up[e] is None:
-                raise RuntimeError(f"execution=offload: layer {layer} expert {e} runs but is neither in the arena "
+                raise RuntimeError(f"execution=offload: MoE layer {layer} (model.layers.{self.stack.moe_ids[layer]}) "
+                                   f"expert {e} runs but is neither in the arena "
                                    f"nor staged (the arena and the engine disagree)")
         for e in host:  # miss=cpu_compute: the expert runs from host memory, never copied to the device
             views = self._host_views(layer, e)
@@ -210,10 +212,11 @@ class Offload(Executor):
         for e in host:
             for n in self.names:
                 src[n][e] = None
-        for lay, e, _ in self._staged:
+        for i, (lay, e, _) in enumerate(self._staged):
             s = self.sources[lay]
-            for n in self.names:
-                s[n][e] = None
+            if s[self.up][e] is self.staging[i][self.up]:  # still the staging view (not since inserted)
+                for n in self.names:
+                    s[n][e] = None
         self._staged.clear()
         if self.params.check:
             self.check_residency()

@@ -55,8 +55,16 @@ class RamTier(HostTier):
 
     def __init__(self, layers: list[dict], pin: bool):
         """``layers[l][name]``: the fused [E, ...] tensor of MoE layer ``l`` (host memory)."""
-        if pin:
-            layers = [{n: t.pin_memory() for n, t in d.items()} for d in layers]
+        if pin:  # pinned copies replace the pageable ones (the parameters point at them: no second copy)
+            pinned = []
+            for d in layers:
+                out = {}
+                for n, t in d.items():
+                    p = t.pin_memory()
+                    t.data = p
+                    out[n] = p
+                pinned.append(out)
+            layers = pinned
         self.layers = layers
         self.views = [{n: [t[e] for e in range(t.shape[0])] for n, t in d.items()} for d in layers]
         self.bytes_held = sum(t.numel() * t.element_size() for d in layers for t in d.values())
@@ -85,14 +93,22 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
+def _dtype(code: str, path, name: str) -> torch.dtype:
+    if code not in ST_DTYPES:
+        raise DataError(f"{path}: {name} is stored as {code}, which execution.host=disk cannot read; readable: "
+                        f"{', '.join(ST_DTYPES)}")
+    return ST_DTYPES[code]
+
+
 class _Piece:
     """``nbytes`` at ``offset`` of file ``fd`` (dtype ``dtype``) -> rows ``rows`` of destination ``name``."""
 
-    __slots__ = ("fd", "path", "offset", "nbytes", "dtype", "name", "rows", "shape")
+    __slots__ = ("fd", "path", "offset", "nbytes", "dtype", "name", "rows", "shape", "param")
 
-    def __init__(self, fd, path, offset, nbytes, dtype, name, rows, shape):
+    def __init__(self, fd, path, offset, nbytes, dtype, name, rows, shape, param):
         self.fd, self.path, self.offset, self.nbytes = fd, path, offset, nbytes
         self.dtype, self.name, self.rows, self.shape = dtype, name, rows, shape
+        self.param = param  # the fused parameter it fills (``name`` is the checkpoint tensor, for errors)
 
 
 # Per-expert hub names of a fused parameter: fused name -> [(per-expert suffix), ...] concatenated along rows
@@ -118,6 +134,18 @@ class DiskTier(HostTier):
             raise DataError(f"execution.host=disk: no *.safetensors files in {self.dir}")
         tensors = {}
         self._fds = []
+        try:
+            self._index(files, tensors, layer_ids, shapes, num_experts)
+        except BaseException:
+            self.close()  # a truncated file or a missing expert: no descriptor left open
+            raise
+        self._pin = device is not None and device.type == "cuda"
+        self._bounces: dict = {}  # one bounce buffer per reading thread (transfer thread; main: cpu_compute, checks)
+        self._lock = threading.Lock()
+        self.bytes_held = 0
+
+    def _index(self, files, tensors, layer_ids, shapes, num_experts) -> None:
+        """Every expert's pieces: file, byte offset, length, dtype, destination rows."""
         for path in files:
             header, start = read_header(path)
             fd = os.open(path, os.O_RDONLY)
@@ -141,10 +169,6 @@ class DiskTier(HostTier):
                 per_expert.append(pieces)
             self.pieces.append(per_expert)
         self._biggest = biggest
-        self._pin = device is not None and device.type == "cuda"
-        self._bounces: dict = {}  # one bounce buffer per reading thread (transfer thread; main: cpu_compute, checks)
-        self._lock = threading.Lock()
-        self.bytes_held = 0
 
     def _locate(self, tensors, layer_id, e, name, shape, E) -> list[_Piece]:
         for block in BLOCKS:
@@ -155,7 +179,8 @@ class DiskTier(HostTier):
                 if fshape[0] != E or tuple(fshape[1:]) != tuple(shape):
                     raise DataError(f"{path}: {prefix}.{name} has shape {fshape}, expected [{E}, {', '.join(map(str, shape))}]")
                 per = nbytes // E
-                return [_Piece(fd, path, off + e * per, per, ST_DTYPES[dt], name, None, tuple(shape))]
+                return [_Piece(fd, path, off + e * per, per, _dtype(dt, path, name), f"{prefix}.{name}[{e}]", None,
+                               tuple(shape), name)]
             for parts in PER_EXPERT.get(name, ()):
                 found = [tensors.get(f"{prefix}.{e}.{p}") for p in parts]
                 if all(f is None for f in found):
@@ -167,7 +192,8 @@ class DiskTier(HostTier):
                 out, row = [], 0
                 for p, (fd, path, off, nbytes, dt, fshape) in zip(parts, found):
                     rows = fshape[0]
-                    out.append(_Piece(fd, path, off, nbytes, ST_DTYPES[dt], name, (row, row + rows), tuple(fshape)))
+                    out.append(_Piece(fd, path, off, nbytes, _dtype(dt, path, p), f"{prefix}.{e}.{p}", (row, row + rows),
+                                      tuple(fshape), name))
                     row += rows
                 if row != shape[0]:
                     raise DataError(f"execution.host=disk: {prefix}.{e}.{'+'.join(parts)} give {row} rows of {name}, "
@@ -188,7 +214,10 @@ class DiskTier(HostTier):
     def _read(self, piece: _Piece, out: torch.Tensor) -> None:
         """Read ``piece`` into ``out`` (a uint8 view of exactly its bytes)."""
         mv = memoryview(out.numpy())
-        got = os.preadv(piece.fd, [mv], piece.offset)
+        try:
+            got = os.preadv(piece.fd, [mv], piece.offset)
+        except OSError as exc:
+            raise DataError(f"{piece.path}: reading {piece.name} at byte {piece.offset} failed ({exc})") from None
         if got != piece.nbytes:
             raise DataError(f"{piece.path}: short read of {piece.name} at byte {piece.offset} ({got} of "
                             f"{piece.nbytes} bytes): the file is truncated or unreadable")
@@ -199,7 +228,7 @@ class DiskTier(HostTier):
 
     def copy_into(self, layer, expert, dst):
         for piece in self.pieces[layer][expert]:
-            d = dst[piece.name]
+            d = dst[piece.param]
             if piece.rows is not None:
                 d = d[piece.rows[0]:piece.rows[1]]
             if piece.dtype == d.dtype and d.device.type == "cpu" and d.is_contiguous():

@@ -172,7 +172,7 @@ class ThreadMover(Mover):
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._thread.join(timeout=5)
+        self._thread.join()  # a read under way finishes before the tier closes its files
 
 
 class CudaMover(ThreadMover):
