@@ -8,9 +8,9 @@ and write a hardware profile that makes the simulated clock predict what ``execu
    the same on the host (``host_*``; equal on a CPU-only machine).
 3. **What the roofline does not see**: the model (default: the embedded ``deep_olmoe``) generates greedily
    under ``execution=offload`` at capacity 1.0 (every expert resident after the first pass) and at 5% with prefetching;
-   each pass's measured time minus its roofline time is fitted as ``pass + tokens * token + experts run *
-   expert + transfers issued * issue`` overheads (non-negative least squares; a second generation at 5%
-   capacity with prefetching makes the transfer term identifiable): the costs of eager framework calls and
+   each pass's measured compute time minus its roofline time is fitted as ``decoder layers * layer + tokens * token + experts run *
+   expert + transfers issued * issue + predictions * prediction`` overheads (non-negative least squares; generations at 5% and 100%
+   capacity with prefetching make the transfer and prediction terms identifiable): the costs of eager framework calls and
    of issuing copies that a GPU hides in kernel launches and a CPU does not.
 
 The profile goes to ``DIR/hardware/<name>.yaml``; the default DIR is the user config directory, which
@@ -140,18 +140,20 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
     X, y, means = [], [], []
     # two stacks: all resident (no transfers after the first pass), and a small cache with prefetching (many
     # transfers issued): the per-transfer term is identifiable
-    for capacity, prefetch in ((1.0, "none"), (0.05, "topk")):
+    for capacity, prefetch in ((1.0, "none"), (0.05, "topk"), (1.0, "topk")):
         hwc = HardwareConfig(**{**hw, "capacity": capacity})
         spec = StackSpec.of(hardware=hwc, prefetch=prefetch)
         spec.execution = EXECUTION.params({"name": "offload", "throttle": True})
         stack = install(model, spec, device=device,
                         checkpoint=local_checkpoint(mcfg.pretrained) if mcfg.pretrained else None)
         model.to(device)
-        ex = stack.executor
-        copies = []
+        ex, eng = stack.executor, stack.engine
+        copies, preds = [], []  # per pass: transfers issued, prefetch predictions made
         begin, end = ex.begin_pass, ex.end_pass
-        ex.begin_pass = lambda kind, tokens: (copies.append(ex.copies), begin(kind, tokens))
-        ex.end_pass = lambda: (end(), copies.__setitem__(-1, ex.copies - copies[-1]))
+        ex.begin_pass = lambda kind, tokens: (copies.append(ex.copies), preds.append(eng.predictions),
+                                              begin(kind, tokens))
+        ex.end_pass = lambda: (end(), copies.__setitem__(-1, ex.copies - copies[-1]),
+                               preds.__setitem__(-1, eng.predictions - preds[-1]))
         g = torch.Generator().manual_seed(0)
         vocab = model.config.vocab_size
         try:
@@ -163,10 +165,11 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
         finally:
             stack.remove()
         passes = stack.cache.stats.passes[1:]  # the first pass also warms the framework up
+        layers = float(sum(stack.geom.attn_layers) + stack.geom.tail_attn_layers)  # decoder layers
         # compute only on both sides: the measured pass minus its measured stall, against the simulated pass
         # minus its simulated stall (stalls depend on compute speed; fitting them would bias the overheads)
-        for p, w, ws, c in zip(passes, ex.pass_wall[1:], ex.pass_stall[1:], copies[1:]):
-            X.append([1.0, p.tokens, p.requests, c])
+        for p, w, ws, c, q in zip(passes, ex.pass_wall[1:], ex.pass_stall[1:], copies[1:], preds[1:]):
+            X.append([layers, p.tokens, p.requests, c, q])
             means.append(w)
             y.append((w - ws) - (p.time_s - p.stall_s))
     X, y = np.array(X), np.array(y)
@@ -174,12 +177,13 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
     pred = X @ coef
     report = {"passes": len(passes), "residual_rms_us": float(np.sqrt(np.mean((y - pred) ** 2)) * 1e6),
               "mean_pass_us": float(np.mean(means) * 1e6)}
-    return {"pass_overhead_us": float(coef[0] * 1e6), "token_overhead_us": float(coef[1] * 1e6),
-            "expert_overhead_us": float(coef[2] * 1e6), "transfer_issue_us": float(coef[3] * 1e6)}, report
+    return {"layer_overhead_us": float(coef[0] * 1e6), "token_overhead_us": float(coef[1] * 1e6),
+            "expert_overhead_us": float(coef[2] * 1e6), "transfer_issue_us": float(coef[3] * 1e6),
+            "predict_overhead_us": float(coef[4] * 1e6)}, report
 
 
 def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with non-negative coefficients (active set on three columns: try every subset)."""
+    """Least squares with non-negative coefficients (a handful of columns: try every subset)."""
     import itertools
 
     best, best_err = np.zeros(X.shape[1]), float("inf")
@@ -227,9 +231,9 @@ def calibrate(out: str | None = None, name: str | None = None, model: str = "dee
     if not quick:
         over, fit = fit_overheads(model, {k: v for k, v in hw.items()}, dev)
         hw.update(over)
-        log(f"  overheads ({model}, {fit['passes']} passes): pass {over['pass_overhead_us']:.4g} us, token "
+        log(f"  overheads ({model}, {fit['passes']} passes): decoder layer {over['layer_overhead_us']:.4g} us, token "
             f"{over['token_overhead_us']:.4g} us, expert {over['expert_overhead_us']:.4g} us, transfer issue "
-            f"{over['transfer_issue_us']:.4g} us (residual rms "
+            f"{over['transfer_issue_us']:.4g} us, prediction {over['predict_overhead_us']:.4g} us (residual rms "
             f"{fit['residual_rms_us']:.3g} us of a {fit['mean_pass_us']:.4g} us mean pass)")
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     note = [f"specmd calibrate, {stamp}, on {platform.node()} ({platform.processor() or platform.machine()}, "

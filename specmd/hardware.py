@@ -32,13 +32,14 @@ class HardwareConfig:
     # (README "Timing a small model as a real one"). null: the running model's own.
     timing_as: Optional[str] = None
     # Fixed costs the roofline does not see (``specmd calibrate`` fits them on this machine; 0 = the ideal
-    # device): per forward pass (embedding, head, framework launch overheads), per token of a pass, and per
-    # expert a layer runs (one GEMM pair launched per expert group). The papers' GPUs hide them in kernel
+    # device): per decoder layer (its eager ops' launch costs), per token of a pass, per expert a layer runs
+    # (one GEMM pair per expert group) and per transfer issued. The papers' GPUs hide them in kernel
     # launches; on a CPU running eager PyTorch they are most of a small model's time.
-    pass_overhead_us: float = 0.0
+    layer_overhead_us: float = 0.0
     token_overhead_us: float = 0.0
     expert_overhead_us: float = 0.0
     transfer_issue_us: float = 0.0  # host time to issue one transfer (demand or prefetch), serial with compute
+    predict_overhead_us: float = 0.0  # one prefetch prediction (a later layer's router on this input + policy)
 
     def __post_init__(self) -> None:
         if not (0.0 < self.capacity <= 1.0):
@@ -54,7 +55,8 @@ class HardwareConfig:
                 raise ConfigError(f"hardware.{key}={getattr(self, key)} must be positive")
         if self.latency_us < 0:
             raise ConfigError(f"hardware.latency_us={self.latency_us} must be >= 0")
-        for key in ("pass_overhead_us", "token_overhead_us", "expert_overhead_us", "transfer_issue_us"):
+        for key in ("layer_overhead_us", "token_overhead_us", "expert_overhead_us", "transfer_issue_us",
+                    "predict_overhead_us"):
             v = getattr(self, key)
             if not (v >= 0 and v != float("inf")):
                 raise ConfigError(f"hardware.{key}={v} must be a finite number >= 0")

@@ -64,43 +64,49 @@ def test_link_fit_recovers_latency_and_bandwidth():
     bw, lat = _fit_link(pts)
     assert abs(bw - 8e9) / 8e9 < 1e-6 and abs(lat - 20e-6) < 1e-9
     X = np.array([[1, 1, 8, 0], [1, 40, 64, 30], [1, 1, 8, 5], [1, 90, 64, 60], [1, 1, 9, 2]], dtype=float)
-    coef = np.array([5e-3, 1e-4, 2e-5, 3e-5])
+    coef = np.array([5e-3, 1e-4, 2e-5, 3e-5])  # the fit works on any number of columns
     got = _nnls(X, X @ coef)
     assert np.allclose(got, coef, rtol=1e-6)
     assert (_nnls(X, -(X @ coef)) >= 0).all()  # never a negative cost
 
 
 def test_overheads_charged_exactly():
-    """Each fixed cost adds exactly its figure per pass / token / expert run / transfer issued."""
+    """Each fixed cost adds exactly its figure per decoder layer / token / expert run / transfer issued."""
     from specmd.engine import Engine, GateRecord, StackSpec
     from specmd.engine.geometry import Geometry
     from specmd.engine.record import Scoring
     from specmd.hardware import HardwareConfig
 
-    g = Geometry(num_layers=2, num_experts=8, top_k=2, expert_bytes=1000, total_bytes=2 * 8 * 1000 * 2)
+    g = Geometry(num_layers=2, num_experts=8, top_k=2, expert_bytes=1000, total_bytes=2 * 8 * 1000 * 2,
+                 attn_layers=[1, 1])
 
-    def run(**over):
-        eng = Engine(g, StackSpec.of(hardware=HardwareConfig(capacity=0.2, **over), prefetch="none"))
+    def run(prefetch="none", **over):
+        eng = Engine(g, StackSpec.of(hardware=HardwareConfig(capacity=0.2, **over), prefetch=prefetch))
         eng.begin_pass("prefill", 3, 3)
         for layer in range(2):
             idx = torch.tensor([[0, 1], [1, 2], [0, 2]])
-            rec = GateRecord(layer, torch.zeros(3, 8), torch.full((3, 2), 0.5), idx, Scoring(False, True, 1.0))
+            rec = GateRecord(layer, torch.zeros(3, 8), torch.full((3, 2), 0.5), idx, Scoring(False, True, 1.0),
+                             lambda target, idx=idx: (torch.full((3, 8), 1 / 8), idx))
             eng.route(rec)
             eng.layer(rec)
         eng.end_pass()
-        return eng.results()["timing"]["total_s"], eng.results()["cache"]
+        return eng.results()["timing"]["total_s"], eng.results()["cache"], eng.predictions
 
-    base, cache = run()
+    base, cache, _ = run()
     transfers = cache["misses"]  # every miss is one demand transfer here (no prefetch)
     assert transfers == 6
-    assert run(pass_overhead_us=100)[0] == pytest.approx(base + 100e-6, abs=1e-12)
+    assert run(layer_overhead_us=100)[0] == pytest.approx(base + 2 * 100e-6, abs=1e-12)  # 2 decoder layers
     assert run(token_overhead_us=10)[0] == pytest.approx(base + 3 * 10e-6, abs=1e-12)
     assert run(expert_overhead_us=7)[0] == pytest.approx(base + 6 * 7e-6, abs=1e-12)  # 3 experts x 2 layers
     assert run(transfer_issue_us=5)[0] == pytest.approx(base + transfers * 5e-6, abs=1e-12)
+    assert run(predict_overhead_us=9)[0] == base  # no prefetcher: no prediction charged
+    pbase, _, predictions = run("topk")
+    assert predictions == 1  # layer 0 predicts layer 1
+    assert run("topk", predict_overhead_us=9)[0] == pytest.approx(pbase + predictions * 9e-6, abs=1e-12)
 
 
 @pytest.mark.parametrize("key,value", [("expert_overhead_us", -1.0), ("transfer_issue_us", float("inf")),
-                                       ("pass_overhead_us", float("nan"))])
+                                       ("layer_overhead_us", float("nan"))])
 def test_bad_overheads_rejected(key, value):
     from specmd.errors import ConfigError
     from specmd.hardware import HardwareConfig

@@ -150,6 +150,9 @@ class Clock:
         """Seconds the host needs for ``slots`` token-expert pairs over ``experts`` experts."""
         raise NotImplementedError
 
+    def predicted(self) -> None:
+        """The prefetch policy made one prediction (a later layer's router on this layer's input)."""
+
     def host(self, slots: int, experts: int):
         """Host work started now (overlapping the layer's transfers); returns its handle."""
         raise NotImplementedError
@@ -179,15 +182,18 @@ class SimClock(Clock):
     name = "simulated"
 
     def __init__(self, geom, channel: TransferChannel, roofline: Roofline, host: Roofline | None = None,
-                 overheads: tuple = (0.0, 0.0, 0.0, 0.0)):
-        """``overheads``: (per pass, per token, per expert run, per transfer issued) seconds the roofline does
-        not see (``specmd calibrate`` fits them; issuing is host work charged with the layer's compute)."""
+                 overheads: tuple = (0.0, 0.0, 0.0, 0.0, 0.0)):
+        """``overheads``: (per decoder layer, per token of a pass, per expert run, per transfer issued) seconds
+        the roofline does not see (``specmd calibrate`` fits them; a decoder layer's cost goes with its dense
+        compute, so it scales with the model's depth; issuing is host work charged with the layer's compute)."""
         self.geom = geom
         self.channel = channel
         self.roofline = roofline
         self.host_roofline = host or roofline
-        self.pass_overhead, self.token_overhead, self.expert_overhead, self.issue_overhead = overheads
+        (self.layer_overhead, self.token_overhead, self.expert_overhead, self.issue_overhead,
+         self.predict_overhead) = overheads
         self.issued = 0  # transfers issued since the last charge of compute
+        self.predictions = 0  # prefetch predictions since the last charge of compute
         self.now = 0.0
         self.stall_s = 0.0
 
@@ -196,8 +202,9 @@ class SimClock(Clock):
         return cls(geom, TransferChannel(hw.bandwidth_gbps * 1e9, hw.latency_us * 1e-6),
                    Roofline(hw.peak_tflops * 1e12, hw.mem_bandwidth_gbps * 1e9),
                    Roofline(hw.host_tflops * 1e12, hw.host_mem_bandwidth_gbps * 1e9),
-                   (getattr(hw, "pass_overhead_us", 0.0) * 1e-6, getattr(hw, "token_overhead_us", 0.0) * 1e-6,
-                    getattr(hw, "expert_overhead_us", 0.0) * 1e-6, getattr(hw, "transfer_issue_us", 0.0) * 1e-6))
+                   (getattr(hw, "layer_overhead_us", 0.0) * 1e-6, getattr(hw, "token_overhead_us", 0.0) * 1e-6,
+                    getattr(hw, "expert_overhead_us", 0.0) * 1e-6, getattr(hw, "transfer_issue_us", 0.0) * 1e-6,
+                    getattr(hw, "predict_overhead_us", 0.0) * 1e-6))
 
     # -- transfers --------------------------------------------------------------------------------
     def begin_layer(self) -> None:
@@ -265,7 +272,7 @@ class SimClock(Clock):
     def _dense_time(self, params, attn_layers, tokens: int, context: int) -> float:
         g, r = self.geom, self.roofline
         flops = 2.0 * tokens * params + 4.0 * tokens * context * g.hidden_size * attn_layers
-        return max(flops / r.peak_flops, params * g.dtype_bytes / r.mem_bytes_per_s)
+        return max(flops / r.peak_flops, params * g.dtype_bytes / r.mem_bytes_per_s) + attn_layers * self.layer_overhead
 
     def dense_time(self, layer: int, tokens: int, context: int) -> float:
         """Seconds of everything before MoE layer ``layer``'s experts (its share of dense layers)."""
@@ -282,10 +289,14 @@ class SimClock(Clock):
         self.now += self.dense_time(layer, tokens, context)
 
     def experts(self, slots: int, experts: int) -> None:
-        self.now += self.experts_time(slots, experts) + self.issued * self.issue_overhead
-        self.issued = 0
+        self.now += (self.experts_time(slots, experts) + self.issued * self.issue_overhead
+                     + self.predictions * self.predict_overhead)
+        self.issued = self.predictions = 0
+
+    def predicted(self) -> None:
+        self.predictions += 1
 
     def tail(self, tokens: int, context: int) -> None:
         g = self.geom
         self.now += (self._dense_time(g.tail_params, g.tail_attn_layers, tokens, context)
-                     + self.pass_overhead + tokens * self.token_overhead)
+                     + tokens * self.token_overhead)

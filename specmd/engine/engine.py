@@ -165,6 +165,7 @@ class Engine:
         self.cache = CacheManager(geom, caps, evictions, self.miss, self.clock, self.store, spec.measure)
         self.view = self.cache.view
         self.calls = 0  # layer calls so far (each record's ``call``)
+        self.predictions = 0  # prefetch predictions made (one per target layer per call)
 
     # ---- passes ---------------------------------------------------------------------------------
     def begin_pass(self, kind: str, tokens: int, context: int) -> None:
@@ -209,6 +210,8 @@ class Engine:
         plan = cache.serve(layer, experts, rec, index, weights).execution  # 3
         slots, n_run = self._fidelity(rec, index, weights, plan, len(experts))  # 4
         for target, predicted in self.prefetch.predict(rec, self.model):  # 5
+            clock.predicted()
+            self.predictions += 1
             cache.prefetch(target, predicted)
         clock.experts(slots, n_run)  # 6
         cache.finish_layer()
