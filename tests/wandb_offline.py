@@ -31,12 +31,30 @@ def _chunks(data: bytes):
             buf = b""
 
 
-def read_offline_run(root) -> dict:
-    """{"run": {name, group, job_type, tags}, "config": {...}, "history": [{...}], "summary": {...}}."""
+def read_offline_run(root, timeout_s: float = 30.0) -> dict:
+    """{"run": {name, group, job_type, tags}, "config": {...}, "history": [{...}], "summary": {...}}.
+
+    wandb's core process may still be writing the file when ``finish`` returns on a loaded machine (seen in
+    full-suite runs: no ``run`` record yet); read again until the run record and a summary are there."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = _read_offline_run(root)
+        if (got["run"] and got["summary"]) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
+def _read_offline_run(root) -> dict:
     from wandb.proto import wandb_internal_pb2 as pb
 
-    (path,) = glob.glob(f"{root}/wandb/offline-run-*/run-*.wandb")
     out = {"run": {}, "config": {}, "history": [], "summary": {}}
+    paths = glob.glob(f"{root}/wandb/offline-run-*/run-*.wandb")
+    if len(paths) != 1:
+        assert len(paths) < 2, paths
+        return out  # not written yet
+    (path,) = paths
     val = lambda item: json.loads(item.value_json)  # noqa: E731
     key = lambda item: item.key or "/".join(item.nested_key)  # noqa: E731
     for raw in _chunks(open(path, "rb").read()):
