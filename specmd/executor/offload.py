@@ -73,7 +73,7 @@ class Offload(Executor):
         if p.host == "ram":
             from .tiers import RamTier
 
-            self.tier = RamTier([{n: t.detach() for n, t in d.items()} for d in tensors], pin=dev.type == "cuda")
+            self.tier = RamTier(tensors, pin=dev.type == "cuda")
         else:
             from .tiers import DiskTier
 
@@ -232,11 +232,14 @@ class Offload(Executor):
         return views
 
     def _views_at(self, buf: torch.Tensor, offset: int) -> dict:
+        from .tiers import BYTES, words
+
         out, o = {}, offset
         for n, shape in self._shapes.items():
             nbytes = math.prod(shape) * self.dtype.itemsize
             out[n] = buf[o:o + nbytes].view(self.dtype).view(shape)
             o += nbytes
+        out[BYTES] = words(buf[offset:offset + self.slot_bytes])  # the whole slot: one copy fills it (RamTier)
         return out
 
     # ---- checks and results -------------------------------------------------------------------------------
