@@ -13,7 +13,8 @@ non-preemptive transfer channel, demand before queued prefetches; roofline compu
 implements the same interface on real copies (its handles are tickets of the executor's transfer thread or
 CUDA stream, ``done`` polls, ``wait`` blocks, ``dense``/``experts``/``tail`` are no-ops because the real
 kernels take the time). ``execution=offload`` keeps the simulated clock deciding (so residency, victims and
-outputs are those of ``execution=simulated``, bit for bit) and measures the same passes on a WallClock.
+outputs are those of ``execution=simulated``, bit for bit) and measures the same passes on the wall
+(the executor's pass timer and transfer tickets).
 """
 
 from __future__ import annotations

@@ -94,7 +94,6 @@ class Offload(Executor):
         self.capacity_bytes = sum(b.numel() for b in self.arenas)
         self.used = [0] * len(self.arenas)
         self.peak_slots = 0
-        self._shapes = shapes
         self.staging: list[dict] = []  # slots for streamed experts (grow only; reported)
         self._staged: list = []  # (layer, expert, ticket) of this layer call
         self.slot_of = [-1] * (L * E)
