@@ -1,5 +1,6 @@
 """topk and score prefetch on hand-made router outputs."""
 
+import pytest
 import torch
 
 from specmd.policies.prefetch import PREFETCH
@@ -61,3 +62,31 @@ def test_score_percentile_basis_readings():
 
     assert run("window") == [[(1, [0, 1, 2, 3])], [(1, [0, 1, 2])]]
     assert run("token") == [[(1, [0, 1, 2, 3])], [(1, [0, 1])]]
+
+
+@pytest.mark.parametrize("q", [0.0, 0.5, 0.8, 0.95, 0.999])
+def test_score_quantile_is_torch_quantile_bit_for_bit(q):
+    from specmd.policies.prefetch.score import quantile
+
+    g = torch.Generator().manual_seed(int(q * 1000))
+    for n in (1, 2, 3, 7, 64, 4096, 4097, 3071):
+        x = torch.rand(n, generator=g) ** 3
+        assert torch.equal(quantile(x.numpy(), q), torch.quantile(x, q)), n
+
+
+def test_score_window_ring_is_the_last_rows():
+    """The ring of the last ``window`` rows gives the threshold a concatenation of every prediction's rows
+    cut to its last ``window`` gives (prefill blocks larger and smaller than the window, then decode rows)."""
+    from types import SimpleNamespace
+
+    from specmd.policies.prefetch.score import Score, quantile
+
+    pol = Score(Score.Params(window=8))
+    pol.setup(SimpleNamespace(num_layers=2))
+    g = torch.Generator().manual_seed(3)
+    hist = None
+    for t in (5, 2, 12, 1, 1, 3, 1, 7, 1, 1, 1, 9):
+        probs = torch.softmax(torch.randn(t, 6, generator=g), -1)
+        hist = (probs if hist is None else torch.cat([hist, probs]))[-8:]
+        got = quantile(pol._window(1, probs), 0.8)
+        assert torch.equal(got, torch.quantile(hist.reshape(-1), 0.8)), t
