@@ -19,6 +19,17 @@ log = logging.getLogger("specmd")
 GENERATION_TASKS = ("gsm8k", "nq_open")  # tasks that decode (generate_until); the others only prefill
 
 
+def check_policy_overheads(table: dict) -> None:
+    """Every ``hardware.policy_overhead_us`` key names a registered policy (a typo would charge nothing)."""
+    from .policies import REGISTRIES
+
+    for key in table:
+        group, name = key.split("/")
+        if name not in REGISTRIES[group].names():
+            raise ConfigError(f"hardware.policy_overhead_us: {key!r} names no {group} policy; valid: "
+                              f"{', '.join(REGISTRIES[group].names())}")
+
+
 class Run:
     """A validated run specification (all config errors surface here, before any model is built)."""
 
@@ -46,6 +57,8 @@ class Run:
         if self.model is not None and self.model.pretrained:
             check(check_checkpoint, self.model.pretrained)
         self.hardware = check(build_params, HardwareConfig, dict(c["hardware"]), "hardware")
+        if self.hardware is not None:
+            check(check_policy_overheads, self.hardware.policy_overhead_us)
         set_by_user = {o.split("=", 1)[0].lstrip("+~") for o in overrides or ()}
         if {"hardware.capacity", "hardware.experts_per_layer"} <= set_by_user and \
                 (c["hardware"] or {}).get("experts_per_layer") is not None:

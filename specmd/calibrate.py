@@ -12,6 +12,8 @@ and write a hardware profile that makes the simulated clock predict what ``execu
    expert + transfers issued * issue + predictions * prediction`` overheads (non-negative least squares; generations at 5% and 100%
    capacity with prefetching make the transfer and prediction terms identifiable): the costs of eager framework calls and
    of issuing copies that a GPU hides in kernel launches and a CPU does not.
+4. **Policy decisions**: each built-in eviction and prefetch policy's host time per MoE layer call beyond
+   the reference stack's (lru, topk), timed on the engine (``hardware.policy_overhead_us``).
 
 The profile goes to ``DIR/hardware/<name>.yaml``; the default DIR is the user config directory, which
 specmd puts on Hydra's search path (``hardware=<name>`` works at once; with ``--out``, add
@@ -43,20 +45,27 @@ def _fit_link(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def measure_ram_link(device: torch.device, reps: int = 7) -> tuple[float, float]:
+    """The ``ram`` tier's own copies (:class:`~specmd.executor.tiers.RamTier`, whose packed rows a fetch
+    copies) through the transfer channel, from sources cycling through 256 MiB -- more than a last-level cache,
+    so a copy reads memory as a fetch of a cold expert does (one source copied over and over measured the
+    cache: 50 GB/s on a machine whose memory copies at half that)."""
+    from .executor.tiers import BYTES, RamTier, words
     from .executor.transfer import CudaMover, ThreadMover
 
     mover = CudaMover(None, 0.0, device) if device.type == "cuda" else ThreadMover(None, 0.0)
     points = []
     try:
         for size in SIZES:
-            src = torch.randn(size // 4).pin_memory() if device.type == "cuda" else torch.randn(size // 4)
-            dst = torch.empty(size // 4, device=device)
+            rows = max(4, (256 << 20) // size)
+            tier = RamTier([{"w": torch.randint(0, 255, (rows, size), dtype=torch.uint8)}], pin=device.type == "cuda")
+            dst = {BYTES: words(torch.empty(size, dtype=torch.uint8, device=device))}
             times = []
-            for _ in range(reps):
-                t = mover.submit(lambda: dst.copy_(src, non_blocking=True), size, True)
+            for r in range(reps):
+                t = mover.submit(lambda r=r: tier.copy_into(0, (r * 7) % rows, dst), size, True)
                 mover.wait(t)
                 times.append(t.finished - t.issued)  # the channel as a fetch sees it: hand-off included
             points.append((size, statistics.median(times)))
+            del tier
     finally:
         mover.close()
     return _fit_link(points)
@@ -125,18 +134,13 @@ def measure_compute(device: torch.device) -> tuple[float, float]:
 def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: int = 24) -> tuple[dict, dict]:
     """Overheads (µs) from a greedy generation under execution=offload at capacity 1.0: per pass residual =
     measured - roofline, regressed on (1, tokens, experts run). Returns (overheads, fit report)."""
-    from omegaconf import OmegaConf
-
-    from . import CONF_DIR
     from .engine import StackSpec
     from .executor import EXECUTION
     from .hardware import HardwareConfig
     from .hook import install
-    from .models.loader import ModelConfig, load_model, local_checkpoint
-    from .registry import build_params
+    from .models.loader import local_checkpoint
 
-    mcfg = build_params(ModelConfig, dict(OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "model" / f"{model_name}.yaml"))), "model")
-    model, _ = load_model(mcfg)
+    model, mcfg = _load(model_name)
     X, y, means = [], [], []
     # two stacks: all resident (no transfers after the first pass), and a small cache with prefetching (many
     # transfers issued): the per-transfer term is identifiable
@@ -182,6 +186,83 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
             "predict_overhead_us": float(coef[4] * 1e6)}, report
 
 
+REFERENCE = {"eviction": "lru", "prefetch": "topk"}  # calibrate's reference stack: its costs are in the fit
+
+
+def measure_policies(model_name: str, hw: dict, device: torch.device, new_tokens: int = 24, reps: int = 3,
+                     log=print) -> tuple[dict, dict]:
+    """Host microseconds per MoE layer call each built-in eviction and prefetch policy's decisions cost beyond
+    the reference stack's (lru, topk: theirs are in the fitted overheads), as ``{"<group>/<name>": us}``
+    (``hardware.policy_overhead_us``), and ``{"<group>/<name>": why}`` of those that cannot run in a plain
+    live generation (an oracle needs the future). The engine's :meth:`~specmd.engine.Engine.layer` -- every
+    cache decision of a layer call, prefetch predictions included -- is timed over a greedy generation at
+    the profile's capacity under ``execution=simulated`` (the decisions are the same as offload's; the
+    model's compute is not in the timed span), the best of ``reps``, per call. Costs depend on the model's
+    geometry (a percentile over E scores, victims scanned over the pool): calibrate with ``--model`` set to
+    the geometry you run."""
+    from .engine import StackSpec
+    from .hardware import HardwareConfig
+    from .hook import install
+    from .policies import REGISTRIES
+
+    model, _ = _load(model_name)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, min(model.config.vocab_size, 250), (1, 48), generator=g).to(device)
+    model.to(device)
+
+    def per_call(stack: dict) -> float:
+        spec = StackSpec.of(hardware=HardwareConfig(**hw), **stack)
+        best = float("inf")
+        for _ in range(reps):
+            st = install(model, spec, device=device)
+            eng = st.engine
+            layer, spent = eng.layer, [0.0, 0]
+
+            def timed(*a, **k):
+                t0 = time.perf_counter()
+                out = layer(*a, **k)
+                spent[0] += time.perf_counter() - t0
+                spent[1] += 1
+                return out
+
+            eng.layer = timed
+            try:
+                with torch.no_grad():
+                    model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                   pad_token_id=0)
+            finally:
+                st.remove()
+            best = min(best, spent[0] / max(spent[1], 1))
+        return best
+
+    ref = per_call({})
+    costs, skipped = {}, {}
+    for group, reference in REFERENCE.items():
+        for name in REGISTRIES[group].names():
+            if name in (reference, "none"):
+                continue
+            key = f"{group}/{name}"
+            try:
+                costs[key] = max(0.0, (per_call({group: name}) - ref) * 1e6)
+            except Exception as exc:  # noqa: BLE001 -- reported in the profile, never a silent zero
+                skipped[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    log(f"  policy decisions ({model_name}, us per layer call beyond lru+topk's {ref * 1e6:.3g} us): "
+        + ", ".join(f"{k} {v:.3g}" for k, v in costs.items())
+        + (f"; not measured: {', '.join(skipped)}" if skipped else ""))
+    return costs, skipped
+
+
+def _load(model_name: str):
+    from omegaconf import OmegaConf
+
+    from . import CONF_DIR
+    from .models.loader import ModelConfig, load_model
+    from .registry import build_params
+
+    mcfg = build_params(ModelConfig, dict(OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "model" / f"{model_name}.yaml"))), "model")
+    return load_model(mcfg)[0], mcfg
+
+
 def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with non-negative coefficients (a handful of columns: try every subset)."""
     import itertools
@@ -204,6 +285,10 @@ def _yaml(name: str, hw: dict, note: list[str]) -> str:
     lines = [f"# {line}" for line in note]
     lines.append(f"name: {name}")
     for k, v in hw.items():
+        if isinstance(v, dict):
+            lines.append(f"{k}:" + ("" if v else " {}"))
+            lines.extend(f'  "{kk}": {vv:.6g}' for kk, vv in v.items())
+            continue
         lines.append(f"{k}: {v:.6g}" if isinstance(v, float) else f"{k}: {'null' if v is None else v}")
     return "\n".join(lines) + "\n"
 
@@ -235,10 +320,14 @@ def calibrate(out: str | None = None, name: str | None = None, model: str = "dee
             f"{over['token_overhead_us']:.4g} us, expert {over['expert_overhead_us']:.4g} us, transfer issue "
             f"{over['transfer_issue_us']:.4g} us, prediction {over['predict_overhead_us']:.4g} us (residual rms "
             f"{fit['residual_rms_us']:.3g} us of a {fit['mean_pass_us']:.4g} us mean pass)")
+        costs, skipped = measure_policies(model, hw, dev, log=log)
+        hw["policy_overhead_us"] = costs
+        fit["policies_not_measured"] = skipped
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     note = [f"specmd calibrate, {stamp}, on {platform.node()} ({platform.processor() or platform.machine()}, "
             f"{os.cpu_count()} cores), device {dev}, torch {torch.__version__}",
             f"overheads fitted on model={model}" if fit else "overheads not fitted (--quick)"]
+    note += [f"policy_overhead_us: {k} not measured ({why})" for k, why in fit.get("policies_not_measured", {}).items()]
     hw_dir = root / "hardware"
     hw_dir.mkdir(parents=True, exist_ok=True)
     path = hw_dir / f"{name}.yaml"

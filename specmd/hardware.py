@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from .errors import ConfigError
 
 SCOPES = ("global", "per_layer")
+POLICY_GROUPS = ("routing", "miss", "eviction", "prefetch")  # keys of hardware.policy_overhead_us
 
 
 @dataclass
@@ -40,6 +41,11 @@ class HardwareConfig:
     expert_overhead_us: float = 0.0
     transfer_issue_us: float = 0.0  # host time to issue one transfer (demand or prefetch), serial with compute
     predict_overhead_us: float = 0.0  # one prefetch prediction (a later layer's router on this input + policy)
+    # The host time a policy's decisions cost per MoE layer call beyond calibrate's reference stack (lru
+    # eviction, topk prefetch: theirs is in the fitted overheads above), keyed "<group>/<name>", e.g.
+    # {"prefetch/score": 180.0}. Policies run in Python between the router and the experts, serial with
+    # compute on a CPU and on a GPU alike; ``specmd calibrate`` times each built-in one. Empty: free.
+    policy_overhead_us: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not (0.0 < self.capacity <= 1.0):
@@ -60,3 +66,13 @@ class HardwareConfig:
             v = getattr(self, key)
             if not (v >= 0 and v != float("inf")):
                 raise ConfigError(f"hardware.{key}={v} must be a finite number >= 0")
+        table = self.policy_overhead_us if self.policy_overhead_us is not None else {}
+        if not hasattr(table, "items"):
+            raise ConfigError(f"hardware.policy_overhead_us={table!r} must be a mapping '<group>/<policy>': us")
+        for key, v in table.items():
+            if key.count("/") != 1 or key.split("/")[0] not in POLICY_GROUPS:
+                raise ConfigError(f"hardware.policy_overhead_us: key {key!r} must be '<group>/<policy>' with group "
+                                  f"one of {', '.join(POLICY_GROUPS)}, e.g. 'prefetch/score'")
+            if not (isinstance(v, (int, float)) and 0 <= v < float("inf")):
+                raise ConfigError(f"hardware.policy_overhead_us[{key!r}]={v} must be a finite number >= 0")
+        self.policy_overhead_us = {str(k): float(v) for k, v in table.items()}  # plain (a profile gives a DictConfig)

@@ -104,6 +104,48 @@ def test_overheads_charged_exactly():
     pbase, _, predictions = run("topk", **fast)
     assert predictions == 1  # layer 0 predicts layer 1
     assert run("topk", predict_overhead_us=9, **fast)[0] == pytest.approx(pbase + predictions * 9e-6, abs=1e-12)
+    # a policy's decision cost: charged per layer call (2 here) for the stack's own policies only
+    assert run(policy_overhead_us={"eviction/lru": 40.0})[0] == pytest.approx(base + 2 * 40e-6, abs=1e-12)
+    assert run(policy_overhead_us={"eviction/lru": 40.0, "prefetch/none": 3.0, "prefetch/score": 500.0,
+                                   "eviction/fifo": 70.0})[0] == pytest.approx(base + 2 * 43e-6, abs=1e-12)
+
+
+@pytest.mark.parametrize("table,match", [({"score": 1.0}, "'<group>/<policy>'"), ({"cache/lru": 1.0}, "group one of"),
+                                         ({"prefetch/score": float("nan")}, "finite number"),
+                                         ({"prefetch/score": -2.0}, "finite number"), (7, "must be a mapping")])
+def test_bad_policy_overheads_rejected(table, match):
+    from specmd.errors import ConfigError
+    from specmd.hardware import HardwareConfig
+
+    with pytest.raises(ConfigError, match=match):
+        HardwareConfig(policy_overhead_us=table)
+
+
+def test_policy_overhead_names_a_registered_policy():
+    from specmd.app import check_policy_overheads
+    from specmd.errors import ConfigError
+
+    check_policy_overheads({"prefetch/score": 1.0, "eviction/least_stale": 2.0})
+    with pytest.raises(ConfigError, match=r"'prefetch/scor' names no prefetch policy; valid: .*score"):
+        check_policy_overheads({"prefetch/scor": 1.0})
+
+
+def test_policy_decisions_measured_per_layer_call():
+    """calibrate times every built-in eviction and prefetch policy on the engine: a cost >= 0 for each one a
+    live generation can run, the oracles named with the reason, and score prefetch (a percentile and a union
+    per call) dearer than lru+topk."""
+    from specmd.calibrate import measure_policies
+    from specmd.hardware import HardwareConfig
+    from specmd.policies import REGISTRIES
+
+    costs, skipped = measure_policies("tiny", dict(vars(HardwareConfig())), torch.device("cpu"), new_tokens=4,
+                                      reps=1, log=lambda *_: None)
+    expect = {f"{g}/{n}" for g in ("eviction", "prefetch") for n in REGISTRIES[g].names()} - {
+        "eviction/lru", "prefetch/topk", "prefetch/none"}
+    assert set(costs) | set(skipped) == expect and not set(costs) & set(skipped)
+    assert {"eviction/belady", "prefetch/oracle"} <= set(skipped) and "future" in skipped["eviction/belady"]
+    assert all(v >= 0 and np.isfinite(v) for v in costs.values())
+    assert costs["prefetch/score"] > 0
 
 
 @pytest.mark.parametrize("key,value", [("expert_overhead_us", -1.0), ("transfer_issue_us", float("inf")),

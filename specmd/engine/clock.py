@@ -183,29 +183,37 @@ class SimClock(Clock):
     name = "simulated"
 
     def __init__(self, geom, channel: TransferChannel, roofline: Roofline, host: Roofline | None = None,
-                 overheads: tuple = (0.0, 0.0, 0.0, 0.0, 0.0)):
-        """``overheads``: (per decoder layer, per token of a pass, per expert run, per transfer issued) seconds
-        the roofline does not see (``specmd calibrate`` fits them; a decoder layer's cost goes with its dense
-        compute, so it scales with the model's depth; issuing is host work charged with the layer's compute)."""
+                 overheads: tuple = (0.0, 0.0, 0.0, 0.0, 0.0), decision: float = 0.0):
+        """``overheads``: (per decoder layer, per token of a pass, per expert run, per transfer issued, per
+        prefetch prediction) seconds the roofline does not see (``specmd calibrate`` fits them; a decoder
+        layer's cost goes with its dense compute, so it scales with the model's depth; issuing is host work
+        charged with the layer's compute). ``decision``: seconds per MoE layer call the stack's policies
+        cost beyond calibrate's reference stack (``hardware.policy_overhead_us``), charged with the layer's
+        experts: the engine decides between the router and the experts, serial with compute."""
         self.geom = geom
         self.channel = channel
         self.roofline = roofline
         self.host_roofline = host or roofline
         (self.layer_overhead, self.token_overhead, self.expert_overhead, self.issue_overhead,
          self.predict_overhead) = overheads
+        self.decision_overhead = decision
         self.issued = 0  # transfers issued since the last charge of compute
         self.predictions = 0  # prefetch predictions since the last charge of compute
         self.now = 0.0
         self.stall_s = 0.0
 
     @classmethod
-    def from_hardware(cls, geom, hw) -> "SimClock":
+    def from_hardware(cls, geom, hw, policies: dict | None = None) -> "SimClock":
+        """``policies``: the stack's ``{group: name}``, whose ``hardware.policy_overhead_us`` entries are
+        charged per layer call."""
+        table = getattr(hw, "policy_overhead_us", None) or {}
+        decision = sum(table.get(f"{g}/{n}", 0.0) for g, n in (policies or {}).items()) * 1e-6
         return cls(geom, TransferChannel(hw.bandwidth_gbps * 1e9, hw.latency_us * 1e-6),
                    Roofline(hw.peak_tflops * 1e12, hw.mem_bandwidth_gbps * 1e9),
                    Roofline(hw.host_tflops * 1e12, hw.host_mem_bandwidth_gbps * 1e9),
                    (getattr(hw, "layer_overhead_us", 0.0) * 1e-6, getattr(hw, "token_overhead_us", 0.0) * 1e-6,
                     getattr(hw, "expert_overhead_us", 0.0) * 1e-6, getattr(hw, "transfer_issue_us", 0.0) * 1e-6,
-                    getattr(hw, "predict_overhead_us", 0.0) * 1e-6))
+                    getattr(hw, "predict_overhead_us", 0.0) * 1e-6), decision)
 
     # -- transfers --------------------------------------------------------------------------------
     def begin_layer(self) -> None:
@@ -291,7 +299,7 @@ class SimClock(Clock):
 
     def experts(self, slots: int, experts: int) -> None:
         self.now += (self.experts_time(slots, experts) + self.issued * self.issue_overhead
-                     + self.predictions * self.predict_overhead)
+                     + self.predictions * self.predict_overhead + self.decision_overhead)
         self.issued = self.predictions = 0
 
     def predicted(self) -> None:

@@ -161,7 +161,7 @@ class Engine:
         evictions = [spec.build("eviction") for _ in caps]
         for policy in evictions:
             policy.setup(self.model)
-        self.clock = clock or SimClock.from_hardware(geom, hw)
+        self.clock = clock or SimClock.from_hardware(geom, hw, spec.names())
         self.cache = CacheManager(geom, caps, evictions, self.miss, self.clock, self.store, spec.measure)
         self.view = self.cache.view
         self.calls = 0  # layer calls so far (each record's ``call``)
