@@ -74,6 +74,9 @@ class Offload(Executor):
             from .tiers import RamTier
 
             self.tier = RamTier(tensors, pin=dev.type == "cuda")
+            if set(self.tier.row_bytes) != {self.slot_bytes}:  # a slot is filled by one copy of a packed row
+                raise RuntimeError(f"execution=offload: packed experts of {sorted(set(self.tier.row_bytes))} bytes "
+                                   f"do not match the {self.slot_bytes}-byte slots")
         else:
             from .tiers import DiskTier
 
@@ -86,7 +89,9 @@ class Offload(Executor):
         self.pool_index = [cache.pools.index(pool) for pool in cache._pool_of_layer]
         self.arenas, self.slot_views, self.free = [], [], []
         for pool in cache.pools:
-            buf = torch.empty(pool.capacity, dtype=torch.uint8, device=dev)
+            # zeroed: the pages are touched now, not by the first fetch into each slot (on a CPU device first-touch
+            # page faults made the first pass's copies 3-10x slower than later ones)
+            buf = torch.zeros(pool.capacity, dtype=torch.uint8, device=dev)
             self.arenas.append(buf)
             views = [self._views_at(buf, s * self.slot_bytes) for s in range(pool.capacity // self.slot_bytes)]
             self.slot_views.append(views)

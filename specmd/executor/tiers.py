@@ -16,6 +16,7 @@ Checkpoints with fused expert tensors (transformers' names) and per-expert ones 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import struct
@@ -68,7 +69,12 @@ class RamTier(HostTier):
     """Each layer's experts packed as ``[E, slot bytes]`` in the arena's slot layout (parameters back to back
     in the module's order), so one expert is one contiguous copy (one call, not one per parameter: at 49 kB
     an expert, the per-call cost was most of the copy). The module's parameters are re-pointed at the packed
-    buffer (strided views): no second copy of the experts is held. Pinned when the device is CUDA."""
+    buffer (strided views): no second copy of the experts is held. Pinned when the device is CUDA.
+
+    Into host memory (a CPU device) the copy is one ``memmove`` between addresses known in advance
+    (``ctypes`` releases the GIL for it, so it overlaps compute like a DMA): a tensor ``copy_`` costs 2 us of
+    dispatch per call, a third of a 49 kB expert's copy (measured: 12 GB/s vs 25 GB/s at 48 KiB, 4 vs 12 GB/s
+    at 17 MiB); onto a GPU it is ``copy_(non_blocking=True)`` from pinned memory on the transfer stream."""
 
     name = "ram"
 
@@ -89,12 +95,18 @@ class RamTier(HostTier):
                 o += sizes[n]
             self.packed.append(words(packed))
             self.views.append(views)
-        self.bytes_held = sum(p.numel() for p in self.packed)
+        self.bytes_held = sum(p.numel() * p.element_size() for p in self.packed)
+        self.row_bytes = [p[0].numel() * p.element_size() for p in self.packed]  # one expert, packed
+        self.addr = [p.data_ptr() for p in self.packed]  # [layer] -> address of expert 0
 
     def copy_into(self, layer, expert, dst):
         whole = dst.get(BYTES)
         if whole is not None:
-            whole.copy_(self.packed[layer][expert], non_blocking=True)
+            if whole.device.type == "cpu":
+                n = self.row_bytes[layer]
+                ctypes.memmove(whole.data_ptr(), self.addr[layer] + expert * n, n)
+            else:
+                whole.copy_(self.packed[layer][expert], non_blocking=True)
             return
         src = self.views[layer]
         for n, d in dst.items():
