@@ -9,12 +9,16 @@ fast, and does a model larger than this machine's memory run?
    fits this machine; then each stack -- the lossless ones and the headline stack at native precision
    (``eviction=least_stale prefetch=score``; ``miss=fetch_priority`` fetches quantized copies, which offload
    does not move yet) -- runs a greedy generation on the embedded models under ``execution=offload`` with
-   the calibrated profile. Table: TTFT and TPOT simulated, measured, measured/simulated (target: within
-   ±15%).
-2. **The mechanism.** Throttling off: the transfer path's achieved copy bandwidth beside the copy
-   bandwidth ``calibrate`` measured for host memory (target >= 80%); capacity 1.0 (every expert resident
-   after warm-up): offload's wall time over simulated's (target <= 1.10x); with prefetching: the measured
-   stall beside the sum of transfer times (prefetches overlap compute when the stall is smaller).
+   a profile calibrated on that model (policy decision costs depend on the geometry; ``--profile P`` uses
+   one profile for every model). Table: TTFT and
+   TPOT simulated, the median of 3 measured generations, measured/simulated (target: within ±15%).
+2. **The mechanism.** Throttling off: the transfer path alone (every expert fetched through the executor's
+   tier, channel and slots, nothing else running) beside the copy bandwidth ``calibrate`` measured for host
+   memory (target >= 80%), on deep_olmoe's 49 kB experts and on Qwen1.5-MoE's 17.3 MB ones (a 2-layer
+   random checkpoint, written once under specmd's cache dir); the same during a generation, where the copies
+   share the cores and the memory bus with the model's compute; capacity 1.0 (every expert resident after
+   warm-up): offload's wall time over simulated's (target <= 1.10x); with prefetching: the measured stall
+   beside the sum of transfer times (prefetches overlap compute when the stall is smaller).
 3. **Larger than memory.** A random-weight Qwen1.5-MoE-A2.7B (28.6 GB in bf16, from
    ``specmd/assets/configs/qwen2_moe.json``) is written once under specmd's cache dir; it cannot load
    resident here (more than this machine's RAM: not attempted, the kernel would kill it), and runs offloaded
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,8 +49,9 @@ STACKS = {
 
 
 def generate(model_name: str, stack: dict, hw: dict, execution: dict, device: str, prompt: int, new_tokens: int,
-             load_experts: bool = True) -> dict:
-    """One greedy generation through the policy stack; returns results sections + wall + memory."""
+             load_experts: bool = True, installed=None) -> dict:
+    """One greedy generation through the policy stack; returns results sections + wall + memory. With
+    ``installed``, ``installed(stack)`` runs instead of the generation and its value is returned."""
     from omegaconf import OmegaConf
 
     from specmd import CONF_DIR
@@ -74,7 +80,7 @@ def generate(model_name: str, stack: dict, hw: dict, execution: dict, device: st
     ids = torch.randint(0, min(model.config.vocab_size, 250), (1, prompt), generator=g)
     if load_experts:  # the process's first forward pass pays one-time costs (kernel selection): not TTFT's
         with torch.no_grad():
-            model(ids[:, :8])
+            model(ids)  # the prompt's own shapes: kernels chosen for them are not TTFT's
     spec = StackSpec.of(hardware=HardwareConfig(**hw), **stack)
     spec.execution = EXECUTION.params(execution)
     offload = spec.execution[0].offloads
@@ -84,6 +90,11 @@ def generate(model_name: str, stack: dict, hw: dict, execution: dict, device: st
     if offload:
         model.to(device)
     ids = ids.to(device)
+    if installed is not None:
+        try:
+            return installed(st)
+        finally:
+            st.remove()
     with torch.no_grad():
         t1 = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -102,26 +113,71 @@ def _ratio(a, b):
     return a / b if a and b else float("nan")
 
 
-def part1(profile_hw: dict, device: str, models: list[str]) -> None:
-    print("\n## 1. Simulated vs measured (calibrated profile, execution=offload host=ram, throttled to the profile)")
+def part1(profiles: dict, device: str, reps: int = 3) -> None:
+    """``profiles[model]``: the hardware profile to run ``model`` with."""
+    print(f"\n## 1. Simulated vs measured (calibrated profile, execution=offload host=ram, throttled to the profile; "
+          f"measured: median of {reps} generations, each in a fresh install)")
     print(f"{'model':12} {'stack':42} {'TTFT sim ms':>11} {'meas ms':>8} {'ratio':>6} {'TPOT sim ms':>11} "
           f"{'meas ms':>8} {'ratio':>6}")
-    for model in models:
+    for model, profile_hw in profiles.items():
         for name, stack in STACKS.items():
-            r = generate(model, stack, profile_hw, {"name": "offload"}, device, 48, 24)
-            t, w = r["timing"], r["wall"]
-            print(f"{model:12} {name:42} {t['ttft_s'] * 1e3:11.2f} {w['ttft_s'] * 1e3:8.2f} "
-                  f"{_ratio(w['ttft_s'], t['ttft_s']):6.2f} {t['tpot_s'] * 1e3:11.2f} {w['tpot_s'] * 1e3:8.2f} "
-                  f"{_ratio(w['tpot_s'], t['tpot_s']):6.2f}", flush=True)
+            runs = [generate(model, stack, profile_hw, {"name": "offload"}, device, 48, 24) for _ in range(reps)]
+            t = runs[0]["timing"]  # simulated: the same every run
+            ttft = statistics.median(r["wall"]["ttft_s"] for r in runs)
+            tpot = statistics.median(r["wall"]["tpot_s"] for r in runs)
+            print(f"{model:12} {name:42} {t['ttft_s'] * 1e3:11.2f} {ttft * 1e3:8.2f} "
+                  f"{_ratio(ttft, t['ttft_s']):6.2f} {t['tpot_s'] * 1e3:11.2f} {tpot * 1e3:8.2f} "
+                  f"{_ratio(tpot, t['tpot_s']):6.2f}", flush=True)
 
 
-def part2(profile_hw: dict, copy_gbps: float, device: str) -> None:
-    print("\n## 2. The mechanism (deep_olmoe, greedy, 48-token prompt + 32 tokens)")
-    r = generate("deep_olmoe", {"prefetch": "none"}, profile_hw, {"name": "offload", "throttle": False}, device, 48, 32)
-    w = r["wall"]
-    print(f"transfer path, throttling off, capacity 5%: {w['copy_gbps']:.3g} GB/s in the copies "
-          f"({w['transfers']} transfers of {r['memory']['slot_bytes'] / 1e3:.4g} kB), {w['achieved_gbps']:.3g} GB/s "
-          f"channel busy; calibrate's host copy: {copy_gbps:.3g} GB/s -> {w['copy_gbps'] / copy_gbps:.0%}")
+def path_alone(st, rounds: int = 3) -> tuple[float, int]:
+    """The transfer path with nothing else running: every expert of every layer fetched through the
+    executor's own tier, channel and arena slots (prefetch jobs queued back to back), ``rounds`` times;
+    returns (GB/s from the first submit to the last arrival of the best round, bytes of one expert)."""
+    from functools import partial
+
+    ex = st.executor
+    slots = ex.slot_views[0]
+    L, E = len(st.moe_ids), ex.E
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        tickets = [ex.mover.submit(partial(ex.tier.copy_into, layer, e, slots[(layer * E + e) % len(slots)]),
+                                   ex.slot_bytes, False) for layer in range(L) for e in range(E)]
+        for t in tickets:
+            ex.mover.wait(t)
+        best = min(best, time.perf_counter() - t0)
+    return L * E * ex.slot_bytes / best / 1e9, ex.slot_bytes
+
+
+def qwen_layers(n: int = 2) -> str:
+    """A random-weight Qwen1.5-MoE-A2.7B with its first ``n`` decoder layers only: its real 17.3 MB experts
+    (bf16) in a model that fits in memory with every expert loaded (the ``ram`` tier)."""
+    from specmd.models.loader import SHIPPED_CONFIGS
+    from specmd.models.random_checkpoint import checkpoints_dir, write_random_checkpoint
+
+    cfg = dict(json.loads((SHIPPED_CONFIGS / "qwen2_moe.json").read_text()), num_hidden_layers=n)
+    return str(write_random_checkpoint(cfg, checkpoints_dir() / f"qwen2_moe-{n}layers-random-bf16"))
+
+
+def part2(profile_hw: dict, copy_gbps: float, latency_s: float, device: str, large: bool = True) -> None:
+    print(f"\n## 2. The mechanism (throttling off; calibrate's host copy: {copy_gbps:.3g} GB/s + {latency_s * 1e6:.3g} us "
+          f"per transfer)")
+    fast = {"name": "offload", "throttle": False}
+    models = [("deep_olmoe", 48, 32)] + ([(qwen_layers(), 16, 8)] if large else [])
+    for model, prompt, tokens in models:
+        label = "deep_olmoe" if model == "deep_olmoe" else "Qwen1.5-MoE, 2 layers"
+        gbps, nbytes = generate(model, {"prefetch": "none"}, dict(profile_hw, capacity=1.0), fast, device, 8, 1,
+                                installed=path_alone)
+        model_gbps = nbytes / (latency_s + nbytes / (copy_gbps * 1e9)) / 1e9  # calibrate's link at this size
+        print(f"{label}: the transfer path alone, {nbytes / 1e6:.3g} MB experts: {gbps:.3g} GB/s -> "
+              f"{gbps / copy_gbps:.0%} of calibrate's bandwidth, {gbps / model_gbps:.0%} of its link at this size "
+              f"({model_gbps:.3g} GB/s: latency + bytes / bandwidth)")
+        r = generate(model, {"prefetch": "topk"}, dict(profile_hw, capacity=0.05), fast, device, prompt, tokens)
+        w = r["wall"]
+        print(f"{label}: during a generation at capacity 5% (the model computing beside it): {w['copy_gbps']:.3g} "
+              f"GB/s in the copies ({w['transfers']} transfers), {w['achieved_gbps']:.3g} GB/s channel busy -> "
+              f"{w['copy_gbps'] / copy_gbps:.0%}")
     full = dict(profile_hw, capacity=1.0)
     sim = [generate("deep_olmoe", {"prefetch": "none"}, full, {"name": "simulated"}, device, 48, 32)["generate_s"]
            for _ in range(2)]
@@ -198,15 +254,14 @@ def main() -> None:
 
         hw = dict(OmegaConf.to_container(OmegaConf.load(Path(user_config_dir()) / "hardware" / f"{a.profile}.yaml")))
         hw.pop("name", None)
-        copy_bw = hw["bandwidth_gbps"]
-    else:
+        profiles = {m: hw for m in a.models}
+    else:  # each model with a profile calibrated on it (policy decision costs depend on the geometry)
         with tempfile.TemporaryDirectory() as d:
-            cal = calibrate(out=d, device=a.device)
-        hw = cal["hardware"]
-        copy_bw = hw["bandwidth_gbps"]
-    bw_unpaced, _ = measure_ram_link(torch.device(a.device))
-    part1(hw, a.device, a.models)
-    part2(hw, bw_unpaced / 1e9, a.device)
+            profiles = {m: calibrate(out=d, model=m, device=a.device)["hardware"] for m in a.models}
+        hw = profiles[a.models[-1]]
+    bw_unpaced, lat_unpaced = measure_ram_link(torch.device(a.device))
+    part1(profiles, a.device)
+    part2(hw, bw_unpaced / 1e9, lat_unpaced, a.device, large=not a.skip_large)
     if not a.skip_large:
         part3(a.device, a.tokens)
 
