@@ -7,11 +7,12 @@ and write a hardware profile that makes the simulated clock predict what ``execu
 2. **Compute**: a float32 GEMM (``peak_tflops``) and a large copy (``mem_bandwidth_gbps``) on the device,
    the same on the host (``host_*``; equal on a CPU-only machine).
 3. **What the roofline does not see**: the model (default: the embedded ``deep_olmoe``) generates greedily
-   under ``execution=offload`` at capacity 1.0 (every expert resident after the first pass) and at 5% with prefetching;
-   each pass's measured compute time minus its roofline time is fitted as ``decoder layers * layer + tokens * token + experts run *
-   expert + transfers issued * issue + predictions * prediction`` overheads (non-negative least squares; generations at 5% and 100%
-   capacity with prefetching make the transfer and prediction terms identifiable): the costs of eager framework calls and
-   of issuing copies that a GPU hides in kernel launches and a CPU does not.
+   under ``execution=offload`` -- all resident, at 5% with prefetching, all resident with prefetching;
+   prefills of 8..128 tokens, then decodes -- three times, each in a fresh install; each pass's measured
+   compute time minus its roofline time (the median of the three) is fitted as ``decoder layers * layer +
+   tokens * token + experts run * expert + transfers issued * issue + predictions * prediction`` overheads
+   (non-negative least squares on relative error): the costs of eager framework calls and of issuing copies
+   that a GPU hides in kernel launches and a CPU does not.
 4. **Policy decisions**: each built-in eviction and prefetch policy's host time per MoE layer call beyond
    the reference stack's (lru, topk), timed on the engine (``hardware.policy_overhead_us``).
 
@@ -131,9 +132,26 @@ def measure_compute(device: torch.device) -> tuple[float, float]:
     return flops, 2 * x.numel() * 4 / best
 
 
-def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: int = 24) -> tuple[dict, dict]:
-    """Overheads (µs) from a greedy generation under execution=offload at capacity 1.0: per pass residual =
-    measured - roofline, regressed on (1, tokens, experts run). Returns (overheads, fit report)."""
+PROMPTS = (8, 16, 32, 48, 64, 96, 128)  # prefill sizes: the token and expert terms are identifiable
+
+
+def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: int = 16, reps: int = 3
+                  ) -> tuple[dict, dict]:
+    """Overheads (µs) from greedy generations under execution=offload; per pass residual = measured -
+    roofline, regressed on (decoder layers, tokens, experts run, transfers issued, predictions made).
+    Returns (overheads, fit report).
+
+    Robust by construction, because a single pass of a few ms on a shared CPU varies by tens of percent
+    (single-pass fits gave a token overhead anywhere in 0-257 us on the same machine, and TTFT predictions
+    0.65-1.0 of measured):
+
+    - every generation runs ``reps`` times, each in a fresh install (cold cache: the same decisions, so
+      the same regressors), and each pass's residual is the **median** over the repetitions;
+    - prefills of ``PROMPTS`` tokens (not one or two sizes): tokens and experts run vary independently
+      enough to separate their terms, and TTFT's prompt lies inside the range it is predicted from;
+    - rows are weighted by 1 / the pass's measured time, so the fit minimises *relative* error: the many
+      short decode passes do not outvote the few prefills (TTFT and TPOT are judged by ratios);
+    - one generation before the repetitions warms the framework (first calls of kernels, allocator)."""
     from .engine import StackSpec
     from .executor import EXECUTION
     from .hardware import HardwareConfig
@@ -141,46 +159,59 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
     from .models.loader import local_checkpoint
 
     model, mcfg = _load(model_name)
-    X, y, means = [], [], []
-    # two stacks: all resident (no transfers after the first pass), and a small cache with prefetching (many
-    # transfers issued): the per-transfer term is identifiable
-    for capacity, prefetch in ((1.0, "none"), (0.05, "topk"), (1.0, "topk")):
-        hwc = HardwareConfig(**{**hw, "capacity": capacity})
-        spec = StackSpec.of(hardware=hwc, prefetch=prefetch)
-        spec.execution = EXECUTION.params({"name": "offload", "throttle": True})
-        stack = install(model, spec, device=device,
-                        checkpoint=local_checkpoint(mcfg.pretrained) if mcfg.pretrained else None)
-        model.to(device)
-        ex, eng = stack.executor, stack.engine
-        copies, preds = [], []  # per pass: transfers issued, prefetch predictions made
-        begin, end = ex.begin_pass, ex.end_pass
-        ex.begin_pass = lambda kind, tokens: (copies.append(ex.copies), preds.append(eng.predictions),
-                                              begin(kind, tokens))
-        ex.end_pass = lambda: (end(), copies.__setitem__(-1, ex.copies - copies[-1]),
-                               preds.__setitem__(-1, eng.predictions - preds[-1]))
-        g = torch.Generator().manual_seed(0)
-        vocab = model.config.vocab_size
-        try:
-            with torch.no_grad():
-                for prompt in (8, 32, 96):  # several prefill sizes: the token term is identifiable
-                    ids = torch.randint(0, min(vocab, 250), (1, prompt), generator=g).to(device)
-                    model.generate(ids, max_new_tokens=new_tokens if prompt == 32 else 4, min_new_tokens=4,
-                                   do_sample=False, pad_token_id=0)
-        finally:
-            stack.remove()
-        passes = stack.cache.stats.passes[1:]  # the first pass also warms the framework up
-        layers = float(sum(stack.geom.attn_layers) + stack.geom.tail_attn_layers)  # decoder layers
-        # compute only on both sides: the measured pass minus its measured stall, against the simulated pass
-        # minus its simulated stall (stalls depend on compute speed; fitting them would bias the overheads)
-        for p, w, ws, c, q in zip(passes, ex.pass_wall[1:], ex.pass_stall[1:], copies[1:], preds[1:]):
-            X.append([layers, p.tokens, p.requests, c, q])
-            means.append(w)
-            y.append((w - ws) - (p.time_s - p.stall_s))
-    X, y = np.array(X), np.array(y)
-    coef = _nnls(X, y)
-    pred = X @ coef
-    report = {"passes": len(passes), "residual_rms_us": float(np.sqrt(np.mean((y - pred) ** 2)) * 1e6),
-              "mean_pass_us": float(np.mean(means) * 1e6)}
+    model.to(device)
+    ckpt = local_checkpoint(mcfg.pretrained) if mcfg.pretrained else None
+    vocab = min(model.config.vocab_size, 250)
+    prompts = [torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
+               for n in PROMPTS]
+    layers = None
+    rows: dict[tuple, list] = {}  # (stack, prompt, pass) -> [regressors, [residual per rep], [measured per rep]]
+    # three stacks: all resident (no transfers after the first pass), a small cache with prefetching (many
+    # transfers issued), all resident with prefetching (predictions without transfers): the per-transfer
+    # and per-prediction terms are identifiable
+    stacks = ((1.0, "none"), (0.05, "topk"), (1.0, "topk"))
+    for rep in range(-1, reps):  # rep -1: the warm-up, discarded
+        for si, (capacity, prefetch) in enumerate(stacks):
+            spec = StackSpec.of(hardware=HardwareConfig(**{**hw, "capacity": capacity}), prefetch=prefetch)
+            spec.execution = EXECUTION.params({"name": "offload", "throttle": True})
+            stack = install(model, spec, device=device, checkpoint=ckpt)
+            ex, eng = stack.executor, stack.engine
+            counts = []  # per pass: (transfers issued, predictions made) at its start, then its deltas
+            begin, end = ex.begin_pass, ex.end_pass
+            ex.begin_pass = lambda kind, tokens: (counts.append((ex.copies, eng.predictions)), begin(kind, tokens))
+            ex.end_pass = lambda: (end(), counts.__setitem__(-1, (ex.copies - counts[-1][0],
+                                                                   eng.predictions - counts[-1][1])))
+            first = []  # pass index where each prompt's generation starts
+            try:
+                with torch.no_grad():
+                    for pi, ids in enumerate(prompts if rep >= 0 else prompts[:2]):
+                        first.append(len(counts))
+                        n = new_tokens if pi == 2 else 2
+                        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            finally:
+                stack.remove()
+            if rep < 0:
+                continue
+            layers = float(sum(stack.geom.attn_layers) + stack.geom.tail_attn_layers)  # decoder layers
+            passes = stack.cache.stats.passes
+            # compute only on both sides: the measured pass minus its measured stall, against the simulated
+            # pass minus its simulated stall (stalls depend on compute speed; fitting them would bias the
+            # overheads)
+            for i, (p, w, ws, (c, q)) in enumerate(zip(passes, ex.pass_wall, ex.pass_stall, counts)):
+                pi = max(j for j, f in enumerate(first) if f <= i)
+                key = (si, pi, i - first[pi])
+                row = rows.setdefault(key, [[], [], []])
+                row[0].append([layers, p.tokens, p.requests, c, q])  # equal across reps but where wall-clock
+                # arrival times changed a decision (a prefetch still in flight): the median of those too
+                row[1].append((w - ws) - (p.time_s - p.stall_s))
+                row[2].append(w - ws)
+    X = np.array([np.median(r[0], axis=0) for r in rows.values()], dtype=float)
+    y = np.array([statistics.median(r[1]) for r in rows.values()])
+    m = np.array([statistics.median(r[2]) for r in rows.values()])
+    coef = _nnls(X / m[:, None], y / m)
+    rel = (X @ coef - y) / m
+    report = {"passes": len(rows), "reps": reps, "residual_rms_us": float(np.sqrt(np.mean((X @ coef - y) ** 2)) * 1e6),
+              "relative_rms": float(np.sqrt(np.mean(rel ** 2))), "mean_pass_us": float(np.mean(m) * 1e6)}
     return {"layer_overhead_us": float(coef[0] * 1e6), "token_overhead_us": float(coef[1] * 1e6),
             "expert_overhead_us": float(coef[2] * 1e6), "transfer_issue_us": float(coef[3] * 1e6),
             "predict_overhead_us": float(coef[4] * 1e6)}, report

@@ -156,3 +156,19 @@ def test_bad_overheads_rejected(key, value):
 
     with pytest.raises(ConfigError, match=key):
         HardwareConfig(**{key: value})
+
+
+@pytest.mark.slow
+def test_overhead_fit_predicts_its_passes():
+    """The fitted overheads make the simulated clock predict the offloaded passes they were fitted on: every
+    prefill size and the decodes, within a relative RMS error that a bad fit (one term forced to zero or a
+    single noisy pass) does not reach on a quiet machine."""
+    from specmd.calibrate import PROMPTS, fit_overheads, measure_compute
+
+    flops, mem = measure_compute(torch.device("cpu"))
+    hw = {"capacity": 0.05, "bandwidth_gbps": 10.0, "latency_us": 5.0, "peak_tflops": flops / 1e12,
+          "mem_bandwidth_gbps": mem / 1e9, "host_tflops": flops / 1e12, "host_mem_bandwidth_gbps": mem / 1e9}
+    over, fit = fit_overheads("tiny", hw, torch.device("cpu"), new_tokens=4, reps=2)
+    assert fit["passes"] == 3 * (len(PROMPTS) * 2 + 2)  # three stacks x (prefill + 1 decode per prompt, +2)
+    assert all(v >= 0 and np.isfinite(v) for v in over.values())
+    assert over["layer_overhead_us"] > 0 and fit["relative_rms"] < 0.2, (over, fit)
