@@ -130,24 +130,34 @@ def part1(profiles: dict, device: str, reps: int = 3) -> None:
                   f"{_ratio(tpot, t['tpot_s']):6.2f}", flush=True)
 
 
-def path_alone(st, rounds: int = 3) -> tuple[float, int]:
+def path_alone(st, rounds: int = 3) -> tuple[float, float, int]:
     """The transfer path with nothing else running: every expert of every layer fetched through the
-    executor's own tier, channel and arena slots (prefetch jobs queued back to back), ``rounds`` times;
-    returns (GB/s from the first submit to the last arrival of the best round, bytes of one expert)."""
+    executor's own tier, channel and arena slots, ``rounds`` times, two ways: as demand fetches (one job per
+    layer call, what :meth:`Offload._flush` submits) and as prefetches (one job per expert, queued back to
+    back); returns (GB/s demand, GB/s prefetch, bytes of one expert), each from the first submit to the last
+    arrival of the best round."""
     from functools import partial
 
     ex = st.executor
     slots = ex.slot_views[0]
     L, E = len(st.moe_ids), ex.E
-    best = float("inf")
+    best = [float("inf"), float("inf")]
     for _ in range(rounds):
+        t0 = time.perf_counter()
+        tickets = [ex.mover.submit(partial(ex.tier.copy_many, [(layer, e, slots[(layer * E + e) % len(slots)])
+                                                               for e in range(E)], ex._name),
+                                   ex.slot_bytes * E, True, f"layer {layer}", E) for layer in range(L)]
+        for t in tickets:
+            ex.mover.wait(t)
+        best[0] = min(best[0], time.perf_counter() - t0)
         t0 = time.perf_counter()
         tickets = [ex.mover.submit(partial(ex.tier.copy_into, layer, e, slots[(layer * E + e) % len(slots)]),
                                    ex.slot_bytes, False) for layer in range(L) for e in range(E)]
         for t in tickets:
             ex.mover.wait(t)
-        best = min(best, time.perf_counter() - t0)
-    return L * E * ex.slot_bytes / best / 1e9, ex.slot_bytes
+        best[1] = min(best[1], time.perf_counter() - t0)
+    total = L * E * ex.slot_bytes / 1e9
+    return total / best[0], total / best[1], ex.slot_bytes
 
 
 def qwen_layers(n: int = 2) -> str:
@@ -167,12 +177,13 @@ def part2(profile_hw: dict, copy_gbps: float, latency_s: float, device: str, lar
     models = [("deep_olmoe", 48, 32)] + ([(qwen_layers(), 16, 8)] if large else [])
     for model, prompt, tokens in models:
         label = "deep_olmoe" if model == "deep_olmoe" else "Qwen1.5-MoE, 2 layers"
-        gbps, nbytes = generate(model, {"prefetch": "none"}, dict(profile_hw, capacity=1.0), fast, device, 8, 1,
-                                installed=path_alone)
+        gbps, pre_gbps, nbytes = generate(model, {"prefetch": "none"}, dict(profile_hw, capacity=1.0), fast, device,
+                                          8, 1, installed=path_alone)
         model_gbps = nbytes / (latency_s + nbytes / (copy_gbps * 1e9)) / 1e9  # calibrate's link at this size
-        print(f"{label}: the transfer path alone, {nbytes / 1e6:.3g} MB experts: {gbps:.3g} GB/s -> "
-              f"{gbps / copy_gbps:.0%} of calibrate's bandwidth, {gbps / model_gbps:.0%} of its link at this size "
-              f"({model_gbps:.3g} GB/s: latency + bytes / bandwidth)")
+        print(f"{label}: the transfer path alone, {nbytes / 1e6:.3g} MB experts: demand fetches (a job per layer "
+              f"call) {gbps:.3g} GB/s -> {gbps / copy_gbps:.0%} of calibrate's bandwidth; prefetches (a job per "
+              f"expert) {pre_gbps:.3g} GB/s -> {pre_gbps / copy_gbps:.0%}, {pre_gbps / model_gbps:.0%} of its link "
+              f"at this size ({model_gbps:.3g} GB/s: latency + bytes / bandwidth)")
         r = generate(model, {"prefetch": "topk"}, dict(profile_hw, capacity=0.05), fast, device, prompt, tokens)
         w = r["wall"]
         print(f"{label}: during a generation at capacity 5% (the model computing beside it): {w['copy_gbps']:.3g} "

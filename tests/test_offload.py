@@ -522,6 +522,68 @@ def test_failed_job_raises_transfer_error_naming_it():
         m.close()
 
 
+def test_a_layer_calls_demand_fetches_go_as_one_job():
+    """One channel job per layer call with demand misses (one hand-off to the transfer thread, not one per
+    expert), counted as its experts; the outputs are the simulated run's."""
+    model = tiny("olmoe")
+    kw = dict(prefetch="none", capacity=0.3)
+    ids, prefill = sample_ids(batch=1, seq=12, seed=4), sample_ids(batch=2, seq=10, seed=5)
+    off = run_stack(model, spec_of({"name": "offload", "check": True, "throttle": False}, **kw), ids, prefill,
+                    adapter_for("olmoe"), new_tokens=4)
+    sim = run_stack(model, spec_of({"name": "simulated"}, **kw), ids, prefill, adapter_for("olmoe"), new_tokens=4)
+    assert torch.equal(off[0], sim[0]) and torch.equal(off[1], sim[1])
+    m, cache = off[4].mover, off[2]["cache"]
+    calls = len(off[4].stack.moe_ids) * (4 + 1)  # MoE layers x (4 passes of the generation + 1 prefill)
+    assert m.transfers == off[4].copies == cache["misses"] > calls  # fetch: every miss is a demand fetch
+    assert 0 < m.jobs <= calls
+
+
+def test_a_batch_is_paced_as_its_transfers():
+    B, L = 0.25e9, 4e-3
+    job, nbytes = _copy_job(1 << 16)  # 256 KiB: 1 ms of bytes, 3 x 4 ms of latency
+    m = ThreadMover(bandwidth_bytes_per_s=B, latency_s=L)
+    try:
+        t = m.submit(job, nbytes, demand=True, what="batch", count=3)
+        m.wait(t)
+        assert t.finished - t.started >= 3 * L + nbytes / B
+        assert m.transfers == 3 and m.jobs == 1
+    finally:
+        m.close()
+
+
+def _slot_holds(ex, key):
+    layer, e = divmod(key, ex.E)
+    views = ex.slot_views[ex.pool_index[layer]][ex.slot_of[key]]
+    want = ex.tier.host_views(layer, e)
+    return all(torch.equal(views[n], want[n]) for n in ex.names)
+
+
+def test_demand_batch_eviction_before_and_after_submission():
+    """Driving the executor's events by hand (layer 0's pool, all slots free): an expert evicted before its
+    call's batch is submitted is never copied; one evicted while its batch is queued waits for the batch (a
+    batch is never cancelled: its other experts' copies would be lost with it)."""
+    from specmd.hook import install
+
+    model = tiny("olmoe")
+    spec = spec_of({"name": "offload", "throttle": False}, capacity=0.5)
+    with install(model, spec, adapter_for("olmoe")) as stack:
+        ex = stack.executor
+        m = ex.mover
+        gate = _Gate(m)
+        ex.inserted(1, 0, "native", False)
+        ex.inserted(2, 0, "native", False)
+        ex.evicted(1)  # pending: dropped from the batch
+        ex.inserted(3, 0, "native", False)
+        ex._flush()
+        t = ex.tickets[2]
+        assert t is ex.tickets[3] and t.count == 2 and ex.tickets[1] is None
+        threading.Timer(0.2, gate.release.set).start()
+        ex.evicted(2)  # its batch is queued behind the gate: waits, never cancels
+        assert t.state == Ticket.DONE and _slot_holds(ex, 3)
+        assert m.transfers == 1 + 2  # the gate, then experts 2 and 3: expert 1 was never copied
+        ex.evicted(3)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 7. bad input: rejected before any model work
 # ---------------------------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ thread):
 
 1. **insert** (a demand fetch or a prefetch the engine admitted): a free slot of the layer's pool is taken
    and the expert's bytes are copied into it from the tier by the transfer channel (:mod:`.transfer`),
-   demand jobs first, prefetches queued behind them and overlapping compute;
+   demand jobs first, prefetches queued behind them and overlapping compute. A layer call's demand fetches
+   (and streamed experts) go as **one job**, submitted when the call's decisions are made (before its first
+   prefetch, or when it runs): one hand-off to the transfer thread instead of one per expert;
 2. **evict**: the slot is freed (a copy still queued into it is cancelled, one under way is waited for);
 3. **stream** (a demand miss the engine could not cache): the bytes go to a staging slot for this call only;
 4. **run**: compute waits for the tickets of the experts it runs (a prefetch still queued is promoted
@@ -101,6 +103,8 @@ class Offload(Executor):
         self.peak_slots = 0
         self.staging: list[dict] = []  # slots for streamed experts (grow only; reported)
         self._staged: list = []  # (layer, expert, ticket) of this layer call
+        self._batch: list = []  # this layer call's demand copies not yet submitted: (layer, expert, slot views)
+        self._batch_keys: list = []  # their cache keys (-1: streamed)
         self.slot_of = [-1] * (L * E)
         self.tickets: list = [None] * (L * E)
         self.sources = [{n: [None] * E for n in self.names} for _ in range(L)]
@@ -140,14 +144,41 @@ class Offload(Executor):
         used = sum(self.used)
         if used > self.peak_slots:
             self.peak_slots = used
-        self.tickets[key] = self.mover.submit(partial(self.tier.copy_into, layer, e, views), self.slot_bytes,
-                                              not prefetched, f"model.layers.{self.stack.moe_ids[layer]} expert {e}")
         self.copies += 1
+        if not prefetched:  # a demand fetch: batched with the call's others
+            self._batch.append((layer, e, views))
+            self._batch_keys.append(key)
+            return
+        self._flush()  # the call's demand copies go first, as the engine issued them
+        self.tickets[key] = self.mover.submit(partial(self.tier.copy_into, layer, e, views), self.slot_bytes,
+                                              False, self._name(layer, e))
+
+    def _flush(self) -> None:
+        """Submit the layer call's pending demand copies as one channel job (paced as that many transfers)."""
+        items = self._batch
+        if not items:
+            return
+        t = self.mover.submit(partial(self.tier.copy_many, items, self._name), self.slot_bytes * len(items), True,
+                              self._name(items[0][0], items[0][1]) + (f" and {len(items) - 1} more" if len(items) > 1
+                                                                       else ""), len(items))
+        tickets = self.tickets
+        for key in self._batch_keys:
+            if key >= 0:
+                tickets[key] = t
+        if self._staged:
+            self._staged = [(lay, e, t if tk is None else tk) for lay, e, tk in self._staged]
+        self._batch, self._batch_keys = [], []
+
+    def _name(self, layer: int, expert: int) -> str:
+        return f"model.layers.{self.stack.moe_ids[layer]} expert {expert}"
 
     def evicted(self, key: int) -> None:
         t = self.tickets[key]
-        if t is not None and not t.done() and not self.mover.cancel(t):
-            self.stall_s += self.mover.wait(t)  # a copy into the slot is under way: let it land first
+        if t is None and key in self._batch_keys:  # demanded this call, not submitted yet: never copied
+            i = self._batch_keys.index(key)
+            del self._batch_keys[i], self._batch[i]
+        elif t is not None and not t.done() and (t.count > 1 or not self.mover.cancel(t)):
+            self.stall_s += self.mover.wait(t)  # a copy into the slot is under way (or batched): let it land
         self.tickets[key] = None
         slot = self.slot_of[key]
         self.slot_of[key] = -1
@@ -165,9 +196,9 @@ class Offload(Executor):
             buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self._device)
             self.staging.append(self._views_at(buf, 0))
         views = self.staging[i]
-        t = self.mover.submit(partial(self.tier.copy_into, layer, expert, views), self.slot_bytes, True,
-                              f"model.layers.{self.stack.moe_ids[layer]} expert {expert} (streamed)")
-        self._staged.append((layer, expert, t))
+        self._batch.append((layer, expert, views))
+        self._batch_keys.append(-1)
+        self._staged.append((layer, expert, None))  # its ticket: the batch's, at submission
         src = self.sources[layer]
         for n in self.names:
             src[n][expert] = views[n]
@@ -186,6 +217,7 @@ class Offload(Executor):
         else:
             running = torch.bincount(index.reshape(-1), minlength=E).nonzero().squeeze(1).tolist()
         base = layer * E
+        self._flush()
         mover, tickets = self.mover, self.tickets
         for _, _, t in self._staged:
             if not t.done():

@@ -40,6 +40,17 @@ class HostTier:
     def copy_into(self, layer: int, expert: int, dst: dict) -> None:
         raise NotImplementedError
 
+    def copy_many(self, items: list, name=None) -> None:
+        """:meth:`copy_into` for each ``(layer, expert, dst)`` of ``items`` in order: one channel job (a layer
+        call's demand fetches). A failure raises :class:`~.transfer.TransferError` naming the expert
+        (``name(layer, expert)``), so a batch fails as precisely as a single copy."""
+        copy = self.copy_into
+        for layer, expert, dst in items:
+            try:
+                copy(layer, expert, dst)
+            except Exception as exc:  # noqa: BLE001 -- re-raised naming the expert
+                _failed(name, layer, expert, exc)
+
     def host_views(self, layer: int, expert: int) -> dict:
         """Expert ``expert`` of ``layer`` in host memory (``miss=cpu_compute`` runs it there)."""
         raise NotImplementedError
@@ -49,6 +60,13 @@ class HostTier:
 
     def close(self) -> None:
         pass
+
+
+def _failed(name, layer: int, expert: int, exc: Exception):
+    from .transfer import TransferError
+
+    what = name(layer, expert) if name else f"layer {layer} expert {expert}"
+    raise TransferError(f"transfer of {what} failed: {exc}") from exc
 
 
 BYTES = "__bytes__"  # a slot's (or staging area's) raw bytes, beside its per-parameter views
@@ -111,6 +129,14 @@ class RamTier(HostTier):
         src = self.views[layer]
         for n, d in dst.items():
             d.copy_(src[n][expert], non_blocking=True)
+
+    def copy_many(self, items, name=None):
+        if not items or items[0][2].get(BYTES) is None or items[0][2][BYTES].device.type != "cpu":
+            return super().copy_many(items, name)
+        memmove, addr, row = ctypes.memmove, self.addr, self.row_bytes  # host memory: one memmove per expert
+        for layer, expert, dst in items:
+            n = row[layer]
+            memmove(dst[BYTES].data_ptr(), addr[layer] + expert * n, n)
 
     def host_views(self, layer, expert):
         return {n: v[expert] for n, v in self.views[layer].items()}

@@ -2,11 +2,13 @@
 implementation (a transfer thread: what SpecMD's watchdog thread does, App. A.3) and a CUDA one (a side
 stream, pinned bounce buffers and events; Fiddler's and MoE-PolicyLang's mechanism).
 
-A job is a callable that copies one expert's bytes into its destination (the tier knows how: a tensor copy
-from host memory, or reads from the checkpoint file); the mover runs jobs one at a time, demand jobs before
-queued prefetches (the simulated channel's order: non-preemptive, demand first), paces each to the link
-(``latency + nbytes / bandwidth``, SpecMD's software throttle) when throttling is on, and counts bytes and
-busy seconds. :class:`Ticket` is the handle: ``done()`` polls, :meth:`Mover.wait` blocks.
+A job is a callable that copies ``count`` experts' bytes into their destinations (the tier knows how: a
+memmove or tensor copy from host memory, or reads from the checkpoint file): one expert (a prefetch), or a
+layer call's demand fetches back to back (one hand-off to the transfer thread for all of them: per job the
+hand-off costs tens of us, more than a 49 kB expert's copy). The mover runs jobs one at a time, demand jobs
+before queued prefetches (the simulated channel's order: non-preemptive, demand first), paces each to the
+link (``count * latency + nbytes / bandwidth``: the simulated channel's ``count`` transfers back to back,
+SpecMD's software throttle) when throttling is on, and counts experts, bytes and busy seconds. :class:`Ticket` is the handle: ``done()`` polls, :meth:`Mover.wait` blocks.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ class TransferError(RuntimeError):
 
 
 class Ticket:
-    __slots__ = ("job", "nbytes", "state", "error", "issued", "started", "finished", "what")
+    __slots__ = ("job", "nbytes", "count", "state", "error", "issued", "started", "finished", "what")
 
     QUEUED, RUNNING, DONE, CANCELLED = 0, 1, 2, 3
 
-    def __init__(self, job: Callable[[], None], nbytes: int, what: str):
+    def __init__(self, job: Callable[[], None], nbytes: int, what: str, count: int = 1):
         self.job = job
         self.nbytes = nbytes
+        self.count = count  # experts the job copies
         self.state = Ticket.QUEUED
         self.error: Optional[BaseException] = None
         self.issued = time.perf_counter()
@@ -40,7 +43,7 @@ class Ticket:
 
 
 class Mover:
-    """Runs copy jobs in order on one channel. ``submit(job, nbytes, demand)`` -> :class:`Ticket`."""
+    """Runs copy jobs in order on one channel. ``submit(job, nbytes, demand, what, count)`` -> :class:`Ticket`."""
 
     def __init__(self, bandwidth_bytes_per_s: Optional[float], latency_s: float = 0.0):
         self.bw = bandwidth_bytes_per_s  # None: unthrottled (what the machine does)
@@ -48,9 +51,10 @@ class Mover:
         self.bytes_moved = 0
         self.busy_s = 0.0  # seconds the channel was busy (including throttle pacing)
         self.copy_s = 0.0  # seconds spent in the copies themselves
-        self.transfers = 0
+        self.transfers = 0  # experts moved (a job of ``count`` experts counts ``count``)
+        self.jobs = 0
 
-    def submit(self, job: Callable[[], None], nbytes: int, demand: bool, what: str = "") -> Ticket:
+    def submit(self, job: Callable[[], None], nbytes: int, demand: bool, what: str = "", count: int = 1) -> Ticket:
         raise NotImplementedError
 
     def promote(self, ticket: Ticket) -> None:
@@ -68,12 +72,12 @@ class Mover:
     def close(self) -> None:
         pass
 
-    def _pace(self, t0: float, nbytes: int) -> None:
-        """Hold the channel until ``t0 + latency + nbytes / bandwidth`` (busy-wait the last 200 µs: sleep
-        granularity would otherwise add its own latency)."""
+    def _pace(self, t0: float, nbytes: int, count: int = 1) -> None:
+        """Hold the channel until ``t0 + count * latency + nbytes / bandwidth`` (busy-wait the last 200 µs:
+        sleep granularity would otherwise add its own latency)."""
         if self.bw is None:
             return
-        target = t0 + self.latency + nbytes / self.bw
+        target = t0 + count * self.latency + nbytes / self.bw
         while True:
             left = target - time.perf_counter()
             if left <= 0:
@@ -95,8 +99,8 @@ class ThreadMover(Mover):
         self._thread = threading.Thread(target=self._loop, name="specmd-transfer", daemon=True)
         self._thread.start()
 
-    def submit(self, job, nbytes, demand, what=""):
-        t = Ticket(job, nbytes, what)
+    def submit(self, job, nbytes, demand, what="", count=1):
+        t = Ticket(job, nbytes, what, count)
         with self._cv:
             (self._demand if demand else self._prefetch).append(t)
             self._cv.notify_all()
@@ -128,7 +132,7 @@ class ThreadMover(Mover):
     def wait(self, ticket):
         if ticket.state >= Ticket.DONE:
             if ticket.error is not None:
-                raise TransferError(f"transfer of {ticket.what} failed: {ticket.error}") from ticket.error
+                self._raise(ticket)
             return 0.0
         t0 = time.perf_counter()
         with self._cv:
@@ -137,8 +141,14 @@ class ThreadMover(Mover):
                     raise TransferError(f"transfer of {ticket.what}: the transfer thread stopped")
                 self._cv.wait()
         if ticket.error is not None:
-            raise TransferError(f"transfer of {ticket.what} failed: {ticket.error}") from ticket.error
+            self._raise(ticket)
         return time.perf_counter() - t0
+
+    @staticmethod
+    def _raise(ticket):
+        if isinstance(ticket.error, TransferError):  # a batch job names the expert that failed itself
+            raise ticket.error
+        raise TransferError(f"transfer of {ticket.what} failed: {ticket.error}") from ticket.error
 
     def _loop(self):
         cv = self._cv
@@ -156,13 +166,14 @@ class ThreadMover(Mover):
                 t.job()
                 c = time.perf_counter()
                 self.copy_s += c - t0
-                self._pace(t0, t.nbytes)
+                self._pace(t0, t.nbytes, t.count)
             except BaseException as exc:  # noqa: BLE001 -- handed to the waiter, who fails the run with it
                 t.error = exc
             t.finished = time.perf_counter()
             self.busy_s += t.finished - t0
             self.bytes_moved += t.nbytes
-            self.transfers += 1
+            self.transfers += t.count
+            self.jobs += 1
             t.job = None
             with cv:
                 t.state = Ticket.DONE
@@ -208,5 +219,5 @@ class CudaMover(ThreadMover):
 
         return wrapped
 
-    def submit(self, job, nbytes, demand, what=""):
-        return super().submit(self.run_on_stream(job), nbytes, demand, what)
+    def submit(self, job, nbytes, demand, what="", count=1):
+        return super().submit(self.run_on_stream(job), nbytes, demand, what, count)
