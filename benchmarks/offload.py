@@ -177,13 +177,15 @@ def part2(profile_hw: dict, copy_gbps: float, latency_s: float, device: str, lar
     models = [("deep_olmoe", 48, 32)] + ([(qwen_layers(), 16, 8)] if large else [])
     for model, prompt, tokens in models:
         label = "deep_olmoe" if model == "deep_olmoe" else "Qwen1.5-MoE, 2 layers"
-        gbps, pre_gbps, nbytes = generate(model, {"prefetch": "none"}, dict(profile_hw, capacity=1.0), fast, device,
-                                          8, 1, installed=path_alone)
-        model_gbps = nbytes / (latency_s + nbytes / (copy_gbps * 1e9)) / 1e9  # calibrate's link at this size
-        print(f"{label}: the transfer path alone, {nbytes / 1e6:.3g} MB experts: demand fetches (a job per layer "
-              f"call) {gbps:.3g} GB/s -> {gbps / copy_gbps:.0%} of calibrate's bandwidth; prefetches (a job per "
-              f"expert) {pre_gbps:.3g} GB/s -> {pre_gbps / copy_gbps:.0%}, {pre_gbps / model_gbps:.0%} of its link "
-              f"at this size ({model_gbps:.3g} GB/s: latency + bytes / bandwidth)")
+        for cap in (0.05, 1.0):  # the arena: small (as the runs above; cache-resident on a CPU) and all experts
+            gbps, pre_gbps, nbytes = generate(model, {"prefetch": "none"}, dict(profile_hw, capacity=cap), fast,
+                                              device, 8, 1, installed=path_alone)
+            model_gbps = nbytes / (latency_s + nbytes / (copy_gbps * 1e9)) / 1e9  # calibrate's link at this size
+            print(f"{label}: the transfer path alone, {nbytes / 1e6:.3g} MB experts into a {cap:.0%} arena: demand "
+                  f"fetches (a job per layer call) {gbps:.3g} GB/s -> {gbps / copy_gbps:.0%} of calibrate's bandwidth; "
+                  f"prefetches (a job per expert) {pre_gbps:.3g} GB/s -> {pre_gbps / copy_gbps:.0%}, "
+                  f"{pre_gbps / model_gbps:.0%} of its link at this size ({model_gbps:.3g} GB/s: latency + bytes / "
+                  f"bandwidth)")
         r = generate(model, {"prefetch": "topk"}, dict(profile_hw, capacity=0.05), fast, device, prompt, tokens)
         w = r["wall"]
         print(f"{label}: during a generation at capacity 5% (the model computing beside it): {w['copy_gbps']:.3g} "
