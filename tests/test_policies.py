@@ -255,6 +255,14 @@ def test_hqq_store_bytes_lossy_and_disk_cache(tmp_path, monkeypatch):
         dq = store.weights(0, 3, prec)["gate_up_proj"]
         errs.append(float((dq - w).norm() / w.norm()))
     assert 0 < errs[0] < errs[1] < errs[2] < 1
+    # a stored copy's raw tensors are exactly the bytes the engine counts (what execution=offload moves), and
+    # they unpack to the weights a simulated run uses
+    for prec in ("bf16", "int8", "int4", "int2"):
+        r = store.raw(2, 6, prec)
+        assert sum(t.numel() * t.element_size() for t in r.values()) == b[prec], prec
+        assert all(t.dtype == torch.float16 for n, t in r.items() if n.endswith((".scale", ".zero"))), prec
+        got, want = store.unpack(2, prec, r, torch.device("cpu")), store.weights(2, 6, prec)
+        assert all(torch.equal(got[n], want[n]) for n in want), prec
     # a second build reads the disk cache and quantizes nothing
     import hqq.core.quantize as hq
 

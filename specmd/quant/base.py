@@ -48,8 +48,14 @@ class ExpertStore:
     precision (dequantized; the most recently used ``cache_experts`` are kept in memory)."""
 
     def __init__(self, native_bits: int, expert_bytes: int, bytes_of: dict[str, int],
-                 loader: Optional[Any] = None, cache_experts: int = 1024):
+                 loader: Optional[Any] = None, cache_experts: int = 1024, raw: Optional[Any] = None,
+                 unpack: Optional[Any] = None):
+        """``loader(layer, expert, precision)``: the dequantized weights; with ``raw`` and ``unpack`` (a
+        method that can be offloaded) ``loader`` is ``unpack(layer, precision, raw(layer, expert, precision),
+        device)``: the bytes a transfer moves and the one way they become weights (:meth:`raw`,
+        :meth:`unpack`)."""
         self.native_bits = native_bits
+        self._raw, self._unpack = raw, unpack
         self.bytes_of = {NATIVE: expert_bytes, **bytes_of}
         self.bits_of = {p: precision_bits(p, native_bits) for p in self.bytes_of}
         # stored precisions, highest first (ties: native first)
@@ -76,6 +82,22 @@ class ExpertStore:
 
                 raise ConfigError(f"{where}: precision {p!r} is not stored; stored: {', '.join(self.precisions)} "
                                   f"(set quant=hqq and quant.precisions)")
+
+    @property
+    def packable(self) -> bool:
+        """True when stored copies have raw bytes (:meth:`raw`) that ``execution=offload`` can move."""
+        return self._raw is not None
+
+    def raw(self, layer: int, expert: int, precision: str) -> dict[str, torch.Tensor]:
+        """The stored copy of ``expert`` at ``precision`` as named host tensors, exactly the bytes a transfer
+        moves: their ``nbytes`` sum to ``bytes_of[precision]``."""
+        return self._raw(layer, expert, precision)
+
+    def unpack(self, layer: int, precision: str, raw: dict, device) -> dict[str, torch.Tensor]:
+        """Weights (native dtype, on ``device``) of a copy from its raw tensors -- wherever they are: the
+        store's host copy (``execution=simulated``) or an arena slot (``execution=offload``), by one function,
+        so both run the same numbers."""
+        return self._unpack(layer, precision, raw, device)
 
     def weights(self, layer: int, expert: int, precision: str) -> dict[str, torch.Tensor]:
         key = (layer, expert, precision)

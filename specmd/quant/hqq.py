@@ -22,6 +22,17 @@ from .base import (
 INT = ("int8", "int4", "int3", "int2")
 
 
+def dequantize(wq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, meta: dict, device) -> torch.Tensor:
+    """One expert's weight from its bit-packed ``wq`` and fp16 ``scale``/``zero`` (HQQ's arithmetic, in
+    float32): the one dequantization of a stored copy, wherever its bytes are (the store's copy in host memory
+    for ``execution=simulated``, an arena slot for ``execution=offload``)."""
+    from hqq.core.quantize import Quantizer
+
+    m = dict(meta, scale=scale.to(device=device, dtype=torch.float32), zero=zero.to(device=device, dtype=torch.float32),
+             compute_dtype=torch.float32)
+    return Quantizer.dequantize(wq.to(device), m)
+
+
 @QUANT.register("hqq")
 class HQQ(QuantMethod):
     """Every expert is stored at ``native`` plus each of ``precisions`` (any of bf16, fp16, int8, int4,
@@ -29,7 +40,10 @@ class HQQ(QuantMethod):
     the input axis, half-quadratic refinement when ``optimize``), one call per fused weight tensor with
     each expert's rows bit-packed separately (identical to per-expert quantization without ``optimize``;
     with it, only HQQ's early-stopping test is shared across a layer's experts); bytes per expert count the bit-packed weights plus one fp16 scale and zero per group,
-    biases stay native. Integer copies are cached on disk, one file per precision in ``$SPECMD_CACHE/quant``
+    biases stay native. The scale and zero are *stored* as fp16, the bytes counted (HQQ computes them in
+    float32 here; kept that way, a copy would hold 4-byte figures that the byte count and every transfer time
+    call 2-byte ones, and ``execution=offload`` could not move what the engine counts); dequantization
+    computes in float32 from the fp16 figures. Integer copies are cached on disk, one file per precision in ``$SPECMD_CACHE/quant``
     (default ``~/.cache/specmd/quant``), named by a fingerprint of all experts' weights
     (:func:`~specmd.quant.base.model_fingerprint`), the precision, ``group_size``, ``optimize`` and the hqq
     version, so sweeps never re-quantize. Each file stores that key and a SHA-256 of its payload, both
@@ -77,22 +91,46 @@ class HQQ(QuantMethod):
                       for wq, meta in (v[0] for v in layers[0].values()))
             bytes_of[prec] = other_bytes + per
 
-        def load(layer, expert, prec):
-            mod = experts[layer]  # native experts run in place; only other precisions come through here
-            if prec in CAST:
-                return {n: p.detach()[expert].to(CAST[prec]).to(native_dtype)
-                        for n, p in expert_params(mod, num_experts)}
-            from hqq.core.quantize import Quantizer
+        per_expert = [n for n, t in experts[0].named_parameters(recurse=False) if t.dim() >= 1 and t.shape[0] == num_experts]
+        quantized = [n for n, _ in weights]
+        others = [n for n in per_expert if n not in quantized]  # biases: native in every copy
+        metas = {prec: [{n: {k: v for k, v in layer_[n][0][1].items() if k not in ("scale", "zero")}
+                         for n in quantized} for layer_ in layers_] for prec, layers_ in packed.items()}
 
+        def raw(layer, expert, prec):
+            """{name: tensor}: quantized weights as ``<name>.wq`` (bit-packed uint8), ``<name>.scale`` and
+            ``<name>.zero`` (fp16), a cast copy as ``<name>``, then the native biases."""
+            mod = experts[layer]
             out = {}
-            for n, p in expert_params(mod, num_experts):
+            for n in quantized:
+                p = getattr(mod, n).detach()
+                if prec in CAST:
+                    out[n] = p[expert].to(CAST[prec])
+                    continue
                 wq, meta = packed[prec][layer][n][expert]
-                dev = p.device
-                w = Quantizer.dequantize(wq.to(dev), {k: v.to(dev) if torch.is_tensor(v) else v for k, v in meta.items()})
-                out[n] = w.reshape(p.shape[1:]).to(native_dtype)
+                out[n + ".wq"], out[n + ".scale"], out[n + ".zero"] = wq, meta["scale"], meta["zero"]
+            for n in others:
+                out[n] = getattr(mod, n).detach()[expert]
             return out
 
-        return ExpertStore(native_bits, expert_bytes, bytes_of, load, self.params.cache_experts)
+        def unpack(layer, prec, r, device):
+            mod = experts[layer]
+            out = {}
+            for n in quantized:
+                shape = getattr(mod, n).shape[1:]
+                if prec in CAST:
+                    out[n] = r[n].to(device).to(native_dtype)
+                else:
+                    out[n] = dequantize(r[n + ".wq"], r[n + ".scale"], r[n + ".zero"], metas[prec][layer][n],
+                                        device).reshape(shape).to(native_dtype)
+            for n in others:
+                out[n] = r[n].to(device)
+            return out
+
+        def load(layer, expert, prec):  # native experts run in place; only other precisions come through here
+            return unpack(layer, prec, raw(layer, expert, prec), next(experts[layer].parameters()).device)
+
+        return ExpertStore(native_bits, expert_bytes, bytes_of, load, self.params.cache_experts, raw, unpack)
 
     def _quantize_fused(self, p, num_experts, nbits, g, Quantizer):
         """One HQQ call over the fused [E*out, in] matrix (groups never span rows, so each expert's groups
@@ -110,7 +148,7 @@ class HQQ(QuantMethod):
             sl = slice(e * rows, (e + 1) * rows)
             m = {"nbits": nbits, "group_size": group, "shape": shape, "axis": 1, "packing": packing,
                  "unpack_view_dtype": Quantizer.unpack_view_dtype[packing], "view_as_float": False,
-                 "scale": meta["scale"][sl].clone().cpu(), "zero": meta["zero"][sl].clone().cpu()}
+                 "scale": meta["scale"][sl].to(torch.float16).cpu(), "zero": meta["zero"][sl].to(torch.float16).cpu()}
             out.append((Quantizer.pack[packing](wq[sl].to(torch.uint8)).cpu(), m))
         return out
 
@@ -119,11 +157,11 @@ class HQQ(QuantMethod):
         from importlib.metadata import version
 
         return {"fingerprint": fp, "method": "hqq", "precision": prec, "group_size": int(self.params.group_size),
-                "optimize": bool(self.params.optimize), "hqq": version("hqq")}
+                "optimize": bool(self.params.optimize), "hqq": version("hqq"), "scale_zero": "fp16"}
 
     def cache_path(self, prec: str, fp: str) -> Path:
         k = self.cache_key(prec, fp)
-        return cache_dir() / f"{fp}-hqq-{prec}-g{k['group_size']}-o{int(k['optimize'])}-hqq{k['hqq']}.pt"
+        return cache_dir() / f"{fp}-hqq-{prec}-g{k['group_size']}-o{int(k['optimize'])}-hqq{k['hqq']}-sz16.pt"
 
     def _load_or_quantize(self, experts, num_experts, prec, fp):
         path = self.cache_path(prec, fp)
