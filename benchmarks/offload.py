@@ -6,9 +6,9 @@ fast, and does a model larger than this machine's memory run?
     python benchmarks/offload.py --skip-large       # parts 1 and 2 only
 
 1. **Simulated vs measured.** ``specmd calibrate`` (into a temporary config dir, or ``--profile NAME``)
-   fits this machine; then each stack -- the lossless ones and the headline stack at native precision
-   (``eviction=least_stale prefetch=score``; ``miss=fetch_priority`` fetches quantized copies, which offload
-   does not move yet) -- runs a greedy generation on the embedded models under ``execution=offload`` with
+   fits this machine; then each stack -- the lossless ones, the headline stack's policies at native
+   precision (``eviction=least_stale prefetch=score``) and the headline stack itself (``miss=fetch_priority``:
+   HQQ copies, moved as their packed bytes and unpacked when they run) -- runs a greedy generation on the embedded models under ``execution=offload`` with
    a profile calibrated on that model (policy decision costs depend on the geometry; ``--profile P`` uses
    one profile for every model). Table: TTFT and
    TPOT simulated, the median of 3 measured generations, measured/simulated (target: within ±15%).
@@ -44,7 +44,9 @@ ROOT = Path(__file__).resolve().parent.parent
 STACKS = {
     "lossless: lru, no prefetch": dict(prefetch="none"),
     "lossless: lru + topk prefetch (default)": dict(),
-    "headline: least_stale + score prefetch": dict(eviction="least_stale", prefetch="score"),
+    "least_stale + score prefetch (native)": dict(eviction="least_stale", prefetch="score"),
+    "headline: + miss=fetch_priority (HQQ copies)": dict(eviction="least_stale", prefetch="score", miss="fetch_priority",
+                                                         quant={"name": "hqq", "precisions": ["int8", "int4", "int2"]}),
 }
 
 
@@ -139,7 +141,7 @@ def path_alone(st, rounds: int = 3) -> tuple[float, float, int]:
     from functools import partial
 
     ex = st.executor
-    slots = ex.slot_views[0]
+    slots = ex.pools[0].slots
     L, E = len(st.moe_ids), ex.E
     best = [float("inf"), float("inf")]
     for _ in range(rounds):

@@ -165,9 +165,10 @@ def check_execution(run: "Run", c: dict) -> None:
                       f"times another model's: drop one of them")
     mcls, mparams = run.policies["miss"]
     lossy = [p for p in mcls.required_precisions(mparams) if p != "native"]
-    if lossy or getattr(mparams, "precision", "native") not in (None, "native"):
-        errors.append(f"execution=offload moves native-precision experts; miss={mcls.name} fetches {lossy} copies "
-                      f"(offloading quantized copies is not built yet): use execution=simulated for this stack")
+    if ep.host == "disk" and (lossy or getattr(mparams, "precision", "native") not in (None, "native")):
+        errors.append(f"execution.host=disk reads native experts from the checkpoint, and miss={mcls.name} fetches "
+                      f"{lossy} copies, which are quantized from the experts' weights in host memory: use "
+                      f"execution.host=ram for this stack")
     if ep.host == "disk":
         from .models.loader import local_checkpoint
 

@@ -29,11 +29,11 @@ from specmd.models.adapters import ADAPTERS, adapter_for
 ASSET = ROOT / "specmd" / "assets" / "deep-olmoe"
 
 
-def spec_of(execution: dict, *, miss="fetch", routing="standard", eviction="lru", prefetch="topk", **hw):
+def spec_of(execution: dict, *, miss="fetch", routing="standard", eviction="lru", prefetch="topk", quant=None, **hw):
     from specmd.engine import StackSpec
 
     spec = StackSpec.of(miss=miss, eviction=eviction, prefetch=prefetch, routing=routing,
-                        hardware=HardwareConfig(**hw))
+                        hardware=HardwareConfig(**hw), **({"quant": quant} if quant else {}))
     spec.execution = EXECUTION.params(execution)
     return spec
 
@@ -261,14 +261,15 @@ def test_arena_follows_the_engine_on_random_stacks(seed):
     assert mem["arena_peak_bytes"] <= mem["arena_capacity_bytes"], kw
     assert mem["arena_peak_bytes"] == cache["peak_bytes"], kw
     assert mem["arena_slots"] * mem["slot_bytes"] <= mem["arena_capacity_bytes"] < \
-        (mem["arena_slots"] + len(off[4].arenas)) * mem["slot_bytes"], kw
+        (mem["arena_slots"] + len(off[4].pools)) * mem["slot_bytes"], kw
     ex = off[4]
-    assert sum(ex.used) * ex.slot_bytes == sum(p.used for p in ex.stack.cache.pools), kw
-    held = sorted(k for k, s in enumerate(ex.slot_of) if s >= 0)
+    assert sum(a.used for a in ex.pools) == sum(p.used for p in ex.stack.cache.pools), kw
+    held = sorted(k for k, o in enumerate(ex.at) if o >= 0)
     assert held == sorted(ex.stack.cache.entries), kw
-    for pi, views in enumerate(ex.slot_views):  # free + held slots partition each pool's slots
-        taken = [ex.slot_of[k] for k in held if ex.pool_index[k // ex.E] == pi]
-        assert sorted(taken + ex.free[pi]) == list(range(len(views))), kw
+    for pi, arena in enumerate(ex.pools):  # free + held slots partition each pool's slots
+        taken = [ex.at[k] for k in held if ex.pool_index[k // ex.E] == pi]
+        assert sorted(taken + [o for o, _ in arena.holes()]) == \
+            [s * ex.slot_bytes for s in range(len(arena.slots))], kw
 
 
 def test_check_residency_catches_a_wrong_slot():
@@ -284,9 +285,9 @@ def test_check_residency_catches_a_wrong_slot():
             if t is not None:
                 ex.mover.wait(t)
         ex.check_residency()
-        key = next(k for k, s in enumerate(ex.slot_of) if s >= 0)
+        key = next(k for k, o in enumerate(ex.at) if o >= 0)
         layer, e = divmod(key, ex.E)
-        views = ex.slot_views[ex.pool_index[layer]][ex.slot_of[key]]
+        views = ex.pools[ex.pool_index[layer]].slots[ex.at[key] // ex.slot_bytes]
         saved = {n: v.clone() for n, v in views.items()}
         next(iter(views.values())).add_(1.0)
         with pytest.raises(AssertionError, match=f"layer {layer} expert {e}"):
@@ -294,11 +295,130 @@ def test_check_residency_catches_a_wrong_slot():
         for n, v in views.items():
             v.copy_(saved[n])
         ex.check_residency()
-        free_key = next(k for k, s in enumerate(ex.slot_of) if s < 0)
-        ex.slot_of[free_key] = 0
+        free_key = next(k for k, o in enumerate(ex.at) if o < 0)
+        ex.at[free_key] = 0
         with pytest.raises(AssertionError, match="arena holds"):
             ex.check_residency(contents=False)
-        ex.slot_of[free_key] = -1
+        ex.at[free_key] = -1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4b. stored low-precision copies: their own bytes move, into arena ranges of their size
+# ---------------------------------------------------------------------------------------------------------
+
+QUANT = {"name": "hqq", "optimize": False, "precisions": ["int8", "int4", "int2"]}
+LOW = [(fam, ("fetch_lowest_bit", "fetch_priority")[i % 2], (0.05, 0.1)[(i // 2) % 2], SCOPES[i % 2])
+       for i, fam in enumerate(FAMILIES)]
+
+
+@pytest.mark.parametrize("family,miss,capacity,scope", LOW, ids=["-".join(map(str, c)) for c in LOW])
+def test_low_precision_offload_equals_simulated(family, miss, capacity, scope):
+    """Bit-packed copies (and fp16 scale/zero) move, are unpacked by the store's own function when they run:
+    outputs and engine sections equal simulated's; the bytes moved are the engine's, precision by precision;
+    check=true asserts after every layer call that each resident copy is at its precision, byte for byte."""
+    model = tiny(family)
+    adapter = adapter_for(family)
+    ids, prefill = sample_ids(batch=1, seq=8, seed=1), sample_ids(batch=1, seq=16, seed=2)
+    hw = dict(capacity=capacity, scope=scope, miss=miss, quant=QUANT)
+    sim = run_stack(model, spec_of({"name": "simulated"}, **hw), ids, prefill, adapter)
+    off = run_stack(model, spec_of({"name": "offload", "check": True}, **hw), ids, prefill, adapter)
+    assert torch.equal(off[0], sim[0]) and torch.equal(off[1], sim[1]), (off[1] - sim[1]).abs().max()
+    assert off[2] == sim[2]
+    cache, wall, mem = off[2]["cache"], off[3]["wall"], off[3]["memory"]
+    assert wall["bytes_moved"] == sum(cache["bytes_by_precision"].values())
+    assert wall["low_precision_runs"] > 0 and mem["arena_layout"] == "mixed"
+    assert mem["arena_peak_bytes"] == cache["peak_bytes"] <= mem["arena_capacity_bytes"] == cache["capacity_bytes"]
+    if miss == "fetch_priority":  # several sizes share the pools
+        assert len([p for p, b in cache["bytes_by_precision"].items() if b]) > 1
+
+
+def test_deep_olmoe_lowest_bit_from_ram_equals_simulated(deep):
+    full, _, ids, prefill = deep
+    hw = dict(capacity=0.05, miss="fetch_lowest_bit", quant=QUANT)
+    sim = run_stack(full, spec_of({"name": "simulated"}, **hw), ids, prefill)
+    off = run_stack(full, spec_of({"name": "offload", "check": True}, **hw), ids, prefill)
+    assert torch.equal(off[0], sim[0]) and torch.equal(off[1], sim[1])
+    assert off[2] == sim[2]
+    assert off[3]["wall"]["bytes_moved"] == off[2]["cache"]["bytes_by_precision"]["int2"] > 0
+
+
+@pytest.mark.parametrize("miss", ["fetch", "fetch_lowest_bit"])
+def test_experts_run_from_the_arena_bytes(miss):
+    """Native and low-precision experts alike compute from what is in the arena: zero the arena behind the
+    engine's back (every expert resident, so nothing is fetched again) and the same input gives other logits."""
+    from specmd.hook import install
+
+    model = tiny("olmoe")
+    spec = spec_of({"name": "offload", "throttle": False}, capacity=1.0, prefetch="none", miss=miss, quant=QUANT)
+    ids = sample_ids(batch=1, seq=12, seed=8)
+    with torch.no_grad(), install(model, spec, adapter_for("olmoe")) as stack:
+        model(ids)  # every expert fetched (at the miss policy's precision) and resident
+        first = model(ids).logits
+        assert stack.executor.mover.transfers == stack.executor.copies
+        for a in stack.executor.pools:
+            a.buf.zero_()
+        again = model(ids).logits
+        assert not torch.equal(first, again)
+        assert stack.executor.copies == stack.executor.mover.transfers  # nothing was fetched again
+
+
+def _pattern(key, size):
+    return (torch.arange(size, dtype=torch.int64) * 7 + key * 131).remainder(251).to(torch.uint8)
+
+
+def test_arena_first_fit_merge_and_compaction():
+    from specmd.executor.arena import Arena
+
+    a = Arena(100, 20, "cpu", True, lambda buf, o: {})  # copies of >= 20 bytes: first-fit from the front
+    assert [a.alloc(k, n) for k, n in ((1, 30), (2, 20), (3, 30))] == [0, 30, 50] and a.used == 80
+    a.release(2)  # a 20-byte hole at 30, and 20 free at the end
+    assert a.holes() == [(30, 20), (80, 20)]
+    assert a.alloc(4, 30) is None  # 40 bytes free, no hole of 30: the engine would have admitted it
+    a.buf[0:30], a.buf[50:80] = _pattern(1, 30), _pattern(3, 30)
+    assert a.compact() == {3: 30} and a.holes() == [(60, 40)]
+    assert torch.equal(a.buf[30:60], _pattern(3, 30)) and torch.equal(a.buf[0:30], _pattern(1, 30))
+    assert a.alloc(4, 30) == 60
+    a.release(3)
+    a.release(1)  # merges with the hole before and after: one hole
+    assert a.holes() == [(0, 60), (90, 10)]
+    a.release(4)
+    assert a.holes() == [(0, 100)] and a.used == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_arena_random_operations_keep_every_copys_bytes(seed):
+    """Random allocations and releases of mixed sizes whose bytes fit (as the engine admits them): an
+    allocation that finds no hole succeeds after compaction; live ranges never overlap and each still holds
+    its own bytes after every compaction."""
+    from specmd.executor.arena import Arena
+
+    rnd = random.Random(seed)
+    cap = 4096
+    a = Arena(cap, 256, "cpu", True, lambda buf, o: {})
+    live = {}
+    for step in range(400):
+        if live and (rnd.random() < 0.45 or a.used > cap - 64):
+            k = rnd.choice(list(live))
+            a.release(k)
+            del live[k]
+            continue
+        size = rnd.choice([64, 96, 128, 256, 320])
+        if a.used + size > cap:
+            continue
+        off = a.alloc(step, size)
+        if off is None:
+            a.compact(size if step % 2 else None)  # partial (as the executor) or full
+            off = a.alloc(step, size)
+        assert off is not None, (step, a.used, a.holes())
+        a.buf[off:off + size] = _pattern(step, size)
+        live[step] = size
+        spans = sorted(a.live.values()) + a.holes()
+        spans.sort()
+        assert all(x[0] + x[1] <= y[0] for x, y in zip(spans, spans[1:])), spans
+        assert sum(n for _, n in spans) == cap
+        for k, (o, n) in a.live.items():
+            assert torch.equal(a.buf[o:o + n], _pattern(k, n)), k
+    assert a.compactions > 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -553,7 +673,7 @@ def test_a_batch_is_paced_as_its_transfers():
 
 def _slot_holds(ex, key):
     layer, e = divmod(key, ex.E)
-    views = ex.slot_views[ex.pool_index[layer]][ex.slot_of[key]]
+    views = ex.pools[ex.pool_index[layer]].slots[ex.at[key] // ex.slot_bytes]
     want = ex.tier.host_views(layer, e)
     return all(torch.equal(views[n], want[n]) for n in ex.names)
 
@@ -593,7 +713,8 @@ BAD = [
     (["execution=offload", "replay.trace={trace}"], ["execution=offload", "replay.trace"]),
     (["execution=offload", "stack.enabled=false"], ["execution=offload", "stack.enabled=false"]),
     (["execution=offload", "hardware.timing_as=olmoe"], ["execution=offload", "hardware.timing_as=olmoe"]),
-    (["execution=offload", "miss=fetch_lowest_bit"], ["execution=offload", "miss=fetch_lowest_bit"]),
+    (["execution=offload", "execution.host=disk", "model=deep_olmoe", "miss=fetch_lowest_bit"],
+     ["execution.host=disk", "miss=fetch_lowest_bit", "execution.host=ram"]),
     (["execution=offload", "execution.host=disk", "model=tiny_olmoe"], ["execution.host=disk", "tiny_olmoe",
                                                                          "execution.host=ram"]),
     (["execution=offload", "execution.page_cache=keep"], ["execution.page_cache=keep", "host=disk"]),

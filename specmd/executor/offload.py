@@ -16,7 +16,10 @@ thread):
 
 The executor decides nothing: slots follow the engine's events one for one, and ``execution.check=true``
 asserts after every layer call that the arena holds exactly the engine's resident set, byte for byte.
-Native-precision experts are moved; fetching stored low-precision copies is rejected at config time.
+Stored low-precision copies (``miss=fetch_lowest_bit``, ``fetch_priority``, ...) move as their own bytes -- bit-packed
+weights, fp16 scale and zero (:meth:`~specmd.quant.base.ExpertStore.raw`), never dequantized floats -- into arena
+ranges of their size (:mod:`.arena`'s mixed layout), and are unpacked by the store's own function when they run,
+so their outputs are the simulated run's.
 """
 
 from __future__ import annotations
@@ -68,10 +71,13 @@ class Offload(Executor):
         shapes = {n: tuple(t.shape[1:]) for n, t in tensors[0].items()}
         self.dtype = dtype = tensors[0][self.names[0]].dtype
         self.slot_bytes = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize
-        if self.slot_bytes != stack.store.bytes_of["native"]:
+        store = stack.store
+        if self.slot_bytes != store.bytes_of["native"]:
             raise ConfigError(f"execution=offload: one expert is {self.slot_bytes} bytes in its tensors but the "
-                              f"engine counts {stack.store.bytes_of['native']} (hardware.timing_as cannot be offloaded)")
-        # the host tier
+                              f"engine counts {store.bytes_of['native']} (hardware.timing_as cannot be offloaded)")
+        self.bytes_of = dict(store.bytes_of)
+        low = [q for q in store.precisions if q != "native"]
+        # the host tier of native experts
         if p.host == "ram":
             from .tiers import RamTier
 
@@ -86,26 +92,58 @@ class Offload(Executor):
                 raise ConfigError("execution.host=disk reads experts from a local checkpoint directory: set "
                                   "model.pretrained to one (or use execution.host=ram)")
             self.tier = DiskTier(stack.checkpoint, list(geom.layer_ids), shapes, dtype, E, p.page_cache, dev)
-        # the arena: one buffer per pool, exactly its capacity, cut into slots of one expert
+        # stored low-precision copies: their raw bytes (bit-packed weights, fp16 scale/zero, native biases)
+        # packed per layer as [E, bytes of the copy] rows in host memory, one memmove per fetch
+        self.tiers = {"native": self.tier}
+        self._raw_layout: dict[tuple, list] = {}  # (layer, precision) -> [(name, dtype, shape, bytes)]; equal ones shared
+        self._raw_cache: dict[tuple, dict] = {}
+        if low:
+            if not store.packable:
+                raise ConfigError(f"execution=offload: the store's {', '.join(low)} copies have no raw bytes to move "
+                                  f"(quant method without ExpertStore.raw)")
+            from .tiers import RamTier
+
+            for q in low:
+                rows = []
+                for layer in range(L):
+                    raws = [store.raw(layer, e, q) for e in range(E)]
+                    lay = [(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in raws[0].items()]
+                    self._raw_layout[layer, q] = next((v for v in self._raw_layout.values() if v == lay), lay)
+                    rows.append({n: torch.stack([r[n] for r in raws]) for n in raws[0]})
+                self.tiers[q] = RamTier(rows, pin=dev.type == "cuda")
+                if set(self.tiers[q].row_bytes) != {self.bytes_of[q]}:
+                    raise RuntimeError(f"execution=offload: {q} copies pack to {sorted(set(self.tiers[q].row_bytes))} "
+                                       f"bytes, the engine counts {self.bytes_of[q]}")
+        # the arena: one buffer per pool, exactly its capacity (uniform one-expert slots unless copies of
+        # several sizes share it: then every copy's size must keep the next one aligned for its tensors' dtypes)
+        from .arena import Arena
+
+        align = max([dtype.itemsize] + [d.itemsize for lay in self._raw_layout.values() for _, d, _, _ in lay])
+        for q, n in self.bytes_of.items():
+            if low and n % align:
+                raise ConfigError(f"execution=offload: a {q} copy is {n} bytes, not a multiple of {align} (the widest "
+                                  f"element its arena neighbours hold), so copies of several precisions cannot share "
+                                  f"a pool; fetch one precision, or use execution=simulated")
+        for (layer, q), lay in self._raw_layout.items():
+            o = 0
+            for n, d, _, nb in lay:
+                if o % d.itemsize:
+                    raise ConfigError(f"execution=offload: {q} copy's {n} starts at byte {o}, not aligned to its {d}")
+                o += nb
+
         self._shapes = shapes
         self.pool_index = [cache.pools.index(pool) for pool in cache._pool_of_layer]
-        self.arenas, self.slot_views, self.free = [], [], []
-        for pool in cache.pools:
-            # zeroed: the pages are touched now, not by the first fetch into each slot (on a CPU device first-touch
-            # page faults made the first pass's copies 3-10x slower than later ones)
-            buf = torch.zeros(pool.capacity, dtype=torch.uint8, device=dev)
-            self.arenas.append(buf)
-            views = [self._views_at(buf, s * self.slot_bytes) for s in range(pool.capacity // self.slot_bytes)]
-            self.slot_views.append(views)
-            self.free.append(list(range(len(views) - 1, -1, -1)))
-        self.capacity_bytes = sum(b.numel() for b in self.arenas)
-        self.used = [0] * len(self.arenas)
-        self.peak_slots = 0
-        self.staging: list[dict] = []  # slots for streamed experts (grow only; reported)
-        self._staged: list = []  # (layer, expert, ticket) of this layer call
-        self._batch: list = []  # this layer call's demand copies not yet submitted: (layer, expert, slot views)
+        self.pools = [Arena(pool.capacity, self.slot_bytes, dev, bool(low), self._views_at, align)
+                      for pool in cache.pools]
+        self.capacity_bytes = sum(a.capacity for a in self.pools)
+        self.peak_bytes = self.used_bytes = 0
+        self.staging: list[tuple] = []  # (buffer, native views) for streamed experts (grow only; reported)
+        self._staged: list = []  # (layer, expert, ticket, raw views or None) of this layer call
+        self._batch: list = []  # this layer call's demand copies not yet submitted: (layer, expert, views, precision)
         self._batch_keys: list = []  # their cache keys (-1: streamed)
-        self.slot_of = [-1] * (L * E)
+        self.at = [-1] * (L * E)  # byte offset of each resident copy in its pool's arena
+        self.prec_of: list = [None] * (L * E)
+        self.raw_views: dict[int, dict] = {}  # key -> views of a low-precision copy's raw tensors in its slot
         self.tickets: list = [None] * (L * E)
         self.sources = [{n: [None] * E for n in self.names} for _ in range(L)]
         self.up = weight_names(mods[0])[0]
@@ -123,51 +161,93 @@ class Offload(Executor):
             self.mover = ThreadMover(bw, lat)
         self.copies = 0
         self.host_runs = 0
+        self.low_runs = 0
         cache.events = self
 
     # ---- events from the cache manager ------------------------------------------------------------------
     def inserted(self, key: int, layer: int, precision: str, prefetched: bool) -> None:
         pi = self.pool_index[layer]
-        free = self.free[pi]
+        arena = self.pools[pi]
         e = key - layer * self.E
-        if not free:
-            raise RuntimeError(f"execution=offload: pool {pi} has no free slot for MoE layer {layer} (model.layers."
-                               f"{self.stack.moe_ids[layer]}) expert {e}, but the "
-                               f"engine admitted it (the arena and the engine disagree)")
-        slot = free.pop()
-        views = self.slot_views[pi][slot]
-        self.slot_of[key] = slot
-        src = self.sources[layer]
-        for n in self.names:
-            src[n][e] = views[n]
-        self.used[pi] += 1
-        used = sum(self.used)
-        if used > self.peak_slots:
-            self.peak_slots = used
+        size = self.bytes_of[precision]
+        off = arena.alloc(key, size)
+        if off is None and arena.mixed:  # bytes enough, no hole large enough: compact, then it fits
+            self._compact(pi, size)
+            off = arena.alloc(key, size)
+        if off is None:
+            raise RuntimeError(f"execution=offload: pool {pi} has no room for MoE layer {layer} (model.layers."
+                               f"{self.stack.moe_ids[layer]}) expert {e} ({size} bytes, {arena.used} of "
+                               f"{arena.capacity} used), but the engine admitted it (the arena and the engine disagree)")
+        self.at[key] = off
+        self.prec_of[key] = precision
+        views = self._place(key, layer, e, arena, off, precision)
+        self.used_bytes += size
+        if self.used_bytes > self.peak_bytes:
+            self.peak_bytes = self.used_bytes
         self.copies += 1
         if not prefetched:  # a demand fetch: batched with the call's others
-            self._batch.append((layer, e, views))
+            self._batch.append((layer, e, views, precision))
             self._batch_keys.append(key)
             return
         self._flush()  # the call's demand copies go first, as the engine issued them
-        self.tickets[key] = self.mover.submit(partial(self.tier.copy_into, layer, e, views), self.slot_bytes,
+        self.tickets[key] = self.mover.submit(partial(self.tiers[precision].copy_into, layer, e, views), size,
                                               False, self._name(layer, e))
+
+    def _place(self, key, layer, e, arena, off, precision) -> dict:
+        """Point the layer's sources at a copy's views in the arena (a low-precision copy: its raw views,
+        unpacked when it runs)."""
+        src = self.sources[layer]
+        if precision == "native":
+            views = arena.slots[off // self.slot_bytes] if not arena.mixed else self._raw_at(arena.buf, off, layer, "native")
+            for n in self.names:
+                src[n][e] = views[n]
+            return views
+        views = self.raw_views[key] = self._raw_at(arena.buf, off, layer, precision)
+        return views
+
+    def _compact(self, pi: int, need: int) -> None:
+        """Defragment pool ``pi`` until ``need`` bytes are one hole: the copies in the range to slide must have
+        landed (wait for those still in flight: promoted first), then they move down and their views are
+        re-pointed. Copies outside the range are not waited for."""
+        self._flush()
+        arena = self.pools[pi]
+        span = arena.window(need)
+        for key in arena.inside(*span):
+            t = self.tickets[key]
+            if t is not None and not t.done():
+                self.mover.promote(t)
+                self.stall_s += self.mover.wait(t)
+        for key, off in arena.compact(span=span).items():  # views re-made when the copy next runs (most never do)
+            self.at[key] = off
+            layer, e = divmod(key, self.E)
+            if self.raw_views.pop(key, None) is None:
+                src = self.sources[layer]
+                for n in self.names:
+                    src[n][e] = None
 
     def _flush(self) -> None:
         """Submit the layer call's pending demand copies as one channel job (paced as that many transfers)."""
         items = self._batch
         if not items:
             return
-        t = self.mover.submit(partial(self.tier.copy_many, items, self._name), self.slot_bytes * len(items), True,
-                              self._name(items[0][0], items[0][1]) + (f" and {len(items) - 1} more" if len(items) > 1
-                                                                       else ""), len(items))
+        groups: dict[str, list] = {}
+        for layer, e, views, prec in items:
+            groups.setdefault(prec, []).append((layer, e, views))
+        nbytes = sum(self.bytes_of[prec] for *_, prec in items)
+        t = self.mover.submit(partial(self._copy_groups, [(self.tiers[q], g) for q, g in groups.items()]), nbytes,
+                              True, self._name(items[0][0], items[0][1]) + (f" and {len(items) - 1} more"
+                                                                            if len(items) > 1 else ""), len(items))
         tickets = self.tickets
         for key in self._batch_keys:
             if key >= 0:
                 tickets[key] = t
         if self._staged:
-            self._staged = [(lay, e, t if tk is None else tk) for lay, e, tk in self._staged]
+            self._staged = [(lay, e, t if tk is None else tk, raw) for lay, e, tk, raw in self._staged]
         self._batch, self._batch_keys = [], []
+
+    def _copy_groups(self, groups) -> None:
+        for tier, items in groups:
+            tier.copy_many(items, self._name)
 
     def _name(self, layer: int, expert: int) -> str:
         return f"model.layers.{self.stack.moe_ids[layer]} expert {expert}"
@@ -180,12 +260,12 @@ class Offload(Executor):
         elif t is not None and not t.done() and (t.count > 1 or not self.mover.cancel(t)):
             self.stall_s += self.mover.wait(t)  # a copy into the slot is under way (or batched): let it land
         self.tickets[key] = None
-        slot = self.slot_of[key]
-        self.slot_of[key] = -1
         layer, e = divmod(key, self.E)
-        pi = self.pool_index[layer]
-        self.free[pi].append(slot)
-        self.used[pi] -= 1
+        self.used_bytes -= self.bytes_of[self.prec_of[key]]
+        self.pools[self.pool_index[layer]].release(key)
+        self.at[key] = -1
+        self.prec_of[key] = None
+        self.raw_views.pop(key, None)
         src = self.sources[layer]
         for n in self.names:
             src[n][e] = None
@@ -194,24 +274,29 @@ class Offload(Executor):
         i = len(self._staged)
         if i == len(self.staging):  # grows to the most experts one call streamed (memory.staging_peak_bytes)
             buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self._device)
-            self.staging.append(self._views_at(buf, 0))
-        views = self.staging[i]
-        self._batch.append((layer, expert, views))
+            self.staging.append((buf, self._views_at(buf, 0)))
+        buf, views = self.staging[i]
+        raw = None
+        if precision != "native":
+            views = raw = self._raw_at(buf, 0, layer, precision)
+        else:
+            src = self.sources[layer]
+            for n in self.names:
+                src[n][expert] = views[n]
+        self._batch.append((layer, expert, views, precision))
         self._batch_keys.append(-1)
-        self._staged.append((layer, expert, None))  # its ticket: the batch's, at submission
-        src = self.sources[layer]
-        for n in self.names:
-            src[n][expert] = views[n]
+        self._staged.append((layer, expert, None, raw))  # its ticket: the batch's, at submission
         self.copies += 1
 
     # ---- one layer call ---------------------------------------------------------------------------------
     def run(self, mod, hidden, index, weights, plan):
         layer = mod.layer
         E = self.E
-        host = ()
+        host, low = (), None
         if plan is not None:
             index, weights = plan.index, plan.weights
             host = plan.host
+            low = plan.precisions
             emap = plan.expert_map.tolist()
             running = [e for e in range(E) if emap[e] >= 0]
         else:
@@ -219,12 +304,33 @@ class Offload(Executor):
         base = layer * E
         self._flush()
         mover, tickets = self.mover, self.tickets
-        for _, _, t in self._staged:
+        for _, _, t, _ in self._staged:
             if not t.done():
                 self.stall_s += mover.wait(t)
             elif t.error is not None:
                 mover.wait(t)  # raises, naming the expert
         src = self.sources[layer]
+        if low:  # low-precision copies run from their bytes, unpacked (the store's own unpack: simulated's numbers)
+            staged = {e: raw for lay, e, _, raw in self._staged if raw is not None and lay == layer}
+            store = self.stack.store
+            for e, prec in low.items():
+                t = tickets[base + e]
+                if t is not None and not t.done():
+                    mover.promote(t)
+                    self.stall_s += mover.wait(t)
+                raw = staged.get(e)
+                if raw is None:
+                    if self.prec_of[base + e] != prec:
+                        raise RuntimeError(f"execution=offload: {self._name(layer, e)} runs at {prec} but the arena "
+                                           f"holds {self.prec_of[base + e]} (the arena and the engine disagree)")
+                    raw = self.raw_views.get(base + e)
+                    if raw is None:  # moved by a compaction since it was placed
+                        raw = self._place(base + e, layer, e, self.pools[self.pool_index[layer]], self.at[base + e],
+                                          prec)
+                w = store.unpack(layer, prec, raw, self._device)
+                for n in self.names:
+                    src[n][e] = w[n]
+                self.low_runs += 1
         up = src[self.up]
         for e in running:
             t = tickets[base + e]
@@ -235,6 +341,8 @@ class Offload(Executor):
                 elif t.error is not None:
                     mover.wait(t)
                 tickets[base + e] = None
+            if up[e] is None and self.at[base + e] >= 0:  # moved by a compaction since it was placed
+                self._place(base + e, layer, e, self.pools[self.pool_index[layer]], self.at[base + e], "native")
             if up[e] is None:
                 raise RuntimeError(f"execution=offload: MoE layer {layer} (model.layers.{self.stack.moe_ids[layer]}) "
                                    f"expert {e} runs but is neither in the arena "
@@ -248,9 +356,13 @@ class Offload(Executor):
         for e in host:
             for n in self.names:
                 src[n][e] = None
-        for i, (lay, e, _) in enumerate(self._staged):
+        if low:
+            for e in low:
+                for n in self.names:
+                    src[n][e] = None
+        for i, (lay, e, _, raw) in enumerate(self._staged):
             s = self.sources[lay]
-            if s[self.up][e] is self.staging[i][self.up]:  # still the staging view (not since inserted)
+            if raw is None and s[self.up][e] is self.staging[i][1][self.up]:  # still the staging view
                 for n in self.names:
                     s[n][e] = None
         self._staged.clear()
@@ -278,34 +390,80 @@ class Offload(Executor):
         out[BYTES] = words(buf[offset:offset + self.slot_bytes])  # the whole slot: one copy fills it (RamTier)
         return out
 
+    def _raw_at(self, buf: torch.Tensor, offset: int, layer: int, precision: str) -> dict:
+        """Views of a ``precision`` copy's raw tensors (:meth:`ExpertStore.raw`; a native copy: its parameter
+        views) at ``offset`` of ``buf``, remembered per (buffer, offset, layout): making them is up to 18 tensor
+        calls (30-40 us, most of a mixed arena's insert), and copies keep landing at the same offsets (sizes
+        repeat). At most 8192 remembered (then forgotten at once)."""
+        if precision == "native":  # the slot views of a native copy at this offset
+            key = (buf.data_ptr(), offset, "native")
+            out = self._raw_cache.get(key)
+            if out is None:
+                out = self._views_at(buf, offset)
+        else:
+            layout = self._raw_layout[layer, precision]
+            key = (buf.data_ptr(), offset, id(layout))
+            out = self._raw_cache.get(key)
+            if out is None:
+                out = self._new_raw_views(buf, offset, layout)
+        if len(self._raw_cache) >= 8192:
+            self._raw_cache.clear()
+        self._raw_cache[key] = out
+        return out
+
+    @staticmethod
+    def _new_raw_views(buf, offset, layout) -> dict:
+        from .tiers import BYTES, words
+
+        out, o = {}, offset
+        for n, dtype, shape, nbytes in layout:
+            out[n] = buf[o:o + nbytes].view(dtype).view(shape)
+            o += nbytes
+        out[BYTES] = words(buf[offset:o])
+        return out
+
     # ---- checks and results -------------------------------------------------------------------------------
     def check_residency(self, contents: bool = True) -> None:
-        """The arena holds exactly the engine's resident set (every entry has a slot, no slot is held for an
-        expert the engine does not have, used bytes within each pool's capacity) and, with ``contents``, each
-        slot's bytes are its expert's (arrived copies, compared with the host tier)."""
+        """The arena holds exactly the engine's resident set (every entry has its bytes at its precision, no
+        range is held for an expert the engine does not have, used bytes equal each pool's) and, with
+        ``contents``, each copy's bytes are its expert's (arrived copies, compared with the host tier)."""
         cache = self.stack.cache
-        held = {k for k, s in enumerate(self.slot_of) if s >= 0}
+        held = {k for k, o in enumerate(self.at) if o >= 0}
         entries = set(cache.entries)
         if held != entries:
             raise AssertionError(f"arena holds {sorted(held - entries)[:8]} the engine does not; engine holds "
                                  f"{sorted(entries - held)[:8]} the arena does not")
+        for key in held:
+            if self.prec_of[key] != cache.entries[key].precision:
+                raise AssertionError(f"key {key}: the arena holds {self.prec_of[key]}, the engine "
+                                     f"{cache.entries[key].precision}")
         for pi, pool in enumerate(cache.pools):
-            if self.used[pi] * self.slot_bytes > pool.capacity:
-                raise AssertionError(f"pool {pi}: {self.used[pi]} slots exceed {pool.capacity} bytes")
-            if self.used[pi] * self.slot_bytes != pool.used:
-                raise AssertionError(f"pool {pi}: arena uses {self.used[pi] * self.slot_bytes} bytes, engine {pool.used}")
+            arena = self.pools[pi]
+            if arena.used > pool.capacity:
+                raise AssertionError(f"pool {pi}: {arena.used} bytes exceed {pool.capacity}")
+            if arena.used != pool.used:
+                raise AssertionError(f"pool {pi}: arena uses {arena.used} bytes, engine {pool.used}")
+            spans = sorted(arena.live.values()) + arena.holes()
+            spans.sort()
+            if any(a[0] + a[1] > b[0] for a, b in zip(spans, spans[1:])):
+                raise AssertionError(f"pool {pi}: overlapping ranges {spans[:8]}")
         if contents:
+            store = self.stack.store
             for key in held:
                 t = self.tickets[key]
                 if t is not None and not t.done():
                     continue
                 layer, e = divmod(key, self.E)
-                pi = self.pool_index[layer]
-                views = self.slot_views[pi][self.slot_of[key]]
-                want = self._views_at(torch.empty(self.slot_bytes, dtype=torch.uint8), 0)
-                self.tier.copy_into(layer, e, want)
-                for n in self.names:
-                    if not torch.equal(views[n].cpu(), want[n]):
+                arena, prec = self.pools[self.pool_index[layer]], self.prec_of[key]
+                if prec == "native":
+                    views = self._views_at(arena.buf, self.at[key])
+                    want = self._views_at(torch.empty(self.slot_bytes, dtype=torch.uint8), 0)
+                    self.tier.copy_into(layer, e, want)
+                else:
+                    views = self.raw_views.get(key) or self._raw_at(arena.buf, self.at[key], layer, prec)
+                    want = store.raw(layer, e, prec)
+                for n in want:
+                    if n in views and not torch.equal(views[n].cpu(), want[n]):
                         raise AssertionError(f"slot of layer {layer} expert {e} does not hold its bytes ({n})")
 
     def wall(self) -> dict:
@@ -320,6 +478,7 @@ class Offload(Executor):
             "copy_gbps": m.bytes_moved / m.copy_s / 1e9 if m.copy_s > 0 else None,
             "throttled": bool(self.params.throttle),
             "host_computed_experts": self.host_runs,
+            "low_precision_runs": self.low_runs,  # experts run from a stored low-precision copy's bytes
         })
         return out
 
@@ -327,9 +486,12 @@ class Offload(Executor):
         out = super().memory()
         out.update({
             "arena_capacity_bytes": self.capacity_bytes,
-            "arena_slots": sum(len(v) for v in self.slot_views),
+            "arena_slots": sum(len(a.slots) for a in self.pools),  # native one-expert slots
+            "arena_layout": "mixed" if self.pools and self.pools[0].mixed else "uniform",
+            "arena_compactions": sum(a.compactions for a in self.pools),
+            "arena_bytes_compacted": sum(a.bytes_compacted for a in self.pools),
             "slot_bytes": self.slot_bytes,
-            "arena_peak_bytes": self.peak_slots * self.slot_bytes,
+            "arena_peak_bytes": self.peak_bytes,
             "staging_peak_bytes": len(self.staging) * self.slot_bytes,
             "dense_device_bytes": self.stack.dense_bytes,
             **self.tier.describe(),
