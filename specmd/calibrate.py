@@ -6,15 +6,18 @@ and write a hardware profile that makes the simulated clock predict what ``execu
    (``disk``); ``latency + nbytes / bandwidth`` fitted by least squares.
 2. **Compute**: a float32 GEMM (``peak_tflops``) and a large copy (``mem_bandwidth_gbps``) on the device,
    the same on the host (``host_*``; equal on a CPU-only machine).
-3. **What the roofline does not see**: the model (default: the embedded ``deep_olmoe``) generates greedily
-   under ``execution=offload`` -- all resident, at 5% with prefetching, all resident with prefetching;
+3. **Policy decisions** (measured before 4): each built-in eviction, prefetch and miss policy's host time per
+   MoE layer call beyond the reference stack's (lru, topk, fetch), timed on the engine
+   (``hardware.policy_overhead_us``).
+4. **What the roofline does not see**: the model (default: the embedded ``deep_olmoe``) generates greedily
+   under ``execution=offload`` -- all resident, at 5% with prefetching, all resident with prefetching, and
+   at 5% fetching HQQ copies (``miss=fetch_priority``, with lru + topk and with least_stale + score);
    prefills of 8..128 tokens, then decodes -- three times, each in a fresh install; each pass's measured
-   compute time minus its roofline time (the median of the three) is fitted as ``decoder layers * layer +
-   tokens * token + experts run * expert + transfers issued * issue + predictions * prediction`` overheads
-   (non-negative least squares on relative error): the costs of eager framework calls and of issuing copies
-   that a GPU hides in kernel launches and a CPU does not.
-4. **Policy decisions**: each built-in eviction and prefetch policy's host time per MoE layer call beyond
-   the reference stack's (lru, topk), timed on the engine (``hardware.policy_overhead_us``).
+   compute time minus its simulated compute time (the median of the three) is fitted as ``decoder layers *
+   layer + tokens * token + experts run * expert + transfers issued * issue + predictions * prediction +
+   experts unpacked * unpack`` overheads (non-negative least squares on relative error; the unpack term last,
+   on the low-precision stacks' residuals, their policies' decision costs from 3 charged): the costs of eager
+   framework calls and of issuing copies that a GPU hides in kernel launches and a CPU does not.
 
 The profile goes to ``DIR/hardware/<name>.yaml``; the default DIR is the user config directory, which
 specmd puts on Hydra's search path (``hardware=<name>`` works at once; with ``--out``, add
@@ -133,6 +136,9 @@ def measure_compute(device: torch.device) -> tuple[float, float]:
 
 
 PROMPTS = (8, 16, 32, 48, 64, 96, 128)  # prefill sizes: the token and expert terms are identifiable
+# the stored copies calibrate's low-precision runs fetch (optimize=false: quantized in seconds; unpacking
+# costs the same either way)
+LOW_QUANT = {"name": "hqq", "precisions": ["int8", "int4", "int2"], "optimize": False}
 
 
 def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: int = 16, reps: int = 3
@@ -166,21 +172,26 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
                for n in PROMPTS]
     layers = None
     rows: dict[tuple, list] = {}  # (stack, prompt, pass) -> [regressors, [residual per rep], [measured per rep]]
-    # three stacks: all resident (no transfers after the first pass), a small cache with prefetching (many
-    # transfers issued), all resident with prefetching (predictions without transfers): the per-transfer
-    # and per-prediction terms are identifiable
-    stacks = ((1.0, "none"), (0.05, "topk"), (1.0, "topk"))
+    # five stacks: all resident (no transfers after the first pass), a small cache with prefetching (many
+    # transfers issued), all resident with prefetching (predictions without transfers), and two small caches
+    # fetching stored low-precision copies (experts unpacked before they run; with two stacks' policies, since
+    # the arena's compactions come with the unpacking): each term is identifiable
+    low = {"miss": "fetch_priority", "quant": LOW_QUANT}
+    stacks = ((1.0, "none", {}), (0.05, "topk", {}), (1.0, "topk", {}), (0.05, "topk", low),
+              (0.05, "score", dict(low, eviction="least_stale")))  # unpacking's cost with two stacks' arenas
     for rep in range(-1, reps):  # rep -1: the warm-up, discarded
-        for si, (capacity, prefetch) in enumerate(stacks):
-            spec = StackSpec.of(hardware=HardwareConfig(**{**hw, "capacity": capacity}), prefetch=prefetch)
+        for si, (capacity, prefetch, extra) in enumerate(stacks):
+            spec = StackSpec.of(hardware=HardwareConfig(**{**hw, "capacity": capacity}), prefetch=prefetch, **extra)
             spec.execution = EXECUTION.params({"name": "offload", "throttle": True})
             stack = install(model, spec, device=device, checkpoint=ckpt)
             ex, eng = stack.executor, stack.engine
-            counts = []  # per pass: (transfers issued, predictions made) at its start, then its deltas
+            counts = []  # per pass: (transfers issued, predictions made, experts unpacked) at its start, then deltas
             begin, end = ex.begin_pass, ex.end_pass
-            ex.begin_pass = lambda kind, tokens: (counts.append((ex.copies, eng.predictions)), begin(kind, tokens))
+            ex.begin_pass = lambda kind, tokens: (counts.append((ex.copies, eng.predictions, ex.low_runs)),
+                                                  begin(kind, tokens))
             ex.end_pass = lambda: (end(), counts.__setitem__(-1, (ex.copies - counts[-1][0],
-                                                                   eng.predictions - counts[-1][1])))
+                                                                   eng.predictions - counts[-1][1],
+                                                                   ex.low_runs - counts[-1][2])))
             first = []  # pass index where each prompt's generation starts
             try:
                 with torch.no_grad():
@@ -197,33 +208,41 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
             # compute only on both sides: the measured pass minus its measured stall, against the simulated
             # pass minus its simulated stall (stalls depend on compute speed; fitting them would bias the
             # overheads)
-            for i, (p, w, ws, (c, q)) in enumerate(zip(passes, ex.pass_wall, ex.pass_stall, counts)):
+            for i, (p, w, ws, (c, q, u)) in enumerate(zip(passes, ex.pass_wall, ex.pass_stall, counts)):
                 pi = max(j for j, f in enumerate(first) if f <= i)
                 key = (si, pi, i - first[pi])
                 row = rows.setdefault(key, [[], [], []])
-                row[0].append([layers, p.tokens, p.requests, c, q])  # equal across reps but where wall-clock
+                row[0].append([layers, p.tokens, p.requests, c, q, u])  # equal across reps but where wall-clock
                 # arrival times changed a decision (a prefetch still in flight): the median of those too
                 row[1].append((w - ws) - (p.time_s - p.stall_s))
                 row[2].append(w - ws)
     X = np.array([np.median(r[0], axis=0) for r in rows.values()], dtype=float)
     y = np.array([statistics.median(r[1]) for r in rows.values()])
     m = np.array([statistics.median(r[2]) for r in rows.values()])
-    coef = _nnls(X / m[:, None], y / m)
+    # native stacks first; then the unpack term alone on the low-precision stack's residuals given those:
+    # its passes vary more (unpacking differs by precision, compactions come and go) and, fitted jointly,
+    # moved the token term by 3x
+    native = np.array([not stacks[k[0]][2] for k in rows])
+    coef = np.zeros(X.shape[1])
+    coef[:5] = _nnls(X[native, :5] / m[native, None], y[native] / m[native])
+    u, r = X[~native, 5] / m[~native], (y[~native] - X[~native, :5] @ coef[:5]) / m[~native]
+    coef[5] = max(0.0, float(u @ r) / float(u @ u)) if (u > 0).any() else 0.0
     rel = (X @ coef - y) / m
     report = {"passes": len(rows), "reps": reps, "residual_rms_us": float(np.sqrt(np.mean((X @ coef - y) ** 2)) * 1e6),
               "relative_rms": float(np.sqrt(np.mean(rel ** 2))), "mean_pass_us": float(np.mean(m) * 1e6)}
     return {"layer_overhead_us": float(coef[0] * 1e6), "token_overhead_us": float(coef[1] * 1e6),
             "expert_overhead_us": float(coef[2] * 1e6), "transfer_issue_us": float(coef[3] * 1e6),
-            "predict_overhead_us": float(coef[4] * 1e6)}, report
+            "predict_overhead_us": float(coef[4] * 1e6), "unpack_overhead_us": float(coef[5] * 1e6)}, report
 
 
-REFERENCE = {"eviction": "lru", "prefetch": "topk"}  # calibrate's reference stack: its costs are in the fit
+REFERENCE = {"eviction": "lru", "prefetch": "topk", "miss": "fetch"}  # calibrate's reference stack: its costs are in the fit
 
 
 def measure_policies(model_name: str, hw: dict, device: torch.device, new_tokens: int = 24, reps: int = 3,
                      log=print) -> tuple[dict, dict]:
-    """Host microseconds per MoE layer call each built-in eviction and prefetch policy's decisions cost beyond
-    the reference stack's (lru, topk: theirs are in the fitted overheads), as ``{"<group>/<name>": us}``
+    """Host microseconds per MoE layer call each built-in eviction, prefetch and miss policy's decisions cost
+    beyond the reference stack's (lru, topk, fetch: theirs are in the fitted overheads; a miss policy runs with
+    the HQQ copies it may fetch, and its cost includes the longer victim scans of a pool holding smaller copies), as ``{"<group>/<name>": us}``
     (``hardware.policy_overhead_us``), and ``{"<group>/<name>": why}`` of those that cannot run in a plain
     live generation (an oracle needs the future). The engine's :meth:`~specmd.engine.Engine.layer` -- every
     cache decision of a layer call, prefetch predictions included -- is timed over a greedy generation at
@@ -275,10 +294,11 @@ def measure_policies(model_name: str, hw: dict, device: torch.device, new_tokens
                 continue
             key = f"{group}/{name}"
             try:
-                costs[key] = max(0.0, (per_call({group: name}) - ref) * 1e6)
+                costs[key] = max(0.0, (per_call({group: name, **({"quant": LOW_QUANT} if group == "miss" else {})})
+                                       - ref) * 1e6)
             except ConfigError as exc:  # a policy this run cannot host (an oracle): named in the profile; a bug raises
                 skipped[key] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-    log(f"  policy decisions ({model_name}, us per layer call beyond lru+topk's {ref * 1e6:.3g} us): "
+    log(f"  policy decisions ({model_name}, us per layer call beyond lru+topk+fetch's {ref * 1e6:.3g} us): "
         + ", ".join(f"{k} {v:.3g}" for k, v in costs.items())
         + (f"; not measured: {', '.join(skipped)}" if skipped else ""))
     return costs, skipped
@@ -346,15 +366,18 @@ def calibrate(out: str | None = None, name: str | None = None, model: str = "dee
           "host_tflops": hflops / 1e12, "host_mem_bandwidth_gbps": hmem / 1e9, "timing_as": None}
     fit = {}
     if not quick:
-        over, fit = fit_overheads(model, {k: v for k, v in hw.items()}, dev)
+        # policies first: the fit's low-precision stack (miss=fetch_priority) is then simulated with its
+        # decision cost, and the unpack term is what is left
+        costs, skipped = measure_policies(model, hw, dev, log=log)
+        hw["policy_overhead_us"] = costs
+        over, fit = fit_overheads(model, dict(hw), dev)
+        fit["policies_not_measured"] = skipped
         hw.update(over)
         log(f"  overheads ({model}, {fit['passes']} passes): decoder layer {over['layer_overhead_us']:.4g} us, token "
             f"{over['token_overhead_us']:.4g} us, expert {over['expert_overhead_us']:.4g} us, transfer issue "
-            f"{over['transfer_issue_us']:.4g} us, prediction {over['predict_overhead_us']:.4g} us (residual rms "
+            f"{over['transfer_issue_us']:.4g} us, prediction {over['predict_overhead_us']:.4g} us, unpacking a "
+            f"low-precision expert {over['unpack_overhead_us']:.4g} us (residual rms "
             f"{fit['residual_rms_us']:.3g} us of a {fit['mean_pass_us']:.4g} us mean pass)")
-        costs, skipped = measure_policies(model, hw, dev, log=log)
-        hw["policy_overhead_us"] = costs
-        fit["policies_not_measured"] = skipped
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     note = [f"specmd calibrate, {stamp}, on {platform.node()} ({platform.processor() or platform.machine()}, "
             f"{os.cpu_count()} cores), device {dev}, torch {torch.__version__}",

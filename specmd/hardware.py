@@ -41,6 +41,9 @@ class HardwareConfig:
     expert_overhead_us: float = 0.0
     transfer_issue_us: float = 0.0  # host time to issue one transfer (demand or prefetch), serial with compute
     predict_overhead_us: float = 0.0  # one prefetch prediction (a later layer's router on this input + policy)
+    # one expert run from a stored low-precision copy: unpacking it (HQQ's bit-unpacking and scale/zero
+    # arithmetic) before its GEMMs; a fused low-bit kernel on a GPU makes it small, eager PyTorch does not
+    unpack_overhead_us: float = 0.0
     # The host time a policy's decisions cost per MoE layer call beyond calibrate's reference stack (lru
     # eviction, topk prefetch: theirs is in the fitted overheads above), keyed "<group>/<name>", e.g.
     # {"prefetch/score": 180.0}. Policies run in Python between the router and the experts, serial with
@@ -62,7 +65,7 @@ class HardwareConfig:
         if self.latency_us < 0:
             raise ConfigError(f"hardware.latency_us={self.latency_us} must be >= 0")
         for key in ("layer_overhead_us", "token_overhead_us", "expert_overhead_us", "transfer_issue_us",
-                    "predict_overhead_us"):
+                    "predict_overhead_us", "unpack_overhead_us"):
             v = getattr(self, key)
             if not (v >= 0 and v != float("inf")):
                 raise ConfigError(f"hardware.{key}={v} must be a finite number >= 0")

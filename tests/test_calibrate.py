@@ -80,8 +80,9 @@ def test_overheads_charged_exactly():
     g = Geometry(num_layers=2, num_experts=8, top_k=2, expert_bytes=1000, total_bytes=2 * 8 * 1000 * 2,
                  attn_layers=[1, 1])
 
-    def run(prefetch="none", **over):
-        eng = Engine(g, StackSpec.of(hardware=HardwareConfig(capacity=0.2, **over), prefetch=prefetch))
+    def run(prefetch="none", miss="fetch", store=None, **over):
+        eng = Engine(g, StackSpec.of(hardware=HardwareConfig(capacity=0.2, **over), prefetch=prefetch, miss=miss),
+                     store)
         eng.begin_pass("prefill", 3, 3)
         for layer in range(2):
             idx = torch.tensor([[0, 1], [1, 2], [0, 2]])
@@ -100,6 +101,12 @@ def test_overheads_charged_exactly():
     assert run(expert_overhead_us=7)[0] == pytest.approx(base + 6 * 7e-6, abs=1e-12)  # 3 experts x 2 layers
     assert run(transfer_issue_us=5)[0] == pytest.approx(base + transfers * 5e-6, abs=1e-12)
     assert run(predict_overhead_us=9)[0] == base  # no prefetcher: no prediction charged
+    assert run(unpack_overhead_us=11)[0] == base  # every expert runs native: nothing unpacked
+    from specmd.quant.base import ExpertStore
+
+    low = dict(miss={"name": "fetch", "precision": "int4"}, store=ExpertStore(16, 1000, {"int4": 300}))
+    lbase = run(**low)[0]  # every expert fetched at int4: 3 experts x 2 layers run unpacked
+    assert run(unpack_overhead_us=11, **low)[0] == pytest.approx(lbase + 6 * 11e-6, abs=1e-12)
     fast = dict(bandwidth_gbps=1e9, latency_us=0.0)  # instant transfers: no stall moves with the extra compute
     pbase, _, predictions = run("topk", **fast)
     assert predictions == 1  # layer 0 predicts layer 1
@@ -131,17 +138,17 @@ def test_policy_overhead_names_a_registered_policy():
 
 
 def test_policy_decisions_measured_per_layer_call():
-    """calibrate times every built-in eviction and prefetch policy on the engine: a cost >= 0 for each one a
-    live generation can run, the oracles named with the reason, and score prefetch (a percentile and a union
-    per call) dearer than lru+topk."""
+    """calibrate times every built-in eviction, prefetch and miss policy on the engine: a cost >= 0 for each
+    one a live generation can run, the oracles named with the reason, and score prefetch (a percentile and a
+    union per call) dearer than lru+topk."""
     from specmd.calibrate import measure_policies
     from specmd.hardware import HardwareConfig
     from specmd.policies import REGISTRIES
 
     costs, skipped = measure_policies("tiny", dict(vars(HardwareConfig())), torch.device("cpu"), new_tokens=4,
                                       reps=1, log=lambda *_: None)
-    expect = {f"{g}/{n}" for g in ("eviction", "prefetch") for n in REGISTRIES[g].names()} - {
-        "eviction/lru", "prefetch/topk", "prefetch/none"}
+    expect = {f"{g}/{n}" for g in ("eviction", "prefetch", "miss") for n in REGISTRIES[g].names()} - {
+        "eviction/lru", "prefetch/topk", "prefetch/none", "miss/fetch"}
     assert set(costs) | set(skipped) == expect and not set(costs) & set(skipped)
     assert {"eviction/belady", "prefetch/oracle"} <= set(skipped) and "future" in skipped["eviction/belady"]
     assert all(v >= 0 and np.isfinite(v) for v in costs.values())
@@ -169,6 +176,6 @@ def test_overhead_fit_predicts_its_passes():
     hw = {"capacity": 0.05, "bandwidth_gbps": 10.0, "latency_us": 5.0, "peak_tflops": flops / 1e12,
           "mem_bandwidth_gbps": mem / 1e9, "host_tflops": flops / 1e12, "host_mem_bandwidth_gbps": mem / 1e9}
     over, fit = fit_overheads("tiny", hw, torch.device("cpu"), new_tokens=4, reps=2)
-    assert fit["passes"] == 3 * (len(PROMPTS) * 2 + 2)  # three stacks x (prefill + 1 decode per prompt, +2)
+    assert fit["passes"] == 5 * (len(PROMPTS) * 2 + 2)  # five stacks x (prefill + 1 decode per prompt, +2)
     assert all(v >= 0 and np.isfinite(v) for v in over.values())
     assert over["layer_overhead_us"] > 0 and fit["relative_rms"] < 0.2, (over, fit)

@@ -169,8 +169,9 @@ class Clock:
     def dense(self, layer: int, tokens: int, context: int) -> None:
         """Everything the model runs between MoE layer ``layer - 1``'s experts and layer ``layer``'s."""
 
-    def experts(self, slots: int, experts: int) -> None:
-        """A layer's routed experts on the device: ``slots`` token-expert pairs over ``experts`` experts."""
+    def experts(self, slots: int, experts: int, unpacked: int = 0) -> None:
+        """A layer's routed experts on the device: ``slots`` token-expert pairs over ``experts`` experts, of
+        which ``unpacked`` run from a stored low-precision copy (unpacked first)."""
 
     def tail(self, tokens: int, context: int) -> None:
         """Everything after the last MoE layer (trailing dense layers, final norm, LM head)."""
@@ -183,9 +184,9 @@ class SimClock(Clock):
     name = "simulated"
 
     def __init__(self, geom, channel: TransferChannel, roofline: Roofline, host: Roofline | None = None,
-                 overheads: tuple = (0.0, 0.0, 0.0, 0.0, 0.0), decision: float = 0.0):
+                 overheads: tuple = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0), decision: float = 0.0):
         """``overheads``: (per decoder layer, per token of a pass, per expert run, per transfer issued, per
-        prefetch prediction) seconds the roofline does not see (``specmd calibrate`` fits them; a decoder
+        prefetch prediction, per expert run from a low-precision copy) seconds the roofline does not see (``specmd calibrate`` fits them; a decoder
         layer's cost goes with its dense compute, so it scales with the model's depth; issuing is host work
         charged with the layer's compute). ``decision``: seconds per MoE layer call the stack's policies
         cost beyond calibrate's reference stack (``hardware.policy_overhead_us``), charged with the layer's
@@ -195,7 +196,7 @@ class SimClock(Clock):
         self.roofline = roofline
         self.host_roofline = host or roofline
         (self.layer_overhead, self.token_overhead, self.expert_overhead, self.issue_overhead,
-         self.predict_overhead) = overheads
+         self.predict_overhead, self.unpack_overhead) = (tuple(overheads) + (0.0,) * 6)[:6]
         self.decision_overhead = decision
         self.issued = 0  # transfers issued since the last charge of compute
         self.predictions = 0  # prefetch predictions since the last charge of compute
@@ -213,7 +214,8 @@ class SimClock(Clock):
                    Roofline(hw.host_tflops * 1e12, hw.host_mem_bandwidth_gbps * 1e9),
                    (getattr(hw, "layer_overhead_us", 0.0) * 1e-6, getattr(hw, "token_overhead_us", 0.0) * 1e-6,
                     getattr(hw, "expert_overhead_us", 0.0) * 1e-6, getattr(hw, "transfer_issue_us", 0.0) * 1e-6,
-                    getattr(hw, "predict_overhead_us", 0.0) * 1e-6), decision)
+                    getattr(hw, "predict_overhead_us", 0.0) * 1e-6, getattr(hw, "unpack_overhead_us", 0.0) * 1e-6),
+                   decision)
 
     # -- transfers --------------------------------------------------------------------------------
     def begin_layer(self) -> None:
@@ -297,9 +299,10 @@ class SimClock(Clock):
     def dense(self, layer: int, tokens: int, context: int) -> None:
         self.now += self.dense_time(layer, tokens, context)
 
-    def experts(self, slots: int, experts: int) -> None:
+    def experts(self, slots: int, experts: int, unpacked: int = 0) -> None:
         self.now += (self.experts_time(slots, experts) + self.issued * self.issue_overhead
-                     + self.predictions * self.predict_overhead + self.decision_overhead)
+                     + self.predictions * self.predict_overhead + self.decision_overhead
+                     + unpacked * self.unpack_overhead)
         self.issued = self.predictions = 0
 
     def predicted(self) -> None:

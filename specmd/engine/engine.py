@@ -213,7 +213,7 @@ class Engine:
             clock.predicted()
             self.predictions += 1
             cache.prefetch(target, predicted)
-        clock.experts(slots, n_run)  # 6
+        clock.experts(slots, n_run, len(plan.precisions) if plan is not None else 0)  # 6
         cache.finish_layer()
         return plan
 
