@@ -753,3 +753,13 @@ def test_unknown_execution_option_is_hydras_error_with_the_choices():
             compose(config_name="config", overrides=[*BASE, "execution=warp"])
     msg = str(exc.value) + " " + " ".join(getattr(exc.value, "options", None) or [])
     assert "execution/warp" in msg and "offload" in msg and "simulated" in msg, msg
+
+
+def test_peak_rss_is_the_runs_own_not_its_launchers():
+    """A run started by a process holding 3 GB (a benchmark with a model loaded, a sweep's launcher) reports its
+    own peak RSS: Linux carries the parent's high-water mark into ru_maxrss across fork + exec."""
+    held = torch.ones(3 << 28, dtype=torch.float32)  # 3 GiB, touched
+    r = subprocess.run([sys.executable, "-c", "from specmd.executor.base import peak_rss_bytes; print(peak_rss_bytes())"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout.split()[-1]) < 2e9, (r.stdout, held.numel())

@@ -82,10 +82,19 @@ class Executor(Policy):
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size (Linux ru_maxrss is in KiB)."""
+    """This process's peak resident set size: Linux's ``VmHWM`` of its own memory map. Not ``ru_maxrss``: across
+    fork + exec Linux carries the pre-exec image's high-water mark into it, so a run started by a large parent
+    (a benchmark holding a model, a sweep's launcher) reported the parent's RSS (9.1 GB for a 5.7 GB run)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux (bytes on macOS)
 
 
 def device_peak_bytes(device: torch.device) -> Optional[int]:
