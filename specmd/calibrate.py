@@ -12,7 +12,7 @@ and write a hardware profile that makes the simulated clock predict what ``execu
 4. **What the roofline does not see**: the model (default: the embedded ``deep_olmoe``) generates greedily
    under ``execution=offload`` -- all resident, at 5% with prefetching, all resident with prefetching, and
    at 5% fetching HQQ copies (``miss=fetch_priority``, with lru + topk and with least_stale + score);
-   prefills of 8..128 tokens, then decodes -- three times, each in a fresh install; each pass's measured
+   prefills of 8..448 tokens, then decodes -- three times, each in a fresh install; each pass's measured
    compute time minus its simulated compute time (the median of the three) is fitted as ``decoder layers *
    layer + tokens * token + experts run * expert + transfers issued * issue + predictions * prediction +
    experts unpacked * unpack`` overheads (non-negative least squares on relative error; the unpack term last,
@@ -135,7 +135,10 @@ def measure_compute(device: torch.device) -> tuple[float, float]:
     return flops, 2 * x.numel() * 4 / best
 
 
-PROMPTS = (8, 16, 32, 48, 64, 96, 128)  # prefill sizes: the token and expert terms are identifiable
+# prefill sizes: the token and expert terms are identifiable, and a long prompt's TTFT (GSM8K's 5-shot prompts:
+# ~480 tokens) is inside the fitted range: fitted on 8-128 only, the token term came out anywhere in 70-220 us
+# and its extrapolation to 480 tokens put TTFT at 0.75-1.0 of measured
+PROMPTS = (8, 16, 32, 64, 128, 256, 448)
 # the stored copies calibrate's low-precision runs fetch (optimize=false: quantized in seconds; unpacking
 # costs the same either way)
 LOW_QUANT = {"name": "hqq", "precisions": ["int8", "int4", "int2"], "optimize": False}
@@ -168,8 +171,9 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
     model.to(device)
     ckpt = local_checkpoint(mcfg.pretrained) if mcfg.pretrained else None
     vocab = min(model.config.vocab_size, 250)
+    longest = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     prompts = [torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
-               for n in PROMPTS]
+               for n in PROMPTS if n + new_tokens <= longest]
     layers = None
     rows: dict[tuple, list] = {}  # (stack, prompt, pass) -> [regressors, [residual per rep], [measured per rep]]
     # five stacks: all resident (no transfers after the first pass), a small cache with prefetching (many
