@@ -763,3 +763,17 @@ def test_peak_rss_is_the_runs_own_not_its_launchers():
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert int(r.stdout.split()[-1]) < 2e9, (r.stdout, held.numel())
+
+
+def test_copy_bytes_across_word_types():
+    """A packed row (int64 words) into an arena range whose offset made its words int32 or int16 (the CUDA
+    path's tensor copy; the CPU path memmoves): the bytes arrive whatever the two word types."""
+    from specmd.executor.tiers import copy_bytes, words
+
+    src = words(torch.arange(48, dtype=torch.uint8))  # int64[6]
+    buf = torch.zeros(64, dtype=torch.uint8)
+    for off in (4, 2, 8):
+        dst = words(buf[off:off + 48])
+        copy_bytes(dst, src)
+        assert torch.equal(buf[off:off + 48], torch.arange(48, dtype=torch.uint8)), (off, dst.dtype)
+        buf.zero_()

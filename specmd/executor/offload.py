@@ -220,7 +220,8 @@ class Offload(Executor):
         for key, off in arena.compact(span=span).items():  # views re-made when the copy next runs (most never do)
             self.at[key] = off
             layer, e = divmod(key, self.E)
-            if self.raw_views.pop(key, None) is None:
+            self.raw_views.pop(key, None)
+            if self.prec_of[key] == "native":
                 src = self.sources[layer]
                 for n in self.names:
                     src[n][e] = None
@@ -315,9 +316,9 @@ class Offload(Executor):
             store = self.stack.store
             for e, prec in low.items():
                 t = tickets[base + e]
-                if t is not None and not t.done():
+                if t is not None and (not t.done() or t.error is not None):
                     mover.promote(t)
-                    self.stall_s += mover.wait(t)
+                    self.stall_s += mover.wait(t)  # raises if the copy failed: never unpack what did not arrive
                 raw = staged.get(e)
                 if raw is None:
                     if self.prec_of[base + e] != prec:
@@ -341,7 +342,7 @@ class Offload(Executor):
                 elif t.error is not None:
                     mover.wait(t)
                 tickets[base + e] = None
-            if up[e] is None and self.at[base + e] >= 0:  # moved by a compaction since it was placed
+            if up[e] is None and self.at[base + e] >= 0 and self.prec_of[base + e] == "native":  # moved since placed
                 self._place(base + e, layer, e, self.pools[self.pool_index[layer]], self.at[base + e], "native")
             if up[e] is None:
                 raise RuntimeError(f"execution=offload: MoE layer {layer} (model.layers.{self.stack.moe_ids[layer]}) "

@@ -69,7 +69,15 @@ def _failed(name, layer: int, expert: int, exc: Exception):
     raise TransferError(f"transfer of {what} failed: {exc}") from exc
 
 
-BYTES = "__bytes__"  # a slot's (or staging area's) raw bytes, beside its per-parameter views
+BYTES = "__bytes__"
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src``'s bytes into ``dst`` (asynchronously on a CUDA stream) whatever word type :func:`words`
+    gave each: a destination's type depends on its offset in the arena (a mixed arena aligns copies to 2 or 4
+    bytes), a packed row's does not, and an int64 row copied into an int32 view is a shape error -- or, for a
+    single word, a broadcast."""
+    dst.view(torch.uint8).copy_(src.view(torch.uint8), non_blocking=True)  # a slot's (or staging area's) raw bytes, beside its per-parameter views
 
 
 def words(raw: torch.Tensor) -> torch.Tensor:
@@ -124,7 +132,7 @@ class RamTier(HostTier):
                 n = self.row_bytes[layer]
                 ctypes.memmove(whole.data_ptr(), self.addr[layer] + expert * n, n)
             else:
-                whole.copy_(self.packed[layer][expert], non_blocking=True)
+                copy_bytes(whole, self.packed[layer][expert])
             return
         src = self.views[layer]
         for n, d in dst.items():
