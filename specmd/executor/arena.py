@@ -8,11 +8,11 @@ Two layouts, chosen once per run:
   allocation (Fiddler's and MoE-PolicyLang's pre-allocated slots);
 * **mixed** (stored low-precision copies may be fetched: ``miss=fetch_lowest_bit``, ``fetch_priority``, ...):
   copies of several sizes share the pool, so ranges are allocated first-fit from a sorted list of free
-  extents, merged on release. The engine admits a copy when the pool's *bytes* allow it, not its largest
-  hole; when no hole fits, the live copies are **compacted** to the front of the buffer (their bytes moved
-  down, in offset order) and the copy goes into the one hole left at the end -- so the arena always holds
-  what the engine admitted, in exactly the configured capacity. Compaction is rare (it needs fragmentation
-  and a full pool) and its time is measured, never simulated.
+  extents (native copies from the front, smaller ones from the back), merged on release. The engine admits
+  a copy when the pool's *bytes* allow it, not its largest hole; when no hole fits, the cheapest run of
+  holes that together hold it is **compacted** (the live copies between them slid down, in offset order,
+  leaving one hole) -- so the arena always holds what the engine admitted, in exactly the configured
+  capacity. Compaction needs fragmentation and a full pool; its time is measured, never simulated.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ class Arena:
         self.slot_bytes = slot_bytes
         self.mixed = mixed
         self.used = 0  # bytes held
-        self.peak = 0
         self.live: dict[int, tuple[int, int]] = {}  # key -> (offset, size)
         self.compactions = 0
         self.bytes_compacted = 0
@@ -79,8 +78,6 @@ class Arena:
                     return None
         self.live[key] = (off, size)
         self.used += size
-        if self.used > self.peak:
-            self.peak = self.used
         return off
 
     def release(self, key: int) -> None:

@@ -131,7 +131,7 @@ class Offload(Executor):
                     raise ConfigError(f"execution=offload: {q} copy's {n} starts at byte {o}, not aligned to its {d}")
                 o += nb
 
-        self._shapes = shapes
+        self._native_layout = [(n, dtype, s, math.prod(s) * dtype.itemsize) for n, s in shapes.items()]
         self.pool_index = [cache.pools.index(pool) for pool in cache._pool_of_layer]
         self.pools = [Arena(pool.capacity, self.slot_bytes, dev, bool(low), self._views_at, align)
                       for pool in cache.pools]
@@ -380,47 +380,30 @@ class Offload(Executor):
             views = {n: v.to(self._device) for n, v in views.items()}
         return views
 
-    def _views_at(self, buf: torch.Tensor, offset: int) -> dict:
+    def _views_at(self, buf: torch.Tensor, offset: int, layout=None) -> dict:
+        """Views of one copy at ``offset`` of ``buf``: each tensor of ``layout`` (default: the native
+        parameters) and ``BYTES``, the whole copy (one memmove or copy fills it)."""
         from .tiers import BYTES, words
 
         out, o = {}, offset
-        for n, shape in self._shapes.items():
-            nbytes = math.prod(shape) * self.dtype.itemsize
-            out[n] = buf[o:o + nbytes].view(self.dtype).view(shape)
-            o += nbytes
-        out[BYTES] = words(buf[offset:offset + self.slot_bytes])  # the whole slot: one copy fills it (RamTier)
-        return out
-
-    def _raw_at(self, buf: torch.Tensor, offset: int, layer: int, precision: str) -> dict:
-        """Views of a ``precision`` copy's raw tensors (:meth:`ExpertStore.raw`; a native copy: its parameter
-        views) at ``offset`` of ``buf``, remembered per (buffer, offset, layout): making them is up to 18 tensor
-        calls (30-40 us, most of a mixed arena's insert), and copies keep landing at the same offsets (sizes
-        repeat). At most 8192 remembered (then forgotten at once)."""
-        if precision == "native":  # the slot views of a native copy at this offset
-            key = (buf.data_ptr(), offset, "native")
-            out = self._raw_cache.get(key)
-            if out is None:
-                out = self._views_at(buf, offset)
-        else:
-            layout = self._raw_layout[layer, precision]
-            key = (buf.data_ptr(), offset, id(layout))
-            out = self._raw_cache.get(key)
-            if out is None:
-                out = self._new_raw_views(buf, offset, layout)
-        if len(self._raw_cache) >= 8192:
-            self._raw_cache.clear()
-        self._raw_cache[key] = out
-        return out
-
-    @staticmethod
-    def _new_raw_views(buf, offset, layout) -> dict:
-        from .tiers import BYTES, words
-
-        out, o = {}, offset
-        for n, dtype, shape, nbytes in layout:
+        for n, dtype, shape, nbytes in layout or self._native_layout:
             out[n] = buf[o:o + nbytes].view(dtype).view(shape)
             o += nbytes
         out[BYTES] = words(buf[offset:o])
+        return out
+
+    def _raw_at(self, buf: torch.Tensor, offset: int, layer: int, precision: str) -> dict:
+        """:meth:`_views_at` for a ``precision`` copy (:meth:`ExpertStore.raw`'s tensors; a native copy: its
+        parameters), remembered per (buffer, offset, layout): making them is up to 18 tensor calls (30-40 us,
+        most of a mixed arena's insert), and copies keep landing at the same offsets (sizes repeat). At most
+        8192 remembered (then forgotten at once)."""
+        layout = self._native_layout if precision == "native" else self._raw_layout[layer, precision]
+        key = (buf.data_ptr(), offset, id(layout))
+        out = self._raw_cache.get(key)
+        if out is None:
+            if len(self._raw_cache) >= 8192:
+                self._raw_cache.clear()
+            out = self._raw_cache[key] = self._views_at(buf, offset, layout)
         return out
 
     # ---- checks and results -------------------------------------------------------------------------------
