@@ -194,7 +194,7 @@ def test_real_model_configs_name_their_checkpoints():
     ("stack.measure=prefill", "stack.measure='prefill'; valid choices: all, decode"),
     ("stack.measure=decode eval.tasks=[wikitext]",
      "stack.measure=decode counts decode passes only, and eval.tasks=['wikitext'] run none"),
-    ("eviction=least_stale eviction.order=lifo", "order='lifo'; valid: left_then_right, layer, needed_last, insertion"),
+    ("eviction=least_stale eviction.order=lifo", "order='lifo'; valid: needed_last, left_then_right, layer, insertion"),
     ("eviction=fld eviction.distance=cyclic", "distance='cyclic'; valid: absolute, forward"),
     ("eviction=lfu eviction.counts=hits", "counts='hits'; valid: requests, inserts"),
     ("eviction=score eviction.unit=pass", "unit='pass'; valid: token, call"),

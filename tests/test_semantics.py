@@ -47,12 +47,14 @@ def test_least_stale_prefetched_experts_are_current():
     call(m, 0, [0])
     m.end_pass()
     m.begin_pass("decode", 1, 2)
-    m.serve(1, [0])  # evicts nothing (room for 2): {(0,0) stale, (1,0) current}
+    m.serve(0, [1])  # evicts nothing (room for 2): {(0,0) stale, (0,1) current}
     m.prefetch(2, [0])  # needs room: evicts the stale (0,0); (2,0) is current (prefetched this pass)
     m.finish_layer()
     m.clock.compute(1e15, 0)  # the prefetch arrives
-    call(m, 2, [1])  # both residents current: the lowest layer (1,0) goes, the prefetched (2,0) stays
-    assert sorted(m.entries) == [8, 9]
+    # both residents current: the left (0,1) goes in every reading, the prefetched (2,0) of an upcoming layer
+    # stays (were it stale it would go first)
+    call(m, 1, [0])
+    assert sorted(m.entries) == [4, 8]
 
 
 def test_least_stale_a_hit_makes_an_expert_current():
