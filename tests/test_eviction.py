@@ -351,6 +351,51 @@ def test_score_policy_end_to_end_uses_router_probabilities():
     assert sorted(m.entries) == [0, 3]
 
 
+@pytest.mark.parametrize("start,victim", [("mean", 0), ("zero", 3), (None, 0)])
+def test_score_policy_start_readings(start, victim):
+    # Experts 0, 1, 2 resident when layer 0 scores [.1, .4, .3, .2]; then 3 joins. ``mean`` (the default):
+    # 3 starts at its layer's window mean 0.2, so 0 (0.1) goes; ``zero``: 3 starts at 0 and goes first.
+    from specmd.policies.eviction.score import Score
+
+    pol = Score(Score.Params(start=start) if start else None)
+    pol.attach(_View(), 4)
+    for k in range(3):
+        pol.on_insert(k, False)
+    pol.on_layer(0, _Rec([0.1, 0.4, 0.3, 0.2]))
+    pol.on_insert(3, True)
+    assert pol.victim(lambda k: True) == victim
+
+
+@pytest.mark.parametrize("value,kept", [("probs", [1, 4]), ("logits", [0, 1]), (None, [1, 4])])
+def test_score_policy_value_readings(value, kept):
+    # Two layers; layer 0's router adds 10 to every logit (softmax does not see it). Resident (0,0) with
+    # probability .1 (logit ~7.7) and (1,0) with probability .4 (logit ~-0.9); layer 0 then asks for expert 1:
+    # ``probs`` evicts (0,0), ``logits`` evicts (1,0), whose raw logit is lower.
+    import torch
+
+    from specmd.engine.record import GateRecord, Scoring
+
+    params = reading("score", value=value) if value else None
+    m = manager("score", 2, layers=2, experts=4, params=params)
+    l0 = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]])) + 10
+    l1 = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    m.begin_pass("decode", 1, 1)
+    for layer, logits in ((0, l0), (1, l1)):
+        m.serve(layer, [0], GateRecord(layer, logits, None, torch.tensor([[0]]), Scoring(False, False, 1.0)))
+        m.finish_layer()
+    m.end_pass()
+    m.begin_pass("decode", 1, 2)
+    m.serve(0, [1], GateRecord(0, l0, None, torch.tensor([[1]]), Scoring(False, False, 1.0)))
+    assert sorted(m.entries) == kept
+
+
+def test_score_policy_rejects_unknown_readings():
+    with pytest.raises(ValueError, match="start='one'; valid: mean, zero"):
+        reading("score", start="one")
+    with pytest.raises(ValueError, match="value='gates'; valid: probs, logits"):
+        reading("score", value="gates")
+
+
 def test_lhu_counts_only_high_precision_uses():
     from specmd.policies.eviction.lhu import LHU
 
