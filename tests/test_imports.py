@@ -187,8 +187,8 @@ def test_empty_file_unknown_format_and_unknown_experts(tmp_path):
     with pytest.raises(ConfigError, match=r"r\.csv: empty file"):
         load_import(c, "llama_csv", ImportOptions(num_experts=8))
     f.write_text(GOOD)
-    with pytest.raises(ConfigError, match=r"replay.format='vllm' .*valid choices: jsonl, llama_csv, npy"):
-        load_import(f, "vllm", ImportOptions(num_experts=8))
+    with pytest.raises(ConfigError, match=r"replay.format='parquet' .*valid choices: jsonl, llama_csv, npy, vllm"):
+        load_import(f, "parquet", ImportOptions(num_experts=8))
     with pytest.raises(ConfigError, match=r"r\.jsonl: the number of experts is unknown .*set replay.num_experts"):
         load_import(f, "jsonl", ImportOptions())
     with pytest.raises(ConfigError, match=r"no such file"):
@@ -332,3 +332,116 @@ def test_header_csv_indexed_columns(tmp_path):
     f.write_text("token,layer,note\n0,0,x\n")
     with pytest.raises(ConfigError, match=r"r\.csv, line 1: the header names no experts column"):
         load_import(f, "llama_csv", ImportOptions(num_experts=8))
+
+
+# ---- vLLM --enable-return-routed-experts ---------------------------------------------------------------------
+
+def _vllm_arrays(rng, tokens, layers=3, k=2, experts=8):
+    return np.stack([np.stack([rng.choice(experts, k, replace=False) for _ in range(layers)])
+                     for _ in range(tokens)]).astype(np.int16)
+
+
+def test_vllm_prompt_is_one_prefill_pass_then_decode_steps(tmp_path):
+    rng = np.random.default_rng(0)
+    prompt, gen = _vllm_arrays(rng, 4), _vllm_arrays(rng, 3)  # [tokens, layers, k] int16, as vLLM returns them
+    f = tmp_path / "routes.npz"
+    np.savez(f, prompt_routed_experts=prompt, routed_experts=gen)
+    tr = load_import(f, "vllm", ImportOptions(num_experts=8))
+    # one prefill pass of the 4 prompt tokens (context 4), then 3 decode passes (context 5, 6, 7)
+    assert tr.passes.tolist() == [[0, 4, 4], [1, 1, 5], [1, 1, 6], [1, 1, 7]]
+    # the prefill pass: one call per layer with the 4 tokens' rows, in layer order
+    assert tr.calls[:3].tolist() == [[0, 0, 0, 4], [0, 1, 4, 4], [0, 2, 8, 4]]
+    assert tr.calls[3:].tolist() == [[p, la, 12 + 3 * (p - 1) + la, 1] for p in (1, 2, 3) for la in range(3)]
+    assert tr.index[0:4].tolist() == prompt[:, 0].tolist() and tr.index[8:12].tolist() == prompt[:, 2].tolist()
+    assert tr.index[12:15].tolist() == gen[0].tolist()
+    assert tr.meta["geometry"]["top_k"] == 2 and tr.meta["source"]["format"] == "vllm"
+
+
+def test_vllm_jsonl_and_npz_of_several_requests_agree(tmp_path):
+    import json
+
+    rng = np.random.default_rng(1)
+    reqs = {"a": (_vllm_arrays(rng, 5), _vllm_arrays(rng, 2)), "b": (_vllm_arrays(rng, 3), _vllm_arrays(rng, 4))}
+    j = tmp_path / "routes.jsonl"
+    j.write_text("".join(json.dumps({"request_id": r, "prompt_routed_experts": p.tolist(),
+                                     "routed_experts": g.tolist()}) + "\n" for r, (p, g) in reqs.items()))
+    z = tmp_path / "routes.npz"
+    np.savez(z, **{f"{r}/{f}": a for r, (p, g) in reqs.items() for f, a in (("prompt_routed_experts", p),
+                                                                             ("routed_experts", g))})
+    a, b = load_import(j, "vllm", ImportOptions(num_experts=8)), load_import(z, "vllm", ImportOptions(num_experts=8))
+    assert a.passes.tolist() == b.passes.tolist() == [[0, 5, 5], [1, 1, 6], [1, 1, 7], [0, 3, 3]] + \
+        [[1, 1, 4 + i] for i in range(4)]
+    assert a.index.tolist() == b.index.tolist() and a.calls.tolist() == b.calls.tolist()
+    assert a.meta["source"]["sequences"] == 2
+
+
+@pytest.mark.parametrize("content,match", [
+    ({"routed_experts": [[1, 2], [3, 4]]}, r"line 1: routed_experts of request 0 must be \[tokens, layers, top_k\], got shape \(2, 2\)"),
+    ({"request_id": "x"}, r"line 1: request 'x' has no routing"),
+    ({"routed_experts": [[[1.5, 2.0]]]}, r"must hold integer expert ids, got dtype float64"),
+    ({"routed_experts": [[[1, 2]], [[3]]]}, r"routed_experts of request 0 is not a \[tokens, layers, top_k\] array"),
+])
+def test_vllm_bad_requests_are_named(tmp_path, content, match):
+    import json
+
+    f = tmp_path / "r.jsonl"
+    f.write_text(json.dumps(content) + "\n")
+    with pytest.raises(ConfigError, match=match):
+        load_import(f, "vllm", ImportOptions(num_experts=8))
+
+
+def test_vllm_mismatched_requests_and_stray_arrays(tmp_path):
+    rng = np.random.default_rng(2)
+    z = tmp_path / "r.npz"
+    np.savez(z, **{"a/routed_experts": _vllm_arrays(rng, 2), "b/routed_experts": _vllm_arrays(rng, 2, layers=4)})
+    with pytest.raises(ConfigError, match=r"request 'b' has \[layers, top_k\] = \[4, 2\], the requests before it \[3, 2\]"):
+        load_import(z, "vllm", ImportOptions(num_experts=8))
+    np.savez(z, routed_experts=_vllm_arrays(rng, 2), logits=np.zeros(3))
+    with pytest.raises(ConfigError, match=r"array 'logits' is not one of prompt_routed_experts, routed_experts"):
+        load_import(z, "vllm", ImportOptions(num_experts=8))
+    j = tmp_path / "r.jsonl"
+    j.write_text("\n")
+    with pytest.raises(ConfigError, match=r"empty file, no requests"):
+        load_import(j, "vllm", ImportOptions(num_experts=8))
+
+
+# ---- degenerate captures ---------------------------------------------------------------------------------------
+
+def test_every_token_routed_identically_is_refused(tmp_path):
+    recs = [{"token": t, "layer": la, "experts": [1, 5]} for t in range(16) for la in range(3)]
+    with pytest.raises(ConfigError, match=r"every one of the 16 tokens is routed to the same experts in every layer"):
+        load_import(write_jsonl(tmp_path / "r.jsonl", recs), "jsonl", ImportOptions(num_experts=8))
+    with pytest.warns(UserWarning, match="every one of the 4 tokens"):  # below 16 tokens: a warning and a note
+        tr = load_import(write_jsonl(tmp_path / "r.jsonl", recs[:12]), "jsonl", ImportOptions(num_experts=8))
+    assert any("same experts" in n for n in tr.notes)
+    recs[-1] = {"token": 15, "layer": 2, "experts": [5, 2]}  # one token differs: accepted, no warning
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_import(write_jsonl(tmp_path / "r.jsonl", recs), "jsonl", ImportOptions(num_experts=8))
+
+
+def test_a_layer_absent_from_every_token_is_flagged(tmp_path):
+    recs = [{"token": t, "layer": la, "experts": [t % 8, (t + la + 1) % 8]} for t in range(4) for la in (0, 1, 2, 4, 5)]
+    with pytest.warns(UserWarning, match=r"layer id\(s\) \[3\] absent from every token"):
+        tr = load_import(write_jsonl(tmp_path / "r.jsonl", recs), "jsonl", ImportOptions(num_experts=8))
+    assert tr.meta["geometry"]["layer_ids"] == [0, 1, 2, 4, 5]
+    # a regular stride (every other layer is MoE) is a model, not a gap
+    recs = [{"token": t, "layer": la, "experts": [t % 8, (t + la + 2) % 8]} for t in range(4) for la in (1, 3, 5)]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_import(write_jsonl(tmp_path / "r.jsonl", recs), "jsonl", ImportOptions(num_experts=8))
+
+
+@pytest.mark.parametrize("drop,hint", [
+    (lambda t, la: t == 9 and la == 2, "only sequences' last tokens lack layers"),
+    (lambda t, la: t > 0 and la == 2, "only decode tokens lack layers, the prompts have them all"),
+])
+def test_missing_cells_say_what_the_pattern_suggests(tmp_path, drop, hint):
+    recs = [{"token": t, "layer": la, "experts": [t % 8, (t + la + 1) % 8]} for t in range(10) for la in range(3)
+            if not drop(t, la)]
+    with pytest.raises(ConfigError, match=hint) if "decode" in hint else pytest.warns(UserWarning, match=hint):
+        load_import(write_jsonl(tmp_path / "r.jsonl", recs), "jsonl", ImportOptions(num_experts=8, max_missing=0.05))

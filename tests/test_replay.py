@@ -358,3 +358,35 @@ def test_recorded_trace_key_changes_with_what_decides_routing_only():
     # what the model computes or reads does: a new recording each
     for change in ("eval.limit=3", "eval.tasks=[wikitext]", "trace.depth=2", "model.seed=1", "trace.logits=fp16"):
         assert key(change) != base, change
+
+
+@pytest.mark.parametrize("experiment", ["specmd_fig4", "specmd_fig5", "flashmoe_fig6", "cce_fig9", "cce_fig10"])
+def test_replay_experiments_take_an_imported_trace(tmp_path, experiment):
+    """A user's routing capture reproduces a paper's figure in one line: +experiment=E replay.trace=FILE
+    replay.format=jsonl replay.model=mixtral (the geometry comes from Mixtral's shipped config: no hub)."""
+    import json
+
+    from hydra import compose, initialize_config_dir
+
+    from specmd.app import execute
+    from specmd.models.loader import shipped_geometry
+    from test_configs import CONF
+
+    rng = random.Random(3)
+    path = tmp_path / "routes.jsonl"
+    with open(path, "w") as f:
+        for tok in range(6):
+            for layer in range(32):
+                f.write(json.dumps({"token": tok, "layer": layer, "experts": rng.sample(range(8), 2)}) + "\n")
+    over = [f"+experiment={experiment}", f"replay.trace={path}", "replay.format=jsonl", "replay.model=mixtral"]
+    if experiment == "flashmoe_fig6":
+        over.append("eviction=lru")  # eviction=ml needs networks of a 32-layer model: eviction.weights=FILE
+    if experiment == "cce_fig10":
+        over.append("hardware.experts_per_layer=4")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        res = execute(compose(config_name="config", overrides=over), run_dir=tmp_path / "run")
+    assert res["replay"]["format"] == "jsonl" and res["replay"]["passes"] == 6
+    decode_only = experiment == "flashmoe_fig6"  # stack.measure=decode: the first token is the prefill
+    assert res["cache"]["requests"] == (5 if decode_only else 6) * 32 * 2
+    geom = shipped_geometry("mixtral")
+    assert res["cache"]["capacity_bytes"] > 0 and geom.expert_bytes > 100e6  # Mixtral's expert size, not 1 byte

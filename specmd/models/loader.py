@@ -110,6 +110,9 @@ def model_geometry(cfg: ModelConfig):
 
         path = resolve_pretrained(cfg.pretrained)
         if not _is_local(path):
+            shipped = shipped_config_of(path) if cfg.revision is None else None
+            if shipped is not None:  # the architecture fields ship with specmd: no hub needed
+                return shipped_geometry(shipped, cfg.dtype)
             require_hub_for(f"the geometry of model.pretrained={path}", path)
         config = AutoConfig.from_pretrained(path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     return _meta_geometry(config, cfg.family, cfg.dtype, cfg.trust_remote_code)
@@ -142,6 +145,17 @@ def shipped_geometry(name: str, dtype: str = "bfloat16"):
     fields = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
     family = fields.pop("model_type")
     return _meta_geometry(AutoConfig.for_model(family, **fields), family, dtype)
+
+
+def shipped_config_of(repo: str) -> Optional[str]:
+    """The name of the shipped config (``specmd/assets/configs/<name>.json``) taken from hub checkpoint
+    ``repo`` (its ``_source`` field starts with the repo id), or None."""
+    import json
+
+    for path in sorted(SHIPPED_CONFIGS.glob("*.json")):
+        if json.loads(path.read_text()).get("_source", "").split(" ")[0] == repo:
+            return path.stem
+    return None
 
 
 def local_checkpoint(pretrained: str) -> Optional[str]:

@@ -25,9 +25,10 @@ from ..engine import Engine, GateRecord, Geometry, Scoring
 from ..engine.record import NoLogits
 from ..errors import ConfigError
 from .future import Future
+from .imports import FORMATS as IMPORT_FORMATS
 from .trace import KINDS, Trace, read_trace
 
-FORMATS = ("specmd", "jsonl", "llama_csv", "npy")
+FORMATS = ("specmd", *IMPORT_FORMATS)
 
 
 @dataclass

@@ -43,7 +43,18 @@
 ``npy``
     A plain integer array ``[tokens, layers, k]``: one sequence, decode order, MoE layers ``0..L-1``.
 
-Semantics (all formats): every (sequence, token) becomes one one-token forward pass, kind 0 (prefill) for
+``vllm``
+    The routing stock vLLM returns with ``--enable-return-routed-experts``: per request,
+    ``prompt_routed_experts`` (the prompt's tokens) and ``routed_experts`` (the generated tokens the model
+    ran), each an integer array ``[tokens, MoE layers, top_k]`` (int16 in vLLM). Two containers: a ``.npz``
+    holding ``prompt_routed_experts`` / ``routed_experts`` for one request, or ``<request>/prompt_routed_experts``
+    and ``<request>/routed_experts`` for several (``np.savez(f, **arrays)``); or JSON Lines, one object per
+    request with ``request_id`` (optional) and the two fields as nested lists (``.tolist()`` of the arrays).
+    Either field may be absent (a prompt-only or decode-only capture), not both. Unlike the per-token formats
+    the prompt is **one prefill pass** of its tokens, as vLLM ran it (a chunked prefill is still replayed as
+    one pass), followed by one decode pass per generated token; context counts the prompt.
+
+Semantics (all formats but ``vllm``'s prompt): every (sequence, token) becomes one one-token forward pass, kind 0 (prefill) for
 the first token of its sequence and 1 (decode) for the others, context = the token's ordinal within its
 sequence + 1 (the tokens present, so a capture starting at position 100 still has context 1 for its first
 token; a note says so). Passes are ordered by sequence (first appearance in the file), then token
@@ -53,6 +64,13 @@ A (sequence, token) lacking a layer that others have is a missing cell: up to ``
 of all cells they are skipped (the pass has fewer calls) with a note in ``Trace.notes`` and a warning;
 above it a :class:`~specmd.errors.ConfigError`. Every input error is a ``ConfigError`` naming the file and
 the line (or record) number.
+
+Degenerate captures (all formats) are flagged before anything replays, with what looks wrong: every token
+of the file routed identically in every layer (a logging hook that wrote one buffer over and over: an
+error from 16 tokens on, a warning below); a layer id absent from every token (a gap in the ids: a layer
+the hook never saw); decode tokens lacking layers that prompt tokens have (hooks skipped under CUDA-graph
+replay: capture with ``enforce_eager=True``) and sequences whose last token lacks layers (a capture that
+stopped mid-forward), both named in the missing-cells note or error.
 """
 
 from __future__ import annotations
@@ -70,7 +88,8 @@ import numpy as np
 from ..errors import ConfigError
 from .trace import FORMAT, VERSION, Trace, index_dtype
 
-FORMATS = ("jsonl", "llama_csv", "npy")
+FORMATS = ("jsonl", "llama_csv", "npy", "vllm")
+IDENTICAL_ERROR = 16  # tokens all routed identically from which an import is refused
 
 SEQ_KEYS = ("seq", "sequence", "seq_id", "request_id")
 TOKEN_KEYS = ("token", "pos", "position", "token_idx")
@@ -106,6 +125,7 @@ class _Records:
     path: str = ""
     tok_names: Optional[np.ndarray] = None  # record -> token label for messages (default ``tok``)
     token_order: str = "position"  # or "appearance"
+    prompt_len: Optional[np.ndarray] = None  # sequence ordinal -> its first tokens that form one prefill pass
 
     def where(self, i: int) -> str:
         return f"{self.path}, {self.loc(i)}"
@@ -125,6 +145,8 @@ def load_import(path, fmt: str, opts: Optional[ImportOptions] = None) -> Trace:
         rec = _parse_jsonl(path, opts)
     elif fmt == "llama_csv":
         rec = _parse_csv(path, notes)
+    elif fmt == "vllm":
+        rec = _parse_vllm(path)
     else:
         rec = _parse_npy(path)
     return _build(rec, fmt, path, opts, notes)
@@ -612,6 +634,112 @@ def _parse_npy(path: Path) -> _Records:
     )
 
 
+# ------------------------------------------------------------------------------------------------- vllm
+
+VLLM_FIELDS = ("prompt_routed_experts", "routed_experts")
+
+
+def _vllm_array(path: Path, where: str, name, field: str, value) -> Optional[np.ndarray]:
+    """One request's field as an integer array [tokens, layers, k] (None when absent or empty)."""
+    if value is None:
+        return None
+    try:
+        a = np.asarray(value)
+    except ValueError as e:  # ragged nested lists
+        raise ConfigError(f"{path}, {where}: {field} of request {name!r} is not a [tokens, layers, top_k] array ({e})") from None
+    if a.size == 0:
+        return None
+    if a.ndim != 3:
+        raise ConfigError(f"{path}, {where}: {field} of request {name!r} must be [tokens, layers, top_k], got shape "
+                          f"{a.shape}")
+    if a.dtype.kind not in "iu":
+        raise ConfigError(f"{path}, {where}: {field} of request {name!r} must hold integer expert ids, got dtype {a.dtype}")
+    return a
+
+
+def _vllm_requests(path: Path) -> list:
+    """[(request name, prompt array or None, generated array or None, where)] in file order."""
+    out = []
+    if path.suffix == ".npz":
+        try:
+            z = np.load(path, allow_pickle=False)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is a user error here
+            raise ConfigError(f"{path}: not a readable .npz archive ({e})") from None
+        groups: dict = {}
+        with z:
+            for key in z.files:
+                req, _, field = key.rpartition("/")
+                if field not in VLLM_FIELDS:
+                    raise ConfigError(f"{path}: array {key!r} is not one of {', '.join(VLLM_FIELDS)} (optionally "
+                                      f"prefixed '<request>/')")
+                groups.setdefault(req, {})[field] = z[key]
+        for req, g in groups.items():
+            where = f"arrays {req + '/' if req else ''}*"
+            out.append((req or 0, *(_vllm_array(path, where, req or 0, f, g.get(f)) for f in VLLM_FIELDS), where))
+        return out
+    loads = _json_loads()
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = loads(line)
+            except Exception as e:  # noqa: BLE001
+                raise ConfigError(f"{path}, line {n}: not valid JSON ({e})") from None
+            if not isinstance(d, dict):
+                raise ConfigError(f"{path}, line {n}: expected one JSON object per request, got {type(d).__name__}")
+            name = d.get("request_id", len(out))
+            where = f"line {n}"
+            out.append((name, *(_vllm_array(path, where, name, f, d.get(f)) for f in VLLM_FIELDS), where))
+    return out
+
+
+def _parse_vllm(path: Path) -> _Records:
+    requests = _vllm_requests(path)
+    if not requests:
+        raise ConfigError(f"{path}: empty file, no requests")
+    shape = None
+    parts, seqs, prompt_len, names, locs = [], [], [], [], []
+    for i, (name, prompt, gen, where) in enumerate(requests):
+        if prompt is None and gen is None:
+            raise ConfigError(f"{path}, {where}: request {name!r} has no routing (neither {' nor '.join(VLLM_FIELDS)})")
+        for field, a in zip(VLLM_FIELDS, (prompt, gen)):
+            if a is None:
+                continue
+            if shape is None:
+                shape = a.shape[1:]
+            elif a.shape[1:] != shape:
+                raise ConfigError(f"{path}, {where}: {field} of request {name!r} has [layers, top_k] = "
+                                  f"{list(a.shape[1:])}, the requests before it {list(shape)}")
+        both = np.concatenate([a for a in (prompt, gen) if a is not None]).astype(np.int64)
+        parts.append(both)
+        seqs.append(np.full(len(both), i, dtype=np.int64))
+        prompt_len.append(0 if prompt is None else len(prompt))
+        names.append(name)
+        locs.append(where)
+    L, k = shape
+    if k == 0:
+        raise ConfigError(f"{path}: empty expert lists (top_k = 0)")
+    tokens = np.concatenate(parts)  # [T, L, k]
+    seq_of_token = np.concatenate(seqs)
+    first = np.concatenate(([0], np.cumsum([len(x) for x in parts])))[:-1]
+    tok = np.arange(len(tokens), dtype=np.int64) - first[seq_of_token]
+    pl = np.asarray(prompt_len, dtype=np.int64)
+
+    def loc(r: int) -> str:
+        t, layer = divmod(r, L)
+        q = int(seq_of_token[t])
+        pos = int(tok[t])
+        part = "prompt" if pos < pl[q] else "generated"
+        return f"{locs[q]}: request {names[q]!r} token {pos} ({part}) layer {layer}"
+
+    return _Records(
+        seq=np.repeat(seq_of_token, L), tok=np.repeat(tok, L), layer=np.tile(np.arange(L, dtype=np.int64), len(tokens)),
+        experts=tokens.reshape(-1, k), weights=None, logits=None, loc=loc, path=str(path), seq_names=names,
+        prompt_len=pl,
+    )
+
+
 # ------------------------------------------------------------------------------------------------ build
 
 def _num_experts(rec: _Records, path: Path, opts: ImportOptions) -> int:
@@ -682,16 +810,26 @@ def _build(rec: _Records, fmt: str, path: Path, opts: ImportOptions, notes: list
     seq_start = np.flatnonzero(np.concatenate(([True], cell_seq[1:] != cell_seq[:-1])))
     first_cell_of_seq = np.repeat(seq_start, np.diff(np.append(seq_start, P)))
     rank = np.arange(P) - first_cell_of_seq
-    passes = np.empty((P, 3), dtype=np.int64)
-    passes[:, 0] = (rank > 0).astype(np.int64)
-    passes[:, 1] = 1
-    passes[:, 2] = rank + 1
+    # passes: one per token, except a sequence's prompt (rec.prompt_len) which is one prefill pass
+    starts = np.ones(P, dtype=bool)
+    if rec.prompt_len is not None:
+        starts = ~((rank < rec.prompt_len[cell_seq]) & (rank > 0))
+    cell_pass = np.cumsum(starts) - 1
+    pass_first = np.flatnonzero(starts)
+    pass_tokens = np.diff(np.append(pass_first, P))
+    passes = np.empty((len(pass_first), 3), dtype=np.int64)
+    passes[:, 0] = (rank[pass_first] > 0).astype(np.int64)
+    passes[:, 1] = pass_tokens
+    passes[:, 2] = rank[pass_first] + pass_tokens
+
+    _check_degenerate(rec, order, lo, cell_start, layer_ids, path, notes)
 
     # missing (token, layer) cells
     n_missing = P * L - R
     if n_missing:
         counts = np.diff(np.append(cell_start, R))
         short = np.flatnonzero(counts < L)
+        hint = _missing_hint(short, rank, counts, seq_start, P)
         listed = []
         for c in short:
             present = set(lo[cell_start[c]:cell_start[c] + counts[c]].tolist())
@@ -707,9 +845,9 @@ def _build(rec: _Records, fmt: str, path: Path, opts: ImportOptions, notes: list
         frac = n_missing / (P * L)
         if frac > opts.max_missing:
             raise ConfigError(f"{path}: {n_missing} of {P * L} (token, layer) cells are missing ({frac:.2%}, above "
-                              f"replay.max_missing={opts.max_missing}): {', '.join(listed)}{more}")
+                              f"replay.max_missing={opts.max_missing}): {', '.join(listed)}{more}{hint}")
         msg = (f"skipped {n_missing} missing (token, layer) cell{'s' if n_missing != 1 else ''}: "
-               f"{', '.join(listed)}{more} ({frac:.2%} of {P * L} cells; replay.max_missing={opts.max_missing})")
+               f"{', '.join(listed)}{more} ({frac:.2%} of {P * L} cells; replay.max_missing={opts.max_missing}){hint}")
         notes.append(msg)
         warnings.warn(f"{path}: {msg}", stacklevel=3)
 
@@ -725,15 +863,20 @@ def _build(rec: _Records, fmt: str, path: Path, opts: ImportOptions, notes: list
                          f"{int(last_tok[q])} for {int(n_tok[q])} tokens); passes follow the tokens present and "
                          f"context counts them (ordinal + 1)")
 
+    # rows in (pass, layer, token) order: a layer call of a multi-token pass is one contiguous block of rows
+    rpass = cell_pass[cell]
+    regroup = np.lexsort((t, lo, rpass))
+    order, rpass, lo = order[regroup], rpass[regroup], lo[regroup]
     idt = index_dtype(E)
     index = np.ascontiguousarray(rec.experts[order].astype(idt))
     weights = None if rec.weights is None else np.ascontiguousarray(rec.weights[order].astype(np.float16))
     logits = None if rec.logits is None else np.ascontiguousarray(rec.logits[order].astype(np.float32))
-    calls = np.empty((R, 4), dtype=np.int64)
-    calls[:, 0] = cell
-    calls[:, 1] = lo
-    calls[:, 2] = np.arange(R)
-    calls[:, 3] = 1
+    call_first = np.flatnonzero(np.concatenate(([True], (rpass[1:] != rpass[:-1]) | (lo[1:] != lo[:-1]))))
+    calls = np.empty((len(call_first), 4), dtype=np.int64)
+    calls[:, 0] = rpass[call_first]
+    calls[:, 1] = lo[call_first]
+    calls[:, 2] = call_first
+    calls[:, 3] = np.diff(np.append(call_first, R))
 
     if opts.expert_bytes:
         expert_bytes = int(opts.expert_bytes)
@@ -760,6 +903,50 @@ def _build(rec: _Records, fmt: str, path: Path, opts: ImportOptions, notes: list
     }
     return Trace(meta=meta, passes=passes, calls=calls, index=index, weights=weights, logits=logits,
                  signal_index=None, signal_logits=None, path=str(path), notes=notes)
+
+
+def _check_degenerate(rec: _Records, order, lo, cell_start, layer_ids, path: Path, notes: list) -> None:
+    """Flag captures whose routing cannot be a model's (see the module docstring)."""
+    P = len(cell_start)
+    if P >= 2:
+        ex = np.sort(rec.experts[order], axis=1)  # records in (sequence, token, layer) order
+        _, firsts = np.unique(lo, return_index=True)  # each layer's first record
+        if (ex == ex[firsts][lo]).all():
+            msg = (f"every one of the {P} tokens is routed to the same experts in every layer (layer "
+                   f"{int(layer_ids[0])}: {ex[firsts[0]].tolist()}): not a model's routing; a logging hook that "
+                   f"wrote one buffer for every token?")
+            if P >= IDENTICAL_ERROR:
+                raise ConfigError(f"{path}: {msg}")
+            notes.append(msg)
+            warnings.warn(f"{path}: {msg}", stacklevel=4)
+    if len(layer_ids) > 2:
+        steps = np.diff(layer_ids)
+        stride = int(np.bincount(steps).argmax())
+        if (steps != stride).any():
+            expect = np.arange(int(layer_ids[0]), int(layer_ids[-1]) + 1, stride)
+            absent = sorted(set(expect.tolist()) - set(layer_ids.tolist()))
+            msg = (f"layer id(s) {absent[:LIST_SHOWN]} absent from every token (ids {int(layer_ids[0])}.."
+                   f"{int(layer_ids[-1])}, step {stride}): a layer the capture never saw (a hook not registered "
+                   f"there, or skipped under CUDA-graph replay)? Replay treats the {len(layer_ids)} layers present "
+                   f"as the model's MoE layers")
+            notes.append(msg)
+            warnings.warn(f"{path}: {msg}", stacklevel=4)
+
+
+def _missing_hint(short, rank, counts, seq_start, P: int) -> str:
+    """What the pattern of missing cells suggests (appended to the missing-cells note or error)."""
+    if not len(short):
+        return ""
+    seq_last = np.append(seq_start[1:], P) - 1
+    if np.isin(short, seq_last).all():
+        return ("; only sequences' last tokens lack layers: a capture that stopped before the last forward pass "
+                "finished?")
+    prompt_complete = (counts[rank == 0] == counts.max()).all()
+    decode = int((rank > 0).sum())
+    if (rank[short] > 0).all() and prompt_complete and 2 * len(short) >= decode:  # most decode tokens, systematically
+        return ("; only decode tokens lack layers, the prompts have them all: hooks skipped under CUDA-graph replay? "
+                "(capture with enforce_eager=True)")
+    return ""
 
 
 def _cell_name(rec: _Records, r: int, layer_id) -> str:

@@ -177,7 +177,7 @@ def read_trace(path) -> Trace:
     meta_path = path / "meta.json"
     if not meta_path.is_file():
         raise ConfigError(f"replay.trace={str(path)!r} is not a specmd trace directory (no meta.json); for other "
-                          f"files set replay.format (jsonl, llama_csv, npy)")
+                          f"files set replay.format (jsonl, llama_csv, npy, vllm)")
     try:
         meta = json.loads(meta_path.read_text())
     except ValueError as exc:
