@@ -55,7 +55,8 @@ def _hydra_main(cfg: DictConfig):
 
 def main() -> None:
     """``specmd [overrides]`` runs like ``python -m specmd``; ``specmd mrc ...`` computes miss-ratio curves;
-    ``specmd report ...`` writes the tables and figures of sweeps (:mod:`specmd.report`)."""
+    ``specmd report ...`` writes the tables and figures of sweeps (:mod:`specmd.report`); ``specmd tune ...``
+    finds the best stack under a quality budget (:mod:`specmd.tune`)."""
     if len(sys.argv) > 1 and sys.argv[1] == "mrc":
         from .replay.mrc import main as mrc
 
@@ -68,6 +69,10 @@ def main() -> None:
         from .calibrate import main as calibrate
 
         sys.exit(calibrate(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "tune":
+        from .tune import main as tune
+
+        sys.exit(tune(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "status":
         from .report.status import main as status
 

@@ -1,0 +1,84 @@
+"""specmd tune: the search space, the Pareto front, the options' errors, and a whole run whose winner meets
+its quality budget when re-run live."""
+
+import json
+
+import pytest
+
+from specmd.errors import ConfigError
+from specmd.tune import SPACE, Options, candidates, draw, lossless, parse, pareto
+
+
+def test_pareto_front_hand_worked():
+    rows = [{"objective": 1.0, "loss": 0.00}, {"objective": 0.8, "loss": 0.02}, {"objective": 0.9, "loss": 0.03},
+            {"objective": 0.8, "loss": 0.02}, {"objective": 0.7, "loss": 0.10}, {"objective": 1.1, "loss": 0.0}]
+    # lower objective is better (TPOT): (0.9, 0.03) is beaten by (0.8, 0.02); (1.1, 0) by (1.0, 0)
+    front = pareto(rows, min)
+    assert [(r["objective"], r["loss"]) for r in front] == [(1.0, 0.0), (0.8, 0.02), (0.8, 0.02), (0.7, 0.10)]
+    # higher is better (hit rate): (1.1, 0) beats everything with loss >= 0
+    assert [(r["objective"], r["loss"]) for r in pareto(rows, max)] == [(1.1, 0.0)]
+
+
+def test_space_restrictions_and_draws_are_deterministic():
+    opts = Options(choices={"eviction": ["lru", "least_stale"], "routing": ["standard"], "miss": ["fetch", "drop"],
+                            "prefetch": ["none"]}, capacities=[0.05, 0.1])
+    space = candidates(opts, 0.25)
+    assert len(space) == 2 * 1 * 3 * 1 * 2  # eviction x routing x miss (fetch, drop J=1, drop J=2) x prefetch x caps
+    assert all(s[-1] in ("hardware.capacity=0.05", "hardware.capacity=0.1") for s in space)
+    assert sum(lossless(s) for s in space) == 2 * 2
+    a, b = draw(Options(trials=5), space, ("own",)), draw(Options(trials=5), space, ("own",))
+    assert a == b and a[0] == ("own",) and len(set(a)) == 5
+    assert len(candidates(Options(), 0.05)) == 9 * 7 * 7 * 7  # the whole default space at one capacity
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["tune.objective=speed"], "tune.objective='speed'; valid choices: tpot, hit_rate"),
+    (["tune.budget=nan"], r"tune.budget=nan must be a finite number >= 0"),
+    (["tune.budget=-0.1"], r"tune.budget=-0.1 must be a finite number >= 0"),
+    (["tune.trials=0"], r"tune.trials=0 must be >= 1"),
+    (["tune.capacities=[0.05,2]"], r"tune.capacities: 2.0 must be a fraction in \(0, 1\]"),
+    (["tune.eviction=[lru,belady]"], r"tune.eviction=\['lru', 'belady'\]: \['belady'\]; valid choices: lru, lfu"),
+    (["tune.lambda=0.3"], "tune.lambda: unknown option; valid: objective, budget"),
+    (["tune.trials=many"], "'many' is not a valid value for tune.trials"),
+    (["eviction=lru"], r"tune searches eviction; restrict it with tune.eviction=\[...\] instead"),
+])
+def test_bad_options_are_named(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        parse(argv)
+
+
+def test_parse_keeps_the_base_overrides():
+    opts, rest = parse(["model=tiny", "tune.objective=hit_rate", "tune.eviction=[lru,fld]", "hardware.capacity=0.1"])
+    assert rest == ["model=tiny", "hardware.capacity=0.1"]
+    assert opts.objective == "hit_rate" and opts.choices == {"eviction": ["lru", "fld"]}
+    assert set(SPACE) == {"routing", "miss", "eviction", "prefetch"}
+
+
+def test_tune_on_the_tiny_model_finds_a_stack_within_budget_that_reruns_live(tmp_path, mirror):
+    from hydra import compose, initialize_config_dir
+    from rich.console import Console
+
+    from specmd import CONF_DIR
+    from specmd.app import execute
+    from specmd.tune import tune
+
+    opts, base = parse(["model=tiny", "threads=1", f"replay.cache={tmp_path / 'traces'}", "tune.trials=8",
+                        "tune.finalists=2", "tune.budget=0.01", f"tune.out={tmp_path / 'tune'}",
+                        "tune.token_by_token=false"])
+    s = tune(opts, base, Console(width=200))
+    saved = json.loads((tmp_path / "tune" / "tune.json").read_text())
+    assert saved["trials"] + saved["skipped"] == 8 and (tmp_path / "tune" / "trials.csv").is_file()
+    assert any(r["lossless"] for r in saved["finalists"])  # the best lossless stack is always a finalist
+    for r in saved["finalists"]:
+        if r["lossless"]:
+            assert r["loss"] == 0.0  # bit-identical to the unhooked model
+    w = s["winner"]
+    assert w is not None and w["loss"] <= 0.01
+    assert w["stack"] in [p["stack"] for p in s["pareto"]]  # the best within budget is never dominated
+    # re-run the winner live, as the printed quality command does: the same perplexity, within the budget
+    over = s["quality_command"].split()[3:]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        res = execute(compose(config_name="config", overrides=over), run_dir=str(tmp_path / "rerun"))
+    ppl = res["tasks"]["wikitext"]["word_perplexity"]
+    assert ppl == pytest.approx(w["perplexity"], rel=1e-9)
+    assert ppl / s["unhooked_perplexity"] - 1 <= 0.01
