@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
+from .replay.mrc import split_list
 
 # group -> choice -> list of parameter overrides (each a tuple of "key=value" strings)
 SPACE = {
@@ -96,13 +97,6 @@ class Options:
                 raise ConfigError(f"tune.{group}={names}: {bad or 'empty'}; valid choices: {', '.join(SPACE[group])}")
 
 
-def _split(value: str) -> list[str]:
-    value = value.strip()
-    if value.startswith("[") and value.endswith("]"):
-        value = value[1:-1]
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
 def parse(argv: list[str]) -> tuple[Options, list[str]]:
     """``tune.*`` options and the base configuration's overrides."""
     opts, rest = Options(), []
@@ -120,9 +114,9 @@ def parse(argv: list[str]) -> tuple[Options, list[str]]:
             raise ConfigError(f"{arg!r}: expected tune.<option>=<value>")
         try:
             if name in SPACE:
-                opts.choices[name] = _split(value)
+                opts.choices[name] = split_list(value)
             elif name == "capacities":
-                opts.capacities = [float(v) for v in _split(value)]
+                opts.capacities = [float(v) for v in split_list(value)]
             elif name in ("objective", "quality_task", "out"):
                 setattr(opts, name, value)
             elif name in ("trials", "finalists", "seed", "quality_limit"):

@@ -19,7 +19,7 @@ from pathlib import Path
 DEFAULT_CAPACITIES = [0.01, 0.02, 0.03, 0.05, 0.08, 0.12, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0]
 
 
-def _split(value: str) -> list[str]:
+def split_list(value: str) -> list[str]:
     value = value.strip()
     if value.startswith("[") and value.endswith("]"):
         value = value[1:-1]
@@ -31,9 +31,9 @@ def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str]]:
     for arg in argv:
         key, _, value = arg.partition("=")
         if key == "eviction":
-            policies = _split(value)
+            policies = split_list(value)
         elif key == "mrc.capacities":
-            caps = [float(v) for v in _split(value)]
+            caps = [float(v) for v in split_list(value)]
         elif key == "mrc.out":
             out = value
         else:
