@@ -198,13 +198,16 @@ def tune(opts: Options, base: list[str], console) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     kind, metric, better = OBJECTIVES[opts.objective]
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        raw = OmegaConf.to_container(compose(config_name="config", overrides=base), resolve=False)
+        if raw["hardware"].get("experts_per_layer") is not None:
+            raise ConfigError("specmd tune varies hardware.capacity; drop hardware.experts_per_layer="
+                              f"{raw['hardware']['experts_per_layer']}")
         # 1. record the routing once (or take the trace given)
         given = any(a.startswith("replay.trace=") and a.split("=", 1)[1] not in ("null", "record") for a in base)
         base_run = Run(compose(config_name="config", overrides=[*base, *([] if given else ["replay.trace=record"])]))
         trace_path = base_run.replay.trace if given else recorded_trace(base_run)
         replay_over = [*(a for a in base if not a.startswith("replay.trace=")), f"replay.trace={trace_path}"]
         trace = open_trace(Run(compose(config_name="config", overrides=replay_over)).replay)
-        raw = OmegaConf.to_container(compose(config_name="config", overrides=base), resolve=False)
         own = tuple(f"{g}={raw[g]['name']}" for g in SPACE) + (f"hardware.capacity={raw['hardware']['capacity']}",)
         space = candidates(opts, float(raw["hardware"]["capacity"]))
 

@@ -82,3 +82,15 @@ def test_tune_on_the_tiny_model_finds_a_stack_within_budget_that_reruns_live(tmp
     ppl = res["tasks"]["wikitext"]["word_perplexity"]
     assert ppl == pytest.approx(w["perplexity"], rel=1e-9)
     assert ppl / s["unhooked_perplexity"] - 1 <= 0.01
+
+
+def test_tune_refuses_a_fixed_slot_count_before_recording(tmp_path):
+    from rich.console import Console
+
+    from specmd.tune import tune
+
+    opts, base = parse(["model=tiny", "hardware.experts_per_layer=4", f"replay.cache={tmp_path / 'traces'}",
+                        f"tune.out={tmp_path / 'tune'}"])
+    with pytest.raises(ConfigError, match="specmd tune varies hardware.capacity; drop hardware.experts_per_layer=4"):
+        tune(opts, base, Console())
+    assert not (tmp_path / "traces").exists()  # nothing recorded
