@@ -1,7 +1,7 @@
 """``specmd tune``: the best policy stack under a quality budget.
 
     specmd tune [overrides] [tune.objective=tpot|hit_rate] [tune.budget=0.01] [tune.trials=48]
-                [tune.finalists=4] [tune.capacities=[0.05,0.1]] [tune.eviction=[lru,least_stale]] ...
+                [tune.finalists=6] [tune.capacities=[0.05,0.1]] [tune.eviction=[lru,least_stale]] ...
 
 What it does, in numbered steps (each writes what it computed into ``tune.out``, so nothing is lost if a
 later step fails):
@@ -13,15 +13,18 @@ later step fails):
    scored by ``tune.objective``: simulated ``tpot`` (s per decode token, lower is better) or ``hit_rate``
    (higher is better). Trials the trace cannot replay (e.g. a signal it did not record) are listed, not
    dropped silently. -> ``trials.csv``.
-3. **Finalists**: the ``tune.finalists`` best trials, plus the best *lossless* one (standard routing, every
-   miss fetched at the stored precision: bit-identical to the unhooked model, so at least one finalist
-   meets any budget).
-4. **Quality, live, for the finalists only**: each finalist and the unhooked model run live on
-   ``tune.quality_task`` (WikiText word perplexity, ``tune.quality_limit`` documents, scored token by token
-   as Cache-Conditional Experts does, so every token sees the cache: ``tune.token_by_token=false`` scores
-   whole windows, where a cache-conditional router sees a cache full of the window's own experts); the
-   quality loss is ``ppl / ppl_unhooked - 1``. -> ``finalists.csv`` and each run's directory under ``finalists/``.
-5. **Pareto front and winner**: the finalists no other finalist beats on both objective and loss are
+3. **Quality, live, for the finalists only**: the unhooked model and then the trials in order of the
+   objective run live on ``tune.quality_task`` (WikiText word perplexity, ``tune.quality_limit`` documents,
+   scored token by token as Cache-Conditional Experts does, so every token sees the cache;
+   ``tune.token_by_token=false`` scores whole windows, where a cache-conditional router sees a cache full
+   of the window's own experts); the quality loss is ``ppl / ppl_unhooked - 1``. The search stops at the
+   first stack within budget (every later one is slower) or at a lossless one (standard routing, every miss
+   fetched at the stored precision: bit-identical to the unhooked model); a stack over budget rules out the
+   untried ones at least as lossy (same routing and miss policy, every knob as aggressive or more, a cache
+   no larger: an assumption that quality falls monotonically with each), so the next live run goes to a
+   gentler setting. At most ``tune.finalists`` live runs, then the best lossless stack as the fallback.
+   -> ``finalists.csv`` and each run's directory under ``finalists/``.
+4. **Pareto front and winner**: the finalists no other finalist beats on both objective and loss are
    printed; the winner is the best objective whose loss is within ``tune.budget`` (a fraction: 0.01 = 1 %
    perplexity), with the command line that re-runs it. -> ``tune.json``.
 
@@ -32,7 +35,7 @@ lambda per cache size under a perplexity budget, Fig. 10); miss ``fetch``, ``dro
 ``least_stale``, ``fld``, ``score``, ``arc``, ``lecar``; prefetch ``none``, ``topk`` (overfetch 1/1.5/2) or
 ``score`` (percentile 70/80/90). Oracles (``belady``, ``oracle``) are not candidates: no real system has
 them. Replay of a stack that changes routing or drops experts is not exact (the hidden states differ
-after the first changed layer); the live runs of step 4 measure what the finalists really cost in quality.
+after the first changed layer); the live runs of step 3 measure what the finalists really cost in quality.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ class Options:
     objective: str = "tpot"
     budget: float = 0.01
     trials: int = 48
-    finalists: int = 4
+    finalists: int = 6
     seed: int = 0
     capacities: list = field(default_factory=list)  # empty: the base configuration's hardware.capacity
     quality_task: str = "wikitext"
@@ -151,7 +154,23 @@ def candidates(opts: Options, base_capacity: float) -> list[tuple[str, ...]]:
 
 def lossless(stack: tuple[str, ...]) -> bool:
     """Standard routing and every miss fetched at the stored precision: outputs equal the unhooked model's."""
-    return "routing=standard" in stack and "miss=fetch" in stack
+    return ("routing=standard" in stack and "miss=fetch" in stack
+            and all(a == "miss.precision=native" for a in stack if a.startswith("miss.precision=")))
+
+
+def own_stack(raw: dict) -> tuple[str, ...]:
+    """The base configuration's stack as overrides, with the parameters the space varies for its choices."""
+    out = []
+    for group, choices in SPACE.items():
+        cfg = raw[group]
+        out.append(f"{group}={cfg['name']}")
+        for arg in (choices.get(cfg["name"]) or [()])[0]:
+            key = arg.split("=", 1)[0]
+            out.append(f"{key}={cfg[key.split('.', 1)[1]]}")
+        if group == "miss" and cfg.get("precision", "native") != "native":
+            out.append(f"miss.precision={cfg['precision']}")
+    out.append(f"hardware.capacity={raw['hardware']['capacity']}")
+    return tuple(out)
 
 
 def draw(opts: Options, space: list, base: tuple) -> list[tuple[str, ...]]:
@@ -169,6 +188,50 @@ def pareto(rows: list[dict], better) -> list[dict]:
         return ge and (a["objective"] != b["objective"] or a["loss"] < b["loss"])
 
     return [r for r in rows if not any(dominates(o, r) for o in rows if o is not r)]
+
+
+def lossiness(stack: tuple[str, ...]) -> tuple:
+    """(routing, miss, knobs, capacity) of a stack, each knob oriented so that larger is lossier: the cache
+    prior's lambda and -J, drop's -J, substitute's alpha."""
+    d = dict(a.split("=", 1) for a in stack)
+    knobs = []
+    if d["routing"] == "cache_prior":
+        knobs += [float(d["routing.lambda"]), -float(d["routing.J"])]
+    if d["miss"] == "drop":
+        knobs.append(-float(d["miss.J"]))
+    elif d["miss"] == "substitute":
+        knobs.append(float(d["miss.alpha"]))
+    return d["routing"], d["miss"], tuple(knobs), float(d["hardware.capacity"])
+
+
+def at_least_as_lossy(b: tuple, a: tuple) -> bool:
+    """Stack b (a :func:`lossiness`) loses at least as much quality as a: same routing and miss policy, every
+    knob at least as lossy, a cache no larger (more misses to drop, substitute or route around)."""
+    return b[:2] == a[:2] and all(x >= y for x, y in zip(b[2], a[2])) and b[3] <= a[3]
+
+
+def select_finalists(ranked: list[dict], loss_of, opts: Options) -> list[dict]:
+    """Measure quality live (``loss_of(trial, i)``) in order of the objective, at most ``tune.finalists`` runs:
+    a lossless stack needs no budget (it is bit-identical to the unhooked model) and ends the search, as does
+    the first lossy one within budget (everything after it is slower); a lossy one over budget rules out the
+    stacks at least as lossy (:func:`at_least_as_lossy`, an assumption: quality falls monotonically with
+    each knob and with the cache size), so the next live run goes to a gentler setting. The best lossless
+    stack is measured last if the search ran out of runs first."""
+    rows, failed = [], []
+    for t in ranked:
+        if len(rows) >= opts.finalists:
+            break
+        lz = lossiness(t["stack"])
+        if not t["lossless"] and any(at_least_as_lossy(lz, f) for f in failed):
+            continue
+        rows.append({**t, "stack": " ".join(t["stack"]), "loss": loss_of(t, len(rows))})
+        if t["lossless"] or rows[-1]["loss"] <= opts.budget + 1e-12:
+            return rows
+        failed.append(lz)
+    best_lossless = next((t for t in ranked if t["lossless"]), None)
+    if best_lossless is not None:
+        rows.append({**best_lossless, "stack": " ".join(best_lossless["stack"]), "loss": loss_of(best_lossless, len(rows))})
+    return rows
 
 
 def main(argv=None) -> int:
@@ -208,7 +271,7 @@ def tune(opts: Options, base: list[str], console) -> dict:
         trace_path = base_run.replay.trace if given else recorded_trace(base_run)
         replay_over = [*(a for a in base if not a.startswith("replay.trace=")), f"replay.trace={trace_path}"]
         trace = open_trace(Run(compose(config_name="config", overrides=replay_over)).replay)
-        own = tuple(f"{g}={raw[g]['name']}" for g in SPACE) + (f"hardware.capacity={raw['hardware']['capacity']}",)
+        own = own_stack(raw)
         space = candidates(opts, float(raw["hardware"]["capacity"]))
 
         # 2. search on replay
@@ -229,14 +292,7 @@ def tune(opts: Options, base: list[str], console) -> dict:
         if skipped:
             (out / "skipped.json").write_text(json.dumps(skipped, indent=2))
 
-        # 3. finalists: the best trials and the best lossless one
-        ranked = sorted(trials, key=lambda t: t["objective"], reverse=better is max)
-        finalists = ranked[:opts.finalists]
-        best_lossless = next((t for t in ranked if t["lossless"]), None)
-        if best_lossless is not None and best_lossless not in finalists:
-            finalists.append(best_lossless)
-
-        # 4. quality, live, for the finalists and the unhooked model
+        # 3.-4. finalists, measured live in order of the objective (see select_finalists)
         quality = [f"eval.tasks=[{opts.quality_task}]", f"eval.limit={opts.quality_limit}", "replay.trace=null",
                    f"eval.token_by_token={str(opts.token_by_token).lower()}"]
         live = [a for a in base if not a.startswith(("replay.", "eval.tasks=", "eval.limit="))]
@@ -249,10 +305,10 @@ def tune(opts: Options, base: list[str], console) -> dict:
             return float(task[key])
 
         ref = perplexity(["stack.enabled=false"], "unhooked")
-        rows = []
-        for i, t in enumerate(finalists):
-            ppl = perplexity(list(t["stack"]), f"{i}")
-            rows.append({**t, "stack": " ".join(t["stack"]), "perplexity": ppl, "loss": ppl / ref - 1.0})
+        ranked = sorted(trials, key=lambda t: t["objective"], reverse=better is max)
+        rows = select_finalists(ranked, lambda t, i: perplexity(list(t["stack"]), str(i)) / ref - 1.0, opts)
+        for r in rows:
+            r["perplexity"] = (1.0 + r["loss"]) * ref
         _write_csv(out / "finalists.csv", rows)
 
     # 5. the Pareto front and the winner

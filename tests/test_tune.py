@@ -68,7 +68,8 @@ def test_tune_on_the_tiny_model_finds_a_stack_within_budget_that_reruns_live(tmp
     s = tune(opts, base, Console(width=200))
     saved = json.loads((tmp_path / "tune" / "tune.json").read_text())
     assert saved["trials"] + saved["skipped"] == 8 and (tmp_path / "tune" / "trials.csv").is_file()
-    assert any(r["lossless"] for r in saved["finalists"])  # the best lossless stack is always a finalist
+    objectives = [r["objective"] for r in saved["finalists"]]
+    assert objectives == sorted(objectives)  # measured live in order of TPOT, the search stopping at the winner
     for r in saved["finalists"]:
         if r["lossless"]:
             assert r["loss"] == 0.0  # bit-identical to the unhooked model
@@ -94,3 +95,34 @@ def test_tune_refuses_a_fixed_slot_count_before_recording(tmp_path):
     with pytest.raises(ConfigError, match="specmd tune varies hardware.capacity; drop hardware.experts_per_layer=4"):
         tune(opts, base, Console())
     assert not (tmp_path / "traces").exists()  # nothing recorded
+
+
+def test_finalists_search_prunes_lossier_settings_and_stops_within_budget():
+    from specmd.tune import at_least_as_lossy, lossiness, select_finalists
+
+    def t(obj, *stack, cap=0.05):
+        s = (*stack, f"hardware.capacity={cap}")
+        return {"stack": s, "objective": obj, "lossless": lossless(s)}
+
+    prior = lambda lam, j: ("routing=cache_prior", f"routing.lambda={lam}", f"routing.J={j}")
+    ranked = [t(1.0, *prior(0.5, 1), "miss=drop", "miss.J=1"),     # measured: over budget
+              t(1.1, *prior(0.5, 1), "miss=drop", "miss.J=1", cap=0.04),  # lossier in every way: skipped
+              t(1.2, *prior(0.3, 2), "miss=drop", "miss.J=1"),     # gentler lambda and J: measured, over
+              t(1.3, *prior(0.5, 2), "miss=drop", "miss.J=1"),     # >= (0.3, 2): skipped
+              t(1.4, *prior(0.1, 2), "miss=fetch"),                # another miss policy: measured, within
+              t(1.5, "routing=standard", "miss=fetch", "eviction=lru")]
+    losses = {0: 0.5, 1: 0.2, 2: 0.004}
+    seen = []
+
+    def loss_of(trial, i):
+        seen.append(trial["objective"])
+        return losses[i]
+
+    rows = select_finalists(ranked, loss_of, Options(budget=0.01, finalists=6))
+    assert seen == [1.0, 1.2, 1.4] and [r["loss"] for r in rows] == [0.5, 0.2, 0.004]
+    assert at_least_as_lossy(lossiness(ranked[1]["stack"]), lossiness(ranked[0]["stack"]))
+    assert not at_least_as_lossy(lossiness(ranked[2]["stack"]), lossiness(ranked[0]["stack"]))
+    # out of live runs before any success: the best lossless stack is measured last, as the fallback
+    seen.clear()
+    rows = select_finalists(ranked, lambda tr, i: seen.append(tr["objective"]) or 1.0, Options(finalists=2))
+    assert seen == [1.0, 1.2, 1.5] and rows[-1]["lossless"]
