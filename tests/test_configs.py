@@ -210,7 +210,8 @@ def test_measure_decode_accepts_generation_tasks_and_token_by_token():
     assert compose_run(["stack.measure=decode", "eval.tasks=[wikitext]", "eval.token_by_token=true"]).spec.measure == "decode"
 
 
-@pytest.mark.parametrize("model,asset", [("deep_olmoe", "specmd:deep-olmoe"), ("tiny", "specmd:tiny-olmoe")])
+@pytest.mark.parametrize("model,asset", [("deep_olmoe", "specmd:deep-olmoe"), ("tiny", "specmd:tiny-olmoe"),
+                                         ("deep_mixtral", "specmd:deep-mixtral")])
 def test_ml_eviction_defaults_to_the_models_own_networks(model, asset):
     run = compose_run([f"model={model}", "eviction=ml"])
     assert run.policies["eviction"][1].weights == asset

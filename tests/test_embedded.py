@@ -7,11 +7,11 @@ import pytest
 from specmd.modelcard import routing_failures
 from specmd.models.loader import ASSETS, ModelConfig, load_model
 
-# asset -> (family, size limit in MiB, MoE layers, experts, top-k, ships eviction=ml networks). The
-# Mixtral-shaped model (specmd/conf/train_deep_mixtral.yaml) joins when it meets the card's routing bounds.
+# asset -> (family, size limit in MiB, MoE layers, experts, top-k, ships eviction=ml networks)
 SHIPPED = {
     "tiny-olmoe": ("olmoe", 30, 4, 64, 8, True),
     "deep-olmoe": ("olmoe", 40, 16, 64, 8, True),
+    "deep-mixtral": ("mixtral", 40, 32, 8, 2, True),
 }
 
 
