@@ -165,6 +165,23 @@ def _json_loads():
         return json.loads
 
 
+def _json_objects(path: Path):
+    """(line number, object) for each non-blank line of a JSON Lines file; a line that is not valid JSON or
+    not an object is a ConfigError naming it."""
+    loads = _json_loads()
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                d = loads(raw)
+            except ValueError as e:
+                raise ConfigError(f"{path}, line {lineno}: malformed JSON ({e})") from None
+            if not isinstance(d, dict):
+                raise ConfigError(f"{path}, line {lineno}: expected a JSON object, got {type(d).__name__}")
+            yield lineno, d
+
+
 def _ints() -> array:
     """A compact growable int64 column (8 B a value, where a list of ints costs ~36)."""
     return array("q")
@@ -249,7 +266,6 @@ def _topk_of_logits(logits: np.ndarray, k: int) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------ JSONL
 
 def _parse_jsonl(path: Path, opts: ImportOptions) -> _Records:
-    loads = _json_loads()
     seq_ids: dict = {}
     seqs, toks, layers, lines = _ints(), _ints(), _ints(), _ints()
     where = _lines_where(path, lines)
@@ -279,99 +295,90 @@ def _parse_jsonl(path: Path, opts: ImportOptions) -> _Records:
                 return d[a]
         return missing
 
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                d = loads(raw)
-            except ValueError as e:
-                raise ConfigError(f"{path}, line {lineno}: malformed JSON ({e})") from None
-            if not isinstance(d, dict):
-                raise ConfigError(f"{path}, line {lineno}: expected a JSON object, got {type(d).__name__}")
-            i = len(toks)
-            s = get(d, "seq")
-            if s is missing:
-                s = 0
-            try:
-                so = seq_ids.get(s)
-            except TypeError:
-                raise ConfigError(f"{path}, line {lineno}: sequence id {s!r} is not a scalar") from None
-            if so is None:
-                so = seq_ids[s] = len(seq_ids)
-            t = get(d, "tok")
-            if t is missing:
-                raise ConfigError(f"{path}, line {lineno}: no token position (keys {'|'.join(TOKEN_KEYS)})")
-            if type(t) is not int:
-                raise ConfigError(f"{path}, line {lineno}: token position {t!r} is not an integer")
-            lay = get(d, "layer")
-            if lay is missing:
-                raise ConfigError(f"{path}, line {lineno}: no layer (keys {'|'.join(LAYER_KEYS)})")
-            if type(lay) is not int:
-                raise ConfigError(f"{path}, line {lineno}: layer {lay!r} is not an integer")
-            e = get(d, "exp")
-            w = get(d, "w")
-            lg = get(d, "log")
-            if w is None:
-                w = missing
-            if lg is None:
-                lg = missing
-            if has_w is None:
-                has_w, has_l, first_line = w is not missing, lg is not missing, lineno
-            if (w is not missing) != has_w:
-                raise ConfigError(f"{path}, line {lineno}: weights {'absent' if has_w else 'present'} here but "
-                                  f"{'present' if has_w else 'absent'} on line {first_line}; every record must "
-                                  f"have them or none")
-            if (lg is not missing) != has_l:
-                raise ConfigError(f"{path}, line {lineno}: logits {'absent' if has_l else 'present'} here but "
-                                  f"{'present' if has_l else 'absent'} on line {first_line}; every record must "
-                                  f"have them or none")
-            if has_l:
-                if type(lg) is not list:
-                    raise ConfigError(f"{path}, line {lineno}: logits must be a list of floats")
-                if n_logits is None:
-                    n_logits, n_logits_line = len(lg), lineno
-                elif len(lg) != n_logits:
-                    src = f"line {n_logits_line} has" if n_logits_line else "replay.num_experts is"
-                    raise ConfigError(f"{path}, line {lineno}: {len(lg)} logits, but {src} {n_logits}")
-                logits.append(lg)
-            if e is missing or e is None:
-                if not has_l:
-                    raise ConfigError(f"{path}, line {lineno}: no expert list (keys {'|'.join(EXPERT_KEYS)}) "
-                                      f"and no router logits to take the top-k of")
-                if has_w:
-                    raise ConfigError(f"{path}, line {lineno}: weights without an expert list")
-                if k is None:
-                    if opts.top_k is None:
-                        raise ConfigError(f"{path}, line {lineno}: no expert list, only logits; set "
-                                          f"replay.top_k to take their top-k")
-                    k, k_line = int(opts.top_k), 0
-                derive.append(i)
-                e = [0] * k  # placeholder, filled from the logits below
-            else:
-                if type(e) is not list:
-                    raise ConfigError(f"{path}, line {lineno}: experts must be a list of ints, got {e!r}")
-                if k is None:
-                    k, k_line = len(e), lineno
-                    if k == 0:
-                        raise ConfigError(f"{path}, line {lineno}: empty expert list")
-                elif len(e) != k:
-                    src = f"line {k_line}" if k_line else "replay.top_k"
-                    raise ConfigError(f"{path}, line {lineno}: {len(e)} experts, but {src} has {k}: mixed top-k "
-                                      f"is not supported")
-                if has_w:
-                    if type(w) is not list:
-                        raise ConfigError(f"{path}, line {lineno}: weights must be a list of floats")
-                    if len(w) != len(e):
-                        raise ConfigError(f"{path}, line {lineno}: {len(w)} weights for {len(e)} experts")
-                    weights.append(w)
-            experts.append(e)
-            seqs.append(so)
-            if not (-_BIG < t < _BIG and -_BIG < lay < _BIG):
-                raise ConfigError(f"{path}, line {lineno}: token position or layer out of the int64 range")
-            toks.append(t)
-            layers.append(lay)
-            lines.append(lineno)
+    for lineno, d in _json_objects(path):
+        i = len(toks)
+        s = get(d, "seq")
+        if s is missing:
+            s = 0
+        try:
+            so = seq_ids.get(s)
+        except TypeError:
+            raise ConfigError(f"{path}, line {lineno}: sequence id {s!r} is not a scalar") from None
+        if so is None:
+            so = seq_ids[s] = len(seq_ids)
+        t = get(d, "tok")
+        if t is missing:
+            raise ConfigError(f"{path}, line {lineno}: no token position (keys {'|'.join(TOKEN_KEYS)})")
+        if type(t) is not int:
+            raise ConfigError(f"{path}, line {lineno}: token position {t!r} is not an integer")
+        lay = get(d, "layer")
+        if lay is missing:
+            raise ConfigError(f"{path}, line {lineno}: no layer (keys {'|'.join(LAYER_KEYS)})")
+        if type(lay) is not int:
+            raise ConfigError(f"{path}, line {lineno}: layer {lay!r} is not an integer")
+        e = get(d, "exp")
+        w = get(d, "w")
+        lg = get(d, "log")
+        if w is None:
+            w = missing
+        if lg is None:
+            lg = missing
+        if has_w is None:
+            has_w, has_l, first_line = w is not missing, lg is not missing, lineno
+        if (w is not missing) != has_w:
+            raise ConfigError(f"{path}, line {lineno}: weights {'absent' if has_w else 'present'} here but "
+                              f"{'present' if has_w else 'absent'} on line {first_line}; every record must "
+                              f"have them or none")
+        if (lg is not missing) != has_l:
+            raise ConfigError(f"{path}, line {lineno}: logits {'absent' if has_l else 'present'} here but "
+                              f"{'present' if has_l else 'absent'} on line {first_line}; every record must "
+                              f"have them or none")
+        if has_l:
+            if type(lg) is not list:
+                raise ConfigError(f"{path}, line {lineno}: logits must be a list of floats")
+            if n_logits is None:
+                n_logits, n_logits_line = len(lg), lineno
+            elif len(lg) != n_logits:
+                src = f"line {n_logits_line} has" if n_logits_line else "replay.num_experts is"
+                raise ConfigError(f"{path}, line {lineno}: {len(lg)} logits, but {src} {n_logits}")
+            logits.append(lg)
+        if e is missing or e is None:
+            if not has_l:
+                raise ConfigError(f"{path}, line {lineno}: no expert list (keys {'|'.join(EXPERT_KEYS)}) "
+                                  f"and no router logits to take the top-k of")
+            if has_w:
+                raise ConfigError(f"{path}, line {lineno}: weights without an expert list")
+            if k is None:
+                if opts.top_k is None:
+                    raise ConfigError(f"{path}, line {lineno}: no expert list, only logits; set "
+                                      f"replay.top_k to take their top-k")
+                k, k_line = int(opts.top_k), 0
+            derive.append(i)
+            e = [0] * k  # placeholder, filled from the logits below
+        else:
+            if type(e) is not list:
+                raise ConfigError(f"{path}, line {lineno}: experts must be a list of ints, got {e!r}")
+            if k is None:
+                k, k_line = len(e), lineno
+                if k == 0:
+                    raise ConfigError(f"{path}, line {lineno}: empty expert list")
+            elif len(e) != k:
+                src = f"line {k_line}" if k_line else "replay.top_k"
+                raise ConfigError(f"{path}, line {lineno}: {len(e)} experts, but {src} has {k}: mixed top-k "
+                                  f"is not supported")
+            if has_w:
+                if type(w) is not list:
+                    raise ConfigError(f"{path}, line {lineno}: weights must be a list of floats")
+                if len(w) != len(e):
+                    raise ConfigError(f"{path}, line {lineno}: {len(w)} weights for {len(e)} experts")
+                weights.append(w)
+        experts.append(e)
+        seqs.append(so)
+        if not (-_BIG < t < _BIG and -_BIG < lay < _BIG):
+            raise ConfigError(f"{path}, line {lineno}: token position or layer out of the int64 range")
+        toks.append(t)
+        layers.append(lay)
+        lines.append(lineno)
     if not toks:
         raise ConfigError(f"{path}: empty file, no routing records")
     lg_arr = logits.array() if has_l else None
@@ -677,20 +684,10 @@ def _vllm_requests(path: Path) -> list:
             where = f"arrays {req + '/' if req else ''}*"
             out.append((req or 0, *(_vllm_array(path, where, req or 0, f, g.get(f)) for f in VLLM_FIELDS), where))
         return out
-    loads = _json_loads()
-    with open(path, "rb") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = loads(line)
-            except Exception as e:  # noqa: BLE001
-                raise ConfigError(f"{path}, line {n}: not valid JSON ({e})") from None
-            if not isinstance(d, dict):
-                raise ConfigError(f"{path}, line {n}: expected one JSON object per request, got {type(d).__name__}")
-            name = d.get("request_id", len(out))
-            where = f"line {n}"
-            out.append((name, *(_vllm_array(path, where, name, f, d.get(f)) for f in VLLM_FIELDS), where))
+    for n, d in _json_objects(path):
+        name = d.get("request_id", len(out))
+        where = f"line {n}"
+        out.append((name, *(_vllm_array(path, where, name, f, d.get(f)) for f in VLLM_FIELDS), where))
     return out
 
 
