@@ -40,7 +40,8 @@ REAL_LOCALITY = {(8, 2): {"model": "Mixtral-8x7B-Instruct", "mean": 0.376, "min"
                           "source": "vLLM decode routing capture, 577 tokens x 32 layers (issue 18)"}}
 LOCALITY_MEAN_TOL = 0.06
 LOCALITY_FLOOR = 0.25
-REFERENCE = {"olmoe": ("olmoe", 16, 8), "mixtral": ("mistral", 32, 2)}  # family -> (mirror dir, real layers, top-k)
+# family -> (mirror dir, real model, its MoE layers, its top-k)
+REFERENCE = {"olmoe": ("olmoe", "OLMoE-1B-7B", 16, 8), "mixtral": ("mistral", "Mixtral-8x7B", 32, 2)}
 REFERENCE_LAYERS = (0, 7, 15)
 DOMAINS = ("arxiv", "book", "c4", "github", "wikipedia")
 
@@ -115,8 +116,8 @@ def reference_stats(mirror, family: str) -> Optional[dict]:
             for ab, n in c.items():
                 a, b = ab.split(",")
                 pairs[i, int(a), int(b)] += n
-    model = "OLMoE-1B-7B" if family == "olmoe" else "Mixtral-8x7B"
-    return {"model": model, "layers": per["layers"], "tokens": int(counts[0].sum()) // REFERENCE[family][2],
+    _, model, _, top_k = REFERENCE[family]
+    return {"model": model, "layers": per["layers"], "tokens": int(counts[0].sum()) // top_k,
             "domains": list(DOMAINS),
             "skew": [_skew(c) for c in counts], "layer_pairs": cross["layer_pairs"],
             "co_selection_nmi": [_nmi(p) for p in pairs]}
@@ -124,7 +125,7 @@ def reference_stats(mirror, family: str) -> Optional[dict]:
 
 def reference_layers(family: str, num_layers: int) -> list[int]:
     """This model's layers at the real model's relative depths (layers 0/7/15 of 16 or of 32)."""
-    real = REFERENCE.get(family, ("", 16, 0))[1]
+    real = REFERENCE[family][2] if family in REFERENCE else 16
     return sorted({min(num_layers - 1, round(x * num_layers / real)) for x in REFERENCE_LAYERS})
 
 @torch.no_grad()
@@ -192,17 +193,28 @@ def wikitext_test_pages(mirror) -> list[str]:
     return [wikitext_detokenizer(r) for r in _wikitext(mirror, "wikitext-2-raw-v1")["test"]]
 
 
-def measure(model_path: str, mirror: str, limits: dict, max_gen_toks: int = 64) -> dict:
-    from .eval.harness import EvalConfig, evaluate
-    from .eval.mirror import mirrored, resolve_mirror, set_offline
+def _load(model_path: str, mirror: str):
+    """(mirror root, family, model, tokenizer) of the model a card describes, offline, in float32."""
+    from .eval.mirror import resolve_mirror, set_offline
     from .models.loader import ModelConfig, load_model, resolve_pretrained
 
     set_offline()
     root = resolve_mirror(mirror)
     family = json.loads((Path(resolve_pretrained(model_path)) / "config.json").read_text())["model_type"]
     model, tok = load_model(ModelConfig(name="card", family=family, pretrained=model_path, dtype="float32"))
-    out = {"routing": routing_stats(model, tok, wikitext_test_pages(root)), "tasks": {}, "limits": limits,
-           "reference": reference_stats(root, family)}
+    return root, family, model, tok
+
+
+def _routing_part(root, family: str, model, tok) -> dict:
+    return {"routing": routing_stats(model, tok, wikitext_test_pages(root)), "reference": reference_stats(root, family)}
+
+
+def measure(model_path: str, mirror: str, limits: dict, max_gen_toks: int = 64) -> dict:
+    from .eval.harness import EvalConfig, evaluate
+    from .eval.mirror import mirrored
+
+    root, family, model, tok = _load(model_path, mirror)
+    out = {**_routing_part(root, family, model, tok), "tasks": {}, "limits": limits}
     with mirrored(root):
         for task, limit in limits.items():
             res = evaluate(model, tok, EvalConfig(tasks=[task], limit=limit, max_gen_toks=max_gen_toks))
@@ -215,14 +227,7 @@ def measure(model_path: str, mirror: str, limits: dict, max_gen_toks: int = 64) 
 
 def measure_routing(model_path: str, mirror: str) -> dict:
     """The routing part of a card only (``routing`` and ``reference``), for ``--routing-only``."""
-    from .eval.mirror import resolve_mirror, set_offline
-    from .models.loader import ModelConfig, load_model, resolve_pretrained
-
-    set_offline()
-    root = resolve_mirror(mirror)
-    family = json.loads((Path(resolve_pretrained(model_path)) / "config.json").read_text())["model_type"]
-    model, tok = load_model(ModelConfig(name="card", family=family, pretrained=model_path, dtype="float32"))
-    return {"routing": routing_stats(model, tok, wikitext_test_pages(root)), "reference": reference_stats(root, family)}
+    return _routing_part(*_load(model_path, mirror))
 
 
 def render_compare(card: dict) -> list[str]:
