@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from specmd.engine import StackSpec
+from specmd.compose import spec_of
 from specmd.hardware import HardwareConfig
 from specmd.hook import install
 from specmd.models.adapters import adapter_for
@@ -62,7 +62,7 @@ def bench(name, model, prefetch, repeats, batch, seq, new_tokens):
     rows = []
     for case, fn in (("prefill", prefill), ("generate", decode)):
         base = timed(fn, repeats)
-        stack = install(model, StackSpec.of(prefetch=prefetch, hardware=HardwareConfig(capacity=1.0)),
+        stack = install(model, spec_of(prefetch=prefetch, hardware=HardwareConfig(capacity=1.0)),
                         adapter_for("olmoe"))
         try:
             hooked = timed(fn, repeats)

@@ -57,7 +57,7 @@ def generate(model_name: str, stack: dict, hw: dict, execution: dict, device: st
     from omegaconf import OmegaConf
 
     from specmd import CONF_DIR
-    from specmd.engine import StackSpec
+    from specmd.compose import spec_of
     from specmd.executor import EXECUTION
     from specmd.hardware import HardwareConfig
     from specmd.hook import install
@@ -83,7 +83,7 @@ def generate(model_name: str, stack: dict, hw: dict, execution: dict, device: st
     if load_experts:  # the process's first forward pass pays one-time costs (kernel selection): not TTFT's
         with torch.no_grad():
             model(ids)  # the prompt's own shapes: kernels chosen for them are not TTFT's
-    spec = StackSpec.of(hardware=HardwareConfig(**hw), **stack)
+    spec = spec_of(hardware=HardwareConfig(**hw), **stack)
     spec.execution = EXECUTION.params(execution)
     offload = spec.execution[0].offloads
     if not offload:

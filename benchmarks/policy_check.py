@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, "tests")
 from conftest import sample_ids, tiny  # noqa: E402
 
-from specmd.engine import StackSpec  # noqa: E402
+from specmd.compose import spec_of
 from specmd.hardware import HardwareConfig  # noqa: E402
 from specmd.hook import install  # noqa: E402
 from specmd.models.adapters import adapter_for  # noqa: E402
@@ -41,7 +41,7 @@ def main():
     ok = True
     for group, name in stacks:
         choice = {"routing": "standard", "miss": "fetch", "eviction": "lru", "prefetch": "topk", group: name}
-        stack = install(model, StackSpec.of(hardware=HardwareConfig(capacity=args.capacity),
+        stack = install(model, spec_of(hardware=HardwareConfig(capacity=args.capacity),
                                             quant={"name": "hqq", "optimize": False}, **choice),
                         adapter_for(args.family))
         with torch.no_grad(), stack:

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specmd.engine import StackSpec
+from specmd.compose import spec_of
 from specmd.hardware import HardwareConfig
 from specmd.hook import install
 from specmd.models.loader import ModelConfig, load_model
@@ -85,7 +85,7 @@ def main():
     hw = HardwareConfig(capacity=args.capacity)
     ids = torch.randint(0, 4000, (1, 32), generator=torch.Generator().manual_seed(0))
     with tempfile.TemporaryDirectory() as d:
-        spec = StackSpec.of(prefetch="none", hardware=hw)
+        spec = spec_of(prefetch="none", hardware=hw)
         live, wall = live_run(model, spec, ids, args.decode, Path(d) / "trace")
         trace = read_trace(Path(d) / "trace")
         t0 = time.perf_counter()
@@ -97,7 +97,7 @@ def main():
               f"{wall:.2f} s = {n / wall / 1e3:.1f} k req/s; replay of its trace {rwall * 1e3:.1f} ms = "
               f"{n / rwall / 1e6:.3f} M req/s ({wall / rwall:.0f}x faster; cache and timing identical)")
         big = tile_decode(trace, args.requests)
-        spec0 = StackSpec.of(eviction="lru", prefetch="none", hardware=hw)
+        spec0 = spec_of(eviction="lru", prefetch="none", hardware=hw)
         engine, ptr, experts = build_engine(big, spec0)
         E = big.meta["geometry"]["num_experts"]
         layer_of_req = np.repeat(big.calls[:, 1], np.diff(ptr))
@@ -106,7 +106,7 @@ def main():
         print(f"tiled trace: {len(big.passes)} decode passes, {len(keys)} requests; capacity {slots} experts")
         print(f"{'policy':<12} {'M req/s':>8} {'seconds':>8} {'hit rate':>9}")
         for name in args.policies or EVICTION.names():
-            spec_p = StackSpec.of(eviction=name, prefetch="none", hardware=hw)
+            spec_p = spec_of(eviction=name, prefetch="none", hardware=hw)
             engine, ptr, experts = build_engine(big, spec_p)
             t0 = time.perf_counter()
             res = run_replay(big, spec_p, engine, ptr, experts).results()

@@ -131,7 +131,7 @@ class Run:
                               f"run none (loglikelihood tasks are prefill passes): add a generation task "
                               f"({', '.join(GENERATION_TASKS)}) or set eval.token_by_token=true")
         check_execution(self, c)
-        from .engine.engine import timing_of
+        from .compose import timing_of
 
         self.spec = StackSpec(hardware=self.hardware, quant=self.quant, measure=self.measure,
                               timing=timing_of(self.hardware), execution=self.execution, **self.policies)
@@ -289,7 +289,7 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
     logger = build_logger(run.raw.get("logger"), group)
     if run.replay.trace:
         from .replay.driver import replay
-        from .replay.record import KEYWORD, recorded_trace
+        from .replay.record import KEYWORD
 
         progress.stage = "replay"
         if run.replay.trace == KEYWORD:
@@ -356,6 +356,15 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
     # wall seconds of each stage of this process (start-up = the process's wall time - evaluate)
     results["wall_stages_s"] = {"load": t_load - t0, "stack": t_stack - t_load, "evaluate": t_end - t_stack}
     return _finish(results, engine, digest, run_dir, logger, progress)
+
+
+def recorded_trace(run: Run) -> str:
+    """``replay.trace=record``: the trace of ``run``'s model and tasks, recorded live by :func:`execute`
+    unless the trace cache holds it (:mod:`specmd.replay.record` decides the key and the lock; the app
+    orchestrates record-then-replay)."""
+    from .replay.record import recorded_trace as cached
+
+    return cached(run, lambda cfg, out: execute(OmegaConf.create(cfg), run_dir=str(out)))
 
 
 def _finish(results: dict, engine, digest: str, run_dir: Path, logger, progress: _Progress) -> dict:

@@ -161,7 +161,7 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
     - rows are weighted by 1 / the pass's measured time, so the fit minimises *relative* error: the many
       short decode passes do not outvote the few prefills (TTFT and TPOT are judged by ratios);
     - one generation before the repetitions warms the framework (first calls of kernels, allocator)."""
-    from .engine import StackSpec
+    from .compose import spec_of
     from .executor import EXECUTION
     from .hardware import HardwareConfig
     from .hook import install
@@ -185,7 +185,7 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
               (0.05, "score", dict(low, eviction="least_stale")))  # unpacking's cost with two stacks' arenas
     for rep in range(-1, reps):  # rep -1: the warm-up, discarded
         for si, (capacity, prefetch, extra) in enumerate(stacks):
-            spec = StackSpec.of(hardware=HardwareConfig(**{**hw, "capacity": capacity}), prefetch=prefetch, **extra)
+            spec = spec_of(hardware=HardwareConfig(**{**hw, "capacity": capacity}), prefetch=prefetch, **extra)
             spec.execution = EXECUTION.params({"name": "offload", "throttle": True})
             stack = install(model, spec, device=device, checkpoint=ckpt)
             ex, eng = stack.executor, stack.engine
@@ -254,7 +254,7 @@ def measure_policies(model_name: str, hw: dict, device: torch.device, new_tokens
     model's compute is not in the timed span), the best of ``reps``, per call. Costs depend on the model's
     geometry (a percentile over E scores, victims scanned over the pool): calibrate with ``--model`` set to
     the geometry you run."""
-    from .engine import StackSpec
+    from .compose import spec_of
     from .errors import ConfigError
     from .hardware import HardwareConfig
     from .hook import install
@@ -266,7 +266,7 @@ def measure_policies(model_name: str, hw: dict, device: torch.device, new_tokens
     model.to(device)
 
     def per_call(stack: dict) -> float:
-        spec = StackSpec.of(hardware=HardwareConfig(**hw), **stack)
+        spec = spec_of(hardware=HardwareConfig(**hw), **stack)
         best = float("inf")
         for _ in range(reps):
             st = install(model, spec, device=device)

@@ -12,11 +12,22 @@ import importlib
 import pkgutil
 import types
 import typing
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, ClassVar, Generic, TypeVar
 
 from .errors import ConfigError
 
 T = TypeVar("T")
+
+
+class Plugin:
+    """What every registered class shares (policies, quantization methods, executors): its registry name
+    and its ``Params`` schema (the keys of its config file besides ``name``)."""
+
+    name: ClassVar[str]  # set by Registry.register
+    Params: ClassVar[Any] = None  # optional dataclass
+
+    def __init__(self, params: Any = None):
+        self.params = params
 
 
 class Registry(Generic[T]):

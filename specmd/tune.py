@@ -253,9 +253,8 @@ def tune(opts: Options, base: list[str], console) -> dict:
     from omegaconf import OmegaConf
 
     from . import CONF_DIR
-    from .app import Run, execute
+    from .app import Run, execute, recorded_trace
     from .replay.driver import build_engine, check, open_trace, run_replay
-    from .replay.record import recorded_trace
 
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)

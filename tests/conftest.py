@@ -63,9 +63,9 @@ def make_stack(model, family, *, eviction="lru", prefetch="topk", capacity=0.05,
     from specmd.hook import install
     from specmd.models.adapters import adapter_for
 
-    from specmd.engine import StackSpec
+    from specmd.compose import spec_of
 
-    return install(model, StackSpec.of(eviction=eviction, prefetch=prefetch, hardware=HardwareConfig(capacity=capacity, **hw)),
+    return install(model, spec_of(eviction=eviction, prefetch=prefetch, hardware=HardwareConfig(capacity=capacity, **hw)),
                    adapter_for(family))
 
 

@@ -72,7 +72,8 @@ def test_link_fit_recovers_latency_and_bandwidth():
 
 def test_overheads_charged_exactly():
     """Each fixed cost adds exactly its figure per decoder layer / token / expert run / transfer issued."""
-    from specmd.engine import Engine, GateRecord, StackSpec
+    from specmd.engine import Engine, GateRecord
+    from specmd.compose import spec_of
     from specmd.engine.geometry import Geometry
     from specmd.engine.record import Scoring
     from specmd.hardware import HardwareConfig
@@ -81,7 +82,7 @@ def test_overheads_charged_exactly():
                  attn_layers=[1, 1])
 
     def run(prefetch="none", miss="fetch", store=None, **over):
-        eng = Engine(g, StackSpec.of(hardware=HardwareConfig(capacity=0.2, **over), prefetch=prefetch, miss=miss),
+        eng = Engine(g, spec_of(hardware=HardwareConfig(capacity=0.2, **over), prefetch=prefetch, miss=miss),
                      store)
         eng.begin_pass("prefill", 3, 3)
         for layer in range(2):

@@ -123,12 +123,12 @@ def test_auto_quant_stores_what_the_miss_policy_needs():
 
 
 def test_store_rechecks_precisions_when_the_stack_is_built(embedded):
-    from specmd.engine import StackSpec
+    from specmd.compose import spec_of
     from specmd.hook import install
     from specmd.models.adapters import adapter_for
 
     with pytest.raises(ConfigError, match="int8.*not stored.*native.*quant=hqq"):
-        install(embedded[0], StackSpec.of(miss="fetch_priority", prefetch="none"), adapter_for("olmoe"))
+        install(embedded[0], spec_of(miss="fetch_priority", prefetch="none"), adapter_for("olmoe"))
     assert all(type(l.mlp.experts).__name__ != "SpecmdExperts" for l in embedded[0].model.layers)
 
 
@@ -144,7 +144,8 @@ def test_experts_per_layer_fraction_is_a_share_of_each_layers_experts():
 
 
 def test_ranges_that_depend_on_the_model_are_checked_when_its_geometry_is_known():
-    from specmd.engine import Geometry, StackSpec
+    from specmd.engine import Geometry
+    from specmd.compose import spec_of
     from specmd.engine.engine import Engine
     from specmd.hardware import HardwareConfig
 
@@ -155,8 +156,8 @@ def test_ranges_that_depend_on_the_model_are_checked_when_its_geometry_is_known(
                        (dict(hardware=HardwareConfig(experts_per_layer=9)),
                         "hardware.experts_per_layer=9 exceeds the model's 8 experts per layer")):
         with pytest.raises(ConfigError, match=re.escape(needle)):
-            Engine(g, StackSpec.of(**kw))
-    Engine(g, StackSpec.of(routing={"name": "cache_prior", "J": 2}, hardware=HardwareConfig(experts_per_layer=8)))
+            Engine(g, spec_of(**kw))
+    Engine(g, spec_of(routing={"name": "cache_prior", "J": 2}, hardware=HardwareConfig(experts_per_layer=8)))
     assert compose_run(["eval.limit=2.0"]).eval.limit == 2  # a whole float is a document count
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from specmd.engine import StackSpec
+from specmd.compose import spec_of
 from specmd.hardware import HardwareConfig
 from specmd.replay.driver import exactness, run_replay
 from specmd.replay.trace import read_trace
@@ -35,7 +35,7 @@ def test_golden_replay(name):
     case, counts, times = GOLDEN[name]
     trace = read_trace(TRACE)
     assert trace.passes[:, 1].tolist() == [24, 1, 1, 1, 1] * 2
-    spec = StackSpec.of(**case)
+    spec = spec_of(**case)
     assert not exactness(trace, spec)
     res = run_replay(trace, spec).results()
     assert {k: res["cache"][k] for k in counts} == counts

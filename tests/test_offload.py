@@ -30,9 +30,9 @@ ASSET = ROOT / "specmd" / "assets" / "deep-olmoe"
 
 
 def spec_of(execution: dict, *, miss="fetch", routing="standard", eviction="lru", prefetch="topk", quant=None, **hw):
-    from specmd.engine import StackSpec
+    from specmd.compose import spec_of
 
-    spec = StackSpec.of(miss=miss, eviction=eviction, prefetch=prefetch, routing=routing,
+    spec = spec_of(miss=miss, eviction=eviction, prefetch=prefetch, routing=routing,
                         hardware=HardwareConfig(**hw), **({"quant": quant} if quant else {}))
     spec.execution = EXECUTION.params(execution)
     return spec

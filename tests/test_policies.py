@@ -5,7 +5,7 @@ quantized expert store."""
 import pytest
 import torch
 
-from specmd.engine import StackSpec
+from specmd.compose import spec_of
 from specmd.engine.record import GateRecord, Scoring
 from specmd.errors import ConfigError
 from specmd.policies.miss import MISS
@@ -286,7 +286,7 @@ def test_lossy_stack_runs_real_quantized_weights(tmp_path, monkeypatch):
         ref = model(ids).logits
         outs = {}
         for prec in ("int8", "int2"):
-            st = install(model, StackSpec.of(miss={"name": "fetch", "precision": prec}, prefetch="none",
+            st = install(model, spec_of(miss={"name": "fetch", "precision": prec}, prefetch="none",
                                              hardware=HardwareConfig(capacity=1.0),
                                              quant={"name": "hqq", "optimize": False}))
             with st:
@@ -310,7 +310,7 @@ def test_prune_fidelity_and_requests_end_to_end():
 
     model = tiny("mixtral")  # top-2: h = 1 keeps one of two slots per token
     ids = sample_ids()
-    stack = install(model, StackSpec.of(routing={"name": "prune", "h": 1}, prefetch="none",
+    stack = install(model, spec_of(routing={"name": "prune", "h": 1}, prefetch="none",
                                         hardware=HardwareConfig(capacity=1.0)))
     with torch.no_grad(), stack:
         model(ids)

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 from conftest import sample_ids, tiny
-from specmd.engine import Geometry, StackSpec
+from specmd.engine import Geometry
+from specmd.compose import spec_of
 from specmd.errors import ConfigError
 from specmd.hardware import HardwareConfig
 from specmd.hook import install
@@ -23,7 +24,7 @@ from specmd.replay.trace import Trace, TraceWriter, full_calls, read_trace
 def spec_of(case):
     case = dict(case)
     hw = {k: case.pop(k) for k in list(case) if k in HardwareConfig.__dataclass_fields__}
-    return StackSpec.of(hardware=HardwareConfig(**hw), **case)
+    return spec_of(hardware=HardwareConfig(**hw), **case)
 
 
 def live(model, spec, prompts, trace_dir=None, depth=2):
@@ -136,7 +137,7 @@ def flat_trace(requests, num_experts=None, layers=1, k=1) -> Trace:
 
 
 def replay_hits(trace, eviction, slots, prefetch="none", scope="global"):
-    spec = StackSpec.of(eviction=eviction, prefetch=prefetch,
+    spec = spec_of(eviction=eviction, prefetch=prefetch,
                         hardware=HardwareConfig(experts_per_layer=slots, scope=scope, bandwidth_gbps=1e3))
     return run_replay(trace, spec).cache.stats
 

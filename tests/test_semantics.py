@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from specmd.engine import Engine, GateRecord, Geometry, Scoring, StackSpec
+from specmd.engine import Engine, GateRecord, Geometry, Scoring
+from specmd.compose import spec_of
 from specmd.engine.cache import CacheManager
 from specmd.engine.clock import Roofline, SimClock, TransferChannel
 from specmd.hardware import HardwareConfig
@@ -87,7 +88,7 @@ def engine(miss, slots=4, bw_bytes=100.0, host_s_per_expert=None, **policies):
               mem_bandwidth_gbps=1e9)
     if host_s_per_expert is not None:  # host roofline: 2 * 50 flops per token-expert pair
         hw.update(host_tflops=100.0 / host_s_per_expert / 1e12, host_mem_bandwidth_gbps=1e9)
-    return Engine(geom, StackSpec.of(miss=miss, prefetch="none", hardware=HardwareConfig(**hw), **policies))
+    return Engine(geom, spec_of(miss=miss, prefetch="none", hardware=HardwareConfig(**hw), **policies))
 
 
 def record(probs, index):
@@ -211,7 +212,7 @@ def test_pruned_slots_are_not_counted_twice_by_outcomes():
     geom = Geometry(num_layers=1, num_experts=4, top_k=2, expert_bytes=100, total_bytes=400, expert_params=50)
     hw = HardwareConfig(experts_per_layer=4, bandwidth_gbps=1e-7, latency_us=0.0)
     for miss, device_slots, host in (({"name": "drop", "J": 0}, 0, 0), ("cpu_compute", 1, 1)):
-        eng = Engine(geom, StackSpec.of(routing={"name": "prune", "h": 1}, miss=miss, prefetch="none", hardware=hw))
+        eng = Engine(geom, spec_of(routing={"name": "prune", "h": 1}, miss=miss, prefetch="none", hardware=hw))
         probs = torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.1, 0.2, 0.3, 0.4]])
         index = torch.tensor([[0, 1], [3, 2]])
         rec = GateRecord(0, probs.log(), SOFTMAX.weigh(probs, index), index, SOFTMAX)

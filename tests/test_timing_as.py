@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from specmd.engine import Engine, Geometry, StackSpec
+from specmd.engine import Engine, Geometry
+from specmd.compose import spec_of
 from specmd.engine.geometry import _regroup, timed_as
 from specmd.errors import ConfigError
 from specmd.hardware import HardwareConfig
@@ -58,7 +59,7 @@ def test_store_sizes_keep_bytes_per_parameter():
                        dtype_bytes=4)
     timing = Geometry(num_layers=4, num_experts=4, top_k=1, expert_bytes=2000, total_bytes=40000,
                       expert_params=1000, dtype_bytes=2)
-    spec = StackSpec.of(prefetch="none")
+    spec = spec_of(prefetch="none")
     spec.timing = ("real", timing)
     eng = Engine(routing, spec, ExpertStore(32, 400, {"int8": 110}))
     # a routing expert stands for 2 timing experts: 2000 parameters, native 2 bytes each, int8 1.1 bytes each
@@ -68,8 +69,8 @@ def test_store_sizes_keep_bytes_per_parameter():
 
 def test_replay_timed_as_olmoe():
     trace = read_trace(TRACE)
-    own = run_replay(trace, StackSpec.of(prefetch="none")).results()
-    real = run_replay(trace, StackSpec.of(prefetch="none", hardware=HardwareConfig(timing_as="olmoe"))).results()
+    own = run_replay(trace, spec_of(prefetch="none")).results()
+    real = run_replay(trace, spec_of(prefetch="none", hardware=HardwareConfig(timing_as="olmoe"))).results()
     olmoe = shipped_geometry("olmoe")
     assert own["cache"]["timing_geometry"] == "model" and real["cache"]["timing_geometry"] == "olmoe"
     assert real["cache"]["expert_bytes"] == 4 * olmoe.expert_bytes
@@ -104,14 +105,14 @@ def test_prefetch_lateness_is_diagnosed(prefetch, depth):
     middle = geom.expert_bytes / ((min(windows) + max(windows)) / 2) / 1e9
     for bandwidth, structural in ((5.0, True), (middle, False), (1e6, False)):
         hw = HardwareConfig(capacity=0.5, bandwidth_gbps=bandwidth, latency_us=0.0)
-        res = run_replay(trace, StackSpec.of(prefetch=prefetch, hardware=hw)).results()["cache"]
+        res = run_replay(trace, spec_of(prefetch=prefetch, hardware=hw)).results()["cache"]
         late = res["prefetch_lateness"]
         assert late["decode_window_s"] == pytest.approx(max(windows), rel=1e-9)
         assert late["structural"] is structural, bandwidth
         if structural:
             assert res["prefetch_late"] > 0
     hw = HardwareConfig(capacity=0.5)
-    assert run_replay(trace, StackSpec.of(prefetch="none", hardware=hw)).results()["cache"]["prefetch_lateness"] is None
+    assert run_replay(trace, spec_of(prefetch="none", hardware=hw)).results()["cache"]["prefetch_lateness"] is None
 
 
 def test_no_lateness_diagnosis_without_decode_passes():
@@ -126,5 +127,5 @@ def test_no_lateness_diagnosis_without_decode_passes():
     pre = Trace(meta=dict(trace.meta), passes=passes, calls=full_calls(passes, L), index=trace.index[rows],
                 weights=None, logits=trace.logits[rows], path="prefill-only",
                 signal_index=trace.signal_index[rows], signal_logits=trace.signal_logits[rows])
-    res = run_replay(pre, StackSpec.of(prefetch="topk", hardware=HardwareConfig(capacity=0.5))).results()["cache"]
+    res = run_replay(pre, spec_of(prefetch="topk", hardware=HardwareConfig(capacity=0.5))).results()["cache"]
     assert res["prefetch_issued"] > 0 and res["prefetch_lateness"] is None

@@ -25,6 +25,8 @@ from .clock import Clock
 from .geometry import Geometry
 from .outcomes import NATIVE, Execution, Fetched
 from .stats import CacheStats, PassRecord
+from .store import StoreSizes
+from .view import CacheView
 
 
 MEASURES = ("all", "decode")  # the forward passes the cache counters count
@@ -144,13 +146,11 @@ class CacheManager:
     def __init__(self, geom: Geometry, capacities: list[int], evictions: list, miss, clock: Clock, store=None,
                  measure: str = "all"):
         """``evictions``: one eviction policy instance per pool (see ``pool_capacities``); ``store``: an
-        :class:`~specmd.quant.base.ExpertStore` (only its ``bytes_of`` / ``bits_of`` are read);
+        :class:`~specmd.engine.store.StoreSizes` (its ``bytes_of`` / ``bits_of``; default native only);
         ``measure``: which passes the counters keep (``all``, or ``decode``: a prefill pass runs and warms
         the cache, then its counts are rolled back; its pass record stays for the timing section)."""
-        from ..quant.base import ExpertStore
-
         self.geom = geom
-        self.precisions = store or ExpertStore(geom.dtype_bytes * 8, geom.expert_bytes, {})
+        self.precisions = store or StoreSizes.native_only(geom)
         self.miss = miss
         self.fetch_precision = getattr(miss, "fetch_precision", NATIVE)
         self.clock = clock
@@ -173,8 +173,6 @@ class CacheManager:
         self.current_pass: Optional[list] = None
         self.predicted: list[Optional[set]] = [None] * geom.num_layers  # prefetch predictions per target layer
         self._call = LayerCall(self)
-        from .view import CacheView
-
         self.view = CacheView(self)
         self._default_fetch = Fetched(None)
         for pool in self.pools:

@@ -25,14 +25,17 @@ from .cache import CacheManager
 from .clock import Clock, SimClock
 from .geometry import Geometry, pool_capacities, timed_as
 from .outcomes import Execution
+from .store import StoreSizes
 
 GROUPS = ("routing", "miss", "eviction", "prefetch")
 
 
 @dataclass
 class StackSpec:
-    """One policy stack and emulated device: each family as (class, validated params), the hardware, and
-    the quantization method (class, params) or None (native experts only)."""
+    """One policy stack and emulated device, as data: each family as (class, validated params), the
+    hardware, and the quantization method (class, params) or None (native experts only). The composition
+    root builds it from config (:func:`specmd.compose.stack_spec`, :func:`specmd.compose.spec_of`): the
+    engine never looks a name up in a registry."""
 
     routing: tuple
     miss: tuple
@@ -44,56 +47,12 @@ class StackSpec:
     timing: Optional[tuple] = None  # (name, Geometry): a real model's sizes and compute (hardware.timing_as)
     execution: Optional[tuple] = None  # (Executor class, params): who carries the decisions out (live runs)
 
-    @classmethod
-    def from_config(cls, groups: dict, hardware: Any, quant: Optional[dict] = None, measure: str = "all"
-                    ) -> "StackSpec":
-        """From config mappings: ``groups[family] = {"name": ..., params}`` (validated by the registries)."""
-        from ..policies import REGISTRIES
-
-        parts = {g: REGISTRIES[g].params(groups.get(g) or {"name": DEFAULTS[g]}) for g in GROUPS}
-        q = None
-        if quant is not None:
-            from ..quant import QUANT
-
-            q = QUANT.params(quant)
-        return cls(hardware=hardware, quant=q, measure=measure, timing=timing_of(hardware), **parts)
-
-    @classmethod
-    def of(cls, hardware: Any = None, quant: Any = None, measure: str = "all", **groups) -> "StackSpec":
-        """Convenience for code and tests: ``StackSpec.of(eviction="lfu", miss={"name": "drop", "J": 1})``;
-        a family is a name or a config mapping, missing ones take the defaults; ``quant`` a mapping or None."""
-        from ..hardware import HardwareConfig
-
-        groups = {g: ({"name": v} if isinstance(v, str) else v) for g, v in groups.items()}
-        unknown = set(groups) - set(GROUPS)
-        if unknown:
-            raise TypeError(f"unknown policy families {sorted(unknown)}; valid: {GROUPS}")
-        return cls.from_config(groups, hardware or HardwareConfig(), quant, measure)
-
     def build(self, family: str):
         cls, params = getattr(self, family)
         return cls(params)
 
     def names(self) -> dict:
         return {g: getattr(self, g)[0].name for g in GROUPS}
-
-
-def timing_of(hardware: Any) -> Optional[tuple]:
-    """``(name, Geometry)`` of the real model named by ``hardware.timing_as`` (its shipped config; no
-    weights), or None: the running model's own sizes and compute."""
-    name = getattr(hardware, "timing_as", None)
-    if not name:
-        return None
-    from ..errors import ConfigError
-    from ..models.loader import shipped_geometry
-
-    try:
-        return name, shipped_geometry(name)
-    except ConfigError as e:
-        raise ConfigError(f"hardware.timing_as={e}") from None
-
-
-DEFAULTS = {"routing": "standard", "miss": "fetch", "eviction": "lru", "prefetch": "topk"}
 
 
 class ModelView:
@@ -132,10 +91,11 @@ def check_model_ranges(spec: StackSpec, model: Geometry) -> None:
 
 class Engine:
     def __init__(self, geom: Geometry, spec: StackSpec, store=None, future=None, clock: Optional[Clock] = None):
-        from ..quant.base import ExpertStore
-
+        """``store``: the stored precisions' sizes (:class:`~specmd.engine.store.StoreSizes`; default the
+        model's own experts only); ``future``: the trace's future (replay); ``clock``: default the simulated
+        clock of ``spec.hardware``."""
         check_model_ranges(spec, geom)  # the routing's own geometry (timing_as may map it to another)
-        store = store or ExpertStore(geom.dtype_bytes * 8, geom.expert_bytes, {})
+        store = store or StoreSizes.native_only(geom)
         self.timing_as = None
         if spec.timing is not None:  # the routing's layers and experts with a real model's sizes and compute
             self.timing_as, timing = spec.timing

@@ -7,11 +7,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..policies.base import Policy
-from ..registry import Registry
+from ..registry import Plugin, Registry
 
 
-class Executor(Policy):
+class Executor(Plugin):
     """One per installed stack. ``attach`` once (the stack's model, adapter, geometry, store, engine), then
     per forward pass ``begin_pass``/``end_pass`` and per MoE layer call ``run``; ``results`` gives the
     ``wall`` and ``memory`` sections of results.json; ``close`` releases threads and files."""

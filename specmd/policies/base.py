@@ -1,17 +1,15 @@
-"""What every policy class shares: its registry name, its ``Params`` schema and the ``setup`` hook."""
+"""What every policy class shares: its registry name and ``Params`` schema (:class:`~specmd.registry.Plugin`:
+the keys of specmd/conf/<family>/<name>.yaml besides ``name``) and the ``setup`` hook."""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from ..registry import Plugin
 
-class Policy:
-    name: ClassVar[str]  # set by Registry.register
-    Params: ClassVar[Any] = None  # optional dataclass: the keys of specmd/conf/<family>/<name>.yaml besides `name`
+
+class Policy(Plugin):
     needs_future: ClassVar[bool] = False  # oracles: only a trace replay can run them
-
-    def __init__(self, params: Any = None):
-        self.params = params
 
     def setup(self, model: Any) -> None:
         """Called once with the :class:`~specmd.engine.ModelView` when the engine is built."""

@@ -25,16 +25,11 @@ from typing import Any, Optional
 
 import torch
 
-from ..policies.base import Policy
-from ..registry import Registry
+from ..engine.outcomes import NATIVE
+from ..engine.store import BITS, StoreSizes, precision_bits  # noqa: F401 -- re-exported for quant methods
+from ..registry import Plugin, Registry
 
-NATIVE = "native"
-BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "int4": 4, "int3": 3, "int2": 2}
 CAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def precision_bits(name: str, native_bits: int) -> int:
-    return native_bits if name == NATIVE else BITS[name]
 
 
 def expert_params(experts: torch.nn.Module, num_experts: int) -> list[tuple[str, torch.nn.Parameter]]:
@@ -43,9 +38,10 @@ def expert_params(experts: torch.nn.Module, num_experts: int) -> list[tuple[str,
     return [(n, p) for n, p in experts.named_parameters(recurse=False) if p.dim() == 3 and p.shape[0] == num_experts]
 
 
-class ExpertStore:
-    """Per-precision bytes of one expert and, on demand, an expert's weights at a stored non-native
-    precision (dequantized; the most recently used ``cache_experts`` are kept in memory)."""
+class ExpertStore(StoreSizes):
+    """Per-precision bytes of one expert (:class:`~specmd.engine.store.StoreSizes`, all the engine reads)
+    and, on demand, an expert's weights at a stored non-native precision (dequantized; the most recently
+    used ``cache_experts`` are kept in memory)."""
 
     def __init__(self, native_bits: int, expert_bytes: int, bytes_of: dict[str, int],
                  loader: Optional[Any] = None, cache_experts: int = 1024, raw: Optional[Any] = None,
@@ -54,34 +50,11 @@ class ExpertStore:
         method that can be offloaded) ``loader`` is ``unpack(layer, precision, raw(layer, expert, precision),
         device)``: the bytes a transfer moves and the one way they become weights (:meth:`raw`,
         :meth:`unpack`)."""
-        self.native_bits = native_bits
+        super().__init__(native_bits, expert_bytes, bytes_of)
         self._raw, self._unpack = raw, unpack
-        self.bytes_of = {NATIVE: expert_bytes, **bytes_of}
-        self.bits_of = {p: precision_bits(p, native_bits) for p in self.bytes_of}
-        # stored precisions, highest first (ties: native first)
-        self.precisions = sorted(self.bytes_of, key=lambda p: (-self.bits_of[p], p != NATIVE))
-        self.full = self.precisions[0]
-        self.lowest = self.precisions[-1]
         self._loader = loader  # (layer, expert, precision) -> {param name: tensor of that expert}
         self._dequant: "OrderedDict[tuple[int, int, str], dict[str, torch.Tensor]]" = OrderedDict()
         self._cache_experts = cache_experts
-
-    def resized(self, bytes_of: dict) -> "ExpertStore":
-        """The same store (weights, precisions, bits) with other bytes per precision: the sizes a real
-        model's experts would have (``hardware.timing_as``)."""
-        import copy
-
-        out = copy.copy(self)
-        out.bytes_of = dict(bytes_of)
-        return out
-
-    def check(self, names, where: str) -> None:
-        for p in names:
-            if p not in self.bytes_of:
-                from ..errors import ConfigError
-
-                raise ConfigError(f"{where}: precision {p!r} is not stored; stored: {', '.join(self.precisions)} "
-                                  f"(set quant=hqq and quant.precisions)")
 
     @property
     def packable(self) -> bool:
@@ -112,7 +85,7 @@ class ExpertStore:
         return w
 
 
-class QuantMethod(Policy):
+class QuantMethod(Plugin):
     """Builds the :class:`ExpertStore` of a model (``build(model, experts_modules, geometry, tag)``)."""
 
     @classmethod

@@ -23,6 +23,7 @@ import torch
 
 from ..engine import Engine, GateRecord, Geometry, Scoring
 from ..engine.record import NoLogits
+from ..engine.store import StoreSizes
 from ..errors import ConfigError
 from .future import Future
 from .imports import FORMATS as IMPORT_FORMATS
@@ -221,8 +222,6 @@ class ReplaySignal:
         d = target - self.layer - 1
         tr = self.trace
         if not 0 <= d < tr.depth or tr.signal_logits is None:
-            from ..engine.record import NoLogits
-
             raise NoLogits(f"the trace records the prefetch signal {tr.depth} layer(s) ahead with "
                            f"logits={tr.meta.get('logits')}; layer {self.layer} asked for layer {target}")
         logits = torch.from_numpy(np.ascontiguousarray(tr.signal_logits[self.rows, d]))
@@ -295,12 +294,8 @@ def check(trace: Trace, spec) -> None:
 
 
 def build_engine(trace: Trace, spec):
-    from ..quant.base import ExpertStore
-
     geom = Geometry.from_dict(trace.meta["geometry"])
-    st = trace.meta["store"]
-    store = ExpertStore(int(st["native_bits"]), int(st["bytes_of"]["native"]),
-                        {p: int(b) for p, b in st["bytes_of"].items() if p != "native"})
+    store = StoreSizes.from_meta(trace.meta["store"])
     ptr, experts = requested_per_call(trace, geom.num_experts)
     future = Future(trace.calls[:, 1], ptr, experts, geom.num_experts)
     return Engine(geom, spec, store, future), ptr, experts

@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger("specmd")
 KEYWORD = "record"
@@ -68,10 +69,11 @@ def trace_key(run, cfg: dict) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def recorded_trace(run) -> str:
-    """The trace directory for ``run`` (``replay.trace=record``): recorded now unless the cache holds it."""
+def recorded_trace(run, record: Callable[[dict, Path], None]) -> str:
+    """The trace directory for ``run`` (``replay.trace=record``): recorded now unless the cache holds it.
+    ``record(config, run_dir)`` runs the recording live (the app's ``execute``: the app orchestrates
+    record-then-replay, and this module imports nothing of it)."""
     from filelock import FileLock
-    from omegaconf import OmegaConf
 
     cfg = recording_config(run.raw)
     name = str((cfg["model"] or {}).get("name") or "model").replace("/", "_")
@@ -80,11 +82,9 @@ def recorded_trace(run) -> str:
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
         if not (out / "results.json").exists():  # results.json is written last: its presence means complete
-            from ..app import execute
-
             log.warning("replay.trace=record: recording the routing of %s on %s into %s (once; later jobs "
                         "replay it)", name, (cfg.get("eval") or {}).get("tasks"), out)
             (out / "config.json").parent.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
-            execute(OmegaConf.create(cfg), run_dir=str(out))
+            record(cfg, out)
     return str(out / "trace")

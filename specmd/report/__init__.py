@@ -31,7 +31,7 @@ from typing import Optional
 from .. import CONF_DIR
 from ..errors import ConfigError
 from .collect import Sweep, find_sweeps, sweep_for_also
-from .tables import Spec, cell, fmt, group_jobs, is_percent
+from .tables import Spec, cell, group_jobs, table
 
 CONF_EXPERIMENTS = Path(CONF_DIR) / "experiment"
 
@@ -92,38 +92,6 @@ def default_metrics(jobs: list) -> list:
 
 
 # --- tables -------------------------------------------------------------------------------------------
-
-def table(sec: Section) -> tuple[list, list]:
-    """(header, rows) of the section's table: row axes, then each metric (per column value when pivoted)."""
-    spec = sec.spec
-    cols = list(dict.fromkeys(g.axes[spec.cols] for g in sec.groups)) if spec.cols else [None]  # sweep order
-    header = list(sec.rows)
-    for c in cols:
-        for label, _ in spec.metrics:
-            header.append(label if c is None else f"{label} @ {spec.cols}={c}")
-    if not spec.metrics:
-        header.append("status")
-    rows, seen = [], {}
-    for g in sec.groups:
-        key = tuple(g.axes[a] for a in sec.rows)
-        seen.setdefault(key, {})[g.axes.get(spec.cols) if spec.cols else None] = g
-    for key, by_col in seen.items():
-        line = list(key)
-        for c in cols:
-            g = by_col.get(c)
-            for label, expr in spec.metrics:
-                if g is None:
-                    line.append("not run")
-                elif g.status() != "ok":
-                    line.append(g.status())
-                else:
-                    line.append(fmt(*cell(spec, label, expr, g, sec.groups), is_percent(label),
-                                    len(g.jobs)))
-            if not spec.metrics:
-                line.append(g.status() if g else "not run")
-        rows.append(line)
-    return header, rows
-
 
 def markdown_table(header: list, rows: list) -> list:
     esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731

@@ -302,3 +302,35 @@ def sort_key(value: str):
         return (0, float(value), "")
     except ValueError:
         return (1, 0.0, value)
+
+
+def table(sec) -> tuple[list, list]:
+    """(header, rows) of a report section's table (``specmd.report.Section``): row axes, then each metric (per column value when pivoted)."""
+    spec = sec.spec
+    cols = list(dict.fromkeys(g.axes[spec.cols] for g in sec.groups)) if spec.cols else [None]  # sweep order
+    header = list(sec.rows)
+    for c in cols:
+        for label, _ in spec.metrics:
+            header.append(label if c is None else f"{label} @ {spec.cols}={c}")
+    if not spec.metrics:
+        header.append("status")
+    rows, seen = [], {}
+    for g in sec.groups:
+        key = tuple(g.axes[a] for a in sec.rows)
+        seen.setdefault(key, {})[g.axes.get(spec.cols) if spec.cols else None] = g
+    for key, by_col in seen.items():
+        line = list(key)
+        for c in cols:
+            g = by_col.get(c)
+            for label, expr in spec.metrics:
+                if g is None:
+                    line.append("not run")
+                elif g.status() != "ok":
+                    line.append(g.status())
+                else:
+                    line.append(fmt(*cell(spec, label, expr, g, sec.groups), is_percent(label),
+                                    len(g.jobs)))
+            if not spec.metrics:
+                line.append(g.status() if g else "not run")
+        rows.append(line)
+    return header, rows

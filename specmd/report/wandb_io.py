@@ -118,7 +118,7 @@ def log_report(sections: list, out: Path, path: str, group: Optional[str], mode:
     import wandb as _wandb
 
     from ..loggers import WandbLogger
-    from . import table
+    from .tables import table
 
     wandb = wandb_module or _wandb
     entity, project = _split_path(path)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from specmd.engine import StackSpec
+from specmd.compose import spec_of
 from specmd.hook import install
 from specmd.models.loader import ModelConfig, load_model
 from specmd.replay.trace import TraceWriter
@@ -21,7 +21,7 @@ OUT = Path(__file__).resolve().parent / "embedded_trace"
 def main():
     model, _ = load_model(ModelConfig(family="olmoe", pretrained="specmd:tiny-olmoe"))
     shutil.rmtree(OUT, ignore_errors=True)
-    stack = install(model, StackSpec.of(prefetch="none"))
+    stack = install(model, spec_of(prefetch="none"))
     stack.writer = TraceWriter(OUT, stack.geom, stack.scoring, stack.store, depth=2,
                                source={"model": "specmd:tiny-olmoe", "recorded_by": "tests/data/record_embedded_trace.py"})
     g = torch.Generator().manual_seed(7)

@@ -103,7 +103,7 @@ def parse_cascade(spec: str) -> list[str]:
     """``"int8:4:2"`` -> ``["int8", "int4", "int2"]`` (a bare number repeats the previous prefix). Every
     precision must be one specmd stores, and the cascade runs from the highest precision down (the most
     important misses get the first): ``int4:8`` would give them int4, so it is rejected, not run backwards."""
-    from ...quant.base import BITS
+    from ...engine.store import BITS
 
     out, prefix = [], "int"
     for part in str(spec).split(":"):

@@ -13,7 +13,7 @@ class Fetch(MissPolicy):
         precision: str = "native"
 
         def __post_init__(self):
-            from ...quant.base import BITS
+            from ...engine.store import BITS
 
             if self.precision != "native" and self.precision not in BITS:
                 raise ValueError(f"precision={self.precision!r}; valid: native, {', '.join(BITS)}")
