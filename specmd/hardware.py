@@ -30,7 +30,7 @@ class HardwareConfig:
     host_mem_bandwidth_gbps: float = 100.0
     # Time the run's routing on a real model's sizes and compute: a config shipped in specmd/assets/configs
     # (olmoe, mixtral): expert bytes, dense and LM-head FLOPs/bytes; layers and experts mapped proportionally
-    # (README "Timing a small model as a real one"). null: the running model's own.
+    # (docs/models.md "Timing a small model as a real one"). null: the running model's own.
     timing_as: Optional[str] = None
     # Fixed costs the roofline does not see (``specmd calibrate`` fits them on this machine; 0 = the ideal
     # device): per decoder layer (its eager ops' launch costs), per token of a pass, per expert a layer runs

@@ -176,7 +176,7 @@ def balance_loss(router_logits, top_k: int, usage: list | None = None, window: i
     reading is that the same push lowers the token-to-token locality that caching exploits; balancing over
     many batches keeps the experts equally used overall without it. Measured on the OLMoE-shaped recipe:
     the weakest layer's locality 0.184 (window 1) vs 0.205 (window 16); the Mixtral-shaped one stayed below
-    its bound with either (README "The embedded models"). ``window`` = 1 is the per-batch loss exactly."""
+    its bound with either (docs/models.md "The embedded models"). ``window`` = 1 is the per-batch loss exactly."""
     losses = []
     for i, logits in enumerate(router_logits):
         probs = logits.float().softmax(dim=-1)  # [T, E]

@@ -3,7 +3,7 @@ request. It decides residency only; time comes from the clock, victims from the 
 sees a read-only :class:`~specmd.engine.view.CacheView`, never this class), what a miss becomes from the
 miss policy's outcomes (:mod:`specmd.engine.outcomes`).
 
-Semantics (README "Cache semantics"):
+Semantics (docs/semantics.md "Cache semantics"):
 * Requests of a layer call are the union of the experts its tokens selected. The call serves its hits
   first (ascending expert index), then its misses (ascending, through the miss policy's outcomes).
 * A request is a *hit* if the expert is resident and its bytes have arrived when the layer runs. A request

@@ -178,7 +178,7 @@ class Clock:
 
 
 class SimClock(Clock):
-    """Deterministic simulated time: one transfer channel plus a roofline per op (README "Simulated clock").
+    """Deterministic simulated time: one transfer channel plus a roofline per op (docs/semantics.md "Simulated clock").
     Time only moves when compute is charged or a stall is taken, so a run is a function of its inputs."""
 
     name = "simulated"

@@ -43,7 +43,7 @@ class StackSpec:
     prefetch: tuple
     hardware: Any
     quant: Optional[tuple] = None
-    measure: str = "all"  # the passes the cache section counts: all | decode (README "Prefill and decode")
+    measure: str = "all"  # the passes the cache section counts: all | decode (docs/policies.md "Prefill and decode")
     timing: Optional[tuple] = None  # (name, Geometry): a real model's sizes and compute (hardware.timing_as)
     execution: Optional[tuple] = None  # (Executor class, params): who carries the decisions out (live runs)
 

@@ -1,6 +1,6 @@
 """The data mirror: lm-eval's built-in tasks read local files instead of the Hugging Face hub.
 
-A mirror is a directory laid out like ``../shared/data`` (see README "Data mirror"):
+A mirror is a directory laid out like ``../shared/data`` (see docs/models.md "Data mirror"):
 
     wikitext2/raw/wiki.test.raw                       -> EleutherAI/wikitext_document_level (test)
     mmlu/{test,dev}/<subject>_{test,dev}.csv          -> cais/mmlu, hails/mmlu_no_train (test, dev)
