@@ -30,6 +30,13 @@ class Plugin:
         self.params = params
 
 
+def import_modules(package: str) -> None:
+    """Import every module of ``package``: what they register at import is then registered."""
+    pkg = importlib.import_module(package)
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"{package}.{mod.name}")
+
+
 class Registry(Generic[T]):
     def __init__(self, family: str, package: str):
         self.family = family
@@ -49,9 +56,7 @@ class Registry(Generic[T]):
 
     def _load(self) -> None:
         if not self._loaded:
-            pkg = importlib.import_module(self.package)
-            for mod in pkgutil.iter_modules(pkg.__path__):
-                importlib.import_module(f"{self.package}.{mod.name}")
+            import_modules(self.package)
             self._loaded = True
 
     def names(self) -> list[str]:
