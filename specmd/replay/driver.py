@@ -26,10 +26,10 @@ from ..engine.record import NoLogits
 from ..engine.store import StoreSizes
 from ..errors import ConfigError
 from .future import Future
-from .imports import FORMATS as IMPORT_FORMATS
+from .formats import FORMATS as IMPORT_FORMATS
 from .trace import KINDS, Trace, read_trace
 
-FORMATS = ("specmd", *IMPORT_FORMATS)
+FORMATS = IMPORT_FORMATS.choices("specmd")  # read at each use: a format registered later is a valid choice
 
 
 @dataclass

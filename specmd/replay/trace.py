@@ -176,8 +176,10 @@ def read_trace(path) -> Trace:
     path = Path(path)
     meta_path = path / "meta.json"
     if not meta_path.is_file():
+        from .formats import FORMATS as IMPORTS
+
         raise ConfigError(f"replay.trace={str(path)!r} is not a specmd trace directory (no meta.json); for other "
-                          f"files set replay.format (jsonl, llama_csv, npy, vllm)")
+                          f"files set replay.format ({', '.join(IMPORTS.names())})")
     try:
         meta = json.loads(meta_path.read_text())
     except ValueError as exc:

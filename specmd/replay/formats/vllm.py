@@ -1,0 +1,120 @@
+"""``vllm``: the routing stock vLLM returns with ``--enable-return-routed-experts``.
+
+Per request, ``prompt_routed_experts`` (the prompt's tokens) and ``routed_experts`` (the generated tokens the
+model ran), each an integer array ``[tokens, MoE layers, top_k]`` (int16 in vLLM). Two containers: a ``.npz``
+holding ``prompt_routed_experts`` / ``routed_experts`` for one request, or ``<request>/prompt_routed_experts``
+and ``<request>/routed_experts`` for several (``np.savez(f, **arrays)``); or JSON Lines, one object per request
+with ``request_id`` (optional) and the two fields as nested lists (``.tolist()`` of the arrays). Either field
+may be absent (a prompt-only or decode-only capture), not both. Unlike the per-token formats the prompt is
+**one prefill pass** of its tokens, as vLLM ran it (a chunked prefill is still replayed as one pass),
+followed by one decode pass per generated token; context counts the prompt.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from ...errors import ConfigError
+from .base import ImportOptions, Records, json_objects, register_format
+
+VLLM_FIELDS = ("prompt_routed_experts", "routed_experts")
+
+
+@register_format("vllm")
+def parse(path: Path, opts: ImportOptions, notes: list) -> Records:
+    requests = _npz_requests(path) if path.suffix == ".npz" else _jsonl_requests(path)
+    if not requests:
+        raise ConfigError(f"{path}: empty file, no requests")
+    L, k = _shape(path, requests)
+    parts = [np.concatenate([a for a in (prompt, gen) if a is not None]).astype(np.int64)
+             for _, prompt, gen, _ in requests]
+    names = [name for name, *_ in requests]
+    locs = [where for *_, where in requests]
+    tokens = np.concatenate(parts)  # [T, L, k]
+    seq_of_token = np.concatenate([np.full(len(p), i, dtype=np.int64) for i, p in enumerate(parts)])
+    first = np.concatenate(([0], np.cumsum([len(x) for x in parts])))[:-1]
+    tok = np.arange(len(tokens), dtype=np.int64) - first[seq_of_token]
+    pl = np.asarray([0 if prompt is None else len(prompt) for _, prompt, _, _ in requests], dtype=np.int64)
+
+    def loc(r: int) -> str:
+        t, layer = divmod(r, L)
+        q = int(seq_of_token[t])
+        pos = int(tok[t])
+        part = "prompt" if pos < pl[q] else "generated"
+        return f"{locs[q]}: request {names[q]!r} token {pos} ({part}) layer {layer}"
+
+    return Records(
+        seq=np.repeat(seq_of_token, L), tok=np.repeat(tok, L), layer=np.tile(np.arange(L, dtype=np.int64), len(tokens)),
+        experts=tokens.reshape(-1, k), weights=None, logits=None, loc=loc, path=str(path), seq_names=names,
+        prompt_len=pl,
+    )
+
+
+def _shape(path: Path, requests: list) -> tuple:
+    """(layers, top_k), the same for every array of every request."""
+    shape = None
+    for name, prompt, gen, where in requests:
+        if prompt is None and gen is None:
+            raise ConfigError(f"{path}, {where}: request {name!r} has no routing (neither {' nor '.join(VLLM_FIELDS)})")
+        for field, a in zip(VLLM_FIELDS, (prompt, gen)):
+            if a is None:
+                continue
+            shape = a.shape[1:] if shape is None else shape
+            if a.shape[1:] != shape:
+                raise ConfigError(f"{path}, {where}: {field} of request {name!r} has [layers, top_k] = "
+                                  f"{list(a.shape[1:])}, the requests before it {list(shape)}")
+    if shape[1] == 0:
+        raise ConfigError(f"{path}: empty expert lists (top_k = 0)")
+    return shape
+
+
+def _array(path: Path, where: str, name, field: str, value) -> Optional[np.ndarray]:
+    """One request's field as an integer array [tokens, layers, k] (None when absent or empty)."""
+    if value is None:
+        return None
+    try:
+        a = np.asarray(value)
+    except ValueError as e:  # ragged nested lists
+        raise ConfigError(f"{path}, {where}: {field} of request {name!r} is not a [tokens, layers, top_k] array ({e})") from None
+    if a.size == 0:
+        return None
+    if a.ndim != 3:
+        raise ConfigError(f"{path}, {where}: {field} of request {name!r} must be [tokens, layers, top_k], got shape "
+                          f"{a.shape}")
+    if a.dtype.kind not in "iu":
+        raise ConfigError(f"{path}, {where}: {field} of request {name!r} must hold integer expert ids, got dtype {a.dtype}")
+    return a
+
+
+def _npz_requests(path: Path) -> list:
+    """[(request name, prompt array or None, generated array or None, where)] of a .npz, in archive order."""
+    try:
+        z = np.load(path, allow_pickle=False)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is a user error here
+        raise ConfigError(f"{path}: not a readable .npz archive ({e})") from None
+    groups: dict = {}
+    with z:
+        for key in z.files:
+            req, _, field = key.rpartition("/")
+            if field not in VLLM_FIELDS:
+                raise ConfigError(f"{path}: array {key!r} is not one of {', '.join(VLLM_FIELDS)} (optionally "
+                                  f"prefixed '<request>/')")
+            groups.setdefault(req, {})[field] = z[key]
+    out = []
+    for req, g in groups.items():
+        where = f"arrays {req + '/' if req else ''}*"
+        out.append((req or 0, *(_array(path, where, req or 0, f, g.get(f)) for f in VLLM_FIELDS), where))
+    return out
+
+
+def _jsonl_requests(path: Path) -> list:
+    """The same of a JSON Lines file, one request a line."""
+    out = []
+    for n, d in json_objects(path):
+        name = d.get("request_id", len(out))
+        where = f"line {n}"
+        out.append((name, *(_array(path, where, name, f, d.get(f)) for f in VLLM_FIELDS), where))
+    return out
