@@ -1,4 +1,5 @@
-"""Importing routing traces from other engines (specmd.replay.imports): JSONL, llama.cpp moe-trace CSV, .npy."""
+"""Importing routing traces from other engines (specmd.replay.formats): JSONL, llama.cpp moe-trace CSV, .npy, vLLM,
+and a format added by one registered parser."""
 
 import json
 import warnings
@@ -446,3 +447,68 @@ def test_missing_cells_say_what_the_pattern_suggests(tmp_path, drop, hint):
             if not drop(t, la)]
     with pytest.raises(ConfigError, match=hint) if "decode" in hint else pytest.warns(UserWarning, match=hint):
         load_import(write_jsonl(tmp_path / "r.jsonl", recs), "jsonl", ImportOptions(num_experts=8, max_missing=0.05))
+
+
+def _toy_parse(path, opts, notes):
+    """A whole new format in one function: a line ``<sequence> <token> <layer> <e1>,<e2>,...``."""
+    from specmd.replay.formats import Records
+
+    lines = [(n, line.split()) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    names = list(dict.fromkeys(f[0] for _, f in lines))  # sequence ids by first appearance
+    return Records(
+        seq=np.array([names.index(f[0]) for _, f in lines]), tok=np.array([int(f[1]) for _, f in lines]),
+        layer=np.array([int(f[2]) for _, f in lines]),
+        experts=np.array([[int(x) for x in f[3].split(",")] for _, f in lines]), weights=None, logits=None,
+        loc=lambda i: f"line {lines[i][0]}", seq_names=names, path=str(path))
+
+
+def test_a_new_format_is_one_registered_parser(tmp_path):
+    """A format registered from outside the package: imported, validated and replayed like the built-in
+    ones, listed among the valid choices while registered, gone after."""
+    from hydra import compose, initialize_config_dir
+
+    from specmd.app import execute
+    from specmd.replay.driver import ReplayConfig
+    from specmd.replay.formats import FORMATS, register_format
+    from specmd.replay.trace import read_trace
+    from test_configs import CONF
+
+    f = tmp_path / "r.toy"
+    f.write_text("".join(f"{q} {t} {la} {','.join(map(str, EXPERTS[q, t, la]))}\n" for q, t, la in FILE_ORDER))
+    register_format("toy")(_toy_parse)
+    try:
+        tr = load_import(f, "toy", ImportOptions(num_experts=8))
+        assert (tr.passes.tolist(), tr.calls.tolist(), tr.index.tolist()) == (PASSES, CALLS, INDEX)  # as its JSONL
+        assert tr.meta["source"] == {"format": "toy", "path": str(f), "records": 12, "sequences": 2}
+        with pytest.raises(ConfigError, match=r"bad\.toy, line 2: expert id 9 out of range \[0, 8\)"):
+            bad = tmp_path / "bad.toy"
+            bad.write_text("0 0 0 1,2\n0 1 0 9,2\n")
+            load_import(bad, "toy", ImportOptions(num_experts=8))
+        with pytest.raises(ConfigError, match=r"valid choices: jsonl, llama_csv, npy, toy, vllm$"):
+            load_import(f, "parquet", ImportOptions(num_experts=8))
+        with pytest.raises(ConfigError, match=r"valid choices: specmd, jsonl, llama_csv, npy, toy, vllm$"):
+            ReplayConfig(trace=str(f), format="parquet")
+        with pytest.raises(ConfigError, match=r"set replay.format \(jsonl, llama_csv, npy, toy, vllm\)"):
+            read_trace(tmp_path)
+        over = [f"replay.trace={f}", "replay.format=toy", "replay.num_experts=8", "prefetch=none",
+                "hardware.experts_per_layer=3"]
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            res = execute(compose(config_name="config", overrides=over), run_dir=tmp_path / "run")
+        assert res["replay"]["format"] == "toy" and res["replay"]["passes"] == 6
+        assert res["cache"]["requests"] == 24
+    finally:
+        FORMATS.unregister("toy")
+    assert "toy" not in FORMATS.names()
+    with pytest.raises(ConfigError, match=r"valid choices: jsonl, llama_csv, npy, vllm$"):
+        load_import(f, "toy", ImportOptions(num_experts=8))
+
+
+def test_format_names_are_checked_when_registered():
+    from specmd.replay.formats import FORMATS, register_format
+
+    with pytest.raises(ValueError, match="import format 'jsonl' registered twice"):
+        register_format("jsonl")(_toy_parse)
+    with pytest.raises(ValueError, match="'specmd' is reserved"):
+        register_format("specmd")(_toy_parse)
+    assert FORMATS.names() == ["jsonl", "llama_csv", "npy", "vllm"]
+
