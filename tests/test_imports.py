@@ -512,3 +512,22 @@ def test_format_names_are_checked_when_registered():
         register_format("specmd")(_toy_parse)
     assert FORMATS.names() == ["jsonl", "llama_csv", "npy", "vllm"]
 
+
+@pytest.mark.parametrize("fmt,text,match", [
+    ("jsonl", "".join(json.dumps({"token": t, "layer": 0, "experts": [1.5 if t == 3 else 1, 2]}) + "\n"
+                      for t in range(6)), r"line 4: expert id 1.5 is not an integer"),
+    ("jsonl", "".join(json.dumps({"token": t, "layer": 0, "experts": [1, 2], "weights": [0.5, "x" if t == 3 else 0.5]})
+                      + "\n" for t in range(6)), r"line 4: weight value 'x' is not a number"),
+    ("llama_csv", "token,layer,experts\n" + "".join(f"{t},0,\"1;{2**63 if t == 3 else 2}\"\n" for t in range(6)),
+     r"line 5: expert id 9223372036854775808 is out of range"),
+])
+def test_a_bad_value_that_fills_a_chunk_names_its_line(tmp_path, monkeypatch, fmt, text, match):
+    """Rows are converted a chunk at a time; the record that fills a chunk is named like any other (it was an
+    IndexError: its line number was appended after its rows)."""
+    from specmd.replay.formats.base import Rows
+
+    monkeypatch.setattr(Rows, "CHUNK", 4)
+    f = tmp_path / "r.txt"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=r"r\.txt, " + match):
+        load_import(f, fmt, ImportOptions(num_experts=8))

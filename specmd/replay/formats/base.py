@@ -250,13 +250,13 @@ class Columns:
         self.logits = Rows(float_matrix, where, "logit", np.float32)
 
     def add(self, lineno: int, seq: int, tok: int, layer: int) -> None:
-        """A record's sequence ordinal, token key, layer id and line (the caller appends its rows)."""
+        """A record's sequence ordinal, token key and layer id (its line went into ``lines`` first, so that
+        converting a chunk of rows can name every line of it; the caller appends its rows)."""
         if not (-BIG < tok < BIG and -BIG < layer < BIG):
             raise ConfigError(f"{self.path}, line {lineno}: token position or layer out of the int64 range")
         self.seqs.append(seq)
         self.toks.append(tok)
         self.layers.append(layer)
-        self.lines.append(lineno)
 
     def records(self, has_w: bool, has_l: bool, empty: str = "empty file, no routing records", **more) -> Records:
         """The records read (``more``: the other fields of :class:`Records`)."""

@@ -44,6 +44,8 @@ class _Reader:
         c, get = self.cols, self.get
         seq_ids, lines = c.seq_ids, c.lines
         for lineno, d in json_objects(self.path):
+            i = len(lines)
+            lines.append(lineno)
             s = get(d, "seq")
             if s is MISSING:
                 s = 0
@@ -59,7 +61,7 @@ class _Reader:
             lay = get(d, "layer")
             if type(lay) is not int:
                 self._not_int(lineno, lay, "layer", LAYER_KEYS)
-            c.experts.append(self.routing(lineno, get(d, "exp"), get(d, "w"), get(d, "log"), len(lines)))
+            c.experts.append(self.routing(lineno, get(d, "exp"), get(d, "w"), get(d, "log"), i))
             c.add(lineno, so, t, lay)
         rec = c.records(self.has_w, self.has_l)
         if self.derive:

@@ -77,6 +77,7 @@ def _parse_llama_rows(path: Path, notes: list) -> Records:
     tok_pos = ints()
     runs = _Runs()
     for lineno, vals in _int_rows(path):
+        cols.lines.append(lineno)
         pos, lay = vals[0], vals[1]
         seq, t = runs.token(pos, lay)
         if not (-BIG < pos < BIG and -BIG < lay < BIG):
@@ -86,7 +87,6 @@ def _parse_llama_rows(path: Path, notes: list) -> Records:
         tok_pos.append(pos)
         cols.layers.append(lay)
         cols.experts.append(vals[2:])
-        cols.lines.append(lineno)
     rec = cols.records(False, False, seq_names=list(range(runs.seq + 1)),
                        tok_names=np.asarray(tok_pos, dtype=np.int64), token_order="appearance")
     notes.append(f"llama.cpp moe-trace CSV (pos,layer,id0..): {runs.seq + 1} run(s), {runs.prompt_rows} prompt "
@@ -235,6 +235,7 @@ class _HeaderRows:
             lineno = reader.line_num
             if not any(x.strip() for x in row):
                 continue
+            c.lines.append(lineno)
             if len(row) != width:
                 raise ConfigError(f"{self.path}, line {lineno}: {len(row)} columns, the header has {width}")
             t = self._int(lineno, row[c_tok], "token position")
