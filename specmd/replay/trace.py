@@ -176,7 +176,7 @@ def read_trace(path) -> Trace:
     path = Path(path)
     meta_path = path / "meta.json"
     if not meta_path.is_file():
-        from .formats import FORMATS as IMPORTS
+        from .formats.base import FORMATS as IMPORTS  # the registry alone: formats.build imports this module
 
         raise ConfigError(f"replay.trace={str(path)!r} is not a specmd trace directory (no meta.json); for other "
                           f"files set replay.format ({', '.join(IMPORTS.names())})")
