@@ -72,7 +72,7 @@ def test_link_fit_recovers_latency_and_bandwidth():
 
 def test_overheads_charged_exactly():
     """Each fixed cost adds exactly its figure per decoder layer / token / expert run / transfer issued."""
-    from specmd.engine import Engine, GateRecord
+    from specmd.engine import Engine, LiveRecord
     from specmd.compose import spec_of
     from specmd.engine.geometry import Geometry
     from specmd.engine.record import Scoring
@@ -87,7 +87,7 @@ def test_overheads_charged_exactly():
         eng.begin_pass("prefill", 3, 3)
         for layer in range(2):
             idx = torch.tensor([[0, 1], [1, 2], [0, 2]])
-            rec = GateRecord(layer, torch.zeros(3, 8), torch.full((3, 2), 0.5), idx, Scoring(False, True, 1.0),
+            rec = LiveRecord(layer, torch.zeros(3, 8), torch.full((3, 2), 0.5), idx, Scoring(False, True, 1.0),
                              lambda target, idx=idx: (torch.full((3, 8), 1 / 8), idx))
             eng.route(rec)
             eng.layer(rec)

@@ -45,7 +45,7 @@ def test_jsonl_exact_arrays(tmp_path):
     assert tr.weights is None and tr.logits is None and tr.signal_index is None and tr.signal_logits is None
     assert tr.depth == 0
     assert tr.path == str(f)
-    m = tr.meta
+    m = tr.meta.to_dict()  # what a specmd trace of it would write as meta.json
     assert m["format"] == "specmd-trace" and m["version"] == 1 and m["depth"] == 0 and m["logits"] == "none"
     g = m["geometry"]
     assert (g["num_layers"], g["num_experts"], g["top_k"], g["expert_bytes"], g["total_bytes"]) == (2, 8, 2, 1, 16)
@@ -53,6 +53,7 @@ def test_jsonl_exact_arrays(tmp_path):
     assert m["scoring"] == {"sigmoid": False, "renorm": True, "scale": 1.0}
     assert m["store"] == {"native_bits": 16, "bytes_of": {"native": 1}}
     assert m["source"] == {"format": "jsonl", "path": str(f), "records": 12, "sequences": 2}
+    assert tr.meta.imported == "jsonl" and tr.meta.geometry.num_experts == 8
     assert any(n.startswith("replay.expert_bytes not set: expert_bytes=1") for n in tr.notes)
     assert any(n.startswith("replay.model_bytes not set") for n in tr.notes)
     assert any("no dense/attention compute time is modelled" in n for n in tr.notes)
@@ -64,9 +65,9 @@ def test_jsonl_exact_arrays(tmp_path):
 def test_jsonl_bytes_from_options(tmp_path):
     f = write_jsonl(tmp_path / "r.jsonl", canonical_records())
     tr = load_import(f, "jsonl", ImportOptions(num_experts=8, expert_bytes=1000, model_bytes=50_000))
-    g = tr.meta["geometry"]
-    assert (g["expert_bytes"], g["total_bytes"]) == (1000, 50_000)
-    assert tr.meta["store"]["bytes_of"] == {"native": 1000}
+    g = tr.meta.geometry
+    assert (g.expert_bytes, g.total_bytes) == (1000, 50_000)
+    assert tr.meta.store.bytes_of == {"native": 1000}
     assert not any("expert_bytes not set" in n or "model_bytes not set" in n for n in tr.notes)
 
 
@@ -90,7 +91,7 @@ def test_jsonl_default_sequence(tmp_path):
     tr = load_import(write_jsonl(tmp_path / "r.jsonl", recs), "jsonl", ImportOptions(num_experts=8))
     assert tr.passes.tolist() == [[0, 1, 1], [1, 1, 2], [1, 1, 3]]
     assert tr.index.tolist() == [[0, 4], [0, 5], [1, 4], [1, 5], [2, 4], [2, 5]]
-    assert tr.meta["source"]["sequences"] == 1
+    assert tr.meta.source["sequences"] == 1
 
 
 def test_jsonl_noncontiguous_layers_mapped(tmp_path):
@@ -98,11 +99,11 @@ def test_jsonl_noncontiguous_layers_mapped(tmp_path):
     recs = [{"seq": 0, "token": t, "layer": la, "experts": [la, t + 5]} for t in (0, 1) for la in (4, 1, 3)]
     with pytest.warns(UserWarning, match=r"layer id\(s\) \[2\] absent from every token"):  # an irregular gap
         tr = load_import(write_jsonl(tmp_path / "r.jsonl", recs), "jsonl", ImportOptions(num_experts=8))
-    assert tr.meta["geometry"]["layer_ids"] == [1, 3, 4]
-    assert tr.meta["geometry"]["num_layers"] == 3
+    assert tr.meta.geometry.layer_ids == [1, 3, 4]
+    assert tr.meta.geometry.num_layers == 3
     assert tr.calls.tolist() == [[0, 0, 0, 1], [0, 1, 1, 1], [0, 2, 2, 1], [1, 0, 3, 1], [1, 1, 4, 1], [1, 2, 5, 1]]
     assert tr.index.tolist() == [[1, 5], [3, 5], [4, 5], [1, 6], [3, 6], [4, 6]]
-    assert tr.meta["geometry"]["dense_params"] == [0, 0, 0]
+    assert tr.meta.geometry.dense_params == [0, 0, 0]
 
 
 def test_jsonl_weights_and_logits_kept(tmp_path):
@@ -115,8 +116,8 @@ def test_jsonl_weights_and_logits_kept(tmp_path):
                          "router_logits": logits})
     f = write_jsonl(tmp_path / "r.jsonl", recs)
     tr = load_import(f, "jsonl", ImportOptions())  # E comes from the logits
-    assert tr.meta["geometry"]["num_experts"] == 4
-    assert tr.meta["logits"] == "fp32"
+    assert tr.meta.geometry.num_experts == 4
+    assert tr.meta.logits == "fp32"
     assert tr.weights.dtype == np.float16 and tr.weights.tolist() == [[0.75, 0.25]] * 4
     assert tr.logits.dtype == np.float32
     assert tr.logits.tolist() == [[10.0, 1.0, 2.0, 3.0], [0.0, 10.0, 2.0, 3.0], [0.0, 10.0, 2.0, 3.0],
@@ -133,7 +134,7 @@ def test_jsonl_logits_only_uses_top_k(tmp_path):
     f = write_jsonl(tmp_path / "r.jsonl", recs)
     tr = load_import(f, "jsonl", ImportOptions(top_k=2))
     assert tr.index.tolist() == [[1, 3], [0, 2]]
-    assert tr.meta["geometry"]["top_k"] == 2
+    assert tr.meta.geometry.top_k == 2
     with pytest.raises(ConfigError, match=r"line 1: no expert list, only logits; set replay.top_k"):
         load_import(f, "jsonl", ImportOptions())
 
@@ -236,8 +237,8 @@ def test_npy_round_trip(tmp_path):
     np.testing.assert_array_equal(tr.index, arr.reshape(20, 3))
     assert tr.passes.tolist() == [[0, 1, 1], [1, 1, 2], [1, 1, 3], [1, 1, 4], [1, 1, 5]]
     assert tr.calls.tolist() == [[p, la, 4 * p + la, 1] for p in range(5) for la in range(4)]
-    assert tr.meta["geometry"]["layer_ids"] == [0, 1, 2, 3]
-    assert tr.meta["source"]["records"] == 20 and tr.meta["source"]["format"] == "npy"
+    assert tr.meta.geometry.layer_ids == [0, 1, 2, 3]
+    assert tr.meta.source["records"] == 20 and tr.meta.source["format"] == "npy"
     arr[1, 1, 2] = -3
     np.save(f, arr)
     with pytest.raises(ConfigError, match=r"r\.npy, record 5 \(token 1, layer 1\): negative expert id -3"):
@@ -261,8 +262,8 @@ def test_llama_csv_headerless_moe_trace(tmp_path):
     assert tr.calls.tolist() == [[p, la, 2 * p + la, 1] for p in range(8) for la in range(2)]
     assert tr.index.tolist() == [[1, 2], [7, 0], [3, 4], [1, 3], [5, 6], [2, 4], [0, 1], [2, 3], [4, 5], [6, 7],
                                  [5, 1], [7, 3], [6, 2], [0, 4], [1, 2], [3, 4]]
-    assert tr.meta["geometry"]["layer_ids"] == [0, 1]
-    assert tr.meta["source"] == {"format": "llama_csv", "path": str(f), "records": 16, "sequences": 2}
+    assert tr.meta.geometry.layer_ids == [0, 1]
+    assert tr.meta.source == {"format": "llama_csv", "path": str(f), "records": 16, "sequences": 2}
     assert tr.notes[0] == ("llama.cpp moe-trace CSV (pos,layer,id0..): 2 run(s), 10 prompt rows (negative pos) and "
                            "6 decode rows; prompt tokens replay one token per pass (the prefill batching is not kept)")
 
@@ -277,8 +278,8 @@ def test_llama_csv_other_prompt_encoding_and_repeats(tmp_path):
     assert tr.passes.tolist() == [[0, 1, 1], [1, 1, 2], [1, 1, 3], [0, 1, 1]]
     assert tr.index[:, 0].tolist() == [0, 2, 1, 3, 4, 5, 6, 7]
     assert tr.calls[:, 1].tolist() == [0, 1] * 4
-    assert tr.meta["geometry"]["layer_ids"] == [3, 5]
-    assert tr.meta["geometry"]["top_k"] == 1
+    assert tr.meta.geometry.layer_ids == [3, 5]
+    assert tr.meta.geometry.top_k == 1
 
 
 def test_llama_csv_headerless_errors(tmp_path):
@@ -356,7 +357,7 @@ def test_vllm_prompt_is_one_prefill_pass_then_decode_steps(tmp_path):
     assert tr.calls[3:].tolist() == [[p, la, 12 + 3 * (p - 1) + la, 1] for p in (1, 2, 3) for la in range(3)]
     assert tr.index[0:4].tolist() == prompt[:, 0].tolist() and tr.index[8:12].tolist() == prompt[:, 2].tolist()
     assert tr.index[12:15].tolist() == gen[0].tolist()
-    assert tr.meta["geometry"]["top_k"] == 2 and tr.meta["source"]["format"] == "vllm"
+    assert tr.meta.geometry.top_k == 2 and tr.meta.source["format"] == "vllm"
 
 
 def test_vllm_jsonl_and_npz_of_several_requests_agree(tmp_path):
@@ -374,7 +375,7 @@ def test_vllm_jsonl_and_npz_of_several_requests_agree(tmp_path):
     assert a.passes.tolist() == b.passes.tolist() == [[0, 5, 5], [1, 1, 6], [1, 1, 7], [0, 3, 3]] + \
         [[1, 1, 4 + i] for i in range(4)]
     assert a.index.tolist() == b.index.tolist() and a.calls.tolist() == b.calls.tolist()
-    assert a.meta["source"]["sequences"] == 2
+    assert a.meta.source["sequences"] == 2
 
 
 @pytest.mark.parametrize("content,match", [
@@ -428,7 +429,7 @@ def test_a_layer_absent_from_every_token_is_flagged(tmp_path):
     recs = [{"token": t, "layer": la, "experts": [t % 8, (t + la + 1) % 8]} for t in range(4) for la in (0, 1, 2, 4, 5)]
     with pytest.warns(UserWarning, match=r"layer id\(s\) \[3\] absent from every token"):
         tr = load_import(write_jsonl(tmp_path / "r.jsonl", recs), "jsonl", ImportOptions(num_experts=8))
-    assert tr.meta["geometry"]["layer_ids"] == [0, 1, 2, 4, 5]
+    assert tr.meta.geometry.layer_ids == [0, 1, 2, 4, 5]
     # a regular stride (every other layer is MoE) is a model, not a gap
     recs = [{"token": t, "layer": la, "experts": [t % 8, (t + la + 2) % 8]} for t in range(4) for la in (1, 3, 5)]
     import warnings
@@ -479,7 +480,7 @@ def test_a_new_format_is_one_registered_parser(tmp_path):
     try:
         tr = load_import(f, "toy", ImportOptions(num_experts=8))
         assert (tr.passes.tolist(), tr.calls.tolist(), tr.index.tolist()) == (PASSES, CALLS, INDEX)  # as its JSONL
-        assert tr.meta["source"] == {"format": "toy", "path": str(f), "records": 12, "sequences": 2}
+        assert tr.meta.source == {"format": "toy", "path": str(f), "records": 12, "sequences": 2}
         with pytest.raises(ConfigError, match=r"bad\.toy, line 2: expert id 9 out of range \[0, 8\)"):
             bad = tmp_path / "bad.toy"
             bad.write_text("0 0 0 1,2\n0 1 0 9,2\n")

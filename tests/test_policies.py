@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specmd.compose import spec_of
-from specmd.engine.record import GateRecord, Scoring
+from specmd.engine.record import LiveRecord, Scoring
 from specmd.errors import ConfigError
 from specmd.policies.miss import MISS
 from specmd.policies.prefetch import PREFETCH
@@ -38,7 +38,7 @@ def record(probs, k, layer=0, index=None):
     logits = probs.log()
     if index is None:
         index = probs.topk(k, dim=-1).indices
-    return GateRecord(layer, logits, SOFTMAX.weigh(probs, index), index, SOFTMAX)
+    return LiveRecord(layer, logits, SOFTMAX.weigh(probs, index), index, SOFTMAX)
 
 
 def test_promote_matches_paper_appendix_b():
@@ -73,7 +73,7 @@ def test_cache_prior_equation_9():
     # z = [3, 2, 1, 0] (as log-probabilities up to a constant), k = 2, cached {3}, J = 1:
     # Delta_avg = 3; lambda = 0.5 -> z' = [4.5, 2, 1, 1.5] -> {0, 1}; lambda = 1 -> [6, 2, 1, 3] -> {0, 3}
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
-    rec = GateRecord(0, logits, None, torch.tensor([[0, 1]]), SOFTMAX)
+    rec = LiveRecord(0, logits, None, torch.tensor([[0, 1]]), SOFTMAX)
 
     class View:
         num_layers = 1
@@ -207,17 +207,17 @@ class PrefetchView:
     def next_layer(self, layer):
         return layer + 1 if layer + 1 < self.num_layers else None
 
-    def signal(self, layer):
+    def signal(self, layer):  # raw: (logits, index); the record's scoring (softmax) turns log p back into p
         p = self.probs * (layer + 1)  # distinct per target layer
         p = p / p.sum(-1, keepdim=True)
-        return p, p.topk(self.top_k, dim=-1).indices
+        return p.log(), p.topk(self.top_k, dim=-1).indices
 
 
 def test_score_prefetch_percentile():
     view = PrefetchView([[0.5, 0.3, 0.15, 0.05]])
     pol = PREFETCH.build({"name": "score", "percentile": 50.0, "window": 1})
     pol.setup(view)
-    rec = GateRecord(0, torch.zeros(1, 4), None, torch.tensor([[0]]), SOFTMAX, view.signal)
+    rec = LiveRecord(0, torch.zeros(1, 4), None, torch.tensor([[0]]), SOFTMAX, view.signal)
     # median of [.5 .3 .15 .05] = .225 -> {0, 1}, issued by descending score
     assert pol.predict(rec, view) == [(1, [0, 1])]
 
@@ -226,7 +226,7 @@ def test_lookahead_targets_several_layers():
     view = PrefetchView([[0.1, 0.6, 0.2, 0.1]])
     pol = PREFETCH.build({"name": "lookahead", "depth": 2})
     pol.setup(view)
-    rec = GateRecord(1, torch.zeros(1, 4), None, torch.tensor([[1]]), SOFTMAX, view.signal)
+    rec = LiveRecord(1, torch.zeros(1, 4), None, torch.tensor([[1]]), SOFTMAX, view.signal)
     assert pol.predict(rec, view) == [(2, [1]), (3, [1])]
     rec.layer = 3
     assert pol.predict(rec, view) == []

@@ -1,6 +1,7 @@
 """Replay: the engine fed by a recorded trace equals the live run (cache and timing, bit for bit) for every
 exact stack; Belady is the optimum (libCacheSim equality, every policy at or below it); oracle prefetch."""
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -17,11 +18,13 @@ from specmd.errors import ConfigError
 from specmd.hardware import HardwareConfig
 from specmd.hook import install
 from specmd.policies.eviction import EVICTION
+from specmd.policies.prefetch import PREFETCH
 from specmd.replay.driver import check, exactness, run_replay
-from specmd.replay.trace import Trace, TraceWriter, full_calls, read_trace
+from specmd.engine.store import StoreSizes
+from specmd.replay.trace import Trace, TraceMeta, TraceWriter, full_calls, read_trace
 
 
-def spec_of(case):
+def case_spec(case):
     case = dict(case)
     hw = {k: case.pop(k) for k in list(case) if k in HardwareConfig.__dataclass_fields__}
     return spec_of(hardware=HardwareConfig(**hw), **case)
@@ -40,10 +43,12 @@ def live(model, spec, prompts, trace_dir=None, depth=2):
     return stack.engine.results()
 
 
-EVICTIONS = [e for e in EVICTION.names() if e != "belady"]
+# every registered policy a live run can use (oracles need the future: replay only)
+EVICTIONS = [e for e in EVICTION.names() if not EVICTION.get(e).needs_future]
+PREFETCHES = [p for p in PREFETCH.names() if not PREFETCH.get(p).needs_future]
 CASES = (
     [dict(eviction=e, prefetch="topk", capacity=0.25) for e in EVICTIONS]
-    + [dict(prefetch=p, capacity=c) for p in ("none", "topk", "score", "lookahead") for c in (0.05, 0.25, 0.6)]
+    + [dict(prefetch=p, capacity=c) for p in PREFETCHES for c in (0.05, 0.25, 0.6)]
     + [dict(eviction=e, prefetch="lookahead", capacity=0.3, scope="per_layer")
        for e in ("lru", "least_stale", "lfu", "fld", "score", "arc")]
     + [dict(miss="cpu_compute", capacity=0.1), dict(miss="cpu_compute", prefetch="score", capacity=0.3, scope="per_layer"),
@@ -58,25 +63,25 @@ def recorded(request, tmp_path_factory):
     model = tiny(family)
     prompts = [sample_ids(batch=1, seq=20, seed=s) for s in (0, 1)]
     path = tmp_path_factory.mktemp(f"trace_{family}") / "trace"
-    first = live(model, spec_of(CASES[0]), prompts, path)
+    first = live(model, case_spec(CASES[0]), prompts, path)
     return family, model, prompts, read_trace(path), first
 
 
 def test_trace_holds_every_pass_and_layer_call(recorded):
     family, model, prompts, trace, first = recorded
-    L = trace.meta["geometry"]["num_layers"]
+    L = trace.meta.geometry.num_layers
     assert trace.passes[:, 0].tolist() == [0, 1, 1, 1] * 2  # prefill, then 3 decode steps, per prompt
     assert trace.passes[:, 1].tolist() == [20, 1, 1, 1] * 2
     assert trace.passes[:, 2].tolist() == [20, 21, 22, 23] * 2  # context
     assert len(trace.calls) == 8 * L and trace.depth == 2
-    assert trace.index.shape == (L * 23 * 2, trace.meta["geometry"]["top_k"])
+    assert trace.index.shape == (L * 23 * 2, trace.meta.geometry.top_k)
     assert first["timing"]["passes"] == 8
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_replay_equals_live(recorded, case):
     family, model, prompts, trace, _ = recorded
-    spec = spec_of(case)
+    spec = case_spec(case)
     want = live(model, spec, prompts)
     assert not exactness(trace, spec)
     got = run_replay(trace, spec).results()
@@ -89,7 +94,7 @@ def test_lossy_replay_says_inexact(recorded):
     family, model, prompts, trace, _ = recorded
     for case, needle in ((dict(routing="cache_prior"), "routing=cache_prior"), (dict(miss="drop"), "miss=drop"),
                          (dict(miss="substitute"), "miss=substitute")):
-        spec = spec_of(case)
+        spec = case_spec(case)
         reasons = exactness(trace, spec)
         assert reasons and needle in reasons[0]
         res = run_replay(trace, spec).results()  # applies the policy to the recorded logits
@@ -98,7 +103,7 @@ def test_lossy_replay_says_inexact(recorded):
 
 def test_killed_run_leaves_a_readable_prefix(recorded, tmp_path):
     family, model, prompts, trace, _ = recorded
-    stack = install(model, spec_of({}))
+    stack = install(model, case_spec({}))
     stack.writer = TraceWriter(tmp_path / "t", stack.geom, stack.scoring, stack.store, 1)
     with torch.no_grad(), stack:
         model(prompts[0])
@@ -110,17 +115,17 @@ def test_killed_run_leaves_a_readable_prefix(recorded, tmp_path):
     stack.writer.files["index"].flush()
     t = read_trace(tmp_path / "t")
     assert len(t.passes) == 2 and t.passes[:, 1].tolist() == [20, 20]
-    assert run_replay(t, spec_of({})).results()["timing"]["passes"] == 2
+    assert run_replay(t, case_spec({})).results()["timing"]["passes"] == 2
 
 
 def test_replay_rejects_what_the_trace_cannot_answer(recorded, tmp_path):
     family, model, prompts, trace, _ = recorded
     with pytest.raises(ConfigError, match="lookahead.*3 layer.*records 2"):
-        check(trace, spec_of(dict(prefetch={"name": "lookahead", "depth": 3})))
+        check(trace, case_spec(dict(prefetch={"name": "lookahead", "depth": 3})))
     with pytest.raises(ConfigError, match="int8.*stores only native"):
-        check(trace, spec_of(dict(miss="fetch_priority")))
+        check(trace, case_spec(dict(miss="fetch_priority")))
     with pytest.raises(ConfigError, match="belady needs the future"):
-        install(model, spec_of(dict(eviction="belady")))
+        install(model, case_spec(dict(eviction="belady")))
 
 
 # ---- Belady and the oracle prefetch on hand-made traces ---------------------------------------------------
@@ -130,8 +135,7 @@ def flat_trace(requests, num_experts=None, layers=1, k=1) -> Trace:
     idx = np.asarray(requests, dtype=np.uint8).reshape(-1, k)
     passes = np.array([[0 if i == 0 else 1, 1, i + 1] for i in range(len(requests))], dtype=np.int64)
     geom = Geometry(num_layers=layers, num_experts=E, top_k=k, expert_bytes=100, total_bytes=100 * E * layers)
-    meta = {"geometry": geom.to_dict(), "store": {"native_bits": 16, "bytes_of": {"native": 100}}, "depth": 0,
-            "logits": "fp32", "scoring": {}, "source": {"format": "test"}}
+    meta = TraceMeta(geometry=geom, store=StoreSizes(16, 100, {}), logits="fp32", source={"format": "test"})
     logits = np.random.default_rng(len(idx)).normal(size=(len(idx), E)).astype(np.float32)  # for score eviction
     return Trace(meta=meta, passes=passes, calls=full_calls(passes, layers), index=idx, logits=logits)
 
@@ -279,16 +283,16 @@ def test_bad_traces_get_clear_errors(recorded, tmp_path):
         read_trace(tmp_path)
     # a trace without logits cannot feed a routing policy that reads them
     t = read_trace(src)
-    t.logits, t.meta = None, dict(t.meta, logits="none")
+    t.logits, t.meta = None, dataclasses.replace(t.meta, logits="none")
     with pytest.raises(ConfigError, match="no router logits.*max_rank"):
-        run_replay(t, spec_of(dict(routing="max_rank", prefetch="none")))
+        run_replay(t, case_spec(dict(routing="max_rank", prefetch="none")))
 
 
 def test_a_trace_recorded_under_a_lossy_stack_is_not_exact(recorded):
     family, model, prompts, trace, _ = recorded
     t = read_trace(trace.path)
-    t.meta = dict(t.meta, source={"stack": {"miss": "drop"}, "exact": False})
-    assert "changed what the model computed" in " ".join(exactness(t, spec_of({})))
+    t.meta = dataclasses.replace(t.meta, source={"stack": {"miss": "drop"}, "exact": False})
+    assert "changed what the model computed" in " ".join(exactness(t, case_spec({})))
 
 
 def test_import_takes_its_geometry_from_a_model_config(tmp_path):
@@ -298,10 +302,10 @@ def test_import_takes_its_geometry_from_a_model_config(tmp_path):
     path = tmp_path / "routes.npy"
     np.save(path, np.stack([rng.permutation(64)[:8] for _ in range(5 * 4)]).reshape(5, 4, 8))
     trace = open_trace(ReplayConfig(trace=str(path), format="npy", model="tiny"))
-    g = trace.meta["geometry"]
-    assert (g["num_experts"], g["expert_bytes"], g["total_bytes"]) == (64, 147456, 46416896)  # the embedded model
-    assert g["dense_params"][0] > 0 and trace.meta["store"]["bytes_of"] == {"native": 147456}
-    res = run_replay(trace, spec_of(dict(prefetch="none", capacity=0.25))).results()
+    g = trace.meta.geometry
+    assert (g.num_experts, g.expert_bytes, g.total_bytes) == (64, 147456, 46416896)  # the embedded model
+    assert g.dense_params[0] > 0 and trace.meta.store.bytes_of == {"native": 147456}
+    res = run_replay(trace, case_spec(dict(prefetch="none", capacity=0.25))).results()
     assert res["timing"]["total_s"] > res["timing"]["stall_s"] > 0  # dense compute is modelled
     with pytest.raises(ConfigError, match=r"replay.model=tiny_mixtral.*\(4, 8, 2\).*\(4, 64, 8\)"):
         open_trace(ReplayConfig(trace=str(path), format="npy", model="tiny_mixtral", num_experts=64))
@@ -326,8 +330,7 @@ def test_reuse_by_rank_hand_worked():
         logits[row, order] = [3.0, 2.0, 1.0]
     idx = logits.argmax(axis=1)[:, None].astype(np.int64)
     geom = Geometry(num_layers=1, num_experts=3, top_k=1, expert_bytes=100, total_bytes=300, layer_ids=[0])
-    meta = {"geometry": geom.to_dict(), "store": {"native_bits": 16, "bytes_of": {"native": 100}}, "depth": 0,
-            "logits": "fp32", "scoring": {}, "source": {"format": "test"}}
+    meta = TraceMeta(geometry=geom, store=StoreSizes(16, 100, {}), logits="fp32", source={"format": "test"})
     trace = Trace(meta=meta, passes=passes, calls=full_calls(passes, 1), index=idx, logits=logits)
     out = reuse_by_rank(trace, 1)
     assert out["samples"] == 3

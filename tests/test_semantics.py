@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from specmd.engine import Engine, GateRecord, Geometry, Scoring
+from specmd.engine import Engine, LiveRecord, Geometry, Scoring
 from specmd.compose import spec_of
 from specmd.engine.cache import CacheManager
 from specmd.engine.clock import Roofline, SimClock, TransferChannel
@@ -94,7 +94,7 @@ def engine(miss, slots=4, bw_bytes=100.0, host_s_per_expert=None, **policies):
 def record(probs, index):
     probs = torch.tensor(probs)
     index = torch.tensor(index)
-    return GateRecord(0, probs.log(), SOFTMAX.weigh(probs, index), index, SOFTMAX)
+    return LiveRecord(0, probs.log(), SOFTMAX.weigh(probs, index), index, SOFTMAX)
 
 
 def layer(eng, rec):
@@ -215,7 +215,7 @@ def test_pruned_slots_are_not_counted_twice_by_outcomes():
         eng = Engine(geom, spec_of(routing={"name": "prune", "h": 1}, miss=miss, prefetch="none", hardware=hw))
         probs = torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.1, 0.2, 0.3, 0.4]])
         index = torch.tensor([[0, 1], [3, 2]])
-        rec = GateRecord(0, probs.log(), SOFTMAX.weigh(probs, index), index, SOFTMAX)
+        rec = LiveRecord(0, probs.log(), SOFTMAX.weigh(probs, index), index, SOFTMAX)
         plan = layer(eng, rec)
         assert plan.slots == device_slots, miss
         assert eng.cache.stats.host_computed == [host]

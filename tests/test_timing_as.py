@@ -37,7 +37,7 @@ def test_shipped_configs_give_the_real_models_sizes():
 
 def test_mapping_keeps_the_real_models_bytes_and_compute():
     trace = read_trace(TRACE)
-    routing = Geometry.from_dict(trace.meta["geometry"])  # 4 MoE layers, 64 experts, top-8
+    routing = trace.meta.geometry  # 4 MoE layers, 64 experts, top-8
     olmoe = shipped_geometry("olmoe")
     geom, f_bytes, f_compute = timed_as(routing, olmoe)
     assert (f_bytes, f_compute) == (4.0, 4.0)  # each layer stands for 4 OLMoE layers
@@ -98,7 +98,7 @@ def _decode_windows(geom, hw, depth):
 @pytest.mark.parametrize("prefetch,depth", [("topk", 1), ({"name": "lookahead", "depth": 2}, 2)])
 def test_prefetch_lateness_is_diagnosed(prefetch, depth):
     trace = read_trace(TRACE)
-    geom = Geometry.from_dict(trace.meta["geometry"])
+    geom = trace.meta.geometry
     windows = _decode_windows(geom, HardwareConfig(), depth)
     # a link whose one-expert transfer falls between the shortest and the longest window: not structural
     # (some layer has time), and links far slower / faster than every window
@@ -120,11 +120,11 @@ def test_no_lateness_diagnosis_without_decode_passes():
 
     trace = read_trace(TRACE)
     keep = trace.passes[:, 0] == 0  # prefill passes only
-    L = trace.meta["geometry"]["num_layers"]
+    L = trace.meta.geometry.num_layers
     rows = [r for p in range(len(trace.passes)) if keep[p]
             for c in trace.calls[p * L:(p + 1) * L] for r in range(c[2], c[2] + c[3])]
     passes = trace.passes[keep]
-    pre = Trace(meta=dict(trace.meta), passes=passes, calls=full_calls(passes, L), index=trace.index[rows],
+    pre = Trace(meta=trace.meta, passes=passes, calls=full_calls(passes, L), index=trace.index[rows],
                 weights=None, logits=trace.logits[rows], path="prefill-only",
                 signal_index=trace.signal_index[rows], signal_logits=trace.signal_logits[rows])
     res = run_replay(pre, spec_of(prefetch="topk", hardware=HardwareConfig(capacity=0.5))).results()["cache"]

@@ -41,78 +41,122 @@ class NoLogits(ConfigError):
 
 
 class GateRecord:
-    """One MoE layer call.
+    """One MoE layer call, as the engine and the policies see it, whichever driver made it.
 
-    ``index`` [T, k] / ``weights`` [T, k]: what will run (routing policies replace them); ``original`` /
-    ``original_weights``: the router's own selection; ``void`` [T, k] bool or None: slots the routing policy
-    declared empty (:meth:`RoutingPolicy.empties`: not run, not faithful). ``logits`` [T, E] (None for traces that did not record
-    them); ``probs`` [T, E] is derived on first use. ``call``: the position of this call in the run's stream
-    of layer calls (the engine numbers them). ``predict(target)``: the prefetch signal, i.e. MoE layer
-    ``target``'s router applied to this call's router input: ``(probs [T, E], its own top-k index [T, k])``
-    (live: computed from the model; replay: read from the trace).
+    The router's own output comes from the subclass: :class:`LiveRecord` (the live hook's tensors) or
+    :class:`specmd.replay.driver.TraceRecord` (rows of a trace, read on first use):
+
+    * ``original`` [T, k] / ``original_weights`` [T, k]: the router's own selection and its weights;
+    * ``logits`` [T, E]: the router's logits (:class:`NoLogits` when the trace did not record them);
+    * ``tokens`` / ``top_k``; ``prefetch_signal(target)``: MoE layer ``target``'s router applied to this
+      call's router input, ``(logits [T, E], its own top-k index [T, k])``.
+
+    Here: ``index`` [T, k] / ``weights`` [T, k], what will run (the router's own until a routing policy
+    replaces them: :meth:`Engine.route <specmd.engine.Engine.route>` assigns them); ``void`` [T, k] bool or
+    None, slots the routing policy declared empty (:meth:`RoutingPolicy.empties`: not run, not faithful);
+    ``probs`` [T, E], derived from the logits on first use; ``call``, the position of this call in the run's
+    stream of layer calls (the engine numbers them); ``predict(target)``, the prefetch signal as
+    ``(probs, index)``.
     """
 
-    __slots__ = ("layer", "call", "logits", "weights", "index", "original", "original_weights", "scoring",
-                 "void", "_probs", "_requested", "_signal")
+    __slots__ = ("layer", "call", "scoring", "void", "_index", "_weights", "_probs", "_requested", "_signal")
 
-    def __init__(self, layer: int, logits: Optional[torch.Tensor], weights: torch.Tensor, index: torch.Tensor,
-                 scoring: Scoring, signal: Optional[Callable] = None):
+    def __init__(self, layer: int, scoring: Scoring, signal: Optional[Callable] = None,
+                 requested: Optional[list] = None):
+        """``signal(target)``: the raw prefetch signal ``(logits, index)`` (None: this call has none);
+        ``requested``: the experts the router's own selection requests, when the driver knows them."""
         self.layer = layer
         self.call = -1
-        self.logits = logits
-        self.weights = weights
-        self.index = index
-        self.original = index  # the router's own selection (routing policies replace ``index``)
-        self.original_weights = weights
         self.scoring = scoring
         self.void = None
-        self._probs = None
-        self._requested = None
+        self._index = self._weights = self._probs = None
+        self._requested = requested
         self._signal = signal
 
+    # what runs: the router's own selection unless a routing policy replaced it
     @property
-    def probs(self) -> torch.Tensor:
-        if self._probs is None:
-            if self.logits is None:
-                raise NoLogits("this layer call has no router logits (the trace did not record them); the "
-                               "stack needs router probabilities")
-            self._probs = self.scoring.probs(self.logits)
-        return self._probs
+    def index(self) -> torch.Tensor:
+        return self.original if self._index is None else self._index
+
+    @index.setter
+    def index(self, value: torch.Tensor) -> None:
+        self._index = value
 
     @property
-    def tokens(self) -> int:
-        return self.index.shape[0]
+    def weights(self) -> torch.Tensor:
+        return self.original_weights if self._weights is None else self._weights
 
-    @property
-    def slots(self) -> int:
-        """Token-expert selections of this call (tokens x k)."""
-        return self.index.numel()
+    @weights.setter
+    def weights(self, value: torch.Tensor) -> None:
+        self._weights = value
 
     @property
     def rerouted(self) -> bool:
         """True once a routing policy replaced the router's selection."""
-        return self.index is not self.original
+        return self._index is not None and self._index is not self.original
 
     @property
-    def top_k(self) -> int:
-        return self.index.shape[-1]
+    def probs(self) -> torch.Tensor:
+        if self._probs is None:
+            self._probs = self.scoring.probs(self.logits)
+        return self._probs
+
+    @property
+    def slots(self) -> int:
+        """Token-expert selections of this call (tokens x k)."""
+        return self.tokens * self.top_k
 
     def requested(self, num_experts: int) -> list[int]:
         """The experts this call's selection (``index``) requests, ascending."""
-        if self.index is self.original:
-            if self._requested is None:
-                self._requested = _unique(self.index, num_experts)
-            return self._requested
-        return _unique(self.index, num_experts)
+        if self.rerouted:
+            return _unique(self._index, num_experts)
+        if self._requested is None:
+            self._requested = _unique(self.original, num_experts)
+        return self._requested
 
-    def predict(self, target: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefetch_signal(self, target: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits [T, E], index [T, k])`` of MoE layer ``target``'s router on this call's router input."""
         if self._signal is None:
             raise NoLogits(f"no prefetch signal for MoE layer {target} in this layer call")
         return self._signal(target)
 
+    def predict(self, target: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefetch signal as ``(probs [T, E], index [T, k])``."""
+        logits, index = self.prefetch_signal(target)
+        return self.scoring.probs(logits), index
+
     def reweigh(self, index: torch.Tensor) -> torch.Tensor:
         """Dual-logit semantics: weights of a (modified) selection from the *original* probabilities."""
         return self.scoring.weigh(self.probs, index).to(self.weights.dtype)
+
+
+class LiveRecord(GateRecord):
+    """A layer call whose router output is in memory: the live hook's (and hand-made ones in tests).
+    ``logits`` [T, E] or None (then policies that read them raise :class:`NoLogits`)."""
+
+    __slots__ = ("original", "original_weights", "_logits")
+
+    def __init__(self, layer: int, logits: Optional[torch.Tensor], weights: torch.Tensor, index: torch.Tensor,
+                 scoring: Scoring, signal: Optional[Callable] = None):
+        super().__init__(layer, scoring, signal)
+        self.original = index
+        self.original_weights = weights
+        self._logits = logits
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            raise NoLogits("this layer call has no router logits (the trace did not record them); the stack needs "
+                           "router probabilities")
+        return self._logits
+
+    @property
+    def tokens(self) -> int:
+        return self.original.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.original.shape[-1]
 
 
 def _unique(index: torch.Tensor, num_experts: int) -> list[int]:

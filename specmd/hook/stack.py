@@ -1,7 +1,7 @@
 """The live driver: hooks a transformers MoE model so that its layer calls drive the engine.
 
 Per MoE layer call (SpecMD Algorithm 1):
-1. a forward hook on the router builds the :class:`~specmd.engine.record.GateRecord` and lets the engine
+1. a forward hook on the router builds the :class:`~specmd.engine.record.LiveRecord` and lets the engine
    apply the routing policy (dual-logit semantics: new selection, original probabilities as weights);
 2. the block calls its experts, replaced by :class:`SpecmdExperts`: the engine serves the layer call
    (cache, miss outcomes, prefetch, clock) and says how the experts run; the executor (``execution``:
@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..engine import Engine, GateRecord, StackSpec
+from ..engine import Engine, LiveRecord, StackSpec
 from ..models.adapters import Adapter, adapter_for
 
 
@@ -42,26 +42,21 @@ class LiveSignal:
     """The prefetch signal of one live layer call: later layers' routers applied to its router input,
     computed on first request per target layer (hooks bypassed) and kept for the call."""
 
-    __slots__ = ("routers", "hidden", "scoring", "out")
+    __slots__ = ("routers", "hidden", "out")
 
-    def __init__(self, routers, hidden: torch.Tensor, scoring):
+    def __init__(self, routers, hidden: torch.Tensor):
         self.routers = routers
         self.hidden = hidden
-        self.scoring = scoring
         self.out: dict = {}
 
     @torch.no_grad()
-    def raw(self, target: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, target: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [T, E], the router's own top-k index [T, k]) of MoE layer ``target`` on this input."""
         got = self.out.get(target)
         if got is None:
             logits, _, index = self.routers[target].forward(self.hidden)
             got = self.out[target] = (logits, index)
         return got
-
-    def __call__(self, target: int) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, index = self.raw(target)
-        return self.scoring.probs(logits), index
 
 
 class PolicyStack:
@@ -101,7 +96,7 @@ class PolicyStack:
         ecls, eparams = spec.execution or EXECUTION.params({"name": "simulated"})
         self.executor = ecls(eparams)
         self.executor.attach(self)
-        self.records: list[Optional[GateRecord]] = [None] * self.geom.num_layers
+        self.records: list[Optional[LiveRecord]] = [None] * self.geom.num_layers
         self.writer = None  # a specmd.replay.trace.TraceWriter recording every pass and layer call
         self._handles = []
         self._originals = []
@@ -160,7 +155,7 @@ class PolicyStack:
             logits, weights, index = output
             hidden = args[0]
             hidden = hidden.reshape(-1, hidden.shape[-1])
-            rec = GateRecord(layer, logits, weights, index, scoring, LiveSignal(routers, hidden, scoring))
+            rec = LiveRecord(layer, logits, weights, index, scoring, LiveSignal(routers, hidden))
             records[layer] = rec
             if engine.route(rec):
                 return logits, rec.weights, rec.index

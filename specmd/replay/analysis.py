@@ -27,7 +27,7 @@ def reuse_by_rank(trace: Trace, horizon: int) -> dict:
                           f"with trace.logits=fp32 or fp16)")
     if horizon < 1:
         raise ConfigError(f"replay.reuse_horizon={horizon} must be >= 1")
-    E = int(trace.meta["geometry"]["num_experts"])
+    E = trace.meta.geometry.num_experts
     kinds = trace.passes[:, 0]
     sums, samples = np.zeros(E), 0
     # decode calls of one token, per layer, in order; a segment id that changes at every prefill pass
@@ -51,7 +51,7 @@ def reuse_by_rank(trace: Trace, horizon: int) -> dict:
         reused = np.take_along_axis(future, order[:n], axis=1)[same]  # [S, E] by rank
         sums += reused.sum(axis=0)
         samples += len(reused)
-    k = int(trace.meta["geometry"]["top_k"])
+    k = trace.meta.geometry.top_k
     if not samples:
         return {"horizon": horizon, "samples": 0, "top_k": k, "probability": [None] * E, "active": None,
                 "first_inactive": None, "inactive": None}

@@ -75,14 +75,14 @@ def open_trace(rc: ReplayConfig) -> Trace:
         num_experts=rc.num_experts or (geom.num_experts if geom else None), expert_bytes=rc.expert_bytes,
         model_bytes=rc.model_bytes))
     if geom is not None:
-        g = trace.meta["geometry"]
-        have = (g["num_layers"], g["num_experts"], g["top_k"])
+        g = trace.meta.geometry
+        have = (g.num_layers, g.num_experts, g.top_k)
         want = (geom.num_layers, geom.num_experts, geom.top_k)
         if have != want:
             raise ConfigError(f"replay.model={rc.model}: the model has (MoE layers, experts, top-k) = {want}, the "
                               f"trace {rc.trace} has {have}")
-        trace.meta["geometry"] = geom.to_dict()
-        trace.meta["store"] = {"native_bits": geom.dtype_bytes * 8, "bytes_of": {"native": geom.expert_bytes}}
+        trace.meta.geometry = geom
+        trace.meta.store = StoreSizes.native_only(geom)
         trace.notes.append(f"geometry (expert bytes, dense compute) of model config {rc.model!r}")
     return trace
 
@@ -102,29 +102,21 @@ def model_geometry(name: str):
     return geometry(build_params(ModelConfig, dict(OmegaConf.to_container(OmegaConf.load(path))), "model"))
 
 
-class ReplayRecord:
-    """A :class:`~specmd.engine.record.GateRecord` read from a trace, its tensors built on first use: an
-    exact replay of a stack that reads no router output (LRU, no prefetch) never builds any. Same
-    interface and same values as the live record (index int64, logits fp32 as recorded)."""
+class TraceRecord(GateRecord):
+    """A layer call read from rows of a trace, its tensors built on first use: an exact replay of a stack
+    that reads no router output (LRU, no prefetch) never builds any. Same values as the live record (index
+    int64, logits fp32 as recorded)."""
 
-    __slots__ = ("trace", "rows", "layer", "call", "scoring", "k", "n", "_index", "_original", "_weights",
-                 "_original_weights", "_logits", "_probs", "_requested", "_signal", "void")
+    __slots__ = ("trace", "rows", "k", "n", "_original", "_original_weights", "_logits")
 
     def __init__(self, trace: Trace, rows: slice, layer: int, scoring: Scoring, requested: list, signal):
+        super().__init__(layer, scoring, signal, requested)
         self.trace = trace
         self.rows = rows
-        self.layer = layer
-        self.call = -1
-        self.scoring = scoring
         self.k = trace.index.shape[1]
         self.n = rows.stop - rows.start
-        self._index = self._original = self._weights = self._original_weights = None
-        self._logits = self._probs = None
-        self._requested = requested
-        self._signal = signal
-        self.void = None  # slots a routing policy declared empty (Engine.route sets it)
+        self._original = self._original_weights = self._logits = None
 
-    # the router's own selection, as recorded
     @property
     def original(self) -> torch.Tensor:
         if self._original is None:
@@ -139,29 +131,8 @@ class ReplayRecord:
                                       else torch.full((self.n, self.k), 1.0 / self.k))
         return self._original_weights
 
-    # what runs: the recorded selection unless a routing policy replaced it
     @property
-    def index(self) -> torch.Tensor:
-        return self.original if self._index is None else self._index
-
-    @index.setter
-    def index(self, value):
-        self._index = value
-
-    @property
-    def weights(self) -> torch.Tensor:
-        return self.original_weights if self._weights is None else self._weights
-
-    @weights.setter
-    def weights(self, value):
-        self._weights = value
-
-    @property
-    def rerouted(self) -> bool:
-        return self._index is not None and self._index is not self._original
-
-    @property
-    def logits(self):
+    def logits(self) -> torch.Tensor:
         if self._logits is None:
             if self.trace.logits is None:
                 raise NoLogits(f"the trace {self.trace.path} has no router logits, which this stack reads (a routing "
@@ -177,16 +148,13 @@ class ReplayRecord:
         if self._probs is None:
             if self.trace.logits is not None:
                 self._probs = self.scoring.probs(self.logits)
-            elif self.trace.meta.get("source", {}).get("format"):
-                self._probs = torch.zeros(self.n, self.trace.meta["geometry"]["num_experts"]).scatter_(
+            elif self.trace.meta.imported:
+                self._probs = torch.zeros(self.n, self.trace.meta.geometry.num_experts).scatter_(
                     -1, self.original, self.original_weights.float())
             else:
                 raise NoLogits(f"the trace {self.trace.path} has no router logits, which this stack reads (router "
                                f"probabilities); record one with trace.logits=fp32")
         return self._probs
-
-    predict = GateRecord.predict
-    reweigh = GateRecord.reweigh
 
     @property
     def tokens(self) -> int:
@@ -196,37 +164,27 @@ class ReplayRecord:
     def top_k(self) -> int:
         return self.k
 
-    @property
-    def slots(self) -> int:
-        return self.n * self.k
 
-    def requested(self, num_experts: int) -> list[int]:
-        if self.rerouted:
-            return torch.bincount(self._index.reshape(-1), minlength=num_experts).nonzero().squeeze(1).tolist()
-        return self._requested
-
-
-class ReplaySignal:
+class TraceSignal:
     """The recorded prefetch signal of one layer call: ``target``'s logits and top-k at depth
     ``target - layer - 1``."""
 
-    __slots__ = ("trace", "rows", "layer", "scoring")
+    __slots__ = ("trace", "rows", "layer")
 
-    def __init__(self, trace: Trace, rows: slice, layer: int, scoring: Scoring):
+    def __init__(self, trace: Trace, rows: slice, layer: int):
         self.trace = trace
         self.rows = rows
         self.layer = layer
-        self.scoring = scoring
 
-    def __call__(self, target: int):
+    def __call__(self, target: int) -> tuple[torch.Tensor, torch.Tensor]:
         d = target - self.layer - 1
         tr = self.trace
         if not 0 <= d < tr.depth or tr.signal_logits is None:
             raise NoLogits(f"the trace records the prefetch signal {tr.depth} layer(s) ahead with "
-                           f"logits={tr.meta.get('logits')}; layer {self.layer} asked for layer {target}")
+                           f"logits={tr.meta.logits}; layer {self.layer} asked for layer {target}")
         logits = torch.from_numpy(np.ascontiguousarray(tr.signal_logits[self.rows, d]))
         index = torch.from_numpy(tr.signal_index[self.rows, d].astype(np.int64))
-        return self.scoring.probs(logits), index
+        return logits, index
 
 
 def requested_per_call(trace: Trace, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -258,7 +216,7 @@ def changes_computation(spec) -> list[str]:
 def exactness(trace: Trace, spec) -> list[str]:
     """Why a replay of ``spec`` on ``trace`` may differ from the live run (empty: exact)."""
     reasons = []
-    src = trace.meta.get("source") or {}
+    src = trace.meta.source
     if src.get("format"):
         reasons.append(f"imported {src['format']} trace (no live run to match)")
     if src.get("exact") is False:
@@ -268,8 +226,8 @@ def exactness(trace: Trace, spec) -> list[str]:
         reasons.append(f"recorded on {src['device']}: router probabilities recomputed on the CPU can differ in the "
                        f"last bits")
     reasons += changes_computation(spec)
-    if trace.meta.get("logits") not in ("fp32",):
-        reasons.append(f"router logits recorded as {trace.meta.get('logits')}")
+    if trace.meta.logits != "fp32":
+        reasons.append(f"router logits recorded as {trace.meta.logits}")
     return reasons
 
 
@@ -278,15 +236,15 @@ def check(trace: Trace, spec) -> None:
     pcls, pparams = spec.prefetch
     need = pcls.signal_depth(pparams)
     if need > trace.depth:
-        how = (f"record it with trace.depth={need}" if not (trace.meta.get("source") or {}).get("format")
+        how = (f"record it with trace.depth={need}" if not trace.meta.imported
                else "an imported trace has no prefetch signal: use prefetch=none or prefetch=oracle")
         raise ConfigError(f"prefetch={pcls.name} reads the prefetch signal {need} layer(s) ahead; the trace "
                           f"{trace.path} records {trace.depth} ({how})")
     if need and trace.signal_logits is None:
         raise ConfigError(f"prefetch={pcls.name} needs the recorded signal logits; the trace {trace.path} has "
-                          f"logits={trace.meta.get('logits')} (record it with trace.logits=fp32)")
+                          f"logits={trace.meta.logits} (record it with trace.logits=fp32)")
     mcls, mparams = spec.miss
-    stored = trace.meta["store"]["bytes_of"]
+    stored = trace.meta.store.bytes_of
     missing = [p for p in mcls.required_precisions(mparams) if p not in stored]
     if missing:
         raise ConfigError(f"miss={mcls.name} needs precision(s) {missing}; the trace {trace.path} stores only "
@@ -294,8 +252,7 @@ def check(trace: Trace, spec) -> None:
 
 
 def build_engine(trace: Trace, spec):
-    geom = Geometry.from_dict(trace.meta["geometry"])
-    store = StoreSizes.from_meta(trace.meta["store"])
+    geom, store = trace.meta.geometry, trace.meta.store
     ptr, experts = requested_per_call(trace, geom.num_experts)
     future = Future(trace.calls[:, 1], ptr, experts, geom.num_experts)
     return Engine(geom, spec, store, future), ptr, experts
@@ -306,9 +263,7 @@ def run_replay(trace: Trace, spec, engine=None, ptr=None, experts=None) -> Engin
     if engine is None:
         check(trace, spec)
         engine, ptr, experts = build_engine(trace, spec)
-    meta = trace.meta
-    sc = meta.get("scoring") or {}
-    scoring = Scoring(bool(sc.get("sigmoid", False)), bool(sc.get("renorm", True)), float(sc.get("scale", 1.0)))
+    scoring = trace.meta.scoring
     has_signal = trace.depth > 0 and trace.signal_logits is not None
     calls = trace.calls.tolist()
     ptr, experts = ptr.tolist(), experts.tolist()
@@ -319,8 +274,8 @@ def run_replay(trace: Trace, spec, engine=None, ptr=None, experts=None) -> Engin
         while c < C and calls[c][0] == p:
             _, layer, r0, n = calls[c]
             rows = slice(r0, r0 + n)
-            rec = ReplayRecord(trace, rows, layer, scoring, experts[ptr[c]:ptr[c + 1]],
-                               ReplaySignal(trace, rows, layer, scoring) if has_signal else None)
+            rec = TraceRecord(trace, rows, layer, scoring, experts[ptr[c]:ptr[c + 1]],
+                              TraceSignal(trace, rows, layer) if has_signal else None)
             route(rec)
             layer_call(rec)
             c += 1
@@ -338,15 +293,15 @@ def replay(run, run_dir) -> dict:
     run_replay(trace, spec, engine, ptr, experts)
     reasons = exactness(trace, spec)
     config = dict(run.raw)
-    model = (trace.meta.get("source") or {}).get("model")
+    model = trace.meta.source.get("model")
     config["model"] = model if isinstance(model, dict) else {"name": f"trace:{Path(trace.path).name}",
-                                                              "source": trace.meta.get("source")}
+                                                              "source": trace.meta.source}
     from ..provenance import provenance
 
     results = {"config": config, "tasks": {}, "wall_s": time.perf_counter() - t0,
                "provenance": provenance(trace_path=trace.path)}
     results.update(engine.results())
-    src = trace.meta.get("source") or {}
+    src = trace.meta.source
     recorded = Path(trace.path).parent / "results.json"  # a recorded run writes its trace into <run dir>/trace
     if not reasons and src.get("exact") and recorded.exists():
         # an exact replay of a lossless recording computes what the recorded run computed: its task scores hold
@@ -354,7 +309,7 @@ def replay(run, run_dir) -> dict:
     results["replay"] = {
         "trace": str(trace.path), "format": run.replay.format, "exact": not reasons, "inexact_because": reasons,
         "passes": int(len(trace.passes)), "layer_calls": int(len(trace.calls)), "requests": int(len(experts)),
-        "notes": list(trace.notes), "source": trace.meta.get("source") or {},
+        "notes": list(trace.notes), "source": trace.meta.source,
         "tasks_from": str(recorded) if results["tasks"] else None,
     }
     if run.replay.reuse_horizon:

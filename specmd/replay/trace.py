@@ -27,6 +27,10 @@ from typing import Optional
 
 import numpy as np
 
+from ..engine.geometry import Geometry
+from ..engine.record import Scoring
+from ..engine.store import StoreSizes
+
 FORMAT = "specmd-trace"
 VERSION = 1
 KINDS = ("prefill", "decode")
@@ -38,6 +42,67 @@ def index_dtype(num_experts: int):
 
 
 @dataclass
+class TraceMeta:
+    """``meta.json`` of a trace, typed: everything a replay needs besides the arrays.
+
+    ``geometry`` (the engine's :class:`~specmd.engine.geometry.Geometry`: layers, experts, bytes, roofline
+    parameters), ``store`` (:class:`~specmd.engine.store.StoreSizes`: an expert's bytes per stored
+    precision), ``scoring`` (:class:`~specmd.engine.record.Scoring`: probabilities and weights from the
+    logits), ``depth`` (layers of prefetch signal per row), ``logits`` (``fp32`` | ``fp16`` | ``none``),
+    ``index_dtype``, and ``source``: what produced it -- a live run's model config, run directory, stack,
+    device and ``exact`` (its stack computed what the unhooked model computes), or an importer's
+    ``format``, file and counts. On disk it is JSON (:meth:`to_dict` / :meth:`from_dict`)."""
+
+    geometry: Geometry
+    store: StoreSizes
+    scoring: Scoring = field(default_factory=lambda: Scoring(False, True, 1.0))
+    depth: int = 0
+    logits: str = "none"
+    index_dtype: str = "uint8"
+    source: dict = field(default_factory=dict)
+    format: str = FORMAT
+    version: int = VERSION
+
+    @property
+    def imported(self) -> Optional[str]:
+        """The import format this trace came from, or None for a specmd recording."""
+        return self.source.get("format")
+
+    def to_dict(self) -> dict:
+        return {"format": self.format, "version": self.version, "geometry": self.geometry.to_dict(),
+                "scoring": self.scoring.to_dict(),
+                "store": {"native_bits": self.store.native_bits, "bytes_of": dict(self.store.bytes_of)},
+                "depth": self.depth, "logits": self.logits, "index_dtype": self.index_dtype, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, meta: dict, where: str) -> "TraceMeta":
+        """From ``meta.json``'s mapping; a wrong format or version, or a missing field, is a ConfigError
+        naming ``where``."""
+        from ..errors import ConfigError
+
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            got = meta if isinstance(meta, dict) else {}
+            raise ConfigError(f"{where}: format {got.get('format')!r} version {got.get('version')!r}; this specmd "
+                              f"reads {FORMAT} version {VERSION}")
+        try:
+            g = meta["geometry"]
+            for key in ("num_layers", "num_experts", "top_k"):
+                g[key]
+            sc = meta.get("scoring") or {}
+            out = cls(geometry=Geometry.from_dict(g), store=StoreSizes.from_meta(meta["store"]),
+                      scoring=Scoring(bool(sc.get("sigmoid", False)), bool(sc.get("renorm", True)),
+                                      float(sc.get("scale", 1.0))),
+                      depth=int(meta["depth"]), logits=meta["logits"], index_dtype=meta["index_dtype"],
+                      source=meta.get("source") or {})
+            np.dtype(out.index_dtype)
+            LOGIT_DTYPES[out.logits]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}: missing or invalid field {exc} (a specmd v1 trace has geometry, store, "
+                              f"depth, index_dtype and logits)") from None
+        return out
+
+
+@dataclass
 class Trace:
     """A routing trace in memory (arrays may be memory-mapped). What the replay driver reads.
 
@@ -45,11 +110,10 @@ class Trace:
     tokens): the layer calls in execution order (a specmd trace has every MoE layer in every pass; an
     import may lack some). ``index`` [R, k] the router's own top-k per row; ``weights`` [R, k] or None;
     ``logits`` [R, E] or None; ``signal_index`` [R, D, k] / ``signal_logits`` [R, D, E] or None (depth 0).
-    ``meta``: geometry (a dict of :class:`~specmd.engine.geometry.Geometry`), scoring, store
-    (``native_bits``, ``bytes_of``), ``source`` (what produced it), ``format``/``version``.
+    ``meta``: :class:`TraceMeta` (geometry, store, scoring, depth, logits, source).
     """
 
-    meta: dict
+    meta: TraceMeta
     passes: np.ndarray
     calls: np.ndarray
     index: np.ndarray
@@ -68,6 +132,28 @@ class Trace:
     def requests(self) -> int:
         """Expert requests of the router's own selection (distinct experts per layer call, summed)."""
         return int(sum(len(np.unique(self.index[r0:r0 + n])) for _, _, r0, n in self.calls))
+
+
+def select_passes(trace: Trace, start: int, stop: Optional[int] = None) -> Trace:
+    """The passes ``start:stop`` of ``trace`` as a trace of their own (views of its arrays, rows re-based):
+    what a replay of that part alone sees (``specmd.train_eviction``'s held-out passes)."""
+    P = len(trace.passes)
+    stop = P if stop is None else stop
+    if not 0 <= start < stop <= P:
+        raise ValueError(f"passes {start}:{stop} of a trace of {P} passes")
+    calls = trace.calls[(trace.calls[:, 0] >= start) & (trace.calls[:, 0] < stop)].copy()
+    r0 = int(calls[0, 2])
+    r1 = int(calls[-1, 2] + calls[-1, 3])
+    calls[:, 0] -= start
+    calls[:, 2] -= r0
+
+    def part(a):
+        return None if a is None else a[r0:r1]
+
+    return Trace(meta=trace.meta, passes=trace.passes[start:stop], calls=calls, index=trace.index[r0:r1],
+                 weights=part(trace.weights), logits=part(trace.logits), signal_index=part(trace.signal_index),
+                 signal_logits=part(trace.signal_logits), path=f"{trace.path}[passes {start}:{stop}]",
+                 notes=list(trace.notes))
 
 
 def full_calls(passes: np.ndarray, num_layers: int) -> np.ndarray:
@@ -97,15 +183,11 @@ class TraceWriter:
         self.depth = int(depth)
         self.logit_dtype = LOGIT_DTYPES[logits]
         self.idx_dtype = index_dtype(geom.num_experts)
-        meta = {
-            "format": FORMAT, "version": VERSION, "geometry": geom.to_dict(), "scoring": scoring.to_dict(),
-            "store": {"native_bits": store.native_bits, "bytes_of": dict(store.bytes_of)},
-            "depth": self.depth, "logits": logits, "index_dtype": np.dtype(self.idx_dtype).name,
-            "source": source or {},
-        }
+        meta = TraceMeta(geometry=geom, store=store, scoring=scoring, depth=self.depth, logits=logits,
+                         index_dtype=np.dtype(self.idx_dtype).name, source=source or {})
         from ..results import write_json_atomic
 
-        write_json_atomic(self.path / "meta.json", meta)
+        write_json_atomic(self.path / "meta.json", meta.to_dict())
         names = ["passes", "index", "weights"]
         if self.logit_dtype is not None:
             names.append("logits")
@@ -138,7 +220,7 @@ class TraceWriter:
                 target = rec.layer + d + 1
                 if target >= L:
                     break
-                logits, index = rec._signal.raw(target)
+                logits, index = rec.prefetch_signal(target)
                 sidx[:, d] = index.detach().cpu().numpy()
                 if slog is not None:
                     slog[:, d] = logits.detach().float().cpu().numpy()
@@ -181,21 +263,14 @@ def read_trace(path) -> Trace:
         raise ConfigError(f"replay.trace={str(path)!r} is not a specmd trace directory (no meta.json); for other "
                           f"files set replay.format ({', '.join(IMPORTS.names())})")
     try:
-        meta = json.loads(meta_path.read_text())
+        raw = json.loads(meta_path.read_text())
     except ValueError as exc:
         raise ConfigError(f"{meta_path}: not valid JSON ({exc})") from None
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ConfigError(f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r}; this specmd "
-                          f"reads {FORMAT} version {VERSION}")
-    try:
-        g = meta["geometry"]
-        L, E, k, D = g["num_layers"], g["num_experts"], g["top_k"], int(meta["depth"])
-        idt = np.dtype(meta["index_dtype"])
-        ldt = LOGIT_DTYPES[meta["logits"]]
-        meta["store"]["bytes_of"]["native"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{meta_path}: missing or invalid field {exc} (a specmd v1 trace has geometry, store, depth, "
-                          f"index_dtype and logits)") from None
+    meta = TraceMeta.from_dict(raw, str(meta_path))
+    g = meta.geometry
+    L, E, k, D = g.num_layers, g.num_experts, g.top_k, meta.depth
+    idt = np.dtype(meta.index_dtype)
+    ldt = LOGIT_DTYPES[meta.logits]
     if not (path / "passes.bin").is_file():
         raise ConfigError(f"{path}: no passes.bin (the run stopped before writing any pass)")
     passes = np.fromfile(path / "passes.bin", dtype=np.int64)

@@ -11,7 +11,8 @@ from typing import Optional
 import numpy as np
 
 from ...errors import ConfigError
-from ..trace import FORMAT, VERSION, Trace, index_dtype
+from ...engine.store import StoreSizes
+from ..trace import Trace, TraceMeta, index_dtype
 from .base import FORMATS, ImportOptions, Records
 
 IDENTICAL_ERROR = 16  # tokens all routed identically from which an import is refused
@@ -72,13 +73,9 @@ def build_trace(rec: Records, fmt: str, path: Path, opts: ImportOptions, notes: 
         notes.append("the file has no router weights")
     geom = Geometry(num_layers=L, num_experts=E, top_k=int(k), expert_bytes=expert_bytes, total_bytes=total_bytes,
                     hidden_size=0, layer_ids=[int(x) for x in c.layer_ids])
-    meta = {
-        "format": FORMAT, "version": VERSION, "geometry": geom.to_dict(),
-        "scoring": {"sigmoid": False, "renorm": True, "scale": 1.0},
-        "store": {"native_bits": 16, "bytes_of": {"native": expert_bytes}},
-        "depth": 0, "logits": "fp32" if logits is not None else "none", "index_dtype": np.dtype(index.dtype).name,
-        "source": {"format": fmt, "path": str(path), "records": int(R), "sequences": len(rec.seq_names)},
-    }
+    meta = TraceMeta(geometry=geom, store=StoreSizes(16, expert_bytes, {}), depth=0,
+                     logits="fp32" if logits is not None else "none", index_dtype=np.dtype(index.dtype).name,
+                     source={"format": fmt, "path": str(path), "records": int(R), "sequences": len(rec.seq_names)})
     return Trace(meta=meta, passes=passes, calls=calls, index=index, weights=weights, logits=logits,
                  signal_index=None, signal_logits=None, path=str(path), notes=notes)
 
