@@ -32,6 +32,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 CHECK_LIMIT = 2
@@ -128,58 +129,64 @@ def reference_layers(family: str, num_layers: int) -> list[int]:
     real = REFERENCE[family][2] if family in REFERENCE else 16
     return sorted({min(num_layers - 1, round(x * num_layers / real)) for x in REFERENCE_LAYERS})
 
-@torch.no_grad()
 def routing_stats(model, tokenizer, texts: list[str], window: int = 512, max_tokens: int = 65536) -> dict:
-    from .models.adapters import adapter_for
+    """The card's routing statistics of ``model`` on ``texts`` (windows of ``window`` tokens, each one
+    prefill pass, up to ``max_tokens``), from the trace the one recorder writes
+    (:func:`specmd.replay.record.record_routing`)."""
+    import tempfile
 
-    adapter = adapter_for(model.config.model_type)
-    geom = adapter.geometry(model)
-    routers = [adapter.router(model, i) for i in geom.layer_ids]
-    E, k = geom.num_experts, geom.top_k
-    ref = reference_layers(model.config.model_type, len(routers))
-    ref_pairs = list(zip(ref[:-1], ref[1:]))
-    joint = torch.zeros(len(ref_pairs), E, E, dtype=torch.long)
-    counts = torch.zeros(len(routers), E, dtype=torch.long)
-    overlap_sum = torch.zeros(len(routers), dtype=torch.float64)
-    overlap_n = 0
-    captured: list = [None] * len(routers)
-    hooks = [r.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out[2]))
-             for i, r in enumerate(routers)]
+    from .replay.record import record_routing
+
     ids = []
     for t in texts:
         ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
         if len(ids) >= max_tokens:
             break
-    ids = torch.tensor(ids[:max_tokens])
-    try:
-        for start in range(0, len(ids) - 1, window):
-            chunk = ids[start: start + window].unsqueeze(0)
-            if chunk.shape[1] < 2:
-                break
-            model(chunk)
-            for j, (a, b) in enumerate(ref_pairs):  # rank-aligned pairs, as the OLMoE paper's analysis counts them
-                joint[j] += torch.bincount((captured[a] * E + captured[b]).reshape(-1), minlength=E * E).view(E, E)
-            for i, idx in enumerate(captured):  # [T, k]
-                counts[i] += torch.bincount(idx.reshape(-1), minlength=E)
-                hit = (idx[1:].unsqueeze(-1) == idx[:-1].unsqueeze(-2)).any(-1).sum(-1)  # [T-1]
-                overlap_sum[i] += hit.double().sum() / k
-            overlap_n += chunk.shape[1] - 1
-    finally:
-        for h in hooks:
-            h.remove()
+    ids = ids[:max_tokens]
+    n = len(ids)
+    if n % window == 1:  # a one-token window has no token-to-token pair
+        ids = ids[:-1]
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = record_routing(model, ids, Path(tmp) / "trace", window=window)
+        return {**trace_routing_stats(trace, model.config.model_type), "tokens": n}
+
+
+def trace_routing_stats(trace, family: str) -> dict:
+    """Popularity, token-to-token locality and cross-layer co-selection of a trace's router selections."""
+    g = trace.meta.geometry
+    L, E, k = g.num_layers, g.num_experts, g.top_k
+    ref = reference_layers(family, L)
+    ref_pairs = list(zip(ref[:-1], ref[1:]))
+    joint = torch.zeros(len(ref_pairs), E, E, dtype=torch.long)
+    counts = torch.zeros(L, E, dtype=torch.long)
+    overlap_sum = torch.zeros(L, dtype=torch.float64)
+    overlap_n = 0
+    index = torch.from_numpy(np.asarray(trace.index, dtype=np.int64))
+    calls = trace.calls.tolist()
+    for p, (_, tokens, _) in enumerate(trace.passes.tolist()):
+        sel = {layer: index[r0:r0 + n] for q, layer, r0, n in calls[p * L:(p + 1) * L] if q == p}  # [T, k]
+        for j, (a, b) in enumerate(ref_pairs):  # rank-aligned pairs, as the OLMoE paper's analysis counts them
+            joint[j] += torch.bincount((sel[a] * E + sel[b]).reshape(-1), minlength=E * E).view(E, E)
+        for i in range(L):
+            idx = sel[i]
+            counts[i] += torch.bincount(idx.reshape(-1), minlength=E)
+            hit = (idx[1:].unsqueeze(-1) == idx[:-1].unsqueeze(-2)).any(-1).sum(-1)  # [T-1]
+            overlap_sum[i] += hit.double().sum() / k
+        overlap_n += tokens - 1
     p = counts.double() / counts.sum(-1, keepdim=True)
     ent = -(p * p.clamp_min(1e-30).log()).sum(-1) / math.log(E)
+    layer_ids = list(g.layer_ids)
     return {
-        "tokens": int(len(ids)),
+        "tokens": int(trace.passes[:, 1].sum()),
         "num_experts": E,
         "top_k": k,
-        "layers": geom.layer_ids,
+        "layers": layer_ids,
         "entropy_ratio": [round(float(x), 4) for x in ent],
         "dead_fraction": [float((c == 0).sum()) / E for c in counts],
         "temporal_overlap": [round(float(x) / overlap_n, 4) for x in overlap_sum],
         "random_overlap": k / E,
-        "compare": {"layers": [geom.layer_ids[i] for i in ref], "skew": [_skew(counts[i].tolist()) for i in ref],
-                    "layer_pairs": [[geom.layer_ids[a], geom.layer_ids[b]] for a, b in ref_pairs],
+        "compare": {"layers": [layer_ids[i] for i in ref], "skew": [_skew(counts[i].tolist()) for i in ref],
+                    "layer_pairs": [[layer_ids[a], layer_ids[b]] for a, b in ref_pairs],
                     "co_selection_nmi": [_nmi(j.tolist()) for j in joint]},
     }
 

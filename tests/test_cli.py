@@ -111,17 +111,19 @@ def test_failed_run_leaves_no_results_json(tmp_path, mirror):
 
 
 def test_trace_save_feeds_ml_eviction_training(tmp_path, mirror):
-    from specmd.train_eviction import load_traces
+    from specmd.replay.trace import read_trace
+    from specmd.train_eviction import layer_steps
     from specmd.train_eviction import main as train_eviction
 
     r = specmd(["trace.save=true", "eviction=ml", *FAST], tmp_path, mirror)
     assert r.returncode == 0, r.stderr[-3000:]
     trace = tmp_path / "run" / "trace"
-    (layers,) = load_traces([str(trace)])
+    tr = read_trace(trace)
+    layers = layer_steps(tr)
     res = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert len(layers) == 4 and all(l.shape == layers[0].shape and l.shape[1] == 8 for l in layers)
     passes = (tmp_path / "run" / "passes.csv").read_text().splitlines()[1:]
-    assert layers[0].shape[0] == sum(int(p.split(",")[2]) for p in passes)  # one row per token of every pass
+    assert len(layers) == 4 and all(len(steps) == len(passes) for steps in layers)  # one step per layer call
+    assert tr.index.shape == (sum(int(p.split(",")[2]) for p in passes) * 4, 8)  # one row per token and layer
     assert res["config"]["eviction"]["name"] == "ml" and res["cache"]["evictions"] > 0
     # the replay of the trace, in its own process, equals the live run bit for bit
     r = specmd([f"replay.trace={trace}", "eviction=ml", *FAST], tmp_path / "replay", mirror)

@@ -339,14 +339,14 @@ def test_score_policy_unit_readings(unit, n, after_prefill, after_decode):
 def test_score_policy_end_to_end_uses_router_probabilities():
     import torch
 
-    from specmd.engine.record import GateRecord, Scoring
+    from specmd.engine.record import LiveRecord, Scoring
 
     m = manager("score", 2, experts=4)
     logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
     for e in (3, 2):
-        rec = GateRecord(0, logits, None, torch.tensor([[e]]), Scoring(False, False, 1.0))
+        rec = LiveRecord(0, logits, None, torch.tensor([[e]]), Scoring(False, False, 1.0))
         m.serve(0, [e], rec); m.finish_layer()
-    rec = GateRecord(0, logits, None, torch.tensor([[0]]), Scoring(False, False, 1.0))
+    rec = LiveRecord(0, logits, None, torch.tensor([[0]]), Scoring(False, False, 1.0))
     m.serve(0, [0], rec)  # full: evicts the lower-scored resident, expert 2 (0.3 < 0.4)
     assert sorted(m.entries) == [0, 3]
 
@@ -373,7 +373,7 @@ def test_score_policy_value_readings(value, kept):
     # ``probs`` evicts (0,0), ``logits`` evicts (1,0), whose raw logit is lower.
     import torch
 
-    from specmd.engine.record import GateRecord, Scoring
+    from specmd.engine.record import LiveRecord, Scoring
 
     params = reading("score", value=value) if value else None
     m = manager("score", 2, layers=2, experts=4, params=params)
@@ -381,11 +381,11 @@ def test_score_policy_value_readings(value, kept):
     l1 = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
     m.begin_pass("decode", 1, 1)
     for layer, logits in ((0, l0), (1, l1)):
-        m.serve(layer, [0], GateRecord(layer, logits, None, torch.tensor([[0]]), Scoring(False, False, 1.0)))
+        m.serve(layer, [0], LiveRecord(layer, logits, None, torch.tensor([[0]]), Scoring(False, False, 1.0)))
         m.finish_layer()
     m.end_pass()
     m.begin_pass("decode", 1, 2)
-    m.serve(0, [1], GateRecord(0, l0, None, torch.tensor([[1]]), Scoring(False, False, 1.0)))
+    m.serve(0, [1], LiveRecord(0, l0, None, torch.tensor([[1]]), Scoring(False, False, 1.0)))
     assert sorted(m.entries) == kept
 
 
@@ -625,22 +625,60 @@ def test_shipped_ml_weights_beat_lru_on_held_out_routing():
     assert int(meta["num_layers"]) == 4
 
 
-def test_train_eviction_from_saved_traces(tmp_path):
-    import numpy as np
+def test_train_eviction_steps_are_layer_calls_and_holdout_rates_are_a_replays(tmp_path):
+    """train_eviction has one producer per number: labels along each layer's calls (a prefill call is one
+    step, as eviction=ml counts it), and held-out hit rates that a replay of the held-out routing by the
+    replay driver -- here a separate `python -m specmd` replay of the same tokens -- reproduces exactly."""
+    import json
+    import subprocess
+    import sys
 
-    from specmd.train_eviction import dataset, main
+    import numpy as np
+    from safetensors import safe_open
+
+    from specmd.engine.store import StoreSizes
+    from specmd.replay.trace import Trace, TraceMeta
+    from specmd.train_eviction import dataset, layer_steps, main
 
     # Belady labels on a hand trace (E = 3, k = 1): 0, 1, 0, 2 -> at t=0 expert 0 is next used at t=2 (d=2)
     x, y = dataset(np.array([[0], [1], [0], [2]]), 3, cap=4)
     y = y.reshape(4, 3)
     assert list(y[0]) == pytest.approx([2 / 4, 1 / 4, 3 / 4])  # 0 at t=2, 1 at t=1, 2 at t=3
     assert list(y[3]) == pytest.approx([1.0, 1.0, 1.0])  # never used again
+    # a 3-token prefill then a decode token: the prefill is ONE step of each layer (its experts' union)
+    geom = Geometry(num_layers=2, num_experts=4, top_k=1, expert_bytes=1, total_bytes=8)
+    tr = Trace(meta=TraceMeta(geometry=geom, store=StoreSizes(16, 1, {})), passes=np.array([[0, 3, 3], [1, 1, 4]]),
+               calls=np.array([[0, 0, 0, 3], [0, 1, 3, 3], [1, 0, 6, 1], [1, 1, 7, 1]]),
+               index=np.array([[0], [1], [0], [2], [2], [3], [1], [3]]))
+    steps = layer_steps(tr)
+    assert [[list(e) for e in layer] for layer in steps] == [[[0, 1], [1]], [[2, 3], [3]]]
+
     rng = np.random.default_rng(0)
-    trace = {f"layer{i}": rng.integers(0, 8, size=(300, 2)) for i in range(2)}
-    np.savez(tmp_path / "trace.npz", **trace)
+    seqs = [[sorted(rng.choice(8, 2, replace=False).tolist()) for _ in range(2 * 30)] for _ in range(10)]
+    records = [{"seq": q, "token": t, "layer": l, "experts": seqs[q][2 * t + l]}
+               for q in range(10) for t in range(30) for l in range(2)]
+    full, last = tmp_path / "all.jsonl", tmp_path / "last.jsonl"
+    full.write_text("".join(json.dumps(r) + "\n" for r in records))
+    last.write_text("".join(json.dumps(r) + "\n" for r in records if r["seq"] == 9))
     out = tmp_path / "ml.safetensors"
-    main(["--traces", str(tmp_path / "trace.npz"), "--out", str(out), "--steps", "20", "--batch", "256",
-          "--eval-capacity", "4"])
+    main(["--traces", str(full), "--format", "jsonl", "--num-experts", "8", "--out", str(out), "--steps", "20",
+          "--batch", "256", "--eval-capacity", "4"])  # 300 passes (one per token): the last 30 are held out
+    with safe_open(str(out), "np") as f:
+        stored = json.loads(f.metadata()["holdout_hit_rate"])
+    assert stored["passes"] == [[270, 300]] and stored["capacity_per_layer"] == 4
+    assert stored["lru"] <= stored["belady"] and stored["ml"] <= stored["belady"]
+    sweep = tmp_path / "sweep"
+    for evictions in (["eviction=lru,lfu,belady"], ["eviction=ml", f"eviction.weights={out}"]):
+        r = subprocess.run([sys.executable, "-m", "specmd", "-m", f"replay.trace={last}", "replay.format=jsonl",
+                            "replay.num_experts=8", *evictions, "hardware.experts_per_layer=4",
+                            "hardware.scope=per_layer", "prefetch=none", "logger=none",
+                            f"hydra.sweep.dir={sweep}/{len(evictions)}"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+    replayed = {}
+    for res in sweep.glob("*/*/results.json"):
+        res = json.loads(res.read_text())
+        replayed[res["config"]["eviction"]["name"]] = round(res["cache"]["hit_rate"], 4)
+    assert replayed == {k: stored[k] for k in ("lru", "lfu", "ml", "belady")}
     m = manager("ml", 4, layers=2, experts=8, params=EVICTION.get("ml").Params(weights=str(out)))
     for e in range(8):
         m.serve(1, [e]); m.finish_layer()

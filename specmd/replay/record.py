@@ -1,4 +1,5 @@
-"""``replay.trace=record``: record the routing a run's model and tasks produce once, then replay every job on it.
+"""Recording routing: ``replay.trace=record`` (a sweep's model and tasks recorded once, every job replayed on
+it) and :func:`record_routing` (a model's routing on given tokens, for training and model cards).
 
 A sweep over eviction, prefetch or capacity on one model and one task asks the same live question in every
 job: which experts does the router pick? ``replay.trace=record`` answers it once. The first job to need a
@@ -28,7 +29,11 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
+
+import torch
+
+from .trace import Trace, TraceWriter, read_trace
 
 log = logging.getLogger("specmd")
 KEYWORD = "record"
@@ -88,3 +93,38 @@ def recorded_trace(run, record: Callable[[dict, Path], None]) -> str:
             (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
             record(cfg, out)
     return str(out / "trace")
+
+
+@torch.no_grad()
+def record_routing(model, ids: list, path, window: int = 512, token_by_token: bool = False, depth: int = 0,
+                   logits: str = "none", source: Optional[dict] = None) -> Trace:
+    """Record the routing ``model`` chooses on the token ids ``ids`` into a specmd trace at ``path`` and
+    return it: the live driver (the lossless :data:`RECORDING_STACK`, which computes what the unhooked
+    model computes) with a :class:`~specmd.replay.trace.TraceWriter`, the one recorder of specmd outside
+    a run's ``trace.save=true``.
+
+    The ids are cut into sequences of ``window`` tokens; each is one prefill pass, or with
+    ``token_by_token`` one pass per token (a one-token prefill, then decode steps over the KV cache, as
+    generation runs): one layer call per token, the step ``eviction=ml`` and the token-to-token statistics
+    count. ``depth`` / ``logits``: the prefetch signal and router logits to keep (``trace.depth`` /
+    ``trace.logits``; none by default: the index and weights are what routing statistics read)."""
+    from ..compose import stack_spec
+    from ..hardware import HardwareConfig
+    from ..hook import install
+
+    stack = install(model, stack_spec(RECORDING_STACK, HardwareConfig()))
+    stack.writer = TraceWriter(path, stack.geom, stack.scoring, stack.store, depth, logits,
+                               {"exact": True, "stack": stack.spec.names(), **(source or {})})
+    try:
+        for start in range(0, len(ids), window):
+            chunk = torch.tensor(ids[start:start + window]).unsqueeze(0)
+            if not token_by_token:
+                model(chunk)
+                continue
+            past = None
+            for t in range(chunk.shape[1]):
+                past = model(chunk[:, t:t + 1], past_key_values=past, use_cache=True).past_key_values
+    finally:
+        stack.remove()
+        stack.writer.close()
+    return read_trace(path)

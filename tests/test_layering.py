@@ -1,0 +1,112 @@
+"""The house read from its imports (DESIGN.md "The engine and its two drivers", docs/architecture.md):
+the engine imports nothing above it, no module imports itself back through another, and recording,
+replaying and Belady each have one home. Static: every import statement counts, function-local ones too."""
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "specmd"
+
+
+def modules() -> dict:
+    out = {}
+    for p in ROOT.rglob("*.py"):
+        name = ".".join(p.relative_to(ROOT.parent).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = p
+    return out
+
+
+MODULES = modules()
+
+
+def imports_of(name: str) -> set:
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            targets = [f"{mod}.{a.name}" for a in node.names] + [mod]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t not in MODULES and "." in t:
+                t = t.rsplit(".", 1)[0]
+            if t in MODULES and t != name and t.startswith("specmd"):
+                found.add(t)
+                break
+    return found
+
+
+GRAPH = {m: imports_of(m) for m in MODULES}
+
+
+def test_the_engine_imports_nothing_above_it():
+    up = {m: sorted(d for d in deps if not (d.startswith("specmd.engine") or d == "specmd.errors"))
+          for m, deps in GRAPH.items() if m.startswith("specmd.engine")}
+    assert {m: d for m, d in up.items() if d} == {}
+
+
+def cycles(graph: dict) -> list:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    assert cycles(GRAPH) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check itself
+
+
+def test_imports_are_resolved():  # the checks above see real edges (a broken resolver would pass them vacuously)
+    assert "specmd.engine.store" in GRAPH["specmd.engine.engine"]
+    assert "specmd.compose" in GRAPH["specmd.app"]
+    assert "specmd.replay.driver" in GRAPH["specmd.train_eviction"]
+
+
+def where(pattern: str) -> list:
+    rx = re.compile(pattern)
+    return sorted(str(p.relative_to(ROOT.parent)) for p in MODULES.values() if rx.search(p.read_text()))
+
+
+def test_one_home_for_recording_replaying_and_belady():
+    # the live driver is the only code that hooks a model's modules
+    assert where(r"register_forward(_pre)?_hook\(") == ["specmd/hook/stack.py"]
+    # engines and cache managers are built by the drivers only (no private replay loop)
+    assert where(r"\b(Engine|CacheManager)\(") == ["specmd/engine/engine.py", "specmd/hook/stack.py",
+                                                    "specmd/replay/driver.py"]
+    # one definition each
+    for definition in (r"def run_replay\(", r"class Belady\b", r"def record_routing\(", r"class TraceWriter\b",
+                       r"def read_trace\(", r"def requested_per_call\(", r"class GateRecord\b"):
+        assert len(where(definition)) == 1, definition
