@@ -3,35 +3,51 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from .errors import ConfigError
 
 SCOPES = ("global", "per_layer")
 POLICY_GROUPS = ("routing", "miss", "eviction", "prefetch")  # keys of hardware.policy_overhead_us
+CONF = Path(__file__).resolve().parent / "conf"
+
+
+def default_profile() -> dict:
+    """The figures of the default hardware profile: ``specmd/conf/hardware/<name>.yaml`` for the ``hardware``
+    entry of ``specmd/conf/config.yaml``'s defaults. They are :class:`HardwareConfig`'s defaults, so code
+    and tests that build one without a profile time the device a run gets by default (one home)."""
+    import yaml
+
+    defaults = yaml.safe_load((CONF / "config.yaml").read_text())["defaults"]
+    (name,) = [d["hardware"] for d in defaults if isinstance(d, dict) and "hardware" in d]
+    return yaml.safe_load((CONF / "hardware" / f"{name}.yaml").read_text())
+
+
+_P = default_profile()
 
 
 @dataclass
 class HardwareConfig:
-    name: str = "custom"
+    name: str = _P["name"]
     # Cache size as a fraction of the full model's bytes at its storage dtype (SpecMD's convention).
-    capacity: float = 0.05
+    capacity: float = _P["capacity"]
     # Alternative: a fixed number of expert slots per MoE layer (Cache-Conditional Experts, FlashMoE), or a
     # fraction < 1 of each layer's experts (Cache-Conditional Experts' default cache N/2: 0.5).
-    experts_per_layer: Optional[float] = None
+    experts_per_layer: Optional[float] = _P["experts_per_layer"]
     # One pool shared by all layers, or one pool per MoE layer (capacity split evenly).
-    scope: str = "global"
-    bandwidth_gbps: float = 5.0  # host -> device transfer bandwidth, GB/s (1e9 bytes/s)
-    latency_us: float = 10.0  # fixed cost per transfer
-    peak_tflops: float = 312.0  # device compute peak at the model's dtype
-    mem_bandwidth_gbps: float = 1555.0  # device memory bandwidth (roofline)
+    scope: str = _P["scope"]
+    bandwidth_gbps: float = _P["bandwidth_gbps"]  # host -> device transfer bandwidth, GB/s (1e9 bytes/s)
+    latency_us: float = _P["latency_us"]  # fixed cost per transfer
+    peak_tflops: float = _P["peak_tflops"]  # device compute peak at the model's dtype
+    mem_bandwidth_gbps: float = _P["mem_bandwidth_gbps"]  # device memory bandwidth (roofline)
     # Host compute (miss=cpu_compute runs missing experts on the host, Zhu et al. 2025 / Fiddler).
-    host_tflops: float = 1.0
-    host_mem_bandwidth_gbps: float = 100.0
+    host_tflops: float = _P["host_tflops"]
+    host_mem_bandwidth_gbps: float = _P["host_mem_bandwidth_gbps"]
     # Time the run's routing on a real model's sizes and compute: a config shipped in specmd/assets/configs
     # (olmoe, mixtral): expert bytes, dense and LM-head FLOPs/bytes; layers and experts mapped proportionally
     # (docs/models.md "Timing a small model as a real one"). null: the running model's own.
-    timing_as: Optional[str] = None
+    timing_as: Optional[str] = _P["timing_as"]
     # Fixed costs the roofline does not see (``specmd calibrate`` fits them on this machine; 0 = the ideal
     # device): per decoder layer (its eager ops' launch costs), per token of a pass, per expert a layer runs
     # (one GEMM pair per expert group) and per transfer issued. The papers' GPUs hide them in kernel

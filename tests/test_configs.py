@@ -216,3 +216,21 @@ def test_measure_decode_accepts_generation_tasks_and_token_by_token():
 def test_ml_eviction_defaults_to_the_models_own_networks(model, asset):
     run = compose_run([f"model={model}", "eviction=ml"])
     assert run.policies["eviction"][1].weights == asset
+
+
+def test_code_defaults_are_the_default_profile():
+    """One home per default: HardwareConfig() is the profile a run gets by default (config.yaml's hardware
+    entry), field for field, so figures timed in code and tests are the ones a default run reports."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from specmd import CONF_DIR
+    from specmd.hardware import HardwareConfig
+
+    defaults = OmegaConf.to_container(OmegaConf.load(f"{CONF_DIR}/config.yaml"))["defaults"]
+    (name,) = [d["hardware"] for d in defaults if isinstance(d, dict) and "hardware" in d]
+    profile = OmegaConf.to_container(OmegaConf.load(f"{CONF_DIR}/hardware/{name}.yaml"))
+    code = dataclasses.asdict(HardwareConfig())
+    assert {k: code[k] for k in profile} == profile
+    assert code["mem_bandwidth_gbps"] == 1935.0  # the A100 80GB PCIe datasheet's, not the 40GB's 1,555
