@@ -30,83 +30,130 @@ def check_policy_overheads(table: dict) -> None:
                               f"{', '.join(REGISTRIES[group].names())}")
 
 
+class Checks:
+    """One validation style for a run's config: each check is a function that raises :class:`ConfigError`
+    (or a message added with :meth:`fail`); every error of a step is collected and reported together."""
+
+    def __init__(self):
+        self.errors: list[str] = []
+
+    def run(self, fn, *args):
+        """``fn(*args)``, or None with its error collected."""
+        try:
+            return fn(*args)
+        except ConfigError as exc:
+            self.errors.append(str(exc))
+            return None
+
+    def fail(self, message: str) -> None:
+        self.errors.append(message)
+
+    def raise_any(self) -> None:
+        if self.errors:
+            e = self.errors
+            raise ConfigError(e[0] if len(e) == 1 else f"{len(e)} config errors:\n  - " + "\n  - ".join(e))
+
+
 class Run:
     """A validated run specification (all config errors surface here, before any model is built)."""
 
     def __init__(self, cfg: DictConfig, overrides: Optional[list] = None):
         """``overrides``: the command line's overrides (Hydra's task overrides), for the checks that depend on
-        what the user set rather than on the composed value (mutually exclusive options)."""
-        from .eval.harness import SUPPORTED, EvalConfig, task_index
+        what the user set rather than on the composed value (mutually exclusive options).
+
+        1. every section on its own (model, hardware, eval, stack and trace, runtime, policies, replay and
+           execution), all their errors reported together;
+        2. checks across sections (precisions, oracles, measured passes, execution), in order;
+        3. the :class:`~specmd.engine.StackSpec` the drivers hand the engine."""
+        c = self.raw = OmegaConf.to_container(cfg, resolve=True)
+        self.set_by_user = {o.split("=", 1)[0].lstrip("+~") for o in overrides or ()}
+        checks = Checks()
+        for step in (self._model, self._hardware, self._eval, self._stack_and_trace, self._runtime,
+                     self._policies, self._replay_and_execution):  # 1
+            step(c, checks)
+        checks.raise_any()
+        self._precisions(c)  # 2
+        self._oracles()
+        self._measured_passes()
+        check_execution(self, c)
+        from .compose import timing_of  # 3
+
+        self.spec = StackSpec(hardware=self.hardware, quant=self.quant, measure=self.measure,
+                              timing=timing_of(self.hardware), execution=self.execution, **self.policies)
+
+    # ---- 1. sections ----------------------------------------------------------------------------------
+    def _model(self, c: dict, checks: Checks) -> None:
         from .models.loader import ModelConfig, check_checkpoint
+
+        self.model = checks.run(build_params, ModelConfig, dict(c["model"]), "model")
+        if self.model is not None and self.model.pretrained:
+            checks.run(check_checkpoint, self.model.pretrained)
+        self.mirror = (c.get("data") or {}).get("mirror")
+
+    def _hardware(self, c: dict, checks: Checks) -> None:
+        self.hardware = checks.run(build_params, HardwareConfig, dict(c["hardware"]), "hardware")
+        if self.hardware is not None:
+            checks.run(check_policy_overheads, self.hardware.policy_overhead_us)
+        if {"hardware.capacity", "hardware.experts_per_layer"} <= self.set_by_user and \
+                (c["hardware"] or {}).get("experts_per_layer") is not None:
+            checks.fail("hardware.capacity and hardware.experts_per_layer are mutually exclusive (a byte budget "
+                        "or a number of slots per layer): set one of them")
+
+    def _eval(self, c: dict, checks: Checks) -> None:
+        from .eval.harness import SUPPORTED, EvalConfig, task_index
+
+        self.eval = checks.run(build_params, EvalConfig, dict(c.get("eval") or {}), "eval")
+        if self.eval is not None and any(t not in SUPPORTED for t in self.eval.tasks):
+            checks.run(task_index, self.eval.tasks)  # another lm-eval task: checked in the full index now
+
+    def _stack_and_trace(self, c: dict, checks: Checks) -> None:
+        from .engine.cache import MEASURES
+        from .replay.trace import LOGIT_DTYPES
+
+        stack = c.get("stack") or {}
+        self.enabled = checks.run(check_type, stack.get("enabled", True), bool, "stack.enabled")
+        self.measure = str(stack.get("measure", "all"))
+        if self.measure not in MEASURES:
+            checks.fail(f"stack.measure={self.measure!r}; valid choices: {', '.join(MEASURES)}")
+        tr = c.get("trace") or {}
+        self.save_trace = checks.run(check_type, tr.get("save", False), bool, "trace.save")
+        self.trace_depth = checks.run(check_type, tr.get("depth", 1), int, "trace.depth")
+        self.trace_logits = checks.run(check_type, tr.get("logits", "fp32"), str, "trace.logits")
+        if self.trace_logits is not None and self.trace_logits not in LOGIT_DTYPES:
+            checks.fail(f"trace.logits={self.trace_logits!r}; valid choices: {', '.join(LOGIT_DTYPES)}")
+        if isinstance(self.trace_depth, int) and self.trace_depth < 0:
+            checks.fail(f"trace.depth={self.trace_depth} must be >= 0")
+
+    def _runtime(self, c: dict, checks: Checks) -> None:
+        from .loggers import build_logger
+
+        self.device = c.get("device", "cpu")
+        checks.run(check_device, self.device)
+        self.threads = checks.run(check_type, c.get("threads"), Optional[int], "threads")
+        if self.threads is not None and self.threads < 1:
+            checks.fail(f"threads={self.threads} must be >= 1 or null (the launcher's share of the cores)")
+        checks.run(build_logger, c.get("logger"))  # its settings are checked with the others
+
+    def _policies(self, c: dict, checks: Checks) -> None:
         from .policies import REGISTRIES
         from .quant import QUANT
 
-        c = OmegaConf.to_container(cfg, resolve=True)
-        self.raw = c
-        # 1. every independent section is checked, and all their errors are reported together
-        errors: list = []
-
-        def check(fn, *args):
-            try:
-                return fn(*args)
-            except ConfigError as exc:
-                errors.append(str(exc))
-                return None
-
-        self.model = check(build_params, ModelConfig, dict(c["model"]), "model")
-        if self.model is not None and self.model.pretrained:
-            check(check_checkpoint, self.model.pretrained)
-        self.hardware = check(build_params, HardwareConfig, dict(c["hardware"]), "hardware")
-        if self.hardware is not None:
-            check(check_policy_overheads, self.hardware.policy_overhead_us)
-        set_by_user = {o.split("=", 1)[0].lstrip("+~") for o in overrides or ()}
-        if {"hardware.capacity", "hardware.experts_per_layer"} <= set_by_user and \
-                (c["hardware"] or {}).get("experts_per_layer") is not None:
-            errors.append("hardware.capacity and hardware.experts_per_layer are mutually exclusive (a byte budget "
-                          "or a number of slots per layer): set one of them")
-        self.eval = check(build_params, EvalConfig, dict(c.get("eval") or {}), "eval")
-        if self.eval is not None and any(t not in SUPPORTED for t in self.eval.tasks):
-            check(task_index, self.eval.tasks)  # another lm-eval task: checked in the full index now
-        stack = c.get("stack") or {}
-        self.enabled = check(check_type, stack.get("enabled", True), bool, "stack.enabled")
-        from .engine.cache import MEASURES
-
-        self.measure = str(stack.get("measure", "all"))
-        if self.measure not in MEASURES:
-            errors.append(f"stack.measure={self.measure!r}; valid choices: {', '.join(MEASURES)}")
-        tr = c.get("trace") or {}
-        self.save_trace = check(check_type, tr.get("save", False), bool, "trace.save")
-        self.trace_depth = check(check_type, tr.get("depth", 1), int, "trace.depth")
-        self.trace_logits = check(check_type, tr.get("logits", "fp32"), str, "trace.logits")
-        from .replay.trace import LOGIT_DTYPES
-
-        if self.trace_logits is not None and self.trace_logits not in LOGIT_DTYPES:
-            errors.append(f"trace.logits={self.trace_logits!r}; valid choices: {', '.join(LOGIT_DTYPES)}")
-        if isinstance(self.trace_depth, int) and self.trace_depth < 0:
-            errors.append(f"trace.depth={self.trace_depth} must be >= 0")
-        self.device = c.get("device", "cpu")
-        check(check_device, self.device)
-        self.threads = check(check_type, c.get("threads"), Optional[int], "threads")
-        if self.threads is not None and self.threads < 1:
-            errors.append(f"threads={self.threads} must be >= 1 or null (the launcher's share of the cores)")
-        from .loggers import build_logger
-
-        check(build_logger, c.get("logger"))  # its settings are checked with the others
-        self.quant = check(QUANT.params, c.get("quant") or {"name": "none"})
-        self.policies = {g: check(REGISTRIES[g].params, c[g]) for g in GROUPS}  # (class, params), validated
+        self.quant = checks.run(QUANT.params, c.get("quant") or {"name": "none"})
+        self.policies = {g: checks.run(REGISTRIES[g].params, c[g]) for g in GROUPS}  # (class, params), validated
         for g, pol in self.policies.items():  # top-J's upper bound is the model's top-k (engine, once known)
             if pol is not None and isinstance(getattr(pol[1], "J", None), int) and pol[1].J < 0:
-                errors.append(f"{g}.J={pol[1].J} must be >= 0 (ranks always kept, at most the model's top-k)")
+                checks.fail(f"{g}.J={pol[1].J} must be >= 0 (ranks always kept, at most the model's top-k)")
+
+    def _replay_and_execution(self, c: dict, checks: Checks) -> None:
+        from .executor import EXECUTION
         from .replay.driver import ReplayConfig
 
-        self.replay = check(build_params, ReplayConfig, dict(c.get("replay") or {}), "replay")
-        from .executor import EXECUTION
+        self.replay = checks.run(build_params, ReplayConfig, dict(c.get("replay") or {}), "replay")
+        self.execution = checks.run(EXECUTION.params, c.get("execution") or {"name": "simulated"})
 
-        self.execution = check(EXECUTION.params, c.get("execution") or {"name": "simulated"})
-        if errors:
-            raise ConfigError(errors[0] if len(errors) == 1 else
-                              f"{len(errors)} config errors:\n  - " + "\n  - ".join(errors))
-        # 2. checks across sections
+    # ---- 2. across sections -----------------------------------------------------------------------------
+    def _precisions(self, c: dict) -> None:
+        """The quantization stores every precision the miss policy fetches (``quant=auto`` resolves to them)."""
         mcls, mparams = self.policies["miss"]
         qcls, qparams = self.quant
         needed = mcls.required_precisions(mparams)
@@ -119,22 +166,19 @@ class Run:
         if missing:
             raise ConfigError(f"miss={mcls.name} needs precision(s) {missing}, but quant={qcls.name} stores only "
                               f"{', '.join(stored)}; use quant=hqq with quant.precisions including {missing}")
+
+    def _oracles(self) -> None:
         oracles = [f"{g}={cls.name}" for g, (cls, _) in self.policies.items() if cls.needs_future]
         if oracles and not self.replay.trace:
             raise ConfigError(f"{', '.join(oracles)} needs the future, which only a trace replay has: record a "
                               f"trace with trace.save=true, then replay it with replay.trace=PATH")
-        self.mirror = (c.get("data") or {}).get("mirror")
 
+    def _measured_passes(self) -> None:
         if self.measure == "decode" and not self.replay.trace and not self.eval.token_by_token and not any(
                 t in GENERATION_TASKS for t in self.eval.tasks):
             raise ConfigError(f"stack.measure=decode counts decode passes only, and eval.tasks={self.eval.tasks} "
                               f"run none (loglikelihood tasks are prefill passes): add a generation task "
                               f"({', '.join(GENERATION_TASKS)}) or set eval.token_by_token=true")
-        check_execution(self, c)
-        from .compose import timing_of
-
-        self.spec = StackSpec(hardware=self.hardware, quant=self.quant, measure=self.measure,
-                              timing=timing_of(self.hardware), execution=self.execution, **self.policies)
 
     @property
     def offload(self) -> bool:
