@@ -3,7 +3,7 @@
     python benchmarks/hook_overhead.py [--prefetch none|topk] [--repeats 5]
 
 Models: tiny_olmoe, and a mid-size random OLMoE-shaped model (8 layers, 64 experts top-8, hidden 512,
-expert intermediate 256: ~400 MB in float32). Inputs: a batch of random token ids (a prefill-like pass)
+expert intermediate 256: 201 M expert parameters, ~0.8 GB in float32). Inputs: a batch of random token ids (a prefill-like pass)
 and a short greedy generation (decode passes). Prints the median of --repeats timings per case.
 Target (issue #2): ratio <= 1.15 on the mid-size model.
 """

@@ -6,6 +6,9 @@ __version__ = "0.1.0"
 # The Hydra configs ship inside the package (package data), so an installed wheel runs from any directory; a
 # user's own config directory joins the search path with hydra.searchpath=[file:///path/to/conf].
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")
+# What the package ships besides code: the embedded models (weights, cards, ml eviction networks) and real
+# models' configs (specmd/assets/configs); ``specmd:<name>`` names a directory here.
+ASSETS = Path(__file__).resolve().parent / "assets"
 
 
 def _register_resolvers() -> None:

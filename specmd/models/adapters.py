@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..engine.geometry import Geometry
+from ..engine.record import Scoring
 from ..errors import ConfigError
 
 
@@ -60,14 +62,10 @@ class Adapter:
         return model.model
 
     def scoring(self, config):
-        from ..engine.record import Scoring
-
         return Scoring(self.score == "sigmoid", self.renormalises(config), self.scale(config))
 
     def geometry(self, model):
         """The :class:`~specmd.engine.geometry.Geometry` of a loaded model (parameters at their dtype)."""
-        from ..engine.geometry import Geometry
-
         config = model.config
         layers = model.model.layers
         moe_ids = self.moe_layers(model)

@@ -7,6 +7,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .. import ASSETS  # specmd:<name> resolves here (re-exported)
 from ..errors import ConfigError
 from .adapters import adapter_for
 
@@ -55,7 +56,6 @@ def build_tiny(family: str, overrides: Optional[dict] = None, seed: int = 0, dty
     return model
 
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 ASSET_PREFIX = "specmd:"
 
 

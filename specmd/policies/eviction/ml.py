@@ -53,7 +53,7 @@ class MLP:
 
 def resolve_weights(spec: str) -> Path:
     if spec.startswith("specmd:"):
-        from ...models.loader import ASSETS
+        from ... import ASSETS
 
         path = ASSETS / spec[len("specmd:"):] / ASSET_FILE
     else:
@@ -83,7 +83,8 @@ def load_networks(spec: str) -> tuple[list[MLP], dict]:
 class ML(OrderedEviction):
     """FlashMoE's learned eviction (see module docstring). ``weights``: a ``.safetensors`` file written by
     ``python -m specmd.train_eviction``, or ``specmd:<asset>`` for one shipped with a model (the embedded
-    ``specmd:tiny-olmoe`` and ``specmd:deep-olmoe`` have one; the config's default is the model's own).
+    ``specmd:tiny-olmoe``, ``specmd:deep-olmoe`` and ``specmd:deep-mixtral`` have one; the config's default is
+    the model's own).
     Its layer count must match the model's MoE layers. Recency and frequency count routed uses only (a
     prefetch insert is not a use); they persist after eviction.
     Ties: the lower key."""
