@@ -164,7 +164,7 @@ def trace_routing_stats(trace, family: str) -> dict:
     index = torch.from_numpy(np.asarray(trace.index, dtype=np.int64))
     calls = trace.calls.tolist()
     for p, (_, tokens, _) in enumerate(trace.passes.tolist()):
-        sel = {layer: index[r0:r0 + n] for q, layer, r0, n in calls[p * L:(p + 1) * L] if q == p}  # [T, k]
+        sel = {layer: index[r0:r0 + n] for _, layer, r0, n in calls[p * L:(p + 1) * L]}  # [T, k]; every layer, every pass
         for j, (a, b) in enumerate(ref_pairs):  # rank-aligned pairs, as the OLMoE paper's analysis counts them
             joint[j] += torch.bincount((sel[a] * E + sel[b]).reshape(-1), minlength=E * E).view(E, E)
         for i in range(L):

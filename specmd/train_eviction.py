@@ -121,8 +121,9 @@ def holdout_hit_rates(parts: list, capacity: int, weights) -> dict:
     rates = {}
     for name in EVALUATED:
         hits = requests = 0
+        spec = holdout_spec(name, capacity, weights)
         for part in parts:
-            st = run_replay(part, holdout_spec(name, capacity, weights)).cache.stats
+            st = run_replay(part, spec).cache.stats
             hits += st.total("hits")
             requests += st.total("requests")
         rates[name] = round(hits / requests, 4)
@@ -203,9 +204,9 @@ def train(args, traces: list) -> dict:
     if len(geoms) != 1:
         raise SystemExit(f"the traces have different (MoE layers, experts): {sorted(geoms)}")
     ((L, E),) = geoms
-    cuts = [max(1, min(len(t.passes) - 1, round(len(t.passes) * (1 - args.holdout)))) for t in traces]
     if any(len(t.passes) < 2 for t in traces):
         raise SystemExit("every trace needs at least 2 passes (one to train on, one held out)")
+    cuts = [max(1, min(len(t.passes) - 1, round(len(t.passes) * (1 - args.holdout)))) for t in traces]
     steps = [layer_steps(select_passes(t, 0, cut)) for t, cut in zip(traces, cuts)]
     tensors, mses = {}, []
     for layer in range(L):

@@ -168,7 +168,7 @@ class Engine:
             clock.dense(layer, shape[1], shape[2])
         experts = rec.requested(E)  # 2
         plan = cache.serve(layer, experts, rec, index, weights).execution  # 3
-        slots, n_run = self._fidelity(rec, index, weights, plan, len(experts))  # 4
+        slots, n_run = self._fidelity(rec, index, plan, len(experts))  # 4
         for target, predicted in self.prefetch.predict(rec, self.model):  # 5
             clock.predicted()
             self.predictions += 1
@@ -177,7 +177,7 @@ class Engine:
         cache.finish_layer()
         return plan
 
-    def _fidelity(self, rec, index, weights, plan, n: int) -> tuple[int, int]:
+    def _fidelity(self, rec, index, plan, n: int) -> tuple[int, int]:
         """Count the router's own selections that run unchanged; return the device's (slots, experts)."""
         st = self.cache.stats
         layer = rec.layer
@@ -189,7 +189,7 @@ class Engine:
             st.slots_unchanged += slots
             return slots, n
         if index is None:
-            index, weights = rec.index, rec.weights
+            index = rec.index
         if rerouted:  # the router's own requests, before a routing policy changed the selection
             st.requests_router[layer] += int(torch.bincount(rec.original.reshape(-1)).count_nonzero())
         else:

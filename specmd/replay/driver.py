@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..engine import Engine, GateRecord, Geometry, Scoring
+from ..engine import Engine, GateRecord, Scoring
 from ..engine.record import NoLogits
 from ..engine.store import StoreSizes
 from ..errors import ConfigError
@@ -217,8 +217,8 @@ def exactness(trace: Trace, spec) -> list[str]:
     """Why a replay of ``spec`` on ``trace`` may differ from the live run (empty: exact)."""
     reasons = []
     src = trace.meta.source
-    if src.get("format"):
-        reasons.append(f"imported {src['format']} trace (no live run to match)")
+    if trace.meta.imported:
+        reasons.append(f"imported {trace.meta.imported} trace (no live run to match)")
     if src.get("exact") is False:
         reasons.append(f"the recording run's stack ({src.get('stack')}) changed what the model computed, so the "
                        f"recorded routing is not the unmodified model's")
