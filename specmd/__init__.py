@@ -2,6 +2,10 @@
 
 from pathlib import Path
 
+from . import native
+
+native.select()  # compiled engine and policies, or their pure-Python sources (specmd/native.py)
+
 __version__ = "0.1.0"
 # The Hydra configs ship inside the package (package data), so an installed wheel runs from any directory; a
 # user's own config directory joins the search path with hydra.searchpath=[file:///path/to/conf].

@@ -283,7 +283,7 @@ def run_replay(trace: Trace, spec, engine=None, ptr=None, experts=None) -> Engin
     return engine
 
 
-def replay(run, run_dir) -> dict:
+def replay(run, run_dir) -> tuple[dict, Engine]:
     """One replay run (from :func:`specmd.app.execute`): results.json's dict."""
     t0 = time.perf_counter()
     trace = open_trace(run.replay)

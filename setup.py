@@ -1,0 +1,79 @@
+"""Builds the compiled engine; everything else about the package is in pyproject.toml.
+
+The engine, the replay driver's loop and the built-in policies (the list: ``specmd/native.py``) are
+compiled by Cython from their own ``.py`` sources (pure-Python mode). ``pip install -e .`` builds them in
+place, beside the sources, and a wheel carries them. A module that fails to compile is left out with a
+warning (the package runs its source instead); without Cython or a C compiler nothing is compiled and the
+package runs pure Python. The build writes ``specmd/_native.json``: each compiled source's sha256, so an
+edited source is never shadowed by its old extension at run time.
+"""
+
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).resolve().parent
+native = runpy.run_path(str(HERE / "specmd" / "native.py"))
+
+DIRECTIVES = {
+    "language_level": "3",
+    "binding": True,  # functions keep their Python signatures, docstrings and introspection
+    "embedsignature": True,
+    "boundscheck": False,  # only typed memoryviews and arrays are affected: the sources index them in range
+    "wraparound": True,
+    "cdivision": False,  # Python's division and modulo semantics (the pure source is the reference)
+    "initializedcheck": False,
+}
+
+
+def _warn(msg: str) -> None:
+    print(f"WARNING (specmd): {msg}; the package will run its engine as pure Python (slower)", file=sys.stderr)
+
+
+def extensions() -> list:
+    if os.environ.get("SPECMD_NO_COMPILE", "").strip() not in ("", "0"):
+        return []
+    try:
+        from Cython.Build import cythonize
+    except ImportError as e:
+        _warn(f"Cython is not installed ({e})")
+        return []
+    exts = [Extension(native["module_name"](src), [f"specmd/{src}"], optional=True)
+            for src in native["sources"](HERE / "specmd")]
+    out = []
+    for ext in exts:  # one at a time: a module Cython cannot translate runs its source, the others compiled
+        try:
+            out += cythonize([ext], compiler_directives=DIRECTIVES, build_dir="build/cython", quiet=True)
+        except Exception as e:
+            _warn(f"Cython could not translate {ext.sources[0]} ({type(e).__name__}: {e})")
+    return out
+
+
+class BuildExt(build_ext):
+    """Compiles in parallel, skips what fails (optional extensions), and writes the manifest."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = os.cpu_count() or 1
+
+    def run(self):
+        super().run()
+        built = {}
+        for ext in self.extensions:
+            source = ext.name.split(".", 1)[1].replace(".", "/") + ".py"  # specmd.engine.cache: engine/cache.py
+            if Path(self.get_ext_fullpath(ext.name)).is_file():
+                built[source] = native["digest"](HERE / "specmd" / source)
+        pkg_dir = Path(self.get_ext_fullpath("specmd._")).parent
+        pkg_dir.mkdir(parents=True, exist_ok=True)
+        (pkg_dir / native["MANIFEST"]).write_text(json.dumps(built, indent=1, sort_keys=True) + "\n")
+        if len(built) < len(self.extensions):
+            _warn(f"{len(self.extensions) - len(built)} of {len(self.extensions)} modules did not compile")
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})
