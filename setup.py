@@ -50,8 +50,12 @@ def extensions() -> list:
         try:
             out += cythonize([ext], compiler_directives=DIRECTIVES, build_dir="build/cython", quiet=True)
         except Exception as e:
+            UNTRANSLATED.append(ext.sources[0][len("specmd/"):])
             _warn(f"Cython could not translate {ext.sources[0]} ({type(e).__name__}: {e})")
     return out
+
+
+UNTRANSLATED: list = []  # sources Cython could not translate (listed as failed in the manifest)
 
 
 class BuildExt(build_ext):
@@ -64,16 +68,19 @@ class BuildExt(build_ext):
 
     def run(self):
         super().run()
-        built = {}
+        built, failed = {}, list(UNTRANSLATED)
         for ext in self.extensions:
             source = ext.name.split(".", 1)[1].replace(".", "/") + ".py"  # specmd.engine.cache: engine/cache.py
             if Path(self.get_ext_fullpath(ext.name)).is_file():
                 built[source] = native["digest"](HERE / "specmd" / source)
+            else:
+                failed.append(source)
         pkg_dir = Path(self.get_ext_fullpath("specmd._")).parent
         pkg_dir.mkdir(parents=True, exist_ok=True)
-        (pkg_dir / native["MANIFEST"]).write_text(json.dumps(built, indent=1, sort_keys=True) + "\n")
-        if len(built) < len(self.extensions):
-            _warn(f"{len(self.extensions) - len(built)} of {len(self.extensions)} modules did not compile")
+        manifest = {"built": built, "failed": sorted(failed)}
+        (pkg_dir / native["MANIFEST"]).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        if failed:
+            _warn(f"{len(failed)} of {len(failed) + len(built)} modules did not compile ({', '.join(failed)})")
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": BuildExt})

@@ -1,20 +1,29 @@
 """Replay throughput: expert requests per second of each eviction policy through the engine, beside
-libCacheSim's own C replay loop (LRU, same request sequence) and the live run of the same configuration.
+libCacheSim's own C replay loop on the same problem, the live run of the same configuration, and a
+100-configuration sweep.
 
-    python benchmarks/replay.py                      # >= 1M requests, every eviction policy
-    python benchmarks/replay.py --requests 200000 --policies lru least_stale
+    python benchmarks/replay.py                      # >= 1M requests, every eviction policy, the sweep
+    python benchmarks/replay.py --requests 200000 --policies lru least_stale --no-sweep
+    SPECMD_PURE_PYTHON=1 python benchmarks/replay.py # the same with the engine's pure-Python sources
+    python benchmarks/replay.py --compare-pure       # ... both, in one run (the pure one in a subprocess)
 
 1. A live run of the embedded model (prefill + greedy decode, trace.save) gives the live wall time per
    request and a trace; the trace is replayed with the same stack (same cache/timing sections: checked).
 2. The trace's decode passes are tiled until the trace holds >= --requests expert requests (real routing,
    repeated), then every policy replays it (prefetch=none, global pool, --capacity of the model bytes).
-3. libCacheSim's LRU replays the same request sequence (keys layer*E+expert, one request per expert per
-   layer call) from a text trace with its C loop (`process_trace`), capacity in experts.
+3. libCacheSim's LRU (its C loop, ``process_trace`` over a plain-text trace, capacity in experts) replays the request sequence specmd's LRU served: keys ``layer * E + expert``, one request
+   per distinct expert per layer call, in the engine's serve order (a call's hits first, then its misses,
+   each ascending: docs/semantics.md). Both LRUs then see the same sequence and capacity; specmd also never
+   evicts the running call's experts, which an LRU of >= top-k slots never picks anyway, so the two hit
+   rates must be equal, and the benchmark checks they are before it prints a speed ratio.
+4. The sweep: every eviction policy but ``ml`` x 10 capacities over the tiled trace, the configurations
+   split over the cores, each process decoding the trace once and replaying its configurations on it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 import time
@@ -47,7 +56,7 @@ def live_run(model, spec, ids, new_tokens, path):
 
 def tile_decode(trace: Trace, requests: int) -> Trace:
     """The decode passes of ``trace`` repeated until the trace holds >= ``requests`` expert requests."""
-    L = trace.meta["geometry"]["num_layers"]
+    L = trace.meta.geometry.num_layers
     dec = np.flatnonzero(trace.passes[:, 0] == 1)
     rows = np.concatenate([np.arange(trace.calls[p * L, 2], trace.calls[p * L + L - 1, 2] + 1) for p in dec])
     per_pass = sum(len(np.unique(trace.index[trace.calls[p * L + l, 2]])) for p in dec for l in range(L)) / len(dec)
@@ -55,9 +64,40 @@ def tile_decode(trace: Trace, requests: int) -> Trace:
     rows = np.tile(rows, reps)
     passes = np.tile(trace.passes[dec], (reps, 1))
     passes[:, 2] = 1 + np.arange(len(passes)) % 2048  # context: keep attention time bounded
-    meta = dict(trace.meta, depth=0)
+    meta = dataclasses.replace(trace.meta, depth=0)
     return Trace(meta=meta, passes=passes, calls=full_calls(passes, L), index=np.asarray(trace.index[rows]),
                  weights=None, logits=np.asarray(trace.logits[rows]), path="tiled")
+
+
+class ServeOrder:
+    """Logs the keys an eviction policy is told about, in the order the engine serves them: ``on_access``
+    (a hit, or a late prefetch) and ``on_admit`` (a miss about to be fetched) -- with prefetch=none, every
+    request exactly once."""
+
+    @staticmethod
+    def of(policy_cls):
+        log = []
+
+        class Logged(policy_cls):
+            def on_access(self, key):
+                log.append(key)
+                super().on_access(key)
+
+            def on_admit(self, key):
+                log.append(key)
+                super().on_admit(key)
+
+        Logged.name = policy_cls.name
+        return Logged, log
+
+
+def served_keys(big: Trace, spec) -> tuple[np.ndarray, float]:
+    """The request keys in the order ``spec``'s eviction policy saw them, and its hit rate."""
+    cls, params = spec.eviction
+    logged, log = ServeOrder.of(cls)
+    spec_l = dataclasses.replace(spec, eviction=(logged, params))
+    res = run_replay(big, spec_l).results()
+    return np.asarray(log, dtype=np.int64), res["cache"]["hit_rate"]
 
 
 def lcs_lru(keys: np.ndarray, slots: int) -> tuple[float, float]:
@@ -73,18 +113,51 @@ def lcs_lru(keys: np.ndarray, slots: int) -> tuple[float, float]:
         return time.perf_counter() - t0, 1.0 - miss_ratio
 
 
+_TRACE: list = []  # the tiled trace, inherited by the sweep's forked processes
+
+
+def _sweep_part(configs):
+    trace = _TRACE[0]
+    out = []
+    for name, cap in configs:
+        spec = spec_of(eviction=name, prefetch="none", hardware=HardwareConfig(capacity=cap))
+        out.append((name, cap, run_replay(trace, spec).results()["cache"]["hit_rate"]))
+    return out
+
+
+def sweep(trace: Trace, policies: list[str], capacities: list[float], procs: int) -> tuple[float, list]:
+    """Every (policy, capacity) replayed over ``trace``; configurations dealt round-robin to ``procs``
+    forked processes (each replays its configurations on the one decoded trace)."""
+    import multiprocessing as mp
+
+    _TRACE[:] = [trace]
+    configs = [(p, c) for p in policies for c in capacities]
+    parts = [configs[i::procs] for i in range(procs)]
+    t0 = time.perf_counter()
+    with mp.get_context("fork").Pool(procs) as pool:
+        res = [r for part in pool.map(_sweep_part, parts) for r in part]
+    return time.perf_counter() - t0, res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=1_000_000)
     ap.add_argument("--capacity", type=float, default=0.1)
     ap.add_argument("--decode", type=int, default=96, help="decode tokens of the live run")
     ap.add_argument("--policies", nargs="*", default=None)
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--procs", type=int, default=os.cpu_count() or 1, help="processes of the sweep")
+    ap.add_argument("--compare-pure", action="store_true", help="also run this benchmark with SPECMD_PURE_PYTHON=1")
     args = ap.parse_args()
+    from specmd import native
+
+    print(f"engine: {native.summary()}")
     torch.manual_seed(0)
     model, _ = load_model(ModelConfig(family="olmoe", pretrained="specmd:tiny-olmoe"))
     hw = HardwareConfig(capacity=args.capacity)
     ids = torch.randint(0, 4000, (1, 32), generator=torch.Generator().manual_seed(0))
     with tempfile.TemporaryDirectory() as d:
+        # 1. live run, and the replay of its trace
         spec = spec_of(prefetch="none", hardware=hw)
         live, wall = live_run(model, spec, ids, args.decode, Path(d) / "trace")
         trace = read_trace(Path(d) / "trace")
@@ -96,27 +169,51 @@ def main():
         print(f"live run (embedded model, lru, prefetch=none, capacity {args.capacity}): {n} requests, "
               f"{wall:.2f} s = {n / wall / 1e3:.1f} k req/s; replay of its trace {rwall * 1e3:.1f} ms = "
               f"{n / rwall / 1e6:.3f} M req/s ({wall / rwall:.0f}x faster; cache and timing identical)")
-        big = tile_decode(trace, args.requests)
-        spec0 = spec_of(eviction="lru", prefetch="none", hardware=hw)
-        engine, ptr, experts = build_engine(big, spec0)
-        E = big.meta["geometry"]["num_experts"]
-        layer_of_req = np.repeat(big.calls[:, 1], np.diff(ptr))
-        keys = layer_of_req * E + experts
-        slots = engine.cache.pools[0].capacity // big.meta["geometry"]["expert_bytes"]
-        print(f"tiled trace: {len(big.passes)} decode passes, {len(keys)} requests; capacity {slots} experts")
-        print(f"{'policy':<12} {'M req/s':>8} {'seconds':>8} {'hit rate':>9}")
-        for name in args.policies or EVICTION.names():
-            spec_p = spec_of(eviction=name, prefetch="none", hardware=hw)
-            engine, ptr, experts = build_engine(big, spec_p)
-            t0 = time.perf_counter()
-            res = run_replay(big, spec_p, engine, ptr, experts).results()
-            dt = time.perf_counter() - t0
-            print(f"{name:<12} {len(keys) / dt / 1e6:>8.3f} {dt:>8.2f} {res['cache']['hit_rate']:>9.4f}")
-        try:
-            dt, hr = lcs_lru(keys, slots)
-            print(f"{'libCacheSim LRU (C loop)':<24} {len(keys) / dt / 1e6:>8.3f} M req/s  hit rate {hr:.4f}")
-        except ImportError:
-            print("libCacheSim not installed (pip install libcachesim==0.3.5)")
+    # 2. every policy on the tiled trace
+    big = tile_decode(trace, args.requests)
+    spec0 = spec_of(eviction="lru", prefetch="none", hardware=hw)
+    engine, ptr, experts = build_engine(big, spec0)
+    slots = engine.cache.pools[0].capacity // big.meta.geometry.expert_bytes
+    print(f"tiled trace: {len(big.passes)} decode passes, {len(experts)} requests; capacity {slots} experts")
+    print(f"{'policy':<12} {'M req/s':>8} {'seconds':>8} {'hit rate':>9}")
+    speed = {}
+    for name in args.policies or EVICTION.names():
+        spec_p = spec_of(eviction=name, prefetch="none", hardware=hw)
+        engine, ptr, experts = build_engine(big, spec_p)
+        t0 = time.perf_counter()
+        res = run_replay(big, spec_p, engine, ptr, experts).results()
+        dt = time.perf_counter() - t0
+        speed[name] = len(experts) / dt
+        print(f"{name:<12} {speed[name] / 1e6:>8.3f} {dt:>8.2f} {res['cache']['hit_rate']:>9.4f}")
+    # 3. libCacheSim's LRU on the sequence specmd's LRU served
+    keys, hr_specmd = served_keys(big, spec0)
+    assert len(keys) == len(experts), (len(keys), len(experts))
+    try:
+        dt, hr = lcs_lru(keys, slots)
+    except ImportError:
+        print("libCacheSim not installed (pip install libcachesim==0.3.5)")
+    else:
+        lcs_speed = len(keys) / dt
+        same = abs(hr - hr_specmd) < 5e-5
+        print(f"{'libCacheSim LRU (C loop)':<24} {lcs_speed / 1e6:>8.3f} M req/s  hit rate {hr:.4f} "
+              f"(specmd lru {hr_specmd:.4f}: {'equal' if same else 'DIFFERENT, the ratio is meaningless'})")
+        for name, v in speed.items():
+            print(f"  {name:<12} {v / lcs_speed:>7.3f} of libCacheSim's speed (1/{lcs_speed / v:.0f})")
+        print(f"  replay vs live, same configuration: {speed.get('lru', 0) / (n / wall):.0f}x (lru on the tiled trace)")
+    # 4. the sweep
+    if not args.no_sweep:
+        pols = [p for p in EVICTION.names() if p != "ml"]
+        caps = [round(0.05 * i, 2) for i in range(1, 11)]
+        dt, res = sweep(big, pols, caps, args.procs)
+        print(f"sweep: {len(res)} configurations ({len(pols)} evictions x {len(caps)} capacities) over "
+              f"{len(experts)} requests on {args.procs} processes: {dt:.1f} s")
+    if args.compare_pure:
+        import subprocess
+        import sys
+
+        argv = [a for a in sys.argv[1:] if a != "--compare-pure"]
+        print("\n--- the same, SPECMD_PURE_PYTHON=1 ---", flush=True)
+        subprocess.run([sys.executable, __file__, *argv], env={**os.environ, "SPECMD_PURE_PYTHON": "1"}, check=True)
 
 
 if __name__ == "__main__":

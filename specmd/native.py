@@ -10,8 +10,11 @@ package still installs and runs pure Python.
 At import (:func:`select`, called by ``specmd/__init__``), each module in :data:`MODULES` loads
 
 * its **source** when ``SPECMD_PURE_PYTHON=1`` (forced, no warning);
-* its **source** when its extension is missing, or **stale** (the source changed since the build: an
-  edited policy is never shadowed by an old compiled copy). One warning names them and the rebuild command;
+* its **source** when the build made no extension of it (no build at all, or it failed to compile), or
+  when its extension is **stale** (the source changed since the build: an edited policy is never shadowed
+  by its old compiled copy). One warning names them and the rebuild command;
+* its **source**, silently, when it is a policy file added after the build (a user's own policy is plain
+  Python; the compiled engine calls it like any other);
 * its **extension** otherwise.
 
 Why Cython and not mypyc (measured on this engine, 2026-11-25): plain Cython compiled all 47 modules in
@@ -37,7 +40,7 @@ import warnings
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
-MANIFEST = "_native.json"  # written by the build beside the extensions: {module: sha256 of its source}
+MANIFEST = "_native.json"  # written by the build beside the extensions: {"built": {source: sha256}, "failed": [...]}
 ENV = "SPECMD_PURE_PYTHON"
 
 # Compiled modules, by the package-relative path of their source. Built-in policies: every module of a
@@ -98,15 +101,20 @@ def select(package: Path = PACKAGE) -> None:
     forced = os.environ.get(ENV, "").strip() not in ("", "0")
     try:
         manifest = json.loads((package / MANIFEST).read_text())
-    except (OSError, ValueError):
-        manifest = {}
+        built, failed = dict(manifest["built"]), set(manifest["failed"])
+    except (OSError, ValueError, KeyError, TypeError):
+        manifest, built, failed = None, {}, set()
     missing, stale, pure = [], [], {}
     for src in sources(package):
         name = module_name(src)
-        ext = extension_of(src, package)
-        if forced or ext is None or manifest.get(src) != digest(package / src):
-            if not forced:
-                (missing if ext is None else stale).append(src)
+        ext = extension_of(src, package) if src in built else None
+        if forced or ext is None or built[src] != digest(package / src):
+            if forced:
+                pass
+            elif ext is not None:
+                stale.append(src)
+            elif manifest is None or src in failed or src in built or src in ENGINE:
+                missing.append(src)  # (a policy file the build never saw is a user's plain-Python policy)
             pure[name] = package / src
             STATE[name] = "pure"
         else:
@@ -118,13 +126,15 @@ def select(package: Path = PACKAGE) -> None:
     elif missing or stale:
         parts = []
         if missing:
-            parts.append(f"not built: {_names(missing)}")
+            parts.append(f"not built: {_names(missing)}" if manifest is not None else "not built")
         if stale:
             parts.append(f"older than their sources: {_names(stale)}")
         REASON = "; ".join(parts)
-        warnings.warn(f"specmd runs its engine and policies as pure Python, which replays several times slower "
-                      f"(compiled modules {REASON}). Rebuild with: pip install -e . (or set {ENV}=1 to choose "
-                      f"pure Python without this warning)", RuntimeWarning, stacklevel=3)
+        what = ("its engine and policies" if len(missing) + len(stale) == len(STATE)
+                else f"{len(missing) + len(stale)} of its {len(STATE)} compiled modules")
+        warnings.warn(f"specmd runs {what} as pure Python, which replays several times slower ({REASON}). "
+                      f"Rebuild with: pip install -e . (or set {ENV}=1 to choose pure Python without this "
+                      f"warning)", RuntimeWarning, stacklevel=3)
 
 
 def _names(srcs: list[str]) -> str:

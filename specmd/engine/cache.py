@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import cython
+
 from .clock import Clock
 from .geometry import Geometry
 from .outcomes import NATIVE, Execution, Fetched
@@ -32,8 +34,12 @@ from .view import CacheView
 MEASURES = ("all", "decode")  # the forward passes the cache counters count
 
 
+@cython.cclass
 class Pool:
-    __slots__ = ("capacity", "used", "policy", "on_miss")
+    capacity = cython.declare(cython.longlong, visibility="public")
+    used = cython.declare(cython.longlong, visibility="public")
+    policy = cython.declare(object, visibility="public")
+    on_miss = cython.declare(object, visibility="public")
 
     def __init__(self, capacity: int, policy):
         self.capacity = capacity
@@ -43,8 +49,18 @@ class Pool:
         self.on_miss = policy.miss_hook() if hasattr(policy, "miss_hook") else None
 
 
+@cython.cclass
 class Entry:
-    __slots__ = ("key", "layer", "nbytes", "pool", "transfer", "prefetched", "used", "precision", "bits", "since")
+    key = cython.declare(cython.longlong, visibility="public")
+    layer = cython.declare(cython.long, visibility="public")
+    nbytes = cython.declare(cython.longlong, visibility="public")
+    pool = cython.declare(Pool, visibility="public")
+    transfer = cython.declare(object, visibility="public")
+    prefetched = cython.declare(cython.bint, visibility="public")
+    used = cython.declare(cython.bint, visibility="public")
+    precision = cython.declare(object, visibility="public")
+    bits = cython.declare(object, visibility="public")
+    since = cython.declare(cython.longlong, visibility="public")
 
     def __init__(self, key, layer, nbytes, pool, transfer, prefetched, precision=NATIVE, bits=16, since=0):
         self.key = key
@@ -59,18 +75,31 @@ class Entry:
         self.since = since  # forward pass it was inserted in (cache lifetime)
 
 
+@cython.cclass
 class LayerCall:
     """The state of the layer call being served: what an outcome may touch (one object, reused)."""
 
-    __slots__ = ("_m", "layer", "base", "pool", "record", "waits", "execution", "host_slots", "host_experts",
-                 "fetch_precision", "index", "weights", "n")
+    _m = cython.declare(object, visibility="public")
+    layer = cython.declare(cython.long, visibility="public")
+    base = cython.declare(cython.longlong, visibility="public")
+    pool = cython.declare(Pool, visibility="public")
+    record = cython.declare(object, visibility="public")
+    waits = cython.declare(list, visibility="public")
+    execution = cython.declare(object, visibility="public")
+    host_slots = cython.declare(cython.longlong, visibility="public")
+    host_experts = cython.declare(cython.longlong, visibility="public")
+    fetch_precision = cython.declare(object, visibility="public")
+    index = cython.declare(object, visibility="public")
+    weights = cython.declare(object, visibility="public")
+    n = cython.declare(cython.long, visibility="public")
 
     def __init__(self, manager: "CacheManager"):
         self._m = manager
         self.fetch_precision = manager.fetch_precision
         self.waits: list = []  # the clock's handles compute waits for (demand fetches, late prefetches, host)
 
-    def reset(self, layer: int, pool: Pool, record, index, weights, n: int) -> None:
+    @cython.ccall
+    def reset(self, layer: cython.long, pool: Pool, record, index, weights, n: cython.long):
         self.layer = layer
         self.base = layer * self._m.geom.num_experts
         self.pool = pool
@@ -110,26 +139,30 @@ class LayerCall:
         """A blocking transfer of ``expert`` at ``precision``: inserted if room can be made, else streamed."""
         self.fetch_many((expert,), precision)
 
-    def fetch_many(self, experts, precision: str) -> None:
+    @cython.ccall
+    def fetch_many(self, experts, precision):
         """:meth:`fetch` for each of ``experts`` in order (one home for the demand-fetch accounting)."""
-        m = self._m
-        nbytes = m.precisions.bytes_of[precision]
-        pool, base, layer = self.pool, self.base, self.layer
+        m: CacheManager = self._m
+        nbytes: cython.longlong = m.precisions.bytes_of[precision]
+        pool: Pool = self.pool
+        base: cython.longlong = self.base
+        layer: cython.long = self.layer
+        key: cython.longlong
+        streamed: cython.long = 0
+        clock = m.clock
         admit = pool.policy.on_admit
-        make_room, insert, demand = m.make_room, m.insert, m.clock.demand
         waits = self.waits
         events = m.events
-        streamed = 0
         for e in experts:
             key = base + e
             admit(key)
-            if pool.capacity - pool.used >= nbytes or make_room(pool, nbytes):
-                insert(key, layer, nbytes, pool, None, False, precision).used = True
+            if pool.capacity - pool.used >= nbytes or m.make_room(pool, nbytes):
+                m.insert(key, layer, nbytes, pool, None, False, precision).used = True
             else:
                 streamed += 1
                 if events is not None:  # the executor stages its bytes for this call only
                     events.streamed(layer, e, precision)
-            waits.append(demand(nbytes))
+            waits.append(clock.demand(nbytes))
         n = len(experts)
         st = m.stats
         st.streamed[layer] += streamed
@@ -142,7 +175,32 @@ class LayerCall:
         self.host_experts += 1
 
 
+@cython.cclass
 class CacheManager:
+    geom = cython.declare(object, visibility="public")
+    precisions = cython.declare(object, visibility="public")
+    miss = cython.declare(object, visibility="public")
+    fetch_precision = cython.declare(object, visibility="public")
+    clock = cython.declare(object, visibility="public")
+    stats = cython.declare(object, visibility="public")
+    measure = cython.declare(object, visibility="public")
+    _uncounted = cython.declare(object, visibility="public")
+    pools = cython.declare(list, visibility="public")
+    _pool_of_layer = cython.declare(list, visibility="public")
+    entries = cython.declare(dict, visibility="public")
+    events = cython.declare(object, visibility="public")
+    used_bytes = cython.declare(cython.longlong, visibility="public")
+    pinned = cython.declare(set, visibility="public")
+    evicted_this_pass = cython.declare(set, visibility="public")
+    pass_index = cython.declare(cython.longlong, visibility="public")
+    current_pass = cython.declare(object, visibility="public")
+    predicted = cython.declare(list, visibility="public")
+    _call = cython.declare(LayerCall, visibility="public")
+    view = cython.declare(object, visibility="public")
+    _default_fetch = cython.declare(object, visibility="public")
+    _E = cython.declare(cython.longlong)
+    _evictable = cython.declare(object)
+
     def __init__(self, geom: Geometry, capacities: list[int], evictions: list, miss, clock: Clock, store=None,
                  measure: str = "all"):
         """``evictions``: one eviction policy instance per pool (see ``pool_capacities``); ``store``: an
@@ -175,6 +233,8 @@ class CacheManager:
         self._call = LayerCall(self)
         self.view = CacheView(self)
         self._default_fetch = Fetched(None)
+        self._E = geom.num_experts
+        self._evictable = self.evictable  # the bound method policies' ``victim`` calls, made once
         for pool in self.pools:
             pool.policy.attach(self.view, pool.capacity)
 
@@ -211,27 +271,29 @@ class CacheManager:
                     ent.prefetched = False
 
     # ---- one MoE layer call: named steps --------------------------------------------------------
-    def serve(self, layer: int, experts: list[int], record=None, index=None, weights=None) -> LayerCall:
+    @cython.ccall
+    def serve(self, layer: cython.long, experts, record=None, index=None, weights=None) -> LayerCall:
         """Make the requested ``experts`` of ``layer`` available and stall until they are. Returns the
         call; ``call.execution`` is None when every requested expert runs at native precision on the
         device (the lossless fast path), else the plan the outcomes built. ``index``/``weights`` are the
         selection the layer runs (None: the record's, read only if an outcome needs it)."""
-        call = self._open(layer, experts, record, index, weights)
+        call: LayerCall = self._open(layer, experts, record, index, weights)
         missing = self._serve_hits(call, experts)
         if missing:
             self._serve_misses(call, missing)
         self._stall(call)
         return call
 
-    def _open(self, layer, experts, record, index, weights) -> LayerCall:
+    @cython.ccall
+    def _open(self, layer: cython.long, experts, record, index, weights) -> LayerCall:
         """Step 1: pin the requests, tell the pool's policy where execution is, score the prediction."""
         self.clock.begin_layer()
         pinned = self.pinned
         pinned.clear()
-        base = layer * self.geom.num_experts
+        base: cython.longlong = layer * self._E
         for e in experts:
             pinned.add(base + e)
-        pool = self._pool_of_layer[layer]
+        pool: Pool = self._pool_of_layer[layer]
         pool.policy.on_layer(layer, record)
         pred = self.predicted[layer]
         if pred is not None:
@@ -240,19 +302,23 @@ class CacheManager:
             st.pred_predicted[layer] += len(pred)
             st.pred_actual[layer] += len(experts)
             self.predicted[layer] = None
-        call = self._call
+        call: LayerCall = self._call
         call.reset(layer, pool, record, index, weights, len(experts))
         return call
 
-    def _serve_hits(self, call: LayerCall, experts: list[int]) -> Optional[list[int]]:
+    @cython.ccall
+    def _serve_hits(self, call: LayerCall, experts):
         """Step 2: resident experts (hits, late prefetches); returns the missing ones."""
         entries = self.entries
         st = self.stats
-        layer, base = call.layer, call.base
+        layer: cython.long = call.layer
+        base: cython.longlong = call.base
+        key: cython.longlong
+        ent: Entry
+        hits: cython.long = 0
         policy = call.pool.policy
         clock = self.clock
         missing = None
-        hits = 0
         for e in experts:
             key = base + e
             ent = entries.get(key)
@@ -284,9 +350,11 @@ class CacheManager:
         st.hits[layer] += hits
         return missing
 
-    def _serve_misses(self, call: LayerCall, missing: list[int]) -> None:
+    @cython.ccall
+    def _serve_misses(self, call: LayerCall, missing):
         """Step 3: the miss policy names an outcome per missing expert; each outcome serves itself."""
-        layer, base = call.layer, call.base
+        layer: cython.long = call.layer
+        base: cython.longlong = call.base
         st = self.stats
         on_miss = call.pool.on_miss
         if on_miss is not None:
@@ -295,7 +363,11 @@ class CacheManager:
         outcomes = self.miss.handle(layer, missing, call.record, self.view)
         evicted = self.evicted_this_pass
         st.misses[layer] += len(missing)
-        st.collision_misses[layer] += sum(1 for e in missing if base + e in evicted)
+        collisions: cython.long = 0
+        for e in missing:
+            if base + e in evicted:
+                collisions += 1
+        st.collision_misses[layer] += collisions
         if outcomes is None:  # every miss fetched at the policy's precision (what Fetched(None) does)
             if self.fetch_precision == NATIVE:
                 call.fetch_many(missing, NATIVE)
@@ -306,14 +378,16 @@ class CacheManager:
         for e, out in zip(missing, outcomes):
             out.serve(call, e)
 
-    def _stall(self, call: LayerCall) -> None:
+    @cython.ccall
+    def _stall(self, call: LayerCall):
         """Step 4: host work overlaps the transfers; compute waits for whichever finishes last."""
         if call.host_experts:
             call.waits.append(self.clock.host(call.host_slots, call.host_experts))
         if call.waits:
             self.stats.stall_s[call.layer] += self.clock.wait(call.waits)
 
-    def finish_layer(self) -> None:
+    @cython.ccall
+    def finish_layer(self):
         self.pinned.clear()
 
     def prefetch(self, layer: int, experts: list[int]) -> None:
@@ -344,16 +418,17 @@ class CacheManager:
             st.count_precision(prec, nbytes, fetched=False)
 
     # ---- residency ------------------------------------------------------------------------------
-    def evictable(self, key: int) -> bool:
+    def evictable(self, key) -> bool:
         if key in self.pinned:
             return False
-        tr = self.entries[key].transfer
+        tr = cython.cast(Entry, self.entries[key]).transfer
         return tr is None or self.clock.done(tr)
 
-    def make_room(self, pool: Pool, nbytes: int) -> bool:
+    @cython.ccall
+    def make_room(self, pool: Pool, nbytes: cython.longlong) -> cython.bint:
         if nbytes > pool.capacity:
             return False
-        evictable = self.evictable
+        evictable = self._evictable
         while pool.capacity - pool.used < nbytes:
             victim = pool.policy.victim(evictable)
             if victim is None:
@@ -361,9 +436,12 @@ class CacheManager:
             self.evict(victim)
         return True
 
-    def insert(self, key, layer, nbytes, pool, transfer, prefetched, precision=NATIVE) -> Entry:
-        ent = self.entries[key] = Entry(key, layer, nbytes, pool, transfer, prefetched, precision,
+    @cython.ccall
+    def insert(self, key: cython.longlong, layer: cython.long, nbytes: cython.longlong, pool: Pool, transfer,
+               prefetched: cython.bint, precision=NATIVE) -> Entry:
+        ent: Entry = Entry(key, layer, nbytes, pool, transfer, prefetched, precision,
                                         self.precisions.bits_of[precision], self.pass_index)
+        self.entries[key] = ent
         pool.used += nbytes
         self.used_bytes += nbytes
         pool.policy.on_insert(key, prefetched)
@@ -373,8 +451,9 @@ class CacheManager:
             self.stats.peak_bytes = self.used_bytes
         return ent
 
-    def evict(self, key: int) -> None:
-        ent = self.entries.pop(key)
+    @cython.ccall
+    def evict(self, key):
+        ent: Entry = self.entries.pop(key)
         ent.pool.used -= ent.nbytes
         self.used_bytes -= ent.nbytes
         ent.pool.policy.on_remove(key)

@@ -23,23 +23,36 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+import cython
+
 INF = math.inf
 
 
+@cython.cclass
 class Transfer:
     """The simulated clock's handle: a transfer (or host work) waiting on or travelling through the channel.
     ``ready_at`` is INF until it starts; only :class:`SimClock` reads it."""
 
-    __slots__ = ("nbytes", "issued_at", "ready_at", "started")
+    nbytes = cython.declare(object, visibility="public")
+    issued_at = cython.declare(cython.double, visibility="public")
+    ready_at = cython.declare(cython.double, visibility="public")
+    started = cython.declare(cython.bint, visibility="public")
 
-    def __init__(self, nbytes: int, issued_at: float):
+    def __init__(self, nbytes, issued_at: cython.double):
         self.nbytes = nbytes
         self.issued_at = issued_at
         self.ready_at = INF
         self.started = False
 
 
+@cython.cclass
 class TransferChannel:
+    bw = cython.declare(cython.double, visibility="public")
+    latency = cython.declare(cython.double, visibility="public")
+    free_at = cython.declare(cython.double, visibility="public")
+    busy_s = cython.declare(cython.double, visibility="public")
+    queue = cython.declare(object, visibility="public")
+
     def __init__(self, bandwidth_bytes_per_s: float, latency_s: float):
         if bandwidth_bytes_per_s <= 0:
             raise ValueError("bandwidth must be positive")
@@ -49,21 +62,25 @@ class TransferChannel:
         self.queue: deque[Transfer] = deque()
         self.busy_s = 0.0
 
-    def duration(self, nbytes: int) -> float:
+    @cython.ccall
+    def duration(self, nbytes) -> cython.double:
         return self.latency + nbytes / self.bw
 
+    @cython.ccall
     def _start(self, tr: Transfer, at: float) -> None:
-        d = self.duration(tr.nbytes)
+        d: cython.double = self.duration(tr.nbytes)
         tr.started = True
         tr.ready_at = at + d
         self.free_at = tr.ready_at
         self.busy_s += d
 
+    @cython.ccall
     def advance(self, t: float) -> None:
         """Start every queued prefetch whose start time falls strictly before ``t``."""
+        start: cython.double
         q = self.queue
         while q:
-            start = max(self.free_at, q[0].issued_at)
+            start = max(self.free_at, cython.cast(Transfer, q[0]).issued_at)
             if start >= t:
                 break
             self._start(q.popleft(), start)
@@ -72,8 +89,11 @@ class TransferChannel:
         """Queue an asynchronous prefetch (served after earlier queued ones, after demand)."""
         self.queue.append(tr)
 
-    def demand(self, t: float, nbytes: int) -> float:
+    @cython.ccall
+    def demand(self, t: float, nbytes) -> float:
         """A blocking fetch requested at ``t``: returns its completion time."""
+        start: cython.double
+        d: cython.double
         self.advance(t)
         start = max(t, self.free_at)
         d = self.duration(nbytes)
@@ -81,6 +101,7 @@ class TransferChannel:
         self.busy_s += d
         return self.free_at
 
+    @cython.ccall
     def promote(self, tr: Transfer, t: float) -> float:
         """A queued prefetch is now needed: if it has not started, serve it as a demand fetch."""
         self.advance(t)
@@ -104,37 +125,44 @@ class Roofline:
         return max(flops / self.peak_flops, nbytes / self.mem_bytes_per_s)
 
 
+@cython.cclass
 class Clock:
-    """What the engine needs from time. ``now`` and ``stall_s`` are read by the engine's accounting."""
+    """What the engine needs from time: ``now`` and ``stall_s`` (seconds) are read by the engine's
+    accounting. (A compiled extension type: the engine calls its methods without Python's call overhead; a
+    Python subclass, such as :class:`specmd.executor.wall.WallClock`, overrides any of them.)"""
 
-    now: float = 0.0
-    stall_s: float = 0.0
     name = "abstract"
 
     # -- transfers --------------------------------------------------------------------------------
-    def begin_layer(self) -> None:
+    @cython.ccall
+    def begin_layer(self):
         """A layer call starts serving at ``now`` (start whatever the channel would have started)."""
 
     def transfer_time(self, nbytes: int) -> float:
         raise NotImplementedError
 
-    def demand(self, nbytes: int):
+    @cython.ccall
+    def demand(self, nbytes):
         """A blocking fetch issued now (demand priority); returns its handle (wait on it before computing)."""
         raise NotImplementedError
 
-    def prefetch(self, nbytes: int):
+    @cython.ccall
+    def prefetch(self, nbytes):
         """An asynchronous fetch issued now, queued behind earlier ones; returns its handle."""
         raise NotImplementedError
 
+    @cython.ccall
     def promote(self, handle):
         """A prefetch is needed now: serve it at demand priority if it has not started; returns its handle."""
         raise NotImplementedError
 
-    def done(self, handle) -> bool:
+    @cython.ccall
+    def done(self, handle):
         """Whether ``handle``'s bytes (or host work) have arrived by now."""
         raise NotImplementedError
 
-    def wait(self, handles) -> float:
+    @cython.ccall
+    def wait(self, handles):
         """Stall compute until every handle in ``handles`` is done; returns the stall added (seconds)."""
         raise NotImplementedError
 
@@ -151,10 +179,12 @@ class Clock:
         """Seconds the host needs for ``slots`` token-expert pairs over ``experts`` experts."""
         raise NotImplementedError
 
-    def predicted(self) -> None:
+    @cython.ccall
+    def predicted(self):
         """The prefetch policy made one prediction (a later layer's router on this layer's input)."""
 
-    def host(self, slots: int, experts: int):
+    @cython.ccall
+    def host(self, slots, experts):
         """Host work started now (overlapping the layer's transfers); returns its handle."""
         raise NotImplementedError
 
@@ -166,10 +196,12 @@ class Clock:
         """Seconds :meth:`experts` would take, or None when the clock cannot say in advance."""
         return None
 
-    def dense(self, layer: int, tokens: int, context: int) -> None:
+    @cython.ccall
+    def dense(self, layer, tokens, context):
         """Everything the model runs between MoE layer ``layer - 1``'s experts and layer ``layer``'s."""
 
-    def experts(self, slots: int, experts: int, unpacked: int = 0) -> None:
+    @cython.ccall
+    def experts(self, slots, experts, unpacked=0):
         """A layer's routed experts on the device: ``slots`` token-expert pairs over ``experts`` experts, of
         which ``unpacked`` run from a stored low-precision copy (unpacked first)."""
 
@@ -177,11 +209,32 @@ class Clock:
         """Everything after the last MoE layer (trailing dense layers, final norm, LM head)."""
 
 
+@cython.cclass
 class SimClock(Clock):
     """Deterministic simulated time: one transfer channel plus a roofline per op (docs/semantics.md "Simulated clock").
     Time only moves when compute is charged or a stall is taken, so a run is a function of its inputs."""
 
     name = "simulated"
+    geom = cython.declare(object, visibility="public")
+    channel = cython.declare(TransferChannel, visibility="public")
+    roofline = cython.declare(object, visibility="public")
+    host_roofline = cython.declare(object, visibility="public")
+    layer_overhead = cython.declare(cython.double, visibility="public")
+    token_overhead = cython.declare(cython.double, visibility="public")
+    expert_overhead = cython.declare(cython.double, visibility="public")
+    issue_overhead = cython.declare(cython.double, visibility="public")
+    predict_overhead = cython.declare(cython.double, visibility="public")
+    unpack_overhead = cython.declare(cython.double, visibility="public")
+    decision_overhead = cython.declare(cython.double, visibility="public")
+    issued = cython.declare(cython.longlong, visibility="public")
+    predictions = cython.declare(cython.longlong, visibility="public")
+    now = cython.declare(cython.double, visibility="public")
+    stall_s = cython.declare(cython.double, visibility="public")
+    # the hot path's figures, read from the geometry and rooflines once
+    _peak = cython.declare(cython.double)
+    _mem = cython.declare(cython.double)
+    _expert_params = cython.declare(cython.double)
+    _expert_bytes = cython.declare(cython.double)
 
     def __init__(self, geom, channel: TransferChannel, roofline: Roofline, host: Roofline | None = None,
                  overheads: tuple = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0), decision: float = 0.0):
@@ -202,6 +255,10 @@ class SimClock(Clock):
         self.predictions = 0  # prefetch predictions since the last charge of compute
         self.now = 0.0
         self.stall_s = 0.0
+        self._peak = roofline.peak_flops
+        self._mem = roofline.mem_bytes_per_s
+        self._expert_params = geom.expert_params
+        self._expert_bytes = geom.expert_bytes
 
     @classmethod
     def from_hardware(cls, geom, hw, policies: dict | None = None) -> "SimClock":
@@ -218,34 +275,42 @@ class SimClock(Clock):
                    decision)
 
     # -- transfers --------------------------------------------------------------------------------
-    def begin_layer(self) -> None:
+    @cython.ccall
+    def begin_layer(self):
         self.channel.advance(self.now)
 
     def transfer_time(self, nbytes: int) -> float:
         return self.channel.duration(nbytes)
 
-    def demand(self, nbytes: int) -> Transfer:
+    @cython.ccall
+    def demand(self, nbytes):
+        tr: Transfer
         self.issued += 1
         tr = Transfer(nbytes, self.now)
         tr.started = True
         tr.ready_at = self.channel.demand(self.now, nbytes)
         return tr
 
-    def prefetch(self, nbytes: int) -> Transfer:
+    @cython.ccall
+    def prefetch(self, nbytes):
         self.issued += 1
         tr = Transfer(nbytes, self.now)
         self.channel.submit(tr)
         return tr
 
-    def promote(self, transfer: Transfer) -> Transfer:
+    @cython.ccall
+    def promote(self, transfer):
         self.channel.promote(transfer, self.now)
         return transfer
 
-    def done(self, handle: Transfer) -> bool:
-        return handle.ready_at <= self.now
+    @cython.ccall
+    def done(self, handle):
+        return cython.cast(Transfer, handle).ready_at <= self.now
 
-    def wait(self, handles) -> float:
-        t = self.now
+    @cython.ccall
+    def wait(self, handles):
+        t: cython.double = self.now
+        h: Transfer
         for h in handles:
             if h.ready_at > t:
                 t = h.ready_at
@@ -257,8 +322,9 @@ class SimClock(Clock):
     def since(self, mark) -> tuple[float, float]:
         return self.now - mark[0], self.stall_s - mark[1]
 
-    def host(self, slots: int, experts: int) -> Transfer:
-        tr = Transfer(0, self.now)
+    @cython.ccall
+    def host(self, slots, experts):
+        tr: Transfer = Transfer(0, self.now)
         tr.started = True
         tr.ready_at = self.now + self.host_time(slots, experts)
         return tr
@@ -272,7 +338,9 @@ class SimClock(Clock):
         dt = self.roofline.time(flops, nbytes)
         self.now += dt
 
-    def wait_until(self, t: float) -> float:
+    @cython.ccall
+    def wait_until(self, t: cython.double) -> cython.double:
+        dt: cython.double
         if t > self.now:
             dt = t - self.now
             self.now = t
@@ -290,22 +358,26 @@ class SimClock(Clock):
         g = self.geom
         return self._dense_time(g.dense_params[layer], g.attn_layers[layer], tokens, context)
 
-    def experts_time(self, slots: int, experts: int) -> float:
+    def experts_time(self, slots: int, experts: int):
         """Seconds of a layer's routed experts: ``slots`` token-expert pairs over ``experts`` experts."""
-        g, r = self.geom, self.roofline
-        return (max(2.0 * slots * g.expert_params / r.peak_flops, experts * g.expert_bytes / r.mem_bytes_per_s)
-                + experts * self.expert_overhead)
+        s: cython.double = slots
+        n: cython.double = experts
+        return (max(2.0 * s * self._expert_params / self._peak, n * self._expert_bytes / self._mem)
+                + n * self.expert_overhead)
 
-    def dense(self, layer: int, tokens: int, context: int) -> None:
+    @cython.ccall
+    def dense(self, layer, tokens, context):
         self.now += self.dense_time(layer, tokens, context)
 
-    def experts(self, slots: int, experts: int, unpacked: int = 0) -> None:
+    @cython.ccall
+    def experts(self, slots, experts, unpacked=0):
         self.now += (self.experts_time(slots, experts) + self.issued * self.issue_overhead
                      + self.predictions * self.predict_overhead + self.decision_overhead
                      + unpacked * self.unpack_overhead)
         self.issued = self.predictions = 0
 
-    def predicted(self) -> None:
+    @cython.ccall
+    def predicted(self):
         self.predictions += 1
 
     def tail(self, tokens: int, context: int) -> None:

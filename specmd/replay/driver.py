@@ -12,6 +12,7 @@ results say ``exact: false`` with the reasons.
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from dataclasses import dataclass
@@ -189,16 +190,24 @@ class TraceSignal:
 
 def requested_per_call(trace: Trace, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
     """(call_ptr [C+1], experts): the ascending distinct experts of the router's own top-k of each call.
-    Calls hold consecutive rows in call order (both the writer and the importers lay them out so)."""
+    Calls hold consecutive rows in call order (both the writer and the importers lay them out so).
+    A [calls, E] membership mask per chunk of calls, whose nonzeros are call-major and ascending: 24x
+    faster than sorting (call, expert) keys (0.03 s instead of 0.70 s for 1 M requests)."""
     calls = trace.calls
-    total = int(calls[:, 3].sum())
     if len(calls) and not (calls[0, 2] == 0 and np.all(calls[1:, 2] == calls[:-1, 2] + calls[:-1, 3])):
         raise ConfigError(f"{trace.path}: the layer calls must hold consecutive rows in call order")
-    call_of_row = np.repeat(np.arange(len(calls), dtype=np.int64), calls[:, 3])
-    idx = np.asarray(trace.index[:total], dtype=np.int64)
-    flat = np.unique((call_of_row[:, None] * num_experts + idx).reshape(-1))
-    ptr = np.searchsorted(flat // num_experts, np.arange(len(calls) + 1))
-    return ptr.astype(np.int64), flat % num_experts
+    counts = np.zeros(len(calls) + 1, dtype=np.int64)
+    experts = []
+    step = max(1, (1 << 24) // max(num_experts, 1))  # calls per chunk: a 16 MB mask
+    for c0 in range(0, len(calls), step):
+        part = calls[c0:c0 + step]
+        r0, r1 = int(part[0, 2]), int(part[-1, 2] + part[-1, 3])
+        call_of_row = np.repeat(np.arange(len(part), dtype=np.int64), part[:, 3])
+        mask = np.zeros((len(part), num_experts), dtype=bool)
+        mask[call_of_row[:, None], np.asarray(trace.index[r0:r1], dtype=np.int64)] = True
+        counts[c0 + 1:c0 + 1 + len(part)] = mask.sum(1)
+        experts.append(np.nonzero(mask)[1])
+    return np.cumsum(counts), np.concatenate(experts) if experts else np.zeros(0, dtype=np.int64)
 
 
 def changes_computation(spec) -> list[str]:
@@ -269,17 +278,25 @@ def run_replay(trace: Trace, spec, engine=None, ptr=None, experts=None) -> Engin
     ptr, experts = ptr.tolist(), experts.tolist()
     begin, route, layer_call, end = engine.begin_pass, engine.route, engine.layer, engine.end_pass
     c, C = 0, len(calls)
-    for p, (kind, tokens, context) in enumerate(trace.passes.tolist()):
-        begin(KINDS[kind], tokens, context)
-        while c < C and calls[c][0] == p:
-            _, layer, r0, n = calls[c]
-            rows = slice(r0, r0 + n)
-            rec = TraceRecord(trace, rows, layer, scoring, experts[ptr[c]:ptr[c + 1]],
-                              TraceSignal(trace, rows, layer) if has_signal else None)
-            route(rec)
-            layer_call(rec)
-            c += 1
-        end()
+    # The loop makes no reference cycle (its records and handles die by reference counting), so the cyclic
+    # collector would only re-scan the engine's and the process's live objects: ~18% of an LRU replay.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for p, (kind, tokens, context) in enumerate(trace.passes.tolist()):
+            begin(KINDS[kind], tokens, context)
+            while c < C and calls[c][0] == p:
+                _, layer, r0, n = calls[c]
+                rows = slice(r0, r0 + n)
+                rec = TraceRecord(trace, rows, layer, scoring, experts[ptr[c]:ptr[c + 1]],
+                                  TraceSignal(trace, rows, layer) if has_signal else None)
+                route(rec)
+                layer_call(rec)
+                c += 1
+            end()
+    finally:
+        if collecting:
+            gc.enable()
     return engine
 
 

@@ -1,0 +1,279 @@
+"""The compiled engine (specmd/native.py, setup.py): built by the install, loaded unless pure Python is asked
+for, never shadowing an edited source, and equal to its pure-Python sources result for result.
+
+Equality runs the same jobs here and in a subprocess with ``SPECMD_PURE_PYTHON=1`` (tests/native_worker.py)
+and compares the results.json sections as text: every stack of the replay-equality tests on recorded
+traces, lossy stacks on the same traces, and hypothesis-generated traces (derandomised, conftest).
+"""
+
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+import native_worker
+from conftest import ROOT, sample_ids, tiny
+from specmd import native
+from specmd.engine import Geometry
+from specmd.engine.store import StoreSizes
+from specmd.policies.eviction import EVICTION
+from specmd.replay.trace import Trace, TraceMeta, full_calls, read_trace
+from test_replay import CASES, case_spec, live
+
+FORCED = os.environ.get(native.ENV, "").strip() not in ("", "0")
+WORKER = Path(__file__).with_name("native_worker.py")
+
+
+def pure_results(jobs, tmp_path: Path) -> list[str]:
+    """The worker's results for ``jobs`` in a subprocess running the engine's pure-Python sources."""
+    src, dst = tmp_path / "jobs.pkl", tmp_path / "out.pkl"
+    src.write_bytes(pickle.dumps(jobs))
+    env = {**os.environ, native.ENV: "1"}
+    out = subprocess.run([sys.executable, str(WORKER), str(src), str(dst)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RuntimeWarning" not in out.stderr, out.stderr  # chosen pure Python: no warning
+    got = pickle.loads(dst.read_bytes())
+    assert got["engine"] == "pure"
+    return got["results"]
+
+
+def assert_same(jobs, tmp_path):
+    compiled = native_worker.run(jobs)
+    pure = pure_results(jobs, tmp_path)
+    for (trace, case), c, p in zip(jobs, compiled, pure):
+        assert c == p, f"compiled != pure for {case} on {trace.path}:\n{c}\n{p}"
+
+
+# ---- which copy is loaded ----------------------------------------------------------------------------
+@pytest.mark.skipif(FORCED, reason=f"{native.ENV}=1 asks for the sources")
+def test_the_install_built_and_loads_every_compiled_module():
+    """`pip install -e .` (the README's command) compiled every listed module, and this process loads the
+    extensions: a failed or skipped build fails here, not silently in a benchmark."""
+    assert native.summary() == {"engine": "compiled"}, native.summary()
+    for src in native.sources():
+        name = native.module_name(src)
+        importlib.import_module(name)
+        assert native.loaded(name) == "compiled", name
+
+
+@pytest.mark.skipif(not FORCED, reason=f"runs under {native.ENV}=1 (test_pure_python_engine_tests)")
+def test_forced_pure_loads_every_source():
+    assert native.summary()["engine"] == "pure"
+    for src in native.sources():
+        name = native.module_name(src)
+        importlib.import_module(name)
+        assert native.loaded(name) == "pure", name
+
+
+def _select(pkg: Path):
+    """Run native.select on a copy of the package in a fresh module; return (module, warnings)."""
+    spec = importlib.util.spec_from_file_location("native_under_test", ROOT / "specmd" / "native.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    before = list(sys.meta_path)
+    env = os.environ.pop(native.ENV, None)
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            mod.select(pkg)
+    finally:
+        sys.meta_path[:] = before  # the finder it installed serves the copy's names: not this process's
+        if env is not None:
+            os.environ[native.ENV] = env
+    return mod, [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
+
+
+def _package_copy(tmp_path: Path, with_build: bool) -> Path:
+    pkg = tmp_path / "specmd"
+    for src in native.sources():
+        (pkg / src).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / "specmd" / src, pkg / src)
+        ext = native.extension_of(src)
+        if with_build and ext is not None:
+            shutil.copy(ext, pkg / src.rsplit("/", 1)[0] / ext.name)
+    if with_build:
+        shutil.copy(ROOT / "specmd" / native.MANIFEST, pkg / native.MANIFEST)
+    return pkg
+
+
+def test_no_build_runs_pure_python_with_one_warning(tmp_path):
+    mod, warned = _select(_package_copy(tmp_path, with_build=False))
+    assert set(mod.STATE.values()) == {"pure"} and mod.summary()["engine"] == "pure"
+    assert len(warned) == 1 and "runs its engine and policies as pure Python" in warned[0] and "not built" in warned[0]
+    assert "pip install -e ." in warned[0] and native.ENV in warned[0]
+
+
+@pytest.mark.skipif(FORCED, reason="needs the built extensions")
+def test_an_edited_source_is_never_shadowed_by_its_old_extension(tmp_path):
+    pkg = _package_copy(tmp_path, with_build=True)
+    mod, warned = _select(pkg)
+    assert warned == [] and set(mod.STATE.values()) == {"compiled"}
+
+    src = "policies/eviction/lru.py"
+    (pkg / src).write_text((pkg / src).read_text() + "\n# edited\n")
+    mod, warned = _select(pkg)
+    assert mod.STATE[native.module_name(src)] == "pure"
+    assert [n for n, v in mod.STATE.items() if v == "pure"] == [native.module_name(src)]
+    assert len(warned) == 1 and "older than their sources: policies/eviction/lru.py" in warned[0]
+    assert "1 of its" in warned[0]
+    assert mod.summary() == {"engine": "mixed", "pure_modules": [native.module_name(src)],
+                             "why_pure": "older than their sources: policies/eviction/lru.py"}
+    # the finder it installs serves the edited source ahead of the stale extension
+    finder = mod._Sources({native.module_name(src): pkg / src})
+    assert finder.find_spec(native.module_name(src)).origin == str(pkg / src)
+
+
+@pytest.mark.skipif(FORCED, reason="needs the built extensions")
+def test_a_policy_file_added_after_the_build_is_plain_python_without_a_warning(tmp_path):
+    pkg = _package_copy(tmp_path, with_build=True)
+    (pkg / "policies/eviction/mine.py").write_text("# a user's policy\n")
+    mod, warned = _select(pkg)
+    assert warned == [] and mod.STATE["specmd.policies.eviction.mine"] == "pure"
+    # ... but a module whose compile failed is reported
+    manifest = json.loads((pkg / native.MANIFEST).read_text())
+    del manifest["built"]["engine/clock.py"]
+    manifest["failed"].append("engine/clock.py")
+    (pkg / native.MANIFEST).write_text(json.dumps(manifest))
+    mod, warned = _select(pkg)
+    assert mod.STATE["specmd.engine.clock"] == "pure" and len(warned) == 1
+    assert "not built: engine/clock.py" in warned[0]
+
+
+# ---- compiled == pure -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    """A recorded trace per family (prefill + decode, prefetch signal 2 layers deep, fp32 logits)."""
+    out = []
+    for family in ("olmoe", "mixtral"):
+        path = tmp_path_factory.mktemp(f"native_{family}") / "trace"
+        live(tiny(family), case_spec(CASES[0]), [sample_ids(batch=1, seq=20, seed=s) for s in (0, 1)], path)
+        out.append(read_trace(path))
+    return out
+
+
+def quantized(trace: Trace) -> Trace:
+    """``trace`` with int8/int4/int2 copies in its store (a replay needs their sizes only)."""
+    store, eb = trace.meta.store, trace.meta.geometry.expert_bytes
+    sizes = StoreSizes(store.native_bits, eb, {"int8": eb // 2, "int4": eb // 4, "int2": eb // 8})
+    return dataclasses.replace(trace, meta=dataclasses.replace(trace.meta, store=sizes), path=trace.path + "+quant")
+
+
+LOSSY = [dict(miss="drop", capacity=0.1), dict(miss="substitute", capacity=0.2, prefetch="score"),
+         dict(routing="max_rank", capacity=0.2), dict(routing="cache_prior", capacity=0.3, scope="per_layer"),
+         dict(routing="prune", capacity=0.2),
+         dict(eviction="belady", capacity=0.2), dict(prefetch="oracle", eviction="belady", capacity=0.3),
+         dict(prefetch="oracle", capacity=0.1, scope="per_layer")]
+QUANT = [dict(miss="fetch_priority", capacity=0.15, prefetch="topk"), dict(miss="drop_priority_cascade", capacity=0.1),
+         dict(miss="fetch_lowest_bit", capacity=0.1, eviction="lfu"), dict(miss="substitute", capacity=0.1),
+         dict(miss="fetch_priority", capacity=0.3, scope="per_layer", eviction="score", prefetch="lookahead")]
+
+
+@pytest.mark.skipif(FORCED, reason="compares the compiled engine with the sources")
+def test_compiled_equals_pure_on_every_replay_equality_stack(traces, tmp_path):
+    jobs = [(trace, case) for trace in traces for case in CASES + LOSSY]
+    jobs += [(quantized(trace), case) for trace in traces for case in QUANT]
+    assert_same(jobs, tmp_path)
+
+
+def _random_trace(p: dict) -> Trace:
+    rng = np.random.default_rng(p["seed"])
+    L, E, k = p["layers"], p["experts"], p["k"]
+    tokens = [p["prefill"]] + [1] * (p["passes"] - 1)
+    passes = np.array([[0 if i == 0 else 1, t, sum(tokens[:i + 1])] for i, t in enumerate(tokens)], dtype=np.int64)
+    rows = L * sum(tokens)
+    index = np.argsort(rng.random((rows, E)), axis=1)[:, :k].astype(np.uint8)  # k distinct experts per row
+    logits = rng.normal(size=(rows, E)).astype(np.float32)
+    geom = Geometry(num_layers=L, num_experts=E, top_k=k, expert_bytes=1000, total_bytes=1000 * E * L + 5000,
+                    hidden_size=64, dense_params=[300] * L, attn_layers=[1] * L)
+    meta = TraceMeta(geometry=geom, store=StoreSizes(16, 1000, {}), logits="fp32", source={"format": "test"})
+    return Trace(meta=meta, passes=passes, calls=full_calls(passes, L), index=index, logits=logits,
+                 path=f"hypothesis-{p['seed']}")
+
+
+JOB = hs.fixed_dictionaries({
+    "seed": hs.integers(0, 2**16), "layers": hs.integers(1, 4), "experts": hs.integers(2, 12),
+    "k": hs.integers(1, 3), "passes": hs.integers(2, 25), "prefill": hs.integers(1, 6),
+    "eviction": hs.sampled_from(sorted(EVICTION.names())), "scope": hs.sampled_from(["global", "per_layer"]),
+    "slots": hs.integers(1, 12), "prefetch": hs.sampled_from(["none", "oracle"]),
+    "miss": hs.sampled_from(["fetch", "fetch", "cpu_compute", "drop"]),
+    "bandwidth_gbps": hs.sampled_from([1e-3, 0.5, 16.0, 1e3]),
+})
+
+
+def _job(p: dict):
+    p = dict(p)
+    if p["eviction"] == "ml":
+        p["layers"] = 4  # the shipped networks' layers (specmd:tiny-olmoe)
+    p["k"] = min(p["k"], p["experts"])
+    miss = {"name": p["miss"], "J": min(2, p["k"])} if p["miss"] == "drop" else p["miss"]  # J: ranks kept, <= k
+    case = dict(eviction=p["eviction"], scope=p["scope"], experts_per_layer=min(p["slots"], p["experts"]),
+                prefetch=p["prefetch"], miss=miss, bandwidth_gbps=p["bandwidth_gbps"])
+    return _random_trace(p), case
+
+
+@pytest.mark.skipif(FORCED, reason="compares the compiled engine with the sources")
+@settings(max_examples=3, deadline=None)
+@given(batch=hs.lists(JOB, min_size=40, max_size=40))
+def test_compiled_equals_pure_on_generated_traces(batch, tmp_path_factory):
+    """40 generated (trace, stack) jobs per example, one pure-Python subprocess per example."""
+    assert_same([_job(p) for p in batch], tmp_path_factory.mktemp("gen"))
+
+
+# ---- a user's policy: one plain file, registered, in the compiled engine ---------------------------
+USER_POLICY = '''
+from specmd.policies.eviction.base import EVICTION, OrderedEviction
+
+
+@EVICTION.register("test_mru")
+class MRU(OrderedEviction):
+    """Most recently used: the newest evictable key leaves first."""
+
+    def on_access(self, key):
+        order = self._order
+        del order[key]
+        order[key] = None
+
+    def victim(self, evictable):
+        for key in reversed(self._order):
+            if evictable(key):
+                return key
+        return None
+'''
+
+
+def test_a_users_policy_file_runs_in_the_compiled_engine(tmp_path):
+    path = tmp_path / "my_policy.py"
+    path.write_text(USER_POLICY)
+    spec = importlib.util.spec_from_file_location("my_policy", path)
+    mod = sys.modules["my_policy"] = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+        assert native.loaded("specmd.engine.cache") == ("pure" if FORCED else "compiled")
+        assert native.loaded("my_policy") == "pure"
+        # one layer, 3 slots, requests 0 1 2 3 0 1 2 3: misses 0 1 2; 3 evicts 2 (newest); hits 0 1;
+        # 2 evicts 1 (now newest); hit 3. LRU would miss all eight.
+        reqs = [0, 1, 2, 3, 0, 1, 2, 3]
+        passes = np.array([[0 if i == 0 else 1, 1, i + 1] for i in range(len(reqs))], dtype=np.int64)
+        geom = Geometry(num_layers=1, num_experts=4, top_k=1, expert_bytes=100, total_bytes=400)
+        meta = TraceMeta(geometry=geom, store=StoreSizes(16, 100, {}), logits="none", source={"format": "test"})
+        trace = Trace(meta=meta, passes=passes, calls=full_calls(passes, 1),
+                      index=np.asarray(reqs, dtype=np.uint8)[:, None])
+        got = native_worker.results(trace, dict(eviction="test_mru", experts_per_layer=3, prefetch="none"))
+        cache = json.loads(got)["cache"]
+        assert (cache["hits"], cache["misses"], cache["evictions"]) == (3, 5, 2)
+    finally:
+        EVICTION._classes.pop("test_mru", None)
+        sys.modules.pop("my_policy", None)
