@@ -82,8 +82,11 @@ def model_identity(model_cfg) -> dict:
 
 
 def provenance(model_cfg=None, trace_path=None) -> dict:
+    from . import native
+
     git = git_state()
-    out = {"versions": versions(), "git": dict(git) if git else None}
+    # which copy of the engine ran (compiled | pure | mixed, and why): results are equal, speeds are not
+    out = {"versions": versions(), "git": dict(git) if git else None, "engine": native.summary()}
     if model_cfg is not None:
         out["model"] = model_identity(model_cfg)
     if trace_path is not None:

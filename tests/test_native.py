@@ -69,6 +69,13 @@ def test_the_install_built_and_loads_every_compiled_module():
         assert native.loaded(name) == "compiled", name
 
 
+def test_results_say_which_engine_ran():
+    from specmd.provenance import provenance
+
+    assert provenance()["engine"] == native.summary()
+    assert native.summary()["engine"] == ("pure" if FORCED else "compiled")
+
+
 @pytest.mark.skipif(not FORCED, reason=f"runs under {native.ENV}=1 (test_pure_python_engine_tests)")
 def test_forced_pure_loads_every_source():
     assert native.summary()["engine"] == "pure"
@@ -150,6 +157,23 @@ def test_a_policy_file_added_after_the_build_is_plain_python_without_a_warning(t
     mod, warned = _select(pkg)
     assert mod.STATE["specmd.engine.clock"] == "pure" and len(warned) == 1
     assert "not built: engine/clock.py" in warned[0]
+
+
+# The engine's, the policies' and the replay's own tests, run again on the pure-Python sources (CI runs the
+# README's two commands only, so the second run is this test's subprocess).
+PURE_SUITE = ["test_semantics.py", "test_cache_manager.py", "test_clock.py", "test_eviction.py", "test_prefetch.py",
+              "test_policies.py", "test_replay.py", "test_capacity.py", "test_golden.py", "test_lossless.py",
+              "test_offload.py", "test_quant_cache.py", "test_native.py"]
+
+
+@pytest.mark.skipif(FORCED, reason="this is the pure run")
+def test_engine_policy_and_replay_tests_pass_on_the_pure_sources():
+    env = {**os.environ, native.ENV: "1"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          *(f"tests/{t}" for t in PURE_SUITE)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1200)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout.splitlines()[-1] and "RuntimeWarning" not in out.stdout, out.stdout[-2000:]
 
 
 # ---- compiled == pure -----------------------------------------------------------------------------

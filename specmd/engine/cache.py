@@ -40,13 +40,20 @@ class Pool:
     used = cython.declare(cython.longlong, visibility="public")
     policy = cython.declare(object, visibility="public")
     on_miss = cython.declare(object, visibility="public")
+    on_admit = cython.declare(object, visibility="public")
+    on_layer = cython.declare(object, visibility="public")
 
     def __init__(self, capacity: int, policy):
         self.capacity = capacity
         self.used = 0
         self.policy = policy
-        # called for every demand miss, or None (no call per miss): the policy's ``miss_hook()``
+        # The optional hooks, each the policy's bound method or None when it keeps the base class's no-op
+        # (then the manager makes no call at all): ``on_miss`` per demand miss (``miss_hook()``), ``on_admit``
+        # per fetch or prefetch about to be inserted, ``on_layer`` per layer call.
         self.on_miss = policy.miss_hook() if hasattr(policy, "miss_hook") else None
+        hook = getattr(policy, "hook", None)
+        self.on_admit = hook("on_admit") if hook is not None else policy.on_admit
+        self.on_layer = hook("on_layer") if hook is not None else policy.on_layer
 
 
 @cython.cclass
@@ -61,18 +68,9 @@ class Entry:
     precision = cython.declare(object, visibility="public")
     bits = cython.declare(object, visibility="public")
     since = cython.declare(cython.longlong, visibility="public")
-
-    def __init__(self, key, layer, nbytes, pool, transfer, prefetched, precision=NATIVE, bits=16, since=0):
-        self.key = key
-        self.layer = layer
-        self.nbytes = nbytes
-        self.pool = pool
-        self.transfer = transfer  # the clock's handle while a prefetch has not been requested yet
-        self.prefetched = prefetched
-        self.used = False
-        self.precision = precision  # the stored precision this resident copy has
-        self.bits = bits
-        self.since = since  # forward pass it was inserted in (cache lifetime)
+    # Made only by CacheManager.insert, which fills every field (no __init__: a C-level allocation). ``transfer``:
+    # the clock's handle while a prefetch has not been requested yet; ``precision``: the stored precision
+    # this resident copy has; ``since``: the forward pass it was inserted in (cache lifetime).
 
 
 @cython.cclass
@@ -150,12 +148,13 @@ class LayerCall:
         key: cython.longlong
         streamed: cython.long = 0
         clock = m.clock
-        admit = pool.policy.on_admit
+        admit = pool.on_admit
         waits = self.waits
         events = m.events
         for e in experts:
             key = base + e
-            admit(key)
+            if admit is not None:
+                admit(key)
             if pool.capacity - pool.used >= nbytes or m.make_room(pool, nbytes):
                 m.insert(key, layer, nbytes, pool, None, False, precision).used = True
             else:
@@ -294,7 +293,8 @@ class CacheManager:
         for e in experts:
             pinned.add(base + e)
         pool: Pool = self._pool_of_layer[layer]
-        pool.policy.on_layer(layer, record)
+        if pool.on_layer is not None:
+            pool.on_layer(layer, record)
         pred = self.predicted[layer]
         if pred is not None:
             st = self.stats
@@ -408,7 +408,8 @@ class CacheManager:
             key = base + e
             if key in entries:
                 continue
-            pool.policy.on_admit(key)
+            if pool.on_admit is not None:
+                pool.on_admit(key)
             if not self.make_room(pool, nbytes):
                 st.prefetch_skipped[layer] += 1
                 continue
@@ -439,8 +440,10 @@ class CacheManager:
     @cython.ccall
     def insert(self, key: cython.longlong, layer: cython.long, nbytes: cython.longlong, pool: Pool, transfer,
                prefetched: cython.bint, precision=NATIVE) -> Entry:
-        ent: Entry = Entry(key, layer, nbytes, pool, transfer, prefetched, precision,
-                                        self.precisions.bits_of[precision], self.pass_index)
+        ent: Entry = Entry.__new__(Entry)
+        ent.key, ent.layer, ent.nbytes, ent.pool, ent.transfer = key, layer, nbytes, pool, transfer
+        ent.prefetched, ent.used, ent.precision = prefetched, False, precision
+        ent.bits, ent.since = self.precisions.bits_of[precision], self.pass_index
         self.entries[key] = ent
         pool.used += nbytes
         self.used_bytes += nbytes

@@ -39,10 +39,22 @@ class Transfer:
     started = cython.declare(cython.bint, visibility="public")
 
     def __init__(self, nbytes, issued_at: cython.double):
-        self.nbytes = nbytes
-        self.issued_at = issued_at
-        self.ready_at = INF
-        self.started = False
+        _fill(self, nbytes, issued_at)
+
+
+@cython.cfunc
+def _fill(tr: Transfer, nbytes, issued_at: cython.double) -> Transfer:
+    tr.nbytes = nbytes
+    tr.issued_at = issued_at
+    tr.ready_at = INF
+    tr.started = False
+    return tr
+
+
+@cython.cfunc
+def _new_transfer(nbytes, issued_at: cython.double) -> Transfer:
+    """A Transfer without a Python-level constructor call (the clock makes one per fetch)."""
+    return _fill(Transfer.__new__(Transfer), nbytes, issued_at)
 
 
 @cython.cclass
@@ -286,7 +298,7 @@ class SimClock(Clock):
     def demand(self, nbytes):
         tr: Transfer
         self.issued += 1
-        tr = Transfer(nbytes, self.now)
+        tr = _new_transfer(nbytes, self.now)
         tr.started = True
         tr.ready_at = self.channel.demand(self.now, nbytes)
         return tr
@@ -294,7 +306,7 @@ class SimClock(Clock):
     @cython.ccall
     def prefetch(self, nbytes):
         self.issued += 1
-        tr = Transfer(nbytes, self.now)
+        tr = _new_transfer(nbytes, self.now)
         self.channel.submit(tr)
         return tr
 
@@ -324,7 +336,7 @@ class SimClock(Clock):
 
     @cython.ccall
     def host(self, slots, experts):
-        tr: Transfer = Transfer(0, self.now)
+        tr: Transfer = _new_transfer(0, self.now)
         tr.started = True
         tr.ready_at = self.now + self.host_time(slots, experts)
         return tr

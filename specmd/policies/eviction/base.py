@@ -83,6 +83,11 @@ class EvictionPolicy(Policy):
         None (then no call per miss at all). A policy whose params switch miss counting off returns None."""
         return self.on_miss if type(self).on_miss is not EvictionPolicy.on_miss else None
 
+    def hook(self, name: str) -> Optional[Callable]:
+        """The bound method ``name`` (``on_admit``, ``on_layer``) when a subclass overrides it, else None: the
+        manager then skips the base class's no-op instead of calling it per miss or per layer call."""
+        return getattr(self, name) if getattr(type(self), name) is not getattr(EvictionPolicy, name) else None
+
     def on_pass_start(self, pass_index: int) -> None:
         pass
 
