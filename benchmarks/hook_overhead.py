@@ -1,6 +1,8 @@
-"""Wall-time ratio hooked / unhooked for the lossless stack at capacity 1.0 (standard, fetch, lru).
+"""Wall-time ratio hooked / unhooked for a lossless stack at capacity 1.0 (standard routing, fetch, and
+``--eviction``/``--prefetch``: lru + topk by default).
 
-    python benchmarks/hook_overhead.py [--prefetch none|topk] [--repeats 5]
+    python benchmarks/hook_overhead.py [--prefetch none|topk|score] [--eviction lru|least_stale] [--repeats 5]
+    python benchmarks/hook_overhead.py --eviction least_stale --prefetch score     # issue 20's second target
 
 Models: tiny_olmoe, and a mid-size random OLMoE-shaped model (8 layers, 64 experts top-8, hidden 512,
 expert intermediate 256: 201 M expert parameters, ~0.8 GB in float32). Inputs: a batch of random token ids (a prefill-like pass)
@@ -46,7 +48,7 @@ def sync():
         torch.cuda.synchronize()
 
 
-def bench(name, model, prefetch, repeats, batch, seq, new_tokens):
+def bench(name, model, prefetch, repeats, batch, seq, new_tokens, eviction="lru"):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(256, model.config.vocab_size), (batch, seq), generator=g).to(DEVICE)
     prompt = ids[:1, :32]
@@ -62,7 +64,7 @@ def bench(name, model, prefetch, repeats, batch, seq, new_tokens):
     rows = []
     for case, fn in (("prefill", prefill), ("generate", decode)):
         base = timed(fn, repeats)
-        stack = install(model, spec_of(prefetch=prefetch, hardware=HardwareConfig(capacity=1.0)),
+        stack = install(model, spec_of(eviction=eviction, prefetch=prefetch, hardware=HardwareConfig(capacity=1.0)),
                         adapter_for("olmoe"))
         try:
             hooked = timed(fn, repeats)
@@ -74,7 +76,8 @@ def bench(name, model, prefetch, repeats, batch, seq, new_tokens):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prefetch", default="topk", choices=["none", "topk"])
+    ap.add_argument("--prefetch", default="topk", choices=["none", "topk", "score"])
+    ap.add_argument("--eviction", default="lru")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -84,11 +87,16 @@ def main():
     torch.set_num_threads(torch.get_num_threads())
     rows = []
     tiny = build_tiny("olmoe", dtype=args.dtype).to(DEVICE)
-    rows += bench("tiny_olmoe", tiny, args.prefetch, args.repeats, batch=4, seq=256, new_tokens=16)
+    rows += bench("tiny_olmoe", tiny, args.prefetch, args.repeats, batch=4, seq=256, new_tokens=16,
+                  eviction=args.eviction)
     mid = build_tiny("olmoe", MID, dtype=args.dtype).to(DEVICE)
     mb = sum(p.numel() * p.element_size() for p in mid.parameters()) / 1e6
-    rows += bench(f"mid_olmoe ({mb:.0f} MB)", mid, args.prefetch, args.repeats, batch=4, seq=256, new_tokens=16)
-    print(f"lossless stack (standard/fetch/lru/{args.prefetch}), capacity 1.0, device={DEVICE}, dtype={args.dtype}, threads={torch.get_num_threads()}")
+    rows += bench(f"mid_olmoe ({mb:.0f} MB)", mid, args.prefetch, args.repeats, batch=4, seq=256, new_tokens=16,
+                  eviction=args.eviction)
+    from specmd import native
+
+    print(f"lossless stack (standard/fetch/{args.eviction}/{args.prefetch}), capacity 1.0, device={DEVICE}, "
+          f"dtype={args.dtype}, threads={torch.get_num_threads()}, engine {native.summary()['engine']}")
     print(f"{'model':<22}{'case':<10}{'unhooked s':>12}{'hooked s':>12}{'ratio':>8}")
     for name, case, base, hooked, ratio in rows:
         print(f"{name:<22}{case:<10}{base:>12.4f}{hooked:>12.4f}{ratio:>8.3f}")

@@ -113,6 +113,33 @@ def lcs_lru(keys: np.ndarray, slots: int) -> tuple[float, float]:
         return time.perf_counter() - t0, 1.0 - miss_ratio
 
 
+USER_LRU = '''
+from specmd.policies.eviction.base import EVICTION, OrderedEviction
+
+
+@EVICTION.register("user_lru")
+class UserLRU(OrderedEviction):
+    """LRU as a user writes it: one plain-Python file, registered, never compiled."""
+
+    def on_access(self, key):
+        order = self._order
+        del order[key]
+        order[key] = None
+'''
+
+
+def load_user_policy(d: str) -> None:
+    """Registers ``user_lru`` from a plain file in ``d``, as a user's own policy is loaded."""
+    import importlib.util
+    import sys
+
+    path = Path(d) / "user_lru.py"
+    path.write_text(USER_LRU)
+    spec = importlib.util.spec_from_file_location("user_lru", path)
+    mod = sys.modules["user_lru"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+
 _TRACE: list = []  # the tiled trace, inherited by the sweep's forked processes
 
 
@@ -177,7 +204,9 @@ def main():
     print(f"tiled trace: {len(big.passes)} decode passes, {len(experts)} requests; capacity {slots} experts")
     print(f"{'policy':<12} {'M req/s':>8} {'seconds':>8} {'hit rate':>9}")
     speed = {}
-    for name in args.policies or EVICTION.names():
+    user_dir = tempfile.mkdtemp()
+    load_user_policy(user_dir)
+    for name in (args.policies or [p for p in EVICTION.names() if p != "user_lru"]) + ["user_lru"]:
         spec_p = spec_of(eviction=name, prefetch="none", hardware=hw)
         engine, ptr, experts = build_engine(big, spec_p)
         t0 = time.perf_counter()
@@ -202,7 +231,7 @@ def main():
         print(f"  replay vs live, same configuration: {speed.get('lru', 0) / (n / wall):.0f}x (lru on the tiled trace)")
     # 4. the sweep
     if not args.no_sweep:
-        pols = [p for p in EVICTION.names() if p != "ml"]
+        pols = [p for p in EVICTION.names() if p not in ("ml", "user_lru")]
         caps = [round(0.05 * i, 2) for i in range(1, 11)]
         dt, res = sweep(big, pols, caps, args.procs)
         print(f"sweep: {len(res)} configurations ({len(pols)} evictions x {len(caps)} capacities) over "

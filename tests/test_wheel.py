@@ -12,7 +12,7 @@ from pathlib import Path
 from conftest import ROOT
 
 IGNORE = shutil.ignore_patterns(".git", ".venv", "outputs", "build", "dist", "*.egg-info", "__pycache__",
-                                "wandb", ".hypothesis", "multirun")
+                                "wandb", ".hypothesis", "multirun", "*.so", "_native.json")  # no in-place build
 
 
 def _venv_with_deps(path: Path) -> Path:
@@ -34,6 +34,14 @@ def test_wheel_in_fresh_venv_runs_default_job(tmp_path, mirror):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(dist), str(src)], check=True)
     (wheel,) = dist.glob("specmd-*.whl")
+    import zipfile
+
+    from specmd import native
+
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for src in native.sources():  # the compiled engine is in the wheel, with its manifest
+        assert any(n.startswith(f"specmd/{src[:-3]}.") and n.endswith((".so", ".pyd")) for n in names), src
+    assert f"specmd/{native.MANIFEST}" in names
     py = _venv_with_deps(tmp_path / "venv")
     subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True)
 
@@ -41,9 +49,11 @@ def test_wheel_in_fresh_venv_runs_default_job(tmp_path, mirror):
     work.mkdir()
     env = {**os.environ, "SPECMD_DATA_MIRROR": str(mirror), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "WANDB_MODE": "offline", "PYTHONPATH": ""}
-    where = subprocess.run([str(py), "-c", "import specmd, pathlib; assert pathlib.Path(specmd.CONF_DIR, 'config.yaml').is_file(); "
+    where = subprocess.run([str(py), "-W", "error::RuntimeWarning", "-c",
+                            "import specmd, pathlib; assert pathlib.Path(specmd.CONF_DIR, 'config.yaml').is_file(); "
+                            "from specmd import native; assert native.summary() == {'engine': 'compiled'}, native.summary(); "
                             "print(specmd.__file__)"], cwd=work,
-                           env=env, check=True, capture_output=True, text=True).stdout.strip()
+                           env={**env, "SPECMD_PURE_PYTHON": ""}, check=True, capture_output=True, text=True).stdout.strip()
     assert Path(where).is_relative_to(tmp_path / "venv"), where  # the installed wheel, not the checkout
     # the console script and the configs shipped in the wheel: the default job, smaller
     out = subprocess.run([str(tmp_path / "venv" / "bin" / "specmd"), "eval.limit=1", "eval.max_gen_toks=4",

@@ -91,7 +91,7 @@ class LayerCall:
     weights = cython.declare(object, visibility="public")
     n = cython.declare(cython.long, visibility="public")
 
-    def __init__(self, manager: "CacheManager"):
+    def __init__(self, manager):
         self._m = manager
         self.fetch_precision = manager.fetch_precision
         self.waits: list = []  # the clock's handles compute waits for (demand fetches, late prefetches, host)

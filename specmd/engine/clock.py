@@ -273,7 +273,7 @@ class SimClock(Clock):
         self._expert_bytes = geom.expert_bytes
 
     @classmethod
-    def from_hardware(cls, geom, hw, policies: dict | None = None) -> "SimClock":
+    def from_hardware(cls, geom, hw, policies: dict | None = None):
         """``policies``: the stack's ``{group: name}``, whose ``hardware.policy_overhead_us`` entries are
         charged per layer call."""
         table = getattr(hw, "policy_overhead_us", None) or {}
