@@ -7,7 +7,7 @@ same results, only slower (``tests/test_native.py`` checks that). ``setup.py`` b
 the package is installed (``pip install -e .`` builds them beside the sources). If the build fails, the
 package still installs and runs pure Python.
 
-At import (:func:`select`, called by ``specmd/__init__``), each module in :data:`MODULES` loads
+At import (:func:`select`, called by ``specmd/__init__``), each module :func:`sources` lists loads
 
 * its **source** when ``SPECMD_PURE_PYTHON=1`` (forced, no warning);
 * its **source** when the build made no extension of it (no build at all, or it failed to compile), or
@@ -23,8 +23,8 @@ monkeypatching in tests. mypyc refused the engine: 29 type errors (per-layer cou
 ``setattr``, Optional attributes narrowed at run time), and type-checking the nine engine modules alone took
 3 min 45 s. ``docs/architecture.md`` ("The compiled engine") has the measurements.
 
-This module imports nothing from specmd, and ``setup.py`` reads :data:`MODULES` from it without
-importing the package.
+This module imports nothing from specmd, and ``setup.py`` runs it (for :func:`sources`) without importing
+the package.
 """
 
 from __future__ import annotations

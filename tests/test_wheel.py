@@ -66,3 +66,26 @@ def test_wheel_in_fresh_venv_runs_default_job(tmp_path, mirror):
     res = json.loads((work / "run" / "results.json").read_text())
     assert res["config"]["model"]["name"] == "deep_olmoe" and res["cache"]["requests"] > 0
     assert "gsm8k" in res["tasks"]
+
+
+def test_a_wheel_built_without_the_compiler_runs_pure_python_with_one_warning(tmp_path):
+    """The build's fallback (no Cython, no C compiler, or SPECMD_NO_COMPILE=1): the package installs and
+    runs its sources, and says so once."""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=IGNORE)
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(dist), str(src)], check=True, env={**os.environ, "SPECMD_NO_COMPILE": "1"})
+    (wheel,) = dist.glob("specmd-*.whl")
+    import zipfile
+
+    assert not [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith((".so", ".pyd"))]
+    py = _venv_with_deps(tmp_path / "venv")
+    subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], check=True)
+    env = {**os.environ, "PYTHONPATH": "", "SPECMD_PURE_PYTHON": ""}
+    out = subprocess.run([str(py), "-W", "always::RuntimeWarning", "-c",
+                          "import specmd.replay.driver; from specmd import native; print(native.summary()['engine'])"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "pure"
+    assert out.stderr.count("RuntimeWarning") == 1 and "not built" in out.stderr, out.stderr[-2000:]
