@@ -422,7 +422,8 @@ class CacheManager:
     def evictable(self, key) -> bool:
         if key in self.pinned:
             return False
-        tr = cython.cast(Entry, self.entries[key]).transfer
+        ent: Entry = self.entries[key]  # (a typed local, not cython.cast: a cast is a function call in pure Python)
+        tr = ent.transfer
         return tr is None or self.clock.done(tr)
 
     @cython.ccall

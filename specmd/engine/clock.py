@@ -90,9 +90,11 @@ class TransferChannel:
     def advance(self, t: float) -> None:
         """Start every queued prefetch whose start time falls strictly before ``t``."""
         start: cython.double
+        head: Transfer
         q = self.queue
         while q:
-            start = max(self.free_at, cython.cast(Transfer, q[0]).issued_at)
+            head = q[0]
+            start = max(self.free_at, head.issued_at)
             if start >= t:
                 break
             self._start(q.popleft(), start)
@@ -317,7 +319,8 @@ class SimClock(Clock):
 
     @cython.ccall
     def done(self, handle):
-        return cython.cast(Transfer, handle).ready_at <= self.now
+        h: Transfer = handle
+        return h.ready_at <= self.now
 
     @cython.ccall
     def wait(self, handles):
