@@ -97,9 +97,10 @@ class LayerCall:
         self.waits: list = []  # the clock's handles compute waits for (demand fetches, late prefetches, host)
 
     @cython.ccall
-    def reset(self, layer: cython.long, pool: Pool, record, index, weights, n: cython.long):
+    def reset(self, layer: cython.long, base: cython.longlong, pool: Pool, record, index, weights, n: cython.long):
+        """A new layer call; ``base``: its layer's first key (``layer * num_experts``, computed by the caller)."""
         self.layer = layer
-        self.base = layer * self._m.geom.num_experts
+        self.base = base
         self.pool = pool
         self.record = record
         self.waits.clear()
@@ -303,7 +304,7 @@ class CacheManager:
             st.pred_actual[layer] += len(experts)
             self.predicted[layer] = None
         call: LayerCall = self._call
-        call.reset(layer, pool, record, index, weights, len(experts))
+        call.reset(layer, base, pool, record, index, weights, len(experts))
         return call
 
     @cython.ccall
