@@ -562,6 +562,59 @@ def test_ml_policy_evicts_largest_predicted_distance(tmp_path):
     assert sorted(m.entries) == [1, 2, 3]
 
 
+def _hand_ml(tmp_path, column: int, layers: int = 1):
+    """A hand-set network whose predicted distance falls as input ``column`` rises (0: 1/r, 1: f/max f):
+    distance = -SiLU(SiLU(1e-3 * x[column])), monotone, so the order is the feature's."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    w1 = np.zeros((128, 2), np.float32); w1[0, column] = 1e-3
+    w2 = np.zeros((128, 128), np.float32); w2[0, 0] = 1.0
+    w3 = np.zeros((1, 128), np.float32); w3[0, 0] = -1.0
+    t = {}
+    for l in range(layers):
+        t.update({f"layer{l}.w1": w1, f"layer{l}.b1": np.zeros(128, np.float32), f"layer{l}.w2": w2,
+                  f"layer{l}.b2": np.zeros(128, np.float32), f"layer{l}.w3": w3, f"layer{l}.b3": np.zeros(1, np.float32)})
+    path = tmp_path / f"ml{column}.safetensors"
+    save_file(t, str(path), metadata={"num_layers": str(layers)})
+    return EVICTION.get("ml").Params(weights=str(path))
+
+
+def test_ml_counts_every_routed_request_as_a_use(tmp_path):
+    """FlashMoE Algorithm 1: f counts the times an expert was *routed*, whatever the cache did. A request
+    streamed because the call's own experts fill the pool is a use too (counting uses at the insert, as
+    this policy once did, leaves expert 2 below at f = 1 and evicts it instead of expert 1)."""
+    m = manager("ml", 2, experts=4, params=_hand_ml(tmp_path, column=1))  # evicts the least frequent
+    for _ in range(3):  # 0 and 1 fill the 2 slots; 2 is streamed every time
+        m.serve(0, [0, 1, 2]); m.finish_layer()
+    assert sorted(m.entries) == [0, 1] and m.stats.total("streamed") == 3
+    m.serve(0, [2]); m.finish_layer()  # f: 0 -> 3, 1 -> 3, 2 -> 4; the tie 0/1 goes to the lower key
+    assert sorted(m.entries) == [1, 2]
+    m.serve(0, [3]); m.finish_layer()  # f(1) = 3 < f(2) = 4: 1 is evicted
+    assert sorted(m.entries) == [2, 3]
+
+
+def test_ml_buffered_network_equals_the_allocating_form():
+    """MLP writes its activations into buffers made once per batch size; the bits are those of the plain
+    addmm / SiLU chain, on every shipped network and on inputs of every kind (never routed, r = 1, f = 0)."""
+    import numpy as np
+    import torch
+
+    from specmd.policies.eviction.ml import features, load_networks
+
+    silu = torch.nn.functional.silu
+    rng = np.random.default_rng(0)
+    for asset in ("tiny-olmoe", "deep-mixtral"):
+        nets, _ = load_networks(f"specmd:{asset}")
+        for net in nets[:4]:
+            for rows in (8, 64, 64, 3):
+                x = features(rng.integers(-1, 40, rows), rng.integers(0, 9, rows).astype(float), 40)
+                h = silu(torch.addmm(net.b[0], torch.from_numpy(x), net.wt[0]))
+                h = silu(torch.addmm(net.b[1], h, net.wt[1]))
+                ref = torch.addmm(net.b[2], h, net.wt[2])[:, 0].numpy().copy()
+                assert np.array_equal(net(x), ref)
+
+
 def test_ml_victims_equal_rescoring_from_scratch(monkeypatch):
     """Every victim ML picks equals the one found by re-scoring every candidate's features at that moment:
     the cached predictions are never stale (an expert used since they were computed is re-scored)."""

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ...errors import ConfigError
-from .base import EVICTION, OrderedEviction
+from .base import EVICTION, LazyHeap, OrderedEviction
 
 ASSET_FILE = "ml_eviction.safetensors"
 
@@ -36,19 +36,39 @@ def features(last_step: np.ndarray, freq: np.ndarray, step: int) -> np.ndarray:
 
 class MLP:
     """The per-layer network, evaluated with torch on the CPU. (Not numpy: numpy's BLAS threads spin
-    after each call and starve torch's own threads, which made whole runs 10x slower.)"""
+    after each call and starve torch's own threads, which made whole runs 10x slower.) The activations
+    live in buffers made once per batch size and written in place (``out=``, in-place SiLU): the policy
+    evaluates one batch of E rows per layer step, and allocating them per call cost a fifth of its time.
+    The result is the same bits as the allocating form (checked on the shipped networks). The returned
+    array is the output buffer: read it before the next call."""
 
     def __init__(self, tensors: dict):
         self.wt = [torch.from_numpy(np.ascontiguousarray(np.asarray(tensors[f"w{i}"], dtype=np.float32).T))
                    for i in (1, 2, 3)]
         self.b = [torch.from_numpy(np.asarray(tensors[f"b{i}"], dtype=np.float32).copy()) for i in (1, 2, 3)]
+        self._buffers: dict[int, tuple] = {}  # rows -> (x, its tensor, h1, h2, out, out as [rows] numpy)
+
+    def _buffers_for(self, rows: int) -> tuple:
+        buf = self._buffers.get(rows)
+        if buf is None:
+            hidden = self.wt[0].shape[1]
+            x = np.empty((rows, self.wt[0].shape[0]), dtype=np.float32)
+            out = torch.empty(rows, 1)
+            buf = self._buffers[rows] = (x, torch.from_numpy(x), torch.empty(rows, hidden),
+                                         torch.empty(rows, self.wt[1].shape[1]), out, out.numpy()[:, 0])
+        return buf
 
     @torch.no_grad()
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        buf, xt, h1, h2, out, result = self._buffers_for(len(x))
+        buf[...] = x
         silu = torch.nn.functional.silu
-        h = silu(torch.addmm(self.b[0], torch.from_numpy(x), self.wt[0]))
-        h = silu(torch.addmm(self.b[1], h, self.wt[1]))
-        return torch.addmm(self.b[2], h, self.wt[2])[:, 0].numpy()
+        torch.addmm(self.b[0], xt, self.wt[0], out=h1)
+        silu(h1, inplace=True)
+        torch.addmm(self.b[1], h1, self.wt[1], out=h2)
+        silu(h2, inplace=True)
+        torch.addmm(self.b[2], h2, self.wt[2], out=out)
+        return result
 
 
 def resolve_weights(spec: str) -> Path:
@@ -85,9 +105,30 @@ class ML(OrderedEviction):
     ``python -m specmd.train_eviction``, or ``specmd:<asset>`` for one shipped with a model (the embedded
     ``specmd:tiny-olmoe``, ``specmd:deep-olmoe`` and ``specmd:deep-mixtral`` have one; the config's default is
     the model's own).
-    Its layer count must match the model's MoE layers. Recency and frequency count routed uses only (a
-    prefetch insert is not a use); they persist after eviction.
-    Ties: the lower key."""
+    Its layer count must match the model's MoE layers. Ties: the lower key.
+
+    **When the features count a use.** FlashMoE's Algorithm 1 updates every expert's scores for time step
+    t ("if the expert is accessed at time t: r_t = 1, f_t = f_{t-1} + 1"; "the frequency score measures how
+    many times the expert has been routed"), computes ``dist_scores = ml_cache(score)`` once, and only then
+    runs ``CacheReplacement(routed_experts)``, whose every eviction reads those scores. So a use is a
+    *routed request* -- a hit (``on_access``) or a demand miss (``on_miss``, whatever becomes of it: fetched,
+    streamed, dropped, computed on the host), never a prefetch insert -- and all of a layer call's uses
+    are counted before its first victim search (the manager serves hits, then reports every miss, then
+    fetches). ``train_eviction.dataset`` labels its features the same way (step t's routed experts marked
+    before the features of step t are taken). Counting a use at the insert instead (this policy until
+    issue 20) left a streamed or dropped request uncounted and let victim searches inside a call see
+    features half-updated, which neither the paper nor the training data has.
+
+    **No scan per eviction.** A layer's predictions only change when its features do: at its next step
+    (``on_layer``), and by the uses of its experts, which only its own call makes and which all come before
+    the call's first victim search (above); so ``on_layer`` marks the layer dirty, a use does not need to.
+    They are computed at most once per step, lazily, for
+    the layer's E experts in one batch (the network's cost is per call, not per row), and pushed as
+    ``(-distance, key)`` entries for the layer's resident keys into a :class:`~.base.LazyHeap` (an entry is
+    live while it is ``_entry[key]``). A victim search re-scores the layers marked dirty that hold
+    resident keys (usually the one running), then takes the heap's first evictable entry: the largest
+    predicted distance, ties to the lower key. ``test_ml_victims_equal_rescoring_from_scratch`` checks every
+    choice against re-scoring every candidate from scratch."""
 
     @dataclass
     class Params:
@@ -117,16 +158,20 @@ class ML(OrderedEviction):
         self.fmax = [0.0] * L
         self.last = np.full((L, self.E), -1, dtype=np.int64)
         self.freq = np.zeros((L, self.E), dtype=np.float64)
-        # Predictions for all experts of a layer, valid until one of its features changes: the layer's step
-        # (``on_layer``) or a use of one of its experts (``_use``, which also moves ``fmax``). A use
-        # invalidates even though the used expert is pinned for the rest of its own call: the predictions
-        # are read again by later calls of other layers, when it is a candidate (reusing them there chose
-        # a stale victim in ~2% of choices).
-        self._pred: list = [None] * L
+        self._pred: list = [None] * L  # layer -> its E predictions (Python floats), None while dirty
+        self._dirty: set[int] = set(range(L))  # layers whose predictions are None
+        self._resident: list[set[int]] = [set() for _ in range(L)]  # layer -> its resident keys
+        self._entry: dict[int, tuple[float, int]] = {}  # resident key -> its live heap entry (-distance, key)
+        self._heap = LazyHeap()
+
+    def _dirty_layer(self, layer: int) -> None:
+        if self._pred[layer] is not None:
+            self._pred[layer] = None
+            self._dirty.add(layer)
 
     def on_layer(self, layer, record=None):
         self.step[layer] += 1
-        self._pred[layer] = None
+        self._dirty_layer(layer)
 
     def _use(self, key):
         layer, e = divmod(key, self.E)
@@ -135,36 +180,51 @@ class ML(OrderedEviction):
         self.freq[layer, e] = f
         if f > self.fmax[layer]:
             self.fmax[layer] = f
-        self._pred[layer] = None
 
-    def on_insert(self, key, prefetch):
-        super().on_insert(key, prefetch)
-        if not prefetch:
-            self._use(key)
+    def on_miss(self, key):
+        self._use(key)
 
     def on_access(self, key):
         self._use(key)
 
-    def predictions(self, layer: int) -> np.ndarray:
-        """Predicted next-use distance of every expert of ``layer`` (cached, see ``attach``)."""
+    def on_insert(self, key, prefetch):
+        super().on_insert(key, prefetch)
+        layer = key // self.E
+        self._resident[layer].add(key)
+        pred = self._pred[layer]
+        if pred is not None:  # else the layer is dirty: its keys are pushed when it is re-scored
+            self._push(key, pred[key - layer * self.E])
+
+    def on_remove(self, key):
+        super().on_remove(key)
+        self._entry.pop(key, None)
+        self._resident[key // self.E].discard(key)
+
+    def _push(self, key: int, distance: float) -> None:
+        ent = self._entry[key] = (-distance, key)
+        heap = self._heap
+        heap.push(ent)
+        if len(heap) > 2 * len(self._entry) + 64:  # mostly dead entries: rebuild from the live ones
+            self._heap = LazyHeap(self._entry.values())
+
+    def predictions(self, layer: int) -> list:
+        """Predicted next-use distance of every expert of ``layer`` (cached while its features stand)."""
         pred = self._pred[layer]
         if pred is None:
             x = features(self.last[layer], self.freq[layer], self.step[layer])
             pred = self._pred[layer] = self.nets[layer](x).tolist()
+            self._dirty.discard(layer)
         return pred
 
     def victim(self, evictable):
-        E = self.E
-        best, best_key = None, None
-        preds: dict = {}
-        for key in self._order:
-            if not evictable(key):
-                continue
-            layer = key // E
-            p = preds.get(layer)
-            if p is None:
-                p = preds[layer] = self.predictions(layer)
-            v = p[key - layer * E]
-            if best is None or v > best or (v == best and key < best_key):
-                best, best_key = v, key
-        return best_key
+        dirty = self._dirty
+        if dirty:
+            resident, E = self._resident, self.E
+            for layer in sorted(dirty):  # (a set: iterate a copy; layers without residents stay dirty)
+                keys = resident[layer]
+                if keys:
+                    pred, base = self.predictions(layer), layer * E
+                    for key in keys:
+                        self._push(key, pred[key - base])
+        ent = self._heap.first(evictable, self._entry)
+        return None if ent is None else ent[1]
