@@ -38,6 +38,7 @@ from specmd.hook import install
 from specmd.models.loader import ModelConfig, load_model
 from specmd.policies.eviction import EVICTION
 from specmd.replay.driver import build_engine, run_replay
+from specmd.replay.sweep import replay_many
 from specmd.replay.trace import Trace, TraceWriter, full_calls, read_trace
 
 
@@ -140,30 +141,14 @@ def load_user_policy(d: str) -> None:
     spec.loader.exec_module(mod)
 
 
-_TRACE: list = []  # the tiled trace, inherited by the sweep's forked processes
-
-
-def _sweep_part(configs):
-    trace = _TRACE[0]
-    out = []
-    for name, cap in configs:
-        spec = spec_of(eviction=name, prefetch="none", hardware=HardwareConfig(capacity=cap))
-        out.append((name, cap, run_replay(trace, spec).results()["cache"]["hit_rate"]))
-    return out
-
-
 def sweep(trace: Trace, policies: list[str], capacities: list[float], procs: int) -> tuple[float, list]:
-    """Every (policy, capacity) replayed over ``trace``; configurations dealt round-robin to ``procs``
-    forked processes (each replays its configurations on the one decoded trace)."""
-    import multiprocessing as mp
-
-    _TRACE[:] = [trace]
+    """Every (policy, capacity) replayed over ``trace`` by the product's own sweep (what ``specmd mrc``
+    runs: ``procs`` forked processes over the one decoded trace, each taking the next configuration)."""
     configs = [(p, c) for p in policies for c in capacities]
-    parts = [configs[i::procs] for i in range(procs)]
+    specs = [spec_of(eviction=p, prefetch="none", hardware=HardwareConfig(capacity=c)) for p, c in configs]
     t0 = time.perf_counter()
-    with mp.get_context("fork").Pool(procs) as pool:
-        res = [r for part in pool.map(_sweep_part, parts) for r in part]
-    return time.perf_counter() - t0, res
+    res = replay_many(trace, specs, procs)
+    return time.perf_counter() - t0, [(p, c, r["cache"]["hit_rate"]) for (p, c), r in zip(configs, res)]
 
 
 def main():

@@ -254,7 +254,8 @@ def tune(opts: Options, base: list[str], console) -> dict:
 
     from . import CONF_DIR
     from .app import Run, execute, recorded_trace
-    from .replay.driver import build_engine, check, open_trace, run_replay
+    from .replay.driver import check, open_trace
+    from .replay.sweep import replay_many
 
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -274,7 +275,7 @@ def tune(opts: Options, base: list[str], console) -> dict:
         space = candidates(opts, float(raw["hardware"]["capacity"]))
 
         # 2. search on replay
-        trials, skipped = [], []
+        trials, skipped, stacks, specs = [], [], [], []
         for stack in draw(opts, space, own):
             run = Run(compose(config_name="config", overrides=[*replay_over, *stack]))
             try:
@@ -282,7 +283,9 @@ def tune(opts: Options, base: list[str], console) -> dict:
             except ConfigError as exc:
                 skipped.append({"stack": " ".join(stack), "why": str(exc)})
                 continue
-            res = run_replay(trace, run.spec, *build_engine(trace, run.spec)).results()
+            stacks.append(stack)
+            specs.append(run.spec)
+        for stack, res in zip(stacks, replay_many(trace, specs)):  # every core, one decoded trace
             trials.append({"stack": stack, "objective": res[kind][metric], "hit_rate": res["cache"]["hit_rate"],
                            "tpot_s": res["timing"]["tpot_s"], "lossless": lossless(stack)})
         if not trials:

@@ -226,6 +226,46 @@ def test_miss_ratio_curves(recorded, tmp_path):
     assert (tmp_path / "mrc.png").stat().st_size > 1000
 
 
+def test_mrc_rows_do_not_depend_on_jobs_and_bad_jobs_are_rejected(recorded, tmp_path, capsys):
+    """specmd mrc replays its points on mrc.jobs forked processes over one decoded trace: the CSV is the
+    same text as the one-process run's (point order included, score's torch ops and belady's future too)."""
+    from specmd.replay.mrc import main
+
+    family, model, prompts, trace, _ = recorded
+    common = [f"replay.trace={trace.path}", "eviction=[score,lru,belady]", "mrc.capacities=[0.05,0.1,0.5]",
+              "prefetch=topk"]
+    for jobs in (1, 2):
+        assert main([*common, f"mrc.out={tmp_path / str(jobs)}", f"mrc.jobs={jobs}"]) == 0
+    assert (tmp_path / "1" / "mrc.csv").read_text() == (tmp_path / "2" / "mrc.csv").read_text()
+    capsys.readouterr()
+    for bad in ("0", "-2", "two", "1.5"):
+        assert main([*common, f"mrc.out={tmp_path / 'x'}", f"mrc.jobs={bad}"]) == 2
+        err = capsys.readouterr().err
+        assert f"mrc.jobs={bad!r} must be a positive integer" in err, err
+    assert not (tmp_path / "x").exists()
+
+
+def test_replay_many_equals_one_by_one_replays(recorded):
+    """replay_many's results are run_replay(trace, spec).results() of each spec, in order, for any jobs;
+    a spec the trace cannot replay fails the study before any replay."""
+    import json
+
+    from specmd.replay.sweep import check_jobs, replay_many
+
+    family, model, prompts, trace, _ = recorded
+    specs = [spec_of(eviction=e, prefetch=p, hardware=HardwareConfig(capacity=c))
+             for e, p, c in (("lru", "none", 0.1), ("ml", "topk", 0.2), ("least_stale", "score", 0.05),
+                             ("belady", "oracle", 0.3), ("lecar", "none", 0.15))]
+    if family != "olmoe":  # eviction=ml's shipped networks are tiny-olmoe's
+        specs.pop(1)
+    alone = [json.dumps(run_replay(trace, s).results(), sort_keys=True) for s in specs]
+    for jobs in (1, 2, 3):
+        assert [json.dumps(r, sort_keys=True) for r in replay_many(trace, specs, jobs)] == alone
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=f"jobs={bad!r} must be a positive integer"):
+            check_jobs(bad)
+
+
 def test_imported_jsonl_replays_with_every_eviction_policy(tmp_path):
     """A routing capture of another engine (JSON Lines, ids + weights, no logits) through the CLI path."""
     import json

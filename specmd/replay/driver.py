@@ -260,9 +260,12 @@ def check(trace: Trace, spec) -> None:
                           f"{', '.join(stored)} (record it with quant=hqq quant.precisions including {missing})")
 
 
-def build_engine(trace: Trace, spec):
+def build_engine(trace: Trace, spec, ptr=None, experts=None):
+    """The engine for one replay of ``trace``, and the requests per call (``ptr``/``experts``: pass the
+    arrays :func:`requested_per_call` made for an earlier configuration of the same trace to reuse them)."""
     geom, store = trace.meta.geometry, trace.meta.store
-    ptr, experts = requested_per_call(trace, geom.num_experts)
+    if ptr is None or experts is None:
+        ptr, experts = requested_per_call(trace, geom.num_experts)
     future = Future(trace.calls[:, 1], ptr, experts, geom.num_experts)
     return Engine(geom, spec, store, future), ptr, experts
 

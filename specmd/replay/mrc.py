@@ -7,6 +7,7 @@ the optimum) over one trace -- "is my problem the policy or the working set?".
 Every other override (prefetch, hardware, ...) applies to every point. Capacities are fractions of the
 model's bytes (``hardware.capacity``); default: 12 points from 1% to 100% on a log scale. Writes
 ``mrc.csv`` and ``mrc.png`` into ``mrc.out`` (default ``outputs/mrc/<date>/<time>``) and prints the table.
+The points run on ``mrc.jobs`` processes (default: every core) over one decoded trace.
 """
 
 from __future__ import annotations
@@ -26,36 +27,48 @@ def split_list(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str]]:
-    policies, caps, out, rest = ["lru", "lfu", "least_stale", "belady"], DEFAULT_CAPACITIES, None, []
+def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str], int]:
+    from ..errors import ConfigError
+    from .sweep import check_jobs, default_jobs
+
+    policies, caps, out, rest, jobs = ["lru", "lfu", "least_stale", "belady"], DEFAULT_CAPACITIES, None, [], None
     for arg in argv:
         key, _, value = arg.partition("=")
         if key == "eviction":
             policies = split_list(value)
         elif key == "mrc.capacities":
-            caps = [float(v) for v in split_list(value)]
+            try:
+                caps = [float(v) for v in split_list(value)]
+            except ValueError:
+                raise ConfigError(f"mrc.capacities={value!r}: a list of numbers, e.g. [0.01,0.1,0.5]") from None
         elif key == "mrc.out":
             out = value
+        elif key == "mrc.jobs":
+            try:
+                jobs = check_jobs(int(value))
+            except ValueError:
+                raise ConfigError(f"mrc.jobs={value!r} must be a positive integer (processes; this machine has "
+                                  f"{default_jobs()} cores)") from None
         else:
             rest.append(arg)
     if not any(a.startswith("replay.trace=") for a in rest):
-        from ..errors import ConfigError
-
         raise ConfigError("specmd mrc needs replay.trace=PATH (a trace from a run with trace.save=true, or an import)")
     out = out or time.strftime("outputs/mrc/%Y-%m-%d/%H-%M-%S")
-    return policies, caps, out, rest
+    return policies, caps, out, rest, jobs
 
 
-def compute(policies: list[str], capacities: list[float], overrides: list[str]) -> list[dict]:
-    """One row per (policy, capacity): hit rate, in-cache rate, collision rate, misses, stall."""
+def compute(policies: list[str], capacities: list[float], overrides: list[str], jobs=None) -> list[dict]:
+    """One row per (policy, capacity): hit rate, in-cache rate, collision rate, misses, stall. The points
+    are replayed on ``jobs`` processes over the one decoded trace (:func:`~.sweep.replay_many`; default:
+    every core); the rows do not depend on ``jobs``."""
     from hydra import compose, initialize_config_dir
 
     from .. import CONF_DIR
     from ..app import Run
-    from .driver import build_engine, check, open_trace, run_replay
+    from .driver import open_trace
+    from .sweep import replay_many
 
-    rows = []
-    trace = None
+    points, specs, trace = [], [], None
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         for name in policies:
             for cap in capacities:
@@ -63,13 +76,14 @@ def compute(policies: list[str], capacities: list[float], overrides: list[str]) 
                                                                     f"hardware.capacity={cap}"]))
                 if trace is None:
                     trace = open_trace(run.replay)
-                check(trace, run.spec)
-                engine, ptr, experts = build_engine(trace, run.spec)
-                s = run_replay(trace, run.spec, engine, ptr, experts).results()
-                c = s["cache"]
-                rows.append({"policy": name, "capacity": cap, "hit_rate": c["hit_rate"],
-                             "in_cache_rate": c["in_cache_rate"], "collision_rate": c["collision_rate"],
-                             "misses": c["misses"], "requests": c["requests"], "stall_s": s["timing"]["stall_s"]})
+                points.append((name, cap))
+                specs.append(run.spec)
+    rows = []
+    for (name, cap), s in zip(points, replay_many(trace, specs, jobs)):
+        c = s["cache"]
+        rows.append({"policy": name, "capacity": cap, "hit_rate": c["hit_rate"],
+                     "in_cache_rate": c["in_cache_rate"], "collision_rate": c["collision_rate"],
+                     "misses": c["misses"], "requests": c["requests"], "stall_s": s["timing"]["stall_s"]})
     return rows
 
 
@@ -101,14 +115,14 @@ def main(argv=None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        policies, caps, out, rest = parse(argv)
+        policies, caps, out, rest, jobs = parse(argv)
         if not policies or not caps:
             raise ConfigError(f"specmd mrc needs at least one policy and one capacity (got eviction={policies}, "
                               f"mrc.capacities={caps})")
         if any(a.startswith("hardware.experts_per_layer=") and a.split("=", 1)[1] not in ("null", "None")
                for a in rest):
             raise ConfigError("specmd mrc varies hardware.capacity; drop hardware.experts_per_layer")
-        rows = compute(policies, caps, rest)
+        rows = compute(policies, caps, rest, jobs)
     except ConfigError as exc:
         print(f"specmd mrc: error: {exc}", file=sys.stderr)
         return 2
