@@ -736,3 +736,31 @@ def test_train_eviction_steps_are_layer_calls_and_holdout_rates_are_a_replays(tm
     for e in range(8):
         m.serve(1, [e]); m.finish_layer()
         m.check_invariants()
+
+
+def test_lazy_heap_answers_like_a_scan_and_stays_small():
+    """LazyHeap (score, ml, lecar, lfu): ``first`` is the smallest live evictable entry, as a scan of the live
+    entries finds it, through re-ranks, removals and in-place rebuilds; the queue stays within twice the keys
+    + 65 entries however often they are re-ranked (a policy re-ranks every resident key at every step)."""
+    import random
+
+    from specmd.policies.eviction.base import LazyHeap
+
+    rng = random.Random(0)
+    heap, live = LazyHeap(), {}
+    rebuilt = 0
+    for step in range(20000):
+        op = rng.random()
+        key = rng.randrange(40)
+        if op < 0.7:
+            before = len(heap)
+            heap.put(live, (rng.random(), key))
+            rebuilt += len(heap) < before
+        elif key in live:
+            del live[key]
+        pinned = set(rng.sample(range(40), 5))
+        ent = heap.first(lambda k: k not in pinned, live)
+        want = min((e for k, e in live.items() if k not in pinned), default=None)
+        assert ent == want
+        assert len(heap) <= 2 * 40 + 65  # live at the last rebuild + pushes since (<= live + 64): O(keys)
+    assert rebuilt > 100

@@ -148,12 +148,27 @@ class LazyHeap:
     layer's experts, prefetches in flight): they leave the heap once and are merged back in order on every
     search, so a search calls ``evictable`` only on the live entries ranked before its answer."""
 
-    __slots__ = ("heap", "held")
+    __slots__ = ("heap", "held", "_pushed")
 
     def __init__(self, entries=()):
         self.heap = list(entries)
         heapify(self.heap)
         self.held: list = []
+        self._pushed = 0  # entries pushed by ``put`` since the queue last held only live ones
+
+    def put(self, live: dict, entry: tuple) -> None:
+        """``entry`` becomes its key's live entry (``live[entry[-1]]``) and joins the queue. When the pushes
+        since the last rebuild outnumber the live entries (+64), the dead ones are dropped: the queue is
+        rebuilt from ``live`` in place, so its memory stays O(live) for a policy that re-ranks every key at
+        every step. A rebuild never changes an answer of :meth:`first` (ranks are unique per key)."""
+        live[entry[-1]] = entry
+        heappush(self.heap, entry)
+        self._pushed += 1
+        if self._pushed > len(live) + 64:
+            self.heap = list(live.values())
+            heapify(self.heap)
+            self.held = []
+            self._pushed = 0
 
     def __len__(self) -> int:
         return len(self.heap) + len(self.held)

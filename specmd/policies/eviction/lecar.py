@@ -68,11 +68,7 @@ class LeCaR(EvictionPolicy):
         self.w_lru = w_lru / (w_lru + w_lfu)
 
     def _rank(self, key):
-        ent = self._entry[key] = (self.freq[key], self.last[key], key)
-        heap = self._lfu
-        heap.push(ent)
-        if len(heap) > 2 * len(self._entry) + 64:
-            self._lfu = LazyHeap(self._entry.values())
+        self._lfu.put(self._entry, (self.freq[key], self.last[key], key))
 
     def on_insert(self, key, prefetch):
         self.recency[key] = None

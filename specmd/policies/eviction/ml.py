@@ -193,19 +193,12 @@ class ML(OrderedEviction):
         self._resident[layer].add(key)
         pred = self._pred[layer]
         if pred is not None:  # else the layer is dirty: its keys are pushed when it is re-scored
-            self._push(key, pred[key - layer * self.E])
+            self._heap.put(self._entry, (-pred[key - layer * self.E], key))
 
     def on_remove(self, key):
         super().on_remove(key)
         self._entry.pop(key, None)
         self._resident[key // self.E].discard(key)
-
-    def _push(self, key: int, distance: float) -> None:
-        ent = self._entry[key] = (-distance, key)
-        heap = self._heap
-        heap.push(ent)
-        if len(heap) > 2 * len(self._entry) + 64:  # mostly dead entries: rebuild from the live ones
-            self._heap = LazyHeap(self._entry.values())
 
     def predictions(self, layer: int) -> list:
         """Predicted next-use distance of every expert of ``layer`` (cached while its features stand)."""
@@ -223,8 +216,8 @@ class ML(OrderedEviction):
             for layer in sorted(dirty):  # (a set: iterate a copy; layers without residents stay dirty)
                 keys = resident[layer]
                 if keys:
-                    pred, base = self.predictions(layer), layer * E
+                    pred, base, put, entry = self.predictions(layer), layer * E, self._heap.put, self._entry
                     for key in keys:
-                        self._push(key, pred[key - base])
+                        put(entry, (-pred[key - base], key))
         ent = self._heap.first(evictable, self._entry)
         return None if ent is None else ent[1]

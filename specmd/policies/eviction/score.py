@@ -99,19 +99,12 @@ class Score(OrderedEviction):
         self._heap = LazyHeap()
         self._zero = self.params.start == "zero"
 
-    def _push(self, key, score) -> None:
-        ent = self._entry[key] = (score, key)
-        heap = self._heap
-        heap.push(ent)
-        if len(heap) > 2 * len(self._entry) + 64:  # mostly dead entries: rebuild from the live ones
-            self._heap = LazyHeap(self._entry.values())
-
     def on_insert(self, key, prefetch):
         super().on_insert(key, prefetch)
         layer, expert = divmod(key, self.keys.num_experts)
         self._by_layer.setdefault(layer, set()).add(key)
         m = self._means.get(layer)
-        self._push(key, 0.0 if m is None or self._zero else m[expert])
+        self._heap.put(self._entry, (0.0 if m is None or self._zero else m[expert], key))
 
     def on_remove(self, key):
         super().on_remove(key)
@@ -126,18 +119,18 @@ class Score(OrderedEviction):
             raise NoLogits("eviction=score eviction.value=logits needs router logits, and this layer call has none "
                            "(the trace did not record them: record it with trace.logits=fp32 or fp16)")
         steps = (probs[-self.params.n:] if self.params.unit == "token" else probs.mean(0, keepdim=True))
-        steps = steps.double().cpu().numpy()  # [steps, E]
+        steps = steps.float().cpu().numpy().astype(np.float64)  # [steps, E]: exact (= .double(), without a torch op)
         hist = self.history.get(layer)
         hist = self.history[layer] = steps if hist is None else np.concatenate([hist, steps])[-self.params.n:]
         self.mean[layer] = hist.sum(0) / len(hist)
         m = self._means[layer] = self.mean[layer].tolist()
         keys = self._by_layer.get(layer)
         if keys:
-            base, entry, push = layer * self.keys.num_experts, self._entry, self._push
+            base, entry, put = layer * self.keys.num_experts, self._entry, self._heap.put
             for k in keys:
                 s = m[k - base]
                 if s != entry[k][0]:
-                    push(k, s)
+                    put(entry, (s, k))
 
     def victim(self, evictable):
         ent = self._heap.first(evictable, self._entry)
