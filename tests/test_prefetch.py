@@ -90,3 +90,31 @@ def test_score_window_ring_is_the_last_rows():
         hist = (probs if hist is None else torch.cat([hist, probs]))[-8:]
         got = quantile(pol._window(1, probs), 0.8)
         assert torch.equal(got, torch.quantile(hist.reshape(-1), 0.8)), t
+
+
+def test_decode_fast_paths_equal_the_torch_reference():
+    """The live path's Python shortcuts for small selections give exactly the torch results they replace:
+    the requested experts (set of tolist vs bincount, on both sides of SMALL_SELECTION) and the decode issue
+    order (stable sort of -score: ties keep their selection order; NaN scores fall back to torch)."""
+    import torch
+
+    from specmd.engine.record import SMALL_SELECTION, _unique
+    from specmd.policies.prefetch.base import union_by_score
+
+    g = torch.Generator().manual_seed(0)
+    for T, k, E in ((1, 8, 64), (1, 2, 8), (32, 8, 64), (33, 8, 64), (SMALL_SELECTION, 1, 16), (4, 6, 160)):
+        for _ in range(20):
+            index = torch.randint(0, E, (T, k), generator=g)
+            ref = torch.bincount(index.reshape(-1), minlength=E).nonzero().squeeze(1).tolist()
+            assert _unique(index, E) == ref
+    for _ in range(200):
+        E, k = 16, 6
+        probs = torch.softmax(torch.randn(1, E, generator=g), -1)
+        index = torch.randperm(E, generator=g)[:k].unsqueeze(0)
+        values = probs.gather(-1, index)
+        values[0, torch.randint(0, k, (2,), generator=g)] = values[0, 0].item()  # ties
+        ref = index[0, torch.argsort(-values[0], stable=True)].tolist()
+        assert union_by_score(probs, index, values) == ref
+    values = torch.tensor([[0.2, float("nan"), 0.5]])
+    index = torch.tensor([[3, 1, 2]])
+    assert union_by_score(torch.zeros(1, 4), index, values) == [2, 3, 1]  # torch: NaN last

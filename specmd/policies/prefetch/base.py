@@ -34,7 +34,10 @@ PREFETCH: Registry[PrefetchPolicy] = Registry("prefetch", "specmd.policies.prefe
 def union_by_score(probs: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> list[int]:
     """Unite per-token predictions ``index`` [T, n] (scores ``values``) into one issue order: descending
     highest score of each expert (ties: lower expert index first), so the most confident go first."""
-    if probs.shape[0] == 1:  # decode: one token
+    if probs.shape[0] == 1:  # decode: one token, a handful of predictions: sorted in Python (~3 us, not ~30)
+        v, idx = values[0].tolist(), index[0].tolist()
+        if all(x == x for x in v):  # (a NaN score sorts last in torch, arbitrarily in Python)
+            return [idx[j] for j in sorted(range(len(v)), key=lambda j: -v[j])]  # stable: ties keep their order
         order = torch.argsort(-values[0], stable=True)
         return index[0, order].tolist()
     best = torch.full((probs.shape[-1],), -1.0, dtype=probs.dtype, device=probs.device)
