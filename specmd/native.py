@@ -13,6 +13,9 @@ At import (:func:`select`, called by ``specmd/__init__``), each module :func:`so
 * its **source** when the build made no extension of it (no build at all, or it failed to compile), or
   when its extension is **stale** (the source changed since the build: an edited policy is never shadowed
   by its old compiled copy). One warning names them and the rebuild command;
+* its **source** when a module whose C declarations it was built against (the ``from specmd.x cimport``
+  lines of its ``.pxd``: the engine's typed calls into the cache manager, the clock and the statistics)
+  runs its source: a compiled caller cannot load beside a pure callee. The warning names these too;
 * its **source**, silently, when it is a policy file added after the build (a user's own policy is plain
   Python; the compiled engine calls it like any other);
 * its **extension** otherwise.
@@ -35,6 +38,7 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -64,7 +68,23 @@ def module_name(source: str) -> str:
 
 
 def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """The sha256 of a source and of its ``.pxd`` declarations, if it has them (both make the extension)."""
+    h = hashlib.sha256(path.read_bytes())
+    pxd = path.with_suffix(".pxd")
+    if pxd.is_file():
+        h.update(b"\0pxd\0" + pxd.read_bytes())
+    return h.hexdigest()
+
+
+_CIMPORT = re.compile(r"^\s*from\s+specmd\.([\w.]+)\s+cimport\b", re.M)
+
+
+def cimports(source: str, package: Path = PACKAGE) -> list[str]:
+    """The package-relative sources whose C declarations ``source`` uses (``from specmd.x cimport`` lines of
+    its ``.pxd``): its extension is built against theirs and can only load beside their extensions."""
+    pxd = (package / source).with_suffix(".pxd")
+    text = pxd.read_text() if pxd.is_file() else ""
+    return [m.replace(".", "/") + ".py" for m in _CIMPORT.findall(text)]
 
 
 def extension_of(source: str, package: Path = PACKAGE) -> Path | None:
@@ -119,6 +139,19 @@ def select(package: Path = PACKAGE) -> None:
             STATE[name] = "pure"
         else:
             STATE[name] = "compiled"
+    # An extension built against another module's C declarations loads only beside that module's extension:
+    # when that one runs its source, so does this one (to a fixed point: cache runs pure if clock does).
+    dependent = []
+    changed = True
+    while changed:
+        changed = False
+        for src in sources(package):
+            name = module_name(src)
+            if STATE[name] == "compiled" and any(STATE.get(module_name(d)) == "pure" for d in cimports(src, package)):
+                STATE[name] = "pure"
+                pure[name] = package / src
+                dependent.append(src)
+                changed = True
     if pure:  # ahead of the path finder, which would load a stale or unwanted extension
         sys.meta_path.insert(0, _Sources(pure))
     if forced:
@@ -129,9 +162,11 @@ def select(package: Path = PACKAGE) -> None:
             parts.append(f"not built: {_names(missing)}" if manifest is not None else "not built")
         if stale:
             parts.append(f"older than their sources: {_names(stale)}")
+        if dependent:
+            parts.append(f"built against those: {_names(dependent)}")
         REASON = "; ".join(parts)
-        what = ("its engine and policies" if len(missing) + len(stale) == len(STATE)
-                else f"{len(missing) + len(stale)} of its {len(STATE)} compiled modules")
+        n = len(missing) + len(stale) + len(dependent)
+        what = "its engine and policies" if n == len(STATE) else f"{n} of its {len(STATE)} compiled modules"
         warnings.warn(f"specmd runs {what} as pure Python, which replays several times slower ({REASON}). "
                       f"Rebuild with: pip install -e . (or set {ENV}=1 to choose pure Python without this "
                       f"warning)", RuntimeWarning, stacklevel=3)

@@ -108,6 +108,9 @@ def _package_copy(tmp_path: Path, with_build: bool) -> Path:
     for src in native.sources():
         (pkg / src).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / "specmd" / src, pkg / src)
+        pxd = (ROOT / "specmd" / src).with_suffix(".pxd")
+        if pxd.is_file():
+            shutil.copy(pxd, (pkg / src).with_suffix(".pxd"))
         ext = native.extension_of(src)
         if with_build and ext is not None:
             shutil.copy(ext, pkg / src.rsplit("/", 1)[0] / ext.name)
@@ -141,6 +144,30 @@ def test_an_edited_source_is_never_shadowed_by_its_old_extension(tmp_path):
     # the finder it installs serves the edited source ahead of the stale extension
     finder = mod._Sources({native.module_name(src): pkg / src})
     assert finder.find_spec(native.module_name(src)).origin == str(pkg / src)
+
+
+@pytest.mark.skipif(FORCED, reason="needs the built extensions")
+def test_a_module_built_against_a_stale_one_runs_its_source_too(tmp_path):
+    """cache.pxd cimports clock's and stats' declarations and engine.pxd cimports cache's: a compiled cache
+    beside a pure clock would not load (its C calls expect the compiled clock), so it runs as source too, and
+    so does the engine; an edited .pxd makes its own module stale."""
+    assert set(native.cimports("engine/cache.py")) == {"engine/clock.py", "engine/stats.py"}
+    assert "engine/cache.py" in native.cimports("engine/engine.py")
+    pkg = _package_copy(tmp_path, with_build=True)
+    src = "engine/clock.py"
+    (pkg / src).write_text((pkg / src).read_text() + "\n# edited\n")
+    mod, warned = _select(pkg)
+    pure = {n for n, v in mod.STATE.items() if v == "pure"}
+    assert {"specmd.engine.clock", "specmd.engine.cache", "specmd.engine.engine"} <= pure
+    assert "specmd.engine.stats" not in pure and "specmd.policies.eviction.lru" not in pure
+    assert len(warned) == 1 and "older than their sources: engine/clock.py" in warned[0]
+    assert "built against those: " in warned[0] and "engine/cache.py" in warned[0]
+
+    pkg = _package_copy(tmp_path / "pxd", with_build=True)
+    (pkg / "engine/stats.pxd").write_text((pkg / "engine/stats.pxd").read_text() + "\n# edited\n")
+    mod, warned = _select(pkg)
+    assert mod.STATE["specmd.engine.stats"] == "pure" and mod.STATE["specmd.engine.cache"] == "pure"
+    assert "older than their sources: engine/stats.py" in warned[0]
 
 
 @pytest.mark.skipif(FORCED, reason="needs the built extensions")

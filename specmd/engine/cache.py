@@ -36,17 +36,17 @@ MEASURES = ("all", "decode")  # the forward passes the cache counters count
 
 @cython.cclass
 class Pool:
-    capacity = cython.declare(cython.longlong, visibility="public")
-    used = cython.declare(cython.longlong, visibility="public")
-    policy = cython.declare(object, visibility="public")
-    on_miss = cython.declare(object, visibility="public")
-    on_admit = cython.declare(object, visibility="public")
-    on_layer = cython.declare(object, visibility="public")
+    """A byte budget and its eviction policy. (Fields: ``cache.pxd``.)"""
 
     def __init__(self, capacity: int, policy):
         self.capacity = capacity
         self.used = 0
         self.policy = policy
+        # the hooks called per request, bound once (no attribute lookup per call)
+        self.on_insert = policy.on_insert
+        self.on_access = policy.on_access
+        self.on_remove = policy.on_remove
+        self.victim = policy.victim
         # The optional hooks, each the policy's bound method or None when it keeps the base class's no-op
         # (then the manager makes no call at all): ``on_miss`` per demand miss (``miss_hook()``), ``on_admit``
         # per fetch or prefetch about to be inserted, ``on_layer`` per layer call.
@@ -58,16 +58,7 @@ class Pool:
 
 @cython.cclass
 class Entry:
-    key = cython.declare(cython.longlong, visibility="public")
-    layer = cython.declare(cython.long, visibility="public")
-    nbytes = cython.declare(cython.longlong, visibility="public")
-    pool = cython.declare(Pool, visibility="public")
-    transfer = cython.declare(object, visibility="public")
-    prefetched = cython.declare(cython.bint, visibility="public")
-    used = cython.declare(cython.bint, visibility="public")
-    precision = cython.declare(object, visibility="public")
-    bits = cython.declare(object, visibility="public")
-    since = cython.declare(cython.longlong, visibility="public")
+    """A resident (or arriving) copy of one expert. (Fields: ``cache.pxd``.)"""
     # Made only by CacheManager.insert, which fills every field (no __init__: a C-level allocation). ``transfer``:
     # the clock's handle while a prefetch has not been requested yet; ``precision``: the stored precision
     # this resident copy has; ``since``: the forward pass it was inserted in (cache lifetime).
@@ -77,19 +68,6 @@ class Entry:
 class LayerCall:
     """The state of the layer call being served: what an outcome may touch (one object, reused)."""
 
-    _m = cython.declare(object, visibility="public")
-    layer = cython.declare(cython.long, visibility="public")
-    base = cython.declare(cython.longlong, visibility="public")
-    pool = cython.declare(Pool, visibility="public")
-    record = cython.declare(object, visibility="public")
-    waits = cython.declare(list, visibility="public")
-    execution = cython.declare(object, visibility="public")
-    host_slots = cython.declare(cython.longlong, visibility="public")
-    host_experts = cython.declare(cython.longlong, visibility="public")
-    fetch_precision = cython.declare(object, visibility="public")
-    index = cython.declare(object, visibility="public")
-    weights = cython.declare(object, visibility="public")
-    n = cython.declare(cython.long, visibility="public")
 
     def __init__(self, manager):
         self._m = manager
@@ -148,9 +126,9 @@ class LayerCall:
         layer: cython.long = self.layer
         key: cython.longlong
         streamed: cython.long = 0
-        clock = m.clock
+        clock: Clock = m.clock
         admit = pool.on_admit
-        waits = self.waits
+        waits: list = self.waits
         events = m.events
         for e in experts:
             key = base + e
@@ -164,7 +142,7 @@ class LayerCall:
                     events.streamed(layer, e, precision)
             waits.append(clock.demand(nbytes))
         n = len(experts)
-        st = m.stats
+        st: CacheStats = m.stats
         st.streamed[layer] += streamed
         st.bytes_demand[layer] += n * nbytes
         st.count_precision(precision, n * nbytes, n)
@@ -177,29 +155,7 @@ class LayerCall:
 
 @cython.cclass
 class CacheManager:
-    geom = cython.declare(object, visibility="public")
-    precisions = cython.declare(object, visibility="public")
-    miss = cython.declare(object, visibility="public")
-    fetch_precision = cython.declare(object, visibility="public")
-    clock = cython.declare(object, visibility="public")
-    stats = cython.declare(object, visibility="public")
-    measure = cython.declare(object, visibility="public")
-    _uncounted = cython.declare(object, visibility="public")
-    pools = cython.declare(list, visibility="public")
-    _pool_of_layer = cython.declare(list, visibility="public")
-    entries = cython.declare(dict, visibility="public")
-    events = cython.declare(object, visibility="public")
-    used_bytes = cython.declare(cython.longlong, visibility="public")
-    pinned = cython.declare(set, visibility="public")
-    evicted_this_pass = cython.declare(set, visibility="public")
-    pass_index = cython.declare(cython.longlong, visibility="public")
-    current_pass = cython.declare(object, visibility="public")
-    predicted = cython.declare(list, visibility="public")
-    _call = cython.declare(LayerCall, visibility="public")
-    view = cython.declare(object, visibility="public")
-    _default_fetch = cython.declare(object, visibility="public")
-    _E = cython.declare(cython.longlong)
-    _evictable = cython.declare(object)
+    """Residency and accounting of every request. (Fields: ``cache.pxd``.)"""
 
     def __init__(self, geom: Geometry, capacities: list[int], evictions: list, miss, clock: Clock, store=None,
                  measure: str = "all"):
@@ -288,7 +244,7 @@ class CacheManager:
     def _open(self, layer: cython.long, experts, record, index, weights) -> LayerCall:
         """Step 1: pin the requests, tell the pool's policy where execution is, score the prediction."""
         self.clock.begin_layer()
-        pinned = self.pinned
+        pinned: set = self.pinned
         pinned.clear()
         base: cython.longlong = layer * self._E
         for e in experts:
@@ -298,7 +254,7 @@ class CacheManager:
             pool.on_layer(layer, record)
         pred = self.predicted[layer]
         if pred is not None:
-            st = self.stats
+            st: CacheStats = self.stats
             st.pred_true[layer] += len(pred.intersection(experts))
             st.pred_predicted[layer] += len(pred)
             st.pred_actual[layer] += len(experts)
@@ -310,15 +266,15 @@ class CacheManager:
     @cython.ccall
     def _serve_hits(self, call: LayerCall, experts):
         """Step 2: resident experts (hits, late prefetches); returns the missing ones."""
-        entries = self.entries
-        st = self.stats
+        entries: dict = self.entries
+        st: CacheStats = self.stats
         layer: cython.long = call.layer
         base: cython.longlong = call.base
         key: cython.longlong
         ent: Entry
         hits: cython.long = 0
-        policy = call.pool.policy
-        clock = self.clock
+        on_access = call.pool.on_access
+        clock: Clock = self.clock
         missing = None
         for e in experts:
             key = base + e
@@ -340,13 +296,13 @@ class CacheManager:
                     ent.used = True
                     if ent.prefetched:  # not a prefetch of a pass that did not count (measure=decode)
                         st.prefetch_used[layer] += 1
-                    policy.on_access(key)
+                    on_access(key)
                     continue
             if ent.prefetched and not ent.used:
                 st.prefetch_used[layer] += 1
             ent.used = True
             hits += 1
-            policy.on_access(key)
+            on_access(key)
         st.requests[layer] += len(experts)
         st.hits[layer] += hits
         return missing
@@ -356,13 +312,13 @@ class CacheManager:
         """Step 3: the miss policy names an outcome per missing expert; each outcome serves itself."""
         layer: cython.long = call.layer
         base: cython.longlong = call.base
-        st = self.stats
+        st: CacheStats = self.stats
         on_miss = call.pool.on_miss
         if on_miss is not None:
             for e in missing:
                 on_miss(base + e)
         outcomes = self.miss.handle(layer, missing, call.record, self.view)
-        evicted = self.evicted_this_pass
+        evicted: set = self.evicted_this_pass
         st.misses[layer] += len(missing)
         collisions: cython.long = 0
         for e in missing:
@@ -433,7 +389,7 @@ class CacheManager:
             return False
         evictable = self._evictable
         while pool.capacity - pool.used < nbytes:
-            victim = pool.policy.victim(evictable)
+            victim = pool.victim(evictable)
             if victim is None:
                 return False
             self.evict(victim)
@@ -449,7 +405,7 @@ class CacheManager:
         self.entries[key] = ent
         pool.used += nbytes
         self.used_bytes += nbytes
-        pool.policy.on_insert(key, prefetched)
+        pool.on_insert(key, prefetched)
         if self.events is not None:
             self.events.inserted(key, layer, precision, prefetched)
         if self.used_bytes > self.stats.peak_bytes:
@@ -461,11 +417,11 @@ class CacheManager:
         ent: Entry = self.entries.pop(key)
         ent.pool.used -= ent.nbytes
         self.used_bytes -= ent.nbytes
-        ent.pool.policy.on_remove(key)
+        ent.pool.on_remove(key)
         if self.events is not None:
             self.events.evicted(key)
         self.evicted_this_pass.add(key)
-        st = self.stats
+        st: CacheStats = self.stats
         st.evictions[ent.layer] += 1
         st.lifetime_sum += self.pass_index - ent.since
         st.lifetime_n += 1

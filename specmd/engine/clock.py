@@ -33,10 +33,6 @@ class Transfer:
     """The simulated clock's handle: a transfer (or host work) waiting on or travelling through the channel.
     ``ready_at`` is INF until it starts; only :class:`SimClock` reads it."""
 
-    nbytes = cython.declare(object, visibility="public")
-    issued_at = cython.declare(cython.double, visibility="public")
-    ready_at = cython.declare(cython.double, visibility="public")
-    started = cython.declare(cython.bint, visibility="public")
 
     def __init__(self, nbytes, issued_at: cython.double):
         _fill(self, nbytes, issued_at)
@@ -59,11 +55,6 @@ def _new_transfer(nbytes, issued_at: cython.double) -> Transfer:
 
 @cython.cclass
 class TransferChannel:
-    bw = cython.declare(cython.double, visibility="public")
-    latency = cython.declare(cython.double, visibility="public")
-    free_at = cython.declare(cython.double, visibility="public")
-    busy_s = cython.declare(cython.double, visibility="public")
-    queue = cython.declare(object, visibility="public")
 
     def __init__(self, bandwidth_bytes_per_s: float, latency_s: float):
         if bandwidth_bytes_per_s <= 0:
@@ -229,26 +220,6 @@ class SimClock(Clock):
     Time only moves when compute is charged or a stall is taken, so a run is a function of its inputs."""
 
     name = "simulated"
-    geom = cython.declare(object, visibility="public")
-    channel = cython.declare(TransferChannel, visibility="public")
-    roofline = cython.declare(object, visibility="public")
-    host_roofline = cython.declare(object, visibility="public")
-    layer_overhead = cython.declare(cython.double, visibility="public")
-    token_overhead = cython.declare(cython.double, visibility="public")
-    expert_overhead = cython.declare(cython.double, visibility="public")
-    issue_overhead = cython.declare(cython.double, visibility="public")
-    predict_overhead = cython.declare(cython.double, visibility="public")
-    unpack_overhead = cython.declare(cython.double, visibility="public")
-    decision_overhead = cython.declare(cython.double, visibility="public")
-    issued = cython.declare(cython.longlong, visibility="public")
-    predictions = cython.declare(cython.longlong, visibility="public")
-    now = cython.declare(cython.double, visibility="public")
-    stall_s = cython.declare(cython.double, visibility="public")
-    # the hot path's figures, read from the geometry and rooflines once
-    _peak = cython.declare(cython.double)
-    _mem = cython.declare(cython.double)
-    _expert_params = cython.declare(cython.double)
-    _expert_bytes = cython.declare(cython.double)
 
     def __init__(self, geom, channel: TransferChannel, roofline: Roofline, host: Roofline | None = None,
                  overheads: tuple = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0), decision: float = 0.0):
@@ -273,6 +244,10 @@ class SimClock(Clock):
         self._mem = roofline.mem_bytes_per_s
         self._expert_params = geom.expert_params
         self._expert_bytes = geom.expert_bytes
+        self._hidden = geom.hidden_size
+        self._dtype_bytes = geom.dtype_bytes
+        self._dense_params = list(geom.dense_params)
+        self._attn_layers = list(geom.attn_layers)
 
     @classmethod
     def from_hardware(cls, geom, hw, policies: dict | None = None):
@@ -363,30 +338,34 @@ class SimClock(Clock):
             return dt
         return 0.0
 
-    def _dense_time(self, params, attn_layers, tokens: int, context: int) -> float:
-        g, r = self.geom, self.roofline
-        flops = 2.0 * tokens * params + 4.0 * tokens * context * g.hidden_size * attn_layers
-        return max(flops / r.peak_flops, params * g.dtype_bytes / r.mem_bytes_per_s) + attn_layers * self.layer_overhead
+    @cython.cfunc
+    def _dense_time(self, params: cython.double, attn_layers: cython.double, tokens: cython.double,
+                    context: cython.double) -> cython.double:
+        # (every operand a double, in the order Python evaluates the same expression on its ints: the
+        # compiled and the pure clock give the same bits while the products stay below 2**53)
+        flops: cython.double = 2.0 * tokens * params + 4.0 * tokens * context * self._hidden * attn_layers
+        return max(flops / self._peak, params * self._dtype_bytes / self._mem) + attn_layers * self.layer_overhead
 
     def dense_time(self, layer: int, tokens: int, context: int) -> float:
         """Seconds of everything before MoE layer ``layer``'s experts (its share of dense layers)."""
-        g = self.geom
-        return self._dense_time(g.dense_params[layer], g.attn_layers[layer], tokens, context)
+        return self._dense_time(self._dense_params[layer], self._attn_layers[layer], tokens, context)
 
-    def experts_time(self, slots: int, experts: int):
-        """Seconds of a layer's routed experts: ``slots`` token-expert pairs over ``experts`` experts."""
-        s: cython.double = slots
-        n: cython.double = experts
+    @cython.cfunc
+    def _experts_time(self, s: cython.double, n: cython.double) -> cython.double:
         return (max(2.0 * s * self._expert_params / self._peak, n * self._expert_bytes / self._mem)
                 + n * self.expert_overhead)
 
+    def experts_time(self, slots: int, experts: int):
+        """Seconds of a layer's routed experts: ``slots`` token-expert pairs over ``experts`` experts."""
+        return self._experts_time(slots, experts)
+
     @cython.ccall
     def dense(self, layer, tokens, context):
-        self.now += self.dense_time(layer, tokens, context)
+        self.now += self._dense_time(self._dense_params[layer], self._attn_layers[layer], tokens, context)
 
     @cython.ccall
     def experts(self, slots, experts, unpacked=0):
-        self.now += (self.experts_time(slots, experts) + self.issued * self.issue_overhead
+        self.now += (self._experts_time(slots, experts) + self.issued * self.issue_overhead
                      + self.predictions * self.predict_overhead + self.decision_overhead
                      + unpacked * self.unpack_overhead)
         self.issued = self.predictions = 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import cython
 import torch
 
 from ..errors import ConfigError
@@ -89,7 +90,10 @@ def check_model_ranges(spec: StackSpec, model: Geometry) -> None:
         raise ConfigError("; ".join(errors))
 
 
+@cython.cclass
 class Engine:
+    """(A compiled extension type: ``engine.pxd`` declares its fields and the drivers' per-call methods.)"""
+
     def __init__(self, geom: Geometry, spec: StackSpec, store=None, future=None, clock: Optional[Clock] = None):
         """``store``: the stored precisions' sizes (:class:`~specmd.engine.store.StoreSizes`; default the
         model's own experts only); ``future``: the trace's future (replay); ``clock``: default the simulated
@@ -126,6 +130,7 @@ class Engine:
         self.view = self.cache.view
         self.calls = 0  # layer calls so far (each record's ``call``)
         self.predictions = 0  # prefetch predictions made (one per target layer per call)
+        self._E = geom.num_experts
 
     # ---- passes ---------------------------------------------------------------------------------
     def begin_pass(self, kind: str, tokens: int, context: int) -> None:
@@ -135,7 +140,7 @@ class Engine:
         self.cache.end_pass()
 
     # ---- one MoE layer call ---------------------------------------------------------------------
-    def route(self, rec) -> bool:
+    def route(self, rec):
         """Number the call and let the routing policy change the selection (dual-logit semantics: the new
         selection is weighted by the original probabilities). True if the selection changed."""
         rec.call = self.calls
@@ -148,8 +153,7 @@ class Engine:
         rec.void = self.routing.empties(rec, index)
         return True
 
-    def layer(self, rec, index: Optional[torch.Tensor] = None, weights: Optional[torch.Tensor] = None
-              ) -> Optional[Execution]:
+    def layer(self, rec, index=None, weights=None):
         """Serve one MoE layer call. ``index``/``weights``: the selection the model's block passes to its
         experts (default: the record's). Returns None when the layer runs exactly as routed, else the
         :class:`Execution` its experts must run.
@@ -161,12 +165,13 @@ class Engine:
         5. prefetches for later layers, issued as this layer's experts start computing;
         6. the experts' compute; the layer's experts are unpinned.
         """
-        cache, clock, E = self.cache, self.clock, self.geom.num_experts
-        layer = rec.layer
+        cache: CacheManager = self.cache
+        clock: Clock = self.clock
+        layer: cython.long = rec.layer
         shape = cache.current_pass  # [kind, tokens, context, ...]
         if shape is not None:  # 1
             clock.dense(layer, shape[1], shape[2])
-        experts = rec.requested(E)  # 2
+        experts = rec.requested(self._E)  # 2
         plan = cache.serve(layer, experts, rec, index, weights).execution  # 3
         slots, n_run = self._fidelity(rec, index, plan, len(experts))  # 4
         for target, predicted in self.prefetch.predict(rec, self.model):  # 5
@@ -177,10 +182,10 @@ class Engine:
         cache.finish_layer()
         return plan
 
-    def _fidelity(self, rec, index, plan, n: int) -> tuple[int, int]:
+    def _fidelity(self, rec, index, plan, n: cython.long):
         """Count the router's own selections that run unchanged; return the device's (slots, experts)."""
-        st = self.cache.stats
-        layer = rec.layer
+        st: CacheStats = self.cache.stats
+        layer: cython.long = rec.layer
         slots = rec.slots
         st.slots_total += slots
         rerouted = rec.rerouted

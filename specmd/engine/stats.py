@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import cython
+
 PER_LAYER = (
     "requests",
     "requests_router",  # distinct experts the router itself selected (before routing/pruning policies)
@@ -42,7 +44,17 @@ class PassRecord:
     collision_misses: int
 
 
+# The counters besides the per-layer ones (what :meth:`CacheStats.snapshot` keeps besides them)
+SCALARS = ("peak_bytes", "slots_total", "slots_unchanged", "lifetime_sum", "lifetime_n", "fetched_by_precision",
+           "bytes_by_precision", "extra")
+
+
+@cython.cclass
 class CacheStats:
+    """The counters. (A compiled extension type whose fields ``stats.pxd`` declares, so the cache manager
+    updates them by C field access; the outcome counters :meth:`add` makes on first use live in its
+    ``__dict__``.)"""
+
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
         for name in PER_LAYER:
@@ -59,16 +71,21 @@ class CacheStats:
 
     def snapshot(self) -> dict:
         """Every counter (not the pass records), to :meth:`restore` after a pass that must not count."""
-        return {k: (v.copy() if isinstance(v, (list, dict)) else v) for k, v in vars(self).items() if k != "passes"}
+        out = {}
+        for k in PER_LAYER + SCALARS + tuple(self.extra):
+            v = getattr(self, k)
+            out[k] = v.copy() if isinstance(v, (list, dict)) else v
+        return out
 
     def restore(self, snap: dict) -> None:
         """Counters back to ``snap`` (outcome counters created since are dropped); pass records stay."""
-        for k in [k for k in vars(self) if k not in snap and k != "passes"]:
-            delattr(self, k)
+        for k in self.extra:
+            if k not in snap:
+                delattr(self, k)
         for k, v in snap.items():
             setattr(self, k, v)
 
-    def add(self, stat: str, layer: int) -> None:
+    def add(self, stat, layer: cython.long):
         """One more of a per-layer counter; an outcome's own counter is created on first use."""
         counts = getattr(self, stat, None)
         if counts is None:
@@ -77,7 +94,7 @@ class CacheStats:
             self.extra.append(stat)
         counts[layer] += 1
 
-    def count_precision(self, precision: str, nbytes: int, fetched: int = 1) -> None:
+    def count_precision(self, precision, nbytes, fetched=1):
         """``fetched`` demand fetches (0 for prefetches) moving ``nbytes`` in all at ``precision``."""
         if fetched:
             self.fetched_by_precision[precision] = self.fetched_by_precision.get(precision, 0) + fetched

@@ -1,0 +1,92 @@
+# The cache manager's C-level declarations (Cython reads this beside cache.py; plain Python never does).
+# The engine cimports these types so its calls into the manager are C calls. A field or hot method added
+# to cache.py is declared here; native.py runs every module that cimports this one as source whenever
+# cache.py runs as source (and this one whenever clock.py or stats.py does).
+
+from specmd.engine.clock cimport Clock
+from specmd.engine.stats cimport CacheStats
+
+
+cdef class CacheManager  # (declared below; LayerCall refers to it)
+
+
+cdef class Pool:
+    cdef public long long capacity
+    cdef public long long used
+    cdef public object policy
+    cdef public object on_miss
+    cdef public object on_admit
+    cdef public object on_layer
+    # the policy's hooks the manager calls per request, bound once
+    cdef public object on_insert
+    cdef public object on_access
+    cdef public object on_remove
+    cdef public object victim
+
+
+cdef class Entry:
+    cdef public long long key
+    cdef public long layer
+    cdef public long long nbytes
+    cdef public Pool pool
+    cdef public object transfer
+    cdef public bint prefetched
+    cdef public bint used
+    cdef public object precision
+    cdef public object bits
+    cdef public long long since
+
+
+cdef class LayerCall:
+    cdef public CacheManager _m
+    cdef public long layer
+    cdef public long long base
+    cdef public Pool pool
+    cdef public object record
+    cdef public list waits
+    cdef public object execution
+    cdef public long long host_slots
+    cdef public long long host_experts
+    cdef public object fetch_precision
+    cdef public object index
+    cdef public object weights
+    cdef public long n
+    cpdef reset(self, long layer, long long base, Pool pool, record, index, weights, long n)
+    cpdef fetch_many(self, experts, precision)
+
+
+cdef class CacheManager:
+    cdef public object geom
+    cdef public object precisions
+    cdef public object miss
+    cdef public object fetch_precision
+    cdef public Clock clock
+    cdef public CacheStats stats
+    cdef public object measure
+    cdef public object _uncounted
+    cdef public list pools
+    cdef public list _pool_of_layer
+    cdef public dict entries
+    cdef public object events
+    cdef public long long used_bytes
+    cdef public set pinned
+    cdef public set evicted_this_pass
+    cdef public long long pass_index
+    cdef public object current_pass
+    cdef public list predicted
+    cdef public LayerCall _call
+    cdef public object view
+    cdef public object _default_fetch
+    cdef long long _E
+    cdef object _evictable
+    cdef long long _native_bytes
+    cpdef LayerCall serve(self, long layer, experts, record=*, index=*, weights=*)
+    cpdef LayerCall _open(self, long layer, experts, record, index, weights)
+    cpdef _serve_hits(self, LayerCall call, experts)
+    cpdef _serve_misses(self, LayerCall call, missing)
+    cpdef _stall(self, LayerCall call)
+    cpdef finish_layer(self)
+    cpdef bint evictable(self, key)
+    cpdef bint make_room(self, Pool pool, long long nbytes)
+    cpdef Entry insert(self, long long key, long layer, long long nbytes, Pool pool, transfer, bint prefetched, precision=*)
+    cpdef evict(self, key)

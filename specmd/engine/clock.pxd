@@ -1,0 +1,65 @@
+# The clock's C-level declarations (Cython reads this beside clock.py; plain Python never does). Other
+# compiled engine modules cimport these types so their calls into the clock are C calls, not Python calls.
+# A field or hot method added to clock.py is declared here; native.py runs every module that cimports this
+# one as source whenever clock.py runs as source.
+
+cdef class Transfer:
+    cdef public object nbytes
+    cdef public double issued_at
+    cdef public double ready_at
+    cdef public bint started
+
+cdef Transfer _fill(Transfer tr, object nbytes, double issued_at)
+cdef Transfer _new_transfer(object nbytes, double issued_at)
+
+cdef class TransferChannel:
+    cdef public double bw
+    cdef public double latency
+    cdef public double free_at
+    cdef public double busy_s
+    cdef public object queue
+    cpdef double duration(self, nbytes)
+    cpdef _start(self, Transfer tr, double at)
+    cpdef advance(self, double t)
+    cpdef double demand(self, double t, nbytes)
+    cpdef double promote(self, Transfer tr, double t)
+
+cdef class Clock:
+    cpdef begin_layer(self)
+    cpdef demand(self, nbytes)
+    cpdef prefetch(self, nbytes)
+    cpdef promote(self, handle)
+    cpdef done(self, handle)
+    cpdef wait(self, handles)
+    cpdef predicted(self)
+    cpdef host(self, slots, experts)
+    cpdef dense(self, layer, tokens, context)
+    cpdef experts(self, slots, experts, unpacked=*)
+
+cdef class SimClock(Clock):
+    cdef public object geom
+    cdef public TransferChannel channel
+    cdef public object roofline
+    cdef public object host_roofline
+    cdef public double layer_overhead
+    cdef public double token_overhead
+    cdef public double expert_overhead
+    cdef public double issue_overhead
+    cdef public double predict_overhead
+    cdef public double unpack_overhead
+    cdef public double decision_overhead
+    cdef public long long issued
+    cdef public long long predictions
+    cdef public double now
+    cdef public double stall_s
+    cdef double _peak
+    cdef double _mem
+    cdef double _expert_params
+    cdef double _expert_bytes
+    cdef double _hidden
+    cdef double _dtype_bytes
+    cdef list _dense_params
+    cdef list _attn_layers
+    cpdef double wait_until(self, double t)
+    cdef double _dense_time(self, double params, double attn_layers, double tokens, double context)
+    cdef double _experts_time(self, double s, double n)

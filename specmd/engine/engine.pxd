@@ -1,0 +1,27 @@
+# The engine's C-level declarations (Cython reads this beside engine.py; plain Python never does): the
+# drivers' per-layer-call entry points and the typed references to the cache manager and the clock.
+
+from specmd.engine.cache cimport CacheManager
+from specmd.engine.clock cimport Clock
+from specmd.engine.stats cimport CacheStats
+
+
+cdef class Engine:
+    cdef dict __dict__
+    cdef public object geom
+    cdef public object spec
+    cdef public object store
+    cdef public object model
+    cdef public object routing
+    cdef public object miss
+    cdef public object prefetch
+    cdef public Clock clock
+    cdef public CacheManager cache
+    cdef public object view
+    cdef public object timing_as
+    cdef public long long calls
+    cdef public long long predictions
+    cdef long long _E
+    cpdef bint route(self, rec)
+    cpdef layer(self, rec, index=*, weights=*)
+    cpdef tuple _fidelity(self, rec, index, plan, long n)
