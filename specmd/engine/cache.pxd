@@ -69,8 +69,12 @@ cdef class CacheManager:
     cdef public dict entries
     cdef public object events
     cdef public long long used_bytes
-    cdef public set pinned
-    cdef public set evicted_this_pass
+    cdef list _slot
+    cdef long long[:] _pin
+    cdef long long _stamp
+    cdef long long[:] _evicted_at
+    cdef dict _bytes_of
+    cdef dict _bits_of
     cdef public long long pass_index
     cdef public object current_pass
     cdef public list predicted
@@ -79,14 +83,14 @@ cdef class CacheManager:
     cdef public object _default_fetch
     cdef long long _E
     cdef object _evictable
-    cdef long long _native_bytes
     cpdef LayerCall serve(self, long layer, experts, record=*, index=*, weights=*)
     cpdef LayerCall _open(self, long layer, experts, record, index, weights)
     cpdef _serve_hits(self, LayerCall call, experts)
     cpdef _serve_misses(self, LayerCall call, missing)
     cpdef _stall(self, LayerCall call)
     cpdef finish_layer(self)
-    cpdef bint evictable(self, key)
+    cpdef pin(self, long long key)
+    cpdef bint evictable(self, long long key)
     cpdef bint make_room(self, Pool pool, long long nbytes)
     cpdef Entry insert(self, long long key, long layer, long long nbytes, Pool pool, transfer, bint prefetched, precision=*)
     cpdef evict(self, key)

@@ -19,6 +19,7 @@ Semantics (docs/semantics.md "Cache semantics"):
 
 from __future__ import annotations
 
+from array import array
 from typing import Optional
 
 import cython
@@ -107,7 +108,7 @@ class LayerCall:
         return ex
 
     def pin(self, expert: int) -> None:
-        self._m.pinned.add(self.base + expert)
+        self._m.pin(self.base + expert)
 
     def count(self, stat: str) -> None:
         self._m.stats.add(stat, self.layer)
@@ -120,7 +121,7 @@ class LayerCall:
     def fetch_many(self, experts, precision):
         """:meth:`fetch` for each of ``experts`` in order (one home for the demand-fetch accounting)."""
         m: CacheManager = self._m
-        nbytes: cython.longlong = m.precisions.bytes_of[precision]
+        nbytes: cython.longlong = m._bytes_of[precision]
         pool: Pool = self.pool
         base: cython.longlong = self.base
         layer: cython.long = self.layer
@@ -180,8 +181,15 @@ class CacheManager:
         # or None; it follows the manager's decisions and never makes one
         self.events = None
         self.used_bytes = 0  # over all pools
-        self.pinned: set[int] = set()
-        self.evicted_this_pass: set[int] = set()
+        # Per key (``layer * num_experts + expert``), arrays instead of sets: ``_slot`` its entry or None (the
+        # same objects as ``entries``); ``_pin`` the layer call that pins it (it is pinned while that equals
+        # ``_stamp``, which every layer call's start and finish advance); ``_evicted_at`` the forward pass
+        # that last evicted it (a collision miss is a miss on a key evicted in the current pass).
+        nkeys = geom.num_layers * geom.num_experts
+        self._slot = [None] * nkeys
+        self._pin = array("q", [-1]) * nkeys
+        self._stamp = 0
+        self._evicted_at = array("q", [-(1 << 62)]) * nkeys
         self.pass_index = -1
         # the ongoing forward pass: [kind, tokens, context, then its start figures], None outside one
         self.current_pass: Optional[list] = None
@@ -190,6 +198,8 @@ class CacheManager:
         self.view = CacheView(self)
         self._default_fetch = Fetched(None)
         self._E = geom.num_experts
+        self._bytes_of = dict(self.precisions.bytes_of)
+        self._bits_of = dict(self.precisions.bits_of)
         self._evictable = self.evictable  # the bound method policies' ``victim`` calls, made once
         for pool in self.pools:
             pool.policy.attach(self.view, pool.capacity)
@@ -197,7 +207,6 @@ class CacheManager:
     # ---- forward passes -------------------------------------------------------------------------
     def begin_pass(self, kind: str, tokens: int, context: int) -> None:
         self.pass_index += 1
-        self.evicted_this_pass.clear()
         for pool in self.pools:
             pool.policy.on_pass_start(self.pass_index)
         s = self.stats
@@ -241,14 +250,18 @@ class CacheManager:
         return call
 
     @cython.ccall
+    @cython.boundscheck(True)  # a key outside the model is an IndexError, never a stray write
     def _open(self, layer: cython.long, experts, record, index, weights) -> LayerCall:
         """Step 1: pin the requests, tell the pool's policy where execution is, score the prediction."""
         self.clock.begin_layer()
-        pinned: set = self.pinned
-        pinned.clear()
+        self._stamp += 1
+        stamp: cython.longlong = self._stamp
+        pin: cython.longlong[:] = self._pin
         base: cython.longlong = layer * self._E
+        key: cython.longlong
         for e in experts:
-            pinned.add(base + e)
+            key = base + e
+            pin[key] = stamp
         pool: Pool = self._pool_of_layer[layer]
         if pool.on_layer is not None:
             pool.on_layer(layer, record)
@@ -264,9 +277,10 @@ class CacheManager:
         return call
 
     @cython.ccall
+    @cython.boundscheck(True)  # a key outside the model is an IndexError, never a stray write
     def _serve_hits(self, call: LayerCall, experts):
         """Step 2: resident experts (hits, late prefetches); returns the missing ones."""
-        entries: dict = self.entries
+        slot: list = self._slot
         st: CacheStats = self.stats
         layer: cython.long = call.layer
         base: cython.longlong = call.base
@@ -278,7 +292,7 @@ class CacheManager:
         missing = None
         for e in experts:
             key = base + e
-            ent = entries.get(key)
+            ent = slot[key]
             if ent is None:
                 if missing is None:
                     missing = []
@@ -308,6 +322,7 @@ class CacheManager:
         return missing
 
     @cython.ccall
+    @cython.boundscheck(True)  # a key outside the model is an IndexError, never a stray write
     def _serve_misses(self, call: LayerCall, missing):
         """Step 3: the miss policy names an outcome per missing expert; each outcome serves itself."""
         layer: cython.long = call.layer
@@ -318,11 +333,14 @@ class CacheManager:
             for e in missing:
                 on_miss(base + e)
         outcomes = self.miss.handle(layer, missing, call.record, self.view)
-        evicted: set = self.evicted_this_pass
+        evicted_at: cython.longlong[:] = self._evicted_at
+        now: cython.longlong = self.pass_index
+        key: cython.longlong
         st.misses[layer] += len(missing)
         collisions: cython.long = 0
         for e in missing:
-            if base + e in evicted:
+            key = base + e
+            if evicted_at[key] == now:
                 collisions += 1
         st.collision_misses[layer] += collisions
         if outcomes is None:  # every miss fetched at the policy's precision (what Fetched(None) does)
@@ -345,7 +363,7 @@ class CacheManager:
 
     @cython.ccall
     def finish_layer(self):
-        self.pinned.clear()
+        self._stamp += 1  # unpins the call's experts
 
     def prefetch(self, layer: int, experts: list[int]) -> None:
         """Queue asynchronous fetches of ``experts`` of MoE layer ``layer`` now (at the miss policy's
@@ -353,7 +371,7 @@ class CacheManager:
         base = layer * self.geom.num_experts
         pool = self._pool_of_layer[layer]
         prec = self.fetch_precision
-        nbytes = self.precisions.bytes_of[prec]
+        nbytes = self._bytes_of[prec]
         st = self.stats
         pred = self.predicted[layer]
         if pred is None:
@@ -376,10 +394,16 @@ class CacheManager:
             st.count_precision(prec, nbytes, fetched=False)
 
     # ---- residency ------------------------------------------------------------------------------
-    def evictable(self, key) -> bool:
-        if key in self.pinned:
+    @cython.boundscheck(True)
+    def pin(self, key: cython.longlong):
+        """``key`` stays resident until the running layer call finishes."""
+        self._pin[key] = self._stamp
+
+    @cython.boundscheck(True)
+    def evictable(self, key: cython.longlong) -> cython.bint:
+        if self._pin[key] == self._stamp:
             return False
-        ent: Entry = self.entries[key]  # (a typed local, not cython.cast: a cast is a function call in pure Python)
+        ent: Entry = self._slot[key]  # (a typed local, not cython.cast: a cast is a function call in pure Python)
         tr = ent.transfer
         return tr is None or self.clock.done(tr)
 
@@ -396,13 +420,15 @@ class CacheManager:
         return True
 
     @cython.ccall
+    @cython.boundscheck(True)  # a key outside the model is an IndexError, never a stray write
     def insert(self, key: cython.longlong, layer: cython.long, nbytes: cython.longlong, pool: Pool, transfer,
                prefetched: cython.bint, precision=NATIVE) -> Entry:
         ent: Entry = Entry.__new__(Entry)
         ent.key, ent.layer, ent.nbytes, ent.pool, ent.transfer = key, layer, nbytes, pool, transfer
         ent.prefetched, ent.used, ent.precision = prefetched, False, precision
-        ent.bits, ent.since = self.precisions.bits_of[precision], self.pass_index
+        ent.bits, ent.since = self._bits_of[precision], self.pass_index
         self.entries[key] = ent
+        self._slot[key] = ent
         pool.used += nbytes
         self.used_bytes += nbytes
         pool.on_insert(key, prefetched)
@@ -413,14 +439,16 @@ class CacheManager:
         return ent
 
     @cython.ccall
+    @cython.boundscheck(True)  # a key outside the model is an IndexError, never a stray write
     def evict(self, key):
         ent: Entry = self.entries.pop(key)
+        self._slot[ent.key] = None
         ent.pool.used -= ent.nbytes
         self.used_bytes -= ent.nbytes
         ent.pool.on_remove(key)
         if self.events is not None:
             self.events.evicted(key)
-        self.evicted_this_pass.add(key)
+        self._evicted_at[ent.key] = self.pass_index
         st: CacheStats = self.stats
         st.evictions[ent.layer] += 1
         st.lifetime_sum += self.pass_index - ent.since
