@@ -17,6 +17,7 @@ cdef class Pool:
     cdef public object on_miss
     cdef public object on_admit
     cdef public object on_layer
+    cdef public object on_pass_start
     # the policy's hooks the manager calls per request, bound once
     cdef public object on_insert
     cdef public object on_access
@@ -83,6 +84,8 @@ cdef class CacheManager:
     cdef public object _default_fetch
     cdef long long _E
     cdef object _evictable
+    cpdef begin_pass(self, kind, tokens, context)
+    cpdef end_pass(self)
     cpdef LayerCall serve(self, long layer, experts, record=*, index=*, weights=*)
     cpdef LayerCall _open(self, long layer, experts, record, index, weights)
     cpdef _serve_hits(self, LayerCall call, experts)

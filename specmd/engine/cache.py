@@ -55,6 +55,7 @@ class Pool:
         hook = getattr(policy, "hook", None)
         self.on_admit = hook("on_admit") if hook is not None else policy.on_admit
         self.on_layer = hook("on_layer") if hook is not None else policy.on_layer
+        self.on_pass_start = hook("on_pass_start") if hook is not None else policy.on_pass_start
 
 
 @cython.cclass
@@ -205,27 +206,28 @@ class CacheManager:
             pool.policy.attach(self.view, pool.capacity)
 
     # ---- forward passes -------------------------------------------------------------------------
-    def begin_pass(self, kind: str, tokens: int, context: int) -> None:
+    def begin_pass(self, kind, tokens, context):
         self.pass_index += 1
+        pool: Pool
         for pool in self.pools:
-            pool.policy.on_pass_start(self.pass_index)
-        s = self.stats
+            if pool.on_pass_start is not None:
+                pool.on_pass_start(self.pass_index)
+        s: CacheStats = self.stats
         if self.measure != "all" and kind != self.measure:
             self._uncounted = s.snapshot()
         self.current_pass = [kind, tokens, context, self.clock.mark(),
-                             s.total("requests"), s.total("hits"), s.total("misses"), s.total("collision_misses")]
+                             sum(s.requests), sum(s.hits), sum(s.misses), sum(s.collision_misses)]
 
-    def end_pass(self) -> None:
+    def end_pass(self):
         if self.current_pass is None:
             return
         kind, tokens, context, mark, r0, h0, m0, c0 = self.current_pass
         self.clock.tail(tokens, context)
-        s = self.stats
+        s: CacheStats = self.stats
         seconds, stall = self.clock.since(mark)
         s.passes.append(PassRecord(
             self.pass_index, kind, tokens, seconds, stall,
-            s.total("requests") - r0, s.total("hits") - h0, s.total("misses") - m0,
-            s.total("collision_misses") - c0,
+            sum(s.requests) - r0, sum(s.hits) - h0, sum(s.misses) - m0, sum(s.collision_misses) - c0,
         ))
         self.current_pass = None
         if self._uncounted is not None:

@@ -18,10 +18,10 @@ cdef class TransferChannel:
     cdef public double free_at
     cdef public double busy_s
     cdef public object queue
-    cpdef double duration(self, nbytes)
+    cpdef double duration(self, double nbytes)
     cpdef _start(self, Transfer tr, double at)
     cpdef advance(self, double t)
-    cpdef double demand(self, double t, nbytes)
+    cpdef double demand(self, double t, double nbytes)
     cpdef double promote(self, Transfer tr, double t)
 
 cdef class Clock:

@@ -66,7 +66,7 @@ class TransferChannel:
         self.busy_s = 0.0
 
     @cython.ccall
-    def duration(self, nbytes) -> cython.double:
+    def duration(self, nbytes: cython.double) -> cython.double:
         return self.latency + nbytes / self.bw
 
     @cython.ccall
@@ -95,7 +95,7 @@ class TransferChannel:
         self.queue.append(tr)
 
     @cython.ccall
-    def demand(self, t: float, nbytes) -> float:
+    def demand(self, t: float, nbytes: cython.double) -> float:
         """A blocking fetch requested at ``t``: returns its completion time."""
         start: cython.double
         d: cython.double

@@ -22,6 +22,8 @@ cdef class Engine:
     cdef public long long calls
     cdef public long long predictions
     cdef long long _E
+    cpdef begin_pass(self, kind, tokens, context)
+    cpdef end_pass(self)
     cpdef bint route(self, rec)
     cpdef layer(self, rec, index=*, weights=*)
     cpdef tuple _fidelity(self, rec, index, plan, long n)

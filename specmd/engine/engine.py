@@ -133,10 +133,10 @@ class Engine:
         self._E = geom.num_experts
 
     # ---- passes ---------------------------------------------------------------------------------
-    def begin_pass(self, kind: str, tokens: int, context: int) -> None:
+    def begin_pass(self, kind, tokens, context):
         self.cache.begin_pass(kind, tokens, context)
 
-    def end_pass(self) -> None:
+    def end_pass(self):
         self.cache.end_pass()
 
     # ---- one MoE layer call ---------------------------------------------------------------------
