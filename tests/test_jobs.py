@@ -147,7 +147,14 @@ def test_random_kills_and_relaunches_lose_and_redo_nothing(tmp_path, mirror):
     kills = 0
     for attempt in range(4):
         p = _launch(args, ROOT, mirror)
-        time.sleep(rng.uniform(3.0, 12.0))
+        # a random point of the sweep's progress, not of the clock (the jobs are fast: a whole sweep can
+        # finish inside any fixed delay, and then nothing is killed): after 0-2 more jobs have written their
+        # results, plus up to half a second
+        want = len(snapshot()) + rng.randint(0, 2)
+        deadline = time.monotonic() + 120
+        while p.poll() is None and len(snapshot()) < want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 0.5))
         sig = rng.choice([signal.SIGTERM, signal.SIGKILL])
         if p.poll() is None:
             p.send_signal(sig)

@@ -146,6 +146,18 @@ def test_an_edited_source_is_never_shadowed_by_its_old_extension(tmp_path):
     assert finder.find_spec(native.module_name(src)).origin == str(pkg / src)
 
 
+def test_every_counter_is_a_declared_field():
+    """A per-layer counter added to stats.PER_LAYER but not to stats.pxd would land in the instance dict
+    of the compiled CacheStats: correct, but a dict lookup per update on the request path."""
+    import re
+
+    from specmd.engine.stats import PER_LAYER, SCALARS
+
+    pxd = (ROOT / "specmd/engine/stats.pxd").read_text()
+    declared = set(re.findall(r"cdef public \w+ (\w+)", pxd))
+    assert set(PER_LAYER) | set(SCALARS) <= declared, sorted(set(PER_LAYER) | set(SCALARS) - declared)
+
+
 @pytest.mark.skipif(FORCED, reason="needs the built extensions")
 def test_a_module_built_against_a_stale_one_runs_its_source_too(tmp_path):
     """cache.pxd cimports clock's and stats' declarations and engine.pxd cimports cache's: a compiled cache
