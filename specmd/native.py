@@ -141,13 +141,14 @@ def select(package: Path = PACKAGE) -> None:
             STATE[name] = "compiled"
     # An extension built against another module's C declarations loads only beside that module's extension:
     # when that one runs its source, so does this one (to a fixed point: cache runs pure if clock does).
+    uses = {src: cimports(src, package) for src in sources(package)}
     dependent = []
     changed = True
     while changed:
         changed = False
-        for src in sources(package):
+        for src, deps in uses.items():
             name = module_name(src)
-            if STATE[name] == "compiled" and any(STATE.get(module_name(d)) == "pure" for d in cimports(src, package)):
+            if STATE[name] == "compiled" and any(STATE.get(module_name(d)) == "pure" for d in deps):
                 STATE[name] = "pure"
                 pure[name] = package / src
                 dependent.append(src)

@@ -199,8 +199,8 @@ class CacheManager:
         self.view = CacheView(self)
         self._default_fetch = Fetched(None)
         self._E = geom.num_experts
-        self._bytes_of = dict(self.precisions.bytes_of)
-        self._bits_of = dict(self.precisions.bits_of)
+        self._bytes_of = self.precisions.bytes_of  # (the store's own dicts, typed for the request path)
+        self._bits_of = self.precisions.bits_of
         self._evictable = self.evictable  # the bound method policies' ``victim`` calls, made once
         for pool in self.pools:
             pool.policy.attach(self.view, pool.capacity)
