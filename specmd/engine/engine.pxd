@@ -3,6 +3,7 @@
 
 from specmd.engine.cache cimport CacheManager
 from specmd.engine.clock cimport Clock
+from specmd.engine.record cimport GateRecord
 from specmd.engine.stats cimport CacheStats
 
 

@@ -143,7 +143,8 @@ class Engine:
     def route(self, rec):
         """Number the call and let the routing policy change the selection (dual-logit semantics: the new
         selection is weighted by the original probabilities). True if the selection changed."""
-        rec.call = self.calls
+        r: GateRecord = rec
+        r.call = self.calls
         self.calls += 1
         index = self.routing.apply(rec, self.view)
         if index is None:
@@ -167,11 +168,12 @@ class Engine:
         """
         cache: CacheManager = self.cache
         clock: Clock = self.clock
-        layer: cython.long = rec.layer
+        r: GateRecord = rec
+        layer: cython.long = r.layer
         shape = cache.current_pass  # [kind, tokens, context, ...]
         if shape is not None:  # 1
             clock.dense(layer, shape[1], shape[2])
-        experts = rec.requested(self._E)  # 2
+        experts = r.requested(self._E)  # 2
         plan = cache.serve(layer, experts, rec, index, weights).execution  # 3
         slots, n_run = self._fidelity(rec, index, plan, len(experts))  # 4
         for target, predicted in self.prefetch.predict(rec, self.model):  # 5

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import cython
 import torch
 
 from ..errors import ConfigError
@@ -40,6 +41,7 @@ class NoLogits(ConfigError):
     """A policy needs router probabilities (or the prefetch signal) that the trace did not record."""
 
 
+@cython.cclass
 class GateRecord:
     """One MoE layer call, as the engine and the policies see it, whichever driver made it.
 
@@ -57,21 +59,14 @@ class GateRecord:
     ``probs`` [T, E], derived from the logits on first use; ``call``, the position of this call in the run's
     stream of layer calls (the engine numbers them); ``predict(target)``, the prefetch signal as
     ``(probs, index)``.
+    (A compiled extension type: ``record.pxd`` declares these fields, so the engine reads them in C.)
     """
-
-    __slots__ = ("layer", "call", "scoring", "void", "_index", "_weights", "_probs", "_requested", "_signal")
 
     def __init__(self, layer: int, scoring: Scoring, signal: Optional[Callable] = None,
                  requested: Optional[list] = None):
         """``signal(target)``: the raw prefetch signal ``(logits, index)`` (None: this call has none);
         ``requested``: the experts the router's own selection requests, when the driver knows them."""
-        self.layer = layer
-        self.call = -1
-        self.scoring = scoring
-        self.void = None
-        self._index = self._weights = self._probs = None
-        self._requested = requested
-        self._signal = signal
+        fill(self, layer, scoring, signal, requested)
 
     # what runs: the router's own selection unless a routing policy replaced it
     @property
@@ -106,7 +101,7 @@ class GateRecord:
         """Token-expert selections of this call (tokens x k)."""
         return self.tokens * self.top_k
 
-    def requested(self, num_experts: int) -> list[int]:
+    def requested(self, num_experts: cython.long):
         """The experts this call's selection (``index``) requests, ascending."""
         if self.rerouted:
             return _unique(self._index, num_experts)
@@ -128,6 +123,20 @@ class GateRecord:
     def reweigh(self, index: torch.Tensor) -> torch.Tensor:
         """Dual-logit semantics: weights of a (modified) selection from the *original* probabilities."""
         return self.scoring.weigh(self.probs, index).to(self.weights.dtype)
+
+
+@cython.ccall
+def fill(rec: GateRecord, layer: cython.long, scoring, signal, requested) -> GateRecord:
+    """A new record's own fields (what ``GateRecord.__init__`` does; a driver that allocates its records
+    without a constructor call fills them here)."""
+    rec.layer = layer
+    rec.call = -1
+    rec.scoring = scoring
+    rec.void = None
+    rec._index = rec._weights = rec._probs = None
+    rec._requested = requested
+    rec._signal = signal
+    return rec
 
 
 class LiveRecord(GateRecord):

@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import cython
 import numpy as np
 import torch
 
-from ..engine import Engine, GateRecord, Scoring
-from ..engine.record import NoLogits
+from ..engine.engine import Engine
+from ..engine.record import GateRecord, Scoring
+from ..engine.record import NoLogits, fill
 from ..engine.store import StoreSizes
 from ..errors import ConfigError
 from .future import Future
@@ -103,20 +105,15 @@ def model_geometry(name: str):
     return geometry(build_params(ModelConfig, dict(OmegaConf.to_container(OmegaConf.load(path))), "model"))
 
 
+@cython.cclass
 class TraceRecord(GateRecord):
     """A layer call read from rows of a trace, its tensors built on first use: an exact replay of a stack
     that reads no router output (LRU, no prefetch) never builds any. Same values as the live record (index
-    int64, logits fp32 as recorded)."""
-
-    __slots__ = ("trace", "rows", "k", "n", "_original", "_original_weights", "_logits")
+    int64, logits fp32 as recorded). (An extension type: ``driver.pxd``; the replay loop makes each one
+    with :func:`trace_record`, no constructor call.)"""
 
     def __init__(self, trace: Trace, rows: slice, layer: int, scoring: Scoring, requested: list, signal):
-        super().__init__(layer, scoring, signal, requested)
-        self.trace = trace
-        self.rows = rows
-        self.k = trace.index.shape[1]
-        self.n = rows.stop - rows.start
-        self._original = self._original_weights = self._logits = None
+        trace_record(self, trace, rows, layer, scoring, requested, signal, trace.index.shape[1])
 
     @property
     def original(self) -> torch.Tensor:
@@ -164,6 +161,19 @@ class TraceRecord(GateRecord):
     @property
     def top_k(self) -> int:
         return self.k
+
+
+@cython.cfunc
+def trace_record(rec: TraceRecord, trace, rows, layer: cython.long, scoring, requested, signal,
+                 k: cython.long) -> TraceRecord:
+    """``rec``'s fields: the gate record's (:func:`~specmd.engine.record.fill`), then the trace's rows."""
+    fill(rec, layer, scoring, signal, requested)
+    rec.trace = trace
+    rec.rows = rows
+    rec.k = k
+    rec.n = rows.stop - rows.start
+    rec._original = rec._original_weights = rec._logits = None
+    return rec
 
 
 class TraceSignal:
@@ -279,24 +289,28 @@ def run_replay(trace: Trace, spec, engine=None, ptr=None, experts=None) -> Engin
     has_signal = trace.depth > 0 and trace.signal_logits is not None
     calls = trace.calls.tolist()
     ptr, experts = ptr.tolist(), experts.tolist()
-    begin, route, layer_call, end = engine.begin_pass, engine.route, engine.layer, engine.end_pass
-    c, C = 0, len(calls)
+    eng: Engine = engine
+    k: cython.long = trace.index.shape[1]
+    c: cython.Py_ssize_t = 0
+    C: cython.Py_ssize_t = len(calls)
+    rec: TraceRecord
     # The loop makes no reference cycle (its records and handles die by reference counting), so the cyclic
     # collector would only re-scan the engine's and the process's live objects: ~18% of an LRU replay.
     collecting = gc.isenabled()
     gc.disable()
     try:
         for p, (kind, tokens, context) in enumerate(trace.passes.tolist()):
-            begin(KINDS[kind], tokens, context)
+            eng.begin_pass(KINDS[kind], tokens, context)
             while c < C and calls[c][0] == p:
                 _, layer, r0, n = calls[c]
                 rows = slice(r0, r0 + n)
-                rec = TraceRecord(trace, rows, layer, scoring, experts[ptr[c]:ptr[c + 1]],
-                                  TraceSignal(trace, rows, layer) if has_signal else None)
-                route(rec)
-                layer_call(rec)
+                rec = trace_record(TraceRecord.__new__(TraceRecord), trace, rows, layer, scoring,
+                                   experts[ptr[c]:ptr[c + 1]],
+                                   TraceSignal(trace, rows, layer) if has_signal else None, k)
+                eng.route(rec)
+                eng.layer(rec)
                 c += 1
-            end()
+            eng.end_pass()
     finally:
         if collecting:
             gc.enable()
