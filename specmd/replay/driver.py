@@ -24,8 +24,7 @@ import numpy as np
 import torch
 
 from ..engine.engine import Engine
-from ..engine.record import GateRecord, Scoring
-from ..engine.record import NoLogits, fill
+from ..engine.record import GateRecord, NoLogits, Scoring, fill
 from ..engine.store import StoreSizes
 from ..errors import ConfigError
 from .future import Future
