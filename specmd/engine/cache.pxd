@@ -48,6 +48,7 @@ cdef class LayerCall:
     cdef public object execution
     cdef public long long host_slots
     cdef public long long host_experts
+    cdef public long long demanded
     cdef public object fetch_precision
     cdef public object index
     cdef public object weights

@@ -75,6 +75,7 @@ class LayerCall:
         self._m = manager
         self.fetch_precision = manager.fetch_precision
         self.waits: list = []  # the clock's handles compute waits for (demand fetches, late prefetches, host)
+        self.demanded = 0  # demand fetches issued (the clock may return no handle for them)
 
     @cython.ccall
     def reset(self, layer: cython.long, base: cython.longlong, pool: Pool, record, index, weights, n: cython.long):
@@ -87,6 +88,7 @@ class LayerCall:
         self.execution = None
         self.host_slots = 0
         self.host_experts = 0
+        self.demanded = 0
         self.index = index
         self.weights = weights
         self.n = n
@@ -142,8 +144,11 @@ class LayerCall:
                 streamed += 1
                 if events is not None:  # the executor stages its bytes for this call only
                     events.streamed(layer, e, precision)
-            waits.append(clock.demand(nbytes))
+            handle = clock.demand(nbytes)
+            if handle is not None:
+                waits.append(handle)
         n = len(experts)
+        self.demanded += n
         st: CacheStats = m.stats
         st.streamed[layer] += streamed
         st.bytes_demand[layer] += n * nbytes
@@ -360,7 +365,7 @@ class CacheManager:
         """Step 4: host work overlaps the transfers; compute waits for whichever finishes last."""
         if call.host_experts:
             call.waits.append(self.clock.host(call.host_slots, call.host_experts))
-        if call.waits:
+        if call.waits or call.demanded:  # (a clock may track demand fetches without handles: Clock.demand)
             self.stats.stall_s[call.layer] += self.clock.wait(call.waits)
 
     @cython.ccall

@@ -52,6 +52,7 @@ cdef class SimClock(Clock):
     cdef public long long predictions
     cdef public double now
     cdef public double stall_s
+    cdef double _demand_ready
     cdef double _peak
     cdef double _mem
     cdef double _expert_params

@@ -9,7 +9,8 @@ forward pass its duration and stall for the pass record. The engine charges comp
 
 :class:`Clock` is the interface. :class:`SimClock` is the deterministic simulated clock (one
 non-preemptive transfer channel, demand before queued prefetches; roofline compute): its handles are
-:class:`Transfer` objects whose arithmetic stays inside it. :class:`specmd.executor.wall.WallClock`
+:class:`Transfer` objects whose arithmetic stays inside it (a demand fetch needs none: the clock keeps the
+latest one's completion and the next ``wait`` includes it). :class:`specmd.executor.wall.WallClock`
 implements the same interface on real copies (its handles are tickets of the executor's transfer thread or
 CUDA stream, ``done`` polls, ``wait`` blocks, ``dense``/``experts``/``tail`` are no-ops because the real
 kernels take the time). ``execution=offload`` keeps the simulated clock deciding (so residency, victims and
@@ -148,7 +149,9 @@ class Clock:
 
     @cython.ccall
     def demand(self, nbytes):
-        """A blocking fetch issued now (demand priority); returns its handle (wait on it before computing)."""
+        """A blocking fetch issued now (demand priority); returns its handle (wait on it before computing), or
+        None when the clock keeps track of it itself: then the next :meth:`wait` waits for it too, whatever
+        handles it is given (the simulated clock: no object per fetch on the replay's hottest path)."""
         raise NotImplementedError
 
     @cython.ccall
@@ -240,6 +243,7 @@ class SimClock(Clock):
         self.predictions = 0  # prefetch predictions since the last charge of compute
         self.now = 0.0
         self.stall_s = 0.0
+        self._demand_ready = 0.0  # when the last demand fetch completes
         self._peak = roofline.peak_flops
         self._mem = roofline.mem_bytes_per_s
         self._expert_params = geom.expert_params
@@ -273,12 +277,11 @@ class SimClock(Clock):
 
     @cython.ccall
     def demand(self, nbytes):
-        tr: Transfer
         self.issued += 1
-        tr = _new_transfer(nbytes, self.now)
-        tr.started = True
-        tr.ready_at = self.channel.demand(self.now, nbytes)
-        return tr
+        ready: cython.double = self.channel.demand(self.now, nbytes)
+        if ready > self._demand_ready:
+            self._demand_ready = ready
+        return None
 
     @cython.ccall
     def prefetch(self, nbytes):
@@ -301,6 +304,8 @@ class SimClock(Clock):
     def wait(self, handles):
         t: cython.double = self.now
         h: Transfer
+        if self._demand_ready > t:  # the demand fetches issued since the last wait (``demand`` returns no handle)
+            t = self._demand_ready
         for h in handles:
             if h.ready_at > t:
                 t = h.ready_at

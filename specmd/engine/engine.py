@@ -187,11 +187,12 @@ class Engine:
     def _fidelity(self, rec, index, plan, n: cython.long):
         """Count the router's own selections that run unchanged; return the device's (slots, experts)."""
         st: CacheStats = self.cache.stats
-        layer: cython.long = rec.layer
-        slots = rec.slots
+        r: GateRecord = rec
+        layer: cython.long = r.layer
+        slots = r._slots if r._slots >= 0 else rec.slots  # (the field once known: no Python property call)
         st.slots_total += slots
-        rerouted = rec.rerouted
-        if not rerouted and plan is None:  # the lossless fast path
+        rerouted = r._index is not None and rec.rerouted  # (no property call while no routing policy set one)
+        if not rerouted and plan is None:
             st.requests_router[layer] += n
             st.slots_unchanged += slots
             return slots, n

@@ -6,6 +6,7 @@ cdef class GateRecord:
     cdef public long long call
     cdef public object scoring
     cdef public object void
+    cdef public long long _slots
     cdef public object _index
     cdef public object _weights
     cdef public object _probs

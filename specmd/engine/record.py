@@ -98,8 +98,10 @@ class GateRecord:
 
     @property
     def slots(self) -> int:
-        """Token-expert selections of this call (tokens x k)."""
-        return self.tokens * self.top_k
+        """Token-expert selections of this call (tokens x k), computed once (``_slots``: -1 until then)."""
+        if self._slots < 0:
+            self._slots = self.tokens * self.top_k
+        return self._slots
 
     def requested(self, num_experts: cython.long):
         """The experts this call's selection (``index``) requests, ascending."""
@@ -133,6 +135,7 @@ def fill(rec: GateRecord, layer: cython.long, scoring, signal, requested) -> Gat
     rec.call = -1
     rec.scoring = scoring
     rec.void = None
+    rec._slots = -1
     rec._index = rec._weights = rec._probs = None
     rec._requested = requested
     rec._signal = signal
