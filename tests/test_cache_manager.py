@@ -117,3 +117,16 @@ def test_invariants_random_traces(cap, scope_per_layer, passes, prefetch_sets):
     assert st.peak_bytes <= sum(p.capacity for p in m.pools)
     assert st.total("collision_misses") <= st.total("misses")
     assert st.total("prefetch_used") <= st.total("prefetch_issued")
+
+
+def test_view_of_a_key_outside_the_model_is_absent_never_another_key():
+    """Residency is one per-key array; a key outside ``0 .. layers * experts - 1`` is not in the cache (a
+    negative key must not wrap around to the last one)."""
+    m = manager(8)
+    run_pass(m, [[0], [3]])  # keys 0 and 7 (the last key of 2 layers x 4 experts)
+    v = m.view
+    assert 7 in v and v.precision(7) == "native" and m.entry(7) is m.entries[7]
+    for key in (-1, -8, 8, 1 << 40):
+        assert key not in v and v.precision(key) is None and v.nbytes(key) is None and not v.in_flight(key)
+        assert m.entry(key) is None
+    assert sorted(m.entries) == [0, 7]

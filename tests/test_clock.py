@@ -45,3 +45,17 @@ def test_demand_is_served_before_queued_prefetch():
     assert ch.demand(0.05, 100) == pytest.approx(0.2)
     ch.advance(1.0)
     assert a.ready_at == pytest.approx(0.1) and b.ready_at == pytest.approx(0.3)
+
+
+def test_demand_fetches_need_no_handle_and_the_next_wait_covers_them():
+    """The simulated clock returns no handle for a demand fetch (no object per fetch on the replay's path):
+    the next ``wait`` waits for the latest demand anyway, given no handle or only earlier ones."""
+    m = manager(4, dense=(50, 50), expert_params=25)
+    clock = m.clock
+    assert clock.demand(100) is None and clock.demand(100) is None  # 0 -> 0.11 -> 0.22
+    assert clock.wait([]) == pytest.approx(0.22)
+    assert clock.now == pytest.approx(0.22)
+    assert clock.wait([]) == 0.0  # nothing outstanding: no stall
+    handle = clock.host(0, 0)  # a handle done now
+    clock.demand(100)  # 0.22 -> 0.33
+    assert clock.wait([handle]) == pytest.approx(0.11)  # the demand is waited for beside the handle given

@@ -68,7 +68,6 @@ cdef class CacheManager:
     cdef public object _uncounted
     cdef public list pools
     cdef public list _pool_of_layer
-    cdef public dict entries
     cdef public object events
     cdef public long long used_bytes
     cdef list _slot
@@ -98,3 +97,4 @@ cdef class CacheManager:
     cpdef bint make_room(self, Pool pool, long long nbytes)
     cpdef Entry insert(self, long long key, long layer, long long nbytes, Pool pool, transfer, bint prefetched, precision=*)
     cpdef evict(self, key)
+    cpdef entry(self, long long key)

@@ -35,6 +35,16 @@ from .view import CacheView
 MEASURES = ("all", "decode")  # the forward passes the cache counters count
 
 
+@cython.cfunc
+def _total(counts: list) -> cython.longlong:
+    """``sum(counts)`` of a per-layer count list, in C (a pass's start and end totals)."""
+    t: cython.longlong = 0
+    c: cython.longlong
+    for c in counts:
+        t += c
+    return t
+
+
 @cython.cclass
 class Pool:
     """A byte budget and its eviction policy. (Fields: ``cache.pxd``.)"""
@@ -182,13 +192,12 @@ class CacheManager:
         self._uncounted: Optional[dict] = None  # the counters before a pass that does not count
         self.pools = [Pool(c, p) for c, p in zip(capacities, evictions)]
         self._pool_of_layer = self.pools * geom.num_layers if len(self.pools) == 1 else list(self.pools)
-        self.entries: dict[int, Entry] = {}
         # who materialises residency (execution=offload's executor: ``inserted``, ``evicted``, ``streamed``),
         # or None; it follows the manager's decisions and never makes one
         self.events = None
         self.used_bytes = 0  # over all pools
-        # Per key (``layer * num_experts + expert``), arrays instead of sets: ``_slot`` its entry or None (the
-        # same objects as ``entries``); ``_pin`` the layer call that pins it (it is pinned while that equals
+        # Per key (``layer * num_experts + expert``), arrays instead of sets and dicts: ``_slot`` its entry or
+        # None (the one record of residency: ``entries`` and ``entry`` read it); ``_pin`` the layer call that pins it (it is pinned while that equals
         # ``_stamp``, which every layer call's start and finish advance); ``_evicted_at`` the forward pass
         # that last evicted it (a collision miss is a miss on a key evicted in the current pass).
         nkeys = geom.num_layers * geom.num_experts
@@ -221,25 +230,26 @@ class CacheManager:
         if self.measure != "all" and kind != self.measure:
             self._uncounted = s.snapshot()
         self.current_pass = [kind, tokens, context, self.clock.mark(),
-                             sum(s.requests), sum(s.hits), sum(s.misses), sum(s.collision_misses)]
+                             _total(s.requests), _total(s.hits), _total(s.misses), _total(s.collision_misses)]
 
     def end_pass(self):
         if self.current_pass is None:
             return
         kind, tokens, context, mark, r0, h0, m0, c0 = self.current_pass
-        self.clock.tail(tokens, context)
+        clock: Clock = self.clock
+        clock.tail(tokens, context)
         s: CacheStats = self.stats
-        seconds, stall = self.clock.since(mark)
+        seconds, stall = clock.since(mark)
         s.passes.append(PassRecord(
             self.pass_index, kind, tokens, seconds, stall,
-            sum(s.requests) - r0, sum(s.hits) - h0, sum(s.misses) - m0, sum(s.collision_misses) - c0,
+            _total(s.requests) - r0, _total(s.hits) - h0, _total(s.misses) - m0, _total(s.collision_misses) - c0,
         ))
         self.current_pass = None
         if self._uncounted is not None:
             s.restore(self._uncounted)
             self._uncounted = None
-            for ent in self.entries.values():  # its prefetches were not counted issued: nor used nor wasted
-                if ent.prefetched and not ent.used:
+            for ent in self._slot:  # its prefetches were not counted issued: nor used nor wasted
+                if ent is not None and ent.prefetched and not ent.used:
                     ent.prefetched = False
 
     # ---- one MoE layer call: named steps --------------------------------------------------------
@@ -385,10 +395,9 @@ class CacheManager:
             self.predicted[layer] = set(experts)
         else:
             pred.update(experts)
-        entries = self.entries
         for e in experts:
             key = base + e
-            if key in entries:
+            if self.entry(key) is not None:
                 continue
             if pool.on_admit is not None:
                 pool.on_admit(key)
@@ -401,6 +410,19 @@ class CacheManager:
             st.count_precision(prec, nbytes, fetched=False)
 
     # ---- residency ------------------------------------------------------------------------------
+    @property
+    def entries(self) -> dict:
+        """The resident (or arriving) entries by key, ascending: a new dict per read (for checks, tests and
+        results; the request path reads ``_slot``)."""
+        return {k: ent for k, ent in enumerate(self._slot) if ent is not None}
+
+    @cython.ccall
+    def entry(self, key: cython.longlong):
+        """``key``'s entry, or None when it is not in the cache (or not a key of this model)."""
+        if key < 0 or key >= len(self._slot):
+            return None
+        return self._slot[key]
+
     @cython.boundscheck(True)
     def pin(self, key: cython.longlong):
         """``key`` stays resident until the running layer call finishes."""
@@ -434,7 +456,6 @@ class CacheManager:
         ent.key, ent.layer, ent.nbytes, ent.pool, ent.transfer = key, layer, nbytes, pool, transfer
         ent.prefetched, ent.used, ent.precision = prefetched, False, precision
         ent.bits, ent.since = self._bits_of[precision], self.pass_index
-        self.entries[key] = ent
         self._slot[key] = ent
         pool.used += nbytes
         self.used_bytes += nbytes
@@ -448,7 +469,9 @@ class CacheManager:
     @cython.ccall
     @cython.boundscheck(True)  # a key outside the model is an IndexError, never a stray write
     def evict(self, key):
-        ent: Entry = self.entries.pop(key)
+        ent: Entry = self._slot[key]
+        if ent is None:
+            raise KeyError(key)
         self._slot[ent.key] = None
         ent.pool.used -= ent.nbytes
         self.used_bytes -= ent.nbytes
@@ -466,8 +489,8 @@ class CacheManager:
     # ---- end of run and checks ------------------------------------------------------------------
     def finalize(self) -> None:
         """At the end of a run, prefetched experts never used count as wasted."""
-        for ent in self.entries.values():
-            if ent.prefetched and not ent.used:
+        for ent in self._slot:
+            if ent is not None and ent.prefetched and not ent.used:
                 self.stats.prefetch_wasted[ent.layer] += 1
                 ent.used = True
 

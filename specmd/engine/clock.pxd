@@ -35,6 +35,9 @@ cdef class Clock:
     cpdef host(self, slots, experts)
     cpdef dense(self, layer, tokens, context)
     cpdef experts(self, slots, experts, unpacked=*)
+    cpdef mark(self)
+    cpdef since(self, mark)
+    cpdef tail(self, tokens, context)
 
 cdef class SimClock(Clock):
     cdef public object geom
@@ -61,6 +64,8 @@ cdef class SimClock(Clock):
     cdef double _dtype_bytes
     cdef list _dense_params
     cdef list _attn_layers
+    cdef double _tail_params
+    cdef double _tail_attn_layers
     cpdef double wait_until(self, double t)
     cdef double _dense_time(self, double params, double attn_layers, double tokens, double context)
     cdef double _experts_time(self, double s, double n)

@@ -174,11 +174,13 @@ class Clock:
         """Stall compute until every handle in ``handles`` is done; returns the stall added (seconds)."""
         raise NotImplementedError
 
+    @cython.ccall
     def mark(self):
         """An opaque mark of now, for :meth:`since` (a forward pass's start)."""
         raise NotImplementedError
 
-    def since(self, mark) -> tuple[float, float]:
+    @cython.ccall
+    def since(self, mark):
         """(seconds elapsed, stall seconds added) since ``mark``."""
         raise NotImplementedError
 
@@ -213,7 +215,8 @@ class Clock:
         """A layer's routed experts on the device: ``slots`` token-expert pairs over ``experts`` experts, of
         which ``unpacked`` run from a stored low-precision copy (unpacked first)."""
 
-    def tail(self, tokens: int, context: int) -> None:
+    @cython.ccall
+    def tail(self, tokens, context):
         """Everything after the last MoE layer (trailing dense layers, final norm, LM head)."""
 
 
@@ -252,6 +255,8 @@ class SimClock(Clock):
         self._dtype_bytes = geom.dtype_bytes
         self._dense_params = list(geom.dense_params)
         self._attn_layers = list(geom.attn_layers)
+        self._tail_params = geom.tail_params
+        self._tail_attn_layers = geom.tail_attn_layers
 
     @classmethod
     def from_hardware(cls, geom, hw, policies: dict | None = None):
@@ -311,10 +316,12 @@ class SimClock(Clock):
                 t = h.ready_at
         return self.wait_until(t)
 
-    def mark(self) -> tuple[float, float]:
+    @cython.ccall
+    def mark(self):
         return self.now, self.stall_s
 
-    def since(self, mark) -> tuple[float, float]:
+    @cython.ccall
+    def since(self, mark):
         return self.now - mark[0], self.stall_s - mark[1]
 
     @cython.ccall
@@ -379,7 +386,7 @@ class SimClock(Clock):
     def predicted(self):
         self.predictions += 1
 
-    def tail(self, tokens: int, context: int) -> None:
-        g = self.geom
-        self.now += (self._dense_time(g.tail_params, g.tail_attn_layers, tokens, context)
+    @cython.ccall
+    def tail(self, tokens, context):
+        self.now += (self._dense_time(self._tail_params, self._tail_attn_layers, tokens, context)
                      + tokens * self.token_overhead)

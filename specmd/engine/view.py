@@ -52,8 +52,8 @@ class CacheView:
         m = self._m
         E = m.geom.num_experts
         base = layer * E
-        entries = m.entries
-        return [e for e in range(E) if base + e in entries]
+        entry = m.entry
+        return [e for e in range(E) if entry(base + e) is not None]
 
     def resident(self, layer: int) -> list[int]:
         """Experts of ``layer`` whose bytes are on the device now."""
@@ -61,28 +61,29 @@ class CacheView:
         E = m.geom.num_experts
         base = layer * E
         done = m.clock.done
+        entry = m.entry
         out = []
         for e in range(E):
-            ent = m.entries.get(base + e)
+            ent = entry(base + e)
             if ent is not None and (ent.transfer is None or done(ent.transfer)):
                 out.append(e)
         return out
 
     def __contains__(self, key: int) -> bool:
-        return key in self._m.entries
+        return self._m.entry(key) is not None
 
     def precision(self, key: int) -> Optional[str]:
-        ent = self._m.entries.get(key)
+        ent = self._m.entry(key)
         return None if ent is None else ent.precision
 
     def bits(self, key: int) -> Optional[int]:
-        ent = self._m.entries.get(key)
+        ent = self._m.entry(key)
         return None if ent is None else ent.bits
 
     def nbytes(self, key: int) -> Optional[int]:
-        ent = self._m.entries.get(key)
+        ent = self._m.entry(key)
         return None if ent is None else ent.nbytes
 
     def in_flight(self, key: int) -> bool:
-        ent = self._m.entries.get(key)
+        ent = self._m.entry(key)
         return ent is not None and ent.transfer is not None and not self._m.clock.done(ent.transfer)

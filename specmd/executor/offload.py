@@ -413,14 +413,15 @@ class Offload(Executor):
         ``contents``, each copy's bytes are its expert's (arrived copies, compared with the host tier)."""
         cache = self.stack.cache
         held = {k for k, o in enumerate(self.at) if o >= 0}
-        entries = set(cache.entries)
+        resident = cache.entries  # (a new dict per read)
+        entries = set(resident)
         if held != entries:
             raise AssertionError(f"arena holds {sorted(held - entries)[:8]} the engine does not; engine holds "
                                  f"{sorted(entries - held)[:8]} the arena does not")
         for key in held:
-            if self.prec_of[key] != cache.entries[key].precision:
+            if self.prec_of[key] != resident[key].precision:
                 raise AssertionError(f"key {key}: the arena holds {self.prec_of[key]}, the engine "
-                                     f"{cache.entries[key].precision}")
+                                     f"{resident[key].precision}")
         for pi, pool in enumerate(cache.pools):
             arena = self.pools[pi]
             if arena.used > pool.capacity:
