@@ -49,8 +49,8 @@ ENV = "SPECMD_PURE_PYTHON"
 
 # Compiled modules, by the package-relative path of their source. Built-in policies: every module of a
 # policy family's package (a new built-in policy file is compiled without being listed here).
-ENGINE = ("engine/cache.py", "engine/clock.py", "engine/engine.py", "engine/geometry.py", "engine/outcomes.py",
-          "engine/record.py", "engine/stats.py", "engine/store.py", "engine/view.py",
+ENGINE = ("engine/cache.py", "engine/clock.py", "engine/engine.py", "engine/geometry.py", "engine/hooks.py",
+          "engine/outcomes.py", "engine/record.py", "engine/stats.py", "engine/store.py", "engine/view.py",
           "replay/driver.py", "replay/future.py", "hook/stack.py", "policies/base.py")
 POLICY_DIRS = ("policies/eviction", "policies/miss", "policies/prefetch", "policies/routing")
 

@@ -48,7 +48,13 @@ class Registry(Generic[T]):
         def deco(cls: type[T]) -> type[T]:
             if name in self._classes and self._classes[name] is not cls:
                 raise ValueError(f"{self.family} policy {name!r} registered twice")
-            cls.name = name
+            if cls.__dict__.get("name") != name:
+                try:
+                    cls.name = name
+                except TypeError:  # an extension type (a compiled policy): its attributes are fixed
+                    raise TypeError(f"{self.family} policy {cls.__qualname__} is an extension type, whose "
+                                    f"attributes cannot be set after its class statement: name it in its class "
+                                    f"body (name = {name!r})") from None
             self._classes[name] = cls
             return cls
 

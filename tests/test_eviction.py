@@ -764,3 +764,44 @@ def test_lazy_heap_answers_like_a_scan_and_stays_small():
         assert ent == want
         assert len(heap) <= 2 * 40 + 65  # live at the last rebuild + pushes since (<= live + 64): O(keys)
     assert rebuilt > 100
+
+
+def test_key_list_keeps_a_dicts_order_through_random_operations():
+    """KeyList (FIFO, LRU): the order an insertion-ordered dict keeps (append, delete, delete-and-append for a
+    move), through 20,000 random operations that grow its arrays past their first size; ``first`` is the first
+    accepted key from the front; a key listed twice, removed unlisted or negative is an error, never a
+    silent corruption."""
+    import random
+
+    from specmd.policies.eviction.base import KeyList
+
+    rng = random.Random(1)
+    lst, model = KeyList(4), {}
+    for step in range(20000):
+        key = rng.randrange(300)
+        op = rng.random()
+        if key not in model:
+            lst.push_back(key)
+            model[key] = None
+        elif op < 0.4:
+            lst.remove(key)
+            del model[key]
+        else:
+            lst.move_back(key)
+            del model[key]
+            model[key] = None
+        if step % 97 == 0:
+            assert list(lst) == list(model) and len(lst) == len(model)
+            pinned = set(rng.sample(range(300), 150))
+            assert lst.first(lambda k: k not in pinned) == next((k for k in model if k not in pinned), None)
+            assert all((k in lst) == (k in model) for k in range(-2, 310))
+    some = next(iter(model))
+    with pytest.raises(KeyError):
+        lst.push_back(some)
+    with pytest.raises(KeyError):
+        lst.remove(next(k for k in range(300) if k not in model))
+    with pytest.raises(IndexError):
+        lst.push_back(-1)
+    with pytest.raises(KeyError):
+        lst.remove(-1)
+    assert list(lst) == list(model)

@@ -163,8 +163,9 @@ def test_a_module_built_against_a_stale_one_runs_its_source_too(tmp_path):
     """cache.pxd cimports clock's and stats' declarations and engine.pxd cimports cache's: a compiled cache
     beside a pure clock would not load (its C calls expect the compiled clock), so it runs as source too, and
     so does the engine; an edited .pxd makes its own module stale."""
-    assert set(native.cimports("engine/cache.py")) == {"engine/clock.py", "engine/stats.py"}
+    assert set(native.cimports("engine/cache.py")) == {"engine/clock.py", "engine/hooks.py", "engine/stats.py"}
     assert "engine/cache.py" in native.cimports("engine/engine.py")
+    assert native.cimports("policies/eviction/lru.py") == ["policies/eviction/fifo.py"]
     pkg = _package_copy(tmp_path, with_build=True)
     src = "engine/clock.py"
     (pkg / src).write_text((pkg / src).read_text() + "\n# edited\n")
@@ -180,6 +181,15 @@ def test_a_module_built_against_a_stale_one_runs_its_source_too(tmp_path):
     mod, warned = _select(pkg)
     assert mod.STATE["specmd.engine.stats"] == "pure" and mod.STATE["specmd.engine.cache"] == "pure"
     assert "older than their sources: engine/stats.py" in warned[0]
+
+    # the eviction hooks: the manager and the policies compiled as extension types are built against them
+    pkg = _package_copy(tmp_path / "hooks", with_build=True)
+    (pkg / "engine/hooks.py").write_text((pkg / "engine/hooks.py").read_text() + "\n# edited\n")
+    mod, warned = _select(pkg)
+    pure = {n for n, v in mod.STATE.items() if v == "pure"}
+    assert {"specmd.engine.hooks", "specmd.engine.cache", "specmd.engine.engine", "specmd.policies.eviction.base",
+            "specmd.policies.eviction.fifo", "specmd.policies.eviction.lru"} <= pure
+    assert mod.STATE["specmd.policies.eviction.lfu"] == "compiled"  # a Python class: imports its base at run time
 
 
 @pytest.mark.skipif(FORCED, reason="needs the built extensions")
@@ -340,3 +350,51 @@ def test_a_users_policy_file_runs_in_the_compiled_engine(tmp_path):
     finally:
         EVICTION._classes.pop("test_mru", None)
         sys.modules.pop("my_policy", None)
+
+
+def test_compiled_policies_hooks_are_called_in_c_and_python_overrides_stay_python():
+    """The manager calls a pool's hooks in C only when each is an extension type's own method (LRU, FIFO
+    compiled); a Python class overriding any of them (a user's LRU-like subclass) is called through its bound
+    Python methods, and gives the same answers. Where the engine runs as source nothing is called in C."""
+    from specmd.engine.hooks import compiled_hooks
+    from specmd.policies.eviction import EVICTION
+    from specmd.policies.eviction.fifo import FIFO
+    from specmd.policies.eviction.lru import LRU
+
+    class Tracing(LRU):  # a Python override of one hook
+        def on_access(self, key):
+            self.seen = getattr(self, "seen", 0) + 1
+            LRU.on_access(self, key)
+
+    class Plain(LRU):  # a Python subclass that overrides no hook
+        pass
+
+    compiled = not FORCED and native.loaded("specmd.policies.eviction.lru") == "compiled"
+    assert compiled_hooks(LRU()) is compiled and compiled_hooks(FIFO()) is compiled
+    assert compiled_hooks(Plain()) is compiled
+    assert compiled_hooks(Tracing()) is False
+    assert compiled_hooks(EVICTION.get("lfu")()) is False  # a Python class on the compiled base
+    # the same requests through each: identical victims
+    answers = []
+    for pol in (LRU(), Plain(), Tracing()):
+        for k in (5, 1, 9, 3):
+            pol.on_insert(k, False)
+        pol.on_access(1)
+        pol.on_access(5)
+        pol.on_remove(9)
+        answers.append([pol.victim(lambda k: True), pol.victim(lambda k: k != 3)])
+    assert answers == [[3, 1]] * 3
+
+
+def test_an_extension_type_policy_names_itself_in_its_class_body():
+    """A compiled policy's class cannot be given attributes after its class statement: registering it under
+    another name than its body's is a TypeError saying so (a Python class is named by the registry)."""
+    from specmd.policies.eviction.lru import LRU
+    from specmd.registry import Registry
+
+    reg = Registry("eviction", "specmd.policies.eviction")
+    assert reg.register("lru")(LRU) is LRU and LRU.name == "lru"
+    if native.loaded("specmd.policies.eviction.lru") == "compiled":
+        with pytest.raises(TypeError, match="name it in its class body"):
+            reg.register("other")(LRU)
+    assert LRU.name == "lru"

@@ -4,6 +4,7 @@
 # cache.py runs as source (and this one whenever clock.py or stats.py does).
 
 from specmd.engine.clock cimport Clock
+from specmd.engine.hooks cimport EvictionHooks, Evictable
 from specmd.engine.stats cimport CacheStats
 
 
@@ -14,6 +15,8 @@ cdef class Pool:
     cdef public long long capacity
     cdef public long long used
     cdef public object policy
+    cdef public bint native  # the policy's hooks are C methods (hooks.compiled_hooks): called through ``hooks``
+    cdef public EvictionHooks hooks  # the policy, typed (None unless ``native``)
     cdef public object on_miss
     cdef public object on_admit
     cdef public object on_layer
@@ -57,6 +60,10 @@ cdef class LayerCall:
     cpdef fetch_many(self, experts, precision)
 
 
+cdef class _Evictable(Evictable):
+    cdef CacheManager _m
+
+
 cdef class CacheManager:
     cdef public object geom
     cdef public object precisions
@@ -83,7 +90,7 @@ cdef class CacheManager:
     cdef public object view
     cdef public object _default_fetch
     cdef long long _E
-    cdef object _evictable
+    cdef _Evictable _evictable
     cpdef begin_pass(self, kind, tokens, context)
     cpdef end_pass(self)
     cpdef LayerCall serve(self, long layer, experts, record=*, index=*, weights=*)

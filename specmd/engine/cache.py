@@ -26,6 +26,7 @@ import cython
 
 from .clock import Clock
 from .geometry import Geometry
+from .hooks import EvictionHooks, Evictable, compiled_hooks
 from .outcomes import NATIVE, Execution, Fetched
 from .stats import CacheStats, PassRecord
 from .store import StoreSizes
@@ -53,7 +54,10 @@ class Pool:
         self.capacity = capacity
         self.used = 0
         self.policy = policy
-        # the hooks called per request, bound once (no attribute lookup per call)
+        # The hooks called per request: in C when the policy's class compiles them (``hooks``: the policy,
+        # typed; ``native``), else its bound Python methods, bound once (no attribute lookup per call).
+        self.native = compiled_hooks(policy)
+        self.hooks = policy if self.native else None
         self.on_insert = policy.on_insert
         self.on_access = policy.on_access
         self.on_remove = policy.on_remove
@@ -171,6 +175,19 @@ class LayerCall:
 
 
 @cython.cclass
+class _Evictable(Evictable):
+    """The manager's answer to a policy's ``evictable(key)`` (:meth:`CacheManager.evictable`), without
+    handing the policy the manager."""
+
+    def __init__(self, manager):
+        self._m = manager
+
+    @cython.ccall
+    def ok(self, key: cython.longlong) -> cython.bint:
+        return self._m.evictable(key)
+
+
+@cython.cclass
 class CacheManager:
     """Residency and accounting of every request. (Fields: ``cache.pxd``.)"""
 
@@ -215,7 +232,7 @@ class CacheManager:
         self._E = geom.num_experts
         self._bytes_of = self.precisions.bytes_of  # (the store's own dicts, typed for the request path)
         self._bits_of = self.precisions.bits_of
-        self._evictable = self.evictable  # the bound method policies' ``victim`` calls, made once
+        self._evictable = _Evictable(self)  # what policies' ``victim`` asks, made once
         for pool in self.pools:
             pool.policy.attach(self.view, pool.capacity)
 
@@ -304,7 +321,10 @@ class CacheManager:
         key: cython.longlong
         ent: Entry
         hits: cython.long = 0
-        on_access = call.pool.on_access
+        pool: Pool = call.pool
+        native: cython.bint = pool.native
+        hooks: EvictionHooks = pool.hooks
+        on_access = pool.on_access
         clock: Clock = self.clock
         missing = None
         for e in experts:
@@ -327,13 +347,19 @@ class CacheManager:
                     ent.used = True
                     if ent.prefetched:  # not a prefetch of a pass that did not count (measure=decode)
                         st.prefetch_used[layer] += 1
-                    on_access(key)
+                    if native:
+                        hooks.on_access(key)
+                    else:
+                        on_access(key)
                     continue
             if ent.prefetched and not ent.used:
                 st.prefetch_used[layer] += 1
             ent.used = True
             hits += 1
-            on_access(key)
+            if native:
+                hooks.on_access(key)
+            else:
+                on_access(key)
         st.requests[layer] += len(experts)
         st.hits[layer] += hits
         return missing
@@ -441,8 +467,9 @@ class CacheManager:
         if nbytes > pool.capacity:
             return False
         evictable = self._evictable
+        hooks: EvictionHooks = pool.hooks
         while pool.capacity - pool.used < nbytes:
-            victim = pool.victim(evictable)
+            victim = hooks.victim(evictable) if pool.native else pool.victim(evictable)
             if victim is None:
                 return False
             self.evict(victim)
@@ -459,7 +486,10 @@ class CacheManager:
         self._slot[key] = ent
         pool.used += nbytes
         self.used_bytes += nbytes
-        pool.on_insert(key, prefetched)
+        if pool.native:
+            pool.hooks.on_insert(key, prefetched)
+        else:
+            pool.on_insert(key, prefetched)
         if self.events is not None:
             self.events.inserted(key, layer, precision, prefetched)
         if self.used_bytes > self.stats.peak_bytes:
@@ -475,7 +505,11 @@ class CacheManager:
         self._slot[ent.key] = None
         ent.pool.used -= ent.nbytes
         self.used_bytes -= ent.nbytes
-        ent.pool.on_remove(key)
+        pool: Pool = ent.pool
+        if pool.native:
+            pool.hooks.on_remove(ent.key)
+        else:
+            pool.on_remove(key)
         if self.events is not None:
             self.events.evicted(key)
         self._evicted_at[ent.key] = self.pass_index

@@ -21,12 +21,15 @@ in-flight state). A policy never sees the cache manager, and nothing tells it wh
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
 from heapq import heapify, heappop, heappush
 from typing import Any, Callable, Optional
 
+import cython
+
+from ...engine.hooks import Evictable, EvictionHooks, as_evictable
 from ...registry import Registry
-from ..base import Policy
 
 
 class KeySpace:
@@ -42,12 +45,28 @@ class KeySpace:
         return divmod(key, self.num_experts)
 
 
-class EvictionPolicy(Policy):
+@cython.cclass
+class EvictionPolicy(EvictionHooks):
+    """The base of every eviction policy: a :class:`~specmd.policies.base.Policy` (``name``, ``Params``,
+    ``params``, ``setup``, ``needs_future``) whose per-request hooks the cache manager may call in C
+    (:mod:`specmd.engine.hooks`). An extension type cannot derive from the Python class ``Policy``, so it
+    carries Policy's members itself. A subclass written as a plain Python class (a user's policy) works
+    unchanged; a built-in policy compiled as an extension type has a ``.pxd`` beside its file (``lru.pxd``)
+    and names itself in its class body (``name = "lru"``: an extension type's attributes cannot be set
+    after its class statement, so the registry checks the name instead of setting it)."""
+
+    name = None
+    Params = None
+    needs_future = False  # oracles: only a trace replay can run them
+
     def __init__(self, params: Any = None):
-        super().__init__(params)
+        self.params = params
         self.keys: Optional[KeySpace] = None
         self.view = None
         self.capacity = 0
+
+    def setup(self, model: Any) -> None:
+        """Called once with the :class:`~specmd.engine.ModelView` when the engine is built."""
 
     def attach(self, view: Any, capacity: int) -> None:
         """Called once by the engine: ``capacity`` is this instance's byte budget."""
@@ -63,17 +82,7 @@ class EvictionPolicy(Policy):
                   else self.view.geometry.expert_bytes)
         return max(1, self.capacity // nbytes)
 
-    def on_insert(self, key: int, prefetch: bool) -> None:
-        raise NotImplementedError
-
-    def on_access(self, key: int) -> None:
-        raise NotImplementedError
-
-    def on_remove(self, key: int) -> None:
-        raise NotImplementedError
-
-    def victim(self, evictable: Callable[[int], bool]) -> Optional[int]:
-        raise NotImplementedError
+    # on_insert(key, prefetch), on_access(key), on_remove(key), victim(evictable): EvictionHooks'
 
     def on_miss(self, key: int) -> None:
         pass
@@ -98,29 +107,125 @@ class EvictionPolicy(Policy):
         pass
 
 
+@cython.cclass
 class OrderedEviction(EvictionPolicy):
     """Keeps the pool's resident keys in one insertion-ordered dict, ``_order``. By default the first
-    evictable key of it is the victim (FIFO; LRU reorders it on access); ranking policies (LFU, FLD,
-    score, ml) override ``victim`` and rank its keys."""
+    evictable key of it is the victim (FIFO order; a subclass may reorder it on access); ranking policies
+    (LFU, score, ml) override ``victim`` and rank its keys."""
 
     def __init__(self, params=None):
         super().__init__(params)
         self._order: dict[int, None] = {}
 
-    def on_insert(self, key, prefetch):
+    @cython.ccall
+    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
         self._order[key] = None
 
-    def on_access(self, key):
+    @cython.ccall
+    def on_access(self, key: cython.longlong):
         pass
 
-    def on_remove(self, key):
+    @cython.ccall
+    def on_remove(self, key: cython.longlong):
         del self._order[key]
 
+    @cython.ccall
     def victim(self, evictable):
+        ev: Evictable = as_evictable(evictable)
         for key in self._order:
-            if evictable(key):
+            if ev.ok(key):
                 return key
         return None
+
+
+@cython.cclass
+class KeyList:
+    """The resident keys in one order, as a doubly linked list over per-key arrays (libCacheSim's queue):
+    append, remove and move-to-back are O(1) with no allocation, and :meth:`first` walks from the front
+    asking ``evictable`` in C. The arrays grow to the largest key seen. FIFO and LRU keep their order here.
+    (Compiled, the arrays are typed memoryview fields, ``base.pxd``: indexing them is C.)"""
+
+    def __init__(self, keys: int = 0):
+        self._next = array("q", [-2]) * max(keys, 1)  # per key: the next key; -1: none (the back); -2: not listed
+        self._prev = array("q", [-2]) * max(keys, 1)
+        self.front = -1
+        self.back = -1
+        self.size = 0
+
+    def _grow(self, key: cython.longlong):
+        old = len(self._next)
+        n = max(key + 1, 2 * old)
+        nxt, prv = array("q", [-2]) * n, array("q", [-2]) * n
+        for i in range(old):
+            nxt[i] = self._next[i]
+            prv[i] = self._prev[i]
+        self._next, self._prev = nxt, prv
+
+    @cython.ccall
+    @cython.boundscheck(True)  # a negative key is an IndexError, never a stray write
+    def push_back(self, key: cython.longlong):
+        if key < 0:
+            raise IndexError(f"key {key} < 0")
+        if key >= len(self._next):
+            self._grow(key)
+        if self._next[key] != -2:
+            raise KeyError(f"key {key} is already in the list")
+        self._next[key] = -1
+        self._prev[key] = self.back
+        if self.back >= 0:
+            self._next[self.back] = key
+        else:
+            self.front = key
+        self.back = key
+        self.size += 1
+
+    @cython.ccall
+    @cython.boundscheck(True)
+    def remove(self, key: cython.longlong):
+        if key < 0 or key >= len(self._next) or self._next[key] == -2:
+            raise KeyError(key)
+        after: cython.longlong = self._next[key]
+        before: cython.longlong = self._prev[key]
+        if before >= 0:
+            self._next[before] = after
+        else:
+            self.front = after
+        if after >= 0:
+            self._prev[after] = before
+        else:
+            self.back = before
+        self._next[key] = -2
+        self._prev[key] = -2
+        self.size -= 1
+
+    @cython.ccall
+    def move_back(self, key: cython.longlong):
+        if key != self.back:
+            self.remove(key)
+            self.push_back(key)
+
+    @cython.ccall
+    def first(self, evictable):
+        """The first key from the front that ``evictable`` accepts, or None."""
+        ev: Evictable = as_evictable(evictable)
+        key: cython.longlong = self.front
+        while key >= 0:
+            if ev.ok(key):
+                return key
+            key = self._next[key]
+        return None
+
+    def __iter__(self):
+        key = self.front
+        while key >= 0:
+            yield key
+            key = self._next[key]
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __contains__(self, key) -> bool:
+        return 0 <= key < len(self._next) and self._next[key] != -2
 
 
 def argmin_key(candidates, evictable, rank):

@@ -1,7 +1,37 @@
-from .base import EVICTION, OrderedEviction
+import cython
+
+from .base import EVICTION, EvictionPolicy, KeyList
 
 
-@EVICTION.register("fifo")
-class FIFO(OrderedEviction):
+@cython.cclass
+class FIFO(EvictionPolicy):
     """First in, first out: the expert resident longest is evicted; hits do not reorder.
-    Within one layer call, insertion is in ascending expert index (lower index leaves first)."""
+    Within one layer call, insertion is in ascending expert index (lower index leaves first).
+
+    The order is a :class:`~.base.KeyList` (O(1) per request, no allocation). Compiled, this class is an
+    extension type (``fifo.pxd``) whose hooks the cache manager calls in C."""
+
+    name = "fifo"
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self._list = KeyList()
+
+    @cython.ccall
+    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
+        self._list.push_back(key)
+
+    @cython.ccall
+    def on_access(self, key: cython.longlong):
+        pass
+
+    @cython.ccall
+    def on_remove(self, key: cython.longlong):
+        self._list.remove(key)
+
+    @cython.ccall
+    def victim(self, evictable):
+        return self._list.first(evictable)
+
+
+EVICTION.register("fifo")(FIFO)  # (a statement, not a decorator: Cython takes no decorator on an extension type)

@@ -1,0 +1,5 @@
+# FIFO as an extension type (Cython reads this beside fifo.py; plain Python never does). LRU derives from it.
+from specmd.policies.eviction.base cimport EvictionPolicy, KeyList
+
+cdef class FIFO(EvictionPolicy):
+    cdef public KeyList _list
