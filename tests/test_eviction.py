@@ -766,42 +766,53 @@ def test_lazy_heap_answers_like_a_scan_and_stays_small():
     assert rebuilt > 100
 
 
-def test_key_list_keeps_a_dicts_order_through_random_operations():
-    """KeyList (FIFO, LRU): the order an insertion-ordered dict keeps (append, delete, delete-and-append for a
-    move), through 20,000 random operations that grow its arrays past their first size; ``first`` is the first
-    accepted key from the front; a key listed twice, removed unlisted or negative is an error, never a
-    silent corruption."""
+def test_key_lists_keep_dicts_orders_through_random_operations():
+    """KeyLists (FIFO, LRU, FLD, Least-Stale): each list keeps the order an insertion-ordered dict keeps
+    (append, delete, delete-and-append for a move, ``update`` + ``clear`` for a splice), a key in one list at
+    a time, through 20,000 random operations that grow the arrays past their first size; ``first`` is the
+    first accepted key from a list's front; a key listed twice, removed unlisted or negative is an error,
+    never a silent corruption."""
     import random
 
-    from specmd.policies.eviction.base import KeyList
+    from specmd.policies.eviction.base import KeyLists
 
     rng = random.Random(1)
-    lst, model = KeyList(4), {}
+    lists, models = KeyLists(3, keys=4), [{}, {}, {}]
+    where = {}
     for step in range(20000):
-        key = rng.randrange(300)
-        op = rng.random()
-        if key not in model:
-            lst.push_back(key)
-            model[key] = None
+        key, lst, op = rng.randrange(300), rng.randrange(3), rng.random()
+        if op < 0.01:  # splice a whole list onto another
+            src, dst = rng.sample(range(3), 2)
+            lists.splice(src, dst)
+            for k in models[src]:
+                where[k] = dst
+            models[dst].update(models[src])
+            models[src].clear()
+        elif key not in where:
+            lists.push_back(key, lst)
+            models[lst][key] = None
+            where[key] = lst
         elif op < 0.4:
-            lst.remove(key)
-            del model[key]
+            lists.remove(key)
+            del models[where.pop(key)][key]
         else:
-            lst.move_back(key)
-            del model[key]
-            model[key] = None
+            lists.move_back(key, lst)
+            del models[where[key]][key]
+            models[lst][key] = None
+            where[key] = lst
         if step % 97 == 0:
-            assert list(lst) == list(model) and len(lst) == len(model)
-            pinned = set(rng.sample(range(300), 150))
-            assert lst.first(lambda k: k not in pinned) == next((k for k in model if k not in pinned), None)
-            assert all((k in lst) == (k in model) for k in range(-2, 310))
-    some = next(iter(model))
+            for i in range(3):
+                assert lists.keys(i) == list(models[i]) and lists.size(i) == len(models[i])
+                pinned = set(rng.sample(range(300), 150))
+                assert lists.first(i, lambda k: k not in pinned) == next((k for k in models[i] if k not in pinned), None)
+            assert all(lists.owner(k) == where.get(k, -1) for k in range(-2, 310))
+    some = next(iter(where))
     with pytest.raises(KeyError):
-        lst.push_back(some)
+        lists.push_back(some, 0)
     with pytest.raises(KeyError):
-        lst.remove(next(k for k in range(300) if k not in model))
+        lists.remove(next(k for k in range(300) if k not in where))
     with pytest.raises(IndexError):
-        lst.push_back(-1)
+        lists.push_back(-1, 0)
     with pytest.raises(KeyError):
-        lst.remove(-1)
-    assert list(lst) == list(model)
+        lists.remove(-1)
+    assert [lists.keys(i) for i in range(3)] == [list(m) for m in models]

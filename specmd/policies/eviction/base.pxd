@@ -12,13 +12,28 @@ cdef class OrderedEviction(EvictionPolicy):
     cdef public dict _order
 
 
-cdef class KeyList:
+cdef class KeyLists:
     cdef long long[:] _next
     cdef long long[:] _prev
-    cdef public long long front
-    cdef public long long back
-    cdef public long long size
-    cpdef push_back(self, long long key)
+    cdef long long[:] _owner
+    cdef long long[:] _front
+    cdef long long[:] _back
+    cdef long long[:] _size
+    cpdef push_back(self, long long key, long lst=*)
     cpdef remove(self, long long key)
-    cpdef move_back(self, long long key)
-    cpdef first(self, evictable)
+    cpdef discard(self, long long key)
+    cpdef move_back(self, long long key, long lst=*)
+    cpdef splice(self, long src, long dst)
+    cpdef first(self, long lst, evictable)
+    cpdef long long owner(self, long long key)
+
+
+cdef class LayerQueues:
+    cdef public long num_layers
+    cdef public KeyLists lists
+    cdef public object order
+    cdef dict _scans
+    cpdef add(self, long layer, long long key, long kind=*)
+    cpdef discard(self, long long key)
+    cpdef merge(self, long src, long dst)
+    cpdef first(self, long current, evictable, long kind=*)

@@ -139,93 +139,138 @@ class OrderedEviction(EvictionPolicy):
 
 
 @cython.cclass
-class KeyList:
-    """The resident keys in one order, as a doubly linked list over per-key arrays (libCacheSim's queue):
-    append, remove and move-to-back are O(1) with no allocation, and :meth:`first` walks from the front
-    asking ``evictable`` in C. The arrays grow to the largest key seen. FIFO and LRU keep their order here.
+class KeyLists:
+    """Ordered lists of keys, each key in at most one of them: doubly linked lists over per-key arrays
+    (libCacheSim's queues). Appending, removing, moving a key to a list's back and splicing a whole list onto
+    another's back are O(1) (a splice: O(its length) to re-own its keys), with no allocation per request;
+    :meth:`first` walks a list from the front asking ``evictable`` in C. The per-key arrays grow to the
+    largest key seen. FIFO and LRU keep one list; :class:`LayerQueues` one per layer (and kind).
     (Compiled, the arrays are typed memoryview fields, ``base.pxd``: indexing them is C.)"""
 
-    def __init__(self, keys: int = 0):
-        self._next = array("q", [-2]) * max(keys, 1)  # per key: the next key; -1: none (the back); -2: not listed
-        self._prev = array("q", [-2]) * max(keys, 1)
-        self.front = -1
-        self.back = -1
-        self.size = 0
+    def __init__(self, lists: int = 1, keys: int = 0):
+        n = max(keys, 1)
+        self._next = array("q", [-2]) * n  # per key: the next key; -1: none (the back); -2: in no list
+        self._prev = array("q", [-1]) * n
+        self._owner = array("q", [-1]) * n  # per key: its list, -1: none
+        self._front = array("q", [-1]) * lists
+        self._back = array("q", [-1]) * lists
+        self._size = array("q", [0]) * lists
 
     def _grow(self, key: cython.longlong):
         old = len(self._next)
         n = max(key + 1, 2 * old)
-        nxt, prv = array("q", [-2]) * n, array("q", [-2]) * n
+        nxt, prv, own = array("q", [-2]) * n, array("q", [-1]) * n, array("q", [-1]) * n
         for i in range(old):
-            nxt[i] = self._next[i]
-            prv[i] = self._prev[i]
-        self._next, self._prev = nxt, prv
+            nxt[i], prv[i], own[i] = self._next[i], self._prev[i], self._owner[i]
+        self._next, self._prev, self._owner = nxt, prv, own
 
     @cython.ccall
-    @cython.boundscheck(True)  # a negative key is an IndexError, never a stray write
-    def push_back(self, key: cython.longlong):
+    @cython.boundscheck(True)  # a list out of range is an IndexError, never a stray write
+    def push_back(self, key: cython.longlong, lst: cython.long = 0):
+        """``key`` joins the back of list ``lst`` (a KeyError if it is in a list already)."""
         if key < 0:
             raise IndexError(f"key {key} < 0")
         if key >= len(self._next):
             self._grow(key)
-        if self._next[key] != -2:
-            raise KeyError(f"key {key} is already in the list")
+        if self._owner[key] >= 0:
+            raise KeyError(f"key {key} is already in list {self._owner[key]}")
+        back: cython.longlong = self._back[lst]
+        self._owner[key] = lst
         self._next[key] = -1
-        self._prev[key] = self.back
-        if self.back >= 0:
-            self._next[self.back] = key
+        self._prev[key] = back
+        if back >= 0:
+            self._next[back] = key
         else:
-            self.front = key
-        self.back = key
-        self.size += 1
+            self._front[lst] = key
+        self._back[lst] = key
+        self._size[lst] += 1
 
     @cython.ccall
     @cython.boundscheck(True)
     def remove(self, key: cython.longlong):
-        if key < 0 or key >= len(self._next) or self._next[key] == -2:
+        """``key`` leaves its list (a KeyError if it is in none)."""
+        if key < 0 or key >= len(self._next) or self._owner[key] < 0:
             raise KeyError(key)
+        lst: cython.longlong = self._owner[key]
         after: cython.longlong = self._next[key]
         before: cython.longlong = self._prev[key]
         if before >= 0:
             self._next[before] = after
         else:
-            self.front = after
+            self._front[lst] = after
         if after >= 0:
             self._prev[after] = before
         else:
-            self.back = before
+            self._back[lst] = before
         self._next[key] = -2
-        self._prev[key] = -2
-        self.size -= 1
+        self._prev[key] = -1
+        self._owner[key] = -1
+        self._size[lst] -= 1
 
     @cython.ccall
-    def move_back(self, key: cython.longlong):
-        if key != self.back:
+    def discard(self, key: cython.longlong):
+        """:meth:`remove` if ``key`` is in a list."""
+        if self.owner(key) >= 0:
             self.remove(key)
-            self.push_back(key)
 
     @cython.ccall
-    def first(self, evictable):
-        """The first key from the front that ``evictable`` accepts, or None."""
+    def move_back(self, key: cython.longlong, lst: cython.long = 0):
+        """``key`` moves to (or joins) the back of list ``lst``."""
+        if self.owner(key) == lst and self._back[lst] == key:
+            return
+        self.discard(key)
+        self.push_back(key, lst)
+
+    @cython.ccall
+    @cython.boundscheck(True)
+    def splice(self, src: cython.long, dst: cython.long):
+        """Every key of list ``src``, in order, joins the back of list ``dst``; ``src`` is left empty."""
+        head: cython.longlong = self._front[src]
+        if head < 0 or src == dst:
+            return
+        key: cython.longlong = head
+        while key >= 0:
+            self._owner[key] = dst
+            key = self._next[key]
+        back: cython.longlong = self._back[dst]
+        if back >= 0:
+            self._next[back] = head
+            self._prev[head] = back
+        else:
+            self._front[dst] = head
+        self._back[dst] = self._back[src]
+        self._size[dst] += self._size[src]
+        self._front[src] = self._back[src] = -1
+        self._size[src] = 0
+
+    @cython.ccall
+    def first(self, lst: cython.long, evictable):
+        """The first key of list ``lst``, from the front, that ``evictable`` accepts, or None."""
         ev: Evictable = as_evictable(evictable)
-        key: cython.longlong = self.front
+        key: cython.longlong = self._front[lst]
         while key >= 0:
             if ev.ok(key):
                 return key
             key = self._next[key]
         return None
 
-    def __iter__(self):
-        key = self.front
+    @cython.ccall
+    def owner(self, key: cython.longlong) -> cython.longlong:
+        """The list ``key`` is in, or -1."""
+        if key < 0 or key >= len(self._owner):
+            return -1
+        return self._owner[key]
+
+    def keys(self, lst: int = 0) -> list:
+        """List ``lst``'s keys, front to back."""
+        out, key = [], self._front[lst]
         while key >= 0:
-            yield key
+            out.append(key)
             key = self._next[key]
+        return out
 
-    def __len__(self) -> int:
-        return self.size
-
-    def __contains__(self, key) -> bool:
-        return 0 <= key < len(self._next) and self._next[key] != -2
+    def size(self, lst: int = 0) -> int:
+        return self._size[lst]
 
 
 def argmin_key(candidates, evictable, rank):
@@ -316,41 +361,59 @@ class LazyHeap:
             i += 1
 
 
+@cython.cclass
 class LayerQueues:
-    """One FIFO of keys per MoE layer (insertion-ordered dicts), searched layer by layer in an order that
-    depends on the layer being executed: the building block of the layer-aware policies (FLD,
-    Least-Stale). A victim search costs O(L) plus the pinned keys it skips, never a scan of the pool.
+    """One FIFO of keys per MoE layer and *kind* (:class:`KeyLists`: list ``kind * num_layers + layer``),
+    searched layer by layer in an order that depends on the layer being executed: the building block of the
+    layer-aware policies (FLD: one kind; Least-Stale: stale and current). A victim search costs O(L) plus the
+    pinned keys it skips, never a scan of the pool.
 
     ``order(current, num_layers)`` returns the layers in eviction order (first = evicted first); it is
     evaluated once per current layer and cached."""
 
-    __slots__ = ("fifo", "order", "_scans")
-
-    def __init__(self, num_layers: int, order: Callable[[int, int], list]):
-        self.fifo: list[dict[int, None]] = [{} for _ in range(num_layers)]
+    def __init__(self, num_layers: int, order: Callable[[int, int], list], kinds: int = 1):
+        self.num_layers = num_layers
+        self.lists = KeyLists(num_layers * kinds)
         self.order = order
-        self._scans: dict[int, list] = {}  # executing layer -> the FIFOs in eviction order
+        self._scans: dict = {}  # executing layer -> the layers in eviction order
 
-    def add(self, layer: int, key: int) -> None:
-        """``key`` joins the back of ``layer``'s FIFO (moves there if it is already in it)."""
-        q = self.fifo[layer]
-        q.pop(key, None)
-        q[key] = None
+    @cython.ccall
+    def add(self, layer: cython.long, key: cython.longlong, kind: cython.long = 0):
+        """``key`` joins the back of ``layer``'s FIFO of ``kind`` (moves there from wherever it is)."""
+        self.lists.move_back(key, kind * self.num_layers + layer)
 
-    def discard(self, layer: int, key: int) -> None:
-        self.fifo[layer].pop(key, None)
+    @cython.ccall
+    def discard(self, key: cython.longlong):
+        """``key`` leaves its FIFO, if it is in one."""
+        self.lists.discard(key)
 
-    def first(self, current: int, evictable: Callable[[int], bool]) -> Optional[int]:
-        """The first evictable key, layers in ``order(current)``, each layer's FIFO front to back."""
+    @cython.ccall
+    def merge(self, src: cython.long, dst: cython.long):
+        """Every layer's FIFO of kind ``src`` joins the back of the same layer's FIFO of kind ``dst``."""
+        L: cython.long = self.num_layers
+        layer: cython.long
+        for layer in range(L):
+            self.lists.splice(src * L + layer, dst * L + layer)
+
+    @cython.ccall
+    def first(self, current: cython.long, evictable, kind: cython.long = 0):
+        """The first evictable key of ``kind``, layers in ``order(current)``, each FIFO front to back."""
         scan = self._scans.get(current)
         if scan is None:
-            scan = self._scans[current] = [self.fifo[l] for l in self.order(current, len(self.fifo))]
-        for q in scan:
-            if q:
-                for key in q:
-                    if evictable(key):
-                        return key
+            scan = self._scans[current] = list(self.order(current, self.num_layers))
+        ev: Evictable = as_evictable(evictable)
+        lists: KeyLists = self.lists
+        base: cython.long = kind * self.num_layers
+        layer: cython.long
+        for layer in scan:
+            key = lists.first(base + layer, ev)
+            if key is not None:
+                return key
         return None
+
+    def keys(self, layer: int, kind: int = 0) -> list:
+        """``layer``'s FIFO of ``kind``, front to back."""
+        return self.lists.keys(kind * self.num_layers + layer)
 
 
 EVICTION: Registry[EvictionPolicy] = Registry("eviction", "specmd.policies.eviction")

@@ -1,5 +1,5 @@
 # FIFO as an extension type (Cython reads this beside fifo.py; plain Python never does). LRU derives from it.
-from specmd.policies.eviction.base cimport EvictionPolicy, KeyList
+from specmd.policies.eviction.base cimport EvictionPolicy, KeyLists
 
 cdef class FIFO(EvictionPolicy):
-    cdef public KeyList _list
+    cdef public KeyLists _list

@@ -1,6 +1,6 @@
 import cython
 
-from .base import EVICTION, EvictionPolicy, KeyList
+from .base import EVICTION, EvictionPolicy, KeyLists
 
 
 @cython.cclass
@@ -8,14 +8,14 @@ class FIFO(EvictionPolicy):
     """First in, first out: the expert resident longest is evicted; hits do not reorder.
     Within one layer call, insertion is in ascending expert index (lower index leaves first).
 
-    The order is a :class:`~.base.KeyList` (O(1) per request, no allocation). Compiled, this class is an
+    The order is one :class:`~.base.KeyLists` list (O(1) per request, no allocation). Compiled, this class is an
     extension type (``fifo.pxd``) whose hooks the cache manager calls in C."""
 
     name = "fifo"
 
     def __init__(self, params=None):
         super().__init__(params)
-        self._list = KeyList()
+        self._list = KeyLists(1)
 
     @cython.ccall
     def on_insert(self, key: cython.longlong, prefetch: cython.bint):
@@ -31,7 +31,7 @@ class FIFO(EvictionPolicy):
 
     @cython.ccall
     def victim(self, evictable):
-        return self._list.first(evictable)
+        return self._list.first(0, evictable)
 
 
 EVICTION.register("fifo")(FIFO)  # (a statement, not a decorator: Cython takes no decorator on an extension type)

@@ -1,5 +1,7 @@
 from dataclasses import dataclass
 
+import cython
+
 from ..base import check_choice
 from .base import EVICTION, EvictionPolicy, LayerQueues
 
@@ -15,7 +17,15 @@ def _absolute(current, n):  # |layer - current|, furthest first; ties: the left 
 DISTANCES = {"absolute": _absolute, "forward": _forward}
 
 
-@EVICTION.register("fld")
+@dataclass
+class FLDParams:
+    distance: str = "absolute"
+
+    def __post_init__(self):
+        check_choice("distance", self.distance, DISTANCES)
+
+
+@cython.cclass
 class FLD(EvictionPolicy):
     """Furthest Layer Distance (HOBBIT, Tang et al. 2024; SpecMD App. B): evicts an expert of the layer
     furthest from the layer executing. SpecMD's description: "This policy computes the distance between
@@ -33,17 +43,14 @@ class FLD(EvictionPolicy):
 
     The executing layer has distance 0 in both and goes last. Ties within a layer: the expert resident
     longest (insertion order). Each layer keeps its resident keys in insertion order
-    (:class:`~.base.LayerQueues`); a victim costs O(L), not O(pool)."""
+    (:class:`~.base.LayerQueues`); a victim costs O(L), not O(pool). Compiled, an extension type
+    (``fld.pxd``) whose hooks the cache manager calls in C."""
 
-    @dataclass
-    class Params:
-        distance: str = "absolute"
-
-        def __post_init__(self):
-            check_choice("distance", self.distance, DISTANCES)
+    name = "fld"
+    Params = FLDParams  # (module-level: an extension type's body holds no class statement)
 
     def __init__(self, params=None):
-        super().__init__(params or self.Params())
+        super().__init__(params or FLDParams())
         self.current = 0
         self._e = 1
         self._queues = LayerQueues(1, DISTANCES[self.params.distance])
@@ -56,14 +63,21 @@ class FLD(EvictionPolicy):
     def on_layer(self, layer, record=None):
         self.current = layer
 
-    def on_insert(self, key, prefetch):
+    @cython.ccall
+    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
         self._queues.add(key // self._e, key)
 
-    def on_access(self, key):
+    @cython.ccall
+    def on_access(self, key: cython.longlong):
         pass
 
-    def on_remove(self, key):
-        self._queues.discard(key // self._e, key)
+    @cython.ccall
+    def on_remove(self, key: cython.longlong):
+        self._queues.discard(key)
 
+    @cython.ccall
     def victim(self, evictable):
         return self._queues.first(self.current, evictable)
+
+
+EVICTION.register("fld")(FLD)  # (a statement, not a decorator: Cython takes no decorator on an extension type)

@@ -1,4 +1,7 @@
+from array import array
 from dataclasses import dataclass
+
+import cython
 
 from ..base import check_choice
 from .base import EVICTION, EvictionPolicy, LayerQueues
@@ -19,7 +22,18 @@ def _needed_last(current, n):  # the layer whose next request comes last first: 
 ORDERS = {"needed_last": _needed_last, "left_then_right": _left_then_right, "layer": _layer, "insertion": None}
 
 
-@EVICTION.register("least_stale")
+STALE, CURRENT = 0, 1  # the two kinds of queue (LayerQueues kinds)
+
+
+@dataclass
+class LeastStaleParams:
+    order: str = "needed_last"
+
+    def __post_init__(self):
+        check_choice("order", self.order, ORDERS)
+
+
+@cython.cclass
 class LeastStale(EvictionPolicy):
     """Least-Stale (SpecMD §4.2). An expert is *current* if it was used or prefetched in the ongoing forward
     pass ("used in the current pass or selected by prefetching"), otherwise *stale* ("accessed in a previous
@@ -59,63 +73,65 @@ class LeastStale(EvictionPolicy):
     moves to the back of the current queue; at a new pass the current queue joins the back of the stale
     one). The executing layer counts as left: its experts that the call did not request are not needed
     again until the next pass (those it requested are pinned by the cache manager). The paper implements
-    both queues as priority heaps; here each queue is one FIFO per layer (:class:`~.base.LayerQueues`),
-    searched in the reading's layer order: O(L) per victim."""
+    both queues as priority heaps; here each queue is one FIFO per layer (:class:`~.base.LayerQueues`, kinds
+    stale and current), searched in the reading's layer order: O(L) per victim; a new pass splices each
+    layer's current FIFO onto its stale one. Compiled, an extension type (``least_stale.pxd``) whose hooks
+    the cache manager calls in C."""
 
-    @dataclass
-    class Params:
-        order: str = "needed_last"
-
-        def __post_init__(self):
-            check_choice("order", self.order, ORDERS)
+    name = "least_stale"
+    Params = LeastStaleParams  # (module-level: an extension type's body holds no class statement)
 
     def __init__(self, params=None):
-        super().__init__(params or self.Params())
-        self.mark: dict[int, int] = {}  # key -> the pass it was last current in
+        super().__init__(params or LeastStaleParams())
+        self._mark = array("q")  # per key: the pass it was last current in (-1: not since it joined)
         self.pass_index = 0
         self.current = 0  # the MoE layer executing
         self._e = 1
         self._flat = self.params.order == "insertion"  # one FIFO per queue instead of one per layer
-        self._stale = self._cur = LayerQueues(1, _layer)
+        self._queues = LayerQueues(1, _layer, 2)
 
     def attach(self, view, capacity):
         super().attach(view, capacity)
-        self._e = view.geometry.num_experts
-        order = ORDERS[self.params.order] or _layer
-        n = 1 if self._flat else view.geometry.num_layers
-        self._stale, self._cur = LayerQueues(n, order), LayerQueues(n, order)
+        g = view.geometry
+        self._e = g.num_experts
+        self._queues = LayerQueues(1 if self._flat else g.num_layers, ORDERS[self.params.order] or _layer, 2)
+        self._mark = array("q", [-1]) * (g.num_layers * g.num_experts)
 
     def on_pass_start(self, pass_index):
         self.pass_index = pass_index
-        for stale, cur in zip(self._stale.fifo, self._cur.fifo):  # every current key becomes stale
-            if cur:
-                stale.update(cur)
-                cur.clear()
+        self._queues.merge(CURRENT, STALE)  # every current key becomes stale
 
     def on_layer(self, layer, record=None):
         self.current = layer
 
-    def _current(self, key):
-        p = self.pass_index
-        if self.mark.get(key) != p:
-            self.mark[key] = p
-            layer = 0 if self._flat else key // self._e
-            self._stale.discard(layer, key)
-            self._cur.add(layer, key)
+    @cython.cfunc
+    @cython.boundscheck(True)  # a negative key is an IndexError, never a stray write
+    def _current(self, key: cython.longlong):
+        if key >= len(self._mark):  # (a policy used without attach: the marks grow to the largest key)
+            self._mark = array("q", self._mark) + array("q", [-1]) * (key + 1 - len(self._mark))
+        if self._mark[key] != self.pass_index:
+            self._mark[key] = self.pass_index
+            self._queues.add(0 if self._flat else key // self._e, key, CURRENT)
 
-    def on_insert(self, key, prefetch):
+    @cython.ccall
+    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
         self._current(key)
 
-    def on_access(self, key):
+    @cython.ccall
+    def on_access(self, key: cython.longlong):
         self._current(key)
 
-    def on_remove(self, key):
-        del self.mark[key]
-        layer = 0 if self._flat else key // self._e
-        self._stale.discard(layer, key)
-        self._cur.discard(layer, key)
+    @cython.ccall
+    @cython.boundscheck(True)
+    def on_remove(self, key: cython.longlong):
+        self._mark[key] = -1
+        self._queues.discard(key)
 
+    @cython.ccall
     def victim(self, evictable):
         c = 0 if self._flat else self.current
-        key = self._stale.first(c, evictable)
-        return key if key is not None else self._cur.first(c, evictable)
+        key = self._queues.first(c, evictable, STALE)
+        return key if key is not None else self._queues.first(c, evictable, CURRENT)
+
+
+EVICTION.register("least_stale")(LeastStale)  # (a statement: Cython takes no decorator on an extension type)
