@@ -803,6 +803,7 @@ def test_key_lists_keep_dicts_orders_through_random_operations():
         if step % 97 == 0:
             for i in range(3):
                 assert lists.keys(i) == list(models[i]) and lists.size(i) == len(models[i])
+                assert lists.front(i) == next(iter(models[i]), -1)
                 pinned = set(rng.sample(range(300), 150))
                 assert lists.first(i, lambda k: k not in pinned) == next((k for k in models[i] if k not in pinned), None)
             assert all(lists.owner(k) == where.get(k, -1) for k in range(-2, 310))

@@ -1,17 +1,22 @@
 from dataclasses import dataclass
 
+import cython
+
 from ..base import check_choice
-from .base import CAPACITY_UNITS, EVICTION, EvictionPolicy
+from .base import CAPACITY_UNITS, EVICTION, EvictionPolicy, KeyLists
+
+T1, T2, B1, B2 = 0, 1, 2, 3  # ARC's lists: KeyLists lists, each LRU first
 
 
-def _first(keys, evictable):
-    for key in keys:
-        if evictable(key):
-            return key
-    return None
+@dataclass
+class ARCParams:
+    capacity_unit: str = "fetch"
+
+    def __post_init__(self):
+        check_choice("capacity_unit", self.capacity_unit, CAPACITY_UNITS)
 
 
-@EVICTION.register("arc")
+@cython.cclass
 class ARC(EvictionPolicy):
     """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003). T1 holds keys seen once recently, T2 keys
     seen at least twice; ghost lists B1/B2 remember recent evictions from each; the target size ``p`` of T1
@@ -26,87 +31,103 @@ class ARC(EvictionPolicy):
     (LRU of T1 if T1 is non-empty and |T1| > p, or |T1| = p and the key was in B2, or T2 is empty; else
     LRU of T2). Case IV(a) with B1 empty evicts T1's LRU without a ghost. Pinned experts (the running
     layer's, in-flight prefetches) are skipped within the chosen list, falling back to the other list. A
-    prefetch is admitted like a miss. Hit counts equal libCacheSim's ARC on flat traces (tests)."""
+    prefetch is admitted like a miss. Hit counts equal libCacheSim's ARC on flat traces (tests).
 
-    @dataclass
-    class Params:
-        capacity_unit: str = "fetch"
+    The four lists are one :class:`~.base.KeyLists` (O(1) per request); ``t1``, ``t2``, ``b1``, ``b2`` read
+    them as lists of keys, LRU first. Compiled, an extension type (``arc.pxd``) whose hooks the cache
+    manager calls in C."""
 
-        def __post_init__(self):
-            check_choice("capacity_unit", self.capacity_unit, CAPACITY_UNITS)
+    name = "arc"
+    Params = ARCParams  # (module-level: an extension type's body holds no class statement)
 
     def __init__(self, params=None):
-        super().__init__(params or self.Params())
-        self.t1: dict[int, None] = {}
-        self.t2: dict[int, None] = {}
-        self.b1: dict[int, None] = {}
-        self.b2: dict[int, None] = {}
+        super().__init__(params or ARCParams())
+        self._lists = KeyLists(4)
         self.p = 0.0
         self.c = 1
         self._ghost_hit = False  # the key being admitted was in B1 or B2
         self._in_b2 = False
-        self._no_ghost = None  # victim chosen by case IV(a) with B1 empty: no ghost entry
+        self._no_ghost = -1  # victim chosen by case IV(a) with B1 empty: no ghost entry
 
     def attach(self, view, capacity):
         super().attach(view, capacity)
         self.c = self.capacity_experts(self.params.capacity_unit)
 
+    @property
+    def t1(self) -> list:
+        return self._lists.keys(T1)
+
+    @property
+    def t2(self) -> list:
+        return self._lists.keys(T2)
+
+    @property
+    def b1(self) -> list:
+        return self._lists.keys(B1)
+
+    @property
+    def b2(self) -> list:
+        return self._lists.keys(B2)
+
     def on_admit(self, key):
-        b1, b2 = self.b1, self.b2
+        lists: KeyLists = self._lists
         self._ghost_hit = self._in_b2 = False
-        if key in b1:
-            self.p = min(float(self.c), self.p + max(len(b2) / len(b1), 1.0))
-            del b1[key]
+        where = lists.owner(key)
+        if where == B1:
+            self.p = min(float(self.c), self.p + max(lists.size(B2) / lists.size(B1), 1.0))
+            lists.remove(key)
             self._ghost_hit = True
-        elif key in b2:
-            self.p = max(0.0, self.p - max(len(b1) / len(b2), 1.0))
-            del b2[key]
+        elif where == B2:
+            self.p = max(0.0, self.p - max(lists.size(B1) / lists.size(B2), 1.0))
+            lists.remove(key)
             self._ghost_hit = self._in_b2 = True
 
-    def on_insert(self, key, prefetch):
-        (self.t2 if self._ghost_hit else self.t1)[key] = None
+    @cython.ccall
+    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
+        self._lists.push_back(key, T2 if self._ghost_hit else T1)
         self._ghost_hit = self._in_b2 = False
 
-    def on_access(self, key):
-        if key in self.t1:
-            del self.t1[key]
-        else:
-            del self.t2[key]
-        self.t2[key] = None
+    @cython.ccall
+    def on_access(self, key: cython.longlong):
+        self._lists.move_back(key, T2)  # from T1 or T2
 
-    def on_remove(self, key):
+    @cython.ccall
+    def on_remove(self, key: cython.longlong):
         if key == self._no_ghost:
-            self._no_ghost = None
-            del self.t1[key]
-        elif key in self.t1:
-            del self.t1[key]
-            self.b1[key] = None
-        else:
-            del self.t2[key]
-            self.b2[key] = None
+            self._no_ghost = -1
+            self._lists.remove(key)
+        else:  # the key leaves for its list's ghost list
+            self._lists.move_back(key, B1 if self._lists.owner(key) == T1 else B2)
 
+    @cython.ccall
     def _replace(self, evictable):
-        n1 = len(self.t1)
-        if (n1 and (n1 > self.p or (n1 == self.p and self._in_b2))) or not self.t2:
-            first, second = self.t1, self.t2
-        else:
-            first, second = self.t2, self.t1
-        key = _first(first, evictable)
-        return key if key is not None else _first(second, evictable)
+        lists: KeyLists = self._lists
+        n1: cython.longlong = lists.size(T1)
+        first: cython.long = T2
+        second: cython.long = T1
+        if (n1 and (n1 > self.p or (n1 == self.p and self._in_b2))) or not lists.size(T2):
+            first, second = T1, T2
+        key = lists.first(first, evictable)
+        return key if key is not None else lists.first(second, evictable)
 
+    @cython.ccall
     def victim(self, evictable):
         if self._ghost_hit:
             return self._replace(evictable)
-        t1, t2, b1, b2, c = self.t1, self.t2, self.b1, self.b2, self.c
-        if len(t1) + len(b1) + 1 > c:  # case IV(a): L1 = T1 ∪ B1 is full
-            if b1:
-                del b1[next(iter(b1))]
+        lists: KeyLists = self._lists
+        c: cython.longlong = self.c
+        if lists.size(T1) + lists.size(B1) + 1 > c:  # case IV(a): L1 = T1 ∪ B1 is full
+            if lists.size(B1):
+                lists.remove(lists.front(B1))
                 return self._replace(evictable)
-            key = _first(t1, evictable)
+            key = lists.first(T1, evictable)
             if key is not None:
                 self._no_ghost = key
                 return key
-            return _first(t2, evictable)
-        if len(t1) + len(t2) + len(b1) + len(b2) >= 2 * c and b2:  # case IV(b)
-            del b2[next(iter(b2))]
+            return lists.first(T2, evictable)
+        if lists.size(T1) + lists.size(T2) + lists.size(B1) + lists.size(B2) >= 2 * c and lists.size(B2):  # IV(b)
+            lists.remove(lists.front(B2))
         return self._replace(evictable)
+
+
+EVICTION.register("arc")(ARC)  # (a statement, not a decorator: Cython takes no decorator on an extension type)

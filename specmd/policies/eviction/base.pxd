@@ -26,6 +26,8 @@ cdef class KeyLists:
     cpdef splice(self, long src, long dst)
     cpdef first(self, long lst, evictable)
     cpdef long long owner(self, long long key)
+    cpdef long long front(self, long lst)
+    cpdef long long size(self, long lst)
 
 
 cdef class LayerQueues:

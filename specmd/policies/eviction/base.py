@@ -261,6 +261,15 @@ class KeyLists:
             return -1
         return self._owner[key]
 
+    @cython.ccall
+    def front(self, lst: cython.long) -> cython.longlong:
+        """List ``lst``'s first key, or -1 when it is empty."""
+        return self._front[lst]
+
+    @cython.ccall
+    def size(self, lst: cython.long) -> cython.longlong:
+        return self._size[lst]
+
     def keys(self, lst: int = 0) -> list:
         """List ``lst``'s keys, front to back."""
         out, key = [], self._front[lst]
@@ -268,9 +277,6 @@ class KeyLists:
             out.append(key)
             key = self._next[key]
         return out
-
-    def size(self, lst: int = 0) -> int:
-        return self._size[lst]
 
 
 def argmin_key(candidates, evictable, rank):
