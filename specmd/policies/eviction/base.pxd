@@ -39,3 +39,12 @@ cdef class LayerQueues:
     cpdef discard(self, long long key)
     cpdef merge(self, long src, long dst)
     cpdef first(self, long current, evictable, long kind=*)
+
+
+cdef class LazyHeap:
+    cdef public list heap
+    cdef public list held
+    cdef public long long _pushed
+    cpdef put(self, dict live, tuple entry)
+    cpdef push(self, entry)
+    cpdef first(self, evictable, dict live)

@@ -293,6 +293,7 @@ def argmin_key(candidates, evictable, rank):
 CAPACITY_UNITS = ("fetch", "native")  # ARC's and LeCaR's ``capacity_unit`` readings
 
 
+@cython.cclass
 class LazyHeap:
     """A ranking policy's priority queue with lazy invalidation, so a victim costs O(log N) amortised
     instead of a scan of the pool.
@@ -302,17 +303,17 @@ class LazyHeap:
     whenever a key's rank changes and forgets the key when it leaves; dead entries are dropped when met.
     The queue is a heap plus ``held``, a sorted list of entries the search found not evictable (the running
     layer's experts, prefetches in flight): they leave the heap once and are merged back in order on every
-    search, so a search calls ``evictable`` only on the live entries ranked before its answer."""
-
-    __slots__ = ("heap", "held", "_pushed")
+    search, so a search calls ``evictable`` only on the live entries ranked before its answer. (Compiled, an
+    extension type, ``base.pxd``: a compiled policy calls it in C.)"""
 
     def __init__(self, entries=()):
         self.heap = list(entries)
         heapify(self.heap)
-        self.held: list = []
+        self.held = []
         self._pushed = 0  # entries pushed by ``put`` since the queue last held only live ones
 
-    def put(self, live: dict, entry: tuple) -> None:
+    @cython.ccall
+    def put(self, live: dict, entry: tuple):
         """``entry`` becomes its key's live entry (``live[entry[-1]]``) and joins the queue. When the pushes
         since the last rebuild outnumber the live entries (+64), the dead ones are dropped: the queue is
         rebuilt from ``live`` in place, so its memory stays O(live) for a policy that re-ranks every key at
@@ -329,21 +330,25 @@ class LazyHeap:
     def __len__(self) -> int:
         return len(self.heap) + len(self.held)
 
-    def push(self, entry) -> None:
+    @cython.ccall
+    def push(self, entry):
         heappush(self.heap, entry)
 
     def entries(self) -> list:
         """Every entry, live or dead, in no particular order."""
         return self.heap + self.held
 
-    def first(self, evictable: Callable[[int], bool], live: dict) -> Optional[tuple]:
+    @cython.ccall
+    def first(self, evictable, live: dict):
         """The smallest live entry whose key is evictable, left in the queue (a policy may be asked again
         before the manager evicts); None if there is none."""
-        heap, held = self.heap, self.held
-        get = live.get
-        i = 0
+        heap: list = self.heap
+        held: list = self.held
+        ev: Evictable = as_evictable(evictable)
+        i: cython.Py_ssize_t = 0
+        j: cython.Py_ssize_t
         while True:
-            while heap and get(heap[0][-1]) is not heap[0]:
+            while heap and live.get(heap[0][-1]) is not heap[0]:
                 heappop(heap)
             top = heap[0] if heap else None
             # the held entries ranked before the heap's top come first
@@ -351,16 +356,16 @@ class LazyHeap:
             while i < j:
                 ent = held[i]
                 key = ent[-1]
-                if get(key) is not ent:
+                if live.get(key) is not ent:
                     del held[i]
                     j -= 1
-                elif evictable(key):
+                elif ev.ok(key):
                     return ent
                 else:
                     i += 1
             if top is None:
                 return None
-            if evictable(top[-1]):
+            if ev.ok(top[-1]):
                 return top
             heappop(heap)
             held.insert(i, top)  # held stays sorted: the entries before i rank lower, those after higher

@@ -1,12 +1,23 @@
 from dataclasses import dataclass
 
+import cython
+
 from ..base import check_choice
 from .base import EVICTION, LazyHeap, OrderedEviction
 
 COUNTS = ("requests", "inserts")
 
 
-@EVICTION.register("lfu")
+@dataclass
+class LFUParams:
+    history: bool = True
+    counts: str = "requests"
+
+    def __post_init__(self):
+        check_choice("counts", self.counts, COUNTS)
+
+
+@cython.cclass
 class LFU(OrderedEviction):
     """Least frequently used (SpecMD App. B): "evicts the expert with the lowest access count over the
     entire inference history". Ties: least recently counted first. Two choices the text leaves open:
@@ -26,29 +37,27 @@ class LFU(OrderedEviction):
     (:class:`~.base.LazyHeap`; an entry is live while it is its resident key's newest one, ``_entry[key]``);
     keys touched since the last victim are pushed once, when the next victim is asked for."""
 
-    @dataclass
-    class Params:
-        history: bool = True
-        counts: str = "requests"
-
-        def __post_init__(self):
-            check_choice("counts", self.counts, COUNTS)
+    name = "lfu"
+    Params = LFUParams  # (module-level: an extension type's body holds no class statement)
 
     def __init__(self, params=None):
-        super().__init__(params or self.Params())
-        self.count: dict[int, int] = {}
-        self.last: dict[int, int] = {}
+        super().__init__(params or type(self).Params())
+        self.count = {}  # key -> its count (int)
+        self.last = {}  # key -> the clock of its last count
         self.clock = 0
         self._requests = self.params.counts == "requests"
+        self._history = self.params.history
         self._heap = LazyHeap()
-        self._entry: dict[int, tuple[int, int, int]] = {}  # resident key -> its live heap entry
-        self._dirty: set[int] = set()  # keys touched since their newest heap entry was pushed
+        self._entry = {}  # resident key -> its live heap entry (count, last, key)
+        self._dirty = set()  # keys touched since their newest heap entry was pushed
 
-    def weight(self, key) -> int:
+    @cython.ccall
+    def weight(self, key: cython.longlong) -> cython.longlong:
         """How much one use of ``key`` counts (LHU counts only high-precision uses)."""
         return 1
 
-    def _touch(self, key, weight):
+    @cython.cfunc
+    def _touch(self, key: cython.longlong, weight: cython.longlong):
         self.clock += 1
         self.count[key] = self.count.get(key, 0) + weight
         self.last[key] = self.clock
@@ -60,29 +69,37 @@ class LFU(OrderedEviction):
     def on_miss(self, key):
         self._touch(key, self.weight(key))
 
-    def on_insert(self, key, prefetch):
-        super().on_insert(key, prefetch)
+    @cython.ccall
+    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
+        OrderedEviction.on_insert(self, key, prefetch)
         if not self._requests:
             self._touch(key, self.weight(key))
             return
-        if not self.params.history:  # in-cache counts restart: 1 for the miss that inserted it, 0 for a prefetch
+        if not self._history:  # in-cache counts restart: 1 for the miss that inserted it, 0 for a prefetch
             self.count[key] = 0 if prefetch else self.weight(key)
         self.count.setdefault(key, 0)  # a prefetch of an expert never requested: count 0, least recent
         self.last.setdefault(key, 0)
         self._dirty.add(key)
 
-    def on_access(self, key):
+    @cython.ccall
+    def on_access(self, key: cython.longlong):
         self._touch(key, self.weight(key))
 
-    def on_remove(self, key):
-        super().on_remove(key)
+    @cython.ccall
+    def on_remove(self, key: cython.longlong):
+        OrderedEviction.on_remove(self, key)
         self._entry.pop(key, None)
-        if not self.params.history:
+        if not self._history:
             del self.count[key]
 
+    @cython.ccall
     def victim(self, evictable):
-        count, last, order, heap, entry = self.count, self.last, self._order, self._heap, self._entry
-        dirty = self._dirty
+        count: dict = self.count
+        last: dict = self.last
+        order: dict = self._order
+        heap: LazyHeap = self._heap
+        entry: dict = self._entry
+        dirty: set = self._dirty
         if len(heap) + len(dirty) > 2 * len(order) + 64:  # mostly dead entries: rebuild from the residents
             entry.clear()
             for k in order:
@@ -96,3 +113,6 @@ class LFU(OrderedEviction):
         dirty.clear()
         ent = heap.first(evictable, entry)
         return None if ent is None else ent[2]
+
+
+EVICTION.register("lfu")(LFU)  # (a statement, not a decorator: Cython takes no decorator on an extension type)
