@@ -1,10 +1,13 @@
 import heapq
 
+import cython
+
 from ...errors import ConfigError
+from ...engine.hooks import Evictable, as_evictable
 from .base import EVICTION, EvictionPolicy
 
 
-@EVICTION.register("belady")
+@cython.cclass
 class Belady(EvictionPolicy):
     """Belady's MIN (the offline optimum; FlashMoE's training oracle, Cache-Conditional Experts' Fig. 9
     bound): evicts the resident expert whose next request is furthest in the future, at (forward pass,
@@ -16,8 +19,10 @@ class Belady(EvictionPolicy):
     recorded requests: under cache-aware routing the replayed requests can differ (those replays say
     ``exact: false``) and a key whose recorded next use has passed is re-looked-up when it reaches the
     top. A max-heap on next use with lazy invalidation: O(log N) per insert, hit and eviction. On flat
-    traces its hit counts equal libCacheSim's Belady (tests)."""
+    traces its hit counts equal libCacheSim's Belady (tests). Compiled, an extension type (``belady.pxd``)
+    whose hooks the cache manager calls in C."""
 
+    name = "belady"
     needs_future = True
 
     def setup(self, model):
@@ -25,33 +30,39 @@ class Belady(EvictionPolicy):
             raise ConfigError("eviction=belady needs the future: replay a trace (replay.trace=PATH)")
         self.future = model.future
         self.call = -1
-        self.next: dict[int, int] = {}
-        self.heap: list[tuple[int, int]] = []
+        self.next = {}  # resident key -> its next use (a call index)
+        self.heap = []  # (-next use, key), lazily invalidated
 
     def on_layer(self, layer, record=None):
         if record is not None:
             self.call = record.call
 
+    @cython.cfunc
     def _touch(self, key):
         nu = self.future.next_use(key, self.call)
         self.next[key] = nu
-        heap = self.heap
-        heapq.heappush(heap, (-nu, key))
-        if len(heap) > 2 * len(self.next) + 64:  # drop superseded entries: memory stays O(resident)
-            self.heap = heap = [(-n, k) for k, n in self.next.items()]
-            heapq.heapify(heap)
+        heapq.heappush(self.heap, (-nu, key))
+        if len(self.heap) > 2 * len(self.next) + 64:  # drop superseded entries: memory stays O(resident)
+            self.heap = [(-n, k) for k, n in self.next.items()]
+            heapq.heapify(self.heap)
 
-    def on_insert(self, key, prefetch):
+    @cython.ccall
+    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
         self._touch(key)
 
-    def on_access(self, key):
+    @cython.ccall
+    def on_access(self, key: cython.longlong):
         self._touch(key)
 
-    def on_remove(self, key):
+    @cython.ccall
+    def on_remove(self, key: cython.longlong):
         del self.next[key]
 
+    @cython.ccall
     def victim(self, evictable):
-        heap, nxt = self.heap, self.next
+        heap: list = self.heap
+        nxt: dict = self.next
+        ev: Evictable = as_evictable(evictable)
         skipped = []
         found = None
         while heap:
@@ -62,11 +73,15 @@ class Belady(EvictionPolicy):
             if -neg <= self.call:  # its recorded next use has passed without a request (inexact replays)
                 heapq.heappop(heap)
                 self._touch(key)
+                heap = self.heap  # (a touch may rebuild the heap)
                 continue
-            if evictable(key):
+            if ev.ok(key):
                 found = key
                 break
             skipped.append(heapq.heappop(heap))
         for item in skipped:
             heapq.heappush(heap, item)
         return found
+
+
+EVICTION.register("belady")(Belady)  # (a statement, not a decorator: Cython takes no decorator on an extension type)
