@@ -2,11 +2,29 @@ import math
 import random
 from dataclasses import dataclass
 
+import cython
+
 from ..base import check_choice
-from .base import CAPACITY_UNITS, EVICTION, EvictionPolicy, LazyHeap
+from .base import CAPACITY_UNITS, EVICTION, EvictionPolicy, KeyLists, LazyHeap
 
 
-@EVICTION.register("lecar")
+@dataclass
+class LeCaRParams:
+    learning_rate: float = 0.45
+    lru_weight: float = 0.5
+    update_weight: bool = True
+    seed: int = 0
+    capacity_unit: str = "fetch"
+
+    def __post_init__(self):
+        check_choice("capacity_unit", self.capacity_unit, CAPACITY_UNITS)
+        if not 0.0 <= self.lru_weight <= 1.0:
+            raise ValueError(f"lru_weight={self.lru_weight} must be in [0, 1]")
+        if not self.learning_rate >= 0.0:
+            raise ValueError(f"learning_rate={self.learning_rate} must be >= 0 (LeCaR's lambda; 0 freezes the weights)")
+
+
+@cython.cclass
 class LeCaR(EvictionPolicy):
     """LeCaR (Vietri et al., HotStorage 2018): regret minimisation over two experts, LRU and LFU. Each
     eviction follows LRU with probability ``w_lru`` (else LFU); the evicted key enters that policy's
@@ -15,38 +33,29 @@ class LeCaR(EvictionPolicy):
     renormalised; ``discount = 0.005 ** (1/c)`` as in the paper, age in requests since that eviction.
     When both policies name the same victim it is recorded in neither history. Random draws come from
     ``random.Random(seed)``; ``update_weight=false`` freezes the weights (with ``lru_weight`` 1 or 0 this
-    is exactly LRU or LFU, which the tests compare with libCacheSim)."""
+    is exactly LRU or LFU, which the tests compare with libCacheSim).
 
-    @dataclass
-    class Params:
-        learning_rate: float = 0.45
-        lru_weight: float = 0.5
-        update_weight: bool = True
-        seed: int = 0
-        capacity_unit: str = "fetch"
+    LRU's order is one :class:`~.base.KeyLists` list, LFU's a :class:`~.base.LazyHeap`. Compiled, an
+    extension type (``lecar.pxd``) whose hooks the cache manager calls in C."""
 
-        def __post_init__(self):
-            check_choice("capacity_unit", self.capacity_unit, CAPACITY_UNITS)
-            if not 0.0 <= self.lru_weight <= 1.0:
-                raise ValueError(f"lru_weight={self.lru_weight} must be in [0, 1]")
-            if not self.learning_rate >= 0.0:
-                raise ValueError(f"learning_rate={self.learning_rate} must be >= 0 (LeCaR's lambda; 0 freezes the weights)")
+    name = "lecar"
+    Params = LeCaRParams  # (module-level: an extension type's body holds no class statement)
 
     def __init__(self, params=None):
-        super().__init__(params or self.Params())
+        super().__init__(params or LeCaRParams())
         self.w_lru = self.params.lru_weight
         self.rng = random.Random(self.params.seed)
-        self.recency: dict[int, None] = {}  # LRU order of resident keys
-        self.freq: dict[int, int] = {}
-        self.last: dict[int, int] = {}
-        self.hist_lru: dict[int, int] = {}  # evicted key -> request time of eviction
-        self.hist_lfu: dict[int, int] = {}
+        self._recency = KeyLists(1)  # LRU order of resident keys
+        self.freq = {}  # resident key -> its uses
+        self.last = {}  # resident key -> the request time of its last use
+        self.hist_lru = {}  # evicted key -> request time of eviction
+        self.hist_lfu = {}
         self.time = 0
         self.c = 1
         self.discount = 0.005
-        self._pending = None  # the policy that chose the next victim
+        self._pending = 0  # the policy that chose the next victim: 1 LRU, 2 LFU, 0 neither
         self._lfu = LazyHeap()  # (freq, last, key) of resident keys: LFU's choice without a scan
-        self._entry: dict[int, tuple[int, int, int]] = {}
+        self._entry = {}
 
     def attach(self, view, capacity):
         super().attach(view, capacity)
@@ -67,40 +76,47 @@ class LeCaR(EvictionPolicy):
             return
         self.w_lru = w_lru / (w_lru + w_lfu)
 
+    @cython.cfunc
     def _rank(self, key):
         self._lfu.put(self._entry, (self.freq[key], self.last[key], key))
 
-    def on_insert(self, key, prefetch):
-        self.recency[key] = None
+    @cython.ccall
+    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
+        self._recency.push_back(key)
         self.freq[key] = 1
         self.last[key] = self.time
         self._rank(key)
 
-    def on_access(self, key):
+    @cython.ccall
+    def on_access(self, key: cython.longlong):
         self.time += 1
-        del self.recency[key]
-        self.recency[key] = None
+        self._recency.move_back(key)
         self.freq[key] += 1
         self.last[key] = self.time
         self._rank(key)
 
-    def on_remove(self, key):
-        del self.recency[key]
+    @cython.ccall
+    def on_remove(self, key: cython.longlong):
+        self._recency.remove(key)
         del self.freq[key]
         del self.last[key]
         del self._entry[key]
-        hist = {"lru": self.hist_lru, "lfu": self.hist_lfu}.get(self._pending)
-        self._pending = None
+        hist = self.hist_lru if self._pending == 1 else self.hist_lfu if self._pending == 2 else None
+        self._pending = 0
         if hist is not None:
             hist[key] = self.time
             if len(hist) > self.c:
                 del hist[next(iter(hist))]
 
+    @cython.ccall
     def victim(self, evictable):
-        lru = next((k for k in self.recency if evictable(k)), None)
+        lru = self._recency.first(0, evictable)
         if lru is None:
             return None
         lfu = self._lfu.first(evictable, self._entry)[2]  # min (freq, last): last is unique per use
-        use_lru = self.rng.random() < self.w_lru
-        self._pending = None if lru == lfu else ("lru" if use_lru else "lfu")
+        use_lru: cython.bint = self.rng.random() < self.w_lru
+        self._pending = 0 if lru == lfu else (1 if use_lru else 2)
         return lru if use_lru else lfu
+
+
+EVICTION.register("lecar")(LeCaR)  # (a statement, not a decorator: Cython takes no decorator on an extension type)
