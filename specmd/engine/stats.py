@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import cython
 
 PER_LAYER = (
@@ -31,17 +29,20 @@ PER_LAYER = (
 )
 
 
-@dataclass
+@cython.dataclasses.dataclass
+@cython.cclass
 class PassRecord:
-    index: int
+    """One forward pass's accounting (a dataclass; compiled, an extension type made without a Python call)."""
+
+    index: cython.longlong
     kind: str  # "prefill" or "decode"
-    tokens: int
-    time_s: float
-    stall_s: float
-    requests: int
-    hits: int
-    misses: int
-    collision_misses: int
+    tokens: cython.longlong
+    time_s: cython.double
+    stall_s: cython.double
+    requests: cython.longlong
+    hits: cython.longlong
+    misses: cython.longlong
+    collision_misses: cython.longlong
 
 
 # The counters besides the per-layer ones (what :meth:`CacheStats.snapshot` keeps besides them)
