@@ -27,7 +27,8 @@ DIRECTIVES = {
     "boundscheck": False,  # only typed memoryviews and arrays are affected: the sources index them in range
     "wraparound": True,
     "cdivision": False,  # Python's division and modulo semantics (the pure source is the reference)
-    "initializedcheck": False,
+    "initializedcheck": True,  # an unset memoryview field (a subclass that skipped __init__) raises
+    "nonecheck": True,  # a typed reference still None (a subclass that skipped __init__) raises, never crashes
 }
 
 

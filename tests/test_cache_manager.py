@@ -1,5 +1,6 @@
 """Hand-worked traces for the cache manager + LRU, and invariants under random traces."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
@@ -129,4 +130,9 @@ def test_view_of_a_key_outside_the_model_is_absent_never_another_key():
     for key in (-1, -8, 8, 1 << 40):
         assert key not in v and v.precision(key) is None and v.nbytes(key) is None and not v.in_flight(key)
         assert m.entry(key) is None
+    assert sorted(m.entries) == [0, 7]
+    for key in (-1, 3, 8):  # not in the cache: evicting it is a KeyError (-1 never means the last key)
+        with pytest.raises(KeyError):
+            m.evict(key)
+    assert not m.evictable(3)  # a key not in the cache (a policy's ghost) is not evictable
     assert sorted(m.entries) == [0, 7]

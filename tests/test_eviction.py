@@ -817,3 +817,62 @@ def test_key_lists_keep_dicts_orders_through_random_operations():
     with pytest.raises(KeyError):
         lists.remove(-1)
     assert [lists.keys(i) for i in range(3)] == [list(m) for m in models]
+
+
+def test_key_lists_and_layer_queues_reject_a_list_or_layer_out_of_range():
+    """In the compiled build these index arrays without bounds checks: a list or a layer out of range must be
+    an error before any array is touched (in both builds alike), never a read past the end."""
+    from specmd.policies.eviction.base import KeyLists, LayerQueues
+
+    lists = KeyLists(3)
+    for lst in (-1, 3):
+        with pytest.raises(IndexError):
+            lists.push_back(1, lst)
+        with pytest.raises(IndexError):
+            lists.first(lst, lambda k: True)
+        with pytest.raises(IndexError):
+            lists.keys(lst)
+    assert [lists.keys(i) for i in range(3)] == [[], [], []]
+    queues = LayerQueues(2, lambda current, n: [current, 2])  # a user's order naming layer 2 of 0..1
+    queues.add(0, 1)
+    with pytest.raises(ValueError, match="outside 0..1"):
+        queues.first(0, lambda k: True)
+
+
+def test_a_subclass_of_a_compiled_policy_keeps_its_own_params_and_fails_cleanly_without_init():
+    """A Python subclass of a built-in policy gets its own ``Params`` defaults; one that skips the base's
+    ``__init__`` never crashes the process (compiled, ``__cinit__`` has made the typed structures the hooks
+    call in C; as source it gets an AttributeError)."""
+    import subprocess
+    import sys
+    from dataclasses import dataclass
+
+    from specmd.policies.eviction.arc import ARC
+
+    @dataclass
+    class MyParams:
+        capacity_unit: str = "native"
+
+    class MyARC(ARC):
+        Params = MyParams
+
+    assert MyARC().params == MyParams()
+    code = """
+from specmd.policies.eviction.fifo import FIFO
+from specmd.policies.eviction.least_stale import LeastStale
+class A(FIFO):
+    def __init__(self):
+        pass
+class B(LeastStale):
+    def __init__(self):
+        pass
+for cls in (A, B):
+    try:
+        cls().on_insert(3, False)
+        print("ran")
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError) as e:
+        print(type(e).__name__)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len(out.stdout.split()) == 2

@@ -459,6 +459,8 @@ class CacheManager:
         if self._pin[key] == self._stamp:
             return False
         ent: Entry = self._slot[key]  # (a typed local, not cython.cast: a cast is a function call in pure Python)
+        if ent is None:  # not in the cache (a policy asking about a ghost key): nothing to evict
+            return False
         tr = ent.transfer
         return tr is None or self.clock.done(tr)
 
@@ -499,7 +501,7 @@ class CacheManager:
     @cython.ccall
     @cython.boundscheck(True)  # a key outside the model is an IndexError, never a stray write
     def evict(self, key):
-        ent: Entry = self._slot[key]
+        ent: Entry = self.entry(key)  # (bounds-safe: a negative key must not wrap to the last one)
         if ent is None:
             raise KeyError(key)
         self._slot[ent.key] = None
@@ -509,7 +511,7 @@ class CacheManager:
         if pool.native:
             pool.hooks.on_remove(ent.key)
         else:
-            pool.on_remove(key)
+            pool.on_remove(ent.key)
         if self.events is not None:
             self.events.evicted(key)
         self._evicted_at[ent.key] = self.pass_index

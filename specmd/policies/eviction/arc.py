@@ -40,8 +40,13 @@ class ARC(EvictionPolicy):
     name = "arc"
     Params = ARCParams  # (module-level: an extension type's body holds no class statement)
 
+    def __cinit__(self, *args, **kwargs):
+        # (compiled: runs before any __init__, even one a subclass forgot to chain, so the typed lists is
+        # never None when a hook runs in C; plain Python never calls it, and __init__ makes the same)
+        self._lists = KeyLists(4)
+
     def __init__(self, params=None):
-        super().__init__(params or ARCParams())
+        super().__init__(params or type(self).Params())
         self._lists = KeyLists(4)
         self.p = 0.0
         self.c = 1

@@ -170,6 +170,8 @@ class KeyLists:
         """``key`` joins the back of list ``lst`` (a KeyError if it is in a list already)."""
         if key < 0:
             raise IndexError(f"key {key} < 0")
+        if lst < 0 or lst >= len(self._front):
+            raise IndexError(f"list {lst} of {len(self._front)}")
         if key >= len(self._next):
             self._grow(key)
         if self._owner[key] >= 0:
@@ -246,6 +248,8 @@ class KeyLists:
     @cython.ccall
     def first(self, lst: cython.long, evictable):
         """The first key of list ``lst``, from the front, that ``evictable`` accepts, or None."""
+        if lst < 0 or lst >= len(self._front):
+            raise IndexError(f"list {lst} of {len(self._front)}")
         ev: Evictable = as_evictable(evictable)
         key: cython.longlong = self._front[lst]
         while key >= 0:
@@ -262,16 +266,20 @@ class KeyLists:
         return self._owner[key]
 
     @cython.ccall
+    @cython.boundscheck(True)
     def front(self, lst: cython.long) -> cython.longlong:
         """List ``lst``'s first key, or -1 when it is empty."""
         return self._front[lst]
 
     @cython.ccall
+    @cython.boundscheck(True)
     def size(self, lst: cython.long) -> cython.longlong:
         return self._size[lst]
 
     def keys(self, lst: int = 0) -> list:
         """List ``lst``'s keys, front to back."""
+        if not 0 <= lst < len(self._front):
+            raise IndexError(f"list {lst} of {len(self._front)}")
         out, key = [], self._front[lst]
         while key >= 0:
             out.append(key)
@@ -411,7 +419,12 @@ class LayerQueues:
         """The first evictable key of ``kind``, layers in ``order(current)``, each FIFO front to back."""
         scan = self._scans.get(current)
         if scan is None:
-            scan = self._scans[current] = list(self.order(current, self.num_layers))
+            scan = list(self.order(current, self.num_layers))
+            for layer in scan:
+                if not 0 <= layer < self.num_layers:
+                    raise ValueError(f"the layer order at layer {current} names a layer outside "
+                                     f"0..{self.num_layers - 1}: {scan}")
+            self._scans[current] = scan
         ev: Evictable = as_evictable(evictable)
         lists: KeyLists = self.lists
         base: cython.long = kind * self.num_layers

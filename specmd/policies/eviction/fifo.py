@@ -13,6 +13,11 @@ class FIFO(EvictionPolicy):
 
     name = "fifo"
 
+    def __cinit__(self, *args, **kwargs):
+        # (compiled: runs before any __init__, even one a subclass forgot to chain, so the typed list is
+        # never None when a hook runs in C; plain Python never calls it, and __init__ makes the same)
+        self._list = KeyLists(1)
+
     def __init__(self, params=None):
         super().__init__(params)
         self._list = KeyLists(1)

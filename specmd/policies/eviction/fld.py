@@ -49,8 +49,13 @@ class FLD(EvictionPolicy):
     name = "fld"
     Params = FLDParams  # (module-level: an extension type's body holds no class statement)
 
+    def __cinit__(self, *args, **kwargs):
+        # (compiled: runs before any __init__, even one a subclass forgot to chain, so the typed queues is
+        # never None when a hook runs in C; plain Python never calls it, and __init__ makes the same)
+        self._queues = LayerQueues(1, _absolute)
+
     def __init__(self, params=None):
-        super().__init__(params or FLDParams())
+        super().__init__(params or type(self).Params())
         self.current = 0
         self._e = 1
         self._queues = LayerQueues(1, DISTANCES[self.params.distance])

@@ -81,8 +81,14 @@ class LeastStale(EvictionPolicy):
     name = "least_stale"
     Params = LeastStaleParams  # (module-level: an extension type's body holds no class statement)
 
+    def __cinit__(self, *args, **kwargs):
+        # (compiled: runs before any __init__, even one a subclass forgot to chain, so the typed queues and marks is
+        # never None when a hook runs in C; plain Python never calls it, and __init__ makes the same)
+        self._queues = LayerQueues(1, _layer, 2)
+        self._mark = array("q")
+
     def __init__(self, params=None):
-        super().__init__(params or LeastStaleParams())
+        super().__init__(params or type(self).Params())
         self._mark = array("q")  # per key: the pass it was last current in (-1: not since it joined)
         self.pass_index = 0
         self.current = 0  # the MoE layer executing
@@ -105,8 +111,10 @@ class LeastStale(EvictionPolicy):
         self.current = layer
 
     @cython.cfunc
-    @cython.boundscheck(True)  # a negative key is an IndexError, never a stray write
+    @cython.boundscheck(True)  # a key outside the arrays is an IndexError, never a stray write
     def _current(self, key: cython.longlong):
+        if key < 0:
+            raise IndexError(f"key {key} < 0")
         if key >= len(self._mark):  # (a policy used without attach: the marks grow to the largest key)
             self._mark = array("q", self._mark) + array("q", [-1]) * (key + 1 - len(self._mark))
         if self._mark[key] != self.pass_index:
@@ -124,6 +132,8 @@ class LeastStale(EvictionPolicy):
     @cython.ccall
     @cython.boundscheck(True)
     def on_remove(self, key: cython.longlong):
+        if key < 0:
+            raise KeyError(key)
         self._mark[key] = -1
         self._queues.discard(key)
 

@@ -41,8 +41,14 @@ class LeCaR(EvictionPolicy):
     name = "lecar"
     Params = LeCaRParams  # (module-level: an extension type's body holds no class statement)
 
+    def __cinit__(self, *args, **kwargs):
+        # (compiled: runs before any __init__, even one a subclass forgot to chain, so the typed order and heap is
+        # never None when a hook runs in C; plain Python never calls it, and __init__ makes the same)
+        self._recency = KeyLists(1)
+        self._lfu = LazyHeap()
+
     def __init__(self, params=None):
-        super().__init__(params or LeCaRParams())
+        super().__init__(params or type(self).Params())
         self.w_lru = self.params.lru_weight
         self.rng = random.Random(self.params.seed)
         self._recency = KeyLists(1)  # LRU order of resident keys

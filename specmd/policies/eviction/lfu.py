@@ -40,6 +40,11 @@ class LFU(OrderedEviction):
     name = "lfu"
     Params = LFUParams  # (module-level: an extension type's body holds no class statement)
 
+    def __cinit__(self, *args, **kwargs):
+        # (compiled: runs before any __init__, even one a subclass forgot to chain, so the typed heap is
+        # never None when a hook runs in C; plain Python never calls it, and __init__ makes the same)
+        self._heap = LazyHeap()
+
     def __init__(self, params=None):
         super().__init__(params or type(self).Params())
         self.count = {}  # key -> its count (int)
