@@ -3,6 +3,8 @@
 # to cache.py is declared here; native.py runs every module that cimports this one as source whenever
 # cache.py runs as source (and this one whenever clock.py or stats.py does).
 
+cimport cython
+
 from specmd.engine.clock cimport Clock
 from specmd.engine.hooks cimport EvictionHooks, Evictable
 from specmd.engine.stats cimport CacheStats
@@ -11,6 +13,7 @@ from specmd.engine.stats cimport CacheStats
 cdef class CacheManager  # (declared below; LayerCall refers to it)
 
 
+@cython.final
 cdef class Pool:
     cdef public long long capacity
     cdef public long long used
@@ -26,6 +29,10 @@ cdef class Pool:
     cdef public object on_access
     cdef public object on_remove
     cdef public object victim
+    cdef access(self, long long key)
+    cdef inserted(self, long long key, bint prefetch)
+    cdef removed(self, long long key)
+    cdef choose_victim(self, evictable)
 
 
 cdef class Entry:

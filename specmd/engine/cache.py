@@ -26,7 +26,7 @@ import cython
 
 from .clock import Clock
 from .geometry import Geometry
-from .hooks import EvictionHooks, Evictable, compiled_hooks
+from .hooks import Evictable, compiled_hooks
 from .outcomes import NATIVE, Execution, Fetched
 from .stats import CacheStats, PassRecord
 from .store import StoreSizes
@@ -70,6 +70,32 @@ class Pool:
         self.on_admit = hook("on_admit") if hook is not None else policy.on_admit
         self.on_layer = hook("on_layer") if hook is not None else policy.on_layer
         self.on_pass_start = hook("on_pass_start") if hook is not None else policy.on_pass_start
+
+    # The per-request hooks as the manager calls them: one home for the choice between C and Python.
+    @cython.cfunc
+    def access(self, key: cython.longlong):
+        if self.native:
+            self.hooks.on_access(key)
+        else:
+            self.on_access(key)
+
+    @cython.cfunc
+    def inserted(self, key: cython.longlong, prefetch: cython.bint):
+        if self.native:
+            self.hooks.on_insert(key, prefetch)
+        else:
+            self.on_insert(key, prefetch)
+
+    @cython.cfunc
+    def removed(self, key: cython.longlong):
+        if self.native:
+            self.hooks.on_remove(key)
+        else:
+            self.on_remove(key)
+
+    @cython.cfunc
+    def choose_victim(self, evictable):
+        return self.hooks.victim(evictable) if self.native else self.victim(evictable)
 
 
 @cython.cclass
@@ -214,9 +240,10 @@ class CacheManager:
         self.events = None
         self.used_bytes = 0  # over all pools
         # Per key (``layer * num_experts + expert``), arrays instead of sets and dicts: ``_slot`` its entry or
-        # None (the one record of residency: ``entries`` and ``entry`` read it); ``_pin`` the layer call that pins it (it is pinned while that equals
-        # ``_stamp``, which every layer call's start and finish advance); ``_evicted_at`` the forward pass
-        # that last evicted it (a collision miss is a miss on a key evicted in the current pass).
+        # None (the one record of residency: ``entries`` and ``entry`` read it); ``_pin`` the layer call that
+        # pins it (pinned while that equals ``_stamp``, which every layer call's start and finish advance);
+        # ``_evicted_at`` the forward pass that last evicted it (a collision miss is a miss on a key evicted
+        # in the current pass).
         nkeys = geom.num_layers * geom.num_experts
         self._slot = [None] * nkeys
         self._pin = array("q", [-1]) * nkeys
@@ -322,9 +349,6 @@ class CacheManager:
         ent: Entry
         hits: cython.long = 0
         pool: Pool = call.pool
-        native: cython.bint = pool.native
-        hooks: EvictionHooks = pool.hooks
-        on_access = pool.on_access
         clock: Clock = self.clock
         missing = None
         for e in experts:
@@ -347,19 +371,13 @@ class CacheManager:
                     ent.used = True
                     if ent.prefetched:  # not a prefetch of a pass that did not count (measure=decode)
                         st.prefetch_used[layer] += 1
-                    if native:
-                        hooks.on_access(key)
-                    else:
-                        on_access(key)
+                    pool.access(key)
                     continue
             if ent.prefetched and not ent.used:
                 st.prefetch_used[layer] += 1
             ent.used = True
             hits += 1
-            if native:
-                hooks.on_access(key)
-            else:
-                on_access(key)
+            pool.access(key)
         st.requests[layer] += len(experts)
         st.hits[layer] += hits
         return missing
@@ -456,10 +474,9 @@ class CacheManager:
 
     @cython.boundscheck(True)
     def evictable(self, key: cython.longlong) -> cython.bint:
-        if self._pin[key] == self._stamp:
-            return False
-        ent: Entry = self._slot[key]  # (a typed local, not cython.cast: a cast is a function call in pure Python)
-        if ent is None:  # not in the cache (a policy asking about a ghost key): nothing to evict
+        # (a typed local, not cython.cast: a cast is a function call in pure Python)
+        ent: Entry = self.entry(key)  # None: not in the cache (a policy asking about a ghost key)
+        if ent is None or self._pin[key] == self._stamp:
             return False
         tr = ent.transfer
         return tr is None or self.clock.done(tr)
@@ -469,9 +486,8 @@ class CacheManager:
         if nbytes > pool.capacity:
             return False
         evictable = self._evictable
-        hooks: EvictionHooks = pool.hooks
         while pool.capacity - pool.used < nbytes:
-            victim = hooks.victim(evictable) if pool.native else pool.victim(evictable)
+            victim = pool.choose_victim(evictable)
             if victim is None:
                 return False
             self.evict(victim)
@@ -488,10 +504,7 @@ class CacheManager:
         self._slot[key] = ent
         pool.used += nbytes
         self.used_bytes += nbytes
-        if pool.native:
-            pool.hooks.on_insert(key, prefetched)
-        else:
-            pool.on_insert(key, prefetched)
+        pool.inserted(key, prefetched)
         if self.events is not None:
             self.events.inserted(key, layer, precision, prefetched)
         if self.used_bytes > self.stats.peak_bytes:
@@ -505,13 +518,10 @@ class CacheManager:
         if ent is None:
             raise KeyError(key)
         self._slot[ent.key] = None
-        ent.pool.used -= ent.nbytes
-        self.used_bytes -= ent.nbytes
         pool: Pool = ent.pool
-        if pool.native:
-            pool.hooks.on_remove(ent.key)
-        else:
-            pool.on_remove(ent.key)
+        pool.used -= ent.nbytes
+        self.used_bytes -= ent.nbytes
+        pool.removed(ent.key)
         if self.events is not None:
             self.events.evicted(key)
         self._evicted_at[ent.key] = self.pass_index
