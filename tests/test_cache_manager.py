@@ -126,7 +126,7 @@ def test_view_of_a_key_outside_the_model_is_absent_never_another_key():
     m = manager(8)
     run_pass(m, [[0], [3]])  # keys 0 and 7 (the last key of 2 layers x 4 experts)
     v = m.view
-    assert 7 in v and v.precision(7) == "native" and m.entry(7) is m.entries[7]
+    assert 7 in v and v.precision(7) == "native" and m.entry(7) == m.entries[7]
     for key in (-1, -8, 8, 1 << 40):
         assert key not in v and v.precision(key) is None and v.nbytes(key) is None and not v.in_flight(key)
         assert m.entry(key) is None

@@ -272,3 +272,41 @@ def test_stats_restore_drops_counters_created_since():
     st.restore(snap)
     assert st.extra == [] and not hasattr(st, "rerouted_to_host")
     assert st.peak_bytes == 0 and st.requests == [0, 0]
+
+
+def test_passive_hooks_are_skipped_and_a_subclass_that_overrides_one_is_called():
+    """Standard routing, prefetch=none and miss=fetch declare their hook passive (it always answers "no
+    change"), so the engine never calls it per layer call; a subclass with its own hook is called as usual."""
+    import dataclasses
+
+    from specmd.policies.miss.fetch import Fetch
+    from specmd.policies.prefetch.none import NoPrefetch
+    from specmd.policies.routing.standard import Standard
+
+    base = engine("fetch")
+    assert base.routing.passive() and base.prefetch.passive() and base.miss.passive()
+    calls = []
+
+    class Rerouting(Standard):
+        def apply(self, record, cache):
+            calls.append("apply")
+            return torch.full_like(record.original, 3)
+
+    class Predicting(NoPrefetch):
+        def predict(self, record, model):
+            calls.append("predict")
+            return [(0, [2])]
+
+    class Counting(Fetch):
+        def handle(self, layer, missing, record, cache):
+            calls.append(("handle", list(missing)))
+            return None
+
+    spec = base.spec
+    spec = dataclasses.replace(spec, routing=(Rerouting, spec.routing[1]), prefetch=(Predicting, spec.prefetch[1]),
+                               miss=(Counting, spec.miss[1]))
+    eng = Engine(base.geom, spec)
+    assert not (eng.routing.passive() or eng.prefetch.passive() or eng.miss.passive())
+    layer(eng, record([[0.4, 0.3, 0.2, 0.1]], [[0]]))
+    assert calls == ["apply", ("handle", [3]), "predict"]
+    assert sorted(eng.cache.entries) == [2, 3] and eng.cache.stats.prefetch_issued == [1]

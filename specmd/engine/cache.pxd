@@ -35,19 +35,6 @@ cdef class Pool:
     cdef choose_victim(self, evictable)
 
 
-cdef class Entry:
-    cdef public long long key
-    cdef public long layer
-    cdef public long long nbytes
-    cdef public Pool pool
-    cdef public object transfer
-    cdef public bint prefetched
-    cdef public bint used
-    cdef public object precision
-    cdef public object bits
-    cdef public long long since
-
-
 cdef class LayerCall:
     cdef public CacheManager _m
     cdef public long layer
@@ -84,7 +71,18 @@ cdef class CacheManager:
     cdef public list _pool_of_layer
     cdef public object events
     cdef public long long used_bytes
-    cdef list _slot
+    cdef long long _nkeys
+    cdef signed char[:] _here
+    cdef signed char[:] _prefetched
+    cdef signed char[:] _used
+    cdef long long[:] _nbytes
+    cdef long long[:] _since
+    cdef int[:] _prec
+    cdef list _transfer
+    cdef list _precs
+    cdef dict _prec_id
+    cdef int _native
+    cdef bint _miss_passive
     cdef long long[:] _pin
     cdef long long _stamp
     cdef long long[:] _evicted_at
@@ -109,6 +107,10 @@ cdef class CacheManager:
     cpdef pin(self, long long key)
     cpdef bint evictable(self, long long key)
     cpdef bint make_room(self, Pool pool, long long nbytes)
-    cpdef Entry insert(self, long long key, long layer, long long nbytes, Pool pool, transfer, bint prefetched, precision=*)
+    cdef _uncount_prefetches(self)
+    cpdef bint has(self, long long key)
+    cpdef precision_of(self, long long key)
+    cpdef transfer_of(self, long long key)
+    cpdef insert(self, long long key, long layer, long long nbytes, Pool pool, transfer, bint prefetched, precision=*, bint used=*)
     cpdef evict(self, key)
-    cpdef entry(self, long long key)
+    cdef _evict(self, key)

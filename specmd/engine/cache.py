@@ -20,6 +20,7 @@ Semantics (docs/semantics.md "Cache semantics"):
 from __future__ import annotations
 
 from array import array
+from collections import namedtuple
 from typing import Optional
 
 import cython
@@ -98,12 +99,12 @@ class Pool:
         return self.hooks.victim(evictable) if self.native else self.victim(evictable)
 
 
-@cython.cclass
-class Entry:
-    """A resident (or arriving) copy of one expert. (Fields: ``cache.pxd``.)"""
-    # Made only by CacheManager.insert, which fills every field (no __init__: a C-level allocation). ``transfer``:
-    # the clock's handle while a prefetch has not been requested yet; ``precision``: the stored precision
-    # this resident copy has; ``since``: the forward pass it was inserted in (cache lifetime).
+Entry = namedtuple("Entry", "key layer nbytes precision bits transfer prefetched used since")
+Entry.__doc__ = """A snapshot of one resident (or arriving) expert, made when read (:meth:`CacheManager.entry`,
+``entries``): the manager keeps these fields as per-key arrays, so serving a request makes no object.
+``transfer``: the clock's handle while a prefetch has not been requested yet (else None); ``precision`` /
+``bits``: the stored precision of this copy; ``since``: the forward pass it was inserted in (cache
+lifetime); ``prefetched`` / ``used``: inserted by a counted prefetch / requested since."""
 
 
 @cython.cclass
@@ -124,7 +125,8 @@ class LayerCall:
         self.base = base
         self.pool = pool
         self.record = record
-        self.waits.clear()
+        if self.waits:  # (list.clear is a method call from C: skipped when there is nothing to clear)
+            self.waits.clear()
         self.execution = None
         self.host_slots = 0
         self.host_experts = 0
@@ -169,6 +171,7 @@ class LayerCall:
         base: cython.longlong = self.base
         layer: cython.long = self.layer
         key: cython.longlong
+        e: cython.longlong
         streamed: cython.long = 0
         clock: Clock = m.clock
         admit = pool.on_admit
@@ -179,7 +182,7 @@ class LayerCall:
             if admit is not None:
                 admit(key)
             if pool.capacity - pool.used >= nbytes or m.make_room(pool, nbytes):
-                m.insert(key, layer, nbytes, pool, None, False, precision).used = True
+                m.insert(key, layer, nbytes, pool, None, False, precision, True)
             else:
                 streamed += 1
                 if events is not None:  # the executor stages its bytes for this call only
@@ -226,6 +229,7 @@ class CacheManager:
         self.geom = geom
         self.precisions = store or StoreSizes.native_only(geom)
         self.miss = miss
+        self._miss_passive = miss.passive()
         self.fetch_precision = getattr(miss, "fetch_precision", NATIVE)
         self.clock = clock
         self.stats = CacheStats(geom.num_layers)
@@ -239,13 +243,23 @@ class CacheManager:
         # or None; it follows the manager's decisions and never makes one
         self.events = None
         self.used_bytes = 0  # over all pools
-        # Per key (``layer * num_experts + expert``), arrays instead of sets and dicts: ``_slot`` its entry or
-        # None (the one record of residency: ``entries`` and ``entry`` read it); ``_pin`` the layer call that
-        # pins it (pinned while that equals ``_stamp``, which every layer call's start and finish advance);
-        # ``_evicted_at`` the forward pass that last evicted it (a collision miss is a miss on a key evicted
-        # in the current pass).
+        # Residency, per key (``layer * num_experts + expert``), as arrays instead of an object per entry
+        # (no allocation per miss; ``entries`` and ``entry`` make snapshots from them): ``_here`` resident or
+        # arriving (the one record of residency), its ``_nbytes``, ``_prec`` (an index into ``_precs``, the
+        # store's precisions), ``_since`` (the pass that inserted it), ``_prefetched`` / ``_used`` (inserted
+        # by a counted prefetch / requested since), ``_transfer`` (the clock's handle while a prefetch is
+        # pending, else None). Besides residency: ``_pin`` the layer call that pins the key (pinned while that
+        # equals ``_stamp``, which every layer call's start and finish advance); ``_evicted_at`` the forward
+        # pass that last evicted it (a collision miss is a miss on a key evicted in the current pass).
         nkeys = geom.num_layers * geom.num_experts
-        self._slot = [None] * nkeys
+        self._nkeys = nkeys
+        self._here = array("b", [0]) * nkeys
+        self._prefetched = array("b", [0]) * nkeys
+        self._used = array("b", [0]) * nkeys
+        self._nbytes = array("q", [0]) * nkeys
+        self._since = array("q", [0]) * nkeys
+        self._prec = array("i", [0]) * nkeys
+        self._transfer = [None] * nkeys
         self._pin = array("q", [-1]) * nkeys
         self._stamp = 0
         self._evicted_at = array("q", [-(1 << 62)]) * nkeys
@@ -259,6 +273,9 @@ class CacheManager:
         self._E = geom.num_experts
         self._bytes_of = self.precisions.bytes_of  # (the store's own dicts, typed for the request path)
         self._bits_of = self.precisions.bits_of
+        self._precs = list(self._bytes_of)  # a resident copy's precision is ``_precs[_prec[key]]``
+        self._prec_id = {p: i for i, p in enumerate(self._precs)}
+        self._native = self._prec_id.get(NATIVE, -1)
         self._evictable = _Evictable(self)  # what policies' ``victim`` asks, made once
         for pool in self.pools:
             pool.policy.attach(self.view, pool.capacity)
@@ -292,9 +309,18 @@ class CacheManager:
         if self._uncounted is not None:
             s.restore(self._uncounted)
             self._uncounted = None
-            for ent in self._slot:  # its prefetches were not counted issued: nor used nor wasted
-                if ent is not None and ent.prefetched and not ent.used:
-                    ent.prefetched = False
+            self._uncount_prefetches()
+
+    @cython.cfunc
+    def _uncount_prefetches(self):
+        """The prefetches of a pass that did not count were not issued: nor used nor wasted later."""
+        here: cython.schar[:] = self._here
+        prefetched: cython.schar[:] = self._prefetched
+        used: cython.schar[:] = self._used
+        key: cython.Py_ssize_t
+        for key in range(self._nkeys):
+            if here[key] and prefetched[key] and not used[key]:
+                prefetched[key] = 0
 
     # ---- one MoE layer call: named steps --------------------------------------------------------
     @cython.ccall
@@ -320,6 +346,7 @@ class CacheManager:
         pin: cython.longlong[:] = self._pin
         base: cython.longlong = layer * self._E
         key: cython.longlong
+        e: cython.longlong
         for e in experts:
             key = base + e
             pin[key] = stamp
@@ -341,41 +368,45 @@ class CacheManager:
     @cython.boundscheck(True)  # a key outside the model is an IndexError, never a stray write
     def _serve_hits(self, call: LayerCall, experts):
         """Step 2: resident experts (hits, late prefetches); returns the missing ones."""
-        slot: list = self._slot
+        here: cython.schar[:] = self._here
+        prec: cython.int[:] = self._prec
+        used: cython.schar[:] = self._used
+        prefetched: cython.schar[:] = self._prefetched
+        transfers: list = self._transfer
+        native: cython.int = self._native
         st: CacheStats = self.stats
         layer: cython.long = call.layer
         base: cython.longlong = call.base
         key: cython.longlong
-        ent: Entry
+        e: cython.longlong
         hits: cython.long = 0
         pool: Pool = call.pool
         clock: Clock = self.clock
         missing = None
         for e in experts:
             key = base + e
-            ent = slot[key]
-            if ent is None:
+            if not here[key]:
                 if missing is None:
                     missing = []
                 missing.append(e)
                 continue
-            if ent.precision != NATIVE:
-                call.plan().precisions[e] = ent.precision
-            tr = ent.transfer
+            if prec[key] != native:
+                call.plan().precisions[e] = self._precs[prec[key]]
+            tr = transfers[key]
             if tr is not None:
-                ent.transfer = None
+                transfers[key] = None
                 if not clock.done(tr):  # prefetch still queued or in flight: late
                     call.waits.append(clock.promote(tr))
                     st.prefetch_late[layer] += 1
                     st.misses[layer] += 1
-                    ent.used = True
-                    if ent.prefetched:  # not a prefetch of a pass that did not count (measure=decode)
+                    used[key] = 1
+                    if prefetched[key]:  # not a prefetch of a pass that did not count (measure=decode)
                         st.prefetch_used[layer] += 1
                     pool.access(key)
                     continue
-            if ent.prefetched and not ent.used:
+            if prefetched[key] and not used[key]:
                 st.prefetch_used[layer] += 1
-            ent.used = True
+            used[key] = 1
             hits += 1
             pool.access(key)
         st.requests[layer] += len(experts)
@@ -391,12 +422,14 @@ class CacheManager:
         st: CacheStats = self.stats
         on_miss = call.pool.on_miss
         if on_miss is not None:
-            for e in missing:
-                on_miss(base + e)
-        outcomes = self.miss.handle(layer, missing, call.record, self.view)
+            for x in missing:
+                on_miss(base + x)
+        # (a passive miss policy's handle always answers None: not called)
+        outcomes = None if self._miss_passive else self.miss.handle(layer, missing, call.record, self.view)
         evicted_at: cython.longlong[:] = self._evicted_at
         now: cython.longlong = self.pass_index
         key: cython.longlong
+        e: cython.longlong
         st.misses[layer] += len(missing)
         collisions: cython.long = 0
         for e in missing:
@@ -441,7 +474,7 @@ class CacheManager:
             pred.update(experts)
         for e in experts:
             key = base + e
-            if self.entry(key) is not None:
+            if self.has(key):
                 continue
             if pool.on_admit is not None:
                 pool.on_admit(key)
@@ -456,16 +489,32 @@ class CacheManager:
     # ---- residency ------------------------------------------------------------------------------
     @property
     def entries(self) -> dict:
-        """The resident (or arriving) entries by key, ascending: a new dict per read (for checks, tests and
-        results; the request path reads ``_slot``)."""
-        return {k: ent for k, ent in enumerate(self._slot) if ent is not None}
+        """The resident (or arriving) entries by key, ascending, as :class:`Entry` snapshots: a new dict per
+        read (for checks, tests and results; the request path reads the per-key arrays)."""
+        return {k: self.entry(k) for k in range(self._nkeys) if self._here[k]}
+
+    def entry(self, key: int) -> Optional[Entry]:
+        """A snapshot of ``key``'s entry, or None when it is not in the cache (or not a key of this model)."""
+        if not self.has(key):
+            return None
+        prec = self._precs[self._prec[key]]
+        return Entry(key, key // self._E, self._nbytes[key], prec, self._bits_of[prec], self._transfer[key],
+                     bool(self._prefetched[key]), bool(self._used[key]), self._since[key])
 
     @cython.ccall
-    def entry(self, key: cython.longlong):
-        """``key``'s entry, or None when it is not in the cache (or not a key of this model)."""
-        if key < 0 or key >= len(self._slot):
-            return None
-        return self._slot[key]
+    def has(self, key: cython.longlong) -> cython.bint:
+        """``key`` is in the cache, arrived or arriving (False for a key outside the model)."""
+        return 0 <= key < self._nkeys and self._here[key] != 0
+
+    @cython.ccall
+    def precision_of(self, key: cython.longlong):
+        """The stored precision of ``key``'s copy, or None when it is not in the cache."""
+        return self._precs[self._prec[key]] if self.has(key) else None
+
+    @cython.ccall
+    def transfer_of(self, key: cython.longlong):
+        """The clock's handle of ``key``'s pending prefetch, or None (arrived, fetched, or not in the cache)."""
+        return self._transfer[key] if self.has(key) else None
 
     @cython.boundscheck(True)
     def pin(self, key: cython.longlong):
@@ -474,11 +523,9 @@ class CacheManager:
 
     @cython.boundscheck(True)
     def evictable(self, key: cython.longlong) -> cython.bint:
-        # (a typed local, not cython.cast: a cast is a function call in pure Python)
-        ent: Entry = self.entry(key)  # None: not in the cache (a policy asking about a ghost key)
-        if ent is None or self._pin[key] == self._stamp:
+        if not self.has(key) or self._pin[key] == self._stamp:  # (not in the cache: a policy asking about a ghost)
             return False
-        tr = ent.transfer
+        tr = self._transfer[key]
         return tr is None or self.clock.done(tr)
 
     @cython.ccall
@@ -490,18 +537,22 @@ class CacheManager:
             victim = pool.choose_victim(evictable)
             if victim is None:
                 return False
-            self.evict(victim)
+            self._evict(victim)
         return True
 
     @cython.ccall
     @cython.boundscheck(True)  # a key outside the model is an IndexError, never a stray write
     def insert(self, key: cython.longlong, layer: cython.long, nbytes: cython.longlong, pool: Pool, transfer,
-               prefetched: cython.bint, precision=NATIVE) -> Entry:
-        ent: Entry = Entry.__new__(Entry)
-        ent.key, ent.layer, ent.nbytes, ent.pool, ent.transfer = key, layer, nbytes, pool, transfer
-        ent.prefetched, ent.used, ent.precision = prefetched, False, precision
-        ent.bits, ent.since = self._bits_of[precision], self.pass_index
-        self._slot[key] = ent
+               prefetched: cython.bint, precision=NATIVE, used: cython.bint = False):
+        """``key`` enters ``pool`` (which must have room): ``transfer`` its pending prefetch's handle or None,
+        ``used`` already requested (a demand fetch)."""
+        self._here[key] = 1
+        self._nbytes[key] = nbytes
+        self._prec[key] = self._prec_id[precision]
+        self._since[key] = self.pass_index
+        self._prefetched[key] = prefetched
+        self._used[key] = used
+        self._transfer[key] = transfer
         pool.used += nbytes
         self.used_bytes += nbytes
         pool.inserted(key, prefetched)
@@ -509,41 +560,51 @@ class CacheManager:
             self.events.inserted(key, layer, precision, prefetched)
         if self.used_bytes > self.stats.peak_bytes:
             self.stats.peak_bytes = self.used_bytes
-        return ent
 
     @cython.ccall
     @cython.boundscheck(True)  # a key outside the model is an IndexError, never a stray write
     def evict(self, key):
-        ent: Entry = self.entry(key)  # (bounds-safe: a negative key must not wrap to the last one)
-        if ent is None:
+        self._evict(key)
+
+    @cython.cfunc
+    @cython.boundscheck(True)
+    def _evict(self, key):
+        """:meth:`evict` (a C call from :meth:`make_room`); ``key`` an int (a policy's victim), else a TypeError."""
+        k: cython.longlong = key
+        if not self.has(k):  # (bounds-safe: a negative key must not wrap to the last one)
             raise KeyError(key)
-        self._slot[ent.key] = None
-        pool: Pool = ent.pool
-        pool.used -= ent.nbytes
-        self.used_bytes -= ent.nbytes
-        pool.removed(ent.key)
+        layer: cython.long = k // self._E
+        nbytes: cython.longlong = self._nbytes[k]
+        self._here[k] = 0
+        self._transfer[k] = None
+        pool: Pool = self._pool_of_layer[layer]
+        pool.used -= nbytes
+        self.used_bytes -= nbytes
+        pool.removed(k)
         if self.events is not None:
-            self.events.evicted(key)
-        self._evicted_at[ent.key] = self.pass_index
+            self.events.evicted(k)
+        self._evicted_at[k] = self.pass_index
         st: CacheStats = self.stats
-        st.evictions[ent.layer] += 1
-        st.lifetime_sum += self.pass_index - ent.since
+        st.evictions[layer] += 1
+        st.lifetime_sum += self.pass_index - self._since[k]
         st.lifetime_n += 1
-        if ent.prefetched and not ent.used:
-            st.prefetch_wasted[ent.layer] += 1
+        if self._prefetched[k] and not self._used[k]:
+            st.prefetch_wasted[layer] += 1
 
     # ---- end of run and checks ------------------------------------------------------------------
     def finalize(self) -> None:
         """At the end of a run, prefetched experts never used count as wasted."""
-        for ent in self._slot:
-            if ent is not None and ent.prefetched and not ent.used:
-                self.stats.prefetch_wasted[ent.layer] += 1
-                ent.used = True
+        for key in range(self._nkeys):
+            if self._here[key] and self._prefetched[key] and not self._used[key]:
+                self.stats.prefetch_wasted[key // self._E] += 1
+                self._used[key] = 1
 
     def check_invariants(self) -> None:
         for pool in self.pools:
             assert 0 <= pool.used <= pool.capacity, (pool.used, pool.capacity)
         assert sum(p.used for p in self.pools) == self.used_bytes == sum(e.nbytes for e in self.entries.values())
+        for key in range(self._nkeys):
+            assert self._here[key] or self._transfer[key] is None, key  # no handle outlives its entry
         st = self.stats
         for l in range(self.geom.num_layers):
             assert st.hits[l] + st.misses[l] == st.requests[l]

@@ -23,6 +23,8 @@ cdef class Engine:
     cdef public long long calls
     cdef public long long predictions
     cdef long long _E
+    cdef bint _routes
+    cdef bint _predicts
     cpdef begin_pass(self, kind, tokens, context)
     cpdef end_pass(self)
     cpdef bint route(self, rec)

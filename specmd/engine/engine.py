@@ -128,6 +128,10 @@ class Engine:
         self.clock = clock or SimClock.from_hardware(geom, hw, spec.names())
         self.cache = CacheManager(geom, caps, evictions, self.miss, self.clock, self.store, spec.measure)
         self.view = self.cache.view
+        # a passive routing or prefetch policy (its hook always answers "no change": RoutingPolicy.passive) is
+        # not called per layer call
+        self._routes = not self.routing.passive()
+        self._predicts = not self.prefetch.passive()
         self.calls = 0  # layer calls so far (each record's ``call``)
         self.predictions = 0  # prefetch predictions made (one per target layer per call)
         self._E = geom.num_experts
@@ -146,6 +150,8 @@ class Engine:
         r: GateRecord = rec
         r.call = self.calls
         self.calls += 1
+        if not self._routes:
+            return False
         index = self.routing.apply(rec, self.view)
         if index is None:
             return False
@@ -176,10 +182,11 @@ class Engine:
         experts = r.requested(self._E)  # 2
         plan = cache.serve(layer, experts, rec, index, weights).execution  # 3
         slots, n_run = self._fidelity(rec, index, plan, len(experts))  # 4
-        for target, predicted in self.prefetch.predict(rec, self.model):  # 5
-            clock.predicted()
-            self.predictions += 1
-            cache.prefetch(target, predicted)
+        if self._predicts:  # 5
+            for target, predicted in self.prefetch.predict(rec, self.model):
+                clock.predicted()
+                self.predictions += 1
+                cache.prefetch(target, predicted)
         clock.experts(slots, n_run, len(plan.precisions) if plan is not None else 0)  # 6
         cache.finish_layer()
         return plan

@@ -52,8 +52,8 @@ class CacheView:
         m = self._m
         E = m.geom.num_experts
         base = layer * E
-        entry = m.entry
-        return [e for e in range(E) if entry(base + e) is not None]
+        has = m.has
+        return [e for e in range(E) if has(base + e)]
 
     def resident(self, layer: int) -> list[int]:
         """Experts of ``layer`` whose bytes are on the device now."""
@@ -61,29 +61,29 @@ class CacheView:
         E = m.geom.num_experts
         base = layer * E
         done = m.clock.done
-        entry = m.entry
+        has, transfer_of = m.has, m.transfer_of
         out = []
         for e in range(E):
-            ent = entry(base + e)
-            if ent is not None and (ent.transfer is None or done(ent.transfer)):
-                out.append(e)
+            if has(base + e):
+                tr = transfer_of(base + e)
+                if tr is None or done(tr):
+                    out.append(e)
         return out
 
     def __contains__(self, key: int) -> bool:
-        return self._m.entry(key) is not None
+        return self._m.has(key)
 
     def precision(self, key: int) -> Optional[str]:
-        ent = self._m.entry(key)
-        return None if ent is None else ent.precision
+        return self._m.precision_of(key)
 
     def bits(self, key: int) -> Optional[int]:
-        ent = self._m.entry(key)
-        return None if ent is None else ent.bits
+        prec = self._m.precision_of(key)
+        return None if prec is None else self._m.precisions.bits_of[prec]
 
     def nbytes(self, key: int) -> Optional[int]:
         ent = self._m.entry(key)
         return None if ent is None else ent.nbytes
 
     def in_flight(self, key: int) -> bool:
-        ent = self._m.entry(key)
-        return ent is not None and ent.transfer is not None and not self._m.clock.done(ent.transfer)
+        tr = self._m.transfer_of(key)
+        return tr is not None and not self._m.clock.done(tr)

@@ -1,7 +1,7 @@
 # The eviction bases' C-level declarations (Cython reads this beside base.py; plain Python never does): a
 # built-in policy compiled as an extension type cimports its base from here (its own .pxd, e.g. lru.pxd).
 
-from specmd.engine.hooks cimport EvictionHooks
+from specmd.engine.hooks cimport EvictionHooks, Evictable, as_evictable
 
 
 cdef class EvictionPolicy(EvictionHooks):

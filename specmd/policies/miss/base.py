@@ -43,6 +43,12 @@ class MissPolicy(Policy):
     def handle(self, layer: int, missing: list[int], record: Any, cache: Any) -> Optional[list[Outcome]]:
         raise NotImplementedError
 
+    def passive(self) -> bool:
+        """True when ``handle`` always answers None (every miss fetched at ``fetch_precision``): the cache
+        manager then never calls it. A policy says so only of its own ``handle``, so a subclass that
+        overrides ``handle`` is called (see :class:`~.fetch.Fetch`)."""
+        return False
+
 
 MISS: Registry[MissPolicy] = Registry("miss", "specmd.policies.miss")
 

@@ -32,3 +32,6 @@ class Fetch(MissPolicy):
 
     def handle(self, layer, missing, record, cache):
         return None
+
+    def passive(self):
+        return type(self).handle is Fetch.handle  # (a subclass with its own handle is called)

@@ -27,6 +27,12 @@ class PrefetchPolicy(Policy):
     def predict(self, record: Any, model: Any) -> list[tuple[int, list[int]]]:
         raise NotImplementedError
 
+    def passive(self) -> bool:
+        """True when ``predict`` always answers no prediction: the engine then never calls it. A policy says
+        so only of its own ``predict``, so a subclass that overrides ``predict`` is called (see
+        :class:`~.none.NoPrefetch`)."""
+        return False
+
 
 PREFETCH: Registry[PrefetchPolicy] = Registry("prefetch", "specmd.policies.prefetch")
 

@@ -11,3 +11,6 @@ class NoPrefetch(PrefetchPolicy):
 
     def predict(self, record, model):
         return []
+
+    def passive(self):
+        return type(self).predict is NoPrefetch.predict  # (a subclass with its own predict is called)

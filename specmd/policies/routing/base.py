@@ -21,6 +21,12 @@ class RoutingPolicy(Policy):
     def apply(self, record: Any, cache: Any):  # -> torch.Tensor | None
         raise NotImplementedError
 
+    def passive(self) -> bool:
+        """True when ``apply`` always answers None (the router's selection untouched): the engine then
+        never calls it. A policy says so only of its own ``apply``, so a subclass that overrides ``apply``
+        is called (see :class:`~.standard.Standard`)."""
+        return False
+
     def empties(self, record: Any, index: torch.Tensor):  # -> torch.Tensor | None
         """``[T, k]`` bool: the slots of ``index`` this policy emptied (they run nothing: the engine counts
         them neither as device work nor as faithful), or None. Declared, never guessed from weights."""

@@ -7,3 +7,6 @@ class Standard(RoutingPolicy):
 
     def apply(self, record, cache):
         return None
+
+    def passive(self):
+        return type(self).apply is Standard.apply  # (a subclass with its own apply is called)
