@@ -111,6 +111,6 @@ cdef class CacheManager:
     cpdef bint has(self, long long key)
     cpdef precision_of(self, long long key)
     cpdef transfer_of(self, long long key)
-    cpdef insert(self, long long key, long layer, long long nbytes, Pool pool, transfer, bint prefetched, precision=*, bint used=*)
+    cdef _insert(self, long long key, long layer, long long nbytes, Pool pool, transfer, bint prefetched, int prec, bint used)
     cpdef evict(self, key)
     cdef _evict(self, key)

@@ -167,6 +167,7 @@ class LayerCall:
         """:meth:`fetch` for each of ``experts`` in order (one home for the demand-fetch accounting)."""
         m: CacheManager = self._m
         nbytes: cython.longlong = m._bytes_of[precision]
+        prec: cython.int = m._prec_id[precision]
         pool: Pool = self.pool
         base: cython.longlong = self.base
         layer: cython.long = self.layer
@@ -182,7 +183,7 @@ class LayerCall:
             if admit is not None:
                 admit(key)
             if pool.capacity - pool.used >= nbytes or m.make_room(pool, nbytes):
-                m.insert(key, layer, nbytes, pool, None, False, precision, True)
+                m._insert(key, layer, nbytes, pool, None, False, prec, True)
             else:
                 streamed += 1
                 if events is not None:  # the executor stages its bytes for this call only
@@ -462,11 +463,14 @@ class CacheManager:
     def prefetch(self, layer: int, experts: list[int]) -> None:
         """Queue asynchronous fetches of ``experts`` of MoE layer ``layer`` now (at the miss policy's
         fetch precision). The prediction is remembered for precision/recall."""
-        base = layer * self.geom.num_experts
-        pool = self._pool_of_layer[layer]
+        base: cython.longlong = layer * self._E
+        pool: Pool = self._pool_of_layer[layer]
         prec = self.fetch_precision
-        nbytes = self._bytes_of[prec]
-        st = self.stats
+        nbytes: cython.longlong = self._bytes_of[prec]
+        pid: cython.int = self._prec_id[prec]
+        key: cython.longlong
+        e: cython.longlong
+        st: CacheStats = self.stats
         pred = self.predicted[layer]
         if pred is None:
             self.predicted[layer] = set(experts)
@@ -481,7 +485,7 @@ class CacheManager:
             if not self.make_room(pool, nbytes):
                 st.prefetch_skipped[layer] += 1
                 continue
-            self.insert(key, layer, nbytes, pool, self.clock.prefetch(nbytes), True, prec)
+            self._insert(key, layer, nbytes, pool, self.clock.prefetch(nbytes), True, pid, False)
             st.prefetch_issued[layer] += 1
             st.bytes_prefetch[layer] += nbytes
             st.count_precision(prec, nbytes, fetched=False)
@@ -540,15 +544,20 @@ class CacheManager:
             self._evict(victim)
         return True
 
-    @cython.ccall
-    @cython.boundscheck(True)  # a key outside the model is an IndexError, never a stray write
-    def insert(self, key: cython.longlong, layer: cython.long, nbytes: cython.longlong, pool: Pool, transfer,
-               prefetched: cython.bint, precision=NATIVE, used: cython.bint = False):
+    def insert(self, key: int, layer: int, nbytes: int, pool: Pool, transfer, prefetched: bool, precision=NATIVE,
+               used: bool = False) -> None:
         """``key`` enters ``pool`` (which must have room): ``transfer`` its pending prefetch's handle or None,
-        ``used`` already requested (a demand fetch)."""
+        ``precision`` one of the store's, ``used`` already requested (a demand fetch)."""
+        self._insert(key, layer, nbytes, pool, transfer, prefetched, self._prec_id[precision], used)
+
+    @cython.cfunc
+    @cython.boundscheck(True)  # a key outside the model is an IndexError, never a stray write
+    def _insert(self, key: cython.longlong, layer: cython.long, nbytes: cython.longlong, pool: Pool, transfer,
+                prefetched: cython.bint, prec: cython.int, used: cython.bint):
+        """:meth:`insert` with the precision's index in ``_precs`` (the request path's C call)."""
         self._here[key] = 1
         self._nbytes[key] = nbytes
-        self._prec[key] = self._prec_id[precision]
+        self._prec[key] = prec
         self._since[key] = self.pass_index
         self._prefetched[key] = prefetched
         self._used[key] = used
@@ -557,7 +566,7 @@ class CacheManager:
         self.used_bytes += nbytes
         pool.inserted(key, prefetched)
         if self.events is not None:
-            self.events.inserted(key, layer, precision, prefetched)
+            self.events.inserted(key, layer, self._precs[prec], prefetched)
         if self.used_bytes > self.stats.peak_bytes:
             self.stats.peak_bytes = self.used_bytes
 

@@ -26,18 +26,18 @@ cdef class TransferChannel:
 
 cdef class Clock:
     cpdef begin_layer(self)
-    cpdef demand(self, nbytes)
-    cpdef prefetch(self, nbytes)
+    cpdef demand(self, long long nbytes)
+    cpdef prefetch(self, long long nbytes)
     cpdef promote(self, handle)
     cpdef done(self, handle)
-    cpdef wait(self, handles)
+    cpdef double wait(self, handles)
     cpdef predicted(self)
     cpdef host(self, slots, experts)
-    cpdef dense(self, layer, tokens, context)
-    cpdef experts(self, slots, experts, unpacked=*)
+    cpdef dense(self, long layer, long long tokens, long long context)
+    cpdef experts(self, long long slots, long long experts, long long unpacked=*)
     cpdef mark(self)
     cpdef since(self, mark)
-    cpdef tail(self, tokens, context)
+    cpdef tail(self, long long tokens, long long context)
 
 cdef class SimClock(Clock):
     cdef public object geom

@@ -148,14 +148,14 @@ class Clock:
         raise NotImplementedError
 
     @cython.ccall
-    def demand(self, nbytes):
+    def demand(self, nbytes: cython.longlong):
         """A blocking fetch issued now (demand priority); returns its handle (wait on it before computing), or
         None when the clock keeps track of it itself: then the next :meth:`wait` waits for it too, whatever
         handles it is given (the simulated clock: no object per fetch on the replay's hottest path)."""
         raise NotImplementedError
 
     @cython.ccall
-    def prefetch(self, nbytes):
+    def prefetch(self, nbytes: cython.longlong):
         """An asynchronous fetch issued now, queued behind earlier ones; returns its handle."""
         raise NotImplementedError
 
@@ -170,7 +170,7 @@ class Clock:
         raise NotImplementedError
 
     @cython.ccall
-    def wait(self, handles):
+    def wait(self, handles) -> cython.double:
         """Stall compute until every handle in ``handles`` is done; returns the stall added (seconds)."""
         raise NotImplementedError
 
@@ -207,16 +207,16 @@ class Clock:
         return None
 
     @cython.ccall
-    def dense(self, layer, tokens, context):
+    def dense(self, layer: cython.long, tokens: cython.longlong, context: cython.longlong):
         """Everything the model runs between MoE layer ``layer - 1``'s experts and layer ``layer``'s."""
 
     @cython.ccall
-    def experts(self, slots, experts, unpacked=0):
+    def experts(self, slots: cython.longlong, experts: cython.longlong, unpacked: cython.longlong = 0):
         """A layer's routed experts on the device: ``slots`` token-expert pairs over ``experts`` experts, of
         which ``unpacked`` run from a stored low-precision copy (unpacked first)."""
 
     @cython.ccall
-    def tail(self, tokens, context):
+    def tail(self, tokens: cython.longlong, context: cython.longlong):
         """Everything after the last MoE layer (trailing dense layers, final norm, LM head)."""
 
 
@@ -281,7 +281,7 @@ class SimClock(Clock):
         return self.channel.duration(nbytes)
 
     @cython.ccall
-    def demand(self, nbytes):
+    def demand(self, nbytes: cython.longlong):
         self.issued += 1
         ready: cython.double = self.channel.demand(self.now, nbytes)
         if ready > self._demand_ready:
@@ -289,7 +289,7 @@ class SimClock(Clock):
         return None
 
     @cython.ccall
-    def prefetch(self, nbytes):
+    def prefetch(self, nbytes: cython.longlong):
         self.issued += 1
         tr = _new_transfer(nbytes, self.now)
         self.channel.submit(tr)
@@ -306,7 +306,7 @@ class SimClock(Clock):
         return h.ready_at <= self.now
 
     @cython.ccall
-    def wait(self, handles):
+    def wait(self, handles) -> cython.double:
         t: cython.double = self.now
         h: Transfer
         if self._demand_ready > t:  # the demand fetches issued since the last wait (``demand`` returns no handle)
@@ -372,11 +372,11 @@ class SimClock(Clock):
         return self._experts_time(slots, experts)
 
     @cython.ccall
-    def dense(self, layer, tokens, context):
+    def dense(self, layer: cython.long, tokens: cython.longlong, context: cython.longlong):
         self.now += self._dense_time(self._dense_params[layer], self._attn_layers[layer], tokens, context)
 
     @cython.ccall
-    def experts(self, slots, experts, unpacked=0):
+    def experts(self, slots: cython.longlong, experts: cython.longlong, unpacked: cython.longlong = 0):
         self.now += (self._experts_time(slots, experts) + self.issued * self.issue_overhead
                      + self.predictions * self.predict_overhead + self.decision_overhead
                      + unpacked * self.unpack_overhead)
@@ -387,6 +387,6 @@ class SimClock(Clock):
         self.predictions += 1
 
     @cython.ccall
-    def tail(self, tokens, context):
+    def tail(self, tokens: cython.longlong, context: cython.longlong):
         self.now += (self._dense_time(self._tail_params, self._tail_attn_layers, tokens, context)
                      + tokens * self.token_overhead)

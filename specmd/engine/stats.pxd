@@ -28,11 +28,11 @@ cdef class CacheStats:
     cdef public list pred_actual
     cdef public list passes
     cdef public list extra
-    cdef public object peak_bytes
-    cdef public object slots_total
-    cdef public object slots_unchanged
-    cdef public object lifetime_sum
-    cdef public object lifetime_n
+    cdef public long long peak_bytes
+    cdef public long long slots_total
+    cdef public long long slots_unchanged
+    cdef public long long lifetime_sum
+    cdef public long long lifetime_n
     cdef public dict fetched_by_precision
     cdef public dict bytes_by_precision
     cpdef add(self, stat, long layer)

@@ -7,11 +7,11 @@ from specmd.engine.record cimport GateRecord
 
 cdef class TraceRecord(GateRecord):
     cdef public object trace
-    cdef public object rows
+    cdef public long long r0
     cdef public long k
     cdef public long n
     cdef public object _original
     cdef public object _original_weights
     cdef public object _logits
 
-cdef TraceRecord trace_record(TraceRecord rec, trace, rows, long layer, scoring, requested, signal, long k)
+cdef TraceRecord trace_record(TraceRecord rec, trace, long long r0, long n, long layer, scoring, requested, signal, long k)

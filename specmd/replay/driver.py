@@ -112,7 +112,13 @@ class TraceRecord(GateRecord):
     with :func:`trace_record`, no constructor call.)"""
 
     def __init__(self, trace: Trace, rows: slice, layer: int, scoring: Scoring, requested: list, signal):
-        trace_record(self, trace, rows, layer, scoring, requested, signal, trace.index.shape[1])
+        trace_record(self, trace, rows.start, rows.stop - rows.start, layer, scoring, requested, signal,
+                     trace.index.shape[1])
+
+    @property
+    def rows(self) -> slice:
+        """The trace rows of this call (one per token)."""
+        return slice(self.r0, self.r0 + self.n)
 
     @property
     def original(self) -> torch.Tensor:
@@ -163,15 +169,16 @@ class TraceRecord(GateRecord):
 
 
 @cython.cfunc
-def trace_record(rec: TraceRecord, trace, rows, layer: cython.long, scoring, requested, signal,
-                 k: cython.long) -> TraceRecord:
-    """``rec``'s fields: the gate record's (:func:`~specmd.engine.record.fill`), then the trace's rows."""
+def trace_record(rec: TraceRecord, trace, r0: cython.longlong, n: cython.long, layer: cython.long, scoring,
+                 requested, signal, k: cython.long) -> TraceRecord:
+    """``rec``'s fields: the gate record's (:func:`~specmd.engine.record.fill`), then the trace's rows
+    ``r0 .. r0 + n``."""
     fill(rec, layer, scoring, signal, requested)
     rec.trace = trace
-    rec.rows = rows
+    rec.r0 = r0
     rec.k = k
-    rec.n = rows.stop - rows.start
-    rec._slots = rec.n * k
+    rec.n = n
+    rec._slots = n * k
     rec._original = rec._original_weights = rec._logits = None
     return rec
 
@@ -298,17 +305,22 @@ def run_replay(trace: Trace, spec, engine=None, ptr=None, experts=None) -> Engin
     collecting = gc.isenabled()
     gc.disable()
     try:
-        calls = trace.calls.tolist()
-        ptr, experts = ptr.tolist(), experts.tolist()
-        C = len(calls)
+        # the calls and their request offsets read in C; the requested experts as one list of ints, sliced
+        # per call (the list the cache manager serves)
+        calls: cython.longlong[:, :] = np.ascontiguousarray(trace.calls, dtype=np.int64)
+        offsets: cython.longlong[:] = np.ascontiguousarray(ptr, dtype=np.int64)
+        requested = experts.tolist()
+        C = calls.shape[0]
+        layer: cython.long
+        r0: cython.longlong
+        n: cython.longlong
         for p, (kind, tokens, context) in enumerate(trace.passes.tolist()):
             eng.begin_pass(KINDS[kind], tokens, context)
-            while c < C and calls[c][0] == p:
-                _, layer, r0, n = calls[c]
-                rows = slice(r0, r0 + n)
-                rec = trace_record(TraceRecord.__new__(TraceRecord), trace, rows, layer, scoring,
-                                   experts[ptr[c]:ptr[c + 1]],
-                                   TraceSignal(trace, rows, layer) if has_signal else None, k)
+            while c < C and calls[c, 0] == p:
+                layer, r0, n = calls[c, 1], calls[c, 2], calls[c, 3]
+                rec = trace_record(TraceRecord.__new__(TraceRecord), trace, r0, n, layer, scoring,
+                                   requested[offsets[c]:offsets[c + 1]],
+                                   TraceSignal(trace, slice(r0, r0 + n), layer) if has_signal else None, k)
                 eng.route(rec)
                 eng.layer(rec)
                 c += 1
