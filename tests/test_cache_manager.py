@@ -47,9 +47,9 @@ def test_lru_hand_worked_two_passes():
     assert (st.total("requests"), st.total("hits"), st.total("misses"), st.total("evictions")) == (4, 0, 4, 1)
     assert st.total("collision_misses") == 0
     run_pass(m, [[0, 1], [2, 3]])
-    assert st.hits == [1, 1] and st.misses == [3, 3]
-    assert st.evictions == [2, 1]  # evicted: (0,0) in pass 0; (1,2) then (0,1) in pass 1
-    assert st.collision_misses == [0, 1]
+    assert list(st.hits) == [1, 1] and list(st.misses) == [3, 3]
+    assert list(st.evictions) == [2, 1]  # evicted: (0,0) in pass 0; (1,2) then (0,1) in pass 1
+    assert list(st.collision_misses) == [0, 1]
     assert sorted(m.entries) == [0, 6, 7]  # keys layer*4+expert: (0,0), (1,2), (1,3)
     assert [p.collision_misses for p in st.passes] == [0, 1]
     assert [p.hits for p in st.passes] == [0, 2]
@@ -87,7 +87,7 @@ def test_per_layer_pools_never_evict_other_layers():
     m = manager(0, pools=[100, 100])
     run_pass(m, [[0], [1]])
     run_pass(m, [[2], [1]])
-    assert m.stats.hits == [0, 1]
+    assert list(m.stats.hits) == [0, 1]
     assert sorted(m.entries) == [2, 5]
 
 
@@ -95,7 +95,7 @@ def test_prefetch_reserves_space_and_counts_use():
     m = manager(4)
     run_pass(m, [[0, 1], [2, 3]], prefetch={0: [(1, [2, 3])]})
     st = m.stats
-    assert st.prefetch_issued == [0, 2] and st.bytes_prefetch == [0, 200]
+    assert list(st.prefetch_issued) == [0, 2] and list(st.bytes_prefetch) == [0, 200]
     assert st.prefetch_used[1] == 2
     assert st.hits[1] + st.prefetch_late[1] == 2
 

@@ -17,7 +17,7 @@ def test_two_layer_no_prefetch_exact_ttft_and_stall():
     p = m.stats.passes[0]
     assert p.time_s == pytest.approx(0.84)
     assert p.stall_s == pytest.approx(0.44)
-    assert m.stats.stall_s == pytest.approx([0.22, 0.22])
+    assert list(m.stats.stall_s) == pytest.approx([0.22, 0.22])
     assert m.stats.timing()["ttft_s"] == pytest.approx(0.84)
 
 
@@ -30,8 +30,8 @@ def test_two_layer_prefetch_overlaps_compute_and_late_prefetch_stalls():
     st = m.stats
     assert st.passes[0].time_s == pytest.approx(0.64)
     assert st.passes[0].stall_s == pytest.approx(0.24)
-    assert st.hits == [0, 1] and st.prefetch_late == [0, 1] and st.prefetch_used == [0, 2]
-    assert st.bytes_demand == [200, 0] and st.bytes_prefetch == [0, 200]
+    assert list(st.hits) == [0, 1] and list(st.prefetch_late) == [0, 1] and list(st.prefetch_used) == [0, 2]
+    assert list(st.bytes_demand) == [200, 0] and list(st.bytes_prefetch) == [0, 200]
 
 
 def test_demand_is_served_before_queued_prefetch():

@@ -154,7 +154,7 @@ def test_every_counter_is_a_declared_field():
     from specmd.engine.stats import PER_LAYER, SCALARS
 
     pxd = (ROOT / "specmd/engine/stats.pxd").read_text()
-    declared = set(re.findall(r"cdef public \w+ (\w+)", pxd))
+    declared = set(re.findall(r"cdef public .* (\w+)\s*$", pxd, re.M))
     assert set(PER_LAYER) | set(SCALARS) <= declared, sorted(set(PER_LAYER) | set(SCALARS) - declared)
 
 

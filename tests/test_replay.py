@@ -198,7 +198,7 @@ def test_oracle_prefetch_has_perfect_prediction():
     assert s["prefetch_precision"] == 1.0 and s["prefetch_recall"] == 1.0
     assert s["prefetch_issued"] == 2  # layer 1's 1 and 3 (3 is resident for the last pass)
     # layer 0: 0, 2 miss, 0 hits; layer 1: both prefetches requested before they arrive (compute takes no time)
-    assert st.misses == [2, 2] and st.prefetch_late == [0, 2] and st.hits == [1, 1]
+    assert list(st.misses) == [2, 2] and list(st.prefetch_late) == [0, 2] and list(st.hits) == [1, 1]
 
 
 def test_oracle_and_belady_are_rejected_live_before_the_model_loads():

@@ -38,12 +38,12 @@ MEASURES = ("all", "decode")  # the forward passes the cache counters count
 
 
 @cython.cfunc
-def _total(counts: list) -> cython.longlong:
-    """``sum(counts)`` of a per-layer count list, in C (a pass's start and end totals)."""
+def _total(counts: cython.longlong[:]) -> cython.longlong:
+    """``sum(counts)`` of a per-layer counter, in C (a pass's start and end totals)."""
     t: cython.longlong = 0
-    c: cython.longlong
-    for c in counts:
-        t += c
+    i: cython.Py_ssize_t
+    for i in range(len(counts)):
+        t += counts[i]
     return t
 
 

@@ -62,8 +62,8 @@ cdef class SimClock(Clock):
     cdef double _expert_bytes
     cdef double _hidden
     cdef double _dtype_bytes
-    cdef list _dense_params
-    cdef list _attn_layers
+    cdef double[:] _dense_params
+    cdef double[:] _attn_layers
     cdef double _tail_params
     cdef double _tail_attn_layers
     cpdef double wait_until(self, double t)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from array import array
 from dataclasses import dataclass
 
 import cython
@@ -253,8 +254,8 @@ class SimClock(Clock):
         self._expert_bytes = geom.expert_bytes
         self._hidden = geom.hidden_size
         self._dtype_bytes = geom.dtype_bytes
-        self._dense_params = list(geom.dense_params)
-        self._attn_layers = list(geom.attn_layers)
+        self._dense_params = array("d", geom.dense_params)  # (doubles, as the C arithmetic reads them)
+        self._attn_layers = array("d", geom.attn_layers)
         self._tail_params = geom.tail_params
         self._tail_attn_layers = geom.tail_attn_layers
 

@@ -1,31 +1,32 @@
 # The statistics' C-level declarations (Cython reads this beside stats.py; plain Python never does): the
-# cache manager updates these counters per request through C field access. A counter added to PER_LAYER or
+# cache manager updates these counters per request through C field access (per-layer counters as typed
+# arrays: an increment is a C add, no int object). A counter added to PER_LAYER or
 # a field added to CacheStats is declared here too (tests/test_native.py checks the two lists agree).
 
 cdef class CacheStats:
     cdef dict __dict__  # the outcome counters made on first use (CacheStats.add)
     cdef public long num_layers
-    cdef public list requests
-    cdef public list requests_router
-    cdef public list hits
-    cdef public list misses
-    cdef public list collision_misses
-    cdef public list evictions
-    cdef public list prefetch_issued
-    cdef public list prefetch_used
-    cdef public list prefetch_late
-    cdef public list prefetch_wasted
-    cdef public list prefetch_skipped
-    cdef public list streamed
-    cdef public list bytes_demand
-    cdef public list bytes_prefetch
-    cdef public list stall_s
-    cdef public list dropped
-    cdef public list substituted
-    cdef public list host_computed
-    cdef public list pred_true
-    cdef public list pred_predicted
-    cdef public list pred_actual
+    cdef public long long[:] requests
+    cdef public long long[:] requests_router
+    cdef public long long[:] hits
+    cdef public long long[:] misses
+    cdef public long long[:] collision_misses
+    cdef public long long[:] evictions
+    cdef public long long[:] prefetch_issued
+    cdef public long long[:] prefetch_used
+    cdef public long long[:] prefetch_late
+    cdef public long long[:] prefetch_wasted
+    cdef public long long[:] prefetch_skipped
+    cdef public long long[:] streamed
+    cdef public long long[:] bytes_demand
+    cdef public long long[:] bytes_prefetch
+    cdef public double[:] stall_s
+    cdef public long long[:] dropped
+    cdef public long long[:] substituted
+    cdef public long long[:] host_computed
+    cdef public long long[:] pred_true
+    cdef public long long[:] pred_predicted
+    cdef public long long[:] pred_actual
     cdef public list passes
     cdef public list extra
     cdef public long long peak_bytes

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import cython
 
 PER_LAYER = (
@@ -45,6 +47,12 @@ class PassRecord:
     collision_misses: cython.longlong
 
 
+def _zeros(name: str, num_layers: int) -> array:
+    """A per-layer counter's zeros: 64-bit integers (``stall_s``: seconds, doubles). The typed fields of the
+    compiled :class:`CacheStats` view these arrays; :meth:`CacheStats.per_layer` reads one as a list."""
+    return array("d" if name == "stall_s" else "q", [0]) * num_layers
+
+
 # The counters besides the per-layer ones (what :meth:`CacheStats.snapshot` keeps besides them)
 SCALARS = ("peak_bytes", "slots_total", "slots_unchanged", "lifetime_sum", "lifetime_n", "fetched_by_precision",
            "bytes_by_precision", "extra")
@@ -59,7 +67,7 @@ class CacheStats:
     def __init__(self, num_layers: int):
         self.num_layers = num_layers
         for name in PER_LAYER:
-            setattr(self, name, [0.0 if name == "stall_s" else 0 for _ in range(num_layers)])
+            setattr(self, name, _zeros(name, num_layers))
         self.passes: list[PassRecord] = []
         self.extra: list[str] = []  # per-layer counters of outcomes beyond the built-in ones
         self.peak_bytes = 0
@@ -70,10 +78,16 @@ class CacheStats:
         self.fetched_by_precision: dict[str, int] = {}  # demand fetches per precision
         self.bytes_by_precision: dict[str, int] = {}  # demand + prefetch bytes per precision
 
+    def per_layer(self, name: str) -> list:
+        """A per-layer counter (built-in or an outcome's) as a list, one value per MoE layer."""
+        return list(getattr(self, name))
+
     def snapshot(self) -> dict:
         """Every counter (not the pass records), to :meth:`restore` after a pass that must not count."""
         out = {}
-        for k in PER_LAYER + SCALARS + tuple(self.extra):
+        for k in PER_LAYER + tuple(self.extra):
+            out[k] = self.per_layer(k)
+        for k in SCALARS:
             v = getattr(self, k)
             out[k] = v.copy() if isinstance(v, (list, dict)) else v
         return out
@@ -84,13 +98,18 @@ class CacheStats:
             if k not in snap:
                 delattr(self, k)
         for k, v in snap.items():
+            if k in PER_LAYER or k in snap["extra"]:
+                counts = _zeros(k, self.num_layers)
+                for layer, x in enumerate(v):
+                    counts[layer] = x
+                v = counts
             setattr(self, k, v)
 
     def add(self, stat, layer: cython.long):
         """One more of a per-layer counter; an outcome's own counter is created on first use."""
         counts = getattr(self, stat, None)
         if counts is None:
-            counts = [0] * self.num_layers
+            counts = _zeros(stat, self.num_layers)
             setattr(self, stat, counts)
             self.extra.append(stat)
         counts[layer] += 1
@@ -131,7 +150,7 @@ class CacheStats:
             **{name: self.total(name) for name in self.extra},
         }
         out["bytes_by_precision"] = dict(sorted(self.bytes_by_precision.items()))
-        out["per_layer"] = {name: list(getattr(self, name)) for name in PER_LAYER}
+        out["per_layer"] = {name: self.per_layer(name) for name in PER_LAYER}
         out["per_layer"]["hit_rate"] = [
             h / r if r else 0.0 for h, r in zip(self.hits, self.requests)
         ]
