@@ -274,6 +274,25 @@ def test_stats_restore_drops_counters_created_since():
     assert st.peak_bytes == 0 and list(st.requests) == [0, 0]
 
 
+def test_stats_per_precision_counts_and_restore():
+    """Fetches and bytes per stored precision are C counters: a precision is listed once counted (a prefetch
+    moves bytes but fetches nothing), one beyond the store's joins on first use, restore undoes both."""
+    from specmd.engine.stats import CacheStats
+
+    st = CacheStats(1, ["native", "int4"])
+    st.count_precision("int4", 30, fetched=0)  # a prefetch
+    assert st.fetched_by_precision == {} and st.bytes_by_precision == {"int4": 30}
+    snap = st.snapshot()
+    st.count_precision("native", 200, 2)
+    st.count_precision("int2", 10, 1)  # not in the store's list
+    assert st.fetched_by_precision == {"native": 2, "int2": 1}
+    assert st.bytes_by_precision == {"native": 200, "int4": 30, "int2": 10}
+    st.restore(snap)
+    assert st.fetched_by_precision == {} and st.bytes_by_precision == {"int4": 30}
+    with pytest.raises(IndexError):
+        st.count(7, 1, 1)
+
+
 def test_passive_hooks_are_skipped_and_a_subclass_that_overrides_one_is_called():
     """Standard routing, prefetch=none and miss=fetch declare their hook passive (it always answers "no
     change"), so the engine never calls it per layer call; a subclass with its own hook is called as usual."""

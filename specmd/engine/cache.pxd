@@ -83,6 +83,7 @@ cdef class CacheManager:
     cdef dict _prec_id
     cdef int _native
     cdef bint _miss_passive
+    cdef bint _fetch_native
     cdef long long[:] _pin
     cdef long long _stamp
     cdef long long[:] _evicted_at
@@ -100,8 +101,8 @@ cdef class CacheManager:
     cpdef end_pass(self)
     cpdef LayerCall serve(self, long layer, experts, record=*, index=*, weights=*)
     cpdef LayerCall _open(self, long layer, experts, record, index, weights)
-    cpdef _serve_hits(self, LayerCall call, experts)
-    cpdef _serve_misses(self, LayerCall call, missing)
+    cdef _serve_hits(self, LayerCall call, experts)
+    cdef _serve_misses(self, LayerCall call, missing)
     cpdef _stall(self, LayerCall call)
     cpdef finish_layer(self)
     cpdef pin(self, long long key)

@@ -196,7 +196,7 @@ class LayerCall:
         st: CacheStats = m.stats
         st.streamed[layer] += streamed
         st.bytes_demand[layer] += n * nbytes
-        st.count_precision(precision, n * nbytes, n)
+        st.count(prec, n * nbytes, n)
 
     def host(self, slots: int) -> None:
         """Host compute of one expert's ``slots`` token-expert pairs (timed once per call, in ``finish``)."""
@@ -232,8 +232,9 @@ class CacheManager:
         self.miss = miss
         self._miss_passive = miss.passive()
         self.fetch_precision = getattr(miss, "fetch_precision", NATIVE)
+        self._fetch_native = self.fetch_precision == NATIVE
         self.clock = clock
-        self.stats = CacheStats(geom.num_layers)
+        self.stats = CacheStats(geom.num_layers, list(self.precisions.bytes_of))
         if measure not in MEASURES:
             raise ValueError(f"measure={measure!r}; valid: {', '.join(MEASURES)}")
         self.measure = measure
@@ -338,19 +339,23 @@ class CacheManager:
         return call
 
     @cython.ccall
-    @cython.boundscheck(True)  # a key outside the model is an IndexError, never a stray write
+    @cython.boundscheck(True)  # a layer outside the model is an IndexError, never a stray write
     def _open(self, layer: cython.long, experts, record, index, weights) -> LayerCall:
-        """Step 1: pin the requests, tell the pool's policy where execution is, score the prediction."""
+        """Step 1: pin the requests, tell the pool's policy where execution is, score the prediction.
+        Every requested expert is checked to be one of the layer's (the later steps index by it unchecked)."""
         self.clock.begin_layer()
         self._stamp += 1
         stamp: cython.longlong = self._stamp
         pin: cython.longlong[:] = self._pin
-        base: cython.longlong = layer * self._E
-        key: cython.longlong
+        E: cython.longlong = self._E
+        if layer < 0 or layer >= len(self._pool_of_layer):
+            raise IndexError(f"MoE layer {layer} of {len(self._pool_of_layer)}")
+        base: cython.longlong = layer * E
         e: cython.longlong
         for e in experts:
-            key = base + e
-            pin[key] = stamp
+            if e < 0 or e >= E:
+                raise IndexError(f"expert {e} of layer {layer}: the model has {E} experts per layer")
+            pin[base + e] = stamp
         pool: Pool = self._pool_of_layer[layer]
         if pool.on_layer is not None:
             pool.on_layer(layer, record)
@@ -365,8 +370,9 @@ class CacheManager:
         call.reset(layer, base, pool, record, index, weights, len(experts))
         return call
 
-    @cython.ccall
-    @cython.boundscheck(True)  # a key outside the model is an IndexError, never a stray write
+    @cython.cfunc
+    @cython.boundscheck(False)  # (the call's experts were checked by _open)
+    @cython.wraparound(False)
     def _serve_hits(self, call: LayerCall, experts):
         """Step 2: resident experts (hits, late prefetches); returns the missing ones."""
         here: cython.schar[:] = self._here
@@ -414,32 +420,31 @@ class CacheManager:
         st.hits[layer] += hits
         return missing
 
-    @cython.ccall
-    @cython.boundscheck(True)  # a key outside the model is an IndexError, never a stray write
+    @cython.cfunc
+    @cython.boundscheck(False)  # (the call's experts were checked by _open)
+    @cython.wraparound(False)
     def _serve_misses(self, call: LayerCall, missing):
         """Step 3: the miss policy names an outcome per missing expert; each outcome serves itself."""
         layer: cython.long = call.layer
         base: cython.longlong = call.base
         st: CacheStats = self.stats
+        evicted_at: cython.longlong[:] = self._evicted_at
+        now: cython.longlong = self.pass_index
+        e: cython.longlong
+        st.misses[layer] += len(missing)
+        collisions: cython.long = 0
+        for e in missing:  # (counted before any policy code runs: the list is still the one _open checked)
+            if evicted_at[base + e] == now:
+                collisions += 1
+        st.collision_misses[layer] += collisions
         on_miss = call.pool.on_miss
         if on_miss is not None:
             for x in missing:
                 on_miss(base + x)
         # (a passive miss policy's handle always answers None: not called)
         outcomes = None if self._miss_passive else self.miss.handle(layer, missing, call.record, self.view)
-        evicted_at: cython.longlong[:] = self._evicted_at
-        now: cython.longlong = self.pass_index
-        key: cython.longlong
-        e: cython.longlong
-        st.misses[layer] += len(missing)
-        collisions: cython.long = 0
-        for e in missing:
-            key = base + e
-            if evicted_at[key] == now:
-                collisions += 1
-        st.collision_misses[layer] += collisions
         if outcomes is None:  # every miss fetched at the policy's precision (what Fetched(None) does)
-            if self.fetch_precision == NATIVE:
+            if self._fetch_native:
                 call.fetch_many(missing, NATIVE)
                 return
             outcomes = [self._default_fetch] * len(missing)
@@ -488,7 +493,7 @@ class CacheManager:
             self._insert(key, layer, nbytes, pool, self.clock.prefetch(nbytes), True, pid, False)
             st.prefetch_issued[layer] += 1
             st.bytes_prefetch[layer] += nbytes
-            st.count_precision(prec, nbytes, fetched=False)
+            st.count(pid, nbytes, 0)
 
     # ---- residency ------------------------------------------------------------------------------
     @property

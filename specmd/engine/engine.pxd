@@ -25,8 +25,10 @@ cdef class Engine:
     cdef long long _E
     cdef bint _routes
     cdef bint _predicts
+    cdef long long _run_slots
+    cdef long long _run_n
     cpdef begin_pass(self, kind, tokens, context)
     cpdef end_pass(self)
     cpdef bint route(self, rec)
     cpdef layer(self, rec, index=*, weights=*)
-    cpdef tuple _fidelity(self, rec, index, plan, long n)
+    cdef _fidelity(self, rec, index, plan, long n)

@@ -181,28 +181,31 @@ class Engine:
             clock.dense(layer, shape[1], shape[2])
         experts = r.requested(self._E)  # 2
         plan = cache.serve(layer, experts, rec, index, weights).execution  # 3
-        slots, n_run = self._fidelity(rec, index, plan, len(experts))  # 4
+        self._fidelity(rec, index, plan, len(experts))  # 4 (sets _run_slots, _run_n)
         if self._predicts:  # 5
             for target, predicted in self.prefetch.predict(rec, self.model):
                 clock.predicted()
                 self.predictions += 1
                 cache.prefetch(target, predicted)
-        clock.experts(slots, n_run, len(plan.precisions) if plan is not None else 0)  # 6
+        clock.experts(self._run_slots, self._run_n, len(plan.precisions) if plan is not None else 0)  # 6
         cache.finish_layer()
         return plan
 
+    @cython.cfunc
     def _fidelity(self, rec, index, plan, n: cython.long):
-        """Count the router's own selections that run unchanged; return the device's (slots, experts)."""
+        """Count the router's own selections that run unchanged; the device's share of the work is left in
+        ``_run_slots`` (token-expert slots) and ``_run_n`` (experts)."""
         st: CacheStats = self.cache.stats
         r: GateRecord = rec
         layer: cython.long = r.layer
-        slots = r._slots if r._slots >= 0 else rec.slots  # (the field once known: no Python property call)
+        slots: cython.longlong = r._slots if r._slots >= 0 else rec.slots  # (the field once known: no property call)
         st.slots_total += slots
         rerouted = r._index is not None and rec.rerouted  # (no property call while no routing policy set one)
         if not rerouted and plan is None:
             st.requests_router[layer] += n
             st.slots_unchanged += slots
-            return slots, n
+            self._run_slots, self._run_n = slots, n
+            return
         if index is None:
             index = rec.index
         if rerouted:  # the router's own requests, before a routing policy changed the selection
@@ -220,7 +223,7 @@ class Engine:
                 if plan is None:
                     slots -= int(void.sum())
         st.slots_unchanged += int(kept.sum())
-        return slots, n
+        self._run_slots, self._run_n = slots, n
 
     # ---- results --------------------------------------------------------------------------------
     def _lateness(self, summary: dict) -> Optional[dict]:

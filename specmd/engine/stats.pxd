@@ -34,7 +34,10 @@ cdef class CacheStats:
     cdef public long long slots_unchanged
     cdef public long long lifetime_sum
     cdef public long long lifetime_n
-    cdef public dict fetched_by_precision
-    cdef public dict bytes_by_precision
+    cdef public list precisions
+    cdef public dict _precision_index
+    cdef public long long[:] fetched_n
+    cdef public long long[:] moved_bytes
+    cdef public long long[:] moved_any
     cpdef add(self, stat, long layer)
-    cpdef count_precision(self, precision, nbytes, fetched=*)
+    cpdef count(self, Py_ssize_t i, long long nbytes, long long fetched)

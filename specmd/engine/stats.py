@@ -54,8 +54,8 @@ def _zeros(name: str, num_layers: int) -> array:
 
 
 # The counters besides the per-layer ones (what :meth:`CacheStats.snapshot` keeps besides them)
-SCALARS = ("peak_bytes", "slots_total", "slots_unchanged", "lifetime_sum", "lifetime_n", "fetched_by_precision",
-           "bytes_by_precision", "extra")
+SCALARS = ("peak_bytes", "slots_total", "slots_unchanged", "lifetime_sum", "lifetime_n", "extra")
+PER_PRECISION = ("fetched_n", "moved_bytes", "moved_any")  # the counters per stored precision
 
 
 @cython.cclass
@@ -64,10 +64,18 @@ class CacheStats:
     updates them by C field access; the outcome counters :meth:`add` makes on first use live in its
     ``__dict__``.)"""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, precisions=("native",)):
+        """``precisions``: the stored precisions fetches may move (the store's; more join on first use)."""
         self.num_layers = num_layers
         for name in PER_LAYER:
             setattr(self, name, _zeros(name, num_layers))
+        # per precision (an index into ``precisions``): demand fetches, bytes moved (demand + prefetch), and
+        # whether any were counted (``fetched_by_precision`` / ``bytes_by_precision`` list those)
+        self.precisions = list(precisions)
+        self._precision_index = {p: i for i, p in enumerate(self.precisions)}
+        self.fetched_n = array("q", [0]) * len(self.precisions)
+        self.moved_bytes = array("q", [0]) * len(self.precisions)
+        self.moved_any = array("q", [0]) * len(self.precisions)
         self.passes: list[PassRecord] = []
         self.extra: list[str] = []  # per-layer counters of outcomes beyond the built-in ones
         self.peak_bytes = 0
@@ -75,8 +83,6 @@ class CacheStats:
         self.slots_unchanged = 0  # ... of which executed unchanged (routing fidelity)
         self.lifetime_sum = 0  # forward passes each evicted expert stayed resident
         self.lifetime_n = 0
-        self.fetched_by_precision: dict[str, int] = {}  # demand fetches per precision
-        self.bytes_by_precision: dict[str, int] = {}  # demand + prefetch bytes per precision
 
     def per_layer(self, name: str) -> list:
         """A per-layer counter (built-in or an outcome's) as a list, one value per MoE layer."""
@@ -84,12 +90,11 @@ class CacheStats:
 
     def snapshot(self) -> dict:
         """Every counter (not the pass records), to :meth:`restore` after a pass that must not count."""
-        out = {}
-        for k in PER_LAYER + tuple(self.extra):
-            out[k] = self.per_layer(k)
+        out = {k: self.per_layer(k) for k in PER_LAYER + tuple(self.extra)}
+        out.update({k: list(getattr(self, k)) for k in PER_PRECISION})
         for k in SCALARS:
             v = getattr(self, k)
-            out[k] = v.copy() if isinstance(v, (list, dict)) else v
+            out[k] = v.copy() if isinstance(v, list) else v
         return out
 
     def restore(self, snap: dict) -> None:
@@ -98,7 +103,9 @@ class CacheStats:
             if k not in snap:
                 delattr(self, k)
         for k, v in snap.items():
-            if k in PER_LAYER or k in snap["extra"]:
+            if k in PER_PRECISION:
+                v = array("q", v) + array("q", [0]) * (len(self.precisions) - len(v))  # (and any added since)
+            elif k in PER_LAYER or k in snap["extra"]:
                 counts = _zeros(k, self.num_layers)
                 for layer, x in enumerate(v):
                     counts[layer] = x
@@ -116,9 +123,31 @@ class CacheStats:
 
     def count_precision(self, precision, nbytes, fetched=1):
         """``fetched`` demand fetches (0 for prefetches) moving ``nbytes`` in all at ``precision``."""
-        if fetched:
-            self.fetched_by_precision[precision] = self.fetched_by_precision.get(precision, 0) + fetched
-        self.bytes_by_precision[precision] = self.bytes_by_precision.get(precision, 0) + nbytes
+        i = self._precision_index.get(precision)
+        if i is None:  # a precision beyond the store's: counted from now on
+            i = self._precision_index[precision] = len(self.precisions)
+            self.precisions.append(precision)
+            for name in PER_PRECISION:
+                setattr(self, name, array("q", getattr(self, name)) + array("q", [0]))
+        self.count(i, nbytes, fetched)
+
+    @cython.ccall
+    @cython.boundscheck(True)  # (an index beyond the precisions is an IndexError, never a stray write)
+    def count(self, i: cython.Py_ssize_t, nbytes: cython.longlong, fetched: cython.longlong):
+        """:meth:`count_precision` by the precision's index in ``precisions`` (the request path's C call)."""
+        self.fetched_n[i] += fetched
+        self.moved_bytes[i] += nbytes
+        self.moved_any[i] = 1
+
+    @property
+    def fetched_by_precision(self) -> dict:
+        """Demand fetches per precision (the precisions fetched at all)."""
+        return {p: n for p, n in zip(self.precisions, self.fetched_n) if n}
+
+    @property
+    def bytes_by_precision(self) -> dict:
+        """Bytes moved per precision, demand fetches and prefetches (the precisions counted at all)."""
+        return {p: b for p, b, a in zip(self.precisions, self.moved_bytes, self.moved_any) if a}
 
     def total(self, name: str):
         return sum(getattr(self, name))

@@ -164,18 +164,11 @@ class KeyLists:
             nxt[i], prv[i], own[i] = self._next[i], self._prev[i], self._owner[i]
         self._next, self._prev, self._owner = nxt, prv, own
 
-    @cython.ccall
-    @cython.boundscheck(True)  # a list out of range is an IndexError, never a stray write
-    def push_back(self, key: cython.longlong, lst: cython.long = 0):
-        """``key`` joins the back of list ``lst`` (a KeyError if it is in a list already)."""
-        if key < 0:
-            raise IndexError(f"key {key} < 0")
-        if lst < 0 or lst >= len(self._front):
-            raise IndexError(f"list {lst} of {len(self._front)}")
-        if key >= len(self._next):
-            self._grow(key)
-        if self._owner[key] >= 0:
-            raise KeyError(f"key {key} is already in list {self._owner[key]}")
+    @cython.cfunc
+    @cython.boundscheck(False)  # (callers check the key and the list)
+    @cython.wraparound(False)
+    def _link_back(self, key: cython.longlong, lst: cython.long):
+        """``key`` (in no list) joins the back of list ``lst``."""
         back: cython.longlong = self._back[lst]
         self._owner[key] = lst
         self._next[key] = -1
@@ -187,12 +180,11 @@ class KeyLists:
         self._back[lst] = key
         self._size[lst] += 1
 
-    @cython.ccall
-    @cython.boundscheck(True)
-    def remove(self, key: cython.longlong):
-        """``key`` leaves its list (a KeyError if it is in none)."""
-        if key < 0 or key >= len(self._next) or self._owner[key] < 0:
-            raise KeyError(key)
+    @cython.cfunc
+    @cython.boundscheck(False)  # (callers check the key; its list is one it joined)
+    @cython.wraparound(False)
+    def _unlink(self, key: cython.longlong):
+        """``key`` (in a list) leaves it."""
         lst: cython.longlong = self._owner[key]
         after: cython.longlong = self._next[key]
         before: cython.longlong = self._prev[key]
@@ -209,19 +201,55 @@ class KeyLists:
         self._owner[key] = -1
         self._size[lst] -= 1
 
+    @cython.cfunc
+    def _check_list(self, lst: cython.long):
+        if lst < 0 or lst >= len(self._front):
+            raise IndexError(f"list {lst} of {len(self._front)}")
+
+    @cython.ccall
+    @cython.boundscheck(False)  # (the key and the list are checked: an IndexError, never a stray write)
+    @cython.wraparound(False)
+    def push_back(self, key: cython.longlong, lst: cython.long = 0):
+        """``key`` joins the back of list ``lst`` (a KeyError if it is in a list already)."""
+        if key < 0:
+            raise IndexError(f"key {key} < 0")
+        self._check_list(lst)
+        if key >= len(self._next):
+            self._grow(key)
+        if self._owner[key] >= 0:
+            raise KeyError(f"key {key} is already in list {self._owner[key]}")
+        self._link_back(key, lst)
+
+    @cython.ccall
+    @cython.boundscheck(False)  # (the key is checked)
+    @cython.wraparound(False)
+    def remove(self, key: cython.longlong):
+        """``key`` leaves its list (a KeyError if it is in none)."""
+        if key < 0 or key >= len(self._next) or self._owner[key] < 0:
+            raise KeyError(key)
+        self._unlink(key)
+
     @cython.ccall
     def discard(self, key: cython.longlong):
         """:meth:`remove` if ``key`` is in a list."""
         if self.owner(key) >= 0:
-            self.remove(key)
+            self._unlink(key)
 
     @cython.ccall
+    @cython.boundscheck(False)  # (the key and the list are checked)
+    @cython.wraparound(False)
     def move_back(self, key: cython.longlong, lst: cython.long = 0):
         """``key`` moves to (or joins) the back of list ``lst``."""
-        if self.owner(key) == lst and self._back[lst] == key:
-            return
-        self.discard(key)
-        self.push_back(key, lst)
+        if key < 0:
+            raise IndexError(f"key {key} < 0")
+        self._check_list(lst)
+        if key >= len(self._next):
+            self._grow(key)
+        if self._owner[key] >= 0:
+            if self._back[lst] == key:  # (already the back of ``lst``: the back of a list is in that list)
+                return
+            self._unlink(key)
+        self._link_back(key, lst)
 
     @cython.ccall
     @cython.boundscheck(True)
@@ -246,6 +274,7 @@ class KeyLists:
         self._size[src] = 0
 
     @cython.ccall
+    @cython.wraparound(False)  # (the list is checked below; the keys are ones that joined it)
     def first(self, lst: cython.long, evictable):
         """The first key of list ``lst``, from the front, that ``evictable`` accepts, or None."""
         if lst < 0 or lst >= len(self._front):
@@ -259,6 +288,7 @@ class KeyLists:
         return None
 
     @cython.ccall
+    @cython.wraparound(False)  # (the key is checked below)
     def owner(self, key: cython.longlong) -> cython.longlong:
         """The list ``key`` is in, or -1."""
         if key < 0 or key >= len(self._owner):
