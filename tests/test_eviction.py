@@ -819,6 +819,37 @@ def test_key_lists_keep_dicts_orders_through_random_operations():
     assert [lists.keys(i) for i in range(3)] == [list(m) for m in models]
 
 
+def test_key_heap_ranks_like_sorted_tuples_through_random_operations():
+    """KeyHeap (LFU, LHU): the heap's order is ``sorted((p1, p2, key))`` of its keys through 20,000 random
+    sets, re-ranks and discards that grow the arrays past their first size; ``first`` is the smallest
+    accepted key and leaves every key in place; a negative key is an error."""
+    import random
+
+    from specmd.policies.eviction.base import KeyHeap
+
+    rng = random.Random(2)
+    heap, model = KeyHeap(keys=4), {}
+    for step in range(20000):
+        key, op = rng.randrange(300), rng.random()
+        if op < 0.3:
+            heap.discard(key)
+            model.pop(key, None)
+        else:
+            rank = (rng.randrange(20), rng.randrange(20))  # (ties: the key decides)
+            heap.set(key, *rank)
+            model[key] = rank
+        if step % 97 == 0:
+            order = sorted(model, key=lambda k: (*model[k], k))
+            assert heap.keys() == order and len(heap) == len(model)
+            pinned = set(rng.sample(range(300), 150))
+            assert heap.first(lambda k: k not in pinned) == next((k for k in order if k not in pinned), None)
+            assert heap.keys() == order  # (the keys set aside are back)
+            assert all(heap.contains(k) == (k in model) for k in range(-2, 310))
+    assert heap.first(lambda k: False) is None and len(heap) == len(model)
+    with pytest.raises(IndexError):
+        heap.set(-1, 0, 0)
+
+
 def test_key_lists_and_layer_queues_reject_a_list_or_layer_out_of_range():
     """In the compiled build these index arrays without bounds checks: a list or a layer out of range must be
     an error before any array is touched (in both builds alike), never a read past the end."""

@@ -44,6 +44,23 @@ cdef class LayerQueues:
     cpdef first(self, long current, evictable, long kind=*)
 
 
+cdef class KeyHeap:
+    cdef long long[:] _pos
+    cdef long long[:] _p1
+    cdef long long[:] _p2
+    cdef long long[:] _heap
+    cdef long long[:] _aside
+    cdef Py_ssize_t _n
+    cdef bint _less(self, long long a, long long b)
+    cdef _place(self, Py_ssize_t i, long long key)
+    cdef _up(self, Py_ssize_t i)
+    cdef _down(self, Py_ssize_t i)
+    cpdef set(self, long long key, long long p1, long long p2)
+    cpdef bint contains(self, long long key)
+    cpdef discard(self, long long key)
+    cpdef first(self, evictable)
+
+
 cdef class LazyHeap:
     cdef public list heap
     cdef public list held

@@ -332,6 +332,159 @@ CAPACITY_UNITS = ("fetch", "native")  # ARC's and LeCaR's ``capacity_unit`` read
 
 
 @cython.cclass
+class KeyHeap:
+    """Keys ranked by two integers, smallest first (ties: the smaller key): an indexed binary min-heap over
+    per-key arrays, as libCacheSim's priority queues, for a ranking policy whose ranks change in place (LFU's
+    count and last use). :meth:`set` inserts or re-ranks a key in O(log N), :meth:`discard` removes it in
+    O(log N), :meth:`first` finds the smallest evictable key, leaving it in the heap: the keys ranked before
+    it that are not evictable (the running layer's experts, prefetches in flight: a handful) are set aside
+    and put back. No allocation per operation. (Compiled, an extension type, ``base.pxd``.)"""
+
+    def __cinit__(self, *args, **kwargs):
+        self._n = 0
+
+    def __init__(self, keys: int = 0):
+        n = max(keys, 1)
+        self._pos = array("q", [-1]) * n  # per key: its slot in the heap, -1: not in it
+        self._p1 = array("q", [0]) * n  # per key: its rank
+        self._p2 = array("q", [0]) * n
+        self._heap = array("q", [0]) * n  # per slot: its key (slots 0 .. _n - 1 in heap order)
+        self._aside = array("q", [0]) * n  # the search's keys set aside
+        self._n = 0
+
+    def _grow(self, key: cython.longlong):
+        old = len(self._pos)
+        n = max(key + 1, 2 * old)
+        pos, p1, p2 = array("q", [-1]) * n, array("q", [0]) * n, array("q", [0]) * n
+        heap, aside = array("q", [0]) * n, array("q", [0]) * n
+        for i in range(old):
+            pos[i], p1[i], p2[i], heap[i] = self._pos[i], self._p1[i], self._p2[i], self._heap[i]
+        self._pos, self._p1, self._p2, self._heap, self._aside = pos, p1, p2, heap, aside
+
+    def __len__(self) -> int:
+        return self._n
+
+    @cython.cfunc
+    @cython.boundscheck(False)  # (keys in the heap are in range)
+    @cython.wraparound(False)
+    def _less(self, a: cython.longlong, b: cython.longlong) -> cython.bint:
+        if self._p1[a] != self._p1[b]:
+            return self._p1[a] < self._p1[b]
+        if self._p2[a] != self._p2[b]:
+            return self._p2[a] < self._p2[b]
+        return a < b
+
+    @cython.cfunc
+    @cython.boundscheck(False)  # (slots below _n)
+    @cython.wraparound(False)
+    def _place(self, i: cython.Py_ssize_t, key: cython.longlong):
+        self._heap[i] = key
+        self._pos[key] = i
+
+    @cython.cfunc
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def _up(self, i: cython.Py_ssize_t):
+        key: cython.longlong = self._heap[i]
+        parent: cython.Py_ssize_t
+        while i > 0:
+            parent = (i - 1) // 2
+            if not self._less(key, self._heap[parent]):
+                break
+            self._place(i, self._heap[parent])
+            i = parent
+        self._place(i, key)
+
+    @cython.cfunc
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def _down(self, i: cython.Py_ssize_t):
+        key: cython.longlong = self._heap[i]
+        n: cython.Py_ssize_t = self._n
+        child: cython.Py_ssize_t
+        while True:
+            child = 2 * i + 1
+            if child >= n:
+                break
+            if child + 1 < n and self._less(self._heap[child + 1], self._heap[child]):
+                child += 1
+            if not self._less(self._heap[child], key):
+                break
+            self._place(i, self._heap[child])
+            i = child
+        self._place(i, key)
+
+    @cython.ccall
+    @cython.boundscheck(False)  # (the key is checked)
+    @cython.wraparound(False)
+    def set(self, key: cython.longlong, p1: cython.longlong, p2: cython.longlong):
+        """``key`` joins the heap ranked ``(p1, p2)``, or moves to that rank if it is in it."""
+        if key < 0:
+            raise IndexError(f"key {key} < 0")
+        if key >= len(self._pos):
+            self._grow(key)
+        self._p1[key] = p1
+        self._p2[key] = p2
+        i: cython.Py_ssize_t = self._pos[key]
+        if i < 0:
+            i = self._n
+            self._n += 1
+            self._place(i, key)
+            self._up(i)
+        else:
+            self._up(i)
+            self._down(self._pos[key])
+
+    @cython.ccall
+    @cython.wraparound(False)  # (the key is checked)
+    def contains(self, key: cython.longlong) -> cython.bint:
+        return 0 <= key < len(self._pos) and self._pos[key] >= 0
+
+    @cython.ccall
+    @cython.boundscheck(False)  # (the key is checked)
+    @cython.wraparound(False)
+    def discard(self, key: cython.longlong):
+        """``key`` leaves the heap if it is in it."""
+        if not self.contains(key):
+            return
+        i: cython.Py_ssize_t = self._pos[key]
+        self._pos[key] = -1
+        self._n -= 1
+        if i < self._n:  # the last slot's key fills the hole, then finds its place
+            last: cython.longlong = self._heap[self._n]
+            self._place(i, last)
+            self._up(i)
+            self._down(self._pos[last])
+
+    @cython.ccall
+    @cython.boundscheck(False)  # (keys in the heap are in range)
+    @cython.wraparound(False)
+    def first(self, evictable):
+        """The smallest key ``evictable`` accepts, left in the heap; None if there is none."""
+        ev: Evictable = as_evictable(evictable)
+        m: cython.Py_ssize_t = 0
+        j: cython.Py_ssize_t
+        top: cython.longlong
+        found = None
+        while self._n > 0:
+            top = self._heap[0]
+            if ev.ok(top):
+                found = top
+                break
+            self._aside[m] = top  # (at most every key once: the array holds them all)
+            m += 1
+            self.discard(top)
+        for j in range(m):
+            top = self._aside[j]
+            self.set(top, self._p1[top], self._p2[top])
+        return found
+
+    def keys(self) -> list:
+        """The keys in the heap, smallest first (a new list: for checks and tests)."""
+        return sorted(self._heap[:self._n], key=lambda k: (self._p1[k], self._p2[k], k))
+
+
+@cython.cclass
 class LazyHeap:
     """A ranking policy's priority queue with lazy invalidation, so a victim costs O(log N) amortised
     instead of a scan of the pool.

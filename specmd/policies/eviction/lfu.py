@@ -1,9 +1,10 @@
+from array import array
 from dataclasses import dataclass
 
 import cython
 
 from ..base import check_choice
-from .base import EVICTION, LazyHeap, OrderedEviction
+from .base import EVICTION, EvictionPolicy, KeyHeap
 
 COUNTS = ("requests", "inserts")
 
@@ -18,7 +19,7 @@ class LFUParams:
 
 
 @cython.cclass
-class LFU(OrderedEviction):
+class LFU(EvictionPolicy):
     """Least frequently used (SpecMD App. B): "evicts the expert with the lowest access count over the
     entire inference history". Ties: least recently counted first. Two choices the text leaves open:
 
@@ -33,28 +34,38 @@ class LFU(OrderedEviction):
       ``false`` keeps in-cache counts only, restarting at 1 when the expert is inserted by a miss (0 by a
       prefetch), which is libCacheSim's LFU (equal hit counts on flat traces: tests).
 
-    The ranking lives in a min-heap of ``(count, last, key)`` with lazy invalidation
-    (:class:`~.base.LazyHeap`; an entry is live while it is its resident key's newest one, ``_entry[key]``);
-    keys touched since the last victim are pushed once, when the next victim is asked for."""
+    Counts and last uses are per-key arrays; the residents are ranked by ``(count, last, key)`` in a
+    :class:`~.base.KeyHeap`, re-ranked in place at every count: O(log N) per request and per victim, no
+    allocation (libCacheSim's LFU keeps frequency buckets; its answers are the same)."""
 
     name = "lfu"
     Params = LFUParams  # (module-level: an extension type's body holds no class statement)
 
     def __cinit__(self, *args, **kwargs):
-        # (compiled: runs before any __init__, even one a subclass forgot to chain, so the typed heap is
-        # never None when a hook runs in C; plain Python never calls it, and __init__ makes the same)
-        self._heap = LazyHeap()
+        # (compiled: runs before any __init__, even one a subclass forgot to chain, so the typed structures
+        # are never None when a hook runs in C; plain Python never calls it, and __init__ makes the same)
+        self._heap = KeyHeap()
+        self._count = array("q", [0])
+        self._last = array("q", [0])
 
     def __init__(self, params=None):
         super().__init__(params or type(self).Params())
-        self.count = {}  # key -> its count (int)
-        self.last = {}  # key -> the clock of its last count
         self.clock = 0
         self._requests = self.params.counts == "requests"
         self._history = self.params.history
-        self._heap = LazyHeap()
-        self._entry = {}  # resident key -> its live heap entry (count, last, key)
-        self._dirty = set()  # keys touched since their newest heap entry was pushed
+        self._heap = KeyHeap()  # the resident keys by (count, last, key)
+        self._count = array("q", [0])  # per key: its count (0: never counted, or reset by an eviction)
+        self._last = array("q", [0])  # per key: the clock of its last count (0: never counted)
+
+    @property
+    def count(self) -> dict:
+        """Each key's count: the keys counted at least once or resident (a new dict: for checks and tests)."""
+        return {k: self._count[k] for k in range(len(self._count)) if self._last[k] or self._heap.contains(k)}
+
+    @property
+    def last(self) -> dict:
+        """Each counted key's last count on the policy's clock (a new dict: for checks and tests)."""
+        return {k: self._last[k] for k in range(len(self._last)) if self._last[k]}
 
     @cython.ccall
     def weight(self, key: cython.longlong) -> cython.longlong:
@@ -62,11 +73,26 @@ class LFU(OrderedEviction):
         return 1
 
     @cython.cfunc
+    def _fit(self, key: cython.longlong):
+        """The per-key arrays hold ``key`` (they grow by doubling)."""
+        if key < 0:
+            raise IndexError(f"key {key} < 0")
+        n = len(self._count)
+        if key >= n:
+            n = max(key + 1, 2 * n)
+            count, last = array("q", [0]) * n, array("q", [0]) * n
+            for i in range(len(self._count)):
+                count[i], last[i] = self._count[i], self._last[i]
+            self._count, self._last = count, last
+
+    @cython.cfunc
     def _touch(self, key: cython.longlong, weight: cython.longlong):
+        self._fit(key)
         self.clock += 1
-        self.count[key] = self.count.get(key, 0) + weight
-        self.last[key] = self.clock
-        self._dirty.add(key)
+        self._count[key] += weight
+        self._last[key] = self.clock
+        if self._heap.contains(key):
+            self._heap.set(key, self._count[key], self.clock)
 
     def miss_hook(self):
         return self.on_miss if self._requests else None
@@ -76,15 +102,15 @@ class LFU(OrderedEviction):
 
     @cython.ccall
     def on_insert(self, key: cython.longlong, prefetch: cython.bint):
-        OrderedEviction.on_insert(self, key, prefetch)
+        self._fit(key)
         if not self._requests:
+            self._heap.set(key, self._count[key], self._last[key])
             self._touch(key, self.weight(key))
             return
         if not self._history:  # in-cache counts restart: 1 for the miss that inserted it, 0 for a prefetch
-            self.count[key] = 0 if prefetch else self.weight(key)
-        self.count.setdefault(key, 0)  # a prefetch of an expert never requested: count 0, least recent
-        self.last.setdefault(key, 0)
-        self._dirty.add(key)
+            self._count[key] = 0 if prefetch else self.weight(key)
+        # (a prefetch of an expert never requested: count 0, least recent)
+        self._heap.set(key, self._count[key], self._last[key])
 
     @cython.ccall
     def on_access(self, key: cython.longlong):
@@ -92,32 +118,15 @@ class LFU(OrderedEviction):
 
     @cython.ccall
     def on_remove(self, key: cython.longlong):
-        OrderedEviction.on_remove(self, key)
-        self._entry.pop(key, None)
+        if not self._heap.contains(key):
+            raise KeyError(key)
+        self._heap.discard(key)
         if not self._history:
-            del self.count[key]
+            self._count[key] = 0
 
     @cython.ccall
     def victim(self, evictable):
-        count: dict = self.count
-        last: dict = self.last
-        order: dict = self._order
-        heap: LazyHeap = self._heap
-        entry: dict = self._entry
-        dirty: set = self._dirty
-        if len(heap) + len(dirty) > 2 * len(order) + 64:  # mostly dead entries: rebuild from the residents
-            entry.clear()
-            for k in order:
-                entry[k] = (count[k], last[k], k)
-            heap = self._heap = LazyHeap(entry.values())
-        else:
-            for k in dirty:
-                if k in order:
-                    ent = entry[k] = (count[k], last[k], k)
-                    heap.push(ent)
-        dirty.clear()
-        ent = heap.first(evictable, entry)
-        return None if ent is None else ent[2]
+        return self._heap.first(evictable)
 
 
 EVICTION.register("lfu")(LFU)  # (a statement, not a decorator: Cython takes no decorator on an extension type)
