@@ -434,3 +434,29 @@ def test_replay_experiments_take_an_imported_trace(tmp_path, experiment):
     assert res["cache"]["requests"] == (5 if decode_only else 6) * 32 * 2
     geom = shipped_geometry("mixtral")
     assert res["cache"]["capacity_bytes"] > 0 and geom.expert_bytes > 100e6  # Mixtral's expert size, not 1 byte
+
+
+def test_future_next_use_equals_a_scan_for_calls_in_any_order():
+    """The future keeps a cursor per key (a replay asks with calls that never decrease); a call asked out of
+    order is answered by bisection: every answer equals a scan of the recorded requests."""
+    import random
+
+    import numpy as np
+
+    from specmd.replay.future import NEVER, Future
+
+    rng = random.Random(3)
+    L, E, C = 2, 6, 200
+    layers = np.array([c % L for c in range(C)], dtype=np.int64)
+    per_call = [sorted(rng.sample(range(E), rng.randrange(0, 4))) for _ in range(C)]
+    ptr = np.cumsum([0] + [len(x) for x in per_call]).astype(np.int64)
+    fut = Future(layers, ptr, np.array([e for x in per_call for e in x], dtype=np.int64), E)
+
+    def scan(key, call):
+        return next((c for c in range(call + 1, C) if layers[c] == key // E and key % E in per_call[c]), NEVER)
+
+    calls = sorted(rng.randrange(-1, C) for _ in range(300))  # a replay's order, then any order
+    calls += [rng.randrange(-1, C) for _ in range(300)]
+    for call in calls:
+        key = rng.randrange(L * E + 2)
+        assert fut.next_use(key, call) == scan(key, call), (key, call)

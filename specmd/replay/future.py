@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
+import cython
 import numpy as np
 
 NEVER = np.iinfo(np.int64).max  # libCacheSim's "no next access" (INT64_MAX)
 
 
+@cython.cclass
 class Future:
+    """(Compiled, an extension type, ``future.pxd``: Belady asks :meth:`next_use` in C.)"""
+
     def __init__(self, call_layer: np.ndarray, call_ptr: np.ndarray, experts: np.ndarray, num_experts: int):
         """``experts[call_ptr[c]:call_ptr[c+1]]``: the ascending experts call ``c`` requests at MoE layer
         ``call_layer[c]``."""
@@ -24,17 +28,18 @@ class Future:
         self.experts = experts
         self.num_experts = num_experts
         E = num_experts
+        # Every key's uses as one sorted run of calls (CSR: key k's calls are _calls[_ptr[k]:_ptr[k + 1]]),
+        # and a cursor per key at its first use after the last call asked: a replay asks with calls that never
+        # decrease, so a next use is O(1) amortised; an earlier call is found by bisection instead.
         calls = np.repeat(np.arange(len(call_layer), dtype=np.int64), np.diff(call_ptr))
-        keys = np.repeat(call_layer.astype(np.int64), np.diff(call_ptr)) * E + experts
-        if not len(keys):
-            self._uses = {}
-            return
+        keys = np.repeat(np.asarray(call_layer, dtype=np.int64), np.diff(call_ptr)) * E + experts
+        nkeys = int(keys.max()) + 1 if len(keys) else 0
         order = np.lexsort((calls, keys))
-        keys, calls = keys[order], calls[order]
-        bounds = np.flatnonzero(np.diff(keys)) + 1
-        starts = np.concatenate([[0], bounds])
-        ends = np.concatenate([bounds, [len(keys)]])
-        self._uses = {int(keys[s]): calls[s:e].tolist() for s, e in zip(starts, ends)}
+        ptr = np.zeros(nkeys + 1, dtype=np.int64)
+        np.cumsum(np.bincount(keys, minlength=nkeys), out=ptr[1:])
+        self._calls = np.ascontiguousarray(calls[order], dtype=np.int64)
+        self._ptr = ptr
+        self._cursor = ptr[:-1].copy()
 
     def __len__(self) -> int:
         return len(self.call_ptr) - 1
@@ -47,9 +52,18 @@ class Future:
             return []
         return self.experts[self.call_ptr[call]:self.call_ptr[call + 1]].tolist()
 
-    def next_use(self, key: int, call: int) -> int:
-        uses = self._uses.get(key)
-        if uses is None:
+    @cython.ccall
+    @cython.boundscheck(False)  # (the key is checked; cursors stay within their key's run)
+    @cython.wraparound(False)
+    def next_use(self, key: cython.longlong, call: cython.longlong) -> cython.longlong:
+        """The first call after ``call`` that requests ``key``, or ``NEVER``."""
+        if key < 0 or key >= len(self._cursor):
             return NEVER
-        i = bisect_right(uses, call)
-        return uses[i] if i < len(uses) else NEVER
+        end: cython.longlong = self._ptr[key + 1]
+        i: cython.longlong = self._cursor[key]
+        if i > self._ptr[key] and self._calls[i - 1] > call:  # asked about an earlier call: bisect its run
+            i = bisect_right(self._calls, call, self._ptr[key], end)
+        while i < end and self._calls[i] <= call:
+            i += 1
+        self._cursor[key] = i
+        return self._calls[i] if i < end else NEVER

@@ -59,6 +59,8 @@ cdef class KeyHeap:
     cpdef bint contains(self, long long key)
     cpdef discard(self, long long key)
     cpdef first(self, evictable)
+    cpdef long long top(self)
+    cpdef long long rank(self, long long key)
 
 
 cdef class LazyHeap:

@@ -479,6 +479,17 @@ class KeyHeap:
             self.set(top, self._p1[top], self._p2[top])
         return found
 
+    @cython.ccall
+    def top(self) -> cython.longlong:
+        """The smallest key, or -1 when the heap is empty."""
+        return self._heap[0] if self._n > 0 else -1
+
+    @cython.ccall
+    @cython.boundscheck(True)
+    def rank(self, key: cython.longlong) -> cython.longlong:
+        """``key``'s first rank as last set (kept while it is out of the heap)."""
+        return self._p1[key]
+
     def keys(self) -> list:
         """The keys in the heap, smallest first (a new list: for checks and tests)."""
         return sorted(self._heap[:self._n], key=lambda k: (self._p1[k], self._p2[k], k))

@@ -1,10 +1,8 @@
-import heapq
-
 import cython
 
 from ...errors import ConfigError
 from ...engine.hooks import Evictable, as_evictable
-from .base import EVICTION, EvictionPolicy
+from .base import EVICTION, EvictionPolicy, KeyHeap
 
 
 @cython.cclass
@@ -18,33 +16,37 @@ class Belady(EvictionPolicy):
     ``future``); a live run is rejected before the model loads. Next uses come from the router's own
     recorded requests: under cache-aware routing the replayed requests can differ (those replays say
     ``exact: false``) and a key whose recorded next use has passed is re-looked-up when it reaches the
-    top. A max-heap on next use with lazy invalidation: O(log N) per insert, hit and eviction. On flat
+    top. The residents are ranked by ``(-next use, key)`` in a :class:`~.base.KeyHeap` (the replay's future
+    answers next uses in C): O(log N) per insert, hit and eviction, no allocation. On flat
     traces its hit counts equal libCacheSim's Belady (tests). Compiled, an extension type (``belady.pxd``)
     whose hooks the cache manager calls in C."""
 
     name = "belady"
     needs_future = True
 
+    def __cinit__(self, *args, **kwargs):
+        # (compiled: the typed heap exists before any __init__, even one a subclass forgot to chain)
+        self._heap = KeyHeap()
+
     def setup(self, model):
         if model.future is None:
             raise ConfigError("eviction=belady needs the future: replay a trace (replay.trace=PATH)")
         self.future = model.future
         self.call = -1
-        self.next = {}  # resident key -> its next use (a call index)
-        self.heap = []  # (-next use, key), lazily invalidated
+        self._heap = KeyHeap()  # resident keys by (-next use, key): the furthest next use first
+
+    @property
+    def next(self) -> dict:
+        """Each resident key's next use (a call index; a new dict: for checks and tests)."""
+        return {k: -self._heap.rank(k) for k in self._heap.keys()}
 
     def on_layer(self, layer, record=None):
         if record is not None:
             self.call = record.call
 
     @cython.cfunc
-    def _touch(self, key):
-        nu = self.future.next_use(key, self.call)
-        self.next[key] = nu
-        heapq.heappush(self.heap, (-nu, key))
-        if len(self.heap) > 2 * len(self.next) + 64:  # drop superseded entries: memory stays O(resident)
-            self.heap = [(-n, k) for k, n in self.next.items()]
-            heapq.heapify(self.heap)
+    def _touch(self, key: cython.longlong):
+        self._heap.set(key, -self.future.next_use(key, self.call), 0)
 
     @cython.ccall
     def on_insert(self, key: cython.longlong, prefetch: cython.bint):
@@ -56,31 +58,34 @@ class Belady(EvictionPolicy):
 
     @cython.ccall
     def on_remove(self, key: cython.longlong):
-        del self.next[key]
+        if not self._heap.contains(key):
+            raise KeyError(key)
+        self._heap.discard(key)
 
     @cython.ccall
     def victim(self, evictable):
-        heap: list = self.heap
-        nxt: dict = self.next
+        heap: KeyHeap = self._heap
         ev: Evictable = as_evictable(evictable)
-        skipped = []
+        key: cython.longlong
+        skipped = None  # keys ranked first but not evictable: set aside, then put back with their ranks
         found = None
-        while heap:
-            neg, key = heap[0]
-            if nxt.get(key) != -neg:  # removed, or re-touched since this entry was pushed
-                heapq.heappop(heap)
-                continue
-            if -neg <= self.call:  # its recorded next use has passed without a request (inexact replays)
-                heapq.heappop(heap)
+        while True:
+            key = heap.top()
+            if key < 0:
+                break
+            if -heap.rank(key) <= self.call:  # its recorded next use has passed without a request (inexact replays)
                 self._touch(key)
-                heap = self.heap  # (a touch may rebuild the heap)
                 continue
             if ev.ok(key):
                 found = key
                 break
-            skipped.append(heapq.heappop(heap))
-        for item in skipped:
-            heapq.heappush(heap, item)
+            if skipped is None:
+                skipped = []
+            skipped.append(key)
+            heap.discard(key)
+        if skipped is not None:
+            for k in skipped:
+                heap.set(k, heap.rank(k), 0)
         return found
 
 
