@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import cython
 
 from ..base import check_choice
-from .base import CAPACITY_UNITS, EVICTION, EvictionPolicy, KeyLists, LazyHeap
+from .base import CAPACITY_UNITS, EVICTION, EvictionPolicy, KeyHeap, KeyLists
 
 
 @dataclass
@@ -35,7 +35,8 @@ class LeCaR(EvictionPolicy):
     ``random.Random(seed)``; ``update_weight=false`` freezes the weights (with ``lru_weight`` 1 or 0 this
     is exactly LRU or LFU, which the tests compare with libCacheSim).
 
-    LRU's order is one :class:`~.base.KeyLists` list, LFU's a :class:`~.base.LazyHeap`. Compiled, an
+    LRU's order is one :class:`~.base.KeyLists` list, LFU's a :class:`~.base.KeyHeap` ranking the residents by
+    ``(uses, last use, key)``, re-ranked in place. Compiled, an
     extension type (``lecar.pxd``) whose hooks the cache manager calls in C."""
 
     name = "lecar"
@@ -45,23 +46,20 @@ class LeCaR(EvictionPolicy):
         # (compiled: runs before any __init__, even one a subclass forgot to chain, so the typed order and heap is
         # never None when a hook runs in C; plain Python never calls it, and __init__ makes the same)
         self._recency = KeyLists(1)
-        self._lfu = LazyHeap()
+        self._lfu = KeyHeap()
 
     def __init__(self, params=None):
         super().__init__(params or type(self).Params())
         self.w_lru = self.params.lru_weight
         self.rng = random.Random(self.params.seed)
         self._recency = KeyLists(1)  # LRU order of resident keys
-        self.freq = {}  # resident key -> its uses
-        self.last = {}  # resident key -> the request time of its last use
         self.hist_lru = {}  # evicted key -> request time of eviction
         self.hist_lfu = {}
         self.time = 0
         self.c = 1
         self.discount = 0.005
         self._pending = 0  # the policy that chose the next victim: 1 LRU, 2 LFU, 0 neither
-        self._lfu = LazyHeap()  # (freq, last, key) of resident keys: LFU's choice without a scan
-        self._entry = {}
+        self._lfu = KeyHeap()  # resident keys by (uses, request time of the last use, key): LFU's choice
 
     def attach(self, view, capacity):
         super().attach(view, capacity)
@@ -82,31 +80,26 @@ class LeCaR(EvictionPolicy):
             return
         self.w_lru = w_lru / (w_lru + w_lfu)
 
-    @cython.cfunc
-    def _rank(self, key):
-        self._lfu.put(self._entry, (self.freq[key], self.last[key], key))
+    @property
+    def freq(self) -> dict:
+        """Each resident key's uses (a new dict: for checks and tests)."""
+        return {k: self._lfu.rank(k) for k in self._lfu.keys()}
 
     @cython.ccall
     def on_insert(self, key: cython.longlong, prefetch: cython.bint):
         self._recency.push_back(key)
-        self.freq[key] = 1
-        self.last[key] = self.time
-        self._rank(key)
+        self._lfu.set(key, 1, self.time)
 
     @cython.ccall
     def on_access(self, key: cython.longlong):
         self.time += 1
         self._recency.move_back(key)
-        self.freq[key] += 1
-        self.last[key] = self.time
-        self._rank(key)
+        self._lfu.set(key, self._lfu.rank(key) + 1, self.time)
 
     @cython.ccall
     def on_remove(self, key: cython.longlong):
         self._recency.remove(key)
-        del self.freq[key]
-        del self.last[key]
-        del self._entry[key]
+        self._lfu.discard(key)
         hist = self.hist_lru if self._pending == 1 else self.hist_lfu if self._pending == 2 else None
         self._pending = 0
         if hist is not None:
@@ -119,7 +112,7 @@ class LeCaR(EvictionPolicy):
         lru = self._recency.first(0, evictable)
         if lru is None:
             return None
-        lfu = self._lfu.first(evictable, self._entry)[2]  # min (freq, last): last is unique per use
+        lfu = self._lfu.first(evictable)  # min (uses, last use): the last use is unique per use
         use_lru: cython.bint = self.rng.random() < self.w_lru
         self._pending = 0 if lru == lfu else (1 if use_lru else 2)
         return lru if use_lru else lfu
