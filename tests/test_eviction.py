@@ -414,6 +414,7 @@ class _QuantView(_View):
     def __init__(self, bits):
         super().__init__(bits)
         self.fetch_precision = "int8"
+        self.precisions = ["native", "int8"]  # (LHU's shortcut reads them: all high under ``fetch`` only)
 
     def bits_of(self, precision):
         return {"native": 16, "int8": 8}[precision]
