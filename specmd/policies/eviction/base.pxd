@@ -21,7 +21,7 @@ cdef class KeyLists:
     cdef long long[:] _size
     cdef _link_back(self, long long key, long lst)
     cdef _unlink(self, long long key)
-    cdef _check_list(self, long lst)
+    cdef _check(self, long long key, long lst)
     cpdef push_back(self, long long key, long lst=*)
     cpdef remove(self, long long key)
     cpdef discard(self, long long key)

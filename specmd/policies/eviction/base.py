@@ -202,20 +202,22 @@ class KeyLists:
         self._size[lst] -= 1
 
     @cython.cfunc
-    def _check_list(self, lst: cython.long):
+    def _check(self, key: cython.longlong, lst: cython.long):
+        """A key and a list a key may join: an IndexError when either is out of range (the arrays grow to
+        hold a new key)."""
+        if key < 0:
+            raise IndexError(f"key {key} < 0")
         if lst < 0 or lst >= len(self._front):
             raise IndexError(f"list {lst} of {len(self._front)}")
+        if key >= len(self._next):
+            self._grow(key)
 
     @cython.ccall
     @cython.boundscheck(False)  # (the key and the list are checked: an IndexError, never a stray write)
     @cython.wraparound(False)
     def push_back(self, key: cython.longlong, lst: cython.long = 0):
         """``key`` joins the back of list ``lst`` (a KeyError if it is in a list already)."""
-        if key < 0:
-            raise IndexError(f"key {key} < 0")
-        self._check_list(lst)
-        if key >= len(self._next):
-            self._grow(key)
+        self._check(key, lst)
         if self._owner[key] >= 0:
             raise KeyError(f"key {key} is already in list {self._owner[key]}")
         self._link_back(key, lst)
@@ -240,11 +242,7 @@ class KeyLists:
     @cython.wraparound(False)
     def move_back(self, key: cython.longlong, lst: cython.long = 0):
         """``key`` moves to (or joins) the back of list ``lst``."""
-        if key < 0:
-            raise IndexError(f"key {key} < 0")
-        self._check_list(lst)
-        if key >= len(self._next):
-            self._grow(key)
+        self._check(key, lst)
         if self._owner[key] >= 0:
             if self._back[lst] == key:  # (already the back of ``lst``: the back of a list is in that list)
                 return
