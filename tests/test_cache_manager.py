@@ -136,3 +136,34 @@ def test_view_of_a_key_outside_the_model_is_absent_never_another_key():
             m.evict(key)
     assert not m.evictable(3)  # a key not in the cache (a policy's ghost) is not evictable
     assert sorted(m.entries) == [0, 7]
+
+
+def test_requests_outside_the_model_are_errors_in_both_builds_never_another_key():
+    """The compiled request path indexes its arrays unchecked once a call's experts are checked: an expert or
+    a layer out of range, a float expert (compiled, it would be truncated to a key), a key inserted into
+    another layer's pool are errors, the same in the pure build; numpy integers are integers."""
+    import numpy as np
+
+    m = manager(8)
+    m.begin_pass("prefill", 1, 1)
+    for bad, err in (([4], IndexError), ([-1], IndexError), ([1.5], TypeError)):
+        with pytest.raises(err):
+            m.serve(0, bad)
+        m.finish_layer()
+    with pytest.raises(IndexError):
+        m.serve(2, [0])
+    m.serve(0, [np.int64(1)])
+    m.finish_layer()
+    for layer, experts, err in ((0, [4], IndexError), (-1, [0], IndexError), (1, [2.7], TypeError)):
+        with pytest.raises(err):
+            m.prefetch(layer, experts)
+    with pytest.raises(IndexError):
+        m.clock.dense(2, 1, 1)
+    with pytest.raises(IndexError):
+        m.clock.dense_time(5, 1, 1)
+    with pytest.raises(IndexError):  # key 5 is layer 1's: not layer 0's, nor its pool's when pools are per layer
+        m.insert(5, 0, 100, m.pools[0], None, False)
+    m.end_pass()
+    assert sorted(m.entries) == [1] and m.stats.total("requests") == 1
+    m.check_invariants()
+

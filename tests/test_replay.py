@@ -460,3 +460,15 @@ def test_future_next_use_equals_a_scan_for_calls_in_any_order():
     for call in calls:
         key = rng.randrange(L * E + 2)
         assert fut.next_use(key, call) == scan(key, call), (key, call)
+
+
+def test_a_replay_with_a_request_table_of_the_wrong_size_is_an_error():
+    """The compiled loop reads the per-call request offsets unchecked: a table that does not match the calls
+    is refused before the loop (in both builds)."""
+    from specmd.replay.driver import build_engine, run_replay
+
+    trace = flat_trace([0, 1, 2, 1, 0], num_experts=4)
+    spec = spec_of(prefetch="none")
+    engine, ptr, experts = build_engine(trace, spec)
+    with pytest.raises(ValueError, match="request offsets"):
+        run_replay(trace, spec, engine, ptr[:-2], experts)

@@ -19,6 +19,7 @@ Semantics (docs/semantics.md "Cache semantics"):
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections import namedtuple
 from typing import Optional
@@ -178,7 +179,10 @@ class LayerCall:
         admit = pool.on_admit
         waits: list = self.waits
         events = m.events
+        E: cython.longlong = m._E
         for e in experts:
+            if e < 0 or e >= E:
+                raise IndexError(f"expert {e} of layer {layer}: the model has {E} experts per layer")
             key = base + e
             if admit is not None:
                 admit(key)
@@ -352,7 +356,10 @@ class CacheManager:
             raise IndexError(f"MoE layer {layer} of {len(self._pool_of_layer)}")
         base: cython.longlong = layer * E
         e: cython.longlong
-        for e in experts:
+        for x in experts:
+            if not isinstance(x, int):  # numpy integers pass; a float is a TypeError (compiled, never truncated)
+                x = operator.index(x)
+            e = x
             if e < 0 or e >= E:
                 raise IndexError(f"expert {e} of layer {layer}: the model has {E} experts per layer")
             pin[base + e] = stamp
@@ -390,7 +397,10 @@ class CacheManager:
         pool: Pool = call.pool
         clock: Clock = self.clock
         missing = None
+        E: cython.longlong = self._E
         for e in experts:
+            if e < 0 or e >= E:  # (checked by _open; again, as policy code ran since and may change the list)
+                raise IndexError(f"expert {e} of layer {layer}: the model has {E} experts per layer")
             key = base + e
             if not here[key]:
                 if missing is None:
@@ -465,9 +475,11 @@ class CacheManager:
     def finish_layer(self):
         self._stamp += 1  # unpins the call's experts
 
-    def prefetch(self, layer: int, experts: list[int]) -> None:
+    def prefetch(self, layer: int, experts: list) -> None:  # (not list[int]: compiled, that truncates floats)
         """Queue asynchronous fetches of ``experts`` of MoE layer ``layer`` now (at the miss policy's
         fetch precision). The prediction is remembered for precision/recall."""
+        if not 0 <= layer < len(self._pool_of_layer):
+            raise IndexError(f"prefetch for MoE layer {layer} of {len(self._pool_of_layer)}")
         base: cython.longlong = layer * self._E
         pool: Pool = self._pool_of_layer[layer]
         prec = self.fetch_precision
@@ -481,7 +493,12 @@ class CacheManager:
             self.predicted[layer] = set(experts)
         else:
             pred.update(experts)
-        for e in experts:
+        for x in experts:
+            if not isinstance(x, int):  # numpy integers pass; a float is a TypeError (compiled, never truncated)
+                x = operator.index(x)
+            e = x
+            if e < 0 or e >= self._E:
+                raise IndexError(f"prefetch of expert {e} of layer {layer}: the model has {self._E} experts per layer")
             key = base + e
             if self.has(key):
                 continue
@@ -553,6 +570,8 @@ class CacheManager:
                used: bool = False) -> None:
         """``key`` enters ``pool`` (which must have room): ``transfer`` its pending prefetch's handle or None,
         ``precision`` one of the store's, ``used`` already requested (a demand fetch)."""
+        if not 0 <= key < self._nkeys or layer != key // self._E or pool is not self._pool_of_layer[layer]:
+            raise IndexError(f"key {key} (layer {layer}): not a key of this model, or not of that layer and its pool")
         self._insert(key, layer, nbytes, pool, transfer, prefetched, self._prec_id[precision], used)
 
     @cython.cfunc
@@ -560,6 +579,8 @@ class CacheManager:
     def _insert(self, key: cython.longlong, layer: cython.long, nbytes: cython.longlong, pool: Pool, transfer,
                 prefetched: cython.bint, prec: cython.int, used: cython.bint):
         """:meth:`insert` with the precision's index in ``_precs`` (the request path's C call)."""
+        if key < 0 or key >= self._nkeys:  # (a negative key would wrap to the model's last ones)
+            raise IndexError(f"key {key} of {self._nkeys}")
         self._here[key] = 1
         self._nbytes[key] = nbytes
         self._prec[key] = prec

@@ -359,6 +359,8 @@ class SimClock(Clock):
         flops: cython.double = 2.0 * tokens * params + 4.0 * tokens * context * self._hidden * attn_layers
         return max(flops / self._peak, params * self._dtype_bytes / self._mem) + attn_layers * self.layer_overhead
 
+    @cython.boundscheck(True)  # a layer outside the model is an IndexError, never a read past the arrays
+    @cython.wraparound(False)
     def dense_time(self, layer: int, tokens: int, context: int) -> float:
         """Seconds of everything before MoE layer ``layer``'s experts (its share of dense layers)."""
         return self._dense_time(self._dense_params[layer], self._attn_layers[layer], tokens, context)
@@ -373,6 +375,8 @@ class SimClock(Clock):
         return self._experts_time(slots, experts)
 
     @cython.ccall
+    @cython.boundscheck(True)  # a layer outside the model is an IndexError, never a read past the arrays
+    @cython.wraparound(False)
     def dense(self, layer: cython.long, tokens: cython.longlong, context: cython.longlong):
         self.now += self._dense_time(self._dense_params[layer], self._attn_layers[layer], tokens, context)
 

@@ -307,10 +307,13 @@ def run_replay(trace: Trace, spec, engine=None, ptr=None, experts=None) -> Engin
     try:
         # the calls and their request offsets read in C; the requested experts as one list of ints, sliced
         # per call (the list the cache manager serves)
-        calls: cython.longlong[:, :] = np.ascontiguousarray(trace.calls, dtype=np.int64)
-        offsets: cython.longlong[:] = np.ascontiguousarray(ptr, dtype=np.int64)
+        calls: cython.longlong[:, :] = np.array(trace.calls, dtype=np.int64, ndmin=2)  # (writable copies)
+        offsets: cython.longlong[:] = np.array(ptr, dtype=np.int64)
         requested = experts.tolist()
         C = calls.shape[0]
+        if calls.shape[1] < 4 or offsets.shape[0] != C + 1:  # (read unchecked below)
+            raise ValueError(f"{trace.path}: {C} layer calls of {calls.shape[1]} fields (4 expected) and "
+                             f"{offsets.shape[0]} request offsets ({C + 1} expected)")
         layer: cython.long
         r0: cython.longlong
         n: cython.longlong

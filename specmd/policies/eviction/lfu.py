@@ -59,8 +59,10 @@ class LFU(EvictionPolicy):
 
     @property
     def count(self) -> dict:
-        """Each key's count: the keys counted at least once or resident (a new dict: for checks and tests)."""
-        return {k: self._count[k] for k in range(len(self._count)) if self._last[k] or self._heap.contains(k)}
+        """Each key's count: the keys resident, or counted and still remembered (``history``; without it an
+        evicted key's count is forgotten). A new dict: for checks and tests."""
+        return {k: self._count[k] for k in range(len(self._count))
+                if self._heap.contains(k) or (self._last[k] and (self._history or self._count[k]))}
 
     @property
     def last(self) -> dict:
