@@ -48,6 +48,20 @@ def _total(counts: cython.longlong[:]) -> cython.longlong:
     return t
 
 
+@cython.cfunc
+@cython.exceptval(-1, check=True)
+def _expert(x, layer: cython.long, E: cython.longlong) -> cython.longlong:
+    """``x`` as an expert index of ``layer``, checked: the one gate of the request path's unchecked array
+    reads. An integer (numpy's too) in ``0 .. E - 1``; anything else is an IndexError or, a float, a
+    TypeError (compiled, never truncated to a key)."""
+    if not isinstance(x, int):
+        x = operator.index(x)
+    e: cython.longlong = x
+    if e < 0 or e >= E:
+        raise IndexError(f"expert {e} of layer {layer}: the model has {E} experts per layer")
+    return e
+
+
 @cython.cclass
 class Pool:
     """A byte budget and its eviction policy. (Fields: ``cache.pxd``.)"""
@@ -180,9 +194,8 @@ class LayerCall:
         waits: list = self.waits
         events = m.events
         E: cython.longlong = m._E
-        for e in experts:
-            if e < 0 or e >= E:
-                raise IndexError(f"expert {e} of layer {layer}: the model has {E} experts per layer")
+        for x in experts:
+            e = _expert(x, layer, E)
             key = base + e
             if admit is not None:
                 admit(key)
@@ -355,14 +368,8 @@ class CacheManager:
         if layer < 0 or layer >= len(self._pool_of_layer):
             raise IndexError(f"MoE layer {layer} of {len(self._pool_of_layer)}")
         base: cython.longlong = layer * E
-        e: cython.longlong
         for x in experts:
-            if not isinstance(x, int):  # numpy integers pass; a float is a TypeError (compiled, never truncated)
-                x = operator.index(x)
-            e = x
-            if e < 0 or e >= E:
-                raise IndexError(f"expert {e} of layer {layer}: the model has {E} experts per layer")
-            pin[base + e] = stamp
+            pin[base + _expert(x, layer, E)] = stamp
         pool: Pool = self._pool_of_layer[layer]
         if pool.on_layer is not None:
             pool.on_layer(layer, record)
@@ -398,9 +405,8 @@ class CacheManager:
         clock: Clock = self.clock
         missing = None
         E: cython.longlong = self._E
-        for e in experts:
-            if e < 0 or e >= E:  # (checked by _open; again, as policy code ran since and may change the list)
-                raise IndexError(f"expert {e} of layer {layer}: the model has {E} experts per layer")
+        for x in experts:
+            e = _expert(x, layer, E)  # (checked by _open; again, as policy code ran since and may change the list)
             key = base + e
             if not here[key]:
                 if missing is None:
@@ -494,11 +500,7 @@ class CacheManager:
         else:
             pred.update(experts)
         for x in experts:
-            if not isinstance(x, int):  # numpy integers pass; a float is a TypeError (compiled, never truncated)
-                x = operator.index(x)
-            e = x
-            if e < 0 or e >= self._E:
-                raise IndexError(f"prefetch of expert {e} of layer {layer}: the model has {self._E} experts per layer")
+            e = _expert(x, layer, self._E)
             key = base + e
             if self.has(key):
                 continue
