@@ -280,6 +280,9 @@ class _Rec:  # what score eviction reads of a gate record: router probabilities 
 
         self.probs = torch.tensor([probs], dtype=torch.float64)
 
+    def probs_rows(self):  # (GateRecord's: float32 on the host)
+        return self.probs.float().numpy()
+
 
 class _View:  # the read-only cache view, for policies tested without a cache manager
     def __init__(self, bits=None, high_bits=16, experts=4):
@@ -322,7 +325,7 @@ def test_score_policy_unit_readings(unit, n, after_prefill, after_decode):
 
     from specmd.policies.eviction.score import Score
 
-    class Rec:
+    class Rec(_Rec):
         def __init__(self, rows):
             self.probs = torch.tensor(rows, dtype=torch.float64)
 
@@ -387,6 +390,45 @@ def test_score_policy_value_readings(value, kept):
     m.begin_pass("decode", 1, 2)
     m.serve(0, [1], LiveRecord(0, l0, None, torch.tensor([[1]]), Scoring(False, False, 1.0)))
     assert sorted(m.entries) == kept
+
+
+@pytest.mark.parametrize("n,value", [(1, "probs"), (3, "logits"), (8, "probs"), (5, "logits")])
+def test_score_window_means_and_ranks_are_numpys(n, value):
+    """The window (a ring of the last n steps, re-summed oldest first) has the bits of numpy's
+    ``window.sum(0) / len(window)`` over every step so far, and the victim is the resident key with the lowest
+    mean (ties: lower key), negative logits, -0.0 and exact ties included (the heap's integer ranks order as the
+    scores do)."""
+    import numpy as np
+    import torch
+
+    from specmd.policies.eviction.score import Score
+
+    class Rec(_Rec):
+        def __init__(self, rows):
+            self.probs = self.logits = torch.tensor(rows, dtype=torch.float32)
+
+    rng = np.random.default_rng(n)
+    E = 6
+    pol = Score(Score.Params(n=n, value=value))
+    pol.attach(_View(experts=E), E)
+    for k in range(E):
+        pol.on_insert(k, False)
+    rows = []
+    for step in range(40):
+        T = int(rng.integers(1, 4))
+        r = np.where(rng.random((T, E)) < 0.5, rng.choice([-2.5, -1.0, -0.0, 0.0, 0.25, 3.0], size=(T, E)),
+                     rng.standard_normal((T, E)) * 10.0 ** rng.integers(-12, 4, (T, E))).astype(np.float32)
+        # (exact ties, and magnitudes far apart: float32 values whose double sums round, so the order shows)
+        if value == "probs":
+            r = np.abs(r)
+        rows += list(r)
+        pol.on_layer(0, Rec(r))
+        window = np.array(rows[-n:], dtype=np.float64)
+        want = window.sum(0) / len(window)
+        assert np.array_equal(pol.mean[0], want) and np.array_equal(pol.history[0], window)
+        evictable = set(rng.choice(E, size=3, replace=False).tolist())
+        best = min(evictable, key=lambda k: (want[k], k))
+        assert pol.victim(lambda k: k in evictable) == best, (step, want)
 
 
 def test_score_policy_rejects_unknown_readings():

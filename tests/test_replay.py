@@ -472,3 +472,26 @@ def test_a_replay_with_a_request_table_of_the_wrong_size_is_an_error():
     engine, ptr, experts = build_engine(trace, spec)
     with pytest.raises(ValueError, match="request offsets"):
         run_replay(trace, spec, engine, ptr[:-2], experts)
+
+
+def test_probs_table_rows_are_each_calls_own_softmax():
+    """A replay's router probabilities, computed a chunk of rows at a time (ProbsTable), have the bits of each
+    call's own ``scoring.probs(logits)``: across chunk boundaries, for a call longer than a chunk, and for a
+    width the vector kernels do not divide (37 experts). A sigmoid router gets no table."""
+    from specmd.engine.record import Scoring
+    from specmd.replay.driver import ProbsTable, probs_table
+
+    rng = np.random.default_rng(0)
+    lengths = [1, 3, 1, 20, 1, 1, 7, 1, 2, 40, 1]
+    logits = (rng.standard_normal((sum(lengths), 37)) * 4).astype(np.float32)
+    trace = Trace(meta=None, passes=None, calls=None, index=None, logits=logits)
+    scoring = Scoring(False, False, 1.0)
+    table = ProbsTable(trace, scoring, chunk=16)
+    r0 = 0
+    for n in lengths:
+        want = scoring.probs(torch.from_numpy(logits[r0:r0 + n])).numpy()
+        got = table.rows(r0, n)
+        assert got.shape == (n, 37) and got.dtype == np.float32 and np.array_equal(got, want), (r0, n)
+        r0 += n
+    assert probs_table(trace, Scoring(True, False, 1.0)) is None and probs_table(trace, scoring) is not None
+    assert probs_table(dataclasses.replace(trace, logits=None), scoring) is None

@@ -96,6 +96,12 @@ class GateRecord:
             self._probs = self.scoring.probs(self.logits)
         return self._probs
 
+    def probs_rows(self):
+        """``probs`` as a float32 numpy array [T, E] on the host, for a policy that reads probabilities in
+        a loop of its own (``eviction=score``): read it, never write it (it may be shared). A replay answers
+        it from probabilities computed a chunk of calls at a time (the same bits: tested)."""
+        return self.probs.detach().float().cpu().numpy()
+
     @property
     def slots(self) -> int:
         """Token-expert selections of this call (tokens x k), computed once (``_slots``: -1 until then)."""

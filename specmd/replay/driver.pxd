@@ -13,5 +13,16 @@ cdef class TraceRecord(GateRecord):
     cdef public object _original
     cdef public object _original_weights
     cdef public object _logits
+    cdef public object table
 
-cdef TraceRecord trace_record(TraceRecord rec, trace, long long r0, long n, long layer, scoring, requested, signal, long k)
+
+cdef class ProbsTable:
+    cdef public object logits
+    cdef public object scoring
+    cdef public long long chunk
+    cdef public long long c0
+    cdef public long long c1
+    cdef public object probs
+    cpdef rows(self, long long r0, long long n)
+
+cdef TraceRecord trace_record(TraceRecord rec, trace, long long r0, long n, long layer, scoring, requested, signal, long k, table)

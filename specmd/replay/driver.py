@@ -113,7 +113,7 @@ class TraceRecord(GateRecord):
 
     def __init__(self, trace: Trace, rows: slice, layer: int, scoring: Scoring, requested: list, signal):
         trace_record(self, trace, rows.start, rows.stop - rows.start, layer, scoring, requested, signal,
-                     trace.index.shape[1])
+                     trace.index.shape[1], None)
 
     @property
     def rows(self) -> slice:
@@ -159,6 +159,12 @@ class TraceRecord(GateRecord):
                                f"probabilities); record one with trace.logits=fp32")
         return self._probs
 
+    def probs_rows(self):
+        """``probs`` as float32 numpy rows, from the replay's :class:`ProbsTable` when it has one."""
+        if self.table is None:
+            return GateRecord.probs_rows(self)
+        return self.table.rows(self.r0, self.n)
+
     @property
     def tokens(self) -> int:
         return self.n
@@ -168,9 +174,43 @@ class TraceRecord(GateRecord):
         return self.k
 
 
+@cython.cclass
+class ProbsTable:
+    """Router probabilities of a trace's rows, computed ``chunk`` rows at a time as the replay reaches them
+    (one softmax per chunk instead of one per layer call, for :meth:`TraceRecord.probs_rows`). Only for
+    softmax routers: the softmax of a row is computed by the same kernel whatever the rows around it, so
+    a chunk's rows have the bits of the call's own ``scoring.probs(logits)`` (tested); an elementwise
+    sigmoid may take another code path for a row at another offset, so sigmoid routers keep the per-call
+    computation (:func:`probs_table` returns None)."""
+
+    def __init__(self, trace: Trace, scoring: Scoring, chunk: int = 8192):
+        self.logits = trace.logits
+        self.scoring = scoring
+        self.chunk = chunk
+        self.c0 = self.c1 = 0
+        self.probs = None
+
+    @cython.ccall
+    def rows(self, r0: cython.longlong, n: cython.longlong):
+        """Rows ``r0 .. r0 + n``'s probabilities ([n, E] float32; a view: read, never write)."""
+        if r0 < self.c0 or r0 + n > self.c1:
+            self.c0 = r0
+            self.c1 = min(len(self.logits), r0 + max(n, self.chunk))
+            logits = torch.from_numpy(np.ascontiguousarray(self.logits[self.c0:self.c1]))
+            self.probs = self.scoring.probs(logits).numpy()
+        return self.probs[r0 - self.c0:r0 - self.c0 + n]
+
+
+def probs_table(trace: Trace, scoring: Scoring) -> Optional[ProbsTable]:
+    """The replay's :class:`ProbsTable`, or None where records compute their own (no logits, sigmoid)."""
+    if trace.logits is None or scoring.sigmoid:
+        return None
+    return ProbsTable(trace, scoring)
+
+
 @cython.cfunc
 def trace_record(rec: TraceRecord, trace, r0: cython.longlong, n: cython.long, layer: cython.long, scoring,
-                 requested, signal, k: cython.long) -> TraceRecord:
+                 requested, signal, k: cython.long, table) -> TraceRecord:
     """``rec``'s fields: the gate record's (:func:`~specmd.engine.record.fill`), then the trace's rows
     ``r0 .. r0 + n``."""
     fill(rec, layer, scoring, signal, requested)
@@ -180,6 +220,7 @@ def trace_record(rec: TraceRecord, trace, r0: cython.longlong, n: cython.long, l
     rec.n = n
     rec._slots = n * k
     rec._original = rec._original_weights = rec._logits = None
+    rec.table = table
     return rec
 
 
@@ -294,6 +335,7 @@ def run_replay(trace: Trace, spec, engine=None, ptr=None, experts=None) -> Engin
         engine, ptr, experts = build_engine(trace, spec)
     scoring = trace.meta.scoring
     has_signal = trace.depth > 0 and trace.signal_logits is not None
+    table = probs_table(trace, scoring)
     eng: Engine = engine
     k: cython.long = trace.index.shape[1]
     c: cython.Py_ssize_t = 0
@@ -323,7 +365,7 @@ def run_replay(trace: Trace, spec, engine=None, ptr=None, experts=None) -> Engin
                 layer, r0, n = calls[c, 1], calls[c, 2], calls[c, 3]
                 rec = trace_record(TraceRecord.__new__(TraceRecord), trace, r0, n, layer, scoring,
                                    requested[offsets[c]:offsets[c + 1]],
-                                   TraceSignal(trace, slice(r0, r0 + n), layer) if has_signal else None, k)
+                                   TraceSignal(trace, slice(r0, r0 + n), layer) if has_signal else None, k, table)
                 eng.route(rec)
                 eng.layer(rec)
                 c += 1

@@ -2,16 +2,33 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import cython
+
 from ...engine.record import NoLogits
 from ..base import check_choice
-from .base import EVICTION, LazyHeap, OrderedEviction
+from .base import EVICTION, EvictionPolicy, KeyHeap
 
 
 START = ("mean", "zero")
 
 
-@EVICTION.register("score")
-class Score(OrderedEviction):
+@dataclass
+class ScoreParams:
+    n: int = 8
+    unit: str = "token"
+    start: str = "mean"
+    value: str = "probs"
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"n={self.n} must be >= 1")
+        check_choice("unit", self.unit, ("token", "call"))
+        check_choice("start", self.start, START)
+        check_choice("value", self.value, ("probs", "logits"))
+
+
+@cython.cclass
+class Score(EvictionPolicy):
     """Score-based eviction (Zhu et al. 2025; SpecMD App. B): evicts the resident expert with the lowest
     mean gate score over a window of recent steps of its layer. Zhu et al. define it for decoding: "for an
     expert i, its score at the j-th token generation during decoding is denoted as S_{i,j}", and the victim
@@ -65,73 +82,182 @@ class Score(OrderedEviction):
     stay Zhu et al.'s definitions. ``score`` with ``start=zero``/``value=logits`` reproduces the ablation.
 
     The score of an expert at a step is its router probability (or logit, ``value=logits``; every expert of
-    the layer gets one); experts of a layer not yet seen score 0. The protection shield ("the system dynamically elevates the
-    eviction priority of any expert selected by the expert router for computation in a layer"): the
-    running layer's experts are never evicted while it computes (the cache manager's pinning). Ties: lower
-    key first.
+    the layer gets one); experts of a layer not yet seen score 0. The protection shield ("the system
+    dynamically elevates the eviction priority of any expert selected by the expert router for computation
+    in a layer"): the running layer's experts are never evicted while it computes (the cache manager's
+    pinning). Ties: lower key first.
 
-    The ranking lives in a min-heap of ``(score, key)`` entries with lazy invalidation
-    (:class:`~.base.LazyHeap`; an entry is live while it is its resident key's newest one, ``_entry[key]``);
-    a layer call that changes a layer's means pushes a new entry for each of that layer's resident keys
-    whose score changed."""
+    The window of each layer is a ring of its last ``n`` steps ([L, n, E] doubles), and a step re-sums its
+    layer's window oldest step first (the order and the bits of numpy's ``window.sum(0) / len(window)``,
+    tested) into the layer's means. The residents are ranked by ``(score, key)`` in a
+    :class:`~.base.KeyHeap`, its integer rank the score's bits in an order-preserving map
+    (:func:`ordered`): a step re-ranks its layer's resident keys in place. The token steps are read from
+    :meth:`GateRecord.probs_rows <specmd.engine.record.GateRecord.probs_rows>`, which a replay answers
+    from probabilities computed a chunk of calls at a time. No allocation per step. (Compiled, an
+    extension type, ``score.pxd``.)"""
 
-    @dataclass
-    class Params:
-        n: int = 8
-        unit: str = "token"
-        start: str = "mean"
-        value: str = "probs"
+    name = "score"
+    Params = ScoreParams  # (module-level: an extension type's body holds no class statement)
 
-        def __post_init__(self):
-            if self.n < 1:
-                raise ValueError(f"n={self.n} must be >= 1")
-            check_choice("unit", self.unit, ("token", "call"))
-            check_choice("start", self.start, START)
-            check_choice("value", self.value, ("probs", "logits"))
+    def __cinit__(self, *args, **kwargs):
+        # (compiled: the typed structures exist before any __init__, even one a subclass forgot to chain)
+        self.n = 1
+        self._heap = KeyHeap()
+        self._bits = np.zeros(1)
+        self._double = self._bits
+        self._int = self._bits.view(np.int64)
+        self._shape(0, 0)
 
     def __init__(self, params=None):
-        super().__init__(params or self.Params())
-        self.history: dict[int, np.ndarray] = {}  # layer -> its window, [steps <= n, E] float64
-        self.mean: dict[int, np.ndarray] = {}
-        self._entry: dict[int, tuple[float, int]] = {}  # resident key -> its live heap entry (score, key)
-        self._by_layer: dict[int, set[int]] = {}  # layer -> its resident keys
-        self._means: dict[int, list[float]] = {}  # layer -> mean[layer] as Python floats
-        self._heap = LazyHeap()
+        super().__init__(params or type(self).Params())
+        self.n = self.params.n
+        self._token = self.params.unit == "token"
+        self._probs = self.params.value == "probs"
         self._zero = self.params.start == "zero"
+        self._heap = KeyHeap()  # the resident keys by (ordered(score), 0, key)
+        self._bits = np.zeros(1)  # a double, and its bits as an int64 (ordered)
+        self._double = self._bits
+        self._int = self._bits.view(np.int64)
+        self._shape(0, 0)
 
-    def on_insert(self, key, prefetch):
-        super().on_insert(key, prefetch)
-        layer, expert = divmod(key, self.keys.num_experts)
-        self._by_layer.setdefault(layer, set()).add(key)
-        m = self._means.get(layer)
-        self._heap.put(self._entry, (0.0 if m is None or self._zero else m[expert], key))
+    def _shape(self, layers: int, experts: int):
+        self.E = experts
+        self._win = np.zeros((max(layers, 1), self.n, max(experts, 1)))  # layer -> its last n steps (a ring)
+        self._mean = np.zeros((max(layers, 1), max(experts, 1)))  # layer -> its window's mean per expert
+        self._len = np.zeros(max(layers, 1), dtype=np.int64)  # layer -> steps in its window (0: never seen)
+        self._next = np.zeros(max(layers, 1), dtype=np.int64)  # layer -> the ring slot its next step fills
 
-    def on_remove(self, key):
-        super().on_remove(key)
-        del self._entry[key]
-        self._by_layer[key // self.keys.num_experts].discard(key)
+    def attach(self, view, capacity):
+        super().attach(view, capacity)
+        self._shape(view.geometry.num_layers, view.geometry.num_experts)
+
+    @property
+    def history(self) -> dict:
+        """Each seen layer's window, oldest step first ([steps, E] arrays; new: for checks and tests)."""
+        win, out = np.asarray(self._win), {}
+        for layer in range(len(self._len)):
+            k = int(self._len[layer])
+            if k:
+                out[layer] = win[layer, [(int(self._next[layer]) - k + j) % self.n for j in range(k)]]
+        return out
+
+    @property
+    def mean(self) -> dict:
+        """Each seen layer's window mean ([E] arrays; new: for checks and tests)."""
+        return {layer: np.array(self._mean[layer]) for layer in range(len(self._len)) if self._len[layer]}
+
+    @cython.cfunc
+    @cython.boundscheck(False)  # (a one-element scratch)
+    @cython.wraparound(False)
+    @cython.initializedcheck(False)  # (set by __cinit__)
+    def ordered(self, score: cython.double) -> cython.longlong:
+        """An int64 that orders as ``score`` does (its IEEE bits, the negative ones' magnitude bits flipped;
+        -0.0 is 0.0 first), for the heap's integer rank."""
+        self._double[0] = score + 0.0
+        b: cython.longlong = self._int[0]
+        return b ^ ((b >> 63) & 0x7FFFFFFFFFFFFFFF)
 
     def on_layer(self, layer, record=None):
         if record is None:
             return
-        probs = record.probs if self.params.value == "probs" else record.logits
-        if probs is None:
-            raise NoLogits("eviction=score eviction.value=logits needs router logits, and this layer call has none "
-                           "(the trace did not record them: record it with trace.logits=fp32 or fp16)")
-        steps = (probs[-self.params.n:] if self.params.unit == "token" else probs.mean(0, keepdim=True))
-        steps = steps.float().cpu().numpy().astype(np.float64)  # [steps, E]: exact (= .double(), without a torch op)
-        hist = self.history.get(layer)
-        hist = self.history[layer] = steps if hist is None else np.concatenate([hist, steps])[-self.params.n:]
-        self.mean[layer] = hist.sum(0) / len(hist)
-        m = self._means[layer] = self.mean[layer].tolist()
-        keys = self._by_layer.get(layer)
-        if keys:
-            base, entry, put = layer * self.keys.num_experts, self._entry, self._heap.put
-            for k in keys:
-                s = m[k - base]
-                if s != entry[k][0]:
-                    put(entry, (s, k))
+        if self._token and self._probs:
+            steps = record.probs_rows()
+        else:
+            if self._probs:
+                scores = record.probs
+            else:
+                try:
+                    scores = record.logits
+                except NoLogits as e:
+                    raise NoLogits(f"eviction=score eviction.value=logits needs router logits: {e}") from None
+                if scores is None:
+                    raise NoLogits("eviction=score eviction.value=logits needs router logits, and this layer call "
+                                   "has none (the trace did not record them: record it with trace.logits=fp32 "
+                                   "or fp16)")
+            steps = (scores[-self.n:] if self._token else scores.mean(0, keepdim=True)).float().cpu().numpy()
+        self._step(layer, steps)
 
+    @cython.cfunc
+    @cython.boundscheck(True)
+    def _step(self, layer: cython.long, steps: cython.float[:, :]):
+        """Push the last ``n`` rows of ``steps`` ([T, E] float32) into ``layer``'s window, re-sum it, and
+        re-rank the layer's resident keys."""
+        E: cython.Py_ssize_t = self.E
+        n: cython.Py_ssize_t = self.n
+        if steps.shape[1] != E:
+            raise ValueError(f"eviction=score: a layer call of {steps.shape[1]} experts' scores; the model has {E}")
+        if not 0 <= layer < self._len.shape[0]:
+            raise IndexError(f"eviction=score: MoE layer {layer} outside the model's {self._len.shape[0]}")
+        self._fill(layer, steps)
+        self._rerank(layer)
+
+    @cython.cfunc
+    @cython.boundscheck(False)  # (_step checked the layer and the width)
+    @cython.wraparound(False)
+    def _fill(self, layer: cython.long, steps: cython.float[:, :]):
+        n: cython.Py_ssize_t = self.n
+        T: cython.Py_ssize_t = steps.shape[0]
+        win: cython.double[:, :, ::1] = self._win
+        t: cython.Py_ssize_t
+        e: cython.Py_ssize_t
+        slot: cython.Py_ssize_t
+        for t in range(max(T - n, 0), T):
+            slot = self._next[layer]
+            for e in range(self.E):
+                win[layer, slot, e] = steps[t, e]
+            self._next[layer] = slot + 1 if slot + 1 < n else 0
+            if self._len[layer] < n:
+                self._len[layer] += 1
+
+    @cython.cfunc
+    @cython.boundscheck(False)  # (_step checked the layer)
+    @cython.wraparound(False)
+    def _rerank(self, layer: cython.long):
+        n: cython.Py_ssize_t = self.n
+        E: cython.Py_ssize_t = self.E
+        k: cython.Py_ssize_t = self._len[layer]
+        slot: cython.Py_ssize_t = self._next[layer] - k
+        if slot < 0:
+            slot += n
+        win: cython.double[:, :, ::1] = self._win
+        mean: cython.double[:, ::1] = self._mean
+        e: cython.Py_ssize_t
+        j: cython.Py_ssize_t
+        for e in range(E):  # the sums run oldest step first, each expert's in numpy's order
+            mean[layer, e] = win[layer, slot, e]
+        for j in range(1, k):
+            slot = slot + 1 if slot + 1 < n else 0
+            for e in range(E):
+                mean[layer, e] += win[layer, slot, e]
+        base: cython.longlong = layer * E
+        heap: KeyHeap = self._heap
+        for e in range(E):
+            mean[layer, e] = mean[layer, e] / k
+            if heap.contains(base + e):
+                heap.set(base + e, self.ordered(mean[layer, e]), 0)
+
+    @cython.ccall
+    @cython.boundscheck(True)
+    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
+        layer: cython.longlong = key // self.E
+        s: cython.double = 0.0
+        if self._len[layer] > 0 and not self._zero:
+            s = self._mean[layer, key - layer * self.E]
+        self._heap.set(key, self.ordered(s), 0)
+
+    @cython.ccall
+    def on_access(self, key: cython.longlong):
+        pass
+
+    @cython.ccall
+    def on_remove(self, key: cython.longlong):
+        if not self._heap.contains(key):
+            raise KeyError(key)
+        self._heap.discard(key)
+
+    @cython.ccall
     def victim(self, evictable):
-        ent = self._heap.first(evictable, self._entry)
-        return None if ent is None else ent[1]
+        return self._heap.first(evictable)
+
+
+EVICTION.register("score")(Score)  # (a statement, not a decorator: Cython takes no decorator on an extension type)
