@@ -67,6 +67,15 @@ class BuildExt(build_ext):
         if not self.parallel:
             self.parallel = os.cpu_count() or 1
 
+    def build_extensions(self):
+        if self.compiler.compiler_type == "unix":  # gcc, clang
+            # a * b + c stays two roundings, never one fused multiply-add (which CFLAGS=-march=native would
+            # allow): the compiled float arithmetic (the clock, score's window, ml's network) keeps the bits
+            # of its pure-Python source
+            for ext in self.extensions:
+                ext.extra_compile_args = [*ext.extra_compile_args, "-ffp-contract=off"]
+        super().build_extensions()
+
     def run(self):
         super().run()
         built, failed = {}, list(UNTRANSLATED)

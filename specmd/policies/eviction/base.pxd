@@ -51,22 +51,17 @@ cdef class KeyHeap:
     cdef long long[:] _heap
     cdef long long[:] _aside
     cdef Py_ssize_t _n
+    cdef object _bits
+    cdef double[:] _double
+    cdef long long[:] _int
     cdef bint _less(self, long long a, long long b)
     cdef _place(self, Py_ssize_t i, long long key)
     cdef _up(self, Py_ssize_t i)
     cdef _down(self, Py_ssize_t i)
     cpdef set(self, long long key, long long p1, long long p2)
+    cpdef set_score(self, long long key, double score)
     cpdef bint contains(self, long long key)
     cpdef discard(self, long long key)
     cpdef first(self, evictable)
     cpdef long long top(self)
     cpdef long long rank(self, long long key)
-
-
-cdef class LazyHeap:
-    cdef public list heap
-    cdef public list held
-    cdef public long long _pushed
-    cpdef put(self, dict live, tuple entry)
-    cpdef push(self, entry)
-    cpdef first(self, evictable, dict live)

@@ -22,8 +22,6 @@ in-flight state). A policy never sees the cache manager, and nothing tells it wh
 from __future__ import annotations
 
 from array import array
-from bisect import bisect_left
-from heapq import heapify, heappop, heappush
 from typing import Any, Callable, Optional
 
 import cython
@@ -315,23 +313,12 @@ class KeyLists:
         return out
 
 
-def argmin_key(candidates, evictable, rank):
-    """The evictable key with the smallest ``rank(key)`` (ties: the first in ``candidates`` order)."""
-    best, best_rank = None, None
-    for key in candidates:
-        if evictable(key):
-            r = rank(key)
-            if best is None or r < best_rank:
-                best, best_rank = key, r
-    return best
-
-
 CAPACITY_UNITS = ("fetch", "native")  # ARC's and LeCaR's ``capacity_unit`` readings
 
 
 @cython.cclass
 class KeyHeap:
-    """Keys ranked by two integers, smallest first (ties: the smaller key): an indexed binary min-heap over
+    """Keys ranked by two integers (or one float, :meth:`set_score`), smallest first (ties: the smaller key): an indexed binary min-heap over
     per-key arrays, as libCacheSim's priority queues, for a ranking policy whose ranks change in place (LFU's
     count and last use). :meth:`set` inserts or re-ranks a key in O(log N), :meth:`discard` removes it in
     O(log N), :meth:`first` finds the smallest evictable key, leaving it in the heap: the keys ranked before
@@ -340,8 +327,15 @@ class KeyHeap:
 
     def __cinit__(self, *args, **kwargs):
         self._n = 0
+        self._scratch()
+
+    def _scratch(self):
+        self._bits = array("d", [0.0])  # one double, and the same 8 bytes as an int64 (set_score)
+        self._double = self._bits
+        self._int = memoryview(self._bits).cast("B").cast("q")
 
     def __init__(self, keys: int = 0):
+        self._scratch()
         n = max(keys, 1)
         self._pos = array("q", [-1]) * n  # per key: its slot in the heap, -1: not in it
         self._p1 = array("q", [0]) * n  # per key: its rank
@@ -434,6 +428,18 @@ class KeyHeap:
             self._down(self._pos[key])
 
     @cython.ccall
+    @cython.boundscheck(False)  # (a one-element scratch, set by __cinit__)
+    @cython.wraparound(False)
+    @cython.initializedcheck(False)
+    def set_score(self, key: cython.longlong, score: cython.double):
+        """``key`` ranked by a float, smallest first (ties: the smaller key): ``set(key, b, 0)`` with ``b`` an
+        int64 that orders as ``score`` does (its IEEE bits, a negative one's magnitude bits flipped; -0.0
+        is 0.0 first). For ranking policies whose ranks are floats (score, ml)."""
+        self._double[0] = score + 0.0
+        b: cython.longlong = self._int[0]
+        self.set(key, b ^ ((b >> 63) & 0x7FFFFFFFFFFFFFFF), 0)
+
+    @cython.ccall
     @cython.wraparound(False)  # (the key is checked)
     def contains(self, key: cython.longlong) -> cython.bint:
         return 0 <= key < len(self._pos) and self._pos[key] >= 0
@@ -491,85 +497,6 @@ class KeyHeap:
     def keys(self) -> list:
         """The keys in the heap, smallest first (a new list: for checks and tests)."""
         return sorted(self._heap[:self._n], key=lambda k: (self._p1[k], self._p2[k], k))
-
-
-@cython.cclass
-class LazyHeap:
-    """A ranking policy's priority queue with lazy invalidation, so a victim costs O(log N) amortised
-    instead of a scan of the pool.
-
-    Entries are tuples ``(rank..., key)``, compared as tuples (a key's rank must be unique, or ties broken
-    by the key). An entry is live while it is ``live[key]`` (the same object): a policy pushes a new entry
-    whenever a key's rank changes and forgets the key when it leaves; dead entries are dropped when met.
-    The queue is a heap plus ``held``, a sorted list of entries the search found not evictable (the running
-    layer's experts, prefetches in flight): they leave the heap once and are merged back in order on every
-    search, so a search calls ``evictable`` only on the live entries ranked before its answer. (Compiled, an
-    extension type, ``base.pxd``: a compiled policy calls it in C.)"""
-
-    def __init__(self, entries=()):
-        self.heap = list(entries)
-        heapify(self.heap)
-        self.held = []
-        self._pushed = 0  # entries pushed by ``put`` since the queue last held only live ones
-
-    @cython.ccall
-    def put(self, live: dict, entry: tuple):
-        """``entry`` becomes its key's live entry (``live[entry[-1]]``) and joins the queue. When the pushes
-        since the last rebuild outnumber the live entries (+64), the dead ones are dropped: the queue is
-        rebuilt from ``live`` in place, so its memory stays O(live) for a policy that re-ranks every key at
-        every step. A rebuild never changes an answer of :meth:`first` (ranks are unique per key)."""
-        live[entry[-1]] = entry
-        heappush(self.heap, entry)
-        self._pushed += 1
-        if self._pushed > len(live) + 64:
-            self.heap = list(live.values())
-            heapify(self.heap)
-            self.held = []
-            self._pushed = 0
-
-    def __len__(self) -> int:
-        return len(self.heap) + len(self.held)
-
-    @cython.ccall
-    def push(self, entry):
-        heappush(self.heap, entry)
-
-    def entries(self) -> list:
-        """Every entry, live or dead, in no particular order."""
-        return self.heap + self.held
-
-    @cython.ccall
-    def first(self, evictable, live: dict):
-        """The smallest live entry whose key is evictable, left in the queue (a policy may be asked again
-        before the manager evicts); None if there is none."""
-        heap: list = self.heap
-        held: list = self.held
-        ev: Evictable = as_evictable(evictable)
-        i: cython.Py_ssize_t = 0
-        j: cython.Py_ssize_t
-        while True:
-            while heap and live.get(heap[0][-1]) is not heap[0]:
-                heappop(heap)
-            top = heap[0] if heap else None
-            # the held entries ranked before the heap's top come first
-            j = len(held) if top is None else bisect_left(held, top, i)
-            while i < j:
-                ent = held[i]
-                key = ent[-1]
-                if live.get(key) is not ent:
-                    del held[i]
-                    j -= 1
-                elif ev.ok(key):
-                    return ent
-                else:
-                    i += 1
-            if top is None:
-                return None
-            if ev.ok(top[-1]):
-                return top
-            heappop(heap)
-            held.insert(i, top)  # held stays sorted: the entries before i rank lower, those after higher
-            i += 1
 
 
 @cython.cclass

@@ -16,59 +16,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import cython
 import numpy as np
-import torch
+from cython.cimports.libc.math import exp
 
 from ...errors import ConfigError
-from .base import EVICTION, LazyHeap, OrderedEviction
+from .base import EVICTION, EvictionPolicy, KeyHeap
 
 ASSET_FILE = "ml_eviction.safetensors"
+EXP_MAX = 700.0  # SiLU's exp(-z) for z below -EXP_MAX: 0 (C's exp overflows to inf there, Python's raises)
 
 
 def features(last_step: np.ndarray, freq: np.ndarray, step: int) -> np.ndarray:
-    """[N, 2] inputs from each expert's last routed step (-1 = never), routed count and the current step."""
+    """[N, 2] inputs from each expert's last routed step (-1 = never), routed count and the current step
+    (the training set's; the policy computes the same two numbers per expert, :meth:`ML.row`)."""
     routed = last_step >= 0
     inv_r = np.where(routed, 1.0 / np.maximum(step - last_step + 1, 1), 0.0)
     fmax = freq.max() if freq.size else 0
     f = freq / fmax if fmax > 0 else np.zeros_like(freq, dtype=np.float64)
     return np.stack([inv_r, f], axis=-1).astype(np.float32)
-
-
-class MLP:
-    """The per-layer network, evaluated with torch on the CPU. (Not numpy: numpy's BLAS threads spin
-    after each call and starve torch's own threads, which made whole runs 10x slower.) The activations
-    live in buffers made once per batch size and written in place (``out=``, in-place SiLU): the policy
-    evaluates one batch of E rows per layer step, and allocating them per call cost a fifth of its time.
-    The result is the same bits as the allocating form (checked on the shipped networks). The returned
-    array is the output buffer: read it before the next call."""
-
-    def __init__(self, tensors: dict):
-        self.wt = [torch.from_numpy(np.ascontiguousarray(np.asarray(tensors[f"w{i}"], dtype=np.float32).T))
-                   for i in (1, 2, 3)]
-        self.b = [torch.from_numpy(np.asarray(tensors[f"b{i}"], dtype=np.float32).copy()) for i in (1, 2, 3)]
-        self._buffers: dict[int, tuple] = {}  # rows -> (x, its tensor, h1, h2, out, out as [rows] numpy)
-
-    def _buffers_for(self, rows: int) -> tuple:
-        buf = self._buffers.get(rows)
-        if buf is None:
-            hidden = self.wt[0].shape[1]
-            x = np.empty((rows, self.wt[0].shape[0]), dtype=np.float32)
-            out = torch.empty(rows, 1)
-            buf = self._buffers[rows] = (x, torch.from_numpy(x), torch.empty(rows, hidden),
-                                         torch.empty(rows, self.wt[1].shape[1]), out, out.numpy()[:, 0])
-        return buf
-
-    @torch.no_grad()
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        buf, xt, h1, h2, out, result = self._buffers_for(len(x))
-        buf[...] = x
-        silu = torch.nn.functional.silu
-        torch.addmm(self.b[0], xt, self.wt[0], out=h1)
-        silu(h1, inplace=True)
-        torch.addmm(self.b[1], h1, self.wt[1], out=h2)
-        silu(h2, inplace=True)
-        torch.addmm(self.b[2], h2, self.wt[2], out=out)
-        return result
 
 
 def resolve_weights(spec: str) -> Path:
@@ -85,7 +51,9 @@ def resolve_weights(spec: str) -> Path:
     return path
 
 
-def load_networks(spec: str) -> tuple[list[MLP], dict]:
+def load_networks(spec: str) -> tuple[list[dict], dict]:
+    """Each MoE layer's network as its tensors (``w1`` [H, 2], ``b1`` [H], ``w2`` [H, H], ``b2`` [H], ``w3``
+    [1, H], ``b3`` [1]: torch's ``Linear`` layout, float32) and the file's metadata."""
     from safetensors.numpy import load_file
     from safetensors import safe_open
 
@@ -94,13 +62,37 @@ def load_networks(spec: str) -> tuple[list[MLP], dict]:
     with safe_open(str(path), "np") as f:
         meta = dict(f.metadata() or {})
     layers = int(meta.get("num_layers", 0)) or len({k.split(".")[0] for k in tensors})
-    nets = [MLP({k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"layer{l}.")})
-            for l in range(layers)]
+    nets = [{k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"layer{l}.")} for l in range(layers)]
+    H = None
+    for l, net in enumerate(nets):
+        try:
+            H = H or net["w1"].shape[0]
+            shapes = {k: tuple(net[k].shape) for k in ("w1", "b1", "w2", "b2", "w3", "b3")}
+        except KeyError as e:
+            raise ConfigError(f"eviction=ml: weights {spec!r} have no tensor layer{l}.{e.args[0]}") from None
+        want = {"w1": (H, 2), "b1": (H,), "w2": (H, H), "b2": (H,), "w3": (1, H), "b3": (1,)}
+        if shapes != want:
+            raise ConfigError(f"eviction=ml: weights {spec!r}, layer {l}: tensor shapes {shapes}; a 2 -> {H} -> {H} "
+                              f"-> 1 network needs {want}")
+        if not all(np.isfinite(net[k]).all() for k in want):
+            raise ConfigError(f"eviction=ml: weights {spec!r}, layer {l}: non-finite values")
     return nets, meta
 
 
-@EVICTION.register("ml")
-class ML(OrderedEviction):
+@dataclass
+class MLParams:
+    weights: Optional[str] = "specmd:tiny-olmoe"
+
+    def __post_init__(self):  # the file is found before any model work, or the run stops here
+        if self.weights is None:
+            raise ConfigError("eviction=ml needs trained networks, and this model ships none (its "
+                              "model.pretrained is null): train them with `python -m specmd.train_eviction "
+                              "--model <model> --out FILE` and set eviction.weights=FILE")
+        resolve_weights(self.weights)
+
+
+@cython.cclass
+class ML(EvictionPolicy):
     """FlashMoE's learned eviction (see module docstring). ``weights``: a ``.safetensors`` file written by
     ``python -m specmd.train_eviction``, or ``specmd:<asset>`` for one shipped with a model (the embedded
     ``specmd:tiny-olmoe``, ``specmd:deep-olmoe`` and ``specmd:deep-mixtral`` have one; the config's default is
@@ -119,64 +111,78 @@ class ML(OrderedEviction):
     issue 20) left a streamed or dropped request uncounted and let victim searches inside a call see
     features half-updated, which neither the paper nor the training data has.
 
-    **No scan per eviction.** A layer's predictions only change when its features do: at its next step
-    (``on_layer``), and by the uses of its experts, which only its own call makes and which all come before
-    the call's first victim search (above); so ``on_layer`` marks the layer dirty, a use does not need to.
-    They are computed at most once per step, lazily, for
-    the layer's E experts in one batch (the network's cost is per call, not per row), and pushed as
-    ``(-distance, key)`` entries for the layer's resident keys into a :class:`~.base.LazyHeap` (an entry is
-    live while it is ``_entry[key]``). A victim search re-scores the layers marked dirty that hold
-    resident keys (usually the one running), then takes the heap's first evictable entry: the largest
-    predicted distance, ties to the lower key. ``test_ml_victims_equal_rescoring_from_scratch`` checks every
-    choice against re-scoring every candidate from scratch."""
+    **Only the residents are scored, once per step.** A layer's features only change at its next step
+    (``on_layer``) and by the uses of its experts, which only its own call makes and which all come before
+    the call's first victim search (above); so ``on_layer`` marks the layer dirty and a use does not need
+    to. A victim search first re-scores each dirty layer's *resident* experts (usually the running layer's
+    few), a key inserted into a clean layer is scored at its insert, and the residents are ranked by
+    ``(-distance, key)`` in a :class:`~.base.KeyHeap` (``set_score``): the largest predicted distance
+    first, ties to the lower key. The network is evaluated one row at a time in C (:meth:`distance`), in
+    float64 from the float32 features and weights (SiLU as ``z / (1 + exp(-z))``): the same bits compiled
+    and as pure Python, and independent of how many rows are scored together (a batched float32 matmul's
+    rows are not). ``test_ml_victims_equal_rescoring_from_scratch`` checks every choice against re-scoring
+    every candidate from scratch. (Compiled, an extension type, ``ml.pxd``.)"""
 
-    @dataclass
-    class Params:
-        weights: Optional[str] = "specmd:tiny-olmoe"
+    name = "ml"
+    Params = MLParams  # (module-level: an extension type's body holds no class statement)
 
-        def __post_init__(self):  # the file is found before any model work, or the run stops here
-            if self.weights is None:
-                raise ConfigError("eviction=ml needs trained networks, and this model ships none (its "
-                                  "model.pretrained is null): train them with `python -m specmd.train_eviction "
-                                  "--model <model> --out FILE` and set eviction.weights=FILE")
-            resolve_weights(self.weights)
+    def __cinit__(self, *args, **kwargs):
+        # (compiled: the typed structures exist before any __init__, even one a subclass forgot to chain)
+        self._heap = KeyHeap()
+        self._shape([], 0)
 
     def __init__(self, params=None):
-        super().__init__(params or self.Params())
-        self.nets: list[MLP] = []
+        super().__init__(params or type(self).Params())
+        self._heap = KeyHeap()  # the resident keys by (-distance, key)
+        self._shape([], 0)
+
+    def _shape(self, nets: list, experts: int):
+        """The per-layer state, and the networks' weights as float64 [layers, ...] stacks (placeholders of
+        one layer, one unit until ``attach`` loads them)."""
+        L, E = max(len(nets), 1), max(experts, 1)
+        H = nets[0]["w1"].shape[0] if nets else 1
+        self.E, self.H = experts, H
+        self.step = np.zeros(L, dtype=np.int64)  # layer -> its steps so far
+        self.fmax = np.zeros(L)  # layer -> max f over its experts
+        self.last = np.full((L, E), -1, dtype=np.int64)  # [layer, expert] -> its last routed step (-1: never)
+        self.freq = np.zeros((L, E))  # [layer, expert] -> f, its routed steps
+        self._dirty = np.ones(L, dtype=np.int64)  # layer -> 1 while its residents' scores are stale
+        self._resident = np.zeros(L, dtype=np.int64)  # layer -> its resident keys
+        nets = nets or [{"w1": np.zeros((H, 2)), "b1": np.zeros(H), "w2": np.zeros((H, H)), "b2": np.zeros(H),
+                         "w3": np.zeros((1, H)), "b3": np.zeros(1)}]
+        stack = lambda name, f: np.ascontiguousarray(  # noqa: E731 (flat: _forward indexes by offset)
+            np.stack([f(np.asarray(n[name], np.float64)) for n in nets]).reshape(-1))
+        self._w1 = stack("w1", lambda a: a.T)  # [L, 2, H]: input-major, as x @ W1
+        self._w2 = stack("w2", lambda a: a.T)  # [L, H in, H out]
+        self._w3 = stack("w3", lambda a: a[0])  # [L, H]
+        self._b1 = stack("b1", lambda a: a)  # [L, H]
+        self._b2 = stack("b2", lambda a: a)  # [L, H]
+        self._b3 = stack("b3", lambda a: a[0])  # [L]
+        self._h1 = np.zeros(H)  # the hidden activations of the row being scored
+        self._h2 = np.zeros(H)
+        self._x = np.zeros(2, dtype=np.float32)  # its features, rounded to float32 as the training set's
 
     def attach(self, view, capacity):
         super().attach(view, capacity)
-        self.nets, meta = load_networks(self.params.weights)
+        nets, meta = load_networks(self.params.weights)
         geom = view.geometry
-        if len(self.nets) != geom.num_layers:
-            raise ConfigError(f"eviction=ml: weights {self.params.weights!r} have {len(self.nets)} layers, the model "
+        if len(nets) != geom.num_layers:
+            raise ConfigError(f"eviction=ml: weights {self.params.weights!r} have {len(nets)} layers, the model "
                               f"has {geom.num_layers} MoE layers; train matching ones with python -m specmd.train_eviction")
-        self.E = geom.num_experts
-        L = geom.num_layers
-        self.step = [0] * L
-        self.fmax = [0.0] * L
-        self.last = np.full((L, self.E), -1, dtype=np.int64)
-        self.freq = np.zeros((L, self.E), dtype=np.float64)
-        self._pred: list = [None] * L  # layer -> its E predictions (Python floats), None while dirty
-        self._dirty: set[int] = set(range(L))  # layers whose predictions are None
-        self._resident: list[set[int]] = [set() for _ in range(L)]  # layer -> its resident keys
-        self._entry: dict[int, tuple[float, int]] = {}  # resident key -> its live heap entry (-distance, key)
-        self._heap = LazyHeap()
+        self._shape(nets, geom.num_experts)
 
-    def _dirty_layer(self, layer: int) -> None:
-        if self._pred[layer] is not None:
-            self._pred[layer] = None
-            self._dirty.add(layer)
-
+    @cython.boundscheck(True)
     def on_layer(self, layer, record=None):
         self.step[layer] += 1
-        self._dirty_layer(layer)
+        self._dirty[layer] = 1
 
-    def _use(self, key):
-        layer, e = divmod(key, self.E)
+    @cython.cfunc
+    @cython.boundscheck(True)
+    def _use(self, key: cython.longlong):
+        layer: cython.longlong = key // self.E
+        e: cython.longlong = key - layer * self.E
         self.last[layer, e] = self.step[layer]
-        f = self.freq[layer, e] + 1
+        f: cython.double = self.freq[layer, e] + 1
         self.freq[layer, e] = f
         if f > self.fmax[layer]:
             self.fmax[layer] = f
@@ -184,40 +190,105 @@ class ML(OrderedEviction):
     def on_miss(self, key):
         self._use(key)
 
-    def on_access(self, key):
+    @cython.ccall
+    def on_access(self, key: cython.longlong):
         self._use(key)
 
-    def on_insert(self, key, prefetch):
-        super().on_insert(key, prefetch)
-        layer = key // self.E
-        self._resident[layer].add(key)
-        pred = self._pred[layer]
-        if pred is not None:  # else the layer is dirty: its keys are pushed when it is re-scored
-            self._heap.put(self._entry, (-pred[key - layer * self.E], key))
+    @cython.ccall
+    @cython.boundscheck(True)
+    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
+        layer: cython.longlong = key // self.E
+        self._resident[layer] += 1
+        # a dirty layer's keys are scored before the next search ranks them; a clean one's features stand
+        self._heap.set_score(key, 0.0 if self._dirty[layer] else -self.distance(layer, key - layer * self.E))
 
-    def on_remove(self, key):
-        super().on_remove(key)
-        self._entry.pop(key, None)
-        self._resident[key // self.E].discard(key)
+    @cython.ccall
+    def on_remove(self, key: cython.longlong):
+        if not self._heap.contains(key):
+            raise KeyError(key)
+        self._heap.discard(key)
+        self._resident[key // self.E] -= 1
 
-    def predictions(self, layer: int) -> list:
-        """Predicted next-use distance of every expert of ``layer`` (cached while its features stand)."""
-        pred = self._pred[layer]
-        if pred is None:
-            x = features(self.last[layer], self.freq[layer], self.step[layer])
-            pred = self._pred[layer] = self.nets[layer](x).tolist()
-            self._dirty.discard(layer)
-        return pred
-
+    @cython.ccall
+    @cython.boundscheck(False)  # (layers and experts of the model's shape)
+    @cython.wraparound(False)
     def victim(self, evictable):
-        dirty = self._dirty
-        if dirty:
-            resident, E = self._resident, self.E
-            for layer in sorted(dirty):  # (a set: iterate a copy; layers without residents stay dirty)
-                keys = resident[layer]
-                if keys:
-                    pred, base, put, entry = self.predictions(layer), layer * E, self._heap.put, self._entry
-                    for key in keys:
-                        put(entry, (-pred[key - base], key))
-        ent = self._heap.first(evictable, self._entry)
-        return None if ent is None else ent[1]
+        layer: cython.Py_ssize_t
+        e: cython.Py_ssize_t
+        base: cython.longlong
+        heap: KeyHeap = self._heap
+        for layer in range(self._dirty.shape[0]):
+            if self._dirty[layer] and self._resident[layer] > 0:
+                base = layer * self.E
+                for e in range(self.E):
+                    if heap.contains(base + e):
+                        heap.set_score(base + e, -self.distance(layer, e))
+                self._dirty[layer] = 0
+        return heap.first(evictable)
+
+    @cython.ccall
+    @cython.boundscheck(True)
+    def row(self, layer: cython.long, expert: cython.long):
+        """``expert``'s features in ``layer`` now, ``(1/r, f / max f)`` rounded to float32 (:func:`features`)."""
+        s: cython.longlong = self.last[layer, expert]
+        x0: cython.double = 0.0
+        x1: cython.double = 0.0
+        if s >= 0:
+            x0 = 1.0 / max(self.step[layer] - s + 1, 1)
+        if self.fmax[layer] > 0:
+            x1 = self.freq[layer, expert] / self.fmax[layer]
+        self._x[0] = x0
+        self._x[1] = x1
+        return self._x[0], self._x[1]
+
+    @cython.ccall
+    @cython.boundscheck(True)
+    def distance(self, layer: cython.long, expert: cython.long) -> cython.double:
+        """``expert``'s predicted next-use distance in ``layer`` now (its network on :meth:`row`)."""
+        self.row(layer, expert)
+        return self._forward(layer)
+
+    @cython.cfunc
+    @cython.boundscheck(False)  # (row checked the layer; the weights are [L, ...] stacks of H)
+    @cython.wraparound(False)
+    @cython.nonecheck(False)  # (the local views are taken from fields __cinit__ sets)
+    def _forward(self, layer: cython.long) -> cython.double:
+        """The network of ``layer`` on the features in ``_x``: h1 = SiLU(x W1 + b1), h2 = SiLU(h1 W2 + b2),
+        out = h2 W3 + b3, each sum in input order. (The weights are flat arrays indexed by offset, and the
+        inner loop runs over contiguous outputs, which the C compiler vectorises.)"""
+        H: cython.Py_ssize_t = self.H
+        w1: cython.double[::1] = self._w1
+        w2: cython.double[::1] = self._w2
+        w3: cython.double[::1] = self._w3
+        b1: cython.double[::1] = self._b1
+        b2: cython.double[::1] = self._b2
+        h1: cython.double[::1] = self._h1
+        h2: cython.double[::1] = self._h2
+        x0: cython.double = self._x[0]
+        x1: cython.double = self._x[1]
+        low: cython.double = -EXP_MAX  # (a C double: the global is a Python float)
+        i: cython.Py_ssize_t
+        j: cython.Py_ssize_t
+        z: cython.double
+        a: cython.double
+        o1: cython.Py_ssize_t = layer * 2 * H  # w1 [L, 2, H]
+        ob: cython.Py_ssize_t = layer * H  # b1, b2, w3 [L, H]
+        o2: cython.Py_ssize_t = layer * H * H  # w2 [L, H in, H out]
+        for j in range(H):  # h1 [H] = SiLU(b1 + x0 w1[0] + x1 w1[1])
+            z = b1[ob + j] + x0 * w1[o1 + j] + x1 * w1[o1 + H + j]
+            h1[j] = z / (1.0 + exp(-z)) if z > low else 0.0
+        for j in range(H):  # h2 [H] = b2 + sum_i h1[i] w2[i]
+            h2[j] = b2[ob + j]
+        for i in range(H):
+            a = h1[i]
+            for j in range(H):
+                h2[j] += a * w2[o2 + i * H + j]
+        out: cython.double = self._b3[layer]
+        for j in range(H):  # out = b3 + sum_j SiLU(h2[j]) w3[j]
+            z = h2[j]
+            if z > low:
+                out += z / (1.0 + exp(-z)) * w3[ob + j]
+        return out
+
+
+EVICTION.register("ml")(ML)  # (a statement, not a decorator: Cython takes no decorator on an extension type)

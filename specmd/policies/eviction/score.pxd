@@ -8,14 +8,10 @@ cdef class Score(EvictionPolicy):
     cdef public bint _probs
     cdef public bint _zero
     cdef public KeyHeap _heap
-    cdef public object _bits
-    cdef double[:] _double
-    cdef long long[:] _int
     cdef public double[:, :, ::1] _win
     cdef public double[:, ::1] _mean
     cdef public long long[:] _len
     cdef public long long[:] _next
-    cdef long long ordered(self, double score)
     cdef _step(self, long layer, float[:, :] steps)
     cdef _fill(self, long layer, float[:, :] steps)
     cdef _rerank(self, long layer)

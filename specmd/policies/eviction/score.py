@@ -90,11 +90,10 @@ class Score(EvictionPolicy):
     The window of each layer is a ring of its last ``n`` steps ([L, n, E] doubles), and a step re-sums its
     layer's window oldest step first (the order and the bits of numpy's ``window.sum(0) / len(window)``,
     tested) into the layer's means. The residents are ranked by ``(score, key)`` in a
-    :class:`~.base.KeyHeap`, its integer rank the score's bits in an order-preserving map
-    (:func:`ordered`): a step re-ranks its layer's resident keys in place. The token steps are read from
-    :meth:`GateRecord.probs_rows <specmd.engine.record.GateRecord.probs_rows>`, which a replay answers
-    from probabilities computed a chunk of calls at a time. No allocation per step. (Compiled, an
-    extension type, ``score.pxd``.)"""
+    :class:`~.base.KeyHeap` (``set_score``): a step re-ranks its layer's resident keys in place. The
+    token steps are read from :meth:`GateRecord.probs_rows <specmd.engine.record.GateRecord.probs_rows>`,
+    which a replay answers from probabilities computed a chunk of calls at a time. No allocation per
+    step. (Compiled, an extension type, ``score.pxd``.)"""
 
     name = "score"
     Params = ScoreParams  # (module-level: an extension type's body holds no class statement)
@@ -103,9 +102,6 @@ class Score(EvictionPolicy):
         # (compiled: the typed structures exist before any __init__, even one a subclass forgot to chain)
         self.n = 1
         self._heap = KeyHeap()
-        self._bits = np.zeros(1)
-        self._double = self._bits
-        self._int = self._bits.view(np.int64)
         self._shape(0, 0)
 
     def __init__(self, params=None):
@@ -114,10 +110,7 @@ class Score(EvictionPolicy):
         self._token = self.params.unit == "token"
         self._probs = self.params.value == "probs"
         self._zero = self.params.start == "zero"
-        self._heap = KeyHeap()  # the resident keys by (ordered(score), 0, key)
-        self._bits = np.zeros(1)  # a double, and its bits as an int64 (ordered)
-        self._double = self._bits
-        self._int = self._bits.view(np.int64)
+        self._heap = KeyHeap()  # the resident keys by (score, key)
         self._shape(0, 0)
 
     def _shape(self, layers: int, experts: int):
@@ -145,17 +138,6 @@ class Score(EvictionPolicy):
     def mean(self) -> dict:
         """Each seen layer's window mean ([E] arrays; new: for checks and tests)."""
         return {layer: np.array(self._mean[layer]) for layer in range(len(self._len)) if self._len[layer]}
-
-    @cython.cfunc
-    @cython.boundscheck(False)  # (a one-element scratch)
-    @cython.wraparound(False)
-    @cython.initializedcheck(False)  # (set by __cinit__)
-    def ordered(self, score: cython.double) -> cython.longlong:
-        """An int64 that orders as ``score`` does (its IEEE bits, the negative ones' magnitude bits flipped;
-        -0.0 is 0.0 first), for the heap's integer rank."""
-        self._double[0] = score + 0.0
-        b: cython.longlong = self._int[0]
-        return b ^ ((b >> 63) & 0x7FFFFFFFFFFFFFFF)
 
     def on_layer(self, layer, record=None):
         if record is None:
@@ -194,6 +176,7 @@ class Score(EvictionPolicy):
     @cython.cfunc
     @cython.boundscheck(False)  # (_step checked the layer and the width)
     @cython.wraparound(False)
+    @cython.nonecheck(False)  # (the local views are taken from fields __cinit__ sets; steps is checked)
     def _fill(self, layer: cython.long, steps: cython.float[:, :]):
         n: cython.Py_ssize_t = self.n
         T: cython.Py_ssize_t = steps.shape[0]
@@ -212,6 +195,7 @@ class Score(EvictionPolicy):
     @cython.cfunc
     @cython.boundscheck(False)  # (_step checked the layer)
     @cython.wraparound(False)
+    @cython.nonecheck(False)  # (the local views are taken from fields __cinit__ sets)
     def _rerank(self, layer: cython.long):
         n: cython.Py_ssize_t = self.n
         E: cython.Py_ssize_t = self.E
@@ -234,7 +218,7 @@ class Score(EvictionPolicy):
         for e in range(E):
             mean[layer, e] = mean[layer, e] / k
             if heap.contains(base + e):
-                heap.set(base + e, self.ordered(mean[layer, e]), 0)
+                heap.set_score(base + e, mean[layer, e])
 
     @cython.ccall
     @cython.boundscheck(True)
@@ -243,7 +227,7 @@ class Score(EvictionPolicy):
         s: cython.double = 0.0
         if self._len[layer] > 0 and not self._zero:
             s = self._mean[layer, key - layer * self.E]
-        self._heap.set(key, self.ordered(s), 0)
+        self._heap.set_score(key, s)
 
     @cython.ccall
     def on_access(self, key: cython.longlong):
