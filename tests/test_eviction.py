@@ -675,6 +675,32 @@ def test_ml_network_rows_are_the_trained_network_and_the_training_features():
             assert np.allclose(got, ref32, rtol=1e-5, atol=1e-6), (asset, layer)
 
 
+def test_ml_network_bits_are_the_same_in_c_and_in_numpy():
+    """The pure-Python build evaluates ML's network with numpy vectors (``_forward_vectors``), the compiled one
+    with C loops: the same bits on every shipped network, on features of every kind and on large and
+    negative pre-activations (SiLU's exp cut-off included)."""
+    import numpy as np
+
+    from specmd.policies.eviction.ml import ML, load_networks
+
+    rng = np.random.default_rng(1)
+    for asset in ("tiny-olmoe", "deep-mixtral"):
+        nets, _ = load_networks(f"specmd:{asset}")
+        nets = nets + [{k: (v * 400).astype(np.float32) for k, v in nets[0].items()}]  # |z| beyond the cut-off
+        pol = ML(ML.Params(weights=f"specmd:{asset}"))
+        pol._shape(nets, 8)
+        for layer in range(len(nets)):
+            for _ in range(12):
+                pol.step[layer] = step = int(rng.integers(1, 60))
+                for e in range(8):
+                    pol.last[layer, e] = int(rng.integers(-1, step + 1))
+                    pol.freq[layer, e] = float(rng.integers(0, 9))
+                pol.fmax[layer] = max(pol.freq[layer, e] for e in range(8))
+                for e in range(8):
+                    got = pol.distance(layer, e)  # (compiled: the C loops; pure: the vectors)
+                    assert got == pol._forward_vectors(layer), (asset, layer, e)
+
+
 def test_ml_victims_equal_rescoring_from_scratch():
     """Every victim ML picks equals the one found by re-scoring every candidate's features at that moment:
     the cached predictions are never stale (an expert used since they were computed is re-scored)."""

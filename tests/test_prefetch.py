@@ -75,21 +75,84 @@ def test_score_quantile_is_torch_quantile_bit_for_bit(q):
 
 
 def test_score_window_ring_is_the_last_rows():
-    """The ring of the last ``window`` rows gives the threshold a concatenation of every prediction's rows
-    cut to its last ``window`` gives (prefill blocks larger and smaller than the window, then decode rows)."""
+    """The ring of the last ``window`` rows, kept sorted as rows come and go, gives the threshold a concatenation
+    of every prediction's rows cut to its last ``window`` gives (prefill blocks larger and smaller than the
+    window, then decode rows; repeated scores, so a row that leaves removes one copy of each of its scores)."""
     from types import SimpleNamespace
 
-    from specmd.policies.prefetch.score import Score, quantile
+    import numpy as np
+
+    from specmd.policies.prefetch.score import Score
 
     pol = Score(Score.Params(window=8))
     pol.setup(SimpleNamespace(num_layers=2))
     g = torch.Generator().manual_seed(3)
     hist = None
-    for t in (5, 2, 12, 1, 1, 3, 1, 7, 1, 1, 1, 9):
+    for t in (5, 2, 12, 1, 1, 3, 1, 7, 1, 1, 1, 9, 1, 1, 2):
         probs = torch.softmax(torch.randn(t, 6, generator=g), -1)
+        probs[:, 0] = probs[:, 1]  # ties inside a row and across rows
+        probs[0, 2] = 0.25
         hist = (probs if hist is None else torch.cat([hist, probs]))[-8:]
-        got = quantile(pol._window(1, probs), 0.8)
-        assert torch.equal(got, torch.quantile(hist.reshape(-1), 0.8)), t
+        pol._push(1, probs.numpy())
+        assert np.array_equal(pol.sorted[1], np.sort(hist.reshape(-1).numpy())), t
+        assert torch.equal(pol.threshold(1), torch.quantile(hist.reshape(-1), 0.8)), t
+
+
+@pytest.mark.parametrize("percentile,window,E", [(80.0, 64, 64), (80.0, 4, 8), (50.0, 3, 5), (0.0, 2, 4), (99.0, 8, 16)])
+def test_score_selection_equals_the_torch_reference(percentile, window, E):
+    """Score prefetch selects from its sorted window without torch ops (the threshold is computed only when a
+    score equals the lower order statistic): the same experts in the same order as torch's quantile of the
+    window's rows, ``probs >= threshold`` and :func:`union_by_score`, for decode rows and prefill blocks,
+    with ties, exact order statistics and repeated rows."""
+    from types import SimpleNamespace
+
+    from specmd.engine.record import LiveRecord, Scoring
+    from specmd.policies.prefetch.base import union_by_score
+    from specmd.policies.prefetch.score import Score
+
+    view = SimpleNamespace(num_layers=2, next_layer=lambda l: 1 if l == 0 else None)
+    pol = Score(Score.Params(percentile=percentile, window=window))
+    pol.setup(view)
+    g = torch.Generator().manual_seed(int(percentile) + window + E)
+    hist = None
+    for step in range(120):
+        T = 1 if step % 7 else int(torch.randint(2, 6, (1,), generator=g))
+        logits = torch.randn(T, E, generator=g).mul(3).round()  # whole numbers: many exact ties
+        if step % 11 == 0:
+            logits = logits[:1].expand(T, E).clone()  # a repeated row
+        rec = LiveRecord(0, torch.zeros(T, E), None, torch.zeros(T, 1, dtype=torch.long), Scoring(False, False, 1.0),
+                         signal=lambda target, lg=logits: (lg, None))
+        probs = torch.softmax(logits, -1)
+        hist = (probs if hist is None else torch.cat([hist, probs]))[-window:]
+        above = probs >= torch.quantile(hist.reshape(-1), percentile / 100.0)
+        tokens, experts = above.nonzero(as_tuple=True)
+        values = probs[tokens, experts]
+        want = ([] if not bool(above.any()) else
+                union_by_score(probs, experts.view(1, -1), values.view(1, -1)) if T == 1 else
+                union_by_score(probs, experts.view(-1, 1), values.view(-1, 1)))
+        assert pol.predict(rec, view) == [(1, want)], step
+
+
+def test_score_threshold_that_rounds_to_the_lower_statistic():
+    """Between two adjacent floats a < b the quantile's lerp can round to a (weight < 1/2) or to b (>= 1/2):
+    a score equal to a is selected only in the first case, as torch's ``probs >= threshold`` does."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from specmd.policies.prefetch.score import Score
+
+    view = SimpleNamespace(num_layers=2, next_layer=lambda l: 1 if l == 0 else None)
+    a = np.float32(0.5)
+    b = np.nextafter(a, np.float32(1))
+    for row, want in (([0.1, 0.2, a, b], [3, 2]),  # q * (n - 1) = 2.4: t = a + 0.4 ulp = a
+                      ([0.1, a, b], [2])):  # 1.6: t = b - 0.4 ulp = b
+        probs = torch.tensor([row], dtype=torch.float32)
+        pol = Score(Score.Params(percentile=80.0, window=1))
+        pol.setup(view)
+        rec = SimpleNamespace(layer=0, predict=lambda target, p=probs: (p, None))
+        got = pol.predict(rec, view)
+        assert got == [(1, want)] and bool((probs >= torch.quantile(probs.reshape(-1), 0.8)).nonzero()[:, 1].sort()[0].tolist() == sorted(want))
 
 
 def test_decode_fast_paths_equal_the_torch_reference():

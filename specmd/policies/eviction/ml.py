@@ -256,6 +256,8 @@ class ML(EvictionPolicy):
         """The network of ``layer`` on the features in ``_x``: h1 = SiLU(x W1 + b1), h2 = SiLU(h1 W2 + b2),
         out = h2 W3 + b3, each sum in input order. (The weights are flat arrays indexed by offset, and the
         inner loop runs over contiguous outputs, which the C compiler vectorises.)"""
+        if not cython.compiled:  # (plain Python: the same arithmetic in numpy vectors, :meth:`_forward_vectors`)
+            return self._forward_vectors(layer)
         H: cython.Py_ssize_t = self.H
         w1: cython.double[::1] = self._w1
         w2: cython.double[::1] = self._w2
@@ -288,6 +290,29 @@ class ML(EvictionPolicy):
             z = h2[j]
             if z > low:
                 out += z / (1.0 + exp(-z)) * w3[ob + j]
+        return out
+
+
+    def _forward_vectors(self, layer: int) -> float:
+        """:meth:`_forward` for the pure-Python build, as numpy operations over each layer's outputs: the same
+        products and sums of the same float64 values in the same order (``h2`` is ``b2`` then each input's
+        row added in turn: numpy's ``sum(0)`` of the stacked rows; ``exp`` is libm's through ``math.exp``, as
+        the C code's), so the same bits (tested) at a loop of 128 rows' cost instead of 16,000 scalars'."""
+        H = self.H
+        w1 = np.asarray(self._w1)[layer * 2 * H:(layer + 1) * 2 * H].reshape(2, H)
+        w2 = np.asarray(self._w2)[layer * H * H:(layer + 1) * H * H].reshape(H, H)
+        b1 = np.asarray(self._b1)[layer * H:(layer + 1) * H]
+        b2 = np.asarray(self._b2)[layer * H:(layer + 1) * H]
+        w3 = np.asarray(self._w3)[layer * H:(layer + 1) * H].tolist()
+        x0, x1 = float(self._x[0]), float(self._x[1])
+        h1 = np.array([z / (1.0 + exp(-z)) if z > -EXP_MAX else 0.0 for z in (b1 + x0 * w1[0] + x1 * w1[1]).tolist()])
+        rows = np.empty((H + 1, H))
+        rows[0] = b2
+        rows[1:] = h1[:, None] * w2
+        out = float(self._b3[layer])
+        for j, z in enumerate(rows.sum(0).tolist()):
+            if z > -EXP_MAX:
+                out += z / (1.0 + exp(-z)) * w3[j]
         return out
 
 

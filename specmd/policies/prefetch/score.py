@@ -1,5 +1,7 @@
+import math
 from dataclasses import dataclass
 
+import cython
 import numpy as np
 import torch
 
@@ -38,62 +40,204 @@ class Score(PrefetchPolicy):
             check_choice("basis", self.basis, ("window", "token"))
 
     def setup(self, model):
-        self.ring: list = [None] * model.num_layers  # target layer -> [window, E] scores of its last predictions
-        self.pos = [0] * model.num_layers  # next row to overwrite
-        self.filled = [0] * model.num_layers  # rows holding scores (< window until the ring wraps)
+        L = model.num_layers
+        self.ring: list = [None] * L  # target layer -> [window, E] scores of its last predictions
+        self.pos = [0] * L  # next row to overwrite
+        self.filled = [0] * L  # rows holding scores (< window until the ring wraps)
+        self._sorted: list = [None] * L  # target layer -> its ring's filled scores, ascending (a [window * E] buffer)
+        self._spare: list = [None] * L  # ... and the buffer the next merge writes
+        self._points: list = [None] * L  # target layer -> (values, lo, hi, w): the quantile's points, per count
+        self._best = np.empty(0, dtype=np.float32)  # per expert: the best selected score (scratch)
+        self._order = np.empty(0, dtype=np.int64)  # the selected experts (scratch)
 
-    def _window(self, target: int, probs: torch.Tensor) -> np.ndarray:
-        """The target layer's last ``window`` rows of predicted scores, the current ones included, flattened.
-        A ring allocated once per layer (a percentile does not depend on the rows' order), not a
-        concatenation per call."""
+    @property
+    def sorted(self) -> list:
+        """Each target layer's window, ascending (new arrays, for checks and tests; None before its first
+        prediction)."""
+        return [None if ring is None else np.array(self._sorted[t][:self.filled[t] * ring.shape[1]])
+                for t, ring in enumerate(self.ring)]
+
+    def _push(self, target: int, rows: np.ndarray) -> None:
+        """The target layer's ring takes ``rows`` ([T, E] float32, the current prediction), keeping its last
+        ``window`` rows, and its sorted copy follows it: the overwritten rows' scores leave it and the new
+        ones join it in one merge pass in C (:func:`_merge`; O(window * E), no sort of the window)."""
         W = self.params.window
+        n, E = rows.shape
         ring = self.ring[target]
-        rows = probs.detach().float().cpu().numpy()  # [T, E]
         if ring is None:
-            ring = self.ring[target] = np.empty((W, rows.shape[1]), dtype=np.float32)
-        n = rows.shape[0]
+            ring = self.ring[target] = np.empty((W, E), dtype=np.float32)
+            self._sorted[target] = np.empty(W * E, dtype=np.float32)
+            self._spare[target] = np.empty(W * E, dtype=np.float32)
+            if self._best.size < E:
+                self._best = np.empty(E, dtype=np.float32)
+                self._order = np.empty(E, dtype=np.int64)
+        pos, filled = self.pos[target], self.filled[target]
         if n >= W:
             ring[:] = rows[n - W:]
             self.pos[target], self.filled[target] = 0, W
+            self._sorted[target][:] = np.sort(ring.reshape(-1))
+            return
+        if filled == W:  # the rows about to be overwritten: slots pos .. pos + n - 1, wrapping
+            gone = ring[pos:pos + n] if pos + n <= W else np.concatenate([ring[pos:], ring[:pos + n - W]])
+        else:  # (filling: pos == filled; only slots past the end wrap onto filled rows)
+            gone = ring[:max(pos + n - W, 0)]
+        gone = np.sort(gone.reshape(-1))
+        if pos + n <= W:
+            ring[pos:pos + n] = rows
         else:
-            pos = self.pos[target]
-            k = min(n, W - pos)
-            ring[pos:pos + k] = rows[:k]
-            ring[:n - k] = rows[k:]
-            self.pos[target] = (pos + n) % W
-            self.filled[target] = min(self.filled[target] + n, W)
-        return ring[:self.filled[target]].reshape(-1)
+            ring[pos:] = rows[:W - pos]
+            ring[:pos + n - W] = rows[W - pos:]
+        count = _merge(self._sorted[target], filled * E, gone, np.sort(rows.reshape(-1)), self._spare[target])
+        self._sorted[target], self._spare[target] = self._spare[target], self._sorted[target]
+        self.pos[target], self.filled[target] = (pos + n) % W, count // E
+
+    def threshold(self, target: int) -> torch.Tensor:
+        """``torch.quantile`` of the target layer's window at the percentile (a 0-dim float32 tensor)."""
+        return _lerp(*self._bracket(target))
+
+    def _bracket(self, target: int):
+        """The two order statistics of the window the quantile interpolates between, and the weight."""
+        count = self.filled[target] * self.ring[target].shape[1]
+        points = self._points[target]
+        if points is None or points[0] != count:
+            points = self._points[target] = (count, *_rank(count, self.params.percentile / 100.0))
+        s = self._sorted[target]
+        return s[points[1]], s[points[2]], points[3]
 
     def predict(self, record, model):
         target = model.next_layer(record.layer)
         if target is None:
             return []
         probs, _ = record.predict(target)
-        q = self.params.percentile / 100.0
         if self.params.basis == "token":
-            threshold = torch.quantile(probs.float(), q, dim=-1, keepdim=True)  # [T, 1]
-        else:
-            threshold = quantile(self._window(target, probs), q)
-        above = probs >= threshold
-        if not bool(above.any()):
-            return [(target, [])]
-        tokens, experts = above.nonzero(as_tuple=True)
-        index = experts.view(1, -1)
-        values = probs[tokens, experts].view(1, -1)
-        if probs.shape[0] == 1:
-            return [(target, union_by_score(probs, index, values))]
-        return [(target, union_by_score(probs, experts.view(-1, 1), values.view(-1, 1)))]
+            return [(target, _select(probs, torch.quantile(probs.float(), self.params.percentile / 100.0, dim=-1,
+                                                           keepdim=True)))]  # threshold [T, 1]
+        rows = probs.detach().float().cpu().numpy()  # [T, E]
+        self._push(target, rows)
+        a, b, w = self._bracket(target)
+        if probs.dtype != torch.float32 or not (math.isfinite(a) and math.isfinite(b)):
+            return [(target, _select(probs, _lerp(a, b, w)))]
+        # The threshold t = lerp(a, b, w) lies in [a, b], and no score of this prediction lies strictly between
+        # a and b (they are consecutive order statistics of a window that holds it): a score is above t when
+        # it is >= b, or == a with t == a (a == b, or a lerp that rounds down to a: computed only then).
+        take_a = a == b or (_holds(rows, a) and bool(_lerp(a, b, w) <= a))
+        return [(target, _chosen(rows, a, b, take_a, self._best, self._order))]
+
+
+@cython.cfunc
+@cython.boundscheck(False)  # (indices below the lengths the caller sized the buffers for)
+@cython.wraparound(False)
+def _merge(s: cython.float[::1], n: cython.Py_ssize_t, gone: cython.float[::1], new: cython.float[::1],
+           out: cython.float[::1]) -> cython.Py_ssize_t:
+    """``out`` = ``s[:n]`` without ``gone`` (a sub-multiset of it), with ``new``, ascending (all ascending as
+    ``np.sort`` orders them, NaN last); returns its length."""
+    i: cython.Py_ssize_t = 0
+    j: cython.Py_ssize_t = 0
+    k: cython.Py_ssize_t = 0
+    o: cython.Py_ssize_t = 0
+    v: cython.float
+    ng: cython.Py_ssize_t = gone.shape[0]
+    nn: cython.Py_ssize_t = new.shape[0]
+    if n - ng + nn > out.shape[0] or n > s.shape[0]:
+        raise ValueError(f"score prefetch: a window of {n} - {ng} + {nn} scores in a buffer of {out.shape[0]}")
+    while i < n:
+        v = s[i]
+        if j < ng and (v == gone[j] or (v != v and gone[j] != gone[j])):  # (one copy of each gone score)
+            i += 1
+            j += 1
+            continue
+        while k < nn and new[k] < v:
+            out[o] = new[k]
+            o += 1
+            k += 1
+        out[o] = v
+        o += 1
+        i += 1
+    while k < nn:
+        out[o] = new[k]
+        o += 1
+        k += 1
+    if j != ng:
+        raise ValueError(f"score prefetch: {ng - j} scores left the window without being in it")
+    return o
+
+
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _holds(rows: cython.float[:, :], a: cython.float) -> cython.bint:
+    """Whether some score of ``rows`` equals ``a``."""
+    t: cython.Py_ssize_t
+    e: cython.Py_ssize_t
+    for t in range(rows.shape[0]):
+        for e in range(rows.shape[1]):
+            if rows[t, e] == a:
+                return True
+    return False
+
+
+@cython.cfunc
+@cython.boundscheck(False)  # (the buffers hold E entries: _push sized them)
+@cython.wraparound(False)
+def _chosen(rows: cython.float[:, :], a: cython.float, b: cython.float, take_a: cython.bint,
+            best: cython.float[::1], order: cython.longlong[::1]) -> list:
+    """The experts some token scores at or above the threshold (``>= b``, or ``== a`` when ``take_a``), by
+    descending best score, ties: the lower expert first (:func:`union_by_score`'s order)."""
+    T: cython.Py_ssize_t = rows.shape[0]
+    E: cython.Py_ssize_t = rows.shape[1]
+    t: cython.Py_ssize_t
+    e: cython.Py_ssize_t
+    i: cython.Py_ssize_t
+    m: cython.Py_ssize_t = 0
+    r: cython.float
+    if best.shape[0] < E or order.shape[0] < E:
+        raise ValueError(f"score prefetch: scratch for {best.shape[0]} experts, rows of {E}")
+    for e in range(E):
+        best[e] = -1.0
+        for t in range(T):
+            r = rows[t, e]
+            if (r >= b or (take_a and r == a)) and r > best[e]:
+                best[e] = r
+        if best[e] >= 0:  # insertion: after every selected expert with a score >= its own
+            i = m
+            while i > 0 and best[order[i - 1]] < best[e]:
+                order[i] = order[i - 1]
+                i -= 1
+            order[i] = e
+            m += 1
+    return [int(order[i]) for i in range(m)]
+
+
+def _select(probs: torch.Tensor, threshold: torch.Tensor) -> list[int]:
+    """The experts scored at or above ``threshold`` by any token, in :func:`union_by_score`'s order."""
+    above = probs >= threshold
+    if not bool(above.any()):
+        return []
+    tokens, experts = above.nonzero(as_tuple=True)
+    values = probs[tokens, experts]
+    if probs.shape[0] == 1:
+        return union_by_score(probs, experts.view(1, -1), values.view(1, -1))
+    return union_by_score(probs, experts.view(-1, 1), values.view(-1, 1))
+
+
+def _rank(n: int, q: float) -> tuple[int, int, np.float32]:
+    """torch.quantile's interpolation points among ``n`` sorted values: ``q * (n - 1)`` in float32."""
+    rank = np.float32(q) * np.float32(n - 1)
+    lo = int(np.floor(rank))
+    return lo, int(np.ceil(rank)), rank - np.float32(lo)
+
+
+def _lerp(a, b, w) -> torch.Tensor:
+    """``torch.lerp`` of two float32 values, the op ``torch.quantile`` ends with (a 0-dim float32 tensor)."""
+    return torch.lerp(torch.tensor([a], dtype=torch.float32), torch.tensor([b], dtype=torch.float32),
+                      torch.tensor([w], dtype=torch.float32)).reshape(())
 
 
 def quantile(values: np.ndarray, q: float) -> torch.Tensor:
     """``torch.quantile(values, q)`` (linear interpolation), bit for bit, by selecting the two order statistics
-    it interpolates between (``np.partition``, linear time) instead of sorting: 14 us against 80 on a window
-    of 64 x 64 scores. The rank is computed as torch does (``q * (n - 1)`` in float32) and the two values are
-    interpolated with ``torch.lerp``, the op torch.quantile ends with (a 0-dim float32 tensor)."""
-    n = values.size
-    rank = np.float32(q) * np.float32(n - 1)
-    lo, hi = int(np.floor(rank)), int(np.ceil(rank))
+    it interpolates between (``np.partition``, linear time) instead of sorting; the rank is computed as torch
+    does (``q * (n - 1)`` in float32) and the two values are interpolated with ``torch.lerp``. (The policy
+    keeps its window sorted instead: :meth:`Score._push`.)"""
+    lo, hi, w = _rank(values.size, q)
     part = np.partition(values, (lo, hi))
-    below = torch.from_numpy(part[lo:lo + 1])
-    above = torch.from_numpy(part[hi:hi + 1])
-    return torch.lerp(below, above, torch.tensor([rank - lo], dtype=torch.float32)).reshape(())
+    return _lerp(part[lo], part[hi], w)
