@@ -21,6 +21,6 @@ cdef class ML(EvictionPolicy):
     cdef public double[::1] _h2
     cdef public float[::1] _x
     cdef _use(self, long long key)
-    cpdef row(self, long layer, long expert)
+    cdef _features(self, long layer, long expert)
     cpdef double distance(self, long layer, long expert)
     cdef double _forward(self, long layer)

@@ -226,10 +226,15 @@ class ML(EvictionPolicy):
                 self._dirty[layer] = 0
         return heap.first(evictable)
 
-    @cython.ccall
-    @cython.boundscheck(True)
-    def row(self, layer: cython.long, expert: cython.long):
+    def row(self, layer: int, expert: int) -> tuple:
         """``expert``'s features in ``layer`` now, ``(1/r, f / max f)`` rounded to float32 (:func:`features`)."""
+        self._features(layer, expert)
+        return float(self._x[0]), float(self._x[1])
+
+    @cython.cfunc
+    @cython.boundscheck(True)
+    def _features(self, layer: cython.long, expert: cython.long):
+        """:meth:`row` into ``_x`` (the network's input)."""
         s: cython.longlong = self.last[layer, expert]
         x0: cython.double = 0.0
         x1: cython.double = 0.0
@@ -239,17 +244,15 @@ class ML(EvictionPolicy):
             x1 = self.freq[layer, expert] / self.fmax[layer]
         self._x[0] = x0
         self._x[1] = x1
-        return self._x[0], self._x[1]
 
     @cython.ccall
-    @cython.boundscheck(True)
     def distance(self, layer: cython.long, expert: cython.long) -> cython.double:
         """``expert``'s predicted next-use distance in ``layer`` now (its network on :meth:`row`)."""
-        self.row(layer, expert)
+        self._features(layer, expert)
         return self._forward(layer)
 
     @cython.cfunc
-    @cython.boundscheck(False)  # (row checked the layer; the weights are [L, ...] stacks of H)
+    @cython.boundscheck(False)  # (_features checked the layer; the weights are [L, ...] stacks of H)
     @cython.wraparound(False)
     @cython.nonecheck(False)  # (the local views are taken from fields __cinit__ sets)
     def _forward(self, layer: cython.long) -> cython.double:
