@@ -351,7 +351,7 @@ def run_replay(trace: Trace, spec, engine=None, ptr=None, experts=None) -> Engin
         # per call (the list the cache manager serves)
         calls: cython.longlong[:, :] = np.array(trace.calls, dtype=np.int64, ndmin=2)  # (writable copies)
         offsets: cython.longlong[:] = np.array(ptr, dtype=np.int64)
-        requested = experts.tolist()
+        requested: list = experts.tolist()  # (typed: sliced as a list, without a slice object per call)
         C = calls.shape[0]
         if calls.shape[1] < 4 or offsets.shape[0] != C + 1:  # (read unchecked below)
             raise ValueError(f"{trace.path}: {C} layer calls of {calls.shape[1]} fields (4 expected) and "
