@@ -18,6 +18,7 @@ def _env(tmp_path, **extra):
                 **extra)
 
 
+@pytest.mark.slow  # (21 s: a real calibration; the fits and overheads stay in the default run)
 def test_quick_calibration_profile_is_used_by_name(tmp_path, mirror):
     """calibrate --quick writes <user dir>/hardware/<name>.yaml (+ _disk); hardware=<name> then composes and
     runs with no hydra.searchpath (the plugin puts the user dir on the search path); the profile's figures

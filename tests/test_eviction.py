@@ -881,8 +881,8 @@ def test_key_lists_keep_dicts_orders_through_random_operations():
 
 def test_key_heap_ranks_like_sorted_tuples_through_random_operations():
     """KeyHeap (LFU, LHU): the heap's order is ``sorted((p1, p2, key))`` of its keys through 20,000 random
-    sets, re-ranks and discards that grow the arrays past their first size; ``first`` is the smallest
-    accepted key and leaves every key in place; a negative key is an error."""
+    sets, re-ranks, discards and removes that grow the arrays past their first size; ``first`` is the smallest
+    accepted key and leaves every key in place; a negative key, or removing an absent one, is an error."""
     import random
 
     from specmd.policies.eviction.base import KeyHeap
@@ -891,9 +891,16 @@ def test_key_heap_ranks_like_sorted_tuples_through_random_operations():
     heap, model = KeyHeap(keys=4), {}
     for step in range(20000):
         key, op = rng.randrange(300), rng.random()
-        if op < 0.3:
+        if op < 0.15:
             heap.discard(key)
             model.pop(key, None)
+        elif op < 0.3:  # remove: the key must be there
+            if key in model:
+                heap.remove(key)
+                del model[key]
+            else:
+                with pytest.raises(KeyError):
+                    heap.remove(key)
         else:
             rank = (rng.randrange(20), rng.randrange(20))  # (ties: the key decides)
             heap.set(key, *rank)

@@ -132,6 +132,7 @@ def test_sigterm_writes_failed_json_with_stage_and_signal(tmp_path, mirror):
     assert not (tmp_path / "run" / "results.json").exists()
 
 
+@pytest.mark.slow  # (38 s: random kills and relaunches; resume, SIGTERM and failed.json stay in the default run)
 def test_random_kills_and_relaunches_lose_and_redo_nothing(tmp_path, mirror):
     """A 6-job sweep killed (SIGTERM, SIGKILL) at random points 4 times, re-launched after each kill: every
     results.json written before a kill is still there, unchanged (same inode and mtime: not redone), and the

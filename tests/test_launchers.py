@@ -48,6 +48,7 @@ def test_joblib_equals_serial(serial, tmp_path, mirror):
     assert len(serial) == 4 and same(par, serial)
 
 
+@pytest.mark.slow  # (15 s; the joblib launcher stays in the default run)
 def test_submitit_local_batched_equals_serial(serial, tmp_path, mirror):
     par = _sweep(tmp_path, "submitit", mirror, "hydra/launcher=specmd_submitit_local",
                  "hydra.launcher.jobs_per_task=2")

@@ -133,6 +133,7 @@ def test_unreachable_wandb_saves_offline_warns_and_returns_within_the_bound(serv
     assert "unreachable earlier" in warning and f"`wandb sync {run}`" in warning
 
 
+@pytest.mark.slow  # (15 s: a process against a silent server; the in-process bound stays in the default run)
 def test_finished_process_exits_0_promptly_when_wandb_never_answers(blackhole, tmp_path):
     """The whole process, atexit hooks included (the trial's hang was ~100 s then exit 1)."""
     import os

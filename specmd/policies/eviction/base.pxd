@@ -61,6 +61,7 @@ cdef class KeyHeap:
     cpdef set(self, long long key, long long p1, long long p2)
     cpdef set_score(self, long long key, double score)
     cpdef bint contains(self, long long key)
+    cpdef remove(self, long long key)
     cpdef discard(self, long long key)
     cpdef first(self, evictable)
     cpdef long long top(self)

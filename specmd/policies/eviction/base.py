@@ -445,6 +445,13 @@ class KeyHeap:
         return 0 <= key < len(self._pos) and self._pos[key] >= 0
 
     @cython.ccall
+    def remove(self, key: cython.longlong):
+        """``key`` leaves the heap; a KeyError if it is not in it (a policy told to remove a key it never held)."""
+        if not self.contains(key):
+            raise KeyError(key)
+        self.discard(key)
+
+    @cython.ccall
     @cython.boundscheck(False)  # (the key is checked)
     @cython.wraparound(False)
     def discard(self, key: cython.longlong):

@@ -120,9 +120,7 @@ class LFU(EvictionPolicy):
 
     @cython.ccall
     def on_remove(self, key: cython.longlong):
-        if not self._heap.contains(key):
-            raise KeyError(key)
-        self._heap.discard(key)
+        self._heap.remove(key)
         if not self._history:
             self._count[key] = 0
 

@@ -204,9 +204,7 @@ class ML(EvictionPolicy):
 
     @cython.ccall
     def on_remove(self, key: cython.longlong):
-        if not self._heap.contains(key):
-            raise KeyError(key)
-        self._heap.discard(key)
+        self._heap.remove(key)
         self._resident[key // self.E] -= 1
 
     @cython.ccall

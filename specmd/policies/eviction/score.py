@@ -235,9 +235,7 @@ class Score(EvictionPolicy):
 
     @cython.ccall
     def on_remove(self, key: cython.longlong):
-        if not self._heap.contains(key):
-            raise KeyError(key)
-        self._heap.discard(key)
+        self._heap.remove(key)
 
     @cython.ccall
     def victim(self, evictable):
