@@ -110,6 +110,7 @@ def test_failed_run_leaves_no_results_json(tmp_path, mirror):
     assert "error" in failed and failed["config"]["eviction"]["name"] == "lru"
 
 
+@pytest.mark.slow  # (23 s: the CLI chain; training from a trace and its held-out replay stay in test_eviction)
 def test_trace_save_feeds_ml_eviction_training(tmp_path, mirror):
     from specmd.replay.trace import read_trace
     from specmd.train_eviction import layer_steps

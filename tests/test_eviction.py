@@ -745,6 +745,27 @@ def test_ml_victims_equal_rescoring_from_scratch():
     assert checked["n"] > 250, checked
 
 
+@pytest.mark.parametrize("change,match", [
+    (lambda t: t.pop("layer1.b2"), "no tensor layer1.b2"),
+    (lambda t: t.__setitem__("layer0.w2", t["layer0.w2"][:, :64]), r"layer 0: tensor shapes .*'w2': \(128, 64\)"),
+    (lambda t: t["layer1.w3"].__setitem__((0, 5), float("nan")), "layer 1: non-finite values"),
+    (lambda t: t["layer0.b1"].__setitem__(3, float("inf")), "layer 0: non-finite values")])
+def test_ml_rejects_malformed_weights(tmp_path, change, match):
+    """A network file with a missing tensor, a wrong shape or a non-finite weight is a ConfigError naming the
+    layer and what is wrong (the C evaluation reads the arrays unchecked)."""
+    from safetensors.numpy import save_file
+
+    from specmd.errors import ConfigError
+    from specmd.policies.eviction.ml import load_networks
+
+    nets, _ = load_networks("specmd:tiny-olmoe")
+    tensors = {f"layer{l}.{k}": v.copy() for l, net in enumerate(nets[:2]) for k, v in net.items()}
+    change(tensors)
+    save_file(tensors, str(tmp_path / "bad.safetensors"), metadata={"num_layers": "2"})
+    with pytest.raises(ConfigError, match=match):
+        load_networks(str(tmp_path / "bad.safetensors"))
+
+
 def test_ml_rejects_mismatched_weights():
     from specmd.errors import ConfigError
 

@@ -50,6 +50,7 @@ def test_finished_matches_config_hash_and_keeps_other_results(tmp_path):
     assert json.loads((tmp_path / f"results.{h}.json").read_text())["cache"]["hits"] == 3  # kept, not lost
 
 
+@pytest.mark.slow  # (13 s: two real runs; the job directory naming stays in the default run)
 def test_two_runs_started_in_the_same_second_keep_both(tmp_path, mirror):
     procs = [_launch([*FAST, f"eviction={e}"], tmp_path, mirror) for e in ("lru", "fifo")]
     outs = [p.communicate(timeout=300) for p in procs]

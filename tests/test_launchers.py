@@ -43,12 +43,13 @@ def serial(tmp_path_factory, mirror):
     return _sweep(tmp_path_factory.mktemp("serial"), "serial", mirror)
 
 
+@pytest.mark.slow  # (29 s with its serial fixture: the launchers now run with -m slow; thread sharing stays in the default run)
 def test_joblib_equals_serial(serial, tmp_path, mirror):
     par = _sweep(tmp_path, "joblib", mirror, "hydra/launcher=specmd_joblib", "hydra.launcher.n_jobs=2")
     assert len(serial) == 4 and same(par, serial)
 
 
-@pytest.mark.slow  # (15 s; the joblib launcher stays in the default run)
+@pytest.mark.slow  # (15 s)
 def test_submitit_local_batched_equals_serial(serial, tmp_path, mirror):
     par = _sweep(tmp_path, "submitit", mirror, "hydra/launcher=specmd_submitit_local",
                  "hydra.launcher.jobs_per_task=2")
