@@ -46,7 +46,7 @@ class Score(PrefetchPolicy):
         self.filled = [0] * L  # rows holding scores (< window until the ring wraps)
         self._sorted: list = [None] * L  # target layer -> its ring's filled scores, ascending (a [window * E] buffer)
         self._spare: list = [None] * L  # ... and the buffer the next merge writes
-        self._points: list = [None] * L  # target layer -> (values, lo, hi, w): the quantile's points, per count
+        self._points: list = [None] * L  # target layer -> (count, lo, hi, w): the quantile's points for its size
         self._best = np.empty(0, dtype=np.float32)  # per expert: the best selected score (scratch)
         self._order = np.empty(0, dtype=np.int64)  # the selected experts (scratch)
 
@@ -231,13 +231,3 @@ def _lerp(a, b, w) -> torch.Tensor:
     """``torch.lerp`` of two float32 values, the op ``torch.quantile`` ends with (a 0-dim float32 tensor)."""
     return torch.lerp(torch.tensor([a], dtype=torch.float32), torch.tensor([b], dtype=torch.float32),
                       torch.tensor([w], dtype=torch.float32)).reshape(())
-
-
-def quantile(values: np.ndarray, q: float) -> torch.Tensor:
-    """``torch.quantile(values, q)`` (linear interpolation), bit for bit, by selecting the two order statistics
-    it interpolates between (``np.partition``, linear time) instead of sorting; the rank is computed as torch
-    does (``q * (n - 1)`` in float32) and the two values are interpolated with ``torch.lerp``. (The policy
-    keeps its window sorted instead: :meth:`Score._push`.)"""
-    lo, hi, w = _rank(values.size, q)
-    part = np.partition(values, (lo, hi))
-    return _lerp(part[lo], part[hi], w)
