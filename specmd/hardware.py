@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
 from .errors import ConfigError
+from .registry import check_finite
 
 SCOPES = ("global", "per_layer")
 POLICY_GROUPS = ("routing", "miss", "eviction", "prefetch")  # keys of hardware.policy_overhead_us
@@ -67,6 +68,9 @@ class HardwareConfig:
     policy_overhead_us: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # also when built in code, not from a config (whose floats check_type checked)
+            if isinstance(getattr(self, f.name), float):
+                check_finite(getattr(self, f.name), f"hardware.{f.name}")
         if not (0.0 < self.capacity <= 1.0):
             raise ConfigError(f"hardware.capacity={self.capacity} must be in (0, 1] (a fraction of model bytes)")
         epl = self.experts_per_layer
@@ -83,7 +87,7 @@ class HardwareConfig:
         for key in ("layer_overhead_us", "token_overhead_us", "expert_overhead_us", "transfer_issue_us",
                     "predict_overhead_us", "unpack_overhead_us"):
             v = getattr(self, key)
-            if not (v >= 0 and v != float("inf")):
+            if not v >= 0:
                 raise ConfigError(f"hardware.{key}={v} must be a finite number >= 0")
         table = self.policy_overhead_us if self.policy_overhead_us is not None else {}
         if not hasattr(table, "items"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import pkgutil
 import types
 import typing
@@ -105,6 +106,8 @@ def check_type(val: Any, want: Any, where: str) -> Any:
         options = typing.get_args(want)
         if val is None and type(None) in options:
             return None
+        if isinstance(val, float) and float in options:
+            check_finite(val, where)
         for opt in options:
             if opt is type(None):
                 continue
@@ -123,6 +126,20 @@ def check_type(val: Any, want: Any, where: str) -> Any:
     if not ok:
         hint = f" (e.g. {where}=[{val}])" if base is list and isinstance(val, str) else ""
         raise ConfigError(f"{where}={val!r} must be {_NAMES.get(base, base.__name__)}{hint}")
+    if base is float:
+        check_finite(val, where)
+    elif base is list and typing.get_args(want):  # list[str]: each item too, named by its position
+        (item,) = typing.get_args(want)
+        return [check_type(v, item, f"{where}[{i}]") for i, v in enumerate(val)]
+    return val
+
+
+def check_finite(val: float, where: str) -> float:
+    """A number read from the user is finite: NaN compares false with every bound (``nan > 0`` and
+    ``nan < 0`` are both false, so a range check lets it through) and an infinite bandwidth or rate turns
+    every time into 0 or inf. Hydra parses ``nan``, ``inf`` and ``-inf`` as floats, so they arrive here."""
+    if not math.isfinite(val):
+        raise ConfigError(f"{where}={val} must be a finite number (NaN and +/-inf are not valid settings)")
     return val
 
 

@@ -21,7 +21,7 @@ QUALITY = {"gsm8k": ("exact_match/strict-match", True), "truthfulqa": ("acc", Tr
 
 @dataclass
 class EvalConfig:
-    tasks: list = field(default_factory=lambda: ["wikitext"])
+    tasks: list[str] = field(default_factory=lambda: ["wikitext"])
     # Documents per task (int) or fraction of each task (float < 1); null = all.
     limit: Optional[Union[int, float]] = None
     batch_size: int = 1
@@ -38,6 +38,10 @@ class EvalConfig:
     token_by_token: bool = False
 
     def __post_init__(self):
+        twice = sorted({t for t in self.tasks if self.tasks.count(t) > 1})
+        if twice:
+            raise ConfigError(f"eval.tasks={self.tasks} lists {twice} twice: each task runs once (its scores would "
+                              f"be one key of results.json)")
         if self.batch_size < 1:
             raise ConfigError(f"eval.batch_size={self.batch_size} must be >= 1")
         if self.limit is not None and not self.limit > 0:
