@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -39,11 +40,16 @@ def _hydra_main(cfg: DictConfig):
         if not multirun:
             raise SystemExit(2)
         return None  # one bad job fails itself, not the sweep (SweepEnd sets the exit code)
-    except Exception:  # model load, quantization, evaluation: failed.json names the stage
-        if not multirun:
+    except Exception as exc:  # model load, quantization, evaluation: failed.json names the stage, keeps the traceback
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":  # Hydra's own switch for the full trace
             raise
-        err.print_exception(max_frames=8)
-        err.print(f"[bold red]specmd: job failed[/] (failed.json in {run_dir}); the sweep goes on")
+        stage = _failed_stage(run_dir)
+        err.print(f"[bold red]specmd: {'job failed' if multirun else 'error'}[/] in stage {stage}: "
+                  f"{type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
+        err.print(f"  the traceback is in {run_dir}/failed.json (HYDRA_FULL_ERROR=1 prints it)"
+                  + ("; the sweep goes on" if multirun else ""), highlight=False, soft_wrap=True)
+        if not multirun:
+            raise SystemExit(1)
         return None
     if results.get("resumed"):
         Console().print(f"specmd: done already, not run again: {run_dir}/results.json (same config hash)",
@@ -51,6 +57,16 @@ def _hydra_main(cfg: DictConfig):
     else:
         print_summary(results, run_dir, Console())
     return results.get("cache", {}) and results["cache"].get("hit_rate")
+
+
+def _failed_stage(run_dir: str) -> str:
+    """The stage ``failed.json`` names (``?`` when the failure came before it could be written)."""
+    import json
+
+    try:
+        return json.loads((Path(run_dir) / "failed.json").read_text())["stage"]
+    except (OSError, ValueError, KeyError):
+        return "?"
 
 
 def main() -> None:

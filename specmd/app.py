@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from .engine import GROUPS, StackSpec
 from .errors import ConfigError
 from .hardware import HardwareConfig
+from .jobs import usable_cores
 from .registry import build_params, check_type
 
 log = logging.getLogger("specmd")
@@ -132,6 +134,13 @@ class Run:
         self.threads = checks.run(check_type, c.get("threads"), Optional[int], "threads")
         if self.threads is not None and self.threads < 1:
             checks.fail(f"threads={self.threads} must be >= 1 or null (the launcher's share of the cores)")
+        elif self.threads is not None and self.threads > usable_cores():
+            # capped, not rejected: threads is a resource, not part of a job's identity (config.yaml excludes it
+            # from the config hash), so a sweep written on a larger machine still runs here; torch itself
+            # crashes (SIGSEGV) creating 100,000 threads, before any failed.json could be written
+            log.warning("threads=%d is more than the %d cores this process may use: capped at %d",
+                        self.threads, usable_cores(), usable_cores())
+            self.threads = usable_cores()
         checks.run(build_logger, c.get("logger"))  # its settings are checked with the others
 
     def _policies(self, c: dict, checks: Checks) -> None:
@@ -241,15 +250,29 @@ def collect(run: Run, engine, tasks: dict, wall_s: float, executor=None) -> dict
     return results
 
 
-def check_device(device: str) -> None:
-    """``device`` names a torch device that this machine has (checked before any model work)."""
+DEVICE_TYPES = ("cpu", "cuda", "mps")  # what a run computes on; torch knows more (meta, xla, hpu...), specmd not
+
+
+def check_device(device) -> None:
+    """``device`` names a torch device of a type specmd runs on (:data:`DEVICE_TYPES`) that this machine has,
+    checked before any model work. ``meta`` (tensors without data: no forward pass computes anything) and
+    torch's other back-ends (``xla``, ``hpu``, ``xpu``...: none has been run) are rejected by name here, not
+    by a traceback from the first tensor op."""
     import torch
 
+    choices = "cpu, cuda, cuda:N, mps"
+    if not isinstance(device, str):
+        raise ConfigError(f"device={device!r} must be a string; valid choices: {choices}")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ConfigError(f"device={device!r} is not a torch device ({exc}); valid choices: cpu, cuda, cuda:N, "
-                          f"mps") from None
+        raise ConfigError(f"device={device!r} is not a torch device ({exc}); valid choices: {choices}") from None
+    if dev.type not in DEVICE_TYPES:
+        raise ConfigError(f"device={device}: specmd runs on {', '.join(DEVICE_TYPES)}, not {dev.type}"
+                          + (" (a meta tensor has no data: nothing would be computed)" if dev.type == "meta" else "")
+                          + f"; valid choices: {choices}")
+    if dev.type == "cpu" and dev.index not in (None, 0):
+        raise ConfigError(f"device={device}: torch has one CPU device (cpu or cpu:0); valid choices: {choices}")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"device={device}: this torch ({torch.__version__}) sees no CUDA device; use device=cpu "
@@ -304,7 +327,7 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
                     done["resumed"] = True
                     return done
             run = progress.run = Run(cfg, overrides)
-            threads = run.threads or threads
+            threads = run.threads or (threads and min(threads, usable_cores()))  # a launcher's share: capped too
             if threads:
                 import torch
 
@@ -411,12 +434,41 @@ def recorded_trace(run: Run) -> str:
     return cached(run, lambda cfg, out: execute(OmegaConf.create(cfg), run_dir=str(out)))
 
 
+class NumericError(ArithmeticError):
+    """A figure specmd computed (cache, timing, routing) is not a finite number."""
+
+
+COMPUTED = ("cache", "timing", "routing", "wall", "memory")  # results.json sections specmd computes itself
+
+
+def check_numbers(results: dict) -> None:
+    """Every number specmd computed is finite, or the run fails (``failed.json``, stage ``write``) naming the
+    first one: ``results.json`` writes a non-finite float as null, which would read as "not measured". Finite
+    but absurd settings reach here (``hardware.bandwidth_gbps=1e-300`` makes every transfer take inf
+    seconds); task scores are lm-eval's, whose NaN (a metric without a value) stays theirs."""
+    def walk(v, where):
+        if isinstance(v, float) and not math.isfinite(v):
+            raise NumericError(f"{where}={v}: a figure specmd computed is not a finite number; check the "
+                               f"hardware figures for extreme values (bandwidth, latency, peak compute)")
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, f"{where}.{k}")
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                walk(x, f"{where}[{i}]")
+
+    for key in COMPUTED:
+        if results.get(key) is not None:
+            walk(results[key], key)
+
+
 def _finish(results: dict, engine, digest: str, run_dir: Path, logger, progress: _Progress) -> dict:
     """The one way a run succeeds, live or replayed: ``passes.csv``, then ``results.json`` (atomically, with
     the config hash), then the logger (which never raises: W&B trouble is a warning, specmd.loggers)."""
     from .results import write_json_atomic, write_passes_csv
 
     results["config_hash"] = digest
+    check_numbers(results)
     run_dir.mkdir(parents=True, exist_ok=True)
     if engine is not None:
         write_passes_csv(run_dir / "passes.csv", engine.cache.stats.passes)

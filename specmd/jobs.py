@@ -111,6 +111,10 @@ def write_failed(run_dir: Path, stage: str, exc: BaseException, config: Optional
     kind = ("config" if isinstance(exc, ConfigError) else "data" if isinstance(exc, DataError)
             else "signal" if isinstance(exc, Interrupted) else "error")
     body.update(stage=stage, kind=kind, error=f"{type(exc).__name__}: {exc}")
+    if kind == "error":  # not the user's input: where it went wrong, for a bug report (the CLI prints one line)
+        import traceback
+
+        body["traceback"] = "".join(traceback.format_exception(exc))
     if isinstance(exc, Interrupted):
         body["signal"] = exc.signal_name
     if (run_dir / "results.json").exists():
@@ -157,6 +161,12 @@ def signals_raise():
             signal.signal(s, h)
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity mask (which SLURM, ``taskset`` or a container
+    narrows), else every core."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def torch_threads(requested: Optional[int], launcher: dict) -> Optional[int]:
     """Intra-op threads for one job: ``threads`` when set; else the cores this process may use divided by
     the jobs its launcher runs beside it on one machine (joblib's ``n_jobs``), or the task's CPUs (submitit's
@@ -165,7 +175,7 @@ def torch_threads(requested: Optional[int], launcher: dict) -> Optional[int]:
     if requested is not None:
         return requested
     target = str(launcher.get("_target_", "")).lower()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     if "joblib" in target:
         n = launcher.get("n_jobs") or -1
         n = cores if n < 0 else n

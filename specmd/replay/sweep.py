@@ -15,7 +15,6 @@ run one by one in this process.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 from typing import Optional
 
 import numpy as np
@@ -26,10 +25,9 @@ _SHARED: list = []
 
 def default_jobs() -> int:
     """The cores this process may run on (its CPU affinity where the platform reports one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    from ..jobs import usable_cores
+
+    return usable_cores()
 
 
 def check_jobs(jobs) -> int:
