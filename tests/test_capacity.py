@@ -13,7 +13,8 @@ def hit_rate(family, capacity, prefetch="none"):
 
 def test_lru_hit_rate_non_decreasing_in_capacity():
     for family in ("olmoe", "mixtral", "deepseek_v3"):
-        rates = [hit_rate(family, c) for c in (0.02, 0.05, 0.1, 0.25, 0.5, 1.0)]
+        # from 5%: 2% of the tiny Mixtral holds no expert (an error since a cache that holds nothing is one)
+        rates = [hit_rate(family, c) for c in (0.05, 0.1, 0.25, 0.5, 1.0)]
         assert rates == sorted(rates), (family, rates)
         assert rates[-1] > rates[0], (family, rates)
 

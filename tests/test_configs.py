@@ -140,7 +140,11 @@ def test_experts_per_layer_fraction_is_a_share_of_each_layers_experts():
     assert pool_capacities(g, 0.05, 0.5, "per_layer") == [320] * 4  # Cache-Conditional Experts' N/2
     assert pool_capacities(g, 0.05, 0.5, "global") == [1280]
     assert pool_capacities(g, 0.05, 3, "per_layer") == [30] * 4  # whole numbers stay slot counts
-    assert pool_capacities(g, 0.05, 0.001, "per_layer") == [10] * 4  # at least one slot
+    assert pool_capacities(g, 0.05, 0.35, "per_layer") == [220] * 4  # 22.4 slots: to the nearest, 22
+    assert pool_capacities(g, 0.05, 0.0079, "per_layer") == [10] * 4  # 0.51 of a slot: one
+    with pytest.raises(ConfigError, match=r"experts_per_layer=0.001 is 0.064 of a layer's 64 experts, which rounds "
+                                          r"to 0 slots.*above 0.007812"):
+        pool_capacities(g, 0.05, 0.001, "per_layer")  # a cache that holds nothing is an error, not one slot
 
 
 def test_ranges_that_depend_on_the_model_are_checked_when_its_geometry_is_known():

@@ -59,7 +59,7 @@ def test_store_sizes_keep_bytes_per_parameter():
                        dtype_bytes=4)
     timing = Geometry(num_layers=4, num_experts=4, top_k=1, expert_bytes=2000, total_bytes=40000,
                       expert_params=1000, dtype_bytes=2)
-    spec = spec_of(prefetch="none")
+    spec = spec_of(prefetch="none", hardware=HardwareConfig(capacity=0.25))  # 5% would hold no 4,000-byte expert
     spec.timing = ("real", timing)
     eng = Engine(routing, spec, ExpertStore(32, 400, {"int8": 110}))
     # a routing expert stands for 2 timing experts: 2000 parameters, native 2 bytes each, int8 1.1 bytes each

@@ -15,6 +15,7 @@ read-only :class:`~specmd.engine.view.CacheView`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -83,11 +84,34 @@ def check_model_ranges(spec: StackSpec, model: Geometry) -> None:
         j = getattr(params, "J", None)
         if j is not None and not 0 <= j <= model.top_k:
             errors.append(f"{group}.J={j} must be in 0..{model.top_k} (the model's top-k; {group}={cls.name})")
+        model_errors = getattr(cls, "model_errors", None)  # a policy's own model-bounded settings
+        if model_errors is not None and params is not None:
+            errors += [f"{group}={cls.name}: {e}" for e in model_errors(params, model)]
     epl = spec.hardware.experts_per_layer
     if epl is not None and epl > model.num_experts:
         errors.append(f"hardware.experts_per_layer={epl:g} exceeds the model's {model.num_experts} experts per layer")
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def check_capacity(caps: list, hw: Any, geom: Geometry, store: StoreSizes, fetched: list) -> None:
+    """Every pool holds at least one expert at the smallest precision the stack fetches (``fetched``): a
+    smaller budget is a cache that can hold nothing, every request a miss whatever the policies, and almost
+    certainly a typo (``capacity=1e-12``) or a capacity meant for a bigger model. The message names the bytes
+    of one expert and the smallest capacity that holds one."""
+    nbytes, precision = min((store.bytes_of[p], p) for p in fetched)
+    smallest = min(caps)
+    if smallest >= nbytes:
+        return
+    per_layer = hw.scope == "per_layer"
+    need = nbytes * (geom.num_layers if per_layer else 1) / geom.total_bytes
+    e = math.floor(math.log10(need)) - 2  # 3 significant digits, rounded up: the value printed is enough
+    need = math.ceil(need / 10 ** e) * 10 ** e
+    pool = f"each of the {geom.num_layers} per-layer pools" if per_layer else "the cache"
+    raise ConfigError(f"hardware.capacity={hw.capacity:g} gives {pool} {smallest:,} bytes, less than one expert at "
+                      f"{precision} precision ({nbytes:,} bytes; the model is {geom.total_bytes:,} bytes): the "
+                      f"cache would hold nothing. The smallest capacity that holds one expert is {need:.3g}"
+                      f"{' with scope=per_layer' if per_layer else ''}")
 
 
 @cython.cclass
@@ -122,6 +146,8 @@ class Engine:
             policy.setup(self.model)
         hw = spec.hardware
         caps = pool_capacities(geom, hw.capacity, hw.experts_per_layer, hw.scope)
+        mcls, mparams = spec.miss
+        check_capacity(caps, hw, geom, self.store, mcls.required_precisions(mparams) or [self.miss.fetch_precision])
         evictions = [spec.build("eviction") for _ in caps]
         for policy in evictions:
             policy.setup(self.model)

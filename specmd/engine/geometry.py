@@ -88,11 +88,33 @@ def timed_as(routing: Geometry, timing: Geometry) -> tuple[Geometry, float, floa
     return geom, f_bytes, f_compute
 
 
+def slots_per_layer(experts_per_layer: float, num_experts: int) -> int:
+    """``hardware.experts_per_layer`` in slots: a whole number >= 1 as it is, a fraction in (0, 1) of the
+    layer's experts rounded to the *nearest* slot (Python's ``round``: halves to even), 0.35 x 8 -> 3.
+    Cache-Conditional Experts size their cache as a fraction of a layer's experts ("N/2") and report the
+    slots it gives; truncation would shrink every fractional cache by up to one slot (0.35 x 8 -> 2, 25%
+    less here), rounding up would grow it. A fraction that rounds to 0 slots holds nothing: an error naming
+    the smallest fraction that gives one slot."""
+    if experts_per_layer >= 1:
+        return int(experts_per_layer)
+    slots = round(experts_per_layer * num_experts)
+    if slots < 1:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"hardware.experts_per_layer={experts_per_layer:g} is {experts_per_layer * num_experts:.3g} "
+                          f"of a layer's {num_experts} experts, which rounds to 0 slots: the cache would hold "
+                          f"nothing; the smallest fraction that gives one slot is above {0.5 / num_experts:.4g} "
+                          f"(or set a whole number of slots, >= 1)")
+    return slots
+
+
 def pool_capacities(geom: Geometry, capacity: float, experts_per_layer: Optional[float], scope: str) -> list[int]:
-    """Byte budget of each pool (``experts_per_layer`` < 1: that fraction of a layer's experts, at least one)."""
+    """Byte budget of each pool: ``experts_per_layer`` (:func:`slots_per_layer`) whole experts per layer,
+    else the fraction ``capacity`` of the model's bytes, truncated to a whole byte (``int``: a budget never
+    exceeds what was asked), split evenly between the layers' pools with ``scope=per_layer`` (``//``: each
+    pool gets the same whole number of bytes, the remainder, under L bytes, unused)."""
     if experts_per_layer is not None:
-        slots = experts_per_layer if experts_per_layer >= 1 else max(1, round(experts_per_layer * geom.num_experts))
-        per_layer = int(slots) * geom.expert_bytes
+        per_layer = slots_per_layer(experts_per_layer, geom.num_experts) * geom.expert_bytes
         return [per_layer] * geom.num_layers if scope == "per_layer" else [per_layer * geom.num_layers]
     total = int(capacity * geom.total_bytes)
     if scope == "per_layer":

@@ -14,6 +14,16 @@ class Policy(Plugin):
     def setup(self, model: Any) -> None:
         """Called once with the :class:`~specmd.engine.ModelView` when the engine is built."""
 
+    @classmethod
+    def model_errors(cls, params: Any, model: Any) -> list[str]:
+        """What is wrong with ``params`` for this model (``model``: its
+        :class:`~specmd.engine.geometry.Geometry`), each message naming ``key=value`` and the valid range.
+        The engine asks as soon as the geometry is known, before any forward pass, and reports every
+        policy's together (a top-``J`` it checks itself, for every policy that has one). A setting bounded
+        by the model (a depth by its layers, a count by its experts or top-k) belongs here, not clamped
+        silently in ``setup``."""
+        return []
+
 
 def check_choice(name: str, value: Any, choices) -> None:
     """A reading parameter must be one of ``choices``: else a ValueError naming the value and the choices

@@ -11,6 +11,7 @@ have recorded at least that depth).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -51,6 +52,23 @@ def union_by_score(probs: torch.Tensor, index: torch.Tensor, values: torch.Tenso
     chosen = (best >= 0).nonzero().squeeze(-1)
     order = torch.argsort(-best[chosen], stable=True)
     return chosen[order].tolist()
+
+
+def overfetch_count(overfetch: float, top_k: int) -> int:
+    """Experts predicted per token for ``overfetch`` (top-``k`` prefetchers): ``ceil(k * overfetch)``, at
+    least 1. Rounded *up*: overfetching means predicting more than the router's k, so any excess over a
+    whole expert asks for one more (1.1 x 8 = 8.8 -> 9); the 1e-9 keeps a product that is a whole number
+    up to float error whole (0.28 x 25 = 7.000000000000001 -> 7, not 8). ``0 < overfetch < 1/k`` predicts
+    each token's top-1. More than the layer's experts is an error (:func:`overfetch_errors`), never clamped."""
+    return max(1, math.ceil(top_k * overfetch - 1e-9))
+
+
+def overfetch_errors(overfetch: float, model: Any) -> list[str]:
+    n = overfetch_count(overfetch, model.top_k)
+    if n <= model.num_experts:
+        return []
+    return [f"overfetch={overfetch:g} predicts {n} experts per token (ceil of top-k {model.top_k} x {overfetch:g}), "
+            f"more than a layer's {model.num_experts}: at most {model.num_experts / model.top_k:g}"]
 
 
 def topk_prediction(record: Any, target: int, count: int) -> list[int]:

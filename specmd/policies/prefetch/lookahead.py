@@ -1,7 +1,6 @@
-import math
 from dataclasses import dataclass
 
-from .base import PREFETCH, PrefetchPolicy, topk_prediction
+from .base import PREFETCH, PrefetchPolicy, overfetch_count, overfetch_errors, topk_prediction
 
 
 @PREFETCH.register("lookahead")
@@ -27,8 +26,16 @@ class Lookahead(PrefetchPolicy):
     def signal_depth(cls, params):
         return params.depth
 
+    @classmethod
+    def model_errors(cls, params, model):
+        errors = overfetch_errors(params.overfetch, model)
+        if params.depth > model.num_layers - 1:  # the last layer has no later one to predict
+            errors.append(f"depth={params.depth} looks past the model's last MoE layer: it has {model.num_layers}, "
+                          f"so at most {model.num_layers - 1} later layers")
+        return errors
+
     def setup(self, model):
-        self.count = min(model.num_experts, max(1, math.ceil(model.top_k * self.params.overfetch - 1e-9)))
+        self.count = overfetch_count(self.params.overfetch, model.top_k)
         self.num_layers = model.num_layers
 
     def predict(self, record, model):

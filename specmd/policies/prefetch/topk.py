@@ -1,7 +1,6 @@
-import math
 from dataclasses import dataclass
 
-from .base import PREFETCH, PrefetchPolicy, topk_prediction
+from .base import PREFETCH, PrefetchPolicy, overfetch_count, overfetch_errors, topk_prediction
 
 
 @PREFETCH.register("topk")
@@ -23,8 +22,12 @@ class TopK(PrefetchPolicy):
             if self.overfetch <= 0:
                 raise ValueError(f"overfetch={self.overfetch} must be > 0")
 
+    @classmethod
+    def model_errors(cls, params, model):
+        return overfetch_errors(params.overfetch, model)
+
     def setup(self, model):
-        self.count = min(model.num_experts, max(1, math.ceil(model.top_k * self.params.overfetch - 1e-9)))
+        self.count = overfetch_count(self.params.overfetch, model.top_k)
 
     def predict(self, record, model):
         target = model.next_layer(record.layer)

@@ -9,7 +9,9 @@ from .base import ROUTING, RoutingPolicy, cache_mask, promote_select
 class MaxRank(RoutingPolicy):
     """Max-Rank (Cache-Conditional Experts, Algorithm 1): cached experts within the router's top ``M`` are
     promoted ahead of uncached ones, the router's top ``J`` always stay first; the new top-k runs, weighted
-    by the original probabilities. ``M <= k`` leaves the selection unchanged (up to order)."""
+    by the original probabilities. ``M <= k`` leaves the selection unchanged (up to order); ``M >= E``
+    searches every rank (the default 16 on Mixtral's 8 experts): a search depth, not a count of experts, so it
+    is not bounded by the model, unlike ``J`` (checked against the top-k by the engine)."""
 
     @dataclass
     class Params:

@@ -23,6 +23,13 @@ class Prune(RoutingPolicy):
             if self.h < 1:
                 raise ValueError(f"h={self.h} must be >= 1")
 
+    @classmethod
+    def model_errors(cls, params, model):
+        if params.h > model.top_k:
+            return [f"h={params.h} exceeds the model's top-k {model.top_k} (h experts are kept per token; h = "
+                    f"{model.top_k} is the router's own choice)"]
+        return []
+
     def apply(self, record, cache):
         k = record.top_k
         h = self.params.h

@@ -32,6 +32,13 @@ class ReplaceRank(RoutingPolicy):
         super().__init__(params)
         self.gen = torch.Generator().manual_seed(self.params.seed)
 
+    @classmethod
+    def model_errors(cls, params, model):
+        if params.rank >= model.top_k:
+            return [f"rank={params.rank}: the router selects ranks 0..{model.top_k - 1} (top-k {model.top_k}), so "
+                    f"there is no expert at rank {params.rank} to replace"]
+        return []
+
     def apply(self, record, cache):
         if self.params.rank >= record.top_k:
             return None  # the router selects no expert at this rank: nothing to replace
