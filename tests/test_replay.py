@@ -67,6 +67,21 @@ def recorded(request, tmp_path_factory):
     return family, model, prompts, read_trace(path), first
 
 
+def test_a_trace_with_a_nan_weight_or_logit_is_rejected_naming_the_file_and_row(recorded, tmp_path):
+    import shutil
+
+    src = Path(recorded[3].path)
+    for name, dtype, row in (("logits", np.float32, 5), ("weights", np.float16, 11)):
+        bad = tmp_path / name
+        shutil.copytree(src, bad)
+        a = np.memmap(bad / f"{name}.bin", dtype=dtype, mode="r+")
+        a[row * (a.size // len(recorded[3].index)) + 1] = np.nan
+        a.flush()
+        del a
+        with pytest.raises(ConfigError, match=rf"{name}.bin: row {row} holds a value that is not a finite number"):
+            read_trace(bad)
+
+
 def test_trace_holds_every_pass_and_layer_call(recorded):
     family, model, prompts, trace, first = recorded
     L = trace.meta.geometry.num_layers
@@ -467,8 +482,10 @@ def test_a_replay_with_a_request_table_of_the_wrong_size_is_an_error():
     is refused before the loop (in both builds)."""
     from specmd.replay.driver import build_engine, run_replay
 
+    from specmd.hardware import HardwareConfig
+
     trace = flat_trace([0, 1, 2, 1, 0], num_experts=4)
-    spec = spec_of(prefetch="none")
+    spec = spec_of(prefetch="none", hardware=HardwareConfig(capacity=0.5))  # 5% of 4 experts holds none
     engine, ptr, experts = build_engine(trace, spec)
     with pytest.raises(ValueError, match="request offsets"):
         run_replay(trace, spec, engine, ptr[:-2], experts)

@@ -173,10 +173,13 @@ class TraceWriter:
     """Writes a live run's gate records incrementally (see the module docstring)."""
 
     def __init__(self, path, geom, scoring, store, depth: int = 1, logits: str = "fp32", source: Optional[dict] = None):
-        if logits not in LOGIT_DTYPES:
-            from ..errors import ConfigError
+        from ..errors import ConfigError
 
+        if logits not in LOGIT_DTYPES:
             raise ConfigError(f"trace.logits={logits!r}; valid choices: {', '.join(LOGIT_DTYPES)}")
+        if depth > max(1, geom.num_layers - 1):  # checked before the trace directory exists
+            raise ConfigError(f"trace.depth={depth} looks past the model's last MoE layer: it has {geom.num_layers}, "
+                              f"so at most {max(1, geom.num_layers - 1)} later layers")
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.geom = geom
@@ -289,7 +292,7 @@ def read_trace(path) -> Trace:
             return np.zeros(shape, dtype=dtype)
         return np.memmap(f, dtype=dtype, mode="c", shape=shape)
 
-    return Trace(
+    trace = Trace(
         meta=meta, passes=passes, calls=full_calls(passes, L), index=mm("index", idt, (rows, k)),
         weights=mm("weights", np.float16, (rows, k)),
         logits=mm("logits", ldt, (rows, E)) if ldt is not None else None,
@@ -297,4 +300,24 @@ def read_trace(path) -> Trace:
         signal_logits=mm("signal_logits", ldt, (rows, D, E)) if D and ldt is not None else None,
         path=str(path),
     )
+    for name in ("weights", "logits", "signal_logits"):
+        check_finite_rows(getattr(trace, name), path / f"{name}.bin")
+    return trace
+
+
+def check_finite_rows(a: Optional[np.ndarray], where, chunk: int = 1 << 16) -> None:
+    """Every value of ``a`` (rows first) is finite, checked a chunk of rows at a time (a memory map is read
+    once, never copied whole): a NaN or inf weight or logit in a trace (a model that overflowed float16, a
+    damaged file) would reach every score-based policy as a number that sorts anywhere."""
+    from ..errors import ConfigError
+
+    if a is None:
+        return
+    for start in range(0, len(a), chunk):
+        ok = np.isfinite(a[start:start + chunk]).reshape(min(chunk, len(a) - start), -1).all(axis=1)
+        if not ok.all():
+            row = start + int(np.argmin(ok))
+            raise ConfigError(f"{where}: row {row} holds a value that is not a finite number "
+                              f"({np.asarray(a[row]).ravel()[~np.isfinite(np.asarray(a[row]).ravel())][0]}); "
+                              f"rows are (pass, layer, token) in pass order")
 

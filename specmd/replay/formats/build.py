@@ -58,6 +58,7 @@ def build_trace(rec: Records, fmt: str, path: Path, opts: ImportOptions, notes: 
     R, k = rec.experts.shape
     E = _num_experts(rec, path, opts)
     _check_ids(rec, E)
+    _check_finite(rec)
     if opts.top_k is not None and int(opts.top_k) != k:
         notes.append(f"replay.top_k={opts.top_k} ignored: the file's records select {k} experts")
     c = _cells(rec)
@@ -115,6 +116,24 @@ def _check_ids(rec: Records, E: int) -> None:
             i = int(np.argmax(bad))
             v = int(s[i, 1:][dup[i]][0])
             raise ConfigError(f"{rec.where(i)}: expert id {v} appears twice in one record ({x[i].tolist()})")
+
+
+def _check_finite(rec: Records) -> None:
+    """Router weights and logits are finite numbers, and weights fit the trace's float16 (a NaN weight
+    would scale an expert's output by NaN, a NaN logit sorts anywhere in every score-based policy): the
+    first bad value is named with its record. JSON has no NaN, but Python's json and orjson read ``NaN``
+    and ``Infinity``, and CSV and numpy files hold them."""
+    for what, a, limit in (("router weight", rec.weights, float(np.finfo(np.float16).max)),
+                           ("router logit", rec.logits, None)):
+        if a is None:
+            continue
+        ok = np.isfinite(a) if limit is None else np.isfinite(a) & (np.abs(a) <= limit)
+        bad = ~ok.all(axis=1)
+        if bad.any():
+            i = int(np.argmax(bad))
+            v = float(a[i][~ok[i]][0])
+            why = "not a finite number" if not np.isfinite(v) else f"beyond float16's range (|w| <= {limit:g})"
+            raise ConfigError(f"{rec.where(i)}: {what} {v} is {why}")
 
 
 def _cells(rec: Records) -> _Cells:
