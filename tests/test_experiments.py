@@ -11,7 +11,7 @@ from specmd import CONF_DIR
 from specmd.app import Run
 from specmd.report.collect import expected_jobs
 from specmd.report.figures import KEYS, KINDS
-from specmd.report.tables import Spec
+from specmd.report.verdicts import parse_spec
 
 CONF = Path(CONF_DIR)
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
@@ -48,7 +48,7 @@ def test_experiment_composes_and_every_job_is_a_valid_run(name):
     for overrides, cfg in jobs:
         assert cfg.experiment == name
         Run(cfg)  # raises ConfigError naming the bad value
-        spec = Spec.parse(OmegaConf.to_container(cfg.report), name)
+        spec = parse_spec(OmegaConf.to_container(cfg.report), name)
         assert spec.metrics, name
         for fig in spec.figures:
             assert fig["kind"] in KINDS and set(fig) <= KEYS, (name, fig)

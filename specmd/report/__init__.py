@@ -7,9 +7,12 @@
 
 1. Find the sweeps and every job each was asked for (collect.py): finished, failed or missing.
 2. Group each experiment's jobs by its ``report`` spec (tables.py): one section per report id, rows and
-   column groups from its axes, mean ± std over repeat axes only.
-3. Write ``report.md`` and ``index.html`` (every section), ``<id>.md``, ``<id>.csv`` (long format: one
-   row per group and metric) and ``<id>_<n>.png`` per figure (figures.py) into ``--out``.
+   column groups from its axes, mean ± std over repeat axes only; the spec's ``checks`` (the paper's
+   direction claims) evaluated on those groups into verdicts (verdicts.py).
+3. Write ``report.md`` and ``index.html`` (every section; one self-contained styled page, page.py),
+   ``<id>.md``, ``<id>.csv`` (long format: one row per group and metric) and ``<id>_<n>.png`` per figure of
+   the spec (figures.py) into ``--out``. A sweep without a spec (ad-hoc) gets each swept axis against hit
+   rate, collision rate and TPOT, and a quality-vs-TPOT Pareto plot (adhoc.py).
 4. With ``--wandb``: log the tables and figures to a W&B run of job type ``report`` (wandb_io.py); with
    ``--publish`` (online), also a W&B Report with one panel per table and figure.
 
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import html
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +32,10 @@ from typing import Optional
 
 from .. import CONF_DIR
 from ..errors import ConfigError
-from .collect import Sweep, find_sweeps, sweep_for_also
+from .collect import Sweep, find_sweeps, sweep_for_also, unfinished
 from .tables import Spec, cell, group_jobs, table
+from .verdicts import markdown as verdict_lines
+from .verdicts import parse_spec, summary, verdicts
 
 CONF_EXPERIMENTS = Path(CONF_DIR) / "experiment"
 
@@ -43,6 +47,9 @@ class Section:
     groups: list = field(default_factory=list)
     rows: list = field(default_factory=list)
     figures: list = field(default_factory=list)  # [(file name, caption)]
+    adhoc: bool = False  # no report spec of its own (python -m specmd -m ... without +experiment=)
+    notes: list = field(default_factory=list)  # what the figures could not show, and why
+    verdicts: list = field(default_factory=list)  # [verdicts.Verdict]: the spec's checks on these groups
 
     @property
     def jobs(self) -> list:
@@ -56,7 +63,7 @@ def spec_of(sweep: Sweep) -> Spec:
         from omegaconf import OmegaConf
 
         raw = OmegaConf.to_container(OmegaConf.load(conf)).get("report") or raw
-    return Spec.parse(raw, sweep.experiment)
+    return parse_spec(raw, sweep.experiment)
 
 
 def sections_of(sweeps: list) -> list:
@@ -71,9 +78,13 @@ def sections_of(sweeps: list) -> list:
             if extra is not None and extra not in sec.sweeps:
                 sec.sweeps.append(extra)
     for sec in out.values():
+        sec.adhoc = not sec.spec.metrics and not sec.spec.figures
         if not sec.spec.metrics:
             sec.spec.metrics = default_metrics(sec.jobs)
         sec.groups, sec.rows = group_jobs(sec.spec, sec.jobs)
+        sec.verdicts = verdicts(sec.spec, sec.groups)
+        if sec.adhoc and not sec.spec.title and sec.rows:  # its id is a time stamp: say what was swept
+            sec.spec.title = f"{sec.spec.id}: {' × '.join(sec.rows)}"
     return list(out.values())
 
 
@@ -83,7 +94,7 @@ def default_metrics(jobs: list) -> list:
 
     metrics = [("hit %", "cache.hit_rate"), ("in-cache %", "cache.in_cache_rate"),
                ("collision %", "cache.collision_rate"), ("TTFT (ms)", "timing.ttft_s * 1000"),
-               ("decode tok/s", "timing.decode_tokens_per_s")]
+               ("TPOT (ms)", "timing.tpot_s * 1000"), ("decode tok/s", "timing.decode_tokens_per_s")]
     tasks = dict.fromkeys(t for j in jobs if j.status == "ok" for t in (j.results.get("tasks") or {}))
     for task in tasks:
         if task in QUALITY:
@@ -100,16 +111,8 @@ def markdown_table(header: list, rows: list) -> list:
 
 
 def problems(sec: Section) -> list:
-    """One line per job that did not finish: never averaged over, always shown."""
-    out = []
-    for s in sec.sweeps:
-        for j in s.jobs:
-            if j.status != "ok":
-                what = " ".join(j.overrides) or "(no overrides)"
-                why = f": {j.error}" if j.error else ""
-                where = f" ({j.dir})" if j.dir else ""
-                out.append(f"- **{j.status}** {what}{where}{why}")
-    return out
+    """One markdown line per job that did not finish: never averaged over, always shown."""
+    return [f"- **{status}** {what}" for status, what in unfinished(sec.sweeps)]
 
 
 def csv_rows(sec: Section) -> list:
@@ -135,15 +138,21 @@ def write_section(sec: Section, out: Path) -> list:
     lines += [f"· {ok}/{len(sec.jobs)} jobs finished", ""]
     if spec.paper:
         lines += [f"**Paper:** {spec.paper}", ""]
+    lines += verdict_lines(sec.verdicts)
     header, rows = table(sec)
     lines += markdown_table(header, rows) + [""]
-    sec.figures = []
+    sec.figures, sec.notes = [], []
     for i, fs in enumerate(spec.figures, 1):
         name = f"{spec.id}_{i}.png"
         if any(g.ok for g in sec.groups):
-            caption = draw(spec, dict(fs), sec.groups, out / name)
-            sec.figures.append((name, caption))
-            lines += [f"![{caption}]({name})", ""]
+            sec.figures.append((name, draw(spec, dict(fs), sec.groups, out / name)))
+    if sec.adhoc:
+        from .adhoc import draw_adhoc
+
+        sec.figures, sec.notes = draw_adhoc(sec, out)
+    for name, caption in sec.figures:
+        lines += [f"![{caption}]({name})", ""]
+    lines += [f"*Note: {n}.*" for n in sec.notes] + ([""] if sec.notes else [])
     bad = problems(sec)
     if bad:
         lines += [f"**Not finished ({len(bad)} of {len(sec.jobs)} jobs; left out of every number above):**", ""]
@@ -157,31 +166,6 @@ def write_section(sec: Section, out: Path) -> list:
             w.writeheader()
             w.writerows(rows_csv)
     return lines
-
-
-def write_html(sections: list, notes: list, out: Path) -> None:
-    parts = ["<!doctype html><meta charset='utf-8'><title>specmd report</title>",
-             "<style>body{font-family:sans-serif;max-width:1200px;margin:auto}table{border-collapse:collapse;"
-             "font-size:12px}td,th{border:1px solid #ccc;padding:2px 6px}img{max-width:100%}"
-             ".bad{color:#a00}</style><h1>specmd report</h1>"]
-    parts += [f"<p class='bad'>{html.escape(n)}</p>" for n in notes]
-    parts.append("<ul>" + "".join(f"<li><a href='#{html.escape(s.spec.id)}'>{html.escape(s.spec.title or s.spec.id)}"
-                                  f"</a></li>" for s in sections) + "</ul>")
-    for sec in sections:
-        spec = sec.spec
-        parts.append(f"<h2 id='{html.escape(spec.id)}'>{html.escape(spec.title or spec.id)}</h2>")
-        if spec.paper:
-            parts.append(f"<p><b>Paper:</b> {html.escape(spec.paper)}</p>")
-        header, rows = table(sec)
-        parts.append("<table><tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in header) + "</tr>" + "".join(
-            "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows) + "</table>")
-        parts += [f"<figure><img src='{n}'><figcaption>{html.escape(c)}</figcaption></figure>" for n, c in sec.figures]
-        bad = problems(sec)
-        if bad:
-            parts.append("<p class='bad'>Not finished (left out of every number):</p><ul>" + "".join(
-                f"<li class='bad'>{html.escape(b[2:])}</li>" for b in bad) + "</ul>")
-        parts.append(f"<p><a href='{html.escape(spec.id)}.csv'>{html.escape(spec.id)}.csv</a></p>")
-    (out / "index.html").write_text("\n".join(parts) + "\n")
 
 
 def build(paths: list, out: Optional[str] = None, sweeps: Optional[list] = None) -> tuple[Path, list]:
@@ -198,7 +182,9 @@ def build(paths: list, out: Optional[str] = None, sweeps: Optional[list] = None)
     for sec in sections:
         lines += write_section(sec, outp)
     (outp / "report.md").write_text("\n".join(lines) + "\n")
-    write_html(sections, notes, outp)
+    from .page import write_html
+
+    write_html(sections, notes, outp)  # after write_section: it shows the figures those drew
     return outp, sections
 
 
@@ -233,6 +219,7 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     for sec in sections:
         bad = sum(j.status != "ok" for j in sec.jobs)
-        print(f"{sec.spec.id}: {len(sec.jobs) - bad}/{len(sec.jobs)} jobs" + (f" ({bad} not finished)" if bad else ""))
+        print(f"{sec.spec.id}: {len(sec.jobs) - bad}/{len(sec.jobs)} jobs" + (f" ({bad} not finished)" if bad else "")
+              + f", {len(sec.figures)} figure(s)" + (f"; verdict: {summary(sec.verdicts)}" if sec.verdicts else ""))
     print(f"report: {out / 'index.html'}")
     return 0

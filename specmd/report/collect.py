@@ -172,3 +172,15 @@ def sweep_for_also(sweeps: list, name: str, roots: list) -> Optional[Sweep]:
             cands += [load_sweep(m.parent) for m in base.rglob("multirun.yaml")]
     return max(cands, key=lambda s: s.time) if cands else None
 
+
+def unfinished(sweeps: list) -> list:
+    """(status, what: overrides, directory and error) of each job of ``sweeps`` that did not finish."""
+    out = []
+    for s in sweeps:
+        for j in s.jobs:
+            if j.status != "ok":
+                what = " ".join(j.overrides) or "(no overrides)"
+                why = f": {j.error}" if j.error else ""
+                where = f" ({j.dir})" if j.dir else ""
+                out.append((j.status, f"{what}{where}{why}"))
+    return out

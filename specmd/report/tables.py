@@ -16,6 +16,7 @@ axes and its paper's layout have one home::
       metrics:                     # table columns in order; a label holding % shows the value x 100
         - collision %: cache.collision_rate
       figures: [...]               # see figures.py
+      checks: [...]                # the paper's direction claims, computed into verdicts: see verdicts.py
 
 Every swept axis not named in rows, cols or repeat becomes a row axis too: runs are averaged only over the
 ``repeat`` axes, never silently over anything else.
@@ -58,6 +59,7 @@ class Spec:
     also: list = field(default_factory=list)
     metrics: list = field(default_factory=list)  # [(label, expression)]
     figures: list = field(default_factory=list)
+    checks: list = field(default_factory=list)  # [verdicts.Check] after verdicts.parse_spec: the paper's claims, computed
 
     @classmethod
     def parse(cls, raw: dict, experiment: str) -> "Spec":
@@ -77,6 +79,7 @@ class Spec:
         spec = cls(id=str(raw.pop("id", None) or experiment), metrics=metrics, **raw)
         spec.rows = list(spec.rows or [])
         spec.repeat = list(spec.repeat if spec.repeat is not None else DEFAULT_REPEAT)
+        spec.checks = list(spec.checks or [])  # as written: verdicts.parse_spec parses them (it imports this module)
         return spec
 
 
@@ -166,6 +169,32 @@ def evaluate(results: dict, expr: str) -> Any:
         return eval(compile(tree, "<metric>", "eval"), {"__builtins__": {}}, env)  # noqa: S307 (checked AST)
     except ZeroDivisionError:
         return None
+
+
+_PATH = re.compile(r"[A-Za-z_][\w/-]*(\.[\w/-]+)+")
+
+
+def expression_error(expr: str) -> Optional[str]:
+    """Why ``expr`` is not a metric expression (module docstring), or None when it is one: every operand a
+    number or a dotted results path (``cache.hit_rate``), operators and parentheses between them."""
+    if not isinstance(expr, str) or not expr.strip():
+        return "an empty expression"
+    rest = next((expr[len(p):] for p in PREFIXES if expr.startswith(p)), expr)
+    py = []
+    for tok in _TOKEN.findall(rest):
+        if tok in ("(", ")", "+", "-", "*", "/") or _number(tok):
+            py.append(tok)
+        elif _PATH.fullmatch(tok):
+            py.append("v")
+        else:
+            return f"{tok!r} is neither a number, an operator nor a dotted results path such as cache.hit_rate"
+    try:
+        tree = ast.parse(" ".join(py), mode="eval")
+    except SyntaxError:
+        return "not an expression of paths, numbers, + - * / and parentheses (separate operators by spaces)"
+    if not all(isinstance(n, _ALLOWED) for n in ast.walk(tree)):
+        return "only + - * / and parentheses between paths and numbers"
+    return None
 
 
 def split_prefix(expr: str) -> tuple[str, str]:

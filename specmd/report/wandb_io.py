@@ -153,8 +153,8 @@ def log_report(sections: list, out: Path, path: str, group: Optional[str], mode:
 
 
 def publish_report(sections: list, entity: Optional[str], project: str, run_name: str, wr=None) -> str:
-    """A W&B Report with a heading, the paper's claim, the table and the figures of every section, each panel
-    reading the report run ``run_name``."""
+    """A W&B Report with a heading, the paper's claim and the computed verdict, the table and the figures of
+    every section, each panel reading the report run ``run_name``."""
     if wr is None:
         try:
             import wandb_workspaces.reports.v2 as wr
@@ -166,6 +166,12 @@ def publish_report(sections: list, entity: Optional[str], project: str, run_name
         blocks.append(wr.H2(text=sec.spec.title or sec.spec.id))
         if sec.spec.paper:
             blocks.append(wr.P(text=f"Paper: {sec.spec.paper}"))
+        if sec.verdicts:  # the computed verdict (verdicts.py), as index.html shows it
+            from .verdicts import summary
+
+            blocks.append(wr.P(text=f"Verdict: {summary(sec.verdicts)}"))
+            blocks.append(wr.UnorderedList(items=[f"{v.mark} {v.status}: {v.check.claim} — {v.values}"
+                                                  for v in sec.verdicts]))
         panels = [wr.WeavePanelSummaryTable(table_name=f"{sec.spec.id}/table")]
         if sec.figures:
             panels.append(wr.MediaBrowser(title=sec.spec.id,
