@@ -781,3 +781,30 @@ def test_copy_bytes_across_word_types():
         copy_bytes(dst, src)
         assert torch.equal(buf[off:off + 48], torch.arange(48, dtype=torch.uint8)), (off, dst.dtype)
         buf.zero_()
+
+
+def test_a_slow_link_never_holds_a_stopping_run():
+    """A throttled transfer on a slow link paces for minutes (1 kB/s: ~147 s per tiny expert); a run stopped by
+    a signal or an error closes the mover, which must end the pacing at once (it waited out the link and
+    ignored SIGTERM for 10 minutes), and a waiter blocked on the ticket must see the signal."""
+    import signal
+    import time
+
+    class Stop(Exception):
+        pass
+
+    m = ThreadMover(bandwidth_bytes_per_s=1000.0)
+    slow = m.submit(lambda: None, nbytes=147_456, demand=True, what="layer 0 expert 0")
+    old = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(Stop()))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        t0 = time.perf_counter()
+        with pytest.raises(Stop):
+            m.wait(slow)  # the handler runs while the waiter blocks
+        assert time.perf_counter() - t0 < 2.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    t0 = time.perf_counter()
+    m.close()  # the paced transfer is 147 s from done
+    assert time.perf_counter() - t0 < 2.0

@@ -53,6 +53,7 @@ class Mover:
         self.copy_s = 0.0  # seconds spent in the copies themselves
         self.transfers = 0  # experts moved (a job of ``count`` experts counts ``count``)
         self.jobs = 0
+        self._stop = threading.Event()  # set by close(): a paced wait ends at once (a slow link's 100 s sleep)
 
     def submit(self, job: Callable[[], None], nbytes: int, demand: bool, what: str = "", count: int = 1) -> Ticket:
         raise NotImplementedError
@@ -82,8 +83,8 @@ class Mover:
             left = target - time.perf_counter()
             if left <= 0:
                 return
-            if left > 2e-4:
-                time.sleep(left - 1.5e-4)
+            if left > 2e-4 and self._stop.wait(left - 1.5e-4):
+                return  # closing: the run stops (a signal, an error) and must not wait out the link
 
 
 class ThreadMover(Mover):
@@ -139,7 +140,7 @@ class ThreadMover(Mover):
             while ticket.state < Ticket.DONE:
                 if self._closed:
                     raise TransferError(f"transfer of {ticket.what}: the transfer thread stopped")
-                self._cv.wait()
+                self._cv.wait(0.5)  # woken by the transfer thread; the timeout lets SIGTERM/SIGINT be handled
         if ticket.error is not None:
             self._raise(ticket)
         return time.perf_counter() - t0
@@ -180,6 +181,7 @@ class ThreadMover(Mover):
                 cv.notify_all()
 
     def close(self):
+        self._stop.set()  # a paced transfer stops waiting out the link
         with self._cv:
             self._closed = True
             self._cv.notify_all()
