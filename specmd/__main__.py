@@ -17,6 +17,7 @@ from .jobs import SWEEP_EXIT, Interrupted, torch_threads
 def _hydra_main(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
     from rich.console import Console
+    from rich.markup import escape
 
     from .app import JobRunning, execute
     from .errors import ConfigError, DataError
@@ -33,10 +34,10 @@ def _hydra_main(cfg: DictConfig):
         results = execute(cfg, run_dir=run_dir, group=group, resume=multirun, overrides=list(hc.overrides.task),
                           threads=torch_threads(None, OmegaConf.to_container(hc.launcher, resolve=True)))
     except JobRunning as exc:
-        err.print(f"[yellow]specmd: skipped:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[yellow]specmd: skipped:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return None
     except (ConfigError, DataError) as exc:  # failed.json is written; one clear line, no traceback
-        err.print(f"[bold red]specmd: error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]specmd: error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         if not multirun:
             raise SystemExit(2)
         return None  # one bad job fails itself, not the sweep (SweepEnd sets the exit code)
@@ -45,9 +46,9 @@ def _hydra_main(cfg: DictConfig):
             raise
         stage = _failed_stage(run_dir)
         err.print(f"[bold red]specmd: {'job failed' if multirun else 'error'}[/] in stage {stage}: "
-                  f"{type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
+                  f"{type(exc).__name__}: {escape(str(exc))}", highlight=False, soft_wrap=True)
         err.print(f"  the traceback is in {run_dir}/failed.json (HYDRA_FULL_ERROR=1 prints it)"
-                  + ("; the sweep goes on" if multirun else ""), highlight=False, soft_wrap=True)
+                  + ("; the sweep goes on" if multirun else ""), markup=False, highlight=False, soft_wrap=True)
         if not multirun:
             raise SystemExit(1)
         return None

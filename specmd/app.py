@@ -85,11 +85,13 @@ class Run:
 
     # ---- 1. sections ----------------------------------------------------------------------------------
     def _model(self, c: dict, checks: Checks) -> None:
-        from .models.loader import ModelConfig, check_checkpoint
+        from .models.loader import ModelConfig, check_checkpoint, check_tiny
 
         self.model = checks.run(build_params, ModelConfig, dict(c["model"]), "model")
         if self.model is not None and self.model.pretrained:
             checks.run(check_checkpoint, self.model.pretrained)
+        if self.model is not None:
+            checks.run(check_tiny, self.model)
         self.mirror = (c.get("data") or {}).get("mirror")
 
     def _hardware(self, c: dict, checks: Checks) -> None:
@@ -183,6 +185,9 @@ class Run:
                               f"trace with trace.save=true, then replay it with replay.trace=PATH")
 
     def _measured_passes(self) -> None:
+        if self.save_trace and self.replay.trace:
+            raise ConfigError("trace.save=true records a live run's routing, and replay.trace replays a trace "
+                              "without running the model (there is nothing to record): drop one of them")
         if self.measure == "decode" and not self.replay.trace and not self.eval.token_by_token and not any(
                 t in GENERATION_TASKS for t in self.eval.tasks):
             raise ConfigError(f"stack.measure=decode counts decode passes only, and eval.tasks={self.eval.tasks} "

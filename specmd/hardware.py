@@ -12,6 +12,15 @@ from .registry import check_finite
 SCOPES = ("global", "per_layer")
 POLICY_GROUPS = ("routing", "miss", "eviction", "prefetch")  # keys of hardware.policy_overhead_us
 CONF = Path(__file__).resolve().parent / "conf"
+RATES = ("bandwidth_gbps", "peak_tflops", "mem_bandwidth_gbps", "host_tflops", "host_mem_bandwidth_gbps")
+TIMES = ("latency_us", "layer_overhead_us", "token_overhead_us", "expert_overhead_us", "transfer_issue_us",
+         "predict_overhead_us", "unpack_overhead_us")
+# Plausible ranges, 12+ orders of magnitude beyond any device either way (a phone's flash reads at ~1 GB/s, an
+# H200's HBM at 4.8 TB/s; tests model an instant link as 1e9 GB/s and a 100-byte expert's host at 3e-11
+# TFLOP/s): a value outside is an exponent typo, 1e308 us of latency or 1e-300 GB/s, whose times overflow to
+# inf or report nonsense without a word.
+RATE_RANGE = (1e-15, 1e15)
+TIME_RANGE = (0.0, 1e12)  # us: 11.6 days per event
 
 
 def default_profile() -> dict:
@@ -79,16 +88,22 @@ class HardwareConfig:
                               f"in (0, 1) of each layer's experts, or null")
         if self.scope not in SCOPES:
             raise ConfigError(f"hardware.scope={self.scope!r}; valid choices: {', '.join(SCOPES)}")
-        for key in ("bandwidth_gbps", "peak_tflops", "mem_bandwidth_gbps", "host_tflops", "host_mem_bandwidth_gbps"):
+        for key in RATES:
             if not getattr(self, key) > 0:
                 raise ConfigError(f"hardware.{key}={getattr(self, key)} must be positive")
         if self.latency_us < 0:
             raise ConfigError(f"hardware.latency_us={self.latency_us} must be >= 0")
-        for key in ("layer_overhead_us", "token_overhead_us", "expert_overhead_us", "transfer_issue_us",
-                    "predict_overhead_us", "unpack_overhead_us"):
+        for key in TIMES[1:]:
             v = getattr(self, key)
             if not v >= 0:
                 raise ConfigError(f"hardware.{key}={v} must be a finite number >= 0")
+        for keys, (lo, hi) in ((RATES, RATE_RANGE), (TIMES, TIME_RANGE)):
+            for key in keys:
+                if not lo <= getattr(self, key) <= hi:
+                    unit = "GB/s" if key.endswith("gbps") else "TFLOP/s" if key.endswith("tflops") else "us"
+                    raise ConfigError(f"hardware.{key}={getattr(self, key):g} is outside [{lo:g}, {hi:g}] {unit}, "
+                                      f"beyond any device (an exponent typo?): the simulated times would overflow "
+                                      f"or vanish")
         table = self.policy_overhead_us if self.policy_overhead_us is not None else {}
         if not hasattr(table, "items"):
             raise ConfigError(f"hardware.policy_overhead_us={table!r} must be a mapping '<group>/<policy>': us")
@@ -96,6 +111,7 @@ class HardwareConfig:
             if key.count("/") != 1 or key.split("/")[0] not in POLICY_GROUPS:
                 raise ConfigError(f"hardware.policy_overhead_us: key {key!r} must be '<group>/<policy>' with group "
                                   f"one of {', '.join(POLICY_GROUPS)}, e.g. 'prefetch/score'")
-            if not (isinstance(v, (int, float)) and 0 <= v < float("inf")):
-                raise ConfigError(f"hardware.policy_overhead_us[{key!r}]={v} must be a finite number >= 0")
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and TIME_RANGE[0] <= v <= TIME_RANGE[1]):
+                raise ConfigError(f"hardware.policy_overhead_us[{key!r}]={v} must be a finite number in "
+                                  f"[{TIME_RANGE[0]:g}, {TIME_RANGE[1]:g}] us")
         self.policy_overhead_us = {str(k): float(v) for k, v in table.items()}  # plain (a profile gives a DictConfig)

@@ -108,6 +108,8 @@ def check_type(val: Any, want: Any, where: str) -> Any:
             return None
         if isinstance(val, float) and float in options:
             check_finite(val, where)
+        if val == "" and str in options and type(None) in options:  # a path or a name: '' is neither
+            raise ConfigError(f"{where}='' is empty: give a value, or null for none")
         for opt in options:
             if opt is type(None):
                 continue

@@ -236,6 +236,7 @@ def select_finalists(ranked: list[dict], loss_of, opts: Options) -> list[dict]:
 
 def main(argv=None) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     argv = list(sys.argv[1:] if argv is None else argv)
     err = Console(stderr=True)
@@ -243,7 +244,7 @@ def main(argv=None) -> int:
         opts, base = parse(argv)
         result = tune(opts, base, Console())
     except ConfigError as exc:
-        err.print(f"[bold red]specmd tune: error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]specmd tune: error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     return 0 if result["winner"] else 1
 
@@ -290,6 +291,9 @@ def tune(opts: Options, base: list[str], console) -> dict:
                            "tpot_s": res["timing"]["tpot_s"], "lossless": lossless(stack)})
         if not trials:
             raise ConfigError(f"no stack of the space replays on {trace_path}: {skipped[0]['why']}")
+        if any(t["objective"] is None for t in trials):  # tpot of a trace without decode steps
+            raise ConfigError(f"tune.objective={opts.objective}: the trace {trace_path} gives no {metric} (it has no "
+                              f"decode passes: record a generation task, or use tune.objective=hit_rate)")
         _write_csv(out / "trials.csv", [{**t, "stack": " ".join(t["stack"])} for t in trials])
         if skipped:
             (out / "skipped.json").write_text(json.dumps(skipped, indent=2))

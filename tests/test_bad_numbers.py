@@ -29,14 +29,16 @@ def _jsonl(tmp_path: Path, kind: str) -> str:
     path = tmp_path / f"{kind}.jsonl"
     bad = {"nan_weight": ("weights", [float("nan"), 0.3]), "inf_logit": ("logits", [float("inf")] + [0.0] * 15),
            "neg_inf_weight": ("weights", [0.7, float("-inf")]), "huge_weight": ("weights", [1e6, 0.3]),
-           "nan_logit": ("logits", [0.0] * 15 + [float("nan")])}[kind]
+           "nan_logit": ("logits", [0.0] * 15 + [float("nan")]), "plain": (None, None)}[kind]
     lines = []
     for seq in range(2):
         for tok in range(3):
             for layer in range(4):
                 rec = {"seq": seq, "token": tok, "layer": layer, "experts": [layer, 4 + tok],
                        "weights": [0.7, 0.3], "logits": [float(-abs(e - layer)) for e in range(16)]}
-                if len(lines) == 2:
+                if bad[0] is None:  # a clean capture without logits
+                    del rec["logits"]
+                elif len(lines) == 2:
                     rec[bad[0]] = bad[1]
                 lines.append(json.dumps(rec))
     path.write_text("\n".join(lines) + "\n")
@@ -44,6 +46,13 @@ def _jsonl(tmp_path: Path, kind: str) -> str:
 
 
 def _fill(override: str, tmp_path: Path) -> str:
+    """``{jsonl:<kind>}``: a capture file (:func:`_jsonl`); ``{dir}``: a directory; ``{file}``: a plain file."""
+    if "{dir}" in override:
+        (tmp_path / "a_dir").mkdir(exist_ok=True)
+        return override.replace("{dir}", str(tmp_path / "a_dir"))
+    if "{file}" in override:
+        (tmp_path / "a_file").write_text("not a directory")
+        return override.replace("{file}", str(tmp_path / "a_file"))
     if "{jsonl:" not in override:
         return override
     head, kind = override.split("{jsonl:")
@@ -68,6 +77,11 @@ CASES = [
     (["+hardware.layer_overhead_us=nan"], ["hardware.layer_overhead_us=nan", FINITE], "config"),
     (["+hardware.transfer_issue_us=-inf"], ["hardware.transfer_issue_us=-inf", FINITE], "config"),
     (["+hardware.unpack_overhead_us=inf"], ["hardware.unpack_overhead_us=inf", FINITE], "config"),
+    # finite but beyond any device: an exponent typo whose times overflow or vanish
+    (["hardware.latency_us=1e308"], ["hardware.latency_us=1e+308", "outside [0, 1e+12] us"], "config"),
+    (["hardware.bandwidth_gbps=1e-300"], ["hardware.bandwidth_gbps=1e-300", "outside [1e-15, 1e+15] GB/s"],
+     "config"),
+    (["hardware.peak_tflops=1e308"], ["hardware.peak_tflops=1e+308", "TFLOP/s"], "config"),
     # ... in policy parameters
     (["prefetch=topk", "prefetch.overfetch=nan"], ["prefetch=topk: overfetch=nan", FINITE], "config"),
     (["prefetch=topk", "prefetch.overfetch=inf"], ["prefetch=topk: overfetch=inf", FINITE], "config"),
@@ -115,6 +129,31 @@ CASES = [
     (["prefetch=lookahead", "prefetch.overfetch=8.5"], ["prefetch=lookahead: overfetch=8.5", "68 experts"], "stack"),
     (["miss=drop", "miss.J=9"], ["miss.J=9", "0..8"], "stack"),
     (["trace.save=true", "trace.depth=4"], ["trace.depth=4", "at most 3"], "stack"),
+    # found by a fresh battery: state that would not fit in memory, overflowing weights, a random model that
+    # is no MoE model, empty strings for paths, settings a replay cannot honour
+    (["eviction=score", "eviction.n=1000000000"], ["eviction=score: n=1000000000 needs", "GiB", "memory"], "stack"),
+    (["prefetch=score", "prefetch.window=1000000000"], ["prefetch=score: window=1000000000 needs", "GiB"], "stack"),
+    (["eviction=lecar", "eviction.learning_rate=1e308"], ["learning_rate=1e+308", "[0, 700]"], "config"),
+    (["+hardware.policy_overhead_us={prefetch/topk: true}"], ["policy_overhead_us['prefetch/topk']=True"], "config"),
+    (["model=tiny_olmoe", "+model.tiny.num_experts=0"], ["0 experts per MoE layer", "model.tiny"], "config"),
+    (["model=tiny_olmoe", "+model.tiny.hidden_size=nan"], ["model.tiny.hidden_size=nan", FINITE], "config"),
+    (["model=tiny_olmoe", "+model.tiny.num_experts_per_tok=100"], ["top-k 100 must be in 1..64"], "config"),
+    (["model=tiny_olmoe", "+model.tiny.num_hidden_layers=0"], ["no MoE layers found", "0 decoder layers"], "config"),
+    (["model=tiny_olmoe", "+model.tiny.bogus_key=1"], ["model.tiny: unknown key(s) ['bogus_key']", "num_experts"],
+     "config"),
+    (["+model.tiny.num_experts=8"], ["model.pretrained=specmd:tiny-olmoe loads a checkpoint"], "config"),
+    (["eval.seed=-1"], ["eval.seed=-1", "0..4294967295"], "config"),
+    (["quant=hqq", "quant.precisions=[]"], ["precisions=[] stores no quantized copy"], "config"),
+    (["quant=hqq", "quant.precisions=[int8,int8]"], ["['int8'] twice"], "config"),
+    (["hardware.timing_as=''"], ["hardware.timing_as='' is empty"], "config"),
+    (["model.pretrained=''"], ["model.pretrained='' is empty"], "config"),
+    (["trace.save=true", "replay.trace={jsonl:nan_weight}", *JSONL], ["trace.save=true records a live run"],
+     "config"),
+    (["replay.trace={jsonl:plain}", "replay.format=jsonl", "replay.num_experts=2000000"],
+     ["replay.num_experts=2000000 must be in 1..1,048,576"], "replay"),
+    (["replay.trace={dir}", "replay.format=jsonl"], ["with replay.format=jsonl: a directory"], "replay"),
+    (["replay.trace=record", "replay.cache={file}"], ["is a file, not a directory"], "replay"),
+    (["eval.num_fewshot=100000"], ["eval.num_fewshot=100000", "fewer few-shot examples"], "evaluate"),
     # trace files: NaN and inf router weights and logits, named by file and line
     (["replay.trace={jsonl:nan_weight}", *JSONL], ["nan_weight.jsonl, line 3", "router weight nan",
                                                     "not a finite number"], "replay"),
@@ -161,7 +200,7 @@ def test_config_stage_cases_never_load_the_model(tmp_path, mirror, monkeypatch):
         with pytest.raises(ConfigError):
             execute(cfg, run_dir=str(tmp_path / str(i)), overrides=overrides)
         n += 1
-    assert n >= 38
+    assert n >= 50
 
 
 def _cli(args: list, cwd: Path, mirror: Path, inject: str = "pass") -> subprocess.CompletedProcess:
@@ -240,17 +279,71 @@ def test_a_specmd_trace_with_a_nan_logit_is_rejected_naming_its_row(tmp_path):
         check_finite_rows(b, "signal_logits.bin")
 
 
-@pytest.mark.parametrize("override,where", [("hardware.bandwidth_gbps=1e-320", "cache.")])
-def test_a_figure_that_overflows_fails_the_run_instead_of_writing_null(override, where, tmp_path, mirror, monkeypatch):
-    """Finite but absurd hardware figures make the simulated times infinite; results.json would write them as
-    null (not measured). The run fails at the write stage naming the figure, and leaves only failed.json."""
-    from specmd.app import NumericError
+def test_a_figure_that_is_not_finite_fails_the_run_instead_of_writing_null(tmp_path, mirror, monkeypatch):
+    """results.json writes a non-finite float as null (not measured): a figure specmd computed that is NaN or inf
+    (a numeric bug; the hardware ranges keep the clock's own arithmetic finite) fails the run at the write
+    stage naming the figure, and leaves only failed.json."""
+    import specmd.app as app
 
     monkeypatch.setenv("SPECMD_DATA_MIRROR", str(mirror))
+    real = app.collect
+
+    def collect(*a, **k):  # plant a NaN where the clock's figures go
+        out = real(*a, **k)
+        out["timing"]["ttft_s"] = float("nan")
+        return out
+
+    monkeypatch.setattr(app, "collect", collect)
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*BASE, override])
-    with pytest.raises(NumericError, match=rf"{where}\S+=inf: a figure specmd computed is not a finite number"):
-        execute(cfg, run_dir=str(tmp_path / "run"), overrides=[override])
+        cfg = compose(config_name="config", overrides=BASE)
+    with pytest.raises(app.NumericError, match=r"timing.ttft_s=nan: a figure specmd computed is not a finite number"):
+        execute(cfg, run_dir=str(tmp_path / "run"))
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["failed.json"]
     failed = json.loads((tmp_path / "run" / "failed.json").read_text())
     assert failed["stage"] == "write" and failed["kind"] == "error" and "NumericError" in failed["error"]
+
+
+def test_specmd_mrc_rejects_repeated_or_non_finite_points_and_unknown_policies():
+    from specmd.replay.mrc import parse
+
+    trace = "replay.trace=/nonexistent"  # parse checks the arguments only
+    with pytest.raises(ConfigError, match=r"mrc.capacities: \[nan\] must be fractions"):
+        parse([trace, "mrc.capacities=[0.1,nan]"])
+    with pytest.raises(ConfigError, match=r"mrc.capacities lists \[0.5\] twice"):
+        parse([trace, "mrc.capacities=[0.5,0.5]"])
+    with pytest.raises(ConfigError, match=r"eviction lists \['lru'\] twice"):
+        parse([trace, "eviction=[lru,lru]"])
+    with pytest.raises(ConfigError, match=r"eviction: unknown policy\(s\) \['warp'\]; valid choices: arc, belady"):
+        parse([trace, "eviction=[lru,warp]"])
+
+
+def test_a_sweep_directory_whose_multirun_yaml_is_garbage_is_a_clear_error(tmp_path):
+    from specmd.report.collect import load_sweep
+
+    (tmp_path / "multirun.yaml").write_bytes(bytes(range(256)) * 2)
+    with pytest.raises(ConfigError, match="its multirun.yaml or .hydra files cannot be read as a Hydra sweep"):
+        load_sweep(tmp_path)
+
+
+def test_a_decode_only_measure_on_a_trace_without_decode_passes_is_an_error():
+    from test_replay import flat_trace
+
+    from specmd.compose import spec_of
+    from specmd.replay.driver import check
+
+    trace = flat_trace([0, 1, 2, 1, 0], num_experts=4)
+    check(trace, spec_of(prefetch="none", measure="decode"))  # it has decode passes
+    trace.passes[:, 0] = 0  # prefill only
+    with pytest.raises(ConfigError, match="stack.measure=decode counts decode passes only, and the trace .* has none"):
+        check(trace, spec_of(prefetch="none", measure="decode"))
+
+
+def test_the_cli_prints_a_message_with_brackets_as_it_is(tmp_path, mirror):
+    """The one-line error goes through rich, whose markup would eat ``[tokens, layers, k]``: it is escaped."""
+    import numpy as np
+
+    np.save(tmp_path / "floats.npy", np.zeros((2, 2)))
+    r = _cli([f"replay.trace={tmp_path / 'floats.npy'}", "replay.format=npy", "replay.num_experts=8"], tmp_path,
+             mirror)
+    assert r.returncode == 2, r.stderr
+    assert "expected an integer array [tokens, layers, k], got shape (2, 2)" in r.stderr, r.stderr

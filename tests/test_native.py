@@ -253,7 +253,7 @@ LOSSY = [dict(miss="drop", capacity=0.1), dict(miss="substitute", capacity=0.2, 
          dict(routing="max_rank", capacity=0.2), dict(routing="cache_prior", capacity=0.3, scope="per_layer"),
          dict(routing="prune", capacity=0.2),
          dict(eviction="belady", capacity=0.2), dict(prefetch="oracle", eviction="belady", capacity=0.3),
-         dict(prefetch="oracle", capacity=0.1, scope="per_layer")]
+         dict(prefetch="oracle", capacity=0.15, scope="per_layer")]  # 0.1 per layer holds no tiny Mixtral expert
 QUANT = [dict(miss="fetch_priority", capacity=0.15, prefetch="topk"), dict(miss="drop_priority_cascade", capacity=0.1),
          dict(miss="fetch_lowest_bit", capacity=0.1, eviction="lfu"), dict(miss="substitute", capacity=0.1),
          dict(miss="fetch_priority", capacity=0.3, scope="per_layer", eviction="score", prefetch="lookahead")]

@@ -78,6 +78,10 @@ def check_model_ranges(spec: StackSpec, model: Geometry) -> None:
     """Settings whose valid range depends on the model, checked as soon as its geometry is known (before any
     forward pass): every policy's top-J (Cache-Conditional Experts' and Skliar et al.'s J: ranks always
     kept, 0..k) and the cache's slots per layer (at most the layer's experts)."""
+    if not (model.num_layers >= 1 and model.num_experts >= 1 and 1 <= model.top_k <= model.num_experts
+            and model.expert_bytes >= 1):
+        raise ConfigError(f"the model's geometry holds nothing to cache: {model.num_layers} MoE layers, "
+                          f"{model.num_experts} experts of {model.expert_bytes} bytes, top-{model.top_k}")
     errors = []
     for group in ("routing", "miss", "prefetch", "eviction"):
         cls, params = getattr(spec, group)

@@ -42,6 +42,8 @@ class EvalConfig:
         if twice:
             raise ConfigError(f"eval.tasks={self.tasks} lists {twice} twice: each task runs once (its scores would "
                               f"be one key of results.json)")
+        if not 0 <= self.seed < 2**32:  # numpy's and lm-eval's seeds are unsigned 32-bit
+            raise ConfigError(f"eval.seed={self.seed} must be in 0..{2**32 - 1}")
         if self.batch_size < 1:
             raise ConfigError(f"eval.batch_size={self.batch_size} must be >= 1")
         if self.limit is not None and not self.limit > 0:
@@ -184,11 +186,17 @@ def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu") -> dict:
     lm = cls(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size, device=device,
              max_length=window(model.config, cfg.max_length))
     gen_kwargs = {"max_gen_toks": cfg.max_gen_toks} if cfg.max_gen_toks else None
-    res = lm_eval.simple_evaluate(
-        model=lm, tasks=names, num_fewshot=cfg.num_fewshot, limit=cfg.limit, task_manager=tm,
-        gen_kwargs=gen_kwargs, log_samples=False, bootstrap_iters=0, random_seed=cfg.seed,
-        numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed,
-        verbosity="WARNING",
-    )
+    try:
+        res = lm_eval.simple_evaluate(
+            model=lm, tasks=names, num_fewshot=cfg.num_fewshot, limit=cfg.limit, task_manager=tm,
+            gen_kwargs=gen_kwargs, log_samples=False, bootstrap_iters=0, random_seed=cfg.seed,
+            numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed,
+            verbosity="WARNING",
+        )
+    except AssertionError as exc:  # lm-eval's few-shot sampler: more examples asked for than the task has
+        if "no documents available for sampling" not in str(exc):
+            raise
+        raise ConfigError(f"eval.num_fewshot={cfg.num_fewshot}: the task(s) {cfg.tasks} have fewer few-shot "
+                          f"examples than that (lm-eval: {exc})") from None
     results = res["results"]
     return {t: _flatten(results.get(n, {})) for t, n in zip(cfg.tasks, names)}

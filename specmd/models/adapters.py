@@ -42,7 +42,8 @@ class Adapter:
         """Decoder-layer indices whose MLP is a routed MoE block."""
         ids = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
         if not ids:
-            raise ValueError(f"no MoE layers found in {type(model).__name__}")
+            raise ConfigError(f"no MoE layers found in {type(model).__name__} ({len(model.model.layers)} decoder "
+                              f"layers): specmd caches the experts of an MoE model")
         return ids
 
     def block(self, model, layer_id: int):
@@ -70,6 +71,9 @@ class Adapter:
         layers = model.model.layers
         moe_ids = self.moe_layers(model)
         num_experts = self.num_experts(config)
+        if num_experts < 1:  # a model.tiny override can build one (num_experts=0)
+            raise ConfigError(f"model {config.model_type} has {num_experts} experts per MoE layer: specmd caches the "
+                              f"experts of an MoE model (check model.tiny)")
         experts0 = self.experts(model, moe_ids[0])
         expert_params = sum(p.numel() for p in experts0.parameters()) // num_experts
         expert_bytes = sum(p.numel() * p.element_size() for p in experts0.parameters()) // num_experts

@@ -72,6 +72,42 @@ def resolve_pretrained(path: str) -> str:
     return path
 
 
+def check_tiny(cfg: "ModelConfig") -> None:
+    """``model.tiny`` (overrides of a random model's config) before any model work: it applies only to a random
+    model (``model.pretrained=null``: a checkpoint's own config wins, so the keys would be ignored), each key
+    is a field of the family's config, each number finite, and the model it describes is an MoE model
+    (built on the meta device: at least one MoE layer, experts >= 1, top-k in 1..experts). transformers
+    accepts unknown keys silently and fails late, with a traceback, on the others."""
+    import math
+
+    from transformers import AutoConfig
+
+    if not cfg.tiny:
+        return
+    if cfg.pretrained is not None:
+        raise ConfigError(f"model.tiny={cfg.tiny} configures a random model, and model.pretrained={cfg.pretrained} "
+                          f"loads a checkpoint with its own config: set model.pretrained=null or drop model.tiny")
+    known = set(AutoConfig.for_model(cfg.family).to_dict())
+    unknown = sorted(set(cfg.tiny) - known)
+    if unknown:
+        raise ConfigError(f"model.tiny: unknown key(s) {unknown} for family {cfg.family}; the family's tiny "
+                          f"defaults set {', '.join(sorted(adapter_for(cfg.family).tiny))}")
+    for key, v in cfg.tiny.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"model.tiny.{key}={v} must be a finite number")
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
+            raise ConfigError(f"model.tiny.{key}={v} must be >= 0")
+    try:
+        geom = _meta_geometry(tiny_config(cfg.family, dict(cfg.tiny)), cfg.family, cfg.dtype)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- transformers' own validation: the message names the field
+        raise ConfigError(f"model.tiny={cfg.tiny}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+    if not 1 <= geom.top_k <= geom.num_experts:
+        raise ConfigError(f"model.tiny={cfg.tiny}: top-k {geom.top_k} must be in 1..{geom.num_experts} (the "
+                          f"experts per MoE layer)")
+
+
 def check_checkpoint(pretrained: str) -> None:
     """Before the model loads: a local checkpoint (a path: it starts with ``/``, ``.`` or ``~``, or exists)
     must be a directory with a readable ``config.json``; the error names the path. A hub id (``org/name``)

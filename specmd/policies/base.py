@@ -25,6 +25,22 @@ class Policy(Plugin):
         return []
 
 
+def memory_errors(setting: str, nbytes: int) -> list[str]:
+    """A setting whose state takes ``nbytes`` (a window of n steps per layer and expert): more than half of
+    this machine's memory is an error naming the setting and both sizes, before anything is allocated (a
+    window of 10^9 steps is a typo that would end in a MemoryError mid-run, or in swapping)."""
+    import os
+
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: no bound known
+        return []
+    if nbytes <= ram // 2:
+        return []
+    return [f"{setting} needs {nbytes / 2**30:,.1f} GiB for its state, more than half of this machine's "
+            f"{ram / 2**30:,.1f} GiB of memory"]
+
+
 def check_choice(name: str, value: Any, choices) -> None:
     """A reading parameter must be one of ``choices``: else a ValueError naming the value and the choices
     (the registry turns it into a ConfigError before any model work)."""

@@ -1,4 +1,5 @@
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from .base import NATIVE, QUANT
 from .hqq import HQQ
@@ -13,6 +14,7 @@ class Auto(HQQ):
     @dataclass
     class Params(HQQ.Params):
         precisions: list = field(default_factory=list)  # filled from the miss policy (resolve)
+        chosen: ClassVar[bool] = False
 
     @classmethod
     def resolve(cls, params, needed):

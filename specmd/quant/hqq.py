@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -63,9 +64,16 @@ class HQQ(QuantMethod):
         group_size: int = 64
         optimize: bool = True
         cache_experts: int = 1024
+        chosen: ClassVar[bool] = True  # the list is the user's (quant=auto fills it from the miss policy)
 
         def __post_init__(self):
             self.precisions = [str(p) for p in self.precisions]
+            if not self.precisions and self.chosen:
+                raise ValueError("precisions=[] stores no quantized copy: list at least one (e.g. [int8, int4]) or "
+                                 "use quant=none")
+            twice = sorted({p for p in self.precisions if self.precisions.count(p) > 1})
+            if twice:
+                raise ValueError(f"precisions={self.precisions} lists {twice} twice")
             for p in self.precisions:
                 if p not in BITS or p == "fp32":
                     raise ValueError(f"precision {p!r}; valid choices: bf16, fp16, {', '.join(INT)}")

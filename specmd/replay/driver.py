@@ -310,6 +310,9 @@ def check(trace: Trace, spec) -> None:
     if need and trace.signal_logits is None:
         raise ConfigError(f"prefetch={pcls.name} needs the recorded signal logits; the trace {trace.path} has "
                           f"logits={trace.meta.logits} (record it with trace.logits=fp32)")
+    if spec.measure == "decode" and not (trace.passes[:, 0] == 1).any():
+        raise ConfigError(f"stack.measure=decode counts decode passes only, and the trace {trace.path} has none "
+                          f"({len(trace.passes)} prefill passes): use stack.measure=all or a trace of a generation task")
     mcls, mparams = spec.miss
     stored = trace.meta.store.bytes_of
     missing = [p for p in mcls.required_precisions(mparams) if p not in stored]

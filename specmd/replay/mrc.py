@@ -13,6 +13,7 @@ The points run on ``mrc.jobs`` processes (default: every core) over one decoded 
 from __future__ import annotations
 
 import csv
+import math
 import sys
 import time
 from pathlib import Path
@@ -51,6 +52,19 @@ def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str], int]
                                   f"{default_jobs()} cores)") from None
         else:
             rest.append(arg)
+    for key, values in (("eviction", policies), ("mrc.capacities", caps)):
+        twice = sorted({v for v in values if values.count(v) > 1}, key=str)
+        if twice:
+            raise ConfigError(f"{key} lists {twice} twice: each point is computed once")
+    bad = [c for c in caps if not (math.isfinite(c) and 0 < c <= 1)]
+    if bad:
+        raise ConfigError(f"mrc.capacities: {bad} must be fractions of the model's bytes in (0, 1]")
+    from ..policies import REGISTRIES
+
+    unknown = [p for p in policies if p not in REGISTRIES["eviction"].names()]
+    if unknown:
+        raise ConfigError(f"eviction: unknown policy(s) {unknown}; valid choices: "
+                          f"{', '.join(REGISTRIES['eviction'].names())}")
     if not any(a.startswith("replay.trace=") for a in rest):
         raise ConfigError("specmd mrc needs replay.trace=PATH (a trace from a run with trace.save=true, or an import)")
     out = out or time.strftime("outputs/mrc/%Y-%m-%d/%H-%M-%S")

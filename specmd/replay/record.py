@@ -84,6 +84,10 @@ def recorded_trace(run, record: Callable[[dict, Path], None]) -> str:
     name = str((cfg["model"] or {}).get("name") or "model").replace("/", "_")
     root = Path(run.replay.cache).expanduser().resolve()
     out = root / f"{name}-{trace_key(run, cfg)}"
+    if root.exists() and not root.is_dir():
+        from ..errors import ConfigError
+
+        raise ConfigError(f"replay.cache={run.replay.cache} is a file, not a directory for the recordings")
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
         if not (out / "results.json").exists():  # results.json is written last: its presence means complete

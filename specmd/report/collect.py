@@ -109,7 +109,23 @@ def load_sweep(path: Path) -> Sweep:
     """A sweep directory (``multirun.yaml``) or a single run directory (``results.json`` + ``.hydra``)."""
     from omegaconf import OmegaConf
 
+    import yaml
+    from omegaconf.errors import OmegaConfBaseException
+
     path = Path(path)
+    try:
+        return _load_sweep(path)
+    except ConfigError:
+        raise
+    except (UnicodeDecodeError, yaml.YAMLError, OmegaConfBaseException, ValueError, KeyError, TypeError,
+            AttributeError) as exc:  # not YAML, or not a sweep's
+        raise ConfigError(f"{path}: its multirun.yaml or .hydra files cannot be read as a Hydra sweep "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
+def _load_sweep(path: Path) -> Sweep:
+    from omegaconf import OmegaConf
+
     if (path / "multirun.yaml").exists():
         mr = OmegaConf.to_container(OmegaConf.load(path / "multirun.yaml"), resolve=False)
         dirs = _job_dirs(path)

@@ -20,8 +20,9 @@ class LeCaRParams:
         check_choice("capacity_unit", self.capacity_unit, CAPACITY_UNITS)
         if not 0.0 <= self.lru_weight <= 1.0:
             raise ValueError(f"lru_weight={self.lru_weight} must be in [0, 1]")
-        if not self.learning_rate >= 0.0:
-            raise ValueError(f"learning_rate={self.learning_rate} must be >= 0 (LeCaR's lambda; 0 freezes the weights)")
+        if not 0.0 <= self.learning_rate <= 700.0:  # a weight is multiplied by exp(learning_rate), at most
+            raise ValueError(f"learning_rate={self.learning_rate} must be in [0, 700] (LeCaR's lambda, 0.45 in its "
+                             f"paper; 0 freezes the weights, exp(>709) overflows a float64)")
 
 
 @cython.cclass

@@ -5,7 +5,7 @@ import numpy as np
 import cython
 
 from ...engine.record import NoLogits
-from ..base import check_choice
+from ..base import check_choice, memory_errors
 from .base import EVICTION, EvictionPolicy, KeyHeap
 
 
@@ -97,6 +97,11 @@ class Score(EvictionPolicy):
 
     name = "score"
     Params = ScoreParams  # (module-level: an extension type's body holds no class statement)
+
+    @classmethod
+    def model_errors(cls, params, model):
+        # per pool: the [L, n, E] float64 ring of every layer's last n steps
+        return memory_errors(f"n={params.n}", 8 * model.num_layers * params.n * model.num_experts)
 
     def __cinit__(self, *args, **kwargs):
         # (compiled: the typed structures exist before any __init__, even one a subclass forgot to chain)

@@ -5,7 +5,7 @@ import cython
 import numpy as np
 import torch
 
-from ..base import check_choice
+from ..base import check_choice, memory_errors
 from .base import PREFETCH, PrefetchPolicy, union_by_score
 
 
@@ -38,6 +38,11 @@ class Score(PrefetchPolicy):
             if self.window < 1:
                 raise ValueError(f"window={self.window} must be >= 1")
             check_choice("basis", self.basis, ("window", "token"))
+
+    @classmethod
+    def model_errors(cls, params, model):
+        # per target layer: the ring, its sorted copy and a spare, [window, E] float32 each
+        return memory_errors(f"window={params.window}", 3 * 4 * params.window * model.num_experts * model.num_layers)
 
     def setup(self, model):
         L = model.num_layers

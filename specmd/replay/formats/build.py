@@ -25,7 +25,8 @@ def load_import(path, fmt: str, opts: Optional[ImportOptions] = None) -> Trace:
     parse = FORMATS.parser(fmt)
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"replay.trace={str(path)!r}: no such file")
+        what = "a directory (a specmd trace? set replay.format=specmd)" if path.is_dir() else "no such file"
+        raise ConfigError(f"replay.trace={str(path)!r} with replay.format={fmt}: {what}")
     notes: list = []
     rec = parse(path, opts, notes)
     return build_trace(rec, fmt, path, opts, notes)
@@ -49,6 +50,9 @@ class _Cells:
     @property
     def P(self) -> int:
         return len(self.cell_start)
+
+
+MAX_EXPERTS = 1 << 20
 
 
 def build_trace(rec: Records, fmt: str, path: Path, opts: ImportOptions, notes: list) -> Trace:
@@ -92,8 +96,9 @@ def _num_experts(rec: Records, path: Path, opts: ImportOptions) -> int:
         raise ConfigError(f"{path}: the number of experts is unknown (the file has no router logits); set "
                           f"replay.num_experts")
     E = int(E)
-    if E < 1:
-        raise ConfigError(f"replay.num_experts={E} must be >= 1")
+    if not 1 <= E <= MAX_EXPERTS:
+        raise ConfigError(f"replay.num_experts={E} must be in 1..{MAX_EXPERTS:,} (the most experts any MoE layer has "
+                          f"is a few hundred; the replay keeps a table per layer of that many entries)")
     return E
 
 
