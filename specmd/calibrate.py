@@ -31,6 +31,7 @@ import datetime
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -411,10 +412,13 @@ def main(argv=None) -> int:
     from .app import check_device
     from .errors import ConfigError
 
+    models = sorted(p.stem for p in (Path(__file__).resolve().parent / "conf" / "model").glob("*.yaml"))
     try:
         check_device(a.device)
+        if a.model not in models:  # --quick never loads it: checked here, not after minutes of fitting
+            raise ConfigError(f"--model {a.model!r}: no such model config; valid choices: {', '.join(models)}")
     except ConfigError as exc:
-        print(f"specmd calibrate: error: {exc}")
+        print(f"specmd calibrate: error: {exc}", file=sys.stderr)
         return 2
     calibrate(a.out, a.name, a.model, a.device, a.quick)
     return 0

@@ -199,6 +199,27 @@ def _sweep_end_callback():
         (``specmd status``) and sets the exit code: 0 when every job is done, 2 when only config or data
         errors failed jobs (``failed.json``'s ``kind``), 1 otherwise (as a single run exits)."""
 
+        def on_multirun_start(self, config, **kwargs) -> None:
+            """The launcher's own settings, before it starts a job: a value it would fail on with a traceback
+            (joblib's ``n_jobs=0``) is one line and exit code 2, like a job's config error."""
+            import sys
+
+            from omegaconf import OmegaConf
+
+            launcher = OmegaConf.to_container(config.hydra.launcher, resolve=True) or {}
+            target = str(launcher.get("_target_", "")).lower()
+            errors = []
+            if "joblib" in target and launcher.get("n_jobs") == 0:
+                errors.append("hydra.launcher.n_jobs=0 runs no job: set a number of parallel jobs >= 1, or -1 for "
+                              "one per core")
+            for key in ("jobs_per_task", "cpus_per_task", "tasks_per_node", "nodes"):
+                v = launcher.get(key)
+                if isinstance(v, int) and not isinstance(v, bool) and v < 1:
+                    errors.append(f"hydra.launcher.{key}={v} must be >= 1")
+            if errors:
+                print("specmd: error: " + "; ".join(errors), file=sys.stderr)
+                raise SystemExit(2)
+
         def on_multirun_end(self, config, **kwargs) -> None:
             import sys
 

@@ -118,7 +118,8 @@ CASES = [
                                    "native precision (147,456 bytes", "smallest capacity"], "stack"),
     (["hardware.capacity=0.001", "hardware.scope=per_layer"],
      ["hardware.capacity=0.001", "each of the 4 per-layer pools", "with scope=per_layer"], "stack"),
-    (["miss=fetch_priority", "hardware.capacity=1e-7"], ["hardware.capacity=1e-07", "at int2 precision"], "stack"),
+    pytest.param(["miss=fetch_priority", "hardware.capacity=1e-7"], ["hardware.capacity=1e-07", "at int2 precision"],
+                 "stack", marks=pytest.mark.slow),  # (5.5 s of quantization; test_rounding pins the precision rule)
     (["hardware.experts_per_layer=0.005"], ["hardware.experts_per_layer=0.005", "rounds to 0 slots",
                                             "0.007812"], "stack"),
     (["prefetch=lookahead", "prefetch.depth=1000"], ["prefetch=lookahead: depth=1000", "at most 3"], "stack"),
@@ -154,6 +155,10 @@ CASES = [
     (["replay.trace={dir}", "replay.format=jsonl"], ["with replay.format=jsonl: a directory"], "replay"),
     (["replay.trace=record", "replay.cache={file}"], ["is a file, not a directory"], "replay"),
     (["eval.num_fewshot=100000"], ["eval.num_fewshot=100000", "fewer few-shot examples"], "evaluate"),
+    (["logger=wandb", "logger.tags=[[a]]"], ["logger.tags=[['a']]", "a list of strings"], "config"),
+    (["logger=wandb", "logger.init_timeout_s=inf"], ["logger.init_timeout_s=inf", "finite number of seconds"],
+     "config"),
+    (["logger=wandb", "logger.project=''"], ["logger.project=''", "non-empty string"], "config"),
     # trace files: NaN and inf router weights and logits, named by file and line
     (["replay.trace={jsonl:nan_weight}", *JSONL], ["nan_weight.jsonl, line 3", "router weight nan",
                                                     "not a finite number"], "replay"),
@@ -164,9 +169,17 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("overrides,needles,stage", CASES, ids=[" ".join(c[0]) for c in CASES])
+@pytest.mark.parametrize("overrides,needles,stage", CASES,
+                         ids=[" ".join(getattr(c, "values", c)[0]) for c in CASES])
 def test_bad_number_rejected_with_a_clear_message(overrides, needles, stage, tmp_path, mirror, monkeypatch):
     monkeypatch.setenv("SPECMD_DATA_MIRROR", str(mirror))
+    if stage == "config":  # found before any model work: a loader that fails the test proves it
+        import specmd.models.loader as loader
+
+        def no_load(*a, **k):
+            raise AssertionError("the model was loaded for a config error")
+
+        monkeypatch.setattr(loader, "load_model", no_load)
     overrides = [_fill(o, tmp_path) for o in overrides]
     run_dir = tmp_path / "run"
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -182,27 +195,6 @@ def test_bad_number_rejected_with_a_clear_message(overrides, needles, stage, tmp
     assert "traceback" not in failed  # the user's input, not a bug
 
 
-def test_config_stage_cases_never_load_the_model(tmp_path, mirror, monkeypatch):
-    import specmd.models.loader as loader
-
-    monkeypatch.setenv("SPECMD_DATA_MIRROR", str(mirror))
-
-    def no_load(*a, **k):
-        raise AssertionError("the model was loaded for a config error")
-
-    monkeypatch.setattr(loader, "load_model", no_load)
-    n = 0
-    for i, (overrides, _, stage) in enumerate(CASES):
-        if stage != "config":
-            continue
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=[*BASE, *overrides])
-        with pytest.raises(ConfigError):
-            execute(cfg, run_dir=str(tmp_path / str(i)), overrides=overrides)
-        n += 1
-    assert n >= 50
-
-
 def _cli(args: list, cwd: Path, mirror: Path, inject: str = "pass") -> subprocess.CompletedProcess:
     """``python -m specmd BASE args`` (``inject``: Python run first in the process, to plant a fault)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECMD_DATA_MIRROR": str(mirror)}
@@ -213,8 +205,9 @@ def _cli(args: list, cwd: Path, mirror: Path, inject: str = "pass") -> subproces
 
 
 @pytest.mark.parametrize("args,needle,code,stage", [
-    (["device=meta"], "device=meta", 2, "config"),
-    (["hardware.latency_us=nan"], "hardware.latency_us=nan", 2, "config"),
+    # (the config-stage ones: 7 s, slow; a config error through the CLI stays in the default run with brackets)
+    pytest.param(["device=meta"], "device=meta", 2, "config", marks=pytest.mark.slow),
+    pytest.param(["hardware.latency_us=nan"], "hardware.latency_us=nan", 2, "config", marks=pytest.mark.slow),
     (["hardware.capacity=1e-12"], "less than one expert", 2, "stack"),
 ])
 def test_the_cli_prints_one_line_and_exits_with_its_code(args, needle, code, stage, tmp_path, mirror):
@@ -347,3 +340,21 @@ def test_the_cli_prints_a_message_with_brackets_as_it_is(tmp_path, mirror):
              mirror)
     assert r.returncode == 2, r.stderr
     assert "expected an integer array [tokens, layers, k], got shape (2, 2)" in r.stderr, r.stderr
+
+
+def test_a_sweep_whose_launcher_would_run_no_job_is_one_line_and_exit_2(tmp_path, mirror):
+    """joblib's n_jobs=0 failed inside the launcher with a traceback: the sweep's start callback rejects it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECMD_DATA_MIRROR": str(mirror)}
+    r = subprocess.run([sys.executable, "-m", "specmd", "-m", *BASE, "hydra/launcher=specmd_joblib",
+                        "hydra.launcher.n_jobs=0", "eviction=lru,fifo", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "hydra.launcher.n_jobs=0 runs no job" in r.stderr, r.stderr
+
+
+def test_calibrate_rejects_an_unknown_model_on_stderr_before_measuring(capsys):
+    from specmd.calibrate import main
+
+    assert main(["--model", "gpt9", "--quick"]) == 2
+    out = capsys.readouterr()
+    assert "--model 'gpt9': no such model config; valid choices: deep_mixtral, deep_olmoe" in out.err and not out.out

@@ -100,7 +100,8 @@ def test_multirun_writes_one_results_per_job(tmp_path, mirror):
     assert caps == [0.05, 0.25]
 
 
-def test_failed_run_leaves_no_results_json(tmp_path, mirror):
+@pytest.mark.slow  # (17 s; a failure after the model is built, through the CLI, stays in the default run:
+def test_failed_run_leaves_no_results_json(tmp_path, mirror):  # test_bad_numbers' planted evaluate error)
     # a task the mirror does not hold: the run fails after the model was built and hooked
     r = specmd(["eval.tasks=[arc_easy]", *(a for a in FAST if not a.startswith("eval.tasks"))], tmp_path, mirror)
     assert r.returncode != 0

@@ -59,8 +59,14 @@ class WandbLogger:
         if mode not in MODES:
             raise ConfigError(f"logger.mode={mode!r}; valid choices: {', '.join(MODES)}")
         for key, val in (("init_timeout_s", init_timeout_s), ("finish_timeout_s", finish_timeout_s)):
-            if isinstance(val, bool) or not isinstance(val, (int, float)) or not val > 0:
-                raise ConfigError(f"logger.{key}={val!r}; expected a number of seconds > 0")
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0 < val < float("inf"):
+                raise ConfigError(f"logger.{key}={val!r}; expected a finite number of seconds > 0")
+        if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+            raise ConfigError(f"logger.tags={tags!r}; expected a list of strings (W&B tags)")
+        for key, val in (("project", project), ("entity", entity), ("group", group)):
+            if val is not None and not (isinstance(val, str) and val):
+                raise ConfigError(f"logger.{key}={val!r}; expected a non-empty string" +
+                                  (" or null" if key != "project" else ""))
         self.project, self.entity, self.mode, self.group = project, entity, mode, group
         self.tags = list(tags or [])
         self.init_timeout_s, self.finish_timeout_s = float(init_timeout_s), float(finish_timeout_s)

@@ -174,7 +174,7 @@ def build(paths: list, out: Optional[str] = None, sweeps: Optional[list] = None)
     if sweeps is None:
         sweeps, notes = find_sweeps(paths)
     if not sweeps:
-        raise ConfigError("specmd report: no sweeps to report")
+        raise ConfigError("no sweeps to report")
     outp = Path(out) if out else Path(paths[0] if len(paths) == 1 else ".") / "report"
     outp.mkdir(parents=True, exist_ok=True)
     sections = sorted(sections_of(sweeps), key=lambda s: s.spec.id)

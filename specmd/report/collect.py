@@ -150,13 +150,13 @@ def find_sweeps(paths: list) -> tuple[list, list]:
     sweeps, notes = [], []
     for p in map(Path, paths):
         if not p.exists():
-            raise ConfigError(f"specmd report: {p}: no such directory")
+            raise ConfigError(f"{p}: no such directory")
         if (p / "multirun.yaml").exists() or (p / ".hydra" / "config.yaml").exists():
             sweeps.append(load_sweep(p))
             continue
         found = [load_sweep(m.parent) for m in sorted(p.rglob("multirun.yaml"))]
         if not found:
-            raise ConfigError(f"specmd report: {p}: no sweep (multirun.yaml) below it")
+            raise ConfigError(f"{p}: no sweep (multirun.yaml) below it")
         newest = newest_per_experiment(found)
         notes += [f"{s.dir}: an older sweep of {s.experiment}, not read (name it to include it)"
                   for s in found if s not in newest]

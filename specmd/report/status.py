@@ -50,7 +50,7 @@ def _sweep_dirs(path: Path) -> list:
         return [path]
     found = sorted(m.parent for m in path.rglob("multirun.yaml"))
     if not found:
-        raise ConfigError(f"specmd status: {path}: no sweep (multirun.yaml) or run directory below it")
+        raise ConfigError(f"{path}: no sweep (multirun.yaml) or run directory below it")
     return found
 
 
@@ -64,7 +64,7 @@ def main(argv: Optional[list] = None) -> int:
     try:
         for p in map(Path, args.paths):
             if not p.exists():
-                raise ConfigError(f"specmd status: {p}: no such directory")
+                raise ConfigError(f"{p}: no such directory")
             for d in _sweep_dirs(p):
                 sweep = load_sweep(d)
                 states = [(job_state(j), j) for j in sweep.jobs]
