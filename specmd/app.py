@@ -448,13 +448,13 @@ COMPUTED = ("cache", "timing", "routing", "wall", "memory")  # results.json sect
 
 def check_numbers(results: dict) -> None:
     """Every number specmd computed is finite, or the run fails (``failed.json``, stage ``write``) naming the
-    first one: ``results.json`` writes a non-finite float as null, which would read as "not measured". Finite
-    but absurd settings reach here (``hardware.bandwidth_gbps=1e-300`` makes every transfer take inf
-    seconds); task scores are lm-eval's, whose NaN (a metric without a value) stays theirs."""
+    first one: ``results.json`` writes a non-finite float as null, which would read as "not measured". The
+    hardware ranges (:mod:`specmd.hardware`) keep the clock's inputs finite, so what reaches here is a numeric
+    bug; task scores are lm-eval's, whose NaN (a metric without a value) stays theirs."""
     def walk(v, where):
         if isinstance(v, float) and not math.isfinite(v):
-            raise NumericError(f"{where}={v}: a figure specmd computed is not a finite number; check the "
-                               f"hardware figures for extreme values (bandwidth, latency, peak compute)")
+            raise NumericError(f"{where}={v}: a figure specmd computed is not a finite number (a bug: please "
+                               f"report it with this run's failed.json)")
         if isinstance(v, dict):
             for k, x in v.items():
                 walk(x, f"{where}.{k}")
