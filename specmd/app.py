@@ -195,8 +195,10 @@ class Run:
                               f"({', '.join(GENERATION_TASKS)}) or set eval.token_by_token=true")
 
     @property
-    def offload(self) -> bool:
-        return self.execution[0].offloads
+    def device_experts(self) -> bool:
+        """Whether the experts modules' weights go to the device with the model (else the executor holds
+        them in a host tier, and the model moves to the device only after the stack is installed)."""
+        return self.execution[0].device_experts
 
     def build_stack(self, model):
         from .hook import install
@@ -208,36 +210,19 @@ class Run:
 
 
 def check_execution(run: "Run", c: dict) -> None:
-    """``execution=offload`` against the rest of the config, before any model work: what it cannot carry out
-    is an error naming the setting and the way out."""
-    ecls, ep = run.execution
-    if not ecls.offloads:
-        return
-    errors = []
-    if run.replay.trace:
-        errors.append("execution=offload runs a model, and replay.trace replays a trace without one: drop one of them")
-    if not run.enabled:
-        errors.append("execution=offload needs the policy stack (stack.enabled=false runs the unhooked model)")
-    if run.hardware.timing_as:
-        errors.append(f"execution=offload moves this model's own bytes; hardware.timing_as={run.hardware.timing_as} "
-                      f"times another model's: drop one of them")
-    mcls, mparams = run.policies["miss"]
-    lossy = [p for p in mcls.required_precisions(mparams) if p != "native"]
-    if ep.host == "disk" and (lossy or getattr(mparams, "precision", "native") not in (None, "native")):
-        errors.append(f"execution.host=disk reads native experts from the checkpoint, and miss={mcls.name} fetches "
-                      f"{lossy} copies, which are quantized from the experts' weights in host memory: use "
-                      f"execution.host=ram for this stack")
-    if ep.host == "disk":
-        from .models.loader import local_checkpoint
+    """The executor against the rest of the config, before any model work: the executor says what it cannot
+    carry out (:meth:`specmd.executor.base.Executor.config_errors`), each error naming the setting and the way
+    out. Nothing executor-specific is decided here."""
+    from .executor.base import RunFacts
+    from .models.loader import local_checkpoint
 
-        if not run.model.pretrained or local_checkpoint(run.model.pretrained) is None:
-            errors.append(f"execution.host=disk reads experts from a local checkpoint's safetensors, and "
-                          f"model={run.model.name} has none (model.pretrained={run.model.pretrained}): use a local "
-                          f"directory or specmd:<name>, or execution.host=ram")
-    elif "page_cache" in (c.get("execution") or {}) and ep.page_cache != "drop":
-        errors.append(f"execution.page_cache={ep.page_cache} applies to execution.host=disk, and host=ram")
-    if not (str(run.device) == "cpu" or str(run.device).startswith("cuda")):
-        errors.append(f"execution=offload runs on device=cpu or cuda[:N], not device={run.device}")
+    ecls, ep = run.execution
+    pretrained = run.model.pretrained
+    facts = RunFacts(replay=bool(run.replay.trace), stack_enabled=run.enabled, timing_as=run.hardware.timing_as,
+                     miss=run.policies["miss"], model_name=run.model.name, pretrained=pretrained,
+                     checkpoint=local_checkpoint(pretrained) if pretrained else None, device=str(run.device),
+                     explicit=frozenset((c.get("execution") or {}).keys()) - {"name"})
+    errors = ecls.config_errors(ep, facts)
     if errors:
         raise ConfigError("; ".join(errors))
 
@@ -386,18 +371,19 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
 
     t0 = time.perf_counter()
     progress.stage = "load"
-    offload = run.offload
-    # offload from disk: the experts are never materialised (meta), only the dense weights load
-    model, tokenizer = load_model(run.model, experts_on_meta=offload and run.execution[1].host == "disk")
-    if not offload:
+    on_device = run.device_experts
+    ecls, eparams = run.execution
+    # an executor that reads experts from the checkpoint itself: they are never materialised (meta)
+    model, tokenizer = load_model(run.model, experts_on_meta=ecls.experts_on_meta(eparams))
+    if on_device:
         model.to(run.device)
     t_load = time.perf_counter()
-    # with execution=offload the experts' host tier (the checkpoint's expert index, for disk) is built with the
-    # stack and is part of loading the model: its errors are load errors
-    progress.stage = "load" if offload else "stack"
+    # an executor that keeps the experts in a host tier builds it with the stack (for a checkpoint on disk, its
+    # expert index): part of loading the model, so its errors are load errors
+    progress.stage = "stack" if on_device else "load"
     stack = run.build_stack(model) if run.enabled else None
     progress.stage = "stack"
-    if offload:  # the experts stay in their host tier: only the dense weights go to the device
+    if not on_device:  # the experts stay in their host tier: only the dense weights go to the device
         model.to(run.device)
     engine = stack.engine if stack is not None else None
     executor = stack.executor if stack is not None else None

@@ -264,16 +264,15 @@ def test_arena_follows_the_engine_on_random_stacks(seed):
     assert mem["arena_capacity_bytes"] == cache["capacity_bytes"], kw
     assert mem["arena_peak_bytes"] <= mem["arena_capacity_bytes"], kw
     assert mem["arena_peak_bytes"] == cache["peak_bytes"], kw
+    ex = off[4].placement
     assert mem["arena_slots"] * mem["slot_bytes"] <= mem["arena_capacity_bytes"] < \
-        (mem["arena_slots"] + len(off[4].pools)) * mem["slot_bytes"], kw
-    ex = off[4]
-    assert sum(a.used for a in ex.pools) == sum(p.used for p in ex.stack.cache.pools), kw
+        (mem["arena_slots"] + len(ex.pools)) * mem["slot_bytes"], kw
+    assert sum(a.used for a in ex.pools) == sum(p.used for p in off[4].stack.cache.pools), kw
     held = sorted(k for k, o in enumerate(ex.at) if o >= 0)
-    assert held == sorted(ex.stack.cache.entries), kw
+    assert held == sorted(off[4].stack.cache.entries), kw
     for pi, arena in enumerate(ex.pools):  # free + held slots partition each pool's slots
-        taken = [ex.at[k] for k in held if ex.pool_index[k // ex.E] == pi]
-        assert sorted(taken + [o for o, _ in arena.holes()]) == \
-            [s * ex.slot_bytes for s in range(len(arena.slots))], kw
+        taken = [ex.at[k] for k in held if ex.pool_of_layer[k // ex.E] == pi]
+        assert sorted(taken + arena.holes()) == list(range(arena.n)), kw
 
 
 def test_check_residency_catches_a_wrong_slot():
@@ -284,14 +283,14 @@ def test_check_residency_catches_a_wrong_slot():
     spec = spec_of({"name": "offload", "check": False, "throttle": False}, capacity=0.1)
     with torch.no_grad(), install(model, spec, adapter_for("olmoe")) as stack:
         model(sample_ids(batch=1, seq=8, seed=3))
-        ex = stack.executor
-        for t in ex.tickets:
+        ex, place = stack.executor, stack.executor.placement
+        for t in place.tickets:
             if t is not None:
                 ex.mover.wait(t)
         ex.check_residency()
-        key = next(k for k, o in enumerate(ex.at) if o >= 0)
-        layer, e = divmod(key, ex.E)
-        views = ex.pools[ex.pool_index[layer]].slots[ex.at[key] // ex.slot_bytes]
+        key = next(k for k, o in enumerate(place.at) if o >= 0)
+        layer, e = divmod(key, place.E)
+        views = place.pools[place.pool_of_layer[layer]].views(place.at[key])
         saved = {n: v.clone() for n, v in views.items()}
         next(iter(views.values())).add_(1.0)
         with pytest.raises(AssertionError, match=f"layer {layer} expert {e}"):
@@ -299,11 +298,11 @@ def test_check_residency_catches_a_wrong_slot():
         for n, v in views.items():
             v.copy_(saved[n])
         ex.check_residency()
-        free_key = next(k for k, o in enumerate(ex.at) if o < 0)
-        ex.at[free_key] = 0
+        free_key = next(k for k, o in enumerate(place.at) if o < 0)
+        place.at[free_key] = 0
         with pytest.raises(AssertionError, match="arena holds"):
             ex.check_residency(contents=False)
-        ex.at[free_key] = -1
+        place.at[free_key] = -1
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -358,12 +357,14 @@ def test_experts_run_from_the_arena_bytes(miss):
     with torch.no_grad(), install(model, spec, adapter_for("olmoe")) as stack:
         model(ids)  # every expert fetched (at the miss policy's precision) and resident
         first = model(ids).logits
-        assert stack.executor.mover.transfers == stack.executor.copies
-        for a in stack.executor.pools:
-            a.buf.zero_()
+        place = stack.executor.placement
+        assert stack.executor.mover.transfers == place.copies
+        for a in place.pools:
+            for t in ([a.buf] if a.mixed else a.tensors.values()):
+                t.zero_()
         again = model(ids).logits
         assert not torch.equal(first, again)
-        assert stack.executor.copies == stack.executor.mover.transfers  # nothing was fetched again
+        assert place.copies == stack.executor.mover.transfers  # nothing was fetched again
 
 
 def _pattern(key, size):
@@ -371,9 +372,9 @@ def _pattern(key, size):
 
 
 def test_arena_first_fit_merge_and_compaction():
-    from specmd.executor.arena import Arena
+    from specmd.executor.arena import ByteArena
 
-    a = Arena(100, 20, "cpu", True, lambda buf, o: {})  # copies of >= 20 bytes: first-fit from the front
+    a = ByteArena(100, 20, "cpu")  # copies of >= 20 bytes: first-fit from the front
     assert [a.alloc(k, n) for k, n in ((1, 30), (2, 20), (3, 30))] == [0, 30, 50] and a.used == 80
     a.release(2)  # a 20-byte hole at 30, and 20 free at the end
     assert a.holes() == [(30, 20), (80, 20)]
@@ -394,11 +395,11 @@ def test_arena_random_operations_keep_every_copys_bytes(seed):
     """Random allocations and releases of mixed sizes whose bytes fit (as the engine admits them): an
     allocation that finds no hole succeeds after compaction; live ranges never overlap and each still holds
     its own bytes after every compaction."""
-    from specmd.executor.arena import Arena
+    from specmd.executor.arena import ByteArena
 
     rnd = random.Random(seed)
     cap = 4096
-    a = Arena(cap, 256, "cpu", True, lambda buf, o: {})
+    a = ByteArena(cap, 256, "cpu")
     live = {}
     for step in range(400):
         if live and (rnd.random() < 0.45 or a.used > cap - 64):
@@ -658,7 +659,7 @@ def test_a_layer_calls_demand_fetches_go_as_one_job():
     assert torch.equal(off[0], sim[0]) and torch.equal(off[1], sim[1])
     m, cache = off[4].mover, off[2]["cache"]
     calls = len(off[4].stack.moe_ids) * (4 + 1)  # MoE layers x (4 passes of the generation + 1 prefill)
-    assert m.transfers == off[4].copies == cache["misses"] > calls  # fetch: every miss is a demand fetch
+    assert m.transfers == off[4].placement.copies == cache["misses"] > calls  # fetch: every miss is a demand fetch
     assert 0 < m.jobs <= calls
 
 
@@ -675,11 +676,11 @@ def test_a_batch_is_paced_as_its_transfers():
         m.close()
 
 
-def _slot_holds(ex, key):
-    layer, e = divmod(key, ex.E)
-    views = ex.pools[ex.pool_index[layer]].slots[ex.at[key] // ex.slot_bytes]
-    want = ex.tier.host_views(layer, e)
-    return all(torch.equal(views[n], want[n]) for n in ex.names)
+def _slot_holds(place, key):
+    layer, e = divmod(key, place.E)
+    views = place.pools[place.pool_of_layer[layer]].views(place.at[key])
+    want = place.tier.host_views(layer, e)
+    return all(torch.equal(views[n], want[n]) for n in place.names)
 
 
 def test_demand_batch_eviction_before_and_after_submission():
@@ -691,14 +692,14 @@ def test_demand_batch_eviction_before_and_after_submission():
     model = tiny("olmoe")
     spec = spec_of({"name": "offload", "throttle": False}, capacity=0.5)
     with install(model, spec, adapter_for("olmoe")) as stack:
-        ex = stack.executor
+        ex = stack.executor.placement
         m = ex.mover
         gate = _Gate(m)
         ex.inserted(1, 0, "native", False)
         ex.inserted(2, 0, "native", False)
         ex.evicted(1)  # pending: dropped from the batch
         ex.inserted(3, 0, "native", False)
-        ex._flush()
+        ex.flush()
         t = ex.tickets[2]
         assert t is ex.tickets[3] and t.count == 2 and ex.tickets[1] is None
         threading.Timer(0.2, gate.release.set).start()

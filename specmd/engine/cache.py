@@ -30,6 +30,7 @@ from .clock import Clock
 from .geometry import Geometry
 from .hooks import Evictable, compiled_hooks
 from .outcomes import NATIVE, Execution, Fetched
+from .residency import PoolLayout
 from .stats import CacheStats, PassRecord
 from .store import StoreSizes
 from .view import CacheView
@@ -258,8 +259,8 @@ class CacheManager:
         self._uncounted: Optional[dict] = None  # the counters before a pass that does not count
         self.pools = [Pool(c, p) for c, p in zip(capacities, evictions)]
         self._pool_of_layer = self.pools * geom.num_layers if len(self.pools) == 1 else list(self.pools)
-        # who materialises residency (execution=offload's executor: ``inserted``, ``evicted``, ``streamed``),
-        # or None; it follows the manager's decisions and never makes one
+        # who materialises residency (a :class:`~specmd.engine.residency.ResidencyEvents`: ``subscribe``), or
+        # None; it follows the manager's decisions and never makes one
         self.events = None
         self.used_bytes = 0  # over all pools
         # Residency, per key (``layer * num_experts + expert``), as arrays instead of an object per entry
@@ -298,6 +299,21 @@ class CacheManager:
         self._evictable = _Evictable(self)  # what policies' ``victim`` asks, made once
         for pool in self.pools:
             pool.policy.attach(self.view, pool.capacity)
+
+    # ---- the executor's seam (specmd.engine.residency) -----------------------------------------------
+    def layout(self) -> PoolLayout:
+        """The pools as an executor needs them: capacities in bytes, and each MoE layer's pool."""
+        return PoolLayout(tuple(int(p.capacity) for p in self.pools),
+                          tuple(self.pools.index(p) for p in self._pool_of_layer), int(self._E))
+
+    def subscribe(self, events) -> None:
+        """``events`` (a :class:`~specmd.engine.residency.ResidencyEvents`) carries out every residency change
+        from now on: one subscriber per manager, before any request (it must see every insert)."""
+        if self.events is not None and self.events is not events:
+            raise RuntimeError("the cache manager already has a residency subscriber (one executor per engine)")
+        if self.used_bytes:
+            raise RuntimeError("subscribe before the first request: the subscriber would miss resident copies")
+        self.events = events
 
     # ---- forward passes -------------------------------------------------------------------------
     def begin_pass(self, kind, tokens, context):

@@ -1,12 +1,15 @@
-"""The expert arena of ``execution=offload``: one pool's device buffer of exactly its capacity in bytes,
-handing out the byte range each resident expert copy occupies.
+"""The expert arena of ``execution=offload``: one pool's device memory of exactly its capacity in bytes.
 
 Two layouts, chosen once per run:
 
-* **uniform** (every copy is native: the common case): the buffer is cut into one-expert slots whose
-  parameter views are built once; a free list of slot numbers makes ``alloc``/``release`` O(1) with no
-  allocation (Fiddler's and MoE-PolicyLang's pre-allocated slots);
-* **mixed** (stored low-precision copies may be fetched: ``miss=fetch_lowest_bit``, ``fetch_priority``, ...):
+* **uniform** (every copy is native: the common case), :class:`SlotArena`: the pool *is* an experts module's
+  tensors -- one ``[slots, ...]`` tensor per parameter in the family's fused layout (``gate_up_proj``
+  ``[slots, 2I, H]``, ``down_proj`` ``[slots, H, I]``, GPT-OSS's biases ``[slots, out]``), so a layer call's
+  experts run from it as one grouped GEMM per projection with expert ids mapped to slot ids (vLLM's
+  ``expert_map``; :func:`~.kernel.grouped_experts`). A free list of slot numbers makes ``alloc``/``release``
+  O(1) with no allocation (Fiddler's and MoE-PolicyLang's pre-allocated slots);
+* **mixed** (stored low-precision copies may be fetched: ``miss=fetch_lowest_bit``, ``fetch_priority``, ...),
+  :class:`Arena`: one byte buffer,
   copies of several sizes share the pool, so ranges are allocated first-fit from a sorted list of free
   extents (native copies from the front, smaller ones from the back), merged on release. The engine admits
   a copy when the pool's *bytes* allow it, not its largest hole; when no hole fits, the cheapest run of
@@ -19,63 +22,102 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import math
 from typing import Optional
 
 import torch
 
 
-class Arena:
-    def __init__(self, capacity: int, slot_bytes: int, device, mixed: bool, views_at, align: int = 1):
-        """``views_at(buf, offset)``: the native parameter views of a slot at ``offset``; ``align``: every
-        copy's size is a multiple of it (mixed), so the usable end is rounded down to it -- copies whose bytes
-        sum to at most the capacity sum to at most that -- and every offset, from either end, stays aligned."""
+class SlotArena:
+    """One pool as fused ``[slots, ...]`` tensors per parameter (``shapes[name]``: one expert's shape; all one
+    ``dtype``), ``slots = capacity // slot_bytes``: the capacity's remainder (less than one expert) is left
+    unallocated, as the engine can never fill it with native copies."""
+
+    mixed = False
+
+    def __init__(self, capacity: int, shapes: dict, dtype: torch.dtype, device):
+        self.capacity = capacity
+        self.slot_bytes = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize
+        n = capacity // self.slot_bytes
         # zeroed: the pages are touched now, not by the first fetch into each slot (on a CPU device first-touch
         # page faults made the first pass's copies 3-10x slower than later ones)
-        self.buf = torch.zeros(capacity, dtype=torch.uint8, device=device)
+        self.tensors = {name: torch.zeros((n, *shape), dtype=dtype, device=device) for name, shape in shapes.items()}
+        self.n = n
+        self.used = 0
+        self.live: dict[int, int] = {}  # key -> slot
+        self._free = list(range(n - 1, -1, -1))  # slot numbers, lowest on top
+        self._views = [{name: t[s] for name, t in self.tensors.items()} for s in range(n)]  # built once
+        self.compactions = self.bytes_compacted = 0
+
+    def alloc(self, key: int, size: int) -> Optional[int]:
+        """A free slot for ``key`` (``size`` must be one native expert), or None when the pool is full (the
+        engine and the arena disagree)."""
+        if size != self.slot_bytes or not self._free:
+            return None
+        s = self._free.pop()
+        self.live[key] = s
+        self.used += size
+        return s
+
+    def release(self, key: int) -> None:
+        self._free.append(self.live.pop(key))
+        self.used -= self.slot_bytes
+
+    def views(self, slot: int) -> dict:
+        """Slot ``slot``'s per-parameter views (one expert's tensors)."""
+        return self._views[slot]
+
+    def holes(self) -> list[int]:
+        """Free slot numbers, for checks."""
+        return sorted(self._free)
+
+
+class ByteArena:
+    """One pool as a byte buffer shared by copies of several sizes (the mixed layout: module docstring)."""
+
+    mixed = True
+
+    def __init__(self, capacity: int, slot_bytes: int, device, align: int = 1):
+        """``slot_bytes``: one native copy (copies at least that large go first-fit from the front); ``align``:
+        every copy's size is a multiple of it, so the usable end is rounded down to it -- copies whose bytes
+        sum to at most the capacity sum to at most that -- and every offset, from either end, stays aligned."""
+        self.buf = torch.zeros(capacity, dtype=torch.uint8, device=device)  # zeroed: pages touched now (SlotArena)
         self.capacity = capacity
         self.slot_bytes = slot_bytes
-        self.mixed = mixed
         self.used = 0  # bytes held
         self.live: dict[int, tuple[int, int]] = {}  # key -> (offset, size)
         self.compactions = 0
         self.bytes_compacted = 0
-        self.slots = [views_at(self.buf, s * slot_bytes) for s in range(capacity // slot_bytes)]
-        self._free_slots = list(range(len(self.slots) - 1, -1, -1))  # uniform: slot numbers, lowest on top
-        self.end = capacity - capacity % align if mixed else capacity
-        self._free = [(0, self.end)] if mixed and self.end else []  # mixed: sorted (offset, size) holes
+        self.end = capacity - capacity % align
+        self._free = [(0, self.end)] if self.end else []  # sorted (offset, size) holes
 
     def alloc(self, key: int, size: int) -> Optional[int]:
-        """The offset of ``size`` free bytes for ``key``, or None when no hole is large enough (mixed: call
-        :meth:`compact`; uniform: the pool is full -- the engine and the arena disagree)."""
-        if not self.mixed:
-            if size != self.slot_bytes or not self._free_slots:
+        """The offset of ``size`` free bytes for ``key``, or None when no hole is large enough (then
+        :meth:`compact`)."""
+        free = self._free
+        if size >= self.slot_bytes:  # native copies first-fit from the front
+            for i, (o, n) in enumerate(free):
+                if n >= size:
+                    off = o
+                    if n == size:
+                        del free[i]
+                    else:
+                        free[i] = (o + size, n - size)
+                    break
+            else:
                 return None
-            off = self._free_slots.pop() * self.slot_bytes
-        else:
-            free = self._free
-            if size >= self.slot_bytes:  # native copies first-fit from the front
-                for i, (o, n) in enumerate(free):
-                    if n >= size:
-                        off = o
-                        if n == size:
-                            del free[i]
-                        else:
-                            free[i] = (o + size, n - size)
-                        break
-                else:
-                    return None
-            else:  # smaller copies from the back, in the highest hole they fit: sizes stay apart
-                for i in range(len(free) - 1, -1, -1):
-                    o, n = free[i]
-                    if n >= size:
-                        off = o + n - size
-                        if n == size:
-                            del free[i]
-                        else:
-                            free[i] = (o, n - size)
-                        break
-                else:
-                    return None
+        else:  # smaller copies from the back, in the highest hole they fit: sizes stay apart
+            for i in range(len(free) - 1, -1, -1):
+                o, n = free[i]
+                if n >= size:
+                    off = o + n - size
+                    if n == size:
+                        del free[i]
+                    else:
+                        free[i] = (o, n - size)
+                    break
+            else:
+                return None
         self.live[key] = (off, size)
         self.used += size
         return off
@@ -83,9 +125,6 @@ class Arena:
     def release(self, key: int) -> None:
         off, size = self.live.pop(key)
         self.used -= size
-        if not self.mixed:
-            self._free_slots.append(off // self.slot_bytes)
-            return
         free = self._free
         i = bisect.bisect_left(free, (off, size))
         if i < len(free) and off + size == free[i][0]:  # merge with the hole after
@@ -154,6 +193,5 @@ class Arena:
         return moved
 
     def holes(self) -> list[tuple[int, int]]:
-        """Free (offset, size) ranges (mixed), for checks."""
-        return list(self._free) if self.mixed else [(s * self.slot_bytes, self.slot_bytes)
-                                                     for s in sorted(self._free_slots)]
+        """Free (offset, size) ranges, for checks."""
+        return list(self._free)

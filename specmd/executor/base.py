@@ -1,13 +1,32 @@
-"""The executor interface: what the live driver (:mod:`specmd.hook.stack`) calls to run a layer's experts."""
+"""The executor interface: what the live driver (:mod:`specmd.hook.stack`) calls to run a layer's experts, and
+what the composition root (:mod:`specmd.app`) asks an executor before any model work (its config checks
+and what loading the model must leave where), so that nothing executor-specific lives in ``app.py``."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
 
 import torch
 
 from ..registry import Plugin, Registry
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """The rest of a run's configuration, as an executor may check itself against it (:meth:`Executor.
+    config_errors`), before the model loads."""
+
+    replay: bool  # replay.trace is set: a trace replays without a model
+    stack_enabled: bool  # stack.enabled: the policy stack is installed (false: the unhooked model runs)
+    timing_as: Optional[str]  # hardware.timing_as: another model's sizes and compute time this routing
+    miss: tuple  # (miss policy class, params)
+    model_name: str
+    pretrained: Optional[str]  # model.pretrained as configured
+    checkpoint: Optional[str]  # the local checkpoint directory it resolves to, or None (hub name, tiny model)
+    device: str
+    explicit: frozenset = frozenset()  # the execution keys the user set (an option that does not apply is named)
 
 
 class Executor(Plugin):
@@ -15,9 +34,22 @@ class Executor(Plugin):
     per forward pass ``begin_pass``/``end_pass`` and per MoE layer call ``run``; ``results`` gives the
     ``wall`` and ``memory`` sections of results.json; ``close`` releases threads and files."""
 
-    #: True: the experts modules' weights are not needed on the device (the loader may leave them on the
-    #: meta device or in host memory, :func:`specmd.models.loader.load_model`)
-    offloads = False
+    #: False: the experts modules' weights are not needed on the device: the stack is installed before the
+    #: model moves there, and the experts stay in the executor's host tier (:meth:`experts_on_meta` says
+    #: whether the loader need materialise them at all)
+    device_experts: ClassVar[bool] = True
+
+    @classmethod
+    def config_errors(cls, params: Any, run: RunFacts) -> list[str]:
+        """What this executor cannot carry out in ``run`` (each message naming the setting and the way out);
+        the composition root reports them with the other config errors, before the model loads."""
+        return []
+
+    @classmethod
+    def experts_on_meta(cls, params: Any) -> bool:
+        """True: load the model with its experts on the meta device (never materialised: the executor reads
+        them from the checkpoint itself)."""
+        return False
 
     def __init__(self, params: Any = None):
         super().__init__(params)
@@ -31,7 +63,11 @@ class Executor(Plugin):
     def attach(self, stack) -> None:
         self.stack = stack
 
-    def run(self, mod, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, plan) -> torch.Tensor:
+    def run(self, mod, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, plan, rec=None) -> torch.Tensor:
+        """One MoE layer call's experts. ``hidden`` [T, H], ``index``/``weights`` [T, k]: what the block passes
+        (on the device); ``plan``: the engine's :class:`~specmd.engine.outcomes.Execution` (its tensors on the
+        host), or None: every selected expert runs, native, on the device; ``rec``: the call's gate record
+        (its selection on the host: ``rec.index``, ``rec.requested(E)``)."""
         raise NotImplementedError
 
     # -- forward passes: the wall clock beside the simulated one ---------------------------------------
@@ -78,6 +114,12 @@ class Executor(Plugin):
     @property
     def device(self) -> torch.device:
         return getattr(self, "_device", torch.device("cpu"))
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor of the engine's plan on the device, without waiting (a copy even where the device is the
+    host: the kernel never computes on the engine's own tensors)."""
+    return t.to(device, non_blocking=True, copy=True)
 
 
 def peak_rss_bytes() -> int:

@@ -1,15 +1,25 @@
-"""The experts kernel that runs from per-expert weight views (arena slots, staging, host tier, quantized
-copies): the arithmetic of transformers' ``grouped_mm`` experts forward (``integrations/moe.py``), the
-default implementation of every fused experts module specmd hooks, group by group.
+"""The experts kernels that run a layer call's experts from wherever the executor keeps their weights.
 
-Why not the stock kernel with remapped indices (vLLM's ``expert_map`` applied to ``top_k_index``)? Its
-groups are sorted by index, so remapping an expert to another slot moves its rows within the sorted batch;
-on the CPU the GEMM of a row then differs in the last bits (measured on the tiny OLMoE layer, T=17 tokens:
-max |diff| 9e-10), and lossless offloaded runs must equal simulated ones bit for bit. This kernel sorts by
-the *expert* id exactly as the stock kernel does (same permutation, same group boundaries, same
-``torch.mm`` per group that CPU ``grouped_mm`` runs, same gate, same top-k sum), and only reads each
-group's weights from wherever that expert's bytes are. ``tests/test_offload.py`` checks it equals the stock
-kernel bit for bit on every family.
+:func:`grouped_experts` (``execution=offload``): the experts are *banks* of fused ``[n, ...]`` tensors -- the
+pool's arena (:class:`~.arena.SlotArena`), a staging area of streamed or unpacked copies, the host tier --
+and the layer call's expert map sends each expert id to a slot id (vLLM's ``expert_map``). Each bank runs as
+**one grouped GEMM per projection** through transformers' own ``_grouped_linear`` (the ``grouped_mm``
+experts forward of ``integrations/moe.py``, the default of every fused experts module specmd hooks): no
+Python loop over experts, no launch per expert, and no data-dependent shape from the device (the row counts
+it slices by, when it needs any, come from the routing the host already read).
+
+Why it keeps the bits of the stock kernel (``tests/test_offload.py`` checks it on every family): grouped_mm
+computes each group's rows independently of where they sit in the batch (measured on the CPU: the same rows
+in the same order give the same bits at any offset, for fp32 and bf16), but a GEMM's rows do depend on
+their order *within* the group. Sorting by slot id alone reorders them (the stock sort is unstable): 107 of
+200 random fp32 layer calls then differed in the last bits (up to 3e-5). So the rows are first sorted by
+expert id exactly as the stock kernel sorts them (same unstable sort, same permutation), then *stably* by
+slot id: groups move to slot order, each group's rows keep the stock order -- 0 of 300 differ. Elementwise
+steps (gate, weighting, the top-k sum) run over the whole batch as in the stock kernel.
+
+:func:`run_experts` (``execution=simulated`` with stored low-precision copies, and the reference the grouped
+kernel is tested against): the same arithmetic group by group with per-expert weight views, one
+``torch.mm`` per group as CPU ``grouped_mm`` runs them.
 """
 
 from __future__ import annotations
@@ -17,6 +27,80 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+
+
+class Bank:
+    """Experts as fused tensors ``tensors[name]`` ``[n, ...]`` (the family's layout), holding the global slot
+    ids ``first .. first + n - 1`` of a layer call's expert map."""
+
+    __slots__ = ("tensors", "first", "n")
+
+    def __init__(self, tensors: dict, first: int, n: int):
+        self.tensors = tensors
+        self.first = first
+        self.n = n
+
+
+def grouped_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
+                    banks: Sequence[Bank], rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """The layer call's experts from ``banks``. ``mod``: the family's fused experts module (its gate,
+    activation, layout flags; its own weights are not read); ``hidden`` [T, H]; ``index``/``weights`` [T, k]
+    on the device; ``slot_of`` [E] long on the device: each expert's global slot this call, or the sentinel
+    ``banks[-1].first + banks[-1].n``: it does not run here and its rows contribute zero (its weight is zero:
+    dropped; or its output is not this kernel's). ``rows``: with several banks or sentinel rows, the
+    token-expert rows of each bank in order (host ints, from the routing the host read); None: one bank, no
+    sentinel. Returns [T, H]."""
+    up, down, up_b, down_b = weight_names(mod)
+    transposed = bool(getattr(mod, "is_transposed", False))
+    gated = getattr(mod, "has_gate", True)
+    k = index.size(-1)
+    T, H = hidden.shape
+    S = T * k
+    total = banks[-1].first + banks[-1].n  # slot ids 0..total-1; total: the sentinel
+    expert_ids = index.reshape(-1)  # [S]
+    _, perm = torch.sort(expert_ids)  # [S] the stock kernel's (unstable) sort: its order within each group
+    slots_g, order = torch.sort(slot_of[expert_ids[perm]], stable=True)  # [S] groups in slot order, rows kept
+    perm = perm[order]  # [S]
+    x_g = hidden[perm // k]  # [S, H]
+    w_g = weights.reshape(-1)[perm]  # [S]
+    counts = torch.histc(slots_g.float() if hidden.device.type in ("cpu", "mps") else slots_g.int(),
+                         bins=total, min=0, max=total - 1)  # [total] (the sentinel, above max, is not counted)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [total] end row of each slot's group
+    proj = _banked(x_g, slots_g, offs, banks, rows, S, up, up_b, transposed)  # [S, 2I] (or [S, I] ungated)
+    proj = mod._apply_gate(proj) if gated else mod.act_fn(proj)  # [S, I]
+    proj = _banked(proj, slots_g, offs, banks, rows, S, down, down_b, transposed)  # [S, H]
+    if getattr(mod, "has_post_expert_norm", False):
+        proj = mod.post_expert_norm(proj)
+    weighted = proj * w_g.unsqueeze(-1)  # [S, H]
+    inv = torch.empty_like(perm)  # [S]
+    inv[perm] = torch.arange(S, device=perm.device)
+    weighted = weighted[inv]  # [S, H] back in (token, rank) order
+    return weighted.view(T, k, H).sum(dim=1).to(hidden.dtype)  # [T, H]
+
+
+def _banked(x_g: torch.Tensor, slots_g: torch.Tensor, offs: torch.Tensor, banks: Sequence[Bank],
+            rows: Optional[Sequence[int]], S: int, name: str, bias: Optional[str], transposed: bool) -> torch.Tensor:
+    """One projection: a grouped linear per bank over its rows of ``x_g`` [S, in] (sorted by slot), sentinel
+    rows zero. Returns [S, out]."""
+    from transformers.integrations.moe import _grouped_linear
+
+    if rows is None:  # one bank, every row in it: the stock call, weights from the bank
+        b = banks[0]
+        return _grouped_linear(x_g, b.tensors[name], offs, b.tensors[bias][slots_g] if bias else None, transposed)
+    parts, r0 = [], 0
+    for b, n in zip(banks, rows):
+        if n:
+            r1 = r0 + n
+            offs_b = offs[b.first:b.first + b.n]  # [n_b] ends of this bank's groups, counted from row 0
+            if r0:
+                offs_b = offs_b - r0
+            bias_b = b.tensors[bias][slots_g[r0:r1] - b.first] if bias else None
+            parts.append(_grouped_linear(x_g[r0:r1], b.tensors[name], offs_b, bias_b, transposed))
+            r0 = r1
+    if r0 < S:  # sentinel rows: nothing runs here, their contribution is zero
+        w = banks[0].tensors[name]
+        parts.append(x_g.new_zeros(S - r0, w.shape[-1] if transposed else w.shape[-2], dtype=w.dtype))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def weight_names(mod) -> tuple[str, str, Optional[str], Optional[str]]:

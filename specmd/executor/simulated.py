@@ -5,7 +5,7 @@ in place of the native views (nothing is swapped into the live parameters)."""
 
 from __future__ import annotations
 
-from .base import EXECUTION, Executor
+from .base import EXECUTION, Executor, upload
 from .kernel import expert_tensors, run_experts, views_of
 
 
@@ -15,11 +15,12 @@ class Simulated(Executor):
         super().attach(stack)
         self._views = None  # per layer: {name: [E views]}, built on the first lossy call
 
-    def run(self, mod, hidden, index, weights, plan):
+    def run(self, mod, hidden, index, weights, plan, rec=None):
         if plan is None:
             return mod.inner(hidden, index, weights)
+        dev = hidden.device
         if not plan.precisions:
-            return mod.inner(hidden, plan.index, plan.weights)
+            return mod.inner(hidden, upload(plan.index, dev), upload(plan.weights, dev))
         stack = self.stack
         E = stack.geom.num_experts
         if self._views is None:
@@ -31,4 +32,4 @@ class Simulated(Executor):
         for e, prec in plan.precisions.items():
             for name, w in stack.store.weights(mod.layer, e, prec).items():
                 sources[name][e] = w
-        return run_experts(mod.inner, hidden, plan.index, plan.weights, sources)
+        return run_experts(mod.inner, hidden, upload(plan.index, dev), upload(plan.weights, dev), sources)

@@ -92,12 +92,13 @@ def words(raw: torch.Tensor) -> torch.Tensor:
 
 
 class RamTier(HostTier):
-    """Each layer's experts packed as ``[E, slot bytes]`` in the arena's slot layout (parameters back to back
-    in the module's order), so one expert is one contiguous copy (one call, not one per parameter: at 49 kB
-    an expert, the per-call cost was most of the copy). The module's parameters are re-pointed at the packed
-    buffer (strided views): no second copy of the experts is held. Pinned when the device is CUDA.
+    """Each layer's experts as the family's fused tensors, one contiguous ``[E, ...]`` tensor per parameter in
+    host memory -- the arena's layout (:class:`~.arena.SlotArena`), so one expert's parameter is one
+    contiguous copy into its slot. On a CPU device the module's own parameters are the tier (no second
+    copy); for a GPU they are copied once into pinned memory and the module's parameters re-pointed there
+    (still no second copy), so every fetch is a DMA.
 
-    Into host memory (a CPU device) the copy is one ``memmove`` between addresses known in advance
+    Into host memory (a CPU device) a copy is one ``memmove`` per parameter between addresses known in advance
     (``ctypes`` releases the GIL for it, so it overlaps compute like a DMA): a tensor ``copy_`` costs 2 us of
     dispatch per call, a third of a 49 kB expert's copy (measured: 12 GB/s vs 25 GB/s at 48 KiB, 4 vs 12 GB/s
     at 17 MiB); onto a GPU it is ``copy_(non_blocking=True)`` from pinned memory on the transfer stream."""
@@ -105,49 +106,45 @@ class RamTier(HostTier):
     name = "ram"
 
     def __init__(self, layers: list[dict], pin: bool):
-        """``layers[l][name]``: the fused [E, ...] parameter of MoE layer ``l`` (host memory)."""
-        self.packed = []
-        self.views = []
+        """``layers[l][name]``: the fused [E, ...] tensor of parameter ``name`` of MoE layer ``l`` (host memory;
+        a module's parameters are re-pointed at the pinned copy when ``pin``)."""
+        self.tensors: list[dict] = []
         for d in layers:
-            E = next(iter(d.values())).shape[0]
-            sizes = {n: t[0].numel() * t.element_size() for n, t in d.items()}
-            packed = torch.empty(E, sum(sizes.values()), dtype=torch.uint8, pin_memory=pin)
-            o, views = 0, {}
+            out = {}
             for n, t in d.items():
-                region = packed[:, o:o + sizes[n]]  # [E, bytes of one expert's n]
-                region.copy_(t.detach().reshape(E, -1).view(torch.uint8))
-                t.data = region.view(t.dtype).view(t.shape)  # the parameter now lives in the packed buffer
-                views[n] = [t.data[e] for e in range(E)]
-                o += sizes[n]
-            self.packed.append(words(packed))
-            self.views.append(views)
-        self.bytes_held = sum(p.numel() * p.element_size() for p in self.packed)
-        self.row_bytes = [p[0].numel() * p.element_size() for p in self.packed]  # one expert, packed
-        self.addr = [p.data_ptr() for p in self.packed]  # [layer] -> address of expert 0
+                src = t.detach()
+                if pin or not src.is_contiguous():
+                    held = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+                    held.copy_(src)
+                    if isinstance(t, torch.nn.Parameter):
+                        t.data = held  # the parameter now lives in the tier: no second copy of the experts
+                    src = held
+                out[n] = src
+            self.tensors.append(out)
+        self.bytes_held = sum(t.numel() * t.element_size() for d in self.tensors for t in d.values())
+        self.row_bytes = [sum(t[0].numel() * t.element_size() for t in d.values()) for d in self.tensors]
+        # host addresses of expert 0 of each parameter, and one expert's bytes: [layer] -> [(name, addr, bytes)]
+        self._rows = [[(n, t.data_ptr(), t[0].numel() * t.element_size()) for n, t in d.items()] for d in self.tensors]
 
     def copy_into(self, layer, expert, dst):
-        whole = dst.get(BYTES)
-        if whole is not None:
-            if whole.device.type == "cpu":
-                n = self.row_bytes[layer]
-                ctypes.memmove(whole.data_ptr(), self.addr[layer] + expert * n, n)
-            else:
-                copy_bytes(whole, self.packed[layer][expert])
+        rows = self._rows[layer]
+        first = dst[rows[0][0]]
+        if first.device.type == "cpu":  # host memory to host memory: one memmove per parameter
+            memmove = ctypes.memmove
+            for n, addr, nbytes in rows:
+                memmove(dst[n].data_ptr(), addr + expert * nbytes, nbytes)
             return
-        src = self.views[layer]
+        src = self.tensors[layer]
         for n, d in dst.items():
-            d.copy_(src[n][expert], non_blocking=True)
-
-    def copy_many(self, items, name=None):
-        if not items or items[0][2].get(BYTES) is None or items[0][2][BYTES].device.type != "cpu":
-            return super().copy_many(items, name)
-        memmove, addr, row = ctypes.memmove, self.addr, self.row_bytes  # host memory: one memmove per expert
-        for layer, expert, dst in items:
-            n = row[layer]
-            memmove(dst[BYTES].data_ptr(), addr[layer] + expert * n, n)
+            copy_bytes(d, src[n][expert])
 
     def host_views(self, layer, expert):
-        return {n: v[expert] for n, v in self.views[layer].items()}
+        return {n: t[expert] for n, t in self.tensors[layer].items()}
+
+    def host_bank(self, layer: int) -> dict:
+        """Layer ``layer``'s experts as fused ``[E, ...]`` tensors in host memory (experts computed where they
+        are: ``miss=cpu_compute`` on a CPU device)."""
+        return self.tensors[layer]
 
 
 def read_header(path: Path) -> tuple[dict, int]:

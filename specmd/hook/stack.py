@@ -1,8 +1,11 @@
 """The live driver: hooks a transformers MoE model so that its layer calls drive the engine.
 
 Per MoE layer call (SpecMD Algorithm 1):
-1. a forward hook on the router builds the :class:`~specmd.engine.record.LiveRecord` and lets the engine
-   apply the routing policy (dual-logit semantics: new selection, original probabilities as weights);
+1. a forward hook on the router reads the call's routing back to the host -- with the prefetch signal of
+   later layers and the logits when the stack reads them, in **one** device-to-host copy
+   (:mod:`.readback`: the only synchronisation of a hooked layer call) -- builds the
+   :class:`~specmd.engine.record.LiveRecord` from it and lets the engine apply the routing policy
+   (dual-logit semantics: new selection, original probabilities as weights);
 2. the block calls its experts, replaced by :class:`SpecmdExperts`: the engine serves the layer call
    (cache, miss outcomes, prefetch, clock) and says how the experts run; the executor (``execution``:
    simulated or offload, :mod:`specmd.executor`) runs them;
@@ -27,7 +30,7 @@ class SpecmdExperts(nn.Module):
 
     def __init__(self, inner: nn.Module, layer: int, stack: "PolicyStack"):
         super().__init__()
-        if stack.executor.offloads:  # not a submodule: model.to(device) leaves the experts in their host tier
+        if not stack.executor.device_experts:  # not a submodule: model.to(device) leaves the experts in their host tier
             self.__dict__["inner"] = inner
         else:
             self.inner = inner
@@ -39,24 +42,41 @@ class SpecmdExperts(nn.Module):
 
 
 class LiveSignal:
-    """The prefetch signal of one live layer call: later layers' routers applied to its router input,
-    computed on first request per target layer (hooks bypassed) and kept for the call."""
+    """The prefetch signal of one live layer call: later layers' routers applied to its router input (hooks
+    bypassed). The targets the stack reads were computed on the device and read back with the routing
+    (``out``: target -> (logits, index) on the host); another target is computed on first request and read
+    back on its own (a second, counted synchronisation)."""
 
     __slots__ = ("routers", "hidden", "out")
 
-    def __init__(self, routers, hidden: torch.Tensor):
+    def __init__(self, routers, hidden: torch.Tensor, out: dict):
         self.routers = routers
         self.hidden = hidden
-        self.out: dict = {}
+        self.out = out
 
     @torch.no_grad()
     def __call__(self, target: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [T, E], the router's own top-k index [T, k]) of MoE layer ``target`` on this input."""
+        """(logits [T, E], the router's own top-k index [T, k]) of MoE layer ``target`` on this input, on the
+        host."""
         got = self.out.get(target)
         if got is None:
             logits, _, index = self.routers[target].forward(self.hidden)
-            got = self.out[target] = (logits, index)
+            got = self.out[target] = (logits.cpu(), index.cpu())
         return got
+
+
+class HookRecord(LiveRecord):
+    """A live layer call: the router's output on the host (read back once) and on the device (``device_index``,
+    ``device_weights``: what the block passes to its experts). Logits the stack did not read back are read on
+    first use (``_late``: the device tensor)."""
+
+    __slots__ = ("device_index", "device_weights", "_late")
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None and self._late is not None:
+            self._logits, self._late = self._late.cpu(), None
+        return LiveRecord.logits.fget(self)
 
 
 class PolicyStack:
@@ -97,9 +117,36 @@ class PolicyStack:
         self.executor = ecls(eparams)
         self.executor.attach(self)
         self.records: list[Optional[LiveRecord]] = [None] * self.geom.num_layers
-        self.writer = None  # a specmd.replay.trace.TraceWriter recording every pass and layer call
+        from .readback import Readback
+
+        self.readback = Readback(self.device, self.geom.num_layers)
+        # what every layer call reads back: the logits when a policy of the stack reads them (Policy.reads_logits)
+        self.read_logits = any(getattr(spec, g)[0].reads_logits for g in ("routing", "miss", "eviction", "prefetch"))
+        self._writer = None
+        self._set_targets()
         self._handles = []
         self._originals = []
+
+    @property
+    def writer(self):
+        """A :class:`specmd.replay.trace.TraceWriter` recording every pass and layer call, or None."""
+        return self._writer
+
+    @writer.setter
+    def writer(self, writer) -> None:
+        self._writer = writer
+        self._set_targets()
+
+    def _set_targets(self) -> None:
+        """Per MoE layer, the later layers whose prefetch signal its calls read back: as far as the prefetch
+        policy looks (when it predicts at all) and the trace writer records."""
+        depth = 0 if self.engine.prefetch.passive() else self.spec.prefetch[0].signal_depth(self.spec.prefetch[1])
+        writer = self._writer
+        if writer is not None:
+            depth = max(depth, writer.depth)
+            self.read_logits = self.read_logits or writer.logit_dtype is not None
+        L = self.geom.num_layers
+        self.targets = [list(range(l + 1, min(l + depth, L - 1) + 1)) for l in range(L)]
 
     # ---- install / remove ---------------------------------------------------------------------------
     def install(self) -> "PolicyStack":
@@ -150,15 +197,30 @@ class PolicyStack:
 
     def _router_hook(self, layer: int):
         records, engine, scoring, routers = self.records, self.engine, self.scoring, self.routers
+        readback, device = self.readback, self.device
 
         def hook(module, args, output):
             logits, weights, index = output
             hidden = args[0]
             hidden = hidden.reshape(-1, hidden.shape[-1])
-            rec = LiveRecord(layer, logits, weights, index, scoring, LiveSignal(routers, hidden))
+            read_logits = self.read_logits
+            want = [index, weights, logits] if read_logits else [index, weights]
+            targets = self.targets[layer]
+            for t in targets:  # the later routers on this input (hooks bypassed), read back with the routing
+                t_logits, _, t_index = routers[t].forward(hidden)
+                want += (t_logits, t_index)
+            host = readback(layer, want)  # the layer call's one synchronisation
+            n = len(want) - 2 * len(targets)
+            signal = {t: (host[n + 2 * i], host[n + 2 * i + 1]) for i, t in enumerate(targets)}
+            rec = HookRecord(layer, host[2] if read_logits else None, host[1], host[0], scoring,
+                             LiveSignal(routers, hidden, signal))
+            rec._late = None if read_logits else logits
+            rec.device_index, rec.device_weights = index, weights
             records[layer] = rec
-            if engine.route(rec):
-                return logits, rec.weights, rec.index
+            if engine.route(rec):  # the routing policy's selection (on the host) goes to the block's experts
+                rec.device_index = rec.index.to(device, non_blocking=True)
+                rec.device_weights = rec.weights.to(device, non_blocking=True)
+                return logits, rec.device_weights, rec.device_index
             return None
 
         return hook
@@ -166,10 +228,13 @@ class PolicyStack:
     # ---- one MoE layer call ------------------------------------------------------------------------------
     def run_layer(self, mod: SpecmdExperts, hidden, index, weights):
         rec = self.records[mod.layer]
-        if self.writer is not None:
-            self.writer.layer(rec)
-        plan = self.engine.layer(rec, index, weights)
-        return self.executor.run(mod, hidden, index, weights, plan)
+        if self._writer is not None:
+            self._writer.layer(rec)
+        if index is rec.device_index and weights is rec.device_weights:
+            plan = self.engine.layer(rec)  # the block passes what the router hook returned (every family does)
+        else:  # it changed them: the engine serves what it passes (read back: a second synchronisation)
+            plan = self.engine.layer(rec, index.cpu(), weights.cpu())
+        return self.executor.run(mod, hidden, index, weights, plan, rec)
 
 
 def install(model, spec: StackSpec, adapter: Optional[Adapter] = None, device=None,

@@ -10,6 +10,10 @@ from ..registry import Plugin
 
 class Policy(Plugin):
     needs_future: ClassVar[bool] = False  # oracles: only a trace replay can run them
+    # reads its layer call's router logits or probabilities (``record.logits``/``probs``): a live run reads them
+    # back with the routing (one synchronisation). False only where the policy never does: a policy that reads
+    # them anyway still gets them, for a second read-back per layer call (tests count them)
+    reads_logits: ClassVar[bool] = True
 
     def setup(self, model: Any) -> None:
         """Called once with the :class:`~specmd.engine.ModelView` when the engine is built."""

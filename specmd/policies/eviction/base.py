@@ -56,6 +56,7 @@ class EvictionPolicy(EvictionHooks):
     name = None
     Params = None
     needs_future = False  # oracles: only a trace replay can run them
+    reads_logits = False  # (specmd.policies.base.Policy.reads_logits) True for a policy that reads probabilities
 
     def __init__(self, params: Any = None):
         self.params = params

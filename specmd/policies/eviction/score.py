@@ -95,6 +95,8 @@ class Score(EvictionPolicy):
     which a replay answers from probabilities computed a chunk of calls at a time. No allocation per
     step. (Compiled, an extension type, ``score.pxd``.)"""
 
+    reads_logits = True  # its window holds router probabilities
+
     name = "score"
     Params = ScoreParams  # (module-level: an extension type's body holds no class statement)
 

@@ -14,6 +14,8 @@ class CPUCompute(MissPolicy):
     ``host_mem_bandwidth_gbps``). Host-computed experts run at full precision (exact output) and are not
     inserted into the cache; their time overlaps the layer's transfers."""
 
+    reads_logits = False  # (Policy.reads_logits)
+
     @classmethod
     def lossless(cls, params):
         return True

@@ -8,6 +8,8 @@ class Fetch(MissPolicy):
     """Blocking fetch of every miss at ``precision`` (default ``native``: the stored full precision, 100%
     fidelity). ``precision=int4`` with ``quant=hqq`` is SpecMD's "all experts at 4 bit" setting."""
 
+    reads_logits = False  # (Policy.reads_logits)
+
     @dataclass
     class Params:
         precision: str = "native"

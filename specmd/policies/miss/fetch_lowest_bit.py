@@ -8,6 +8,8 @@ class FetchLowestBit(MissPolicy):
     """Fetch Lowest Bit (SpecMD §5.4): experts are stored at the cascade ``precisions`` and every miss (and
     every prefetch) is fetched at its lowest one (``int8:4:2`` -> int2)."""
 
+    reads_logits = False  # (Policy.reads_logits)
+
     @dataclass
     class Params:
         precisions: str = "int8:4:2"

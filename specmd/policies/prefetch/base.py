@@ -21,6 +21,8 @@ from ..base import Policy
 
 
 class PrefetchPolicy(Policy):
+    reads_logits = False  # its input is the prefetch signal (read back with the routing), not this call's logits
+
     @classmethod
     def signal_depth(cls, params: Any) -> int:
         return 1

@@ -5,6 +5,8 @@ from .base import ROUTING, RoutingPolicy
 class Standard(RoutingPolicy):
     """Unmodified routing: the router's own top-k (100% routing fidelity)."""
 
+    reads_logits = False  # (Policy.reads_logits)
+
     def apply(self, record, cache):
         return None
 
