@@ -10,12 +10,10 @@ forward pass its duration and stall for the pass record. The engine charges comp
 :class:`Clock` is the interface. :class:`SimClock` is the deterministic simulated clock (one
 non-preemptive transfer channel, demand before queued prefetches; roofline compute): its handles are
 :class:`Transfer` objects whose arithmetic stays inside it (a demand fetch needs none: the clock keeps the
-latest one's completion and the next ``wait`` includes it). :class:`specmd.executor.wall.WallClock`
-implements the same interface on real copies (its handles are tickets of the executor's transfer thread or
-CUDA stream, ``done`` polls, ``wait`` blocks, ``dense``/``experts``/``tail`` are no-ops because the real
-kernels take the time). ``execution=offload`` keeps the simulated clock deciding (so residency, victims and
-outputs are those of ``execution=simulated``, bit for bit) and measures the same passes on the wall
-(the executor's pass timer and transfer tickets).
+latest one's completion and the next ``wait`` includes it). ``execution=offload`` keeps the simulated
+clock deciding (so residency, victims and outputs are those of ``execution=simulated``, bit for bit) and
+measures the same passes on the wall (the executor's pass timer and transfer tickets): a clock on real
+time would make the decisions depend on the machine's timing.
 """
 
 from __future__ import annotations
@@ -136,7 +134,7 @@ class Roofline:
 class Clock:
     """What the engine needs from time: ``now`` and ``stall_s`` (seconds) are read by the engine's
     accounting. (A compiled extension type: the engine calls its methods without Python's call overhead; a
-    Python subclass, such as :class:`specmd.executor.wall.WallClock`, overrides any of them.)"""
+    Python subclass overrides any of them.)"""
 
     name = "abstract"
 

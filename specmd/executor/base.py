@@ -58,10 +58,13 @@ class Executor(Plugin):
         self.pass_stall: list[float] = []
         self.pass_tokens: list[int] = []
         self._t0 = 0.0
-        self.stall_s = 0.0  # wall seconds compute waited for transfers (offload)
 
     def attach(self, stack) -> None:
         self.stack = stack
+
+    def stalled(self) -> float:
+        """Wall seconds compute has waited for transfers so far."""
+        return 0.0
 
     def run(self, mod, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, plan, rec=None) -> torch.Tensor:
         """One MoE layer call's experts. ``hidden`` [T, H], ``index``/``weights`` [T, k]: what the block passes
@@ -74,7 +77,7 @@ class Executor(Plugin):
     def begin_pass(self, kind: str, tokens: int) -> None:
         self.pass_kinds.append(kind)
         self.pass_tokens.append(tokens)
-        self._stall0 = self.stall_s
+        self._stall0 = self.stalled()
         if self.device.type == "cuda":  # the previous pass's kernels are not this pass's time
             torch.cuda.synchronize(self.device)
         self._t0 = time.perf_counter()
@@ -83,7 +86,7 @@ class Executor(Plugin):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.pass_wall.append(time.perf_counter() - self._t0)
-        self.pass_stall.append(self.stall_s - self._stall0)
+        self.pass_stall.append(self.stalled() - self._stall0)
 
     def wall(self) -> dict:
         """The ``wall`` section: the passes as measured on this machine (same definitions as ``timing``)."""
@@ -99,7 +102,7 @@ class Executor(Plugin):
             "tokens_per_s": sum(self.pass_tokens) / total if total > 0 else None,
             "decode_tokens_per_s": dec_tok / sum(dec) if dec and sum(dec) > 0 else None,
             "total_s": total,
-            "stall_s": self.stall_s,
+            "stall_s": self.stalled(),
         }
 
     def memory(self) -> dict:

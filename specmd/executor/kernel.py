@@ -66,9 +66,10 @@ def grouped_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: tor
     counts = torch.histc(slots_g.float() if hidden.device.type in ("cpu", "mps") else slots_g.int(),
                          bins=total, min=0, max=total - 1)  # [total] (the sentinel, above max, is not counted)
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [total] end row of each slot's group
-    proj = _banked(x_g, slots_g, offs, banks, rows, S, up, up_b, transposed)  # [S, 2I] (or [S, I] ungated)
+    parts = _parts(offs, banks, rows)  # [(bank, first row, rows, its group ends)], computed once per call
+    proj = _banked(x_g, slots_g, parts, S, up, up_b, transposed)  # [S, 2I] (or [S, I] ungated)
     proj = mod._apply_gate(proj) if gated else mod.act_fn(proj)  # [S, I]
-    proj = _banked(proj, slots_g, offs, banks, rows, S, down, down_b, transposed)  # [S, H]
+    proj = _banked(proj, slots_g, parts, S, down, down_b, transposed)  # [S, H]
     if getattr(mod, "has_post_expert_norm", False):
         proj = mod.post_expert_norm(proj)
     weighted = proj * w_g.unsqueeze(-1)  # [S, H]
@@ -78,29 +79,39 @@ def grouped_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: tor
     return weighted.view(T, k, H).sum(dim=1).to(hidden.dtype)  # [T, H]
 
 
-def _banked(x_g: torch.Tensor, slots_g: torch.Tensor, offs: torch.Tensor, banks: Sequence[Bank],
-            rows: Optional[Sequence[int]], S: int, name: str, bias: Optional[str], transposed: bool) -> torch.Tensor:
+def _parts(offs: torch.Tensor, banks: Sequence[Bank], rows: Optional[Sequence[int]]) -> list:
+    """Each bank that has rows this call: (bank, its first row, its rows, its groups' end rows counted from
+    its first row [n_b]); ``rows`` None: the one bank has them all."""
+    if rows is None:
+        return [(banks[0], 0, -1, offs)]
+    out, r0 = [], 0
+    for b, n in zip(banks, rows):
+        if n:
+            ends = offs[b.first:b.first + b.n]  # [n_b] from row 0 of the whole call
+            out.append((b, r0, n, ends - r0 if r0 else ends))
+            r0 += n
+    return out
+
+
+def _banked(x_g: torch.Tensor, slots_g: torch.Tensor, parts: list, S: int, name: str, bias: Optional[str],
+            transposed: bool) -> torch.Tensor:
     """One projection: a grouped linear per bank over its rows of ``x_g`` [S, in] (sorted by slot), sentinel
     rows zero. Returns [S, out]."""
     from transformers.integrations.moe import _grouped_linear
 
-    if rows is None:  # one bank, every row in it: the stock call, weights from the bank
-        b = banks[0]
-        return _grouped_linear(x_g, b.tensors[name], offs, b.tensors[bias][slots_g] if bias else None, transposed)
-    parts, r0 = [], 0
-    for b, n in zip(banks, rows):
-        if n:
-            r1 = r0 + n
-            offs_b = offs[b.first:b.first + b.n]  # [n_b] ends of this bank's groups, counted from row 0
-            if r0:
-                offs_b = offs_b - r0
-            bias_b = b.tensors[bias][slots_g[r0:r1] - b.first] if bias else None
-            parts.append(_grouped_linear(x_g[r0:r1], b.tensors[name], offs_b, bias_b, transposed))
-            r0 = r1
-    if r0 < S:  # sentinel rows: nothing runs here, their contribution is zero
-        w = banks[0].tensors[name]
-        parts.append(x_g.new_zeros(S - r0, w.shape[-1] if transposed else w.shape[-2], dtype=w.dtype))
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    b, r0, n, ends = parts[0] if parts else (None, 0, 0, None)
+    if n < 0:  # one bank, every row in it: the stock call, weights from the bank
+        return _grouped_linear(x_g, b.tensors[name], ends, b.tensors[bias][slots_g] if bias else None, transposed)
+    out = []
+    for b, r0, n, ends in parts:
+        bias_b = b.tensors[bias][slots_g[r0:r0 + n] - b.first] if bias else None
+        out.append(_grouped_linear(x_g[r0:r0 + n], b.tensors[name], ends, bias_b, transposed))
+    done = r0 + n if parts else 0
+    if done < S:  # sentinel rows: nothing runs here, their contribution is zero
+        w = b.tensors[name] if parts else None
+        width = (w.shape[-1] if transposed else w.shape[-2]) if w is not None else x_g.shape[-1]
+        out.append(x_g.new_zeros(S - done, width, dtype=w.dtype if w is not None else x_g.dtype))
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def weight_names(mod) -> tuple[str, str, Optional[str], Optional[str]]:

@@ -195,13 +195,8 @@ class Offload(Executor):
         cache = self.stack.cache
         self.placement.check(cache.entries, cache.pools, contents)
 
-    @property
-    def stall_s(self) -> float:
-        return self.placement.stall_s if hasattr(self, "placement") else 0.0
-
-    @stall_s.setter
-    def stall_s(self, value: float) -> None:  # (the base class initialises it)
-        pass
+    def stalled(self) -> float:
+        return self.placement.stall_s
 
     def wall(self) -> dict:
         out = super().wall()

@@ -30,6 +30,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..counting import register_host
 from ..engine.residency import PoolLayout, ResidencyEvents
 from .arena import ByteArena, SlotArena
 from .kernel import Bank
@@ -121,7 +122,7 @@ class Placement(ResidencyEvents):
         # Two rows would do: a row is rewritten two calls later, after the next call's routing read-back,
         # which waits for everything issued before it (the upload included); four leave a margin.
         pin = device.type == "cuda"
-        self._ring = torch.empty(4, E, dtype=torch.int64, pin_memory=pin)
+        self._ring = register_host(torch.empty(4, E, dtype=torch.int64, pin_memory=pin))
         self._ring_np = self._ring.numpy()
         self._ring_i = 0
         self._slot_of = torch.empty(E, dtype=torch.int64, device=device)
@@ -185,12 +186,14 @@ class Placement(ResidencyEvents):
         return self._raw_at(self.stream.tensors[RAW][row], 0, layer, precision)
 
     def _settle_stream(self) -> None:
-        """Before the stream bank grows: this call's copies already submitted into it have landed."""
+        """Before the stream bank grows: this call's copies already submitted into it have landed (its rows are
+        copied into the grown bank on the compute stream)."""
+        last = None
         for s in self._staged:
             t = s[2]
-            if t is not None and not t.done():
-                self.mover.promote(t)
-                self.stall_s += self.mover.wait(t)
+            if t is not None and t is not last:
+                self.stall_s += self.mover.acquire(t)
+                last = t
 
     def flush(self) -> None:
         """Submit the layer call's pending demand copies as one channel job (paced as that many transfers)."""
@@ -232,13 +235,12 @@ class Placement(ResidencyEvents):
         self.flush()
         E, base = self.E, layer * self.E
         mover, tickets = self.mover, self.tickets
-        for s in self._staged:
+        last = None
+        for s in self._staged:  # this call's streamed experts (their batch's ticket, acquired once)
             t = s[2]
-            if not t.done():
-                mover.promote(t)
-                self.stall_s += mover.wait(t)
-            elif t.error is not None:
-                mover.wait(t)  # raises, naming the expert
+            if t is not last:
+                self.stall_s += mover.acquire(t)
+                last = t
         mixed = self.mixed
         pool = self.pools[self.pool_of_layer[layer]]
         staged_at = {s[1]: i for i, s in enumerate(self._staged) if s[0] == layer}
@@ -255,12 +257,8 @@ class Placement(ResidencyEvents):
         for e in running:
             key = base + e
             t = tickets[key]
-            if t is not None:
-                if not t.done():
-                    mover.promote(t)  # a prefetch still queued is needed now (the late prefetch)
-                    self.stall_s += mover.wait(t)
-                elif t.error is not None:
-                    mover.wait(t)
+            if t is not None:  # a prefetch still queued is needed now (the late prefetch): promoted, waited for
+                self.stall_s += mover.acquire(t)
                 tickets[key] = None
             i = staged_at.get(e)
             if mixed:  # into the work bank: unpacked from its stored copy, or moved out of the byte arena
@@ -363,9 +361,8 @@ class Placement(ResidencyEvents):
         span = arena.window(need)
         for key in arena.inside(*span):
             t = self.tickets[key]
-            if t is not None and not t.done():
-                self.mover.promote(t)
-                self.stall_s += self.mover.wait(t)
+            if t is not None:
+                self.stall_s += self.mover.acquire(t)
         for key, off in arena.compact(span=span).items():  # views re-made when the copy next runs
             self.at[key] = off
 

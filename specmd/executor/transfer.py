@@ -24,7 +24,7 @@ class TransferError(RuntimeError):
 
 
 class Ticket:
-    __slots__ = ("job", "nbytes", "count", "state", "error", "issued", "started", "finished", "what")
+    __slots__ = ("job", "nbytes", "count", "state", "error", "issued", "started", "finished", "what", "event")
 
     QUEUED, RUNNING, DONE, CANCELLED = 0, 1, 2, 3
 
@@ -37,6 +37,7 @@ class Ticket:
         self.issued = time.perf_counter()
         self.started = self.finished = 0.0
         self.what = what  # "layer 3 expert 17 (int4)": named in errors
+        self.event = None  # CUDA: the event recorded after the copies (compute waits on it, not the host)
 
     def done(self) -> bool:
         return self.state >= Ticket.DONE
@@ -69,6 +70,17 @@ class Mover:
         """Block until ``ticket`` is done; returns the seconds waited. Raises :class:`TransferError` if it
         failed."""
         raise NotImplementedError
+
+    def acquire(self, ticket: Ticket) -> float:
+        """Compute is about to read what ``ticket`` copies: promote it if still queued and wait for it (on
+        CUDA: until its copies are issued, then the compute stream waits on its event -- the host does not);
+        returns the seconds the host waited. Raises :class:`TransferError` if it failed."""
+        if ticket.state >= Ticket.DONE:
+            if ticket.error is not None:
+                self.wait(ticket)  # raises, naming the expert
+            return 0.0
+        self.promote(ticket)
+        return self.wait(ticket)
 
     def close(self) -> None:
         pass
@@ -164,9 +176,9 @@ class ThreadMover(Mover):
             t0 = time.perf_counter()
             t.started = t0
             try:
-                t.job()
+                self._run_job(t)
                 c = time.perf_counter()
-                self.copy_s += c - t0
+                self.copy_s += self._copy_seconds(t, t0, c)
                 self._pace(t0, t.nbytes, t.count)
             except BaseException as exc:  # noqa: BLE001 -- handed to the waiter, who fails the run with it
                 t.error = exc
@@ -180,6 +192,13 @@ class ThreadMover(Mover):
                 t.state = Ticket.DONE
                 cv.notify_all()
 
+    def _run_job(self, ticket: Ticket) -> None:
+        ticket.job()
+
+    def _copy_seconds(self, ticket: Ticket, t0: float, t1: float) -> float:
+        """The seconds the job's copies took (a CPU copy: the job's own time)."""
+        return t1 - t0
+
     def close(self):
         self._stop.set()  # a paced transfer stops waiting out the link
         with self._cv:
@@ -189,13 +208,14 @@ class ThreadMover(Mover):
 
 
 class CudaMover(ThreadMover):
-    """The CUDA implementation (written for GPU users; **not run on a GPU by this project's CI**, which has
-    none: ``benchmarks/offload.py --device cuda`` measures it). The same transfer thread issues each job's
-    host->device copies with ``non_blocking=True`` on a dedicated side stream from pinned host memory and
-    records a CUDA event; the job is done when its event has completed, and the compute stream waits on the
-    event (no host synchronisation on the compute side). Before a slot is overwritten the side stream waits
-    for the compute stream's work issued so far (a slot evicted by the engine may still be read by the
-    previous layer's kernels)."""
+    """The CUDA implementation. The same transfer thread issues each job's host->device copies with
+    ``non_blocking=True`` on a dedicated side stream from pinned host memory and records an event after them;
+    the job is done when its copies are *issued* (unthrottled) -- the compute stream then waits on the event
+    (:meth:`acquire`), so the host never waits for a copy to land. Throttled (emulating a slower link), the
+    thread waits for the event and paces, as on the CPU, and compute waits for the paced end. Before a job
+    writes a slot, the side stream waits for the compute stream's work issued so far (a slot the engine freed
+    may still be read by kernels already queued); copies into one slot are ordered by the side stream itself.
+    The copies' own time comes from timing events, read when they have completed (never waited for)."""
 
     def __init__(self, bandwidth_bytes_per_s, latency_s, device):
         import torch
@@ -203,23 +223,41 @@ class CudaMover(ThreadMover):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self.compute = torch.cuda.current_stream(device)
+        self._timed: deque = deque()  # (start event, end event) of jobs whose copy time is not yet counted
         super().__init__(bandwidth_bytes_per_s, latency_s)
 
-    def run_on_stream(self, job):
-        """Wrap a job so its copies go on the side stream, ordered after the compute issued so far."""
+    def _run_job(self, ticket) -> None:
         import torch
 
-        stream, compute = self.stream, self.compute
+        stream = self.stream
+        stream.wait_stream(self.compute)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            ticket.job()
+            end.record(stream)
+        ticket.event = end
+        self._timed.append((start, end))
+        if self.bw is not None:  # pacing starts from the copy's real end: the transfer thread waits, compute not
+            end.synchronize()
 
-        def wrapped():
-            stream.wait_stream(compute)
-            with torch.cuda.stream(stream):
-                job()
-            ev = torch.cuda.Event()
-            ev.record(stream)
-            ev.synchronize()  # the transfer thread waits, the compute thread does not
+    def _copy_seconds(self, ticket, t0, t1) -> float:
+        done = 0.0
+        timed = self._timed
+        while timed and timed[0][1].query():  # (a query, not a wait)
+            start, end = timed.popleft()
+            done += start.elapsed_time(end) / 1e3
+        return done
 
-        return wrapped
+    def acquire(self, ticket) -> float:
+        waited = super().acquire(ticket)
+        if ticket.event is not None:
+            self.compute.wait_event(ticket.event)  # the kernels that read these copies wait, on the device
+        return waited
 
-    def submit(self, job, nbytes, demand, what="", count=1):
-        return super().submit(self.run_on_stream(job), nbytes, demand, what, count)
+    def close(self):
+        super().close()
+        for start, end in self._timed:  # the copies not yet counted (the run's end: nothing else waits)
+            end.synchronize()
+            self.copy_s += start.elapsed_time(end) / 1e3
+        self._timed.clear()

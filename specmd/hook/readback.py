@@ -3,13 +3,14 @@ read on the host, copied back at once.
 
 The engine decides on the host (which experts a call requests, victims, prefetches), so the routing must
 come back from the device once per layer call; nothing else may wait for the device. :class:`Readback`
-packs the call's tensors -- the router's top-k index and weights, its logits when a policy reads them, the
-prefetch signal of the later layers a prefetcher or the trace writer reads -- into one byte buffer on the
-device (one ``cat``), copies it into pinned host memory with one non-blocking copy and waits on one event
-(on a CPU device: one ``cat`` into host memory). The host tensors are views of that buffer, one buffer per
-MoE layer, so a record stays valid until its layer's next call (records are per layer). Tensors are packed
-widest element first, so every view is aligned to its dtype (sizes are multiples of their element size,
-and element sizes are powers of two).
+packs the call's tensors -- all ``[T, n]`` for the call's T tokens: the router's top-k index and weights,
+its logits when a policy reads them, the prefetch signal of the later layers a prefetcher or the trace
+writer reads -- side by side into one ``[T, bytes]`` buffer on the device (one ``cat`` of byte views),
+copies it into pinned host memory with one non-blocking copy and waits on one event (on a CPU device: one
+``cat`` into host memory). The host tensors are views of that buffer, one buffer per MoE layer, so a record
+stays valid until its layer's next call (records are per layer). Tensors are packed widest element first,
+so every view is aligned to its dtype (row widths are multiples of their element size, and element sizes
+are powers of two).
 
 What a call reads back is fixed when the stack is installed; a policy that reads what was not read back
 still gets it (a second, counted read-back: never a wrong value).
@@ -18,6 +19,8 @@ still gets it (a second, counted read-back: never a wrong value).
 from __future__ import annotations
 
 import torch
+
+from ..counting import register_host
 
 
 class Readback:
@@ -31,30 +34,35 @@ class Readback:
         self.bytes = 0
 
     def __call__(self, layer: int, tensors) -> list:
-        """Host copies (views) of ``tensors`` (device tensors, any dtypes and shapes), in their order."""
+        """Host copies (views) of ``tensors``: device tensors of any dtypes, each ``[T, n_i]`` with the same T
+        (a layer call's tokens), in their order."""
         order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
-        flat = [tensors[i].reshape(-1).view(torch.uint8) for i in order]
-        total = sum(f.numel() for f in flat)
+        rows = [tensors[i].view(torch.uint8) for i in order]  # [T, bytes of a token's n_i]
+        T = rows[0].shape[0]
+        width = sum(r.shape[1] for r in rows)
+        total = T * width
         buf = self._host[layer]
         if buf is None or buf.numel() < total:  # grows to the largest call (a prefill); never per call after
-            buf = self._host[layer] = torch.empty(max(total, 64), dtype=torch.uint8, pin_memory=self.cuda)
+            buf = self._host[layer] = register_host(torch.empty(max(total, 64), dtype=torch.uint8,
+                                                                pin_memory=self.cuda))
+        host = buf[:total].view(T, width)
         if self.cuda:
             dev = self._dev
             if dev is None or dev.numel() < total:
                 dev = self._dev = torch.empty(max(total, 64), dtype=torch.uint8, device=self.device)
-            torch.cat(flat, out=dev[:total])
-            buf[:total].copy_(dev[:total], non_blocking=True)
+            dev = dev[:total].view(T, width)
+            torch.cat(rows, dim=1, out=dev)
+            host.copy_(dev, non_blocking=True)
             self._event.record()
             self._event.synchronize()  # the one wait for the device in this layer call
         else:
-            torch.cat(flat, out=buf[:total])
+            torch.cat(rows, dim=1, out=host)
         self.calls += 1
         self.bytes += total
         out = [None] * len(tensors)
         o = 0
-        for i, f in zip(order, flat):
-            t = tensors[i]
-            n = f.numel()
-            out[i] = buf[o:o + n].view(t.dtype).view(t.shape)
+        for i, r in zip(order, rows):
+            n = r.shape[1]
+            out[i] = host[:, o:o + n].view(tensors[i].dtype)  # [T, n_i] (rows strided by the buffer's width)
             o += n
         return out

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..engine import Engine, LiveRecord, StackSpec
+from ..executor.base import upload
 from ..models.adapters import Adapter, adapter_for
 
 
@@ -61,8 +62,13 @@ class LiveSignal:
         got = self.out.get(target)
         if got is None:
             logits, _, index = self.routers[target].forward(self.hidden)
-            got = self.out[target] = (logits.cpu(), index.cpu())
+            got = self.out[target] = (to_host(logits), to_host(index))
         return got
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor read on the host outside the layer call's read-back (a copy even on a CPU device)."""
+    return t.to("cpu", copy=True)
 
 
 class HookRecord(LiveRecord):
@@ -75,7 +81,7 @@ class HookRecord(LiveRecord):
     @property
     def logits(self) -> torch.Tensor:
         if self._logits is None and self._late is not None:
-            self._logits, self._late = self._late.cpu(), None
+            self._logits, self._late = to_host(self._late), None
         return LiveRecord.logits.fget(self)
 
 
@@ -218,8 +224,8 @@ class PolicyStack:
             rec.device_index, rec.device_weights = index, weights
             records[layer] = rec
             if engine.route(rec):  # the routing policy's selection (on the host) goes to the block's experts
-                rec.device_index = rec.index.to(device, non_blocking=True)
-                rec.device_weights = rec.weights.to(device, non_blocking=True)
+                rec.device_index = upload(rec.index, device)
+                rec.device_weights = upload(rec.weights, device)
                 return logits, rec.device_weights, rec.device_index
             return None
 
@@ -233,7 +239,7 @@ class PolicyStack:
         if index is rec.device_index and weights is rec.device_weights:
             plan = self.engine.layer(rec)  # the block passes what the router hook returned (every family does)
         else:  # it changed them: the engine serves what it passes (read back: a second synchronisation)
-            plan = self.engine.layer(rec, index.cpu(), weights.cpu())
+            plan = self.engine.layer(rec, to_host(index), to_host(weights))
         return self.executor.run(mod, hidden, index, weights, plan, rec)
 
 

@@ -88,9 +88,9 @@ def expert_scores(record: Any, experts: list[int]):
     import torch
 
     probs = record.probs
-    idx = torch.tensor(experts, dtype=torch.long, device=probs.device)
+    idx = probs.new_tensor(experts, dtype=torch.long)
     selected = (record.index.unsqueeze(-1) == idx).any(1)  # [T, n]
-    return torch.where(selected, probs[:, idx], torch.zeros((), device=probs.device)).amax(0).float().cpu()
+    return torch.where(selected, probs[:, idx], probs.new_zeros(())).amax(0).float().cpu()
 
 
 def best_ranks(record: Any, experts: list[int]) -> list[int]:

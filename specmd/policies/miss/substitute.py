@@ -32,7 +32,7 @@ class Substitute(MissPolicy):
             return None
         a = self.params.alpha
         s_k1 = torch.topk(probs, k + 1, dim=-1).values[:, k]  # [T]
-        resident = torch.zeros(probs.shape[-1], dtype=torch.bool, device=probs.device)
+        resident = probs.new_zeros(probs.shape[-1], dtype=torch.bool)
         ids = cache.resident(layer)
         if ids:
             resident[ids] = True
@@ -47,7 +47,7 @@ class Substitute(MissPolicy):
                 actions.append(Fetched())
                 continue
             pick = torch.where(cand, probs[tokens], torch.full_like(probs[tokens], -1.0)).argmax(-1)
-            sub = torch.full((probs.shape[0],), e, dtype=torch.long, device=probs.device)
+            sub = probs.new_full((probs.shape[0],), e, dtype=torch.long)
             sub[tokens] = pick
             eligible[tokens.nonzero().squeeze(-1), pick] = False
             actions.append(Substituted(sub))

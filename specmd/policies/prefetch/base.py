@@ -49,7 +49,7 @@ def union_by_score(probs: torch.Tensor, index: torch.Tensor, values: torch.Tenso
             return [idx[j] for j in sorted(range(len(v)), key=lambda j: -v[j])]  # stable: ties keep their order
         order = torch.argsort(-values[0], stable=True)
         return index[0, order].tolist()
-    best = torch.full((probs.shape[-1],), -1.0, dtype=probs.dtype, device=probs.device)
+    best = probs.new_full((probs.shape[-1],), -1.0)
     best.scatter_reduce_(0, index.reshape(-1), values.reshape(-1), reduce="amax")
     chosen = (best >= 0).nonzero().squeeze(-1)
     order = torch.argsort(-best[chosen], stable=True)

@@ -39,7 +39,7 @@ class RoutingPolicy(Policy):
 
 def cache_mask(record: Any, cache: Any) -> torch.Tensor:
     """``[E]`` bool: experts of the record's layer that are in the cache (arrived or on their way)."""
-    mask = torch.zeros(record.logits.shape[-1], dtype=torch.bool, device=record.logits.device)
+    mask = record.logits.new_zeros(record.logits.shape[-1], dtype=torch.bool)
     resident = cache.present(record.layer)
     if resident:
         mask[resident] = True
@@ -54,7 +54,7 @@ def promote_select(ranking: torch.Tensor, cached: torch.Tensor, max_rank: torch.
     (M per token). Each expert gets the key (group, rank) with group 0 = top-J, 1 = in the top-M and
     cached, 2 = the rest; sorting by it is exactly the two promotions (order kept within groups)."""
     num = ranking.shape[-1]
-    rank = torch.arange(num, device=ranking.device).expand_as(ranking)
+    rank = ranking.new_tensor(range(num)).expand_as(ranking)
     in_cache = cached[ranking]
     group = torch.where(rank < top_j, 0, torch.where(in_cache & (rank < max_rank.unsqueeze(-1)), 1, 2))
     order = torch.argsort(group * num + rank, dim=-1)

@@ -24,5 +24,5 @@ class MaxRank(RoutingPolicy):
 
     def apply(self, record, cache):
         ranking = torch.argsort(record.logits, dim=-1, descending=True, stable=True)
-        m = torch.full((ranking.shape[0],), self.params.M, device=ranking.device)
+        m = ranking.new_full((ranking.shape[0],), self.params.M)
         return promote_select(ranking, cache_mask(record, cache), m, self.params.J, record.top_k)

@@ -40,7 +40,7 @@ class Prune(RoutingPolicy):
         return index
 
     def empties(self, record, index):
-        void = torch.zeros(index.shape, dtype=torch.bool, device=index.device)
+        void = index.new_zeros(index.shape, dtype=torch.bool)
         void[:, self.params.h:] = True
         return void
 
