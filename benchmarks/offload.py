@@ -85,11 +85,11 @@ def generate(model_name: str, stack: dict, hw: dict, execution: dict, device: st
             model(ids)  # the prompt's own shapes: kernels chosen for them are not TTFT's
     spec = spec_of(hardware=HardwareConfig(**hw), **stack)
     spec.execution = EXECUTION.params(execution)
-    offload = spec.execution[0].offloads
-    if not offload:
+    on_device = spec.execution[0].device_experts
+    if on_device:
         model.to(device)
     st = install(model, spec, device=device, checkpoint=local_checkpoint(mcfg.pretrained) if mcfg.pretrained else None)
-    if offload:
+    if not on_device:
         model.to(device)
     ids = ids.to(device)
     if installed is not None:
@@ -135,31 +135,35 @@ def part1(profiles: dict, device: str, reps: int = 3) -> None:
 def path_alone(st, rounds: int = 3) -> tuple[float, float, int]:
     """The transfer path with nothing else running: every expert of every layer fetched through the
     executor's own tier, channel and arena slots, ``rounds`` times, two ways: as demand fetches (one job per
-    layer call, what :meth:`Offload._flush` submits) and as prefetches (one job per expert, queued back to
+    layer call, what :meth:`Placement.flush` submits) and as prefetches (one job per expert, queued back to
     back); returns (GB/s demand, GB/s prefetch, bytes of one expert), each from the first submit to the last
     arrival of the best round."""
     from functools import partial
 
     ex = st.executor
-    slots = ex.pools[0].slots
-    L, E = len(st.moe_ids), ex.E
+    place, mover = ex.placement, ex.mover
+    arena = place.pools[0]
+    slots = [arena.views(s) for s in range(arena.n)]
+    L, E, nbytes = len(st.moe_ids), place.E, place.slot_bytes
     best = [float("inf"), float("inf")]
     for _ in range(rounds):
         t0 = time.perf_counter()
-        tickets = [ex.mover.submit(partial(ex.tier.copy_many, [(layer, e, slots[(layer * E + e) % len(slots)])
+        tickets = [mover.submit(partial(place.tier.copy_many, [(layer, e, slots[(layer * E + e) % len(slots)])
                                                                for e in range(E)], ex._name),
-                                   ex.slot_bytes * E, True, f"layer {layer}", E) for layer in range(L)]
+                                nbytes * E, True, f"layer {layer}", E) for layer in range(L)]
         for t in tickets:
-            ex.mover.wait(t)
+            mover.wait(t)
+        mover.sync()
         best[0] = min(best[0], time.perf_counter() - t0)
         t0 = time.perf_counter()
-        tickets = [ex.mover.submit(partial(ex.tier.copy_into, layer, e, slots[(layer * E + e) % len(slots)]),
-                                   ex.slot_bytes, False) for layer in range(L) for e in range(E)]
+        tickets = [mover.submit(partial(place.tier.copy_into, layer, e, slots[(layer * E + e) % len(slots)]),
+                                nbytes, False) for layer in range(L) for e in range(E)]
         for t in tickets:
-            ex.mover.wait(t)
+            mover.wait(t)
+        mover.sync()
         best[1] = min(best[1], time.perf_counter() - t0)
-    total = L * E * ex.slot_bytes / 1e9
-    return total / best[0], total / best[1], ex.slot_bytes
+    total = L * E * nbytes / 1e9
+    return total / best[0], total / best[1], nbytes
 
 
 def qwen_layers(n: int = 2) -> str:

@@ -261,11 +261,13 @@ class Counting:
         self._handles = []
 
 
-def count_layer_calls(model, blocks, run, *, registered: Optional[list] = None) -> Counting:
-    """Run ``run()`` under :class:`Counting` scoped to ``blocks``; ``registered``: more host buffers."""
-    for t in registered or ():
-        register_host(t)
+def count_layer_calls(blocks, run, warm: bool = True) -> Counting:
+    """``run()`` (a generation, say) counted per call of ``blocks`` (the MoE blocks); ``warm``: run it once
+    before, uncounted, so buffers allocated once are not counted as per-call work."""
+    if warm:
+        run()
     c = Counting().scope(blocks)
     with c:
         run()
     return c
+

@@ -6,6 +6,7 @@ import torch
 
 from conftest import FAMILIES, sample_ids, tiny
 from specmd.counting import Counting, register_host
+from specmd.hook.counting import count_generation
 from specmd.executor import EXECUTION
 from specmd.hardware import HardwareConfig
 from specmd.models.adapters import adapter_for
@@ -66,28 +67,10 @@ def test_views_are_device_ops_but_not_kernels():
 # 2. the hooked and offloaded paths: one sync per MoE layer call, the ops they add (pinned, every family)
 # ---------------------------------------------------------------------------------------------------------
 
-def per_call(model, family, spec=None, prefetch=False):
+def per_call(model, family, spec=None):
     """Per MoE layer call of a greedy generation (a prefill of 8 tokens and 3 decode steps), inside the MoE
-    blocks: (device ops, kernels, syncs)."""
-    from specmd.hook import install
-
-    adapter = adapter_for(family)
-    blocks = [adapter.block(model, i) for i in adapter.moe_layers(model)]
-    ids = sample_ids(batch=1, seq=8, seed=1)
-
-    def gen():
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=3, do_sample=False, min_new_tokens=3)
-
-    stack = install(model, spec, adapter) if spec is not None else None
-    try:
-        gen()  # warm-up: buffers allocated once
-        c = Counting().scope(blocks)
-        with c:
-            gen()
-    finally:
-        if stack is not None:
-            stack.remove()
+    blocks: (device ops, kernels, syncs, the Counting)."""
+    c = count_generation(model, adapter_for(family), spec, sample_ids(batch=1, seq=8, seed=1), 3)
     got = c.per_call()
     return got["device_ops"], got["kernels"], got["syncs"], c
 

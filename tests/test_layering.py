@@ -111,3 +111,31 @@ def test_one_home_for_recording_replaying_and_belady():
     for definition in (r"def run_replay\(", r"class Belady\b", r"def record_routing\(", r"class TraceWriter\b",
                        r"def read_trace\(", r"def requested_per_call\(", r"class GateRecord\b"):
         assert len(where(definition)) == 1, definition
+
+
+def private_engine_reads(source: str) -> list:
+    """Attribute reads ``<x>._name`` where ``<x>`` names an engine object (the cache manager, the engine, its
+    clock, statistics or view), in ``source``."""
+    tree = ast.parse(source)
+    engine_names = {"cache", "engine", "clock", "stats", "view", "manager"}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", None)
+            if name in engine_names:
+                out.append(f"{name}.{node.attr}")
+    return out
+
+
+def test_executors_plug_into_the_declared_seam_only():
+    """An executor reads no private attribute of the engine (it has the pool layout and the residency events of
+    specmd.engine.residency), and the composition root names no executor: each owns its config checks."""
+    for name, path in MODULES.items():
+        if name.startswith("specmd.executor"):
+            assert private_engine_reads(path.read_text()) == [], name
+    assert private_engine_reads("x = stack.cache._pool_of_layer[0]\ny = self.engine.calls") == \
+        ["cache._pool_of_layer"]  # the check itself
+    app = (ROOT / "app.py").read_text()
+    assert not re.search(r"(?i)offload", app)
+    assert "def config_errors" in (ROOT / "executor" / "offload.py").read_text()

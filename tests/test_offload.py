@@ -809,3 +809,82 @@ def test_a_slow_link_never_holds_a_stopping_run():
     t0 = time.perf_counter()
     m.close()  # the paced transfer is 147 s from done
     assert time.perf_counter() - t0 < 2.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 8. the seam, the read-back, the double buffer
+# ---------------------------------------------------------------------------------------------------------
+
+def test_the_engine_declares_the_pools_and_one_residency_subscriber():
+    from specmd.engine.residency import PoolLayout, ResidencyEvents
+    from specmd.hook import install
+
+    model = tiny("olmoe")
+    for scope, pools in (("global", 1), ("per_layer", 4)):
+        spec = spec_of({"name": "offload", "throttle": False}, capacity=0.3, scope=scope)
+        with install(model, spec, adapter_for("olmoe")) as stack:
+            cache = stack.cache
+            layout = cache.layout()
+            assert isinstance(layout, PoolLayout) and len(layout.capacities) == pools
+            assert layout.capacities == tuple(p.capacity for p in cache.pools)
+            assert layout.pool_of_layer == ((0,) * 4 if pools == 1 else (0, 1, 2, 3)) and layout.num_experts == 64
+            assert layout.layers_of(0) == ([0, 1, 2, 3] if pools == 1 else [0])
+            assert cache.events is stack.executor.placement
+            with pytest.raises(RuntimeError, match="already has a residency subscriber"):
+                cache.subscribe(ResidencyEvents())
+            cache.subscribe(stack.executor.placement)  # the same one again: nothing changes
+
+
+def test_readback_packs_a_calls_tensors_into_one_host_buffer_per_layer():
+    from specmd.hook.readback import Readback
+
+    rb = Readback(torch.device("cpu"), 2)
+    idx = torch.tensor([[3, 1], [0, 2]])
+    w = torch.tensor([[0.25, 0.75], [0.5, 0.5]], dtype=torch.bfloat16)
+    logits = torch.randn(2, 5)
+    out = rb(0, [idx, w, logits])
+    assert [t.dtype for t in out] == [torch.int64, torch.bfloat16, torch.float32]
+    assert all(torch.equal(a, b) for a, b in zip(out, (idx, w, logits)))
+    assert all(t.untyped_storage().data_ptr() == out[0].untyped_storage().data_ptr() for t in out)  # one buffer
+    assert rb.calls == 1 and rb.bytes == 2 * (16 + 4 + 20)
+    other = rb(1, [idx + 1, w])  # another layer: its own buffer, layer 0's record stays valid
+    assert torch.equal(out[0], idx) and torch.equal(other[0], idx + 1)
+    again = rb(0, [idx * 2, w, logits])  # layer 0's next call reuses its buffer (records are per layer)
+    assert torch.equal(out[0], idx * 2) and again[0].untyped_storage().data_ptr() == out[0].untyped_storage().data_ptr()
+
+
+def test_streamed_experts_go_through_a_double_buffer_each_bank_acquired_before_it_computes():
+    """A call that streams experts submits the arena's copies and each stream bank's as separate jobs, and the
+    kernel acquires each bank's copies just before that bank computes: arena first, then stream bank 0, then
+    stream bank 1 (whose copies may still be landing while bank 0 computes). Outputs stay the simulated run's."""
+    from specmd.hook import install
+
+    model = tiny("olmoe")
+    spec = spec_of({"name": "offload", "throttle": False, "check": True}, capacity=0.04, prefetch="none")
+    order = []
+    with torch.no_grad(), install(model, spec, adapter_for("olmoe")) as stack:
+        place = stack.executor.placement
+        ready = place.ready
+
+        def spy(bank):
+            names = {id(place._arena_bank): "arena", id(place.stream_banks[0]): "stream0",
+                     id(place.stream_banks[1]): "stream1"}
+            order.append((names.get(id(bank), "other"), len(bank.tickets)))
+            ready(bank)
+
+        place.ready = spy
+        tokens = model.generate(sample_ids(batch=1, seq=12, seed=3), max_new_tokens=3, do_sample=False)
+        jobs = stack.executor.mover.jobs
+        streamed = stack.engine.results()["cache"]
+    sim = run_stack(model, spec_of({"name": "simulated"}, capacity=0.04, prefetch="none"),
+                    sample_ids(batch=1, seq=12, seed=3), sample_ids(batch=1, seq=4, seed=4), new_tokens=3)
+    assert torch.equal(tokens, sim[0])
+    # a prefill at 4% streams most of a layer's experts: both stream banks, each with its own job
+    names = [n for n, _ in order]
+    assert "stream1" in names, names
+    i = names.index("stream1")
+    assert names[i - 1] == "stream0", names  # bank 0 computes before bank 1's copies are waited for
+    assert "arena" in names, names
+    assert order[i][1] == 1 and order[i - 1][1] == 1  # one job per stream bank, acquired by its own bank
+    assert jobs > len(stack.moe_ids)  # more than one job per layer call when it streams
+    assert streamed["misses"] > 0

@@ -57,6 +57,7 @@ class Executor(Plugin):
         self.pass_wall: list[float] = []
         self.pass_stall: list[float] = []
         self.pass_tokens: list[int] = []
+        self.pass_bytes: list[int] = []  # bytes the pass moved to the device (offload)
         self._t0 = 0.0
 
     def attach(self, stack) -> None:
@@ -65,6 +66,10 @@ class Executor(Plugin):
     def stalled(self) -> float:
         """Wall seconds compute has waited for transfers so far."""
         return 0.0
+
+    def moved(self) -> int:
+        """Bytes of experts sent to the device so far."""
+        return 0
 
     def run(self, mod, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, plan, rec=None) -> torch.Tensor:
         """One MoE layer call's experts. ``hidden`` [T, H], ``index``/``weights`` [T, k]: what the block passes
@@ -78,6 +83,7 @@ class Executor(Plugin):
         self.pass_kinds.append(kind)
         self.pass_tokens.append(tokens)
         self._stall0 = self.stalled()
+        self._bytes0 = self.moved()
         if self.device.type == "cuda":  # the previous pass's kernels are not this pass's time
             torch.cuda.synchronize(self.device)
         self._t0 = time.perf_counter()
@@ -87,6 +93,7 @@ class Executor(Plugin):
             torch.cuda.synchronize(self.device)
         self.pass_wall.append(time.perf_counter() - self._t0)
         self.pass_stall.append(self.stalled() - self._stall0)
+        self.pass_bytes.append(self.moved() - self._bytes0)
 
     def wall(self) -> dict:
         """The ``wall`` section: the passes as measured on this machine (same definitions as ``timing``)."""
@@ -103,6 +110,10 @@ class Executor(Plugin):
             "decode_tokens_per_s": dec_tok / sum(dec) if dec and sum(dec) > 0 else None,
             "total_s": total,
             "stall_s": self.stalled(),
+            # bytes moved to the device: per prefill pass, and per decode token (the link's share of TTFT, TPOT)
+            "prefill_bytes_moved": _mean([b for k, b in zip(self.pass_kinds, self.pass_bytes) if k == "prefill"]),
+            "decode_bytes_moved_per_token": sum(b for k, b in zip(self.pass_kinds, self.pass_bytes) if k == "decode")
+            / dec_tok if dec_tok else None,
         }
 
     def memory(self) -> dict:
@@ -117,6 +128,10 @@ class Executor(Plugin):
     @property
     def device(self) -> torch.device:
         return getattr(self, "_device", torch.device("cpu"))
+
+
+def _mean(xs: list):
+    return sum(xs) / len(xs) if xs else None
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:

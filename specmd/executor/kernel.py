@@ -24,7 +24,7 @@ kernel is tested against): the same arithmetic group by group with per-expert we
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -33,23 +33,28 @@ class Bank:
     """Experts as fused tensors ``tensors[name]`` ``[n, ...]`` (the family's layout), holding the global slot
     ids ``first .. first + n - 1`` of a layer call's expert map."""
 
-    __slots__ = ("tensors", "first", "n")
+    __slots__ = ("tensors", "first", "n", "tickets")
 
     def __init__(self, tensors: dict, first: int, n: int):
         self.tensors = tensors
         self.first = first
         self.n = n
+        self.tickets: list = []  # what the bank waits for (the executor's transfers; ``ready``)
 
 
 def grouped_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
-                    banks: Sequence[Bank], rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+                    banks: Sequence[Bank], rows: Optional[Sequence[int]] = None,
+                    ready: Optional[Callable] = None) -> torch.Tensor:
     """The layer call's experts from ``banks``. ``mod``: the family's fused experts module (its gate,
     activation, layout flags; its own weights are not read); ``hidden`` [T, H]; ``index``/``weights`` [T, k]
     on the device; ``slot_of`` [E] long on the device: each expert's global slot this call, or the sentinel
     ``banks[-1].first + banks[-1].n``: it does not run here and its rows contribute zero (its weight is zero:
     dropped; or its output is not this kernel's). ``rows``: with several banks or sentinel rows, the
     token-expert rows of each bank in order (host ints, from the routing the host read); None: one bank, no
-    sentinel. Returns [T, H]."""
+    sentinel. ``ready(bank)``: called just before a bank's weights are read, so a bank computes while the
+    copies into the next are still landing (each bank's rows run up, gate and down before the next bank's:
+    the gate is elementwise, and on row slices it gives the whole batch's bits -- 320 of 320 random splits,
+    every family). Returns [T, H]."""
     up, down, up_b, down_b = weight_names(mod)
     transposed = bool(getattr(mod, "is_transposed", False))
     gated = getattr(mod, "has_gate", True)
@@ -66,10 +71,20 @@ def grouped_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: tor
     counts = torch.histc(slots_g.float() if hidden.device.type in ("cpu", "mps") else slots_g.int(),
                          bins=total, min=0, max=total - 1)  # [total] (the sentinel, above max, is not counted)
     offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [total] end row of each slot's group
-    parts = _parts(offs, banks, rows)  # [(bank, first row, rows, its group ends)], computed once per call
-    proj = _banked(x_g, slots_g, parts, S, up, up_b, transposed)  # [S, 2I] (or [S, I] ungated)
-    proj = mod._apply_gate(proj) if gated else mod.act_fn(proj)  # [S, I]
-    proj = _banked(proj, slots_g, parts, S, down, down_b, transposed)  # [S, H]
+    parts = _parts(offs, banks, rows)  # [(bank, first row, rows, its group ends)]
+    outs = []
+    for b, r0, n, ends in parts:
+        if ready is not None:
+            ready(b)
+        x = x_g if n < 0 else x_g[r0:r0 + n]  # [n, H]
+        sl = None if up_b is None else slots_g if n < 0 else slots_g[r0:r0 + n]  # [n] (for biases)
+        h = _linear(x, sl, b, ends, up, up_b, transposed)  # [n, 2I] (or [n, I] ungated)
+        h = mod._apply_gate(h) if gated else mod.act_fn(h)  # [n, I]
+        outs.append(_linear(h, sl, b, ends, down, down_b, transposed))  # [n, H]
+    done = parts[-1][1] + parts[-1][2] if parts and parts[-1][2] >= 0 else (S if parts else 0)
+    if done < S:  # sentinel rows: nothing runs here, their contribution is zero
+        outs.append(hidden.new_zeros(S - done, H, dtype=outs[0].dtype if outs else hidden.dtype))
+    proj = outs[0] if len(outs) == 1 else torch.cat(outs)  # [S, H]
     if getattr(mod, "has_post_expert_norm", False):
         proj = mod.post_expert_norm(proj)
     weighted = proj * w_g.unsqueeze(-1)  # [S, H]
@@ -93,25 +108,13 @@ def _parts(offs: torch.Tensor, banks: Sequence[Bank], rows: Optional[Sequence[in
     return out
 
 
-def _banked(x_g: torch.Tensor, slots_g: torch.Tensor, parts: list, S: int, name: str, bias: Optional[str],
+def _linear(x: torch.Tensor, slots: torch.Tensor, b: Bank, ends: torch.Tensor, name: str, bias: Optional[str],
             transposed: bool) -> torch.Tensor:
-    """One projection: a grouped linear per bank over its rows of ``x_g`` [S, in] (sorted by slot), sentinel
-    rows zero. Returns [S, out]."""
+    """One projection of one bank's rows: transformers' grouped linear over the bank's ``[n_b, ...]`` weights."""
     from transformers.integrations.moe import _grouped_linear
 
-    b, r0, n, ends = parts[0] if parts else (None, 0, 0, None)
-    if n < 0:  # one bank, every row in it: the stock call, weights from the bank
-        return _grouped_linear(x_g, b.tensors[name], ends, b.tensors[bias][slots_g] if bias else None, transposed)
-    out = []
-    for b, r0, n, ends in parts:
-        bias_b = b.tensors[bias][slots_g[r0:r0 + n] - b.first] if bias else None
-        out.append(_grouped_linear(x_g[r0:r0 + n], b.tensors[name], ends, bias_b, transposed))
-    done = r0 + n if parts else 0
-    if done < S:  # sentinel rows: nothing runs here, their contribution is zero
-        w = b.tensors[name] if parts else None
-        width = (w.shape[-1] if transposed else w.shape[-2]) if w is not None else x_g.shape[-1]
-        out.append(x_g.new_zeros(S - done, width, dtype=w.dtype if w is not None else x_g.dtype))
-    return out[0] if len(out) == 1 else torch.cat(out)
+    return _grouped_linear(x, b.tensors[name], ends, b.tensors[bias][slots - b.first if b.first else slots]
+                           if bias else None, transposed)
 
 
 def weight_names(mod) -> tuple[str, str, Optional[str], Optional[str]]:

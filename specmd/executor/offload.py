@@ -17,9 +17,12 @@ Per MoE layer call (:meth:`Offload.run`):
 
 1. the experts that run on the device, those computed from the host tier and those at a stored precision
    come from the engine's plan (lossless calls: the experts the selection requests, read on the host once);
-2. **prepare**: their copies are waited for (a queued prefetch is promoted: the late prefetch), staged and
-   unpacked copies put in place, and the expert map uploaded;
-3. **experts**: :func:`~.kernel.grouped_experts` over the banks;
+2. **prepare**: staged and unpacked copies are put in place, the expert map is uploaded, and each bank
+   (the arena, the two stream banks of the double buffer, the work bank, the host tier) learns which
+   copies it waits for;
+3. **experts**: :func:`~.kernel.grouped_experts` over the banks, each bank's copies acquired just before
+   it computes (a queued prefetch is promoted: the late prefetch), so the arena's experts compute while
+   streamed ones are still arriving and nothing waits for what it does not need;
 4. **finalize**: the call's staging is released; with ``execution.check=true`` the arena is asserted to hold
    exactly the engine's resident set, byte for byte.
 
@@ -156,6 +159,13 @@ class Offload(Executor):
         hw = stack.spec.hardware
         bw = hw.bandwidth_gbps * 1e9 if p.throttle else None
         lat = hw.latency_us * 1e-6 if p.throttle else 0.0
+        if dev.type == "cuda":
+            import logging
+
+            logging.getLogger("specmd").warning(
+                "execution=offload on CUDA: this version's path (experts as grouped GEMMs from the arena, one read-"
+                "back per layer call, event-ordered copies) has not run on a GPU yet (docs/offload.md, 'On a GPU'); "
+                "check it with `python benchmarks/gpu_check.py` and report what it prints")
         self.mover = CudaMover(bw, lat, dev) if dev.type == "cuda" else ThreadMover(bw, lat)
         self.placement = Placement(cache.layout(), shapes, dtype, dev, tiers, self.mover, dict(store.bytes_of), store,
                                    self._name, mixed=bool(low), raw_layout=raw_layout, align=align)
@@ -181,7 +191,7 @@ class Offload(Executor):
             index, weights = upload(plan.index, self._device), upload(plan.weights, self._device)
         slot_of, banks, rows = place.prepare(mod.layer, running, host, low, sel, all_run)  # 2
         if banks:
-            out = grouped_experts(mod.inner, hidden, index, weights, slot_of, banks, rows)  # 3
+            out = grouped_experts(mod.inner, hidden, index, weights, slot_of, banks, rows, place.ready)  # 3
         else:  # nothing runs here (every expert dropped)
             out = torch.zeros_like(hidden)
         place.finalize()  # 4
@@ -197,6 +207,9 @@ class Offload(Executor):
 
     def stalled(self) -> float:
         return self.placement.stall_s
+
+    def moved(self) -> int:
+        return self.placement.bytes_submitted
 
     def wall(self) -> dict:
         out = super().wall()

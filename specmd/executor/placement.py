@@ -103,9 +103,12 @@ class Placement(ResidencyEvents):
         self._native_layout = [(n, dtype, s, math.prod(s) * dtype.itemsize) for n, s in shapes.items()]
         self._raw_layout = raw_layout or {}
         self._raw_cache: dict = {}
-        # streamed experts (this call only): native copies as fused rows (uniform), raw bytes of any precision (mixed)
-        self.stream = Staging({RAW: (self.slot_bytes,)}, torch.uint8, device) if mixed else \
-            Staging(shapes, dtype, device)
+        # streamed experts (this call only): raw bytes of any precision (mixed), or native copies as fused rows in
+        # two banks, a double buffer: the n-th streamed expert goes to bank n % 2, each bank is copied as its own
+        # job, and the kernel computes one bank's experts while the next bank's copies are still landing
+        self.streams = [Staging({RAW: (self.slot_bytes,)}, torch.uint8, device)] if mixed else \
+            [Staging(shapes, dtype, device), Staging(shapes, dtype, device)]
+        self.stream_banks = [Bank({}, 0, 0) for _ in self.streams]
         self.work = Staging(shapes, dtype, device)  # experts put into place to run (unpacked, moved, host's)
         # host-computed experts run where they are when the device is the host: the tier is their bank
         self.host_in_place = device.type == "cpu" and hasattr(self.tier, "host_bank")
@@ -117,6 +120,7 @@ class Placement(ResidencyEvents):
         self._batch_keys: list = []  # their cache keys (-1: streamed)
         self.used_bytes = self.peak_bytes = 0
         self.copies = self.host_runs = self.low_runs = 0
+        self.bytes_submitted = 0  # bytes handed to the mover (demand batches and prefetches)
         self.stall_s = 0.0
         # the layer call's expert map: filled on the host in a ring of pinned rows and uploaded once per call.
         # Two rows would do: a row is rewritten two calls later, after the next call's routing read-back,
@@ -126,6 +130,9 @@ class Placement(ResidencyEvents):
         self._ring_np = self._ring.numpy()
         self._ring_i = 0
         self._slot_of = torch.empty(E, dtype=torch.int64, device=device)
+        # the banks a layer call hands the kernel, made once and re-pointed per call
+        self._banks: list = []
+        self._arena_bank, self._work_bank, self._host_bank = Bank({}, 0, 0), Bank({}, 0, 0), Bank({}, 0, 0)
 
     # ---- events from the cache manager ------------------------------------------------------------------
     def inserted(self, key: int, layer: int, precision: str, prefetched: bool) -> None:
@@ -154,6 +161,7 @@ class Placement(ResidencyEvents):
             return
         self.flush()  # the call's demand copies go first, as the engine issued them
         tier = self.tiers[precision]
+        self.bytes_submitted += size
         self.tickets[key] = self.mover.submit(lambda: tier.copy_into(layer, e, views), size, False, self.name(layer, e))
 
     def evicted(self, key: int) -> None:
@@ -169,21 +177,28 @@ class Placement(ResidencyEvents):
         self.at[key] = -1
         self.prec_of[key] = None
 
+    def _stream_row(self, i: int) -> tuple:
+        """(stream bank, row) of the call's ``i``-th streamed expert."""
+        n = len(self.streams)
+        return self.streams[i % n], i // n
+
     def streamed(self, layer: int, expert: int, precision: str) -> None:
         i = len(self._staged)
-        if i >= self.stream.cap:  # grows to the most experts one call streamed (memory.staging_peak_bytes)
+        bank, row = self._stream_row(i)
+        if row >= bank.cap:  # grows to the most experts one call streamed (memory.staging_peak_bytes)
             self._settle_stream()
-            self.stream.ensure(i + 1, keep=i)
+            bank.ensure(row + 1, keep=row)
             self._raw_cache.clear()  # views of the old rows
         self._batch.append((layer, expert, i, precision))  # a stream row, resolved when the batch is submitted
         self._batch_keys.append(-1)
         self._staged.append([layer, expert, None, precision])  # its ticket: the batch's, at submission
         self.copies += 1
 
-    def _stream_views(self, row: int, layer: int, precision: str) -> dict:
+    def _stream_views(self, i: int, layer: int, precision: str) -> dict:
+        bank, row = self._stream_row(i)
         if not self.mixed:
-            return self.stream.views(row)
-        return self._raw_at(self.stream.tensors[RAW][row], 0, layer, precision)
+            return bank.views(row)
+        return self._raw_at(bank.tensors[RAW][row], 0, layer, precision)
 
     def _settle_stream(self) -> None:
         """Before the stream bank grows: this call's copies already submitted into it have landed (its rows are
@@ -196,16 +211,38 @@ class Placement(ResidencyEvents):
                 last = t
 
     def flush(self) -> None:
-        """Submit the layer call's pending demand copies as one channel job (paced as that many transfers)."""
+        """Submit the layer call's pending demand copies: the copies into the arena as one channel job (paced
+        as that many transfers), then each stream bank's copies as one job (the double buffer)."""
         items = self._batch
         if not items:
             return
-        groups: dict[str, list] = {}
+        jobs: list = [[] for _ in range(1 + len(self.streams))]  # [arena, stream bank 0, stream bank 1]
         for layer, e, dst, prec in items:
             if isinstance(dst, int):
-                dst = self._stream_views(dst, layer, prec)
+                jobs[1 + dst % len(self.streams)].append((layer, e, self._stream_views(dst, layer, prec), prec, dst))
+            else:
+                jobs[0].append((layer, e, dst, prec, None))
+        tickets = self.tickets
+        keys = iter(k for k in self._batch_keys if k >= 0)
+        for j, job in enumerate(jobs):
+            if not job:
+                continue
+            t = self._submit(job)
+            if j == 0:
+                for _ in job:
+                    tickets[next(keys)] = t
+            else:
+                for *_, i in job:
+                    self._staged[i][2] = t
+        self._batch, self._batch_keys = [], []
+
+    def _submit(self, items: list):
+        """One demand job copying ``items`` ``(layer, expert, destination views, precision, _)`` in order."""
+        groups: dict[str, list] = {}
+        for layer, e, dst, prec, _ in items:
             groups.setdefault(prec, []).append((layer, e, dst))
-        nbytes = sum(self.bytes_of[prec] for *_, prec in items)
+        nbytes = sum(self.bytes_of[it[3]] for it in items)
+        self.bytes_submitted += nbytes
         jobs = [(self.tiers[q], g) for q, g in groups.items()]
         name = self.name
 
@@ -213,52 +250,67 @@ class Placement(ResidencyEvents):
             for tier, g in jobs:
                 tier.copy_many(g, name)
 
-        first = self.name(items[0][0], items[0][1])
-        t = self.mover.submit(job, nbytes, True, first + (f" and {len(items) - 1} more" if len(items) > 1 else ""),
-                              len(items))
-        tickets = self.tickets
-        for key in self._batch_keys:
-            if key >= 0:
-                tickets[key] = t
-        for s in self._staged:
-            if s[2] is None:
-                s[2] = t
-        self._batch, self._batch_keys = [], []
+        first = name(items[0][0], items[0][1])
+        return self.mover.submit(job, nbytes, True, first + (f" and {len(items) - 1} more" if len(items) > 1 else ""),
+                                 len(items))
 
     # ---- one layer call: prepare, then (the kernel), then finalize ----------------------------------------
     def prepare(self, layer: int, running, host=(), low=None, index=None, all_run: bool = True):
-        """Make the running experts' weights ready and say where they are: ``(slot_of [E] on the device, banks,
-        rows)`` for :func:`~.kernel.grouped_experts`. ``running``: the experts that run on the device this call
-        (host ints); ``host``: experts computed from the host tier; ``low``: expert -> stored precision it runs
-        at; ``index``: the call's selection on the host (``[T, k]``), for the rows of a call whose experts are
-        in several banks or do not all run here (``all_run`` false: some may be dropped)."""
+        """Say where the running experts' weights are, and what each bank waits for: ``(slot_of [E] on the
+        device, banks, rows)`` for :func:`~.kernel.grouped_experts`, whose ``ready(bank)`` is :meth:`ready`.
+        ``running``: the experts that run on the device this call (host ints); ``host``: experts computed from
+        the host tier; ``low``: expert -> stored precision it runs at; ``index``: the call's selection on the
+        host (``[T, k]``), for the rows of a call whose experts are in several banks or do not all run here
+        (``all_run`` false: some may be dropped). Nothing waits here for a copy a bank does not need."""
         self.flush()
         E, base = self.E, layer * self.E
-        mover, tickets = self.mover, self.tickets
-        last = None
-        for s in self._staged:  # this call's streamed experts (their batch's ticket, acquired once)
-            t = s[2]
-            if t is not last:
-                self.stall_s += mover.acquire(t)
-                last = t
+        tickets = self.tickets
         mixed = self.mixed
         pool = self.pools[self.pool_of_layer[layer]]
         staged_at = {s[1]: i for i, s in enumerate(self._staged) if s[0] == layer}
+        if mixed:  # everything runs from the work bank, filled now: its sources must have landed
+            self._acquire([s[2] for s in self._staged] + [tickets[base + e] for e in running])
         self.work.ensure((len(running) if mixed else 0) + (0 if self.host_in_place else len(host)))
-        n_arena = 0 if mixed else pool.n
-        first_stream = n_arena
-        first_work = first_stream + (0 if mixed else self.stream.cap)
-        first_host = first_work + self.work.cap
+        banks = self._banks
+        banks.clear()
+        first = 0
+        arena = self._arena_bank
+        arena.tickets.clear()
+        if not mixed:
+            arena.tensors, arena.first, arena.n = pool.tensors, 0, pool.n
+            banks.append(arena)
+            first = pool.n
+            for j, (st, bank) in enumerate(zip(self.streams, self.stream_banks)):
+                bank.tickets.clear()
+                if st.cap:
+                    bank.tensors, bank.first, bank.n = st.tensors, first, st.cap
+                    banks.append(bank)
+                    last = None
+                    for s in self._staged[j::len(self.streams)]:
+                        if s[2] is not last:
+                            bank.tickets.append(s[2])
+                            last = s[2]
+                first += st.cap
+        work = self._work_bank
+        if self.work.cap:
+            work.tensors, work.first, work.n = self.work.tensors, first, self.work.cap
+            banks.append(work)
+        first_work = first
+        first_host = first + self.work.cap
         sentinel = first_host + (E if self.host_in_place and host else 0)
         m = self._ring_np[self._ring_i]
         m.fill(sentinel)
         at = self.at
+        nstreams = len(self.streams)
         w = 0
+        last = None
         for e in running:
             key = base + e
             t = tickets[key]
-            if t is not None:  # a prefetch still queued is needed now (the late prefetch): promoted, waited for
-                self.stall_s += mover.acquire(t)
+            if t is not None:  # the arena bank waits for it (a prefetch still queued is promoted then: late)
+                if t is not last:
+                    arena.tickets.append(t)
+                    last = t
                 tickets[key] = None
             i = staged_at.get(e)
             if mixed:  # into the work bank: unpacked from its stored copy, or moved out of the byte arena
@@ -266,7 +318,7 @@ class Placement(ResidencyEvents):
                 m[e] = first_work + w
                 w += 1
             elif i is not None:
-                m[e] = first_stream + i
+                m[e] = self.stream_banks[i % nstreams].first + i // nstreams
             elif at[key] >= 0:
                 m[e] = at[key]
             else:
@@ -280,19 +332,28 @@ class Placement(ResidencyEvents):
                 m[e] = first_work + w
                 w += 1
             self.host_runs += 1
-        banks = []
-        if n_arena:
-            banks.append(Bank(pool.tensors, 0, n_arena))
-        if not mixed and self.stream.cap:
-            banks.append(Bank(self.stream.tensors, first_stream, self.stream.cap))
-        if self.work.cap:
-            banks.append(Bank(self.work.tensors, first_work, self.work.cap))
         if sentinel > first_host:
-            banks.append(Bank(self.tier.host_bank(layer), first_host, E))
+            hb = self._host_bank
+            hb.tensors, hb.first, hb.n = self.tier.host_bank(layer), first_host, E
+            banks.append(hb)
         rows = self._rows(m, banks, index) if len(banks) > 1 or not all_run else None
         self._slot_of.copy_(self._ring[self._ring_i], non_blocking=True)
         self._ring_i = (self._ring_i + 1) % len(self._ring)
         return self._slot_of, banks, rows
+
+    def ready(self, bank: Bank) -> None:
+        """The kernel is about to read ``bank``: the copies into it are acquired (promoted if queued, waited for;
+        on CUDA the compute stream waits on their events, the host does not)."""
+        if bank.tickets:
+            self._acquire(bank.tickets)
+            bank.tickets.clear()
+
+    def _acquire(self, tickets) -> None:
+        last = None
+        for t in tickets:
+            if t is not None and t is not last:
+                self.stall_s += self.mover.acquire(t)
+                last = t
 
     def _put(self, layer: int, e: int, prec: str, staged: Optional[int], row: int) -> None:
         """Expert ``e`` into work row ``row`` from a mixed arena or the stream's raw rows: its stored ``prec``
@@ -420,5 +481,5 @@ class Placement(ResidencyEvents):
             "arena_bytes_compacted": sum(a.bytes_compacted for a in self.pools),
             "slot_bytes": self.slot_bytes,
             "arena_peak_bytes": self.peak_bytes,
-            "staging_peak_bytes": self.stream.bytes + self.work.bytes,
+            "staging_peak_bytes": sum(st.bytes for st in self.streams) + self.work.bytes,
         }

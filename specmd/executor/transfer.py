@@ -82,6 +82,10 @@ class Mover:
         self.promote(ticket)
         return self.wait(ticket)
 
+    def sync(self) -> None:
+        """Every copy of a job already done has landed (on CUDA, where done means issued, the side stream is
+        waited for: benchmarks and checks only, never the hot path)."""
+
     def close(self) -> None:
         pass
 
@@ -248,6 +252,9 @@ class CudaMover(ThreadMover):
             start, end = timed.popleft()
             done += start.elapsed_time(end) / 1e3
         return done
+
+    def sync(self) -> None:
+        self.stream.synchronize()
 
     def acquire(self, ticket) -> float:
         waited = super().acquire(ticket)

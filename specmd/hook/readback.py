@@ -30,6 +30,7 @@ class Readback:
         self._host: list = [None] * num_layers  # per MoE layer: its host byte buffer
         self._dev = None  # the device staging buffer (CUDA)
         self._event = torch.cuda.Event() if self.cuda else None
+        self._pad = None  # zero bytes that pad a row to the widest element (device)
         self.calls = 0  # read-backs (each one synchronisation on a GPU)
         self.bytes = 0
 
@@ -40,6 +41,13 @@ class Readback:
         rows = [tensors[i].view(torch.uint8) for i in order]  # [T, bytes of a token's n_i]
         T = rows[0].shape[0]
         width = sum(r.shape[1] for r in rows)
+        widest = tensors[order[0]].element_size()
+        if width % widest:  # a row's width must keep every column aligned: pad it (zeros made once)
+            pad = widest - width % widest
+            if self._pad is None or self._pad.shape[0] < T:
+                self._pad = torch.zeros(max(T, 16), 8, dtype=torch.uint8, device=tensors[0].device)
+            rows.append(self._pad[:T, :pad])
+            width += pad
         total = T * width
         buf = self._host[layer]
         if buf is None or buf.numel() < total:  # grows to the largest call (a prefill); never per call after
@@ -61,7 +69,7 @@ class Readback:
         self.bytes += total
         out = [None] * len(tensors)
         o = 0
-        for i, r in zip(order, rows):
+        for i, r in zip(order, rows):  # (the padding, last, is not read)
             n = r.shape[1]
             out[i] = host[:, o:o + n].view(tensors[i].dtype)  # [T, n_i] (rows strided by the buffer's width)
             o += n

@@ -1,0 +1,80 @@
+"""What a MoE layer call would cost on a GPU, counted on this CPU (:mod:`specmd.counting`): per MoE layer call
+(inside the MoE blocks: router, hook, experts, shared experts), device aten ops, kernels (device ops that
+are not views), host ops and device-to-host synchronisations, for the unhooked model, the hooked stack
+(``execution=simulated``) and the offloaded one, on the tiny families and deep_olmoe. A greedy generation:
+a prefill of 16 tokens and 8 decode steps.
+
+    python benchmarks/counting.py [--models olmoe mixtral ... deep_olmoe]
+
+Targets (issue 35): syncs per MoE layer call <= 1 on the hooked and the offload paths; device ops on the
+offload path <= the unhooked block's + 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+CASES = [  # (label, execution, capacity, prefetch)
+    ("hooked (simulated) 100%", {"name": "simulated"}, 1.0, "none"),
+    ("offload 100%", {"name": "offload", "throttle": False}, 1.0, "none"),
+    ("offload 5%", {"name": "offload", "throttle": False}, 0.05, "none"),
+    ("offload 5% + topk", {"name": "offload", "throttle": False}, 0.05, "topk"),
+]
+
+
+def load(name: str):
+    if name == "deep_olmoe":
+        from specmd.models.loader import ModelConfig, load_model
+
+        return load_model(ModelConfig(name="deep_olmoe", family="olmoe", pretrained="specmd:deep-olmoe",
+                                      dtype="float32"))[0], "olmoe"
+    from conftest import tiny
+
+    return tiny(name), name
+
+
+def measure(model, family: str, spec) -> tuple:
+    from specmd.hook.counting import count_generation
+    from specmd.models.adapters import adapter_for
+
+    ids = torch.randint(0, 200, (1, 16), generator=torch.Generator().manual_seed(0))
+    c = count_generation(model, adapter_for(family), spec, ids, 8)
+    return c.per_call(), c
+
+
+def main() -> None:
+    from conftest import FAMILIES
+
+    from specmd.compose import spec_of
+    from specmd.executor import EXECUTION
+    from specmd.hardware import HardwareConfig
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=FAMILIES + ["deep_olmoe"])
+    a = ap.parse_args()
+    print(f"per MoE layer call: device ops / kernels / host ops / syncs (delta vs unhooked: ops, kernels); "
+          f"torch {torch.__version__}")
+    print(f"{'model':12} {'path':26} {'dev ops':>7} {'kernels':>7} {'host':>6} {'syncs':>5} {'+ops':>6} {'+kern':>6}")
+    for name in a.models:
+        model, family = load(name)
+        base, _ = measure(model, family, None)
+        print(f"{name:12} {'unhooked':26} {base['device_ops']:7.1f} {base['kernels']:7.1f} {base['host_ops']:6.1f} "
+              f"{base['syncs']:5.2f}")
+        for label, execution, cap, prefetch in CASES:
+            spec = spec_of(prefetch=prefetch, hardware=HardwareConfig(capacity=cap))
+            spec.execution = EXECUTION.params(execution)
+            got, c = measure(model, family, spec)
+            print(f"{name:12} {label:26} {got['device_ops']:7.1f} {got['kernels']:7.1f} {got['host_ops']:6.1f} "
+                  f"{got['syncs']:5.2f} {got['device_ops'] - base['device_ops']:+6.1f} "
+                  f"{got['kernels'] - base['kernels']:+6.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

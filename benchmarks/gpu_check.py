@@ -1,0 +1,379 @@
+"""The one GPU check a user runs (and a session lent a GPU runs): correctness and speed of the hooked and the
+offloaded paths on one device, in one table (and as JSON). About 6 minutes on one H100.
+
+    python benchmarks/gpu_check.py --device cuda --out gpu_check.json
+    python benchmarks/gpu_check.py --device cpu --quick          # the same sections at toy sizes (a smoke run)
+
+Sections (each reports its own failure and the next one runs):
+
+1. **lossless**: hooked == unhooked logits and greedy tokens, the 8 tiny families (``lossless_check``);
+2. **policies**: every policy of every family on the tiny OLMoE (``policy_check``; the oracles need a trace
+   and are skipped with a line);
+3. **offload == simulated**: deep_olmoe, five stacks (lru; lru + topk; least_stale + score; + HQQ
+   ``miss=fetch_priority``; ``miss=cpu_compute``): tokens and hit rates equal, logits bit-equal (where they
+   differ the maximum difference is printed: the remapped grouped GEMM may differ from the stock one in the
+   last bits on a GPU);
+4. **the link**: raw pinned host-to-device bandwidth (the PCIe bound's denominator);
+5. **syncs and launches**: torch.profiler over 8 decode tokens of deep_olmoe at 5% (offload, lru + topk):
+   per MoE layer call, kernel launches, ``cudaStreamSynchronize``/``cudaEventSynchronize``/
+   ``cudaDeviceSynchronize`` and device-to-host copies (the CPU proxy, ``specmd.counting``, says 1 sync);
+6. **decode at the link**: deep_olmoe and a Qwen1.5-MoE-A2.7B-shaped random bf16 model (28.6 GB, built in
+   memory: ``--quick`` uses 2 layers) offloaded from pinned RAM, throttle off, prefetch topk, at 5% and 25%:
+   TTFT, decode tok/s, bytes moved per token, and **% of the PCIe bound** for the bytes moved (link time of
+   those bytes / measured time: 100% = the link never idles);
+7. **ratios**: hooked / unhooked decode (lru, no prefetch, capacity 1.0) and offload at capacity 1.0 /
+   simulated, on both models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+ROWS: list = []  # (section, item, value, note)
+RESULT: dict = {}
+
+
+def row(section: str, item: str, value, note: str = "") -> None:
+    ROWS.append((section, item, value, note))
+    print(f"[{section}] {item}: {value}{'  (' + note + ')' if note else ''}", flush=True)
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- 1, 2: lossless and the policies --------------------------------------------------------------------------
+def lossless(device: str, quick: bool) -> None:
+    from conftest import FAMILIES, make_stack
+
+    from specmd.models.loader import build_tiny
+
+    ok = 0
+    for family in FAMILIES:
+        model = build_tiny(family).to(device)
+        ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0)).to(device)
+        with torch.no_grad():
+            ref, gref = model(ids).logits, model.generate(ids[:1, :16], max_new_tokens=8, do_sample=False)
+            with make_stack(model, family, capacity=0.05):
+                out, gout = model(ids).logits, model.generate(ids[:1, :16], max_new_tokens=8, do_sample=False)
+        same = torch.equal(out, ref) and torch.equal(gout, gref)
+        ok += same
+        if not same:
+            row("lossless", family, "DIFFERS", f"max|diff| {float((out - ref).abs().max()):.3g}")
+    row("lossless", "hooked == unhooked", f"{ok}/{len(FAMILIES)}")
+    RESULT["lossless"] = f"{ok}/{len(FAMILIES)}"
+
+
+def policies(device: str, quick: bool) -> None:
+    import policy_check
+
+    good, bad, skipped = policy_check.run(device, "olmoe", 0.1, quiet=True)
+    row("policies", "stacks ok", f"{good}/{good + len(bad)}", f"skipped (need a trace): {', '.join(skipped)}")
+    for name in bad:
+        row("policies", name, "FAILED")
+    RESULT["policies"] = {"ok": good, "failed": bad, "skipped": skipped}
+
+
+# ---- 3: offload == simulated ----------------------------------------------------------------------------------
+PARITY = {
+    "lru": dict(prefetch="none"),
+    "lru + topk": dict(),
+    "least_stale + score": dict(eviction="least_stale", prefetch="score"),
+    "+ fetch_priority (HQQ int8/4/2)": dict(eviction="least_stale", prefetch="score", miss="fetch_priority",
+                                            quant={"name": "hqq", "optimize": False,
+                                                   "precisions": ["int8", "int4", "int2"]}),
+    "cpu_compute": dict(miss="cpu_compute"),
+}
+
+
+def run_stack(model, spec, ids, prefill, device, new_tokens=6):
+    from specmd.hook import install
+
+    with torch.no_grad():
+        st = install(model, spec, device=device)
+        if not st.executor.device_experts:
+            model.to(device)
+        try:
+            tokens = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            logits = model(prefill).logits
+            res = st.engine.results()
+            res.update(st.executor.results())
+        finally:
+            st.remove()
+    return tokens, logits, res
+
+
+def spec_for(stack: dict, capacity: float, execution: dict):
+    from specmd.compose import spec_of
+    from specmd.executor import EXECUTION
+    from specmd.hardware import HardwareConfig
+
+    spec = spec_of(hardware=HardwareConfig(capacity=capacity), **stack)
+    spec.execution = EXECUTION.params(execution)
+    return spec
+
+
+def deep_olmoe(device: str):
+    from specmd.models.loader import ModelConfig, load_model
+
+    model, _ = load_model(ModelConfig(name="deep_olmoe", family="olmoe", pretrained="specmd:deep-olmoe",
+                                      dtype="float32"))
+    return model.to(device)
+
+
+def parity(device: str, quick: bool) -> None:
+    model = deep_olmoe(device)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=g).to(device)
+    prefill = torch.randint(0, model.config.vocab_size, (1, 24), generator=g).to(device)
+    out = {}
+    for name, stack in PARITY.items():
+        sim = run_stack(model, spec_for(stack, 0.05, {"name": "simulated"}), ids, prefill, device)
+        model.to(device)
+        off = run_stack(model, spec_for(stack, 0.05, {"name": "offload", "throttle": False}), ids, prefill, device)
+        model.to(device)
+        tokens = torch.equal(sim[0], off[0])
+        hits = sim[2]["cache"]["hit_rate"] == off[2]["cache"]["hit_rate"]
+        bits = torch.equal(sim[1], off[1])
+        diff = float((sim[1] - off[1]).abs().max())
+        out[name] = {"tokens": tokens, "hit_rate": hits, "logits_bit_equal": bits, "max_diff": diff}
+        row("offload == simulated", name, "equal" if tokens and hits else "DIFFERS",
+            f"tokens {tokens}, hit rate {hits}, logits bit-equal {bits}" + ("" if bits else f" (max|diff| {diff:.3g})"))
+    RESULT["parity"] = out
+
+
+# ---- 4: the link ---------------------------------------------------------------------------------------------
+def link(device: str, quick: bool) -> float:
+    n = (64 if quick else 512) << 20
+    dev = torch.device(device)
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    dst = torch.empty(n, dtype=torch.uint8, device=dev)
+    best = float("inf")
+    for _ in range(5):
+        sync(dev)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    gbps = n / best / 1e9
+    row("link", "pinned host -> device", f"{gbps:.1f} GB/s", f"best of 5 copies of {n >> 20} MiB")
+    RESULT["link_gbps"] = gbps
+    return gbps
+
+
+# ---- 5: syncs and launches (torch.profiler) -------------------------------------------------------------------
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+
+
+def profile(device: str, quick: bool) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    from specmd.hook import install
+
+    model = deep_olmoe("cpu")
+    st = install(model, spec_for({}, 0.05, {"name": "offload", "throttle": False}), device=device)
+    model.to(device)
+    ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0)).to(device)
+    try:
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=2, do_sample=False)
+            past = model(ids, use_cache=True).past_key_values
+            nxt = ids[:, -1:]
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
+            calls0 = st.engine.calls
+            with prof(activities=activities) as p:
+                for _ in range(8):
+                    out = model(nxt, past_key_values=past, use_cache=True)
+                    past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                sync(device)
+            calls = st.engine.calls - calls0
+    finally:
+        st.remove()
+    counts = {}
+    for e in p.key_averages():
+        counts[e.key] = counts.get(e.key, 0) + e.count
+    launches = sum(v for k, v in counts.items() if k in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"))
+    syncs = {k: counts.get(k, 0) for k in SYNC_EVENTS}
+    d2h = counts.get("cudaMemcpyAsync", 0)
+    per = {k: v / max(calls, 1) for k, v in syncs.items()}
+    row("syncs", "per MoE layer call", ", ".join(f"{k} {v:.2f}" for k, v in per.items()) or "(no CUDA)",
+        f"{calls} layer calls (8 decode tokens at 5%, offload, lru + topk); the 2 per pass of the wall clock included")
+    row("syncs", "kernel launches per MoE layer call", f"{launches / max(calls, 1):.1f}",
+        f"cudaMemcpyAsync {d2h / max(calls, 1):.1f} per call; aten::mm {counts.get('aten::mm', 0) / max(calls, 1):.1f}, "
+        f"grouped {counts.get('aten::_grouped_mm', 0) / max(calls, 1):.1f}")
+    RESULT["profile"] = {"calls": calls, "syncs_per_call": per, "launches_per_call": launches / max(calls, 1),
+                         "memcpy_per_call": d2h / max(calls, 1)}
+
+
+# ---- 6, 7: decode at the link, and the ratios ------------------------------------------------------------------
+def random_model(config: dict, dtype=torch.bfloat16):
+    """A model of ``config`` with random weights, built in host memory without a checkpoint (uniform in
+    +-0.02: values do not matter for speed, only that they are finite)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+    model.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-0.02, 0.02, generator=g)
+        for b in model.buffers():
+            if b.is_floating_point() and not torch.isfinite(b).all():
+                b.zero_()
+    model.eval()
+    if hasattr(model, "rotary_emb") or hasattr(model.model, "rotary_emb"):  # recompute rope buffers (to_empty)
+        rot = getattr(model.model, "rotary_emb", None)
+        if rot is not None and hasattr(rot, "original_inv_freq"):
+            inv, _ = rot.rope_init_fn(rot.config, torch.device("cpu"))
+            rot.inv_freq.copy_(inv)
+            rot.original_inv_freq = inv
+    return model
+
+
+def qwen_config(quick: bool) -> dict:
+    from specmd.models.loader import SHIPPED_CONFIGS
+
+    cfg = {k: v for k, v in json.loads((SHIPPED_CONFIGS / "qwen2_moe.json").read_text()).items()
+           if not k.startswith("_")}
+    if quick:  # a toy of the same shape family: 2 layers, a small vocabulary, quarter-size experts
+        cfg.update(num_hidden_layers=2, vocab_size=4096, moe_intermediate_size=cfg["moe_intermediate_size"] // 4)
+    return cfg
+
+
+def timed_generation(model, spec, device, prompt: int, tokens: int):
+    """(TTFT s, TPOT s, results) of a greedy generation through ``spec`` (the executor's own wall clock)."""
+    from specmd.hook import install
+
+    st = install(model, spec, device=device) if spec is not None else None
+    model.to(device)
+    ids = torch.randint(0, 1000, (1, prompt), generator=torch.Generator().manual_seed(1)).to(device)
+    try:
+        with torch.no_grad():
+            model.generate(ids[:, :4], max_new_tokens=2, do_sample=False)  # warm-up (kernels chosen)
+            if st is None:
+                sync(device)
+                t0 = time.perf_counter()
+                model(ids)
+                sync(device)
+                ttft = time.perf_counter() - t0
+                sync(device)
+                t0 = time.perf_counter()
+                model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+                sync(device)
+                return ttft, (time.perf_counter() - t0 - ttft) / (tokens - 1), None
+            ex = st.executor
+            for log in (ex.pass_kinds, ex.pass_wall, ex.pass_tokens, ex.pass_stall, ex.pass_bytes):
+                log.clear()  # the warm-up's passes are not the measurement's
+            model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+            res = st.engine.results()
+            res.update(st.executor.results())
+    finally:
+        if st is not None:
+            st.remove()
+    w = res["wall"]
+    return w["ttft_s"], w["tpot_s"], res
+
+
+def at_the_link(name: str, model, device: str, gbps: float, quick: bool) -> None:
+    tokens = 6 if quick else 16
+    for cap in (0.05, 0.25):
+        spec = spec_for({}, cap, {"name": "offload", "throttle": False})
+        ttft, tpot, res = timed_generation(model, spec, device, 16, tokens)
+        w = res["wall"]
+        dec_bytes, pre_bytes = w["decode_bytes_moved_per_token"] or 0, w["prefill_bytes_moved"] or 0
+        link_tpot, link_ttft = dec_bytes / (gbps * 1e9), pre_bytes / (gbps * 1e9)
+        row("decode at the link", f"{name} {cap:.0%}",
+            f"{1 / tpot:.2f} tok/s, {link_tpot / tpot:.0%} of the PCIe bound",
+            f"TPOT {tpot * 1e3:.1f} ms for {dec_bytes / 1e6:.1f} MB/token (link: {link_tpot * 1e3:.1f} ms); TTFT "
+            f"{ttft * 1e3:.0f} ms, {link_ttft / ttft:.0%} of its link bound ({pre_bytes / 1e9:.2f} GB); hit rate "
+            f"{res['cache']['hit_rate']:.3f}; stalled {w['stall_s'] * 1e3:.0f} ms")
+        RESULT.setdefault("decode", {})[f"{name} {cap}"] = {
+            "tok_s": 1 / tpot, "tpot_s": tpot, "ttft_s": ttft, "decode_bytes_per_token": dec_bytes,
+            "prefill_bytes": pre_bytes, "pcie_bound_fraction": link_tpot / tpot,
+            "ttft_link_fraction": link_ttft / ttft, "hit_rate": res["cache"]["hit_rate"],
+            "stall_s": w["stall_s"]}
+
+
+def ratios(name: str, model, device: str, quick: bool) -> None:
+    tokens = 6 if quick else 16
+    _, base, _ = timed_generation(model, None, device, 16, tokens)
+    _, hooked, _ = timed_generation(model, spec_for({"prefetch": "none"}, 1.0, {"name": "simulated"}), device, 16,
+                                    tokens)
+    _, off, _ = timed_generation(model, spec_for({"prefetch": "none"}, 1.0, {"name": "offload", "throttle": False}),
+                                 device, 16, tokens)
+    row("ratios", f"{name}: hooked / unhooked decode", f"{hooked / base:.3f}",
+        f"{base * 1e3:.1f} -> {hooked * 1e3:.1f} ms/token (lru, no prefetch, capacity 1.0)")
+    row("ratios", f"{name}: offload 100% / simulated decode", f"{off / hooked:.3f}", f"{off * 1e3:.1f} ms/token")
+    RESULT.setdefault("ratios", {})[name] = {"unhooked_tpot_s": base, "hooked_tpot_s": hooked, "offload_tpot_s": off}
+
+
+def decode_sections(device: str, quick: bool, gbps: float) -> None:
+    olmoe = deep_olmoe("cpu")
+    at_the_link("deep_olmoe", olmoe, device, gbps, quick)
+    ratios("deep_olmoe", olmoe, device, quick)
+    del olmoe
+    t0 = time.perf_counter()
+    qwen = random_model(qwen_config(quick))
+    nbytes = sum(p.numel() * p.element_size() for p in qwen.parameters())
+    row("decode at the link", "Qwen1.5-MoE-shaped model", f"{nbytes / 1e9:.1f} GB",
+        f"built in host memory in {time.perf_counter() - t0:.0f} s")
+    at_the_link("qwen", qwen, device, gbps, quick)
+    ratios("qwen", qwen, device, quick)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="toy sizes (2-layer Qwen, shorter generations)")
+    ap.add_argument("--out", help="write the table as JSON here")
+    ap.add_argument("--skip", nargs="*", default=[], help="sections to skip: lossless policies parity link "
+                                                          "profile decode")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    RESULT["device"] = torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "cpu"
+    RESULT["torch"] = torch.__version__
+    gbps = float("nan")
+    for name, fn in (("lossless", lossless), ("policies", policies), ("parity", parity), ("link", link),
+                     ("profile", profile), ("decode", None)):
+        if name in a.skip:
+            continue
+        t = time.perf_counter()
+        try:
+            if name == "decode":
+                decode_sections(a.device, a.quick, gbps if math.isfinite(gbps) else 25.0)
+            elif name == "link":
+                gbps = link(a.device, a.quick)
+            else:
+                fn(a.device, a.quick)
+        except Exception as exc:  # noqa: BLE001 -- the next section runs; the failure is in the table
+            row(name, "FAILED", f"{type(exc).__name__}: {exc}")
+            traceback.print_exc()
+        RESULT.setdefault("seconds", {})[name] = round(time.perf_counter() - t, 1)
+    RESULT["total_s"] = round(time.perf_counter() - t0, 1)
+    print(f"\n{'section':<22} {'item':<44} value  (note)")
+    for section, item, value, note in ROWS:
+        print(f"{section:<22} {item:<44} {value}" + (f"  ({note})" if note else ""))
+    print(f"total {RESULT['total_s']} s on {RESULT['device']}, torch {RESULT['torch']}")
+    RESULT["rows"] = [list(r) for r in ROWS]
+    if a.out:
+        Path(a.out).write_text(json.dumps(RESULT, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""The GPU check (benchmarks/gpu_check.py) runs: its sections at toy sizes on the CPU, so the script a GPU
+user is asked to run does not rot between GPU sessions (issue 35: policy_check crashed on the oracles)."""
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_gpu_check_runs_every_section_on_the_cpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    p = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--quick", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    failed = [row for row in r["rows"] if row[1] == "FAILED" or "FAILED" in str(row[2]) or "DIFFERS" in str(row[2])]
+    assert not failed, failed
+    assert r["lossless"] == "8/8"
+    assert r["policies"]["failed"] == [] and "eviction=belady" in r["policies"]["skipped"]
+    assert all(v["tokens"] and v["hit_rate"] and v["logits_bit_equal"] for v in r["parity"].values()), r["parity"]
+    assert set(r["decode"]) == {"deep_olmoe 0.05", "deep_olmoe 0.25", "qwen 0.05", "qwen 0.25"}
+    for v in r["decode"].values():
+        assert v["tok_s"] > 0 and v["decode_bytes_per_token"] >= 0 and 0 <= v["hit_rate"] <= 1
+    assert set(r["ratios"]) == {"deep_olmoe", "qwen"}
