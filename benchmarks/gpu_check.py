@@ -227,7 +227,7 @@ def random_model(config: dict, dtype=torch.bfloat16):
 
     cfg = AutoConfig.for_model(**config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.to_empty(device="cpu")
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -237,12 +237,10 @@ def random_model(config: dict, dtype=torch.bfloat16):
             if b.is_floating_point() and not torch.isfinite(b).all():
                 b.zero_()
     model.eval()
-    if hasattr(model, "rotary_emb") or hasattr(model.model, "rotary_emb"):  # recompute rope buffers (to_empty)
-        rot = getattr(model.model, "rotary_emb", None)
-        if rot is not None and hasattr(rot, "original_inv_freq"):
-            inv, _ = rot.rope_init_fn(rot.config, torch.device("cpu"))
-            rot.inv_freq.copy_(inv)
-            rot.original_inv_freq = inv
+    for name, mod in list(model.named_modules()):  # buffers computed at construction (rope): built again
+        if "RotaryEmbedding" in type(mod).__name__:
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            setattr(parent, name.rsplit(".", 1)[-1], type(mod)(config=model.config))
     return model
 
 

@@ -87,22 +87,24 @@ def _spec(execution, capacity, prefetch):
 def test_one_sync_per_layer_call_and_the_ops_each_path_adds(family):
     """Measured 2026-11-26 (torch 2.13 CPU): the hook adds 6 aten ops per MoE layer call, one of them a kernel
     (the read-back: the router input's view, a byte view per tensor, their cat into host memory); offload at
-    capacity 1.0 adds 11, 6 of them kernels (and the expert map's upload, the gather of slot ids, the
-    second sort and its two indexings); a cache that streams experts adds a bank (its slices and offsets, one
-    more grouped GEMM per projection, a cat). A prefetcher adds its own prediction: the later layer's router
-    on this input (not pinned: the family's router)."""
+    capacity 1.0 adds 11 to 14, 6 of them kernels (and the expert map's upload, the gather of slot ids, the
+    second sort and its two indexings; 3 views where the arena's GEMM spans only the slots read); a cache
+    that streams experts adds a bank (its slices and offsets, one more grouped GEMM per projection, a cat).
+    A prefetcher adds its own prediction: the later layer's router on this input (not pinned: the family's
+    router). The looped kernel (a CPU's) is counted for its syncs only."""
     model = tiny(family)
     ops, kernels, syncs, _ = per_call(model, family)
     assert syncs == 0
-    off = {"name": "offload", "throttle": False}
+    off = {"name": "offload", "throttle": False, "kernel": "grouped"}  # the GPU's kernel (auto: on CUDA)
     got = {}
     for name, execution, capacity, prefetch in (("hooked", {"name": "simulated"}, 1.0, "none"),
                                                 ("offload", off, 1.0, "none"),
                                                 ("offload 15%", off, 0.15, "none"),
-                                                ("offload 15% + topk", off, 0.15, "topk")):
+                                                ("offload 15% + topk", off, 0.15, "topk"),
+                                                ("looped 15% + topk", dict(off, kernel="looped"), 0.15, "topk")):
         o, k, s, c = per_call(model, family, _spec(execution, capacity, prefetch))
         assert s == 1.0, (name, dict(c.sync_sites))  # exactly the routing read-back, every layer call
         got[name] = (o - ops, k - kernels)
     assert got["hooked"] == (6, 1), got
-    assert got["offload"] == (11, 6), got
+    assert got["offload"][1] == 6 and got["offload"][0] <= 14, got
     assert got["offload 15%"][0] <= 16, got  # the issue's target: at most the unhooked block's + 16

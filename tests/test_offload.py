@@ -152,14 +152,16 @@ def test_parity_cases_cover_every_family_and_kind():
 
 @pytest.mark.parametrize("family,kind,capacity,scope", PARITY, ids=["-".join(map(str, c)) for c in PARITY])
 def test_offload_equals_simulated(family, kind, capacity, scope):
+    """Both kernels: the grouped one (a GPU's) on every other case, the looped one (a CPU's) on the rest."""
     model = tiny(family)
     adapter = adapter_for(family)
     miss, routing, counter = KINDS[kind]
     ids, prefill = sample_ids(batch=1, seq=8, seed=1), sample_ids(batch=1, seq=16, seed=2)
     hw = dict(capacity=capacity, scope=scope)
     sim = run_stack(model, spec_of({"name": "simulated"}, miss=miss, routing=routing, **hw), ids, prefill, adapter)
-    off = run_stack(model, spec_of({"name": "offload", "check": True}, miss=miss, routing=routing, **hw), ids,
-                    prefill, adapter)
+    kernel = ("grouped", "looped")[PARITY.index((family, kind, capacity, scope)) % 2]
+    off = run_stack(model, spec_of({"name": "offload", "check": True, "kernel": kernel}, miss=miss, routing=routing,
+                                   **hw), ids, prefill, adapter)
     assert torch.equal(off[0], sim[0]), (sim[0], off[0])
     assert torch.equal(off[1], sim[1]), (off[1] - sim[1]).abs().max()
     assert off[2] == sim[2]  # the engine decided exactly the same (cache, timing, routing sections)
@@ -255,7 +257,8 @@ def test_arena_follows_the_engine_on_random_stacks(seed):
     ids, prefill = sample_ids(batch=1, seq=12, seed=seed), sample_ids(batch=2, seq=10, seed=seed + 50)
     # check=true: Offload.run asserts after every layer call that the slots are the engine's entries, pool by
     # pool, and that every arrived slot holds its expert's bytes
-    off = run_stack(model, spec_of({"name": "offload", "check": True, "throttle": seed % 2 == 0}, **kw), ids, prefill,
+    off = run_stack(model, spec_of({"name": "offload", "check": True, "throttle": seed % 2 == 0,
+                                    "kernel": ("grouped", "looped")[seed // 2 % 2]}, **kw), ids, prefill,
                     adapter, new_tokens=4)
     sim = run_stack(model, spec_of({"name": "simulated"}, **kw), ids, prefill, adapter, new_tokens=4)
     assert torch.equal(off[0], sim[0]) and torch.equal(off[1], sim[1]), kw

@@ -33,18 +33,21 @@ class Bank:
     """Experts as fused tensors ``tensors[name]`` ``[n, ...]`` (the family's layout), holding the global slot
     ids ``first .. first + n - 1`` of a layer call's expert map."""
 
-    __slots__ = ("tensors", "first", "n", "tickets")
+    __slots__ = ("tensors", "first", "n", "tickets", "lo", "hi")
 
     def __init__(self, tensors: dict, first: int, n: int):
         self.tensors = tensors
         self.first = first
         self.n = n
         self.tickets: list = []  # what the bank waits for (the executor's transfers; ``ready``)
+        # the slots this call reads, [lo, hi) within [first, first + n): a grouped GEMM spans only them (an empty
+        # group still costs ~1 us on a CPU: a 1,024-slot arena made offload 3.8x slower than simulated)
+        self.lo, self.hi = first, first + n
 
 
 def grouped_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
                     banks: Sequence[Bank], rows: Optional[Sequence[int]] = None,
-                    ready: Optional[Callable] = None) -> torch.Tensor:
+                    ready: Optional[Callable] = None, groups: Optional[Sequence] = None) -> torch.Tensor:
     """The layer call's experts from ``banks``. ``mod``: the family's fused experts module (its gate,
     activation, layout flags; its own weights are not read); ``hidden`` [T, H]; ``index``/``weights`` [T, k]
     on the device; ``slot_of`` [E] long on the device: each expert's global slot this call, or the sentinel
@@ -54,7 +57,12 @@ def grouped_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: tor
     sentinel. ``ready(bank)``: called just before a bank's weights are read, so a bank computes while the
     copies into the next are still landing (each bank's rows run up, gate and down before the next bank's:
     the gate is elementwise, and on row slices it gives the whole batch's bits -- 320 of 320 random splits,
-    every family). Returns [T, H]."""
+    every family). ``groups``: per bank with rows, its groups as ``(first row, end row, slot in the bank)``
+    counted from the bank's first row (host ints): each projection then runs one ``torch.mm`` per group
+    (the *looped* variant, what CPU ``grouped_mm`` computes per group, same bits) instead of one grouped call
+    -- on a CPU, where a launch costs nothing and an empty group of the grouped call ~1 us, it is the faster
+    (the grouped call over a 1,024-slot arena made offload 1.9x slower than simulated); ``rows`` is then
+    required. Returns [T, H]."""
     up, down, up_b, down_b = weight_names(mod)
     transposed = bool(getattr(mod, "is_transposed", False))
     gated = getattr(mod, "has_gate", True)
@@ -68,10 +76,17 @@ def grouped_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: tor
     perm = perm[order]  # [S]
     x_g = hidden[perm // k]  # [S, H]
     w_g = weights.reshape(-1)[perm]  # [S]
-    counts = torch.histc(slots_g.float() if hidden.device.type in ("cpu", "mps") else slots_g.int(),
-                         bins=total, min=0, max=total - 1)  # [total] (the sentinel, above max, is not counted)
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [total] end row of each slot's group
-    parts = _parts(offs, banks, rows)  # [(bank, first row, rows, its group ends)]
+    if groups is None:
+        counts = torch.histc(slots_g.float() if hidden.device.type in ("cpu", "mps") else slots_g.int(),
+                             bins=total, min=0, max=total - 1)  # [total] (the sentinel, above max, is not counted)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [total] end row of each slot's group
+        parts = _parts(offs, banks, rows)  # [(bank, first row, rows, its group ends)]
+    else:  # the looped variant: the groups, from the host
+        parts, r0 = [], 0
+        for b, n in zip(banks, rows):
+            if n:
+                parts.append((b, r0, n, groups[len(parts)]))
+                r0 += n
     outs = []
     for b, r0, n, ends in parts:
         if ready is not None:
@@ -98,11 +113,12 @@ def _parts(offs: torch.Tensor, banks: Sequence[Bank], rows: Optional[Sequence[in
     """Each bank that has rows this call: (bank, its first row, its rows, its groups' end rows counted from
     its first row [n_b]); ``rows`` None: the one bank has them all."""
     if rows is None:
-        return [(banks[0], 0, -1, offs)]
+        b = banks[0]
+        return [(b, 0, -1, offs if (b.lo, b.hi) == (0, len(offs)) else offs[b.lo:b.hi])]
     out, r0 = [], 0
     for b, n in zip(banks, rows):
         if n:
-            ends = offs[b.first:b.first + b.n]  # [n_b] from row 0 of the whole call
+            ends = offs[b.lo:b.hi]  # [hi - lo] the group ends of the slots it reads, from row 0 of the whole call
             out.append((b, r0, n, ends - r0 if r0 else ends))
             r0 += n
     return out
@@ -110,11 +126,27 @@ def _parts(offs: torch.Tensor, banks: Sequence[Bank], rows: Optional[Sequence[in
 
 def _linear(x: torch.Tensor, slots: torch.Tensor, b: Bank, ends: torch.Tensor, name: str, bias: Optional[str],
             transposed: bool) -> torch.Tensor:
-    """One projection of one bank's rows: transformers' grouped linear over the bank's ``[n_b, ...]`` weights."""
+    """One projection of one bank's rows: transformers' grouped linear over the bank's weights of slots
+    ``[lo, hi)`` (``[hi - lo, ...]``), or (``ends`` a list of host groups) one ``torch.mm`` per group."""
     from transformers.integrations.moe import _grouped_linear
 
-    return _grouped_linear(x, b.tensors[name], ends, b.tensors[bias][slots - b.first if b.first else slots]
-                           if bias else None, transposed)
+    if isinstance(ends, list):
+        W, B = b.tensors[name], b.tensors[bias] if bias else None
+        w0 = W[0]
+        out = x.new_empty(x.shape[0], w0.shape[-1] if transposed else w0.shape[0], dtype=W.dtype)  # [n, out]
+        for start, end, slot in ends:
+            w = W[slot]  # [out, in] ([in, out] transposed)
+            torch.mm(x[start:end].to(w.dtype), w if transposed else w.t(), out=out[start:end])
+            if B is not None:
+                out[start:end].add_(B[slot])
+        return out
+
+    lo, hi = b.lo - b.first, b.hi - b.first
+    w = b.tensors[name]
+    if lo or hi != b.n:
+        w = w[lo:hi]
+    return _grouped_linear(x, w, ends, b.tensors[bias][slots - b.first if b.first else slots] if bias else None,
+                           transposed)
 
 
 def weight_names(mod) -> tuple[str, str, Optional[str], Optional[str]]:

@@ -47,6 +47,7 @@ from .transfer import CudaMover, ThreadMover
 
 HOSTS = ("ram", "disk")
 PAGE_CACHE = ("drop", "keep")
+KERNELS = ("auto", "grouped", "looped")
 
 
 @EXECUTION.register("offload")
@@ -59,12 +60,18 @@ class Offload(Executor):
         throttle: bool = True  # pace transfers to hardware.bandwidth_gbps + latency_us (false: the machine's speed)
         page_cache: str = "drop"  # disk: drop each read's pages from the page cache (every fetch reads the disk) | keep
         check: bool = False  # after every layer call, assert the arena equals the engine's resident set (tests)
+        # how a bank's experts run: grouped (one grouped GEMM per projection: a GPU, where launches and the
+        # host's work cost) | looped (one GEMM per group: a CPU, where an empty group of a grouped call costs and
+        # a launch does not) | auto (grouped on CUDA, looped elsewhere). Same bits either way (tests).
+        kernel: str = "auto"
 
         def __post_init__(self):
             if self.host not in HOSTS:
                 raise ValueError(f"host={self.host!r}; valid choices: {', '.join(HOSTS)}")
             if self.page_cache not in PAGE_CACHE:
                 raise ValueError(f"page_cache={self.page_cache!r}; valid choices: {', '.join(PAGE_CACHE)}")
+            if self.kernel not in KERNELS:
+                raise ValueError(f"kernel={self.kernel!r}; valid choices: {', '.join(KERNELS)}")
 
     # ---- before any model work: what this executor cannot carry out, and how the model must load --------
     @classmethod
@@ -168,7 +175,8 @@ class Offload(Executor):
                 "check it with `python benchmarks/gpu_check.py` and report what it prints")
         self.mover = CudaMover(bw, lat, dev) if dev.type == "cuda" else ThreadMover(bw, lat)
         self.placement = Placement(cache.layout(), shapes, dtype, dev, tiers, self.mover, dict(store.bytes_of), store,
-                                   self._name, mixed=bool(low), raw_layout=raw_layout, align=align)
+                                   self._name, mixed=bool(low), raw_layout=raw_layout, align=align,
+                                   looped=p.kernel == "looped" or p.kernel == "auto" and dev.type != "cuda")
         cache.subscribe(self.placement)
 
     def _name(self, layer: int, expert: int) -> str:
@@ -189,9 +197,9 @@ class Offload(Executor):
             host, low, all_run = plan.host, plan.precisions, False
             sel = plan.index
             index, weights = upload(plan.index, self._device), upload(plan.weights, self._device)
-        slot_of, banks, rows = place.prepare(mod.layer, running, host, low, sel, all_run)  # 2
-        if banks:
-            out = grouped_experts(mod.inner, hidden, index, weights, slot_of, banks, rows, place.ready)  # 3
+        slot_of, banks, rows, groups = place.prepare(mod.layer, running, host, low, sel, all_run)  # 2
+        if banks and (groups is None or groups):
+            out = grouped_experts(mod.inner, hidden, index, weights, slot_of, banks, rows, place.ready, groups)  # 3
         else:  # nothing runs here (every expert dropped)
             out = torch.zeros_like(hidden)
         place.finalize()  # 4

@@ -36,6 +36,7 @@ from .arena import ByteArena, SlotArena
 from .kernel import Bank
 
 
+SPAN_MIN_SKIP = 64  # empty groups a bank's grouped GEMM must leave out before it spans only the slots read
 RAW = "__raw__"  # a mixed stream bank's one tensor: [rows, slot bytes] uint8
 
 
@@ -76,12 +77,13 @@ class Placement(ResidencyEvents):
 
     def __init__(self, layout: PoolLayout, shapes: dict, dtype: torch.dtype, device: torch.device, tiers: dict,
                  mover, bytes_of: dict, store, name, mixed: bool = False, raw_layout: Optional[dict] = None,
-                 align: int = 1):
+                 align: int = 1, looped: bool = False):
         """``shapes``: one expert's shape per fused parameter (the family's layout) at ``dtype``; ``tiers``:
         the host tier per stored precision ("native" always); ``bytes_of``: the engine's bytes per copy of each
         precision; ``store``: the quantized store (``unpack``); ``name(layer, expert)``: how errors name an
         expert; ``mixed``: copies of several precisions share the pools (byte arenas), whose raw tensors
-        ``raw_layout[layer, precision]`` lists as ``[(name, dtype, shape, bytes)]``."""
+        ``raw_layout[layer, precision]`` lists as ``[(name, dtype, shape, bytes)]``; ``looped``: the kernel runs
+        one GEMM per group (:func:`~.kernel.grouped_experts`'s ``groups``, made here from the host's routing)."""
         E, L = layout.num_experts, layout.num_layers
         self.E, self.L = E, L
         self.device = device
@@ -91,6 +93,7 @@ class Placement(ResidencyEvents):
         self.store = store
         self.name = name
         self.mixed = mixed
+        self.looped = looped
         self.dtype = dtype
         self.names = list(shapes)
         self.slot_bytes = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize
@@ -336,10 +339,20 @@ class Placement(ResidencyEvents):
             hb = self._host_bank
             hb.tensors, hb.first, hb.n = self.tier.host_bank(layer), first_host, E
             banks.append(hb)
-        rows = self._rows(m, banks, index) if len(banks) > 1 or not all_run else None
+        used = m[m < sentinel]  # the slots this call reads
+        for b in banks:  # a bank's grouped GEMM spans only the slots it reads, where that leaves out many
+            mine = used[(used >= b.first) & (used < b.first + b.n)]
+            b.lo, b.hi = (int(mine.min()), int(mine.max()) + 1) if mine.size else (b.first, b.first)
+            if b.n - (b.hi - b.lo) < SPAN_MIN_SKIP:  # (a slice costs views; a few empty groups cost less)
+                b.lo, b.hi = b.first, b.first + b.n
+        groups = None
+        if self.looped:
+            rows, groups = self._groups(m, banks, index)
+        else:
+            rows = self._rows(m, banks, index) if len(banks) > 1 or not all_run else None
         self._slot_of.copy_(self._ring[self._ring_i], non_blocking=True)
         self._ring_i = (self._ring_i + 1) % len(self._ring)
-        return self._slot_of, banks, rows
+        return self._slot_of, banks, rows, groups
 
     def ready(self, bank: Bank) -> None:
         """The kernel is about to read ``bank``: the copies into it are acquired (promoted if queued, waited for;
@@ -375,6 +388,26 @@ class Placement(ResidencyEvents):
             dst[n].copy_(w[n])
         if prec != "native":
             self.low_runs += 1
+
+    def _groups(self, m: np.ndarray, banks: list, index) -> tuple:
+        """(rows of each bank, and for each bank with rows its groups ``(first row, end row, slot in the bank)``
+        from the bank's first row, in slot order: the rows' order on the device) from the host's selection."""
+        counts = np.bincount(index.reshape(-1).numpy(), minlength=self.E)  # (a host tensor: no synchronisation)
+        sel = np.flatnonzero(counts)
+        slots, cnt = m[sel], counts[sel]
+        order = np.argsort(slots, kind="stable")
+        slots, cnt = slots[order].tolist(), cnt[order].tolist()
+        rows, groups, i = [], [], 0
+        for b in banks:
+            end, r, g = b.first + b.n, 0, []
+            while i < len(slots) and slots[i] < end:
+                g.append((r, r + cnt[i], slots[i] - b.first))
+                r += cnt[i]
+                i += 1
+            rows.append(r)
+            if r:
+                groups.append(g)
+        return rows, groups
 
     def _rows(self, m: np.ndarray, banks: list, index) -> list:
         """Token-expert rows of each bank this call, from the selection on the host (``index``)."""
