@@ -1,8 +1,9 @@
 """What a MoE layer call would cost on a GPU, counted on this CPU (:mod:`specmd.counting`): per MoE layer call
 (inside the MoE blocks: router, hook, experts, shared experts), device aten ops, kernels (device ops that
 are not views), host ops and device-to-host synchronisations, for the unhooked model, the hooked stack
-(``execution=simulated``) and the offloaded one, on the tiny families and deep_olmoe. A greedy generation:
-a prefill of 16 tokens and 8 decode steps.
+(``execution=simulated``) and the offloaded one (``execution.kernel=grouped``, what runs on CUDA; the last row
+the CPU's looped kernel), on the tiny families and deep_olmoe. A greedy generation: a prefill of 16 tokens
+and 8 decode steps.
 
     python benchmarks/counting.py [--models olmoe mixtral ... deep_olmoe]
 
@@ -21,11 +22,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+GPU = {"name": "offload", "throttle": False, "kernel": "grouped"}  # the kernel offload runs on CUDA
 CASES = [  # (label, execution, capacity, prefetch)
     ("hooked (simulated) 100%", {"name": "simulated"}, 1.0, "none"),
-    ("offload 100%", {"name": "offload", "throttle": False}, 1.0, "none"),
-    ("offload 5%", {"name": "offload", "throttle": False}, 0.05, "none"),
-    ("offload 5% + topk", {"name": "offload", "throttle": False}, 0.05, "topk"),
+    ("offload 100%", GPU, 1.0, "none"),
+    ("offload 5%", GPU, 0.05, "none"),
+    ("offload 5% + topk", GPU, 0.05, "topk"),
+    ("offload 5% + topk, looped", dict(GPU, kernel="looped"), 0.05, "topk"),  # the CPU's kernel, for contrast
 ]
 
 

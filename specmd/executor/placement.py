@@ -36,6 +36,7 @@ from .arena import ByteArena, SlotArena
 from .kernel import Bank
 
 
+DOUBLE_BUFFER_AFTER = 4  # streamed experts of a call that share one bank before the two banks alternate
 SPAN_MIN_SKIP = 64  # empty groups a bank's grouped GEMM must leave out before it spans only the slots read
 RAW = "__raw__"  # a mixed stream bank's one tensor: [rows, slot bytes] uint8
 
@@ -112,6 +113,7 @@ class Placement(ResidencyEvents):
         self.streams = [Staging({RAW: (self.slot_bytes,)}, torch.uint8, device)] if mixed else \
             [Staging(shapes, dtype, device), Staging(shapes, dtype, device)]
         self.stream_banks = [Bank({}, 0, 0) for _ in self.streams]
+        self._stream_n = [0, 0]  # rows of each stream bank taken this call
         self.work = Staging(shapes, dtype, device)  # experts put into place to run (unpacked, moved, host's)
         # host-computed experts run where they are when the device is the host: the tier is their bank
         self.host_in_place = device.type == "cpu" and hasattr(self.tier, "host_bank")
@@ -180,25 +182,26 @@ class Placement(ResidencyEvents):
         self.at[key] = -1
         self.prec_of[key] = None
 
-    def _stream_row(self, i: int) -> tuple:
-        """(stream bank, row) of the call's ``i``-th streamed expert."""
-        n = len(self.streams)
-        return self.streams[i % n], i // n
-
     def streamed(self, layer: int, expert: int, precision: str) -> None:
         i = len(self._staged)
-        bank, row = self._stream_row(i)
+        # the first DOUBLE_BUFFER_AFTER go to bank 0 (a decode's few: one bank, no extra launches), then the
+        # two banks alternate (a prefill's many: one bank computes while the other's copies land)
+        j = 0 if len(self.streams) == 1 or i < DOUBLE_BUFFER_AFTER else (i - DOUBLE_BUFFER_AFTER + 1) % 2
+        row = self._stream_n[j]
+        self._stream_n[j] += 1
+        bank = self.streams[j]
         if row >= bank.cap:  # grows to the most experts one call streamed (memory.staging_peak_bytes)
             self._settle_stream()
             bank.ensure(row + 1, keep=row)
             self._raw_cache.clear()  # views of the old rows
         self._batch.append((layer, expert, i, precision))  # a stream row, resolved when the batch is submitted
         self._batch_keys.append(-1)
-        self._staged.append([layer, expert, None, precision])  # its ticket: the batch's, at submission
+        self._staged.append([layer, expert, None, precision, j, row])  # its ticket: its bank's job's, at submission
         self.copies += 1
 
     def _stream_views(self, i: int, layer: int, precision: str) -> dict:
-        bank, row = self._stream_row(i)
+        j, row = self._staged[i][4:6]
+        bank = self.streams[j]
         if not self.mixed:
             return bank.views(row)
         return self._raw_at(bank.tensors[RAW][row], 0, layer, precision)
@@ -222,7 +225,7 @@ class Placement(ResidencyEvents):
         jobs: list = [[] for _ in range(1 + len(self.streams))]  # [arena, stream bank 0, stream bank 1]
         for layer, e, dst, prec in items:
             if isinstance(dst, int):
-                jobs[1 + dst % len(self.streams)].append((layer, e, self._stream_views(dst, layer, prec), prec, dst))
+                jobs[1 + self._staged[dst][4]].append((layer, e, self._stream_views(dst, layer, prec), prec, dst))
             else:
                 jobs[0].append((layer, e, dst, prec, None))
         tickets = self.tickets
@@ -289,8 +292,8 @@ class Placement(ResidencyEvents):
                     bank.tensors, bank.first, bank.n = st.tensors, first, st.cap
                     banks.append(bank)
                     last = None
-                    for s in self._staged[j::len(self.streams)]:
-                        if s[2] is not last:
+                    for s in self._staged:
+                        if s[4] == j and s[2] is not last:
                             bank.tickets.append(s[2])
                             last = s[2]
                 first += st.cap
@@ -304,7 +307,6 @@ class Placement(ResidencyEvents):
         m = self._ring_np[self._ring_i]
         m.fill(sentinel)
         at = self.at
-        nstreams = len(self.streams)
         w = 0
         last = None
         for e in running:
@@ -321,7 +323,7 @@ class Placement(ResidencyEvents):
                 m[e] = first_work + w
                 w += 1
             elif i is not None:
-                m[e] = self.stream_banks[i % nstreams].first + i // nstreams
+                m[e] = self.stream_banks[self._staged[i][4]].first + self._staged[i][5]
             elif at[key] >= 0:
                 m[e] = at[key]
             else:
@@ -422,6 +424,7 @@ class Placement(ResidencyEvents):
     def finalize(self) -> None:
         """The call's staging rows are free again."""
         self._staged.clear()
+        self._stream_n[0] = self._stream_n[1] = 0
 
     # ---- views into the arena ---------------------------------------------------------------------------
     def _views_of(self, key: int, layer: int, off: int, precision: str) -> dict:

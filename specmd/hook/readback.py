@@ -31,34 +31,22 @@ class Readback:
         self._dev = None  # the device staging buffer (CUDA)
         self._event = torch.cuda.Event() if self.cuda else None
         self._pad = None  # zero bytes that pad a row to the widest element (device)
+        self._plans: list = [{} for _ in range(num_layers)]  # per layer: call shape -> how it packs (_plan)
         self.calls = 0  # read-backs (each one synchronisation on a GPU)
         self.bytes = 0
 
     def __call__(self, layer: int, tensors) -> list:
-        """Host copies (views) of ``tensors``: device tensors of any dtypes, each ``[T, n_i]`` with the same T
-        (a layer call's tokens), in their order."""
-        order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+        """Host copies (views, a tuple) of ``tensors``: device tensors of any dtypes, each ``[T, n_i]`` with the
+        same T (a layer call's tokens), in their order."""
+        key = tuple([t.shape for t in tensors])  # (each position's dtype is the model's: fixed per layer)
+        plan = self._plans[layer].get(key)
+        if plan is None:  # a new shape at this layer (the first decode, a longer prompt): laid out once
+            plan = self._plans[layer][key] = self._plan(layer, tensors)
+        order, host, dev, pad, views = plan
         rows = [tensors[i].view(torch.uint8) for i in order]  # [T, bytes of a token's n_i]
-        T = rows[0].shape[0]
-        width = sum(r.shape[1] for r in rows)
-        widest = tensors[order[0]].element_size()
-        if width % widest:  # a row's width must keep every column aligned: pad it (zeros made once)
-            pad = widest - width % widest
-            if self._pad is None or self._pad.shape[0] < T:
-                self._pad = torch.zeros(max(T, 16), 8, dtype=torch.uint8, device=tensors[0].device)
-            rows.append(self._pad[:T, :pad])
-            width += pad
-        total = T * width
-        buf = self._host[layer]
-        if buf is None or buf.numel() < total:  # grows to the largest call (a prefill); never per call after
-            buf = self._host[layer] = register_host(torch.empty(max(total, 64), dtype=torch.uint8,
-                                                                pin_memory=self.cuda))
-        host = buf[:total].view(T, width)
+        if pad is not None:
+            rows.append(pad)
         if self.cuda:
-            dev = self._dev
-            if dev is None or dev.numel() < total:
-                dev = self._dev = torch.empty(max(total, 64), dtype=torch.uint8, device=self.device)
-            dev = dev[:total].view(T, width)
             torch.cat(rows, dim=1, out=dev)
             host.copy_(dev, non_blocking=True)
             self._event.record()
@@ -66,11 +54,41 @@ class Readback:
         else:
             torch.cat(rows, dim=1, out=host)
         self.calls += 1
-        self.bytes += total
+        self.bytes += host.numel()
+        return views
+
+    def _plan(self, layer: int, tensors) -> tuple:
+        """How calls of this shape pack: the order (widest element first), the host buffer's ``[T, width]`` view
+        (and the device staging's), the padding that keeps a row aligned to its widest element, and the host
+        views each tensor comes back as. A larger call grows the layer's buffers (its earlier plans go)."""
+        order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+        T = tensors[0].shape[0]
+        widths = [tensors[i].shape[1] * tensors[i].element_size() for i in order]
+        width = sum(widths)
+        widest = tensors[order[0]].element_size()
+        pad = None
+        if width % widest:  # a row's width must keep every column aligned: pad it (zeros made once)
+            n = widest - width % widest
+            if self._pad is None or self._pad.shape[0] < T:
+                self._pad = torch.zeros(max(T, 16), 8, dtype=torch.uint8, device=tensors[0].device)
+            pad = self._pad[:T, :n]
+            width += n
+        total = T * width
+        buf = self._host[layer]
+        if buf is None or buf.numel() < total:  # grows to the largest call (a prefill); never per call after
+            buf = self._host[layer] = register_host(torch.empty(max(total, 64), dtype=torch.uint8,
+                                                                pin_memory=self.cuda))
+            self._plans[layer] = {}
+        host = buf[:total].view(T, width)
+        dev = None
+        if self.cuda:
+            if self._dev is None or self._dev.numel() < total:
+                self._dev = torch.empty(max(total, 64), dtype=torch.uint8, device=self.device)
+                self._plans = [{} for _ in self._plans]  # views of the old staging
+            dev = self._dev[:total].view(T, width)
         out = [None] * len(tensors)
         o = 0
-        for i, r in zip(order, rows):  # (the padding, last, is not read)
-            n = r.shape[1]
-            out[i] = host[:, o:o + n].view(tensors[i].dtype)  # [T, n_i] (rows strided by the buffer's width)
-            o += n
-        return out
+        for i, w in zip(order, widths):
+            out[i] = host[:, o:o + w].view(tensors[i].dtype)  # [T, n_i] (rows strided by the buffer's width)
+            o += w
+        return order, host, dev, pad, tuple(out)

@@ -50,7 +50,7 @@ class LiveSignal:
 
     __slots__ = ("routers", "hidden", "out")
 
-    def __init__(self, routers, hidden: torch.Tensor, out: dict):
+    def __init__(self, routers, hidden: torch.Tensor, out: Optional[dict]):
         self.routers = routers
         self.hidden = hidden
         self.out = out
@@ -59,10 +59,13 @@ class LiveSignal:
     def __call__(self, target: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [T, E], the router's own top-k index [T, k]) of MoE layer ``target`` on this input, on the
         host."""
-        got = self.out.get(target)
+        got = self.out.get(target) if self.out is not None else None
         if got is None:
             logits, _, index = self.routers[target].forward(self.hidden)
-            got = self.out[target] = (to_host(logits), to_host(index))
+            got = (to_host(logits), to_host(index))
+            if self.out is None:
+                self.out = {}
+            self.out[target] = got
         return got
 
 
@@ -217,7 +220,7 @@ class PolicyStack:
                 want += (t_logits, t_index)
             host = readback(layer, want)  # the layer call's one synchronisation
             n = len(want) - 2 * len(targets)
-            signal = {t: (host[n + 2 * i], host[n + 2 * i + 1]) for i, t in enumerate(targets)}
+            signal = {t: (host[n + 2 * i], host[n + 2 * i + 1]) for i, t in enumerate(targets)} if targets else None
             rec = HookRecord(layer, host[2] if read_logits else None, host[1], host[0], scoring,
                              LiveSignal(routers, hidden, signal))
             rec._late = None if read_logits else logits
