@@ -687,6 +687,15 @@ def test_demand_runs_before_queued_prefetch_and_cancel_and_promote():
         assert order == ["P2", "P0", "P1"]
         m.promote(p[0])  # done: no effect
         assert not m.cancel(p[0])
+
+        order.clear()  # a promoted prefetch goes before demand jobs already queued: compute needs it first
+        gate = _Gate(m)
+        d = m.submit(job("D"), 10, demand=True)
+        q = m.submit(job("Q"), 10, demand=False)
+        m.promote(q)
+        gate.release.set()
+        m.wait(d), m.wait(q)
+        assert order == ["Q", "D"]
     finally:
         m.close()
 
@@ -950,3 +959,48 @@ def test_streamed_experts_go_through_a_double_buffer_each_bank_acquired_before_i
     assert order[i][1][0] is not order[i - 1][1][0]  # two jobs: bank 1's copies may land after bank 0 computes
     assert jobs > len(stack.moe_ids)  # more than one job per layer call when it streams
     assert streamed["misses"] > 0
+
+
+def test_a_block_that_passes_its_experts_another_selection_is_read_as_passed():
+    """No family's block changes what its router returned before calling the experts; if one did, the engine
+    and the executor read the selection the block passes (a second read-back) and outputs stay the simulated
+    run's."""
+    from specmd.hook import install
+    from specmd.hook.stack import SpecmdExperts
+
+    model = tiny("olmoe")
+    ids = sample_ids(batch=1, seq=8, seed=6)
+    forward = SpecmdExperts.forward
+    outs = {}
+    try:
+        SpecmdExperts.forward = lambda self, h, index, weights: forward(self, h, index.clone(), weights.clone())
+        for name in ("simulated", "offload"):
+            spec = spec_of({"name": name, **({"check": True} if name == "offload" else {})}, capacity=0.2,
+                           prefetch="none")
+            with torch.no_grad(), install(model, spec, adapter_for("olmoe")) as stack:
+                outs[name] = model.generate(ids, max_new_tokens=3, do_sample=False)
+                assert stack.readback.calls > 0
+    finally:
+        SpecmdExperts.forward = forward
+    assert torch.equal(outs["offload"], outs["simulated"])
+
+
+def test_grouped_kernel_with_one_slot_and_a_dropped_expert():
+    """One slot id in all (histc over a single bin takes the data's range: the sentinel must not count)."""
+    from specmd.executor.kernel import Bank, grouped_experts
+
+    model = tiny("olmoe")
+    mod, E, hidden, index, weights = _layer_inputs(model, "olmoe", 1, seed=9)
+    with torch.no_grad():
+        tensors = expert_tensors(mod, E)
+        keep = int(index[0, 0])
+        bank = Bank({n: t[keep:keep + 1].clone() for n, t in tensors.items()}, 0, 1)
+        slot_of = torch.full((E,), 1, dtype=torch.long)
+        slot_of[keep] = 0
+        ref = mod(hidden, index, torch.where(index == keep, weights, torch.zeros_like(weights)))
+        got = grouped_experts(mod, hidden, index, weights, slot_of, [bank], [1])
+    assert torch.equal(got, ref)
+    from specmd.executor.kernel import group_ends
+
+    assert group_ends(torch.tensor([0, 1, 1, 1]), 1).tolist() == [1]  # not 4: the sentinel rows are out
+    assert group_ends(torch.tensor([0, 2, 2, 3]), 3).tolist() == [1, 1, 3]

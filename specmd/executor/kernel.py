@@ -77,9 +77,7 @@ def grouped_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: tor
     x_g = hidden[perm // k]  # [S, H]
     w_g = weights.reshape(-1)[perm]  # [S]
     if groups is None:
-        counts = torch.histc(slots_g.float() if hidden.device.type in ("cpu", "mps") else slots_g.int(),
-                             bins=total, min=0, max=total - 1)  # [total] (the sentinel, above max, is not counted)
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [total] end row of each slot's group
+        offs = group_ends(slots_g, total)  # [total] end row of each slot's group
         parts = _parts(offs, banks, rows)  # [(bank, first row, rows, its group ends)]
     else:  # the looped variant: the groups, from the host
         parts, r0 = [], 0
@@ -107,6 +105,17 @@ def grouped_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: tor
     inv[perm] = torch.arange(S, device=perm.device)
     weighted = weighted[inv]  # [S, H] back in (token, rank) order
     return weighted.view(T, k, H).sum(dim=1).to(hidden.dtype)  # [T, H]
+
+
+def group_ends(slots_g: torch.Tensor, total: int) -> torch.Tensor:
+    """``[total]`` int32: the end row of each slot's group in ``slots_g`` (sorted slot ids; ``total``: the
+    sentinel, not counted), as transformers' experts forward computes them (histc, then cumsum)."""
+    ids = slots_g.float() if slots_g.device.type in ("cpu", "mps") else slots_g.int()  # (histc's dtypes)
+    if total > 1:
+        counts = torch.histc(ids, bins=total, min=0, max=total - 1)  # the sentinel, above max: out
+    else:  # (histc with min == max takes the data's own range: the sentinel would count)
+        counts = torch.histc(ids, bins=2, min=0, max=1)[:1]
+    return torch.cumsum(counts, 0, dtype=torch.int32)
 
 
 def _parts(offs: torch.Tensor, banks: Sequence[Bank], rows: Optional[Sequence[int]]) -> list:

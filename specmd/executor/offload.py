@@ -62,7 +62,9 @@ class Offload(Executor):
         check: bool = False  # after every layer call, assert the arena equals the engine's resident set (tests)
         # how a bank's experts run: grouped (one grouped GEMM per projection: a GPU, where launches and the
         # host's work cost) | looped (one GEMM per group: a CPU, where an empty group of a grouped call costs and
-        # a launch does not) | auto (grouped on CUDA, looped elsewhere). Same bits either way (tests).
+        # a launch does not) | auto (grouped on CUDA with bf16 experts, looped elsewhere: torch's CUDA
+        # grouped_mm is native for bf16 only, and for other dtypes loops with a read of the offsets to the host,
+        # two synchronisations per bank and call). Same bits either way (tests).
         kernel: str = "auto"
 
         def __post_init__(self):
@@ -176,7 +178,8 @@ class Offload(Executor):
         self.mover = CudaMover(bw, lat, dev) if dev.type == "cuda" else ThreadMover(bw, lat)
         self.placement = Placement(cache.layout(), shapes, dtype, dev, tiers, self.mover, dict(store.bytes_of), store,
                                    self._name, mixed=bool(low), raw_layout=raw_layout, align=align,
-                                   looped=p.kernel == "looped" or p.kernel == "auto" and dev.type != "cuda")
+                                   looped=p.kernel == "looped" or p.kernel == "auto" and not (
+                                       dev.type == "cuda" and dtype == torch.bfloat16))
         cache.subscribe(self.placement)
 
     def _name(self, layer: int, expert: int) -> str:
@@ -188,9 +191,12 @@ class Offload(Executor):
         the layer call's record (the selection on the host); ``plan``: the engine's Execution, or None (every
         requested expert runs, native, on the device)."""
         place = self.placement
-        if plan is None:  # 1
+        if plan is None and index is rec.device_index:  # 1
             running, host, low, all_run = rec.requested(self.E), (), None, True
             sel = rec.index
+        elif plan is None:  # the block passed another selection than its router's (no family does): read it
+            sel = index.to("cpu", copy=True)
+            running, host, low, all_run = torch.unique(sel).tolist(), (), None, True
         else:
             emap = plan.expert_map.numpy()  # [E] host
             running = (emap >= 0).nonzero()[0].tolist()
@@ -222,12 +228,16 @@ class Offload(Executor):
     def wall(self) -> dict:
         out = super().wall()
         m, place = self.mover, self.placement
+        settle = getattr(m, "settle", None)
+        if settle is not None:  # CUDA: the copies' own time, from their events
+            settle()
+        busy = m.busy_s if self.params.throttle or settle is None else m.copy_s  # (unthrottled CUDA: issue time)
         out.update({
             "transfers": m.transfers,
             "bytes_moved": m.bytes_moved,
-            "transfer_s": m.busy_s,  # the channel busy, throttle pacing included
+            "transfer_s": busy,  # the channel busy, throttle pacing included
             "copy_s": m.copy_s,  # the copies themselves
-            "achieved_gbps": m.bytes_moved / m.busy_s / 1e9 if m.busy_s > 0 else None,
+            "achieved_gbps": m.bytes_moved / busy / 1e9 if busy > 0 else None,
             "copy_gbps": m.bytes_moved / m.copy_s / 1e9 if m.copy_s > 0 else None,
             "throttled": bool(self.params.throttle),
             "host_computed_experts": place.host_runs,

@@ -114,6 +114,7 @@ class Placement(ResidencyEvents):
             [Staging(shapes, dtype, device), Staging(shapes, dtype, device)]
         self.stream_banks = [Bank({}, 0, 0) for _ in self.streams]
         self._stream_n = [0, 0]  # rows of each stream bank taken this call
+        self._after = None  # the compute work a new copy waits for (Mover.mark at the last finalize)
         self.work = Staging(shapes, dtype, device)  # experts put into place to run (unpacked, moved, host's)
         # host-computed experts run where they are when the device is the host: the tier is their bank
         self.host_in_place = device.type == "cpu" and hasattr(self.tier, "host_bank")
@@ -167,15 +168,18 @@ class Placement(ResidencyEvents):
         self.flush()  # the call's demand copies go first, as the engine issued them
         tier = self.tiers[precision]
         self.bytes_submitted += size
-        self.tickets[key] = self.mover.submit(lambda: tier.copy_into(layer, e, views), size, False, self.name(layer, e))
+        self.tickets[key] = self.mover.submit(lambda: tier.copy_into(layer, e, views), size, False, self.name(layer, e),
+                                              after=self._after)
 
     def evicted(self, key: int) -> None:
         t = self.tickets[key]
         if t is None and key in self._batch_keys:  # demanded this call, not submitted yet: never copied
             i = self._batch_keys.index(key)
             del self._batch_keys[i], self._batch[i]
-        elif t is not None and not t.done() and (t.count > 1 or not self.mover.cancel(t)):
-            self.stall_s += self.mover.wait(t)  # a copy into the slot is under way (or batched): let it land
+        elif t is not None and (t.done() or t.count > 1 or not self.mover.cancel(t)):
+            # a copy into the slot is under way, batched, or issued (on CUDA done = issued): it lands before
+            # anything the compute stream writes there later (a mixed arena's compaction)
+            self.stall_s += self.mover.acquire(t)
         self.tickets[key] = None
         self.used_bytes -= self.bytes_of[self.prec_of[key]]
         self.pools[self.pool_of_layer[key // self.E]].release(key)
@@ -258,7 +262,7 @@ class Placement(ResidencyEvents):
 
         first = name(items[0][0], items[0][1])
         return self.mover.submit(job, nbytes, True, first + (f" and {len(items) - 1} more" if len(items) > 1 else ""),
-                                 len(items))
+                                 len(items), after=self._after)
 
     # ---- one layer call: prepare, then (the kernel), then finalize ----------------------------------------
     def prepare(self, layer: int, running, host=(), low=None, index=None, all_run: bool = True):
@@ -422,7 +426,11 @@ class Placement(ResidencyEvents):
         return np.bincount(bank_of, weights=counts, minlength=len(banks) + 1)[:len(banks)].astype(np.int64).tolist()
 
     def finalize(self) -> None:
-        """The call's staging rows are free again."""
+        """The call's staging rows are free again; a copy submitted from now on into a slot or a staging row
+        waits for the kernels issued so far, which may read what it overwrites (and only for those: the
+        compute stream may run on meanwhile). A slot the engine frees was last read by a kernel issued before
+        this point: the running call's experts are pinned, so no call frees what it reads."""
+        self._after = self.mover.mark()
         self._staged.clear()
         self._stream_n[0] = self._stream_n[1] = 0
 
@@ -492,6 +500,7 @@ class Placement(ResidencyEvents):
                 raise AssertionError(f"pool {pi}: held and free slots do not partition its {arena.n} slots")
         if not contents:
             return
+        self.mover.sync()  # (on CUDA a done copy was issued, maybe not landed)
         for key in held:
             t = self.tickets[key]
             if t is not None and not t.done():

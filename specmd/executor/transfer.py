@@ -24,7 +24,7 @@ class TransferError(RuntimeError):
 
 
 class Ticket:
-    __slots__ = ("job", "nbytes", "count", "state", "error", "issued", "started", "finished", "what", "event")
+    __slots__ = ("job", "nbytes", "count", "state", "error", "issued", "started", "finished", "what", "event", "after")
 
     QUEUED, RUNNING, DONE, CANCELLED = 0, 1, 2, 3
 
@@ -38,6 +38,7 @@ class Ticket:
         self.started = self.finished = 0.0
         self.what = what  # "layer 3 expert 17 (int4)": named in errors
         self.event = None  # CUDA: the event recorded after the copies (compute waits on it, not the host)
+        self.after = None  # CUDA: the compute stream's event the copies wait for (Mover.mark)
 
     def done(self) -> bool:
         return self.state >= Ticket.DONE
@@ -56,8 +57,15 @@ class Mover:
         self.jobs = 0
         self._stop = threading.Event()  # set by close(): a paced wait ends at once (a slow link's 100 s sleep)
 
-    def submit(self, job: Callable[[], None], nbytes: int, demand: bool, what: str = "", count: int = 1) -> Ticket:
+    def submit(self, job: Callable[[], None], nbytes: int, demand: bool, what: str = "", count: int = 1,
+               after=None) -> Ticket:
+        """Queue ``job`` (``count`` experts, ``nbytes``); ``after``: a :meth:`mark` its copies must follow."""
         raise NotImplementedError
+
+    def mark(self):
+        """The compute work issued so far, for a later copy to wait on (CUDA: an event on the compute stream;
+        a CPU copy runs after the compute that preceded it anyway: None)."""
+        return None
 
     def promote(self, ticket: Ticket) -> None:
         """A queued prefetch is needed now: move it to the front of the queue."""
@@ -116,8 +124,9 @@ class ThreadMover(Mover):
         self._thread = threading.Thread(target=self._loop, name="specmd-transfer", daemon=True)
         self._thread.start()
 
-    def submit(self, job, nbytes, demand, what="", count=1):
+    def submit(self, job, nbytes, demand, what="", count=1, after=None):
         t = Ticket(job, nbytes, what, count)
+        t.after = after
         with self._cv:
             (self._demand if demand else self._prefetch).append(t)
             self._cv.notify_all()
@@ -130,7 +139,7 @@ class ThreadMover(Mover):
                     self._prefetch.remove(ticket)
                 except ValueError:
                     return
-                self._demand.append(ticket)
+                self._demand.appendleft(ticket)  # compute needs it now: before the call's later demand jobs
 
     def cancel(self, ticket):
         with self._cv:
@@ -234,7 +243,10 @@ class CudaMover(ThreadMover):
         import torch
 
         stream = self.stream
-        stream.wait_stream(self.compute)
+        if ticket.after is not None:  # the kernels that may read what it overwrites (not all compute since)
+            stream.wait_event(ticket.after)
+        else:
+            stream.wait_stream(self.compute)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             start.record(stream)
@@ -256,6 +268,20 @@ class CudaMover(ThreadMover):
     def sync(self) -> None:
         self.stream.synchronize()
 
+    def mark(self):
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record(self.compute)
+        return ev
+
+    def settle(self) -> None:
+        """Count the copy time of every job issued so far (waits for the side stream: results only)."""
+        self.stream.synchronize()
+        for start, end in self._timed:
+            self.copy_s += start.elapsed_time(end) / 1e3
+        self._timed.clear()
+
     def acquire(self, ticket) -> float:
         waited = super().acquire(ticket)
         if ticket.event is not None:
@@ -264,7 +290,4 @@ class CudaMover(ThreadMover):
 
     def close(self):
         super().close()
-        for start, end in self._timed:  # the copies not yet counted (the run's end: nothing else waits)
-            end.synchronize()
-            self.copy_s += start.elapsed_time(end) / 1e3
-        self._timed.clear()
+        self.settle()  # the copies not yet counted (the run's end: nothing else waits)
