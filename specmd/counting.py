@@ -51,9 +51,7 @@ def register_host(t: torch.Tensor) -> torch.Tensor:
         _HOST[:] = [r for r in _HOST if r() is not None]
         _HOST.append(weakref.ref(t))
         for c in _ACTIVE:
-            p = _ptr(t)
-            c._registered.add(p)
-            c._host_ptrs.add(p)
+            c._host_ptrs.add(_ptr(t))
     return t
 
 
@@ -173,9 +171,7 @@ class Counting:
         self.inside = dict.fromkeys(self.FIELDS, 0)
         self.calls = 0
         self.sync_sites: Counter = Counter()
-        self.kernel_ops: Counter = Counter()  # kernels inside the blocks, by op
         self._host_ptrs: set = set()
-        self._registered: set = set()
         self._depth = 0
         self._reading = 0
         self._explicit_device = False
@@ -209,8 +205,6 @@ class Counting:
                     d["kernels"] += 1
             if sync:
                 d["syncs"] += 1
-        if self._depth and not host and not view:
-            self.kernel_ops[func.overloadpacket.__name__] += 1
         if sync:
             self.sync_sites[func.overloadpacket.__name__] += 1
 
@@ -241,9 +235,8 @@ class Counting:
 
     def __enter__(self):
         with _lock:
-            self._registered = {_ptr(t) for t in (r() for r in _HOST) if t is not None}
+            self._host_ptrs = {_ptr(t) for t in (r() for r in _HOST) if t is not None}
             _ACTIVE.append(self)
-        self._host_ptrs = set(self._registered)
         f, d = _Function(self), _Dispatch(self)
         f.__enter__()
         d.__enter__()

@@ -150,8 +150,8 @@ def test_grouped_kernel_over_banks_equals_the_family_experts_forward(family):
                     if n:
                         mine = sorted((int(slot_of[e]) - b.first, int(counts[e])) for e in range(E)
                                       if counts[e] and b.first <= slot_of[e] < b.first + b.n)
-                        starts = [sum(c for _, c in mine[:i]) for i in range(len(mine))]
-                        groups.append([(s0, s0 + c, sl) for s0, (sl, c) in zip(starts, mine)])
+                        ends = [sum(c for _, c in mine[:i + 1]) for i in range(len(mine))]
+                        groups.append((ends, [sl for sl, _ in mine]))
                 looped = grouped_experts(mod, hidden, index, weights, slot_of, banks, rows, groups=groups)
                 assert torch.equal(looped, ref), (family, T, split, "looped")
 

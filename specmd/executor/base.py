@@ -75,7 +75,8 @@ class Executor(Plugin):
         """One MoE layer call's experts. ``hidden`` [T, H], ``index``/``weights`` [T, k]: what the block passes
         (on the device); ``plan``: the engine's :class:`~specmd.engine.outcomes.Execution` (its tensors on the
         host), or None: every selected expert runs, native, on the device; ``rec``: the call's gate record
-        (its selection on the host: ``rec.index``, ``rec.requested(E)``)."""
+        (its selection on the host: ``rec.index``, ``rec.requested(E)``; ``rec.block_index``: the one the block
+        passed instead, where it changed the router's)."""
         raise NotImplementedError
 
     # -- forward passes: the wall clock beside the simulated one ---------------------------------------

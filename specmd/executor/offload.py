@@ -191,12 +191,13 @@ class Offload(Executor):
         the layer call's record (the selection on the host); ``plan``: the engine's Execution, or None (every
         requested expert runs, native, on the device)."""
         place = self.placement
-        if plan is None and index is rec.device_index:  # 1
-            running, host, low, all_run = rec.requested(self.E), (), None, True
-            sel = rec.index
-        elif plan is None:  # the block passed another selection than its router's (no family does): read it
-            sel = index.to("cpu", copy=True)
-            running, host, low, all_run = torch.unique(sel).tolist(), (), None, True
+        if plan is None:  # 1
+            host, low, all_run = (), None, True
+            sel = rec.block_index  # the selection the block passed instead of its router's (no family does)
+            if sel is None:
+                running, sel = rec.requested(self.E), rec.index
+            else:
+                running = torch.unique(sel).tolist()
         else:
             emap = plan.expert_map.numpy()  # [E] host
             running = (emap >= 0).nonzero()[0].tolist()

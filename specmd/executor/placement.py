@@ -7,19 +7,19 @@ the manager's events one for one and decides nothing:
 
 1. **inserted** (a demand fetch or an admitted prefetch): a free slot of the layer's pool
    (:class:`~.arena.SlotArena`, or a byte range of a mixed :class:`~.arena.ByteArena`) is taken and the
-   copy from the host tier is handed to the mover (:mod:`.transfer`). A layer call's demand copies (and
-   streamed experts) go as **one job**, submitted when the call's decisions are made (before its first
-   prefetch, or when it runs); a prefetch is its own job, queued behind demand jobs;
-2. **evicted**: the slot is freed (a copy still queued into it is cancelled; one under way is waited for);
-3. **streamed** (a demand miss no pool could hold): the bytes go to a row of the *stream* staging bank,
-   for this call only.
+   copy from the host tier is handed to the mover (:mod:`.transfer`). A layer call's demand copies go as
+   **one job** for the arena and one per stream bank, submitted when the call's decisions are made (before
+   its first prefetch, or when it runs); a prefetch is its own job, queued behind demand jobs;
+2. **evicted**: the slot is freed (a copy still queued into it is cancelled; one under way lands first);
+3. **streamed** (a demand miss no pool could hold): the bytes go to a row of a *stream* staging bank, for
+   this call only (two banks: a double buffer, :meth:`streamed`).
 
-Per layer call, :meth:`prepare` makes the running experts' weights ready -- waits for exactly their copies
-(a prefetch still queued is promoted: the simulated clock's late prefetch), puts what does not run from a
-slot into place (stored low-precision copies unpacked, a mixed arena's native copies, host-computed
-experts off a CPU) in the *work* staging bank -- and returns the layer call's expert map (expert id ->
-global slot id, uploaded once) and the banks :func:`~.kernel.grouped_experts` runs; :meth:`finalize`
-releases the call's staging rows.
+Per layer call, :meth:`prepare` puts what does not run from a slot into place (stored low-precision copies
+unpacked, a mixed arena's native copies, host-computed experts off a CPU) in the *work* staging bank, and
+returns the layer call's expert map (expert id -> global slot id, uploaded once) and the banks
+:func:`~.kernel.grouped_experts` runs, each with the copies it waits for; :meth:`ready` acquires them just
+before that bank computes (a prefetch still queued is promoted: the simulated clock's late prefetch);
+:meth:`finalize` releases the call's staging rows.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class Placement(ResidencyEvents):
         ``raw_layout[layer, precision]`` lists as ``[(name, dtype, shape, bytes)]``; ``looped``: the kernel runs
         one GEMM per group (:func:`~.kernel.grouped_experts`'s ``groups``, made here from the host's routing)."""
         E, L = layout.num_experts, layout.num_layers
-        self.E, self.L = E, L
+        self.E = E
         self.device = device
         self.tiers, self.tier = tiers, tiers["native"]
         self.mover = mover
@@ -95,7 +95,6 @@ class Placement(ResidencyEvents):
         self.name = name
         self.mixed = mixed
         self.looped = looped
-        self.dtype = dtype
         self.names = list(shapes)
         self.slot_bytes = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize
         self.pool_of_layer = list(layout.pool_of_layer)
@@ -108,8 +107,8 @@ class Placement(ResidencyEvents):
         self._raw_layout = raw_layout or {}
         self._raw_cache: dict = {}
         # streamed experts (this call only): raw bytes of any precision (mixed), or native copies as fused rows in
-        # two banks, a double buffer: the n-th streamed expert goes to bank n % 2, each bank is copied as its own
-        # job, and the kernel computes one bank's experts while the next bank's copies are still landing
+        # two banks, a double buffer (streamed): each bank is copied as its own job, and the kernel computes one
+        # bank's experts while the next bank's copies are still landing
         self.streams = [Staging({RAW: (self.slot_bytes,)}, torch.uint8, device)] if mixed else \
             [Staging(shapes, dtype, device), Staging(shapes, dtype, device)]
         self.stream_banks = [Bank({}, 0, 0) for _ in self.streams]
@@ -121,7 +120,8 @@ class Placement(ResidencyEvents):
         self.at = [-1] * (L * E)  # the slot (uniform) or byte offset (mixed) of each resident copy
         self.prec_of: list = [None] * (L * E)
         self.tickets: list = [None] * (L * E)
-        self._staged: list = []  # (layer, expert, ticket or None, precision) of this call's streamed experts
+        # this call's streamed experts: [layer, expert, ticket (None until submitted), precision, stream bank, row]
+        self._staged: list = []
         self._batch: list = []  # demand copies not yet submitted: (layer, expert, views or stream row, precision)
         self._batch_keys: list = []  # their cache keys (-1: streamed)
         self.used_bytes = self.peak_bytes = 0
@@ -213,12 +213,7 @@ class Placement(ResidencyEvents):
     def _settle_stream(self) -> None:
         """Before the stream bank grows: this call's copies already submitted into it have landed (its rows are
         copied into the grown bank on the compute stream)."""
-        last = None
-        for s in self._staged:
-            t = s[2]
-            if t is not None and t is not last:
-                self.stall_s += self.mover.acquire(t)
-                last = t
+        self._acquire([s[2] for s in self._staged])
 
     def flush(self) -> None:
         """Submit the layer call's pending demand copies: the copies into the arena as one channel job (paced
@@ -295,11 +290,9 @@ class Placement(ResidencyEvents):
                 if st.cap:
                     bank.tensors, bank.first, bank.n = st.tensors, first, st.cap
                     banks.append(bank)
-                    last = None
-                    for s in self._staged:
-                        if s[4] == j and s[2] is not last:
+                    for s in self._staged:  # (its streamed experts' job: one ticket each flush)
+                        if s[4] == j and (not bank.tickets or bank.tickets[-1] is not s[2]):
                             bank.tickets.append(s[2])
-                            last = s[2]
                 first += st.cap
         work = self._work_bank
         if self.work.cap:
@@ -312,14 +305,11 @@ class Placement(ResidencyEvents):
         m.fill(sentinel)
         at = self.at
         w = 0
-        last = None
         for e in running:
             key = base + e
             t = tickets[key]
             if t is not None:  # the arena bank waits for it (a prefetch still queued is promoted then: late)
-                if t is not last:
-                    arena.tickets.append(t)
-                    last = t
+                arena.tickets.append(t)
                 tickets[key] = None
             i = staged_at.get(e)
             if mixed:  # into the work bank: unpacked from its stored copy, or moved out of the byte arena
@@ -368,6 +358,8 @@ class Placement(ResidencyEvents):
             bank.tickets.clear()
 
     def _acquire(self, tickets) -> None:
+        """Acquire ``tickets`` (a batch job's ticket, standing for several experts, once in a row; acquiring a
+        done one again costs nothing)."""
         last = None
         for t in tickets:
             if t is not None and t is not last:
@@ -395,32 +387,37 @@ class Placement(ResidencyEvents):
         if prec != "native":
             self.low_runs += 1
 
+    def _counts(self, index) -> np.ndarray:
+        """[E] token-expert rows of each expert in the call's selection (a host tensor: no synchronisation)."""
+        return np.bincount(index.reshape(-1).numpy(), minlength=self.E)
+
     def _groups(self, m: np.ndarray, banks: list, index) -> tuple:
-        """(rows of each bank, and for each bank with rows its groups ``(first row, end row, slot in the bank)``
-        from the bank's first row, in slot order: the rows' order on the device) from the host's selection."""
-        counts = np.bincount(index.reshape(-1).numpy(), minlength=self.E)  # (a host tensor: no synchronisation)
+        """(rows of each bank, and for each bank with rows its groups as ``(end rows, slots)`` in slot order --
+        the rows' order on the device -- rows counted from the bank's first, slots within the bank), from the
+        host's selection."""
+        counts = self._counts(index)
         sel = np.flatnonzero(counts)
         slots, cnt = m[sel], counts[sel]
         order = np.argsort(slots, kind="stable")
         slots, cnt = slots[order].tolist(), cnt[order].tolist()
         rows, groups, i = [], [], 0
         for b in banks:
-            end, r, g = b.first + b.n, 0, []
+            end, r, bounds, mine = b.first + b.n, 0, [], []
             while i < len(slots) and slots[i] < end:
-                g.append((r, r + cnt[i], slots[i] - b.first))
                 r += cnt[i]
+                bounds.append(r)
+                mine.append(slots[i] - b.first)
                 i += 1
             rows.append(r)
             if r:
-                groups.append(g)
+                groups.append((bounds, mine))
         return rows, groups
 
     def _rows(self, m: np.ndarray, banks: list, index) -> list:
         """Token-expert rows of each bank this call, from the selection on the host (``index``)."""
         if not banks:
             return []
-        E = self.E
-        counts = np.bincount(index.reshape(-1).numpy(), minlength=E)  # (a host tensor: no synchronisation)
+        counts = self._counts(index)
         ends = np.array([b.first + b.n for b in banks])
         bank_of = np.searchsorted(ends, m, side="right")  # [E] the bank of each expert's slot; len(banks): none
         return np.bincount(bank_of, weights=counts, minlength=len(banks) + 1)[:len(banks)].astype(np.int64).tolist()
@@ -464,10 +461,7 @@ class Placement(ResidencyEvents):
         self.flush()
         arena = self.pools[pi]
         span = arena.window(need)
-        for key in arena.inside(*span):
-            t = self.tickets[key]
-            if t is not None:
-                self.stall_s += self.mover.acquire(t)
+        self._acquire([self.tickets[key] for key in arena.inside(*span)])
         for key, off in arena.compact(span=span).items():  # views re-made when the copy next runs
             self.at[key] = off
 

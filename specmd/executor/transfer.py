@@ -226,8 +226,9 @@ class CudaMover(ThreadMover):
     the job is done when its copies are *issued* (unthrottled) -- the compute stream then waits on the event
     (:meth:`acquire`), so the host never waits for a copy to land. Throttled (emulating a slower link), the
     thread waits for the event and paces, as on the CPU, and compute waits for the paced end. Before a job
-    writes a slot, the side stream waits for the compute stream's work issued so far (a slot the engine freed
-    may still be read by kernels already queued); copies into one slot are ordered by the side stream itself.
+    writes a slot, the side stream waits for the kernels that may still read it (``after``: the event its
+    submitter marked, :meth:`mark`; without one, all compute issued so far); copies into one slot are ordered
+    by the side stream itself.
     The copies' own time comes from timing events, read when they have completed (never waited for)."""
 
     def __init__(self, bandwidth_bytes_per_s, latency_s, device):

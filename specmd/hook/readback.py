@@ -35,12 +35,14 @@ class Readback:
         self.calls = 0  # read-backs (each one synchronisation on a GPU)
         self.bytes = 0
 
-    def __call__(self, layer: int, tensors) -> list:
+    def __call__(self, layer: int, tensors) -> tuple:
         """Host copies (views, a tuple) of ``tensors``: device tensors of any dtypes, each ``[T, n_i]`` with the
         same T (a layer call's tokens), in their order."""
         key = tuple([t.shape for t in tensors])  # (each position's dtype is the model's: fixed per layer)
         plan = self._plans[layer].get(key)
         if plan is None:  # a new shape at this layer (the first decode, a longer prompt): laid out once
+            if len(self._plans[layer]) >= 256:  # (prompts of many lengths: forgotten at once, never per call)
+                self._plans[layer].clear()
             plan = self._plans[layer][key] = self._plan(layer, tensors)
         order, host, dev, pad, views = plan
         rows = [tensors[i].view(torch.uint8) for i in order]  # [T, bytes of a token's n_i]

@@ -76,10 +76,11 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 class HookRecord(LiveRecord):
     """A live layer call: the router's output on the host (read back once) and on the device (``device_index``,
-    ``device_weights``: what the block passes to its experts). Logits the stack did not read back are read on
-    first use (``_late``: the device tensor)."""
+    ``device_weights``: what the block passes to its experts; ``block_index``: None, or the selection the
+    block passed instead, read on the host). Logits the stack did not read back are read on first use
+    (``_late``: the device tensor)."""
 
-    __slots__ = ("device_index", "device_weights", "_late")
+    __slots__ = ("device_index", "device_weights", "block_index", "_late")
 
     @property
     def logits(self) -> torch.Tensor:
@@ -224,7 +225,7 @@ class PolicyStack:
             rec = HookRecord(layer, host[2] if read_logits else None, host[1], host[0], scoring,
                              LiveSignal(routers, hidden, signal))
             rec._late = None if read_logits else logits
-            rec.device_index, rec.device_weights = index, weights
+            rec.device_index, rec.device_weights, rec.block_index = index, weights, None
             records[layer] = rec
             if engine.route(rec):  # the routing policy's selection (on the host) goes to the block's experts
                 rec.device_index = upload(rec.index, device)
@@ -241,8 +242,9 @@ class PolicyStack:
             self._writer.layer(rec)
         if index is rec.device_index and weights is rec.device_weights:
             plan = self.engine.layer(rec)  # the block passes what the router hook returned (every family does)
-        else:  # it changed them: the engine serves what it passes (read back: a second synchronisation)
-            plan = self.engine.layer(rec, to_host(index), to_host(weights))
+        else:  # it changed them: the engine and executor serve what it passes (read back: a second synchronisation)
+            rec.block_index = to_host(index)
+            plan = self.engine.layer(rec, rec.block_index, to_host(weights))
         return self.executor.run(mod, hidden, index, weights, plan, rec)
 
 
