@@ -795,6 +795,7 @@ BAD = [
     (["execution=offload", "execution.page_cache=keep"], ["execution.page_cache=keep", "host=disk"]),
     (["execution=offload", "execution.host=ssd"], ["ssd", "ram, disk"]),
     (["execution=offload", "execution.throttle=maybe"], ["throttle", "maybe", "true or false"]),
+    (["execution=offload", "execution.kernel=fast"], ["kernel='fast'", "auto, grouped, looped"]),
 ]
 
 
