@@ -14,7 +14,7 @@ POLICY_GROUPS = ("routing", "miss", "eviction", "prefetch")  # keys of hardware.
 CONF = Path(__file__).resolve().parent / "conf"
 RATES = ("bandwidth_gbps", "peak_tflops", "mem_bandwidth_gbps", "host_tflops", "host_mem_bandwidth_gbps")
 TIMES = ("latency_us", "layer_overhead_us", "token_overhead_us", "expert_overhead_us", "transfer_issue_us",
-         "predict_overhead_us", "unpack_overhead_us")
+         "predict_overhead_us", "unpack_overhead_us", "host_expert_overhead_us")
 # Plausible ranges, 12+ orders of magnitude beyond any device either way (a phone's flash reads at ~1 GB/s, an
 # H200's HBM at 4.8 TB/s; tests model an instant link as 1e9 GB/s and a 100-byte expert's host at 3e-11
 # TFLOP/s): a value outside is an exponent typo, 1e308 us of latency or 1e-300 GB/s, whose times overflow to
@@ -70,6 +70,13 @@ class HardwareConfig:
     # one expert run from a stored low-precision copy: unpacking it (HQQ's bit-unpacking and scale/zero
     # arithmetic) before its GEMMs; a fused low-bit kernel on a GPU makes it small, eager PyTorch does not
     unpack_overhead_us: float = 0.0
+    # one expert computed on the host (miss=cpu_compute, hybrid) beyond its roofline: its framework calls and
+    # the host tier's reads; ``specmd calibrate`` times the model's own experts on the host
+    host_expert_overhead_us: float = 0.0
+    # whether the host's overheads above overlap the device's compute (a GPU: kernels are queued ahead of the
+    # device, and each segment between synchronisations takes the longer of the two) or add to it (false: a
+    # CPU, where the host is the device). ``specmd calibrate --device cuda`` sets it (SimClock's docstring).
+    host_overlap: bool = False
     # The host time a policy's decisions cost per MoE layer call beyond calibrate's reference stack (lru
     # eviction, topk prefetch: theirs is in the fitted overheads above), keyed "<group>/<name>", e.g.
     # {"prefetch/score": 180.0}. Policies run in Python between the router and the experts, serial with

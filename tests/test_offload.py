@@ -236,6 +236,26 @@ def test_offload_equals_simulated(family, kind, capacity, scope):
     assert memory["host"] == "ram" and memory["host_tier_bytes"] > 0 and memory["disk_bytes_read"] == 0
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hybrid_offload_equals_simulated(family):
+    """miss=hybrid splits misses between the link and the host worker (which computes its bank beside the
+    device): the same outputs as the simulated run, bit for bit, with both ways taken. The profile makes one
+    expert on the host cost about 1.5 transfers (so a layer call's misses alternate between the two)."""
+    model = tiny(family)
+    ids, prefill = sample_ids(batch=1, seq=8, seed=1), sample_ids(batch=1, seq=16, seed=2)
+    hw = dict(capacity=0.15, scope="per_layer", host_expert_overhead_us=16.0)
+    sim = run_stack(model, spec_of({"name": "simulated"}, miss="hybrid", **hw), ids, prefill, adapter_for(family))
+    off = run_stack(model, spec_of({"name": "offload", "check": True}, miss="hybrid", **hw), ids, prefill,
+                    adapter_for(family))
+    assert torch.equal(off[0], sim[0]) and torch.equal(off[1], sim[1]), (off[1] - sim[1]).abs().max()
+    assert off[2] == sim[2]
+    outcomes, wall = off[2]["cache"]["miss_outcomes"], off[3]["wall"]
+    assert outcomes["host_computed"] > 0 and outcomes["fetched_native"] > 0, outcomes
+    assert wall["host_computed_experts"] == outcomes["host_computed"] and wall["host_s"] > 0
+    timing = off[2]["timing"]
+    assert timing["host_busy_s"] > 0 and timing["link_busy_s"] > 0
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 3. deep_olmoe from host RAM and from its checkpoint on disk
 # ---------------------------------------------------------------------------------------------------------

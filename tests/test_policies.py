@@ -196,6 +196,70 @@ def test_cpu_compute_two_pointer():
     assert [a.kind for a in acts] == ["fetch", "fetch", "fetch", "host"]
 
 
+class HybridView(FakeCache):
+    """What miss=hybrid reads: per-expert link, host and device costs and what each resource has queued."""
+
+    def __init__(self, host=1.0, transfer=1.0, low=None, device=0.0, link_backlog=0.0, host_backlog=0.0):
+        super().__init__(host=host, transfer=transfer)
+        self.transfer_time = lambda precision=None: low if precision not in (None, "native") else transfer
+        self.device_time = lambda slots, experts: device * slots
+        self.link_backlog = lambda: link_backlog
+        self.host_backlog = lambda: host_backlog
+
+
+def hybrid(**params):
+    pol = MISS.build({"name": "hybrid", **params})
+    pol.num_experts = 4
+    return pol
+
+
+def test_hybrid_places_each_miss_where_the_layer_ends_first():
+    # 4 misses of one token each, C_load = 1, host 0.4 per token, free device: e0 host (.4 < 1), e1 host (.8 < 1),
+    # e2 fetch (max(1, .8) = 1 < 1.2), e3 host (max(1, 1.2) = 1.2 < max(2, .8)): the layer ends at 1.2
+    rec = record([[0.4, 0.3, 0.2, 0.1]], 4)
+    acts = hybrid().handle(0, [0, 1, 2, 3], rec, HybridView(host=0.4, transfer=1.0))
+    assert [a.kind for a in acts] == ["host", "host", "fetch", "host"]
+    assert acts[2].precision == "native"
+    # C_cpu = 5 (Zhu's sweep sends one miss to the host, ending at 5): hybrid fetches all four, ending at 4
+    acts = hybrid().handle(0, [0, 1, 2, 3], rec, HybridView(host=5.0, transfer=1.0))
+    assert [a.kind for a in acts] == ["fetch"] * 4
+    # ties go to the fetch (it may hit later): C_cpu = C_load = 1, one miss
+    assert [a.kind for a in hybrid().handle(0, [2], rec, HybridView(host=1.0, transfer=1.0))] == ["fetch"]
+
+
+def test_hybrid_sees_the_links_backlog_and_the_devices_share():
+    rec = record([[0.4, 0.3, 0.2, 0.1]], 1)
+    # one miss, C_load = 1, host 2: fetched on an idle link; behind a 3 s transfer it is computed on the host
+    assert hybrid().handle(0, [0], rec, HybridView(host=2.0, transfer=1.0))[0].kind == "fetch"
+    assert hybrid().handle(0, [0], rec, HybridView(host=2.0, transfer=1.0, link_backlog=3.0))[0].kind == "host"
+    # the device's compute after the fetch counts: 1 + 1.5 > 2
+    assert hybrid().handle(0, [0], rec, HybridView(host=2.0, transfer=1.0, device=1.5))[0].kind == "host"
+    # so does the host's queue: 1 < 2 + 2
+    assert hybrid().handle(0, [0], rec, HybridView(host=2.0, transfer=0.5, link_backlog=1.5,
+                                                    host_backlog=2.0))[0].kind == "fetch"
+
+
+def test_hybrid_orders_misses_by_tokens_and_offers_low_copies_to_low_scores():
+    # tokens: expert 3 three times, expert 0 once; host .3 per token, C_load 1. Most tokens first: e3 to the host
+    # (.9 < 1), then e0 fetched (max(1, .9) = 1 < 1.2). By id, e0 would go to the host (.3) and e3 be fetched
+    probs = [[0.1, 0.1, 0.1, 0.7]] * 3 + [[0.7, 0.1, 0.1, 0.1]]
+    rec = record(probs, 1)
+    acts = hybrid().handle(0, [0, 3], rec, HybridView(host=0.3, transfer=1.0))
+    assert [a.kind for a in acts] == ["fetch", "host"]
+    # a low copy (0.2 s) for misses below the 60th percentile of the call's scores: requested {0: .7, 2: .4,
+    # 3: .7} (token 3 of a second record selects 2 at .4); expert 2 is degraded, 0 and 3 are not
+    probs2 = [[0.1, 0.1, 0.1, 0.7], [0.7, 0.1, 0.1, 0.1], [0.2, 0.2, 0.4, 0.2]]
+    rec2 = record(probs2, 1)
+    acts = hybrid(low="int4").handle(0, [0, 2, 3], rec2, HybridView(host=10.0, transfer=1.0, low=0.2))
+    assert [(a.kind, a.precision) for a in acts] == [("fetch", "native"), ("fetch", "int4"), ("fetch", "native")]
+    cls, p = MISS.params({"name": "hybrid"})
+    assert cls.lossless(p) and cls.required_precisions(p) == ["native"]
+    cls, p = MISS.params({"name": "hybrid", "low": "int4"})
+    assert not cls.lossless(p) and cls.required_precisions(p) == ["native", "int4"]
+    with pytest.raises(Exception, match="low='int5'"):
+        MISS.params({"name": "hybrid", "low": "int5"})
+
+
 class PrefetchView:
     num_layers = 4
     num_experts = 4

@@ -329,3 +329,55 @@ def test_passive_hooks_are_skipped_and_a_subclass_that_overrides_one_is_called()
     layer(eng, record([[0.4, 0.3, 0.2, 0.1]], [[0]]))
     assert calls == ["apply", ("handle", [3]), "predict"]
     assert sorted(eng.cache.entries) == [2, 3] and list(eng.cache.stats.prefetch_issued) == [1]
+
+
+# ---- the host as a resource; host overheads beside the device (a GPU) ----------------------------------------------
+def host_clock(overlap=False, **over):
+    """Expert = 50 params / 100 bytes; one decoder layer per MoE layer, no dense compute. Device: 100 flop/s (a
+    token-expert pair: 1 s); host: 50 flop/s (2 s per pair); memory and link instant unless given."""
+    geom = Geometry(num_layers=2, num_experts=4, top_k=1, expert_bytes=100, total_bytes=10**6, expert_params=50,
+                    dense_params=[0, 0], attn_layers=[1, 1])
+    return SimClock(geom, TransferChannel(over.pop("bw", 1e15), 0.0), Roofline(100.0, 1e15), Roofline(50.0, 1e15),
+                    overlap=overlap, **over)
+
+
+def test_host_work_runs_beside_the_devices_experts_and_queues_on_the_host():
+    c = host_clock(host_expert=0.5)
+    h = c.host(1, 1)  # 2 s of roofline + 0.5 s per expert: ready at 2.5
+    assert c.host_backlog() == pytest.approx(2.5)
+    h2 = c.host(1, 1)  # queued behind the first: 2.5 .. 5.0
+    c.experts(2, 2)  # the device's experts: 2 s, beside the host
+    assert c.now == pytest.approx(2.0)
+    assert c.wait([h]) == pytest.approx(0.5) and c.wait([h2]) == pytest.approx(2.5)  # the output waits for the host
+    assert c.busy()["host_busy_s"] == pytest.approx(5.0) and c.now == pytest.approx(5.0)
+
+
+def test_the_engine_waits_for_the_host_after_the_devices_experts():
+    # cpu_compute, one miss on the host (3 s) and a hit whose device compute takes 2 s: the layer ends at 3, not 5
+    geom = Geometry(num_layers=1, num_experts=4, top_k=1, expert_bytes=100, total_bytes=400, expert_params=50)
+    hw = HardwareConfig(experts_per_layer=4, bandwidth_gbps=1e-7, latency_us=0.0, peak_tflops=100.0 / 2 / 1e12,
+                        mem_bandwidth_gbps=1e9, host_tflops=100.0 / 3 / 1e12, host_mem_bandwidth_gbps=1e9)
+    eng = Engine(geom, spec_of(miss="hybrid", prefetch="none", hardware=hw))
+    eng.cache._insert(0, 0, 100, eng.cache.pools[0], None, False, 0, True)  # expert 0 resident
+    eng.begin_pass("decode", 2, 2)
+    rec = record([[0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.7]], [[0], [3]])
+    plan = layer(eng, rec)  # expert 3: a fetch takes 1e9 s; the host 3 s -> host
+    eng.end_pass()
+    assert plan.host == [3] and list(eng.cache.stats.host_computed) == [1]
+    assert eng.cache.stats.passes[0].time_s == pytest.approx(3.0) and eng.cache.stats.stall_s[0] == pytest.approx(1.0)
+    t = eng.results()["timing"]
+    assert t["host_busy_s"] == pytest.approx(3.0) and t["link_busy_s"] == 0.0
+
+
+def test_overlap_takes_the_longer_of_host_overheads_and_device_compute_per_sync():
+    # per decoder layer 3 s of host overhead, per expert 0.5 s; the device: 1 s per pair. In order (a CPU): 2 x (3 +
+    # 1 + 0.5) = 9. Overlapped (a GPU), per segment between synchronisations: up to layer 0's read-back max(3 host, 0
+    # device) = 3; to layer 1's max(0.5 + 3, 1) = 3.5; to the logits max(0.5, 1) = 1 -> 7.5
+    for overlap, expect in ((False, 9.0), (True, 7.5)):
+        c = host_clock(overlap=overlap, overheads=(3.0, 0.0, 0.5, 0.0, 0.0, 0.0))
+        for layer in (0, 1):
+            c.dense(layer, 1, 1)
+            c.begin_layer()  # the read-back of the routing: a synchronisation under overlap
+            c.experts(1, 1)
+        c.tail(0, 1)
+        assert c.now == pytest.approx(expect), overlap

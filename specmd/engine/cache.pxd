@@ -45,6 +45,7 @@ cdef class LayerCall:
     cdef public object execution
     cdef public long long host_slots
     cdef public long long host_experts
+    cdef public object host_handle
     cdef public long long demanded
     cdef public object fetch_precision
     cdef public object index

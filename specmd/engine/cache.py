@@ -131,7 +131,8 @@ class LayerCall:
     def __init__(self, manager):
         self._m = manager
         self.fetch_precision = manager.fetch_precision
-        self.waits: list = []  # the clock's handles compute waits for (demand fetches, late prefetches, host)
+        self.waits: list = []  # the clock's handles the device's experts wait for (demand fetches, late prefetches)
+        self.host_handle = None  # the host's work this call (the layer's output waits for it: finish_layer)
         self.demanded = 0  # demand fetches issued (the clock may return no handle for them)
 
     @cython.ccall
@@ -146,6 +147,7 @@ class LayerCall:
         self.execution = None
         self.host_slots = 0
         self.host_experts = 0
+        self.host_handle = None
         self.demanded = 0
         self.index = index
         self.weights = weights
@@ -487,14 +489,22 @@ class CacheManager:
 
     @cython.ccall
     def _stall(self, call: LayerCall):
-        """Step 4: host work overlaps the transfers; compute waits for whichever finishes last."""
+        """Step 4: the host's work is issued (it runs beside the transfers and the device's compute); the
+        device's experts wait for their transfers."""
         if call.host_experts:
-            call.waits.append(self.clock.host(call.host_slots, call.host_experts))
+            call.host_handle = self.clock.host(call.host_slots, call.host_experts)
         if call.waits or call.demanded:  # (a clock may track demand fetches without handles: Clock.demand)
             self.stats.stall_s[call.layer] += self.clock.wait(call.waits)
 
     @cython.ccall
     def finish_layer(self):
+        """The layer call's experts have been charged: its output waits for the host's share (if it is
+        later than the device's), and the call's experts are unpinned."""
+        call: LayerCall = self._call
+        h = call.host_handle
+        if h is not None:
+            call.host_handle = None
+            self.stats.stall_s[call.layer] += self.clock.wait((h,))
         self._stamp += 1  # unpins the call's experts
 
     def prefetch(self, layer: int, experts: list) -> None:  # (not list[int]: compiled, that truncates floats)

@@ -51,6 +51,12 @@ cdef class SimClock(Clock):
     cdef public double predict_overhead
     cdef public double unpack_overhead
     cdef public double decision_overhead
+    cdef public double host_expert_overhead
+    cdef public bint overlap
+    cdef public double host_free_at
+    cdef public double host_busy_s
+    cdef double _host_acc
+    cdef double _dev_acc
     cdef public long long issued
     cdef public long long predictions
     cdef public double now
@@ -67,5 +73,7 @@ cdef class SimClock(Clock):
     cdef double _tail_params
     cdef double _tail_attn_layers
     cpdef double wait_until(self, double t)
+    cpdef sync(self)
+    cdef double _dense_device(self, double params, double attn_layers, double tokens, double context)
     cdef double _dense_time(self, double params, double attn_layers, double tokens, double context)
     cdef double _experts_time(self, double s, double n)

@@ -194,8 +194,22 @@ class Clock:
 
     @cython.ccall
     def host(self, slots, experts):
-        """Host work started now (overlapping the layer's transfers); returns its handle."""
+        """Host work issued now: it starts when the host is free (after the host work already queued), runs
+        beside the link and the device's compute, and returns its handle (wait on it for its result)."""
         raise NotImplementedError
+
+    def link_backlog(self) -> float:
+        """Seconds from now until the link could start a demand fetch (the transfer occupying it finishes;
+        queued prefetches wait behind demand)."""
+        return 0.0
+
+    def host_backlog(self) -> float:
+        """Seconds from now until the host could start new work (the host work already queued finishes)."""
+        return 0.0
+
+    def busy(self) -> dict:
+        """Each resource's busy seconds so far (``link_busy_s``, ``host_busy_s``), for the timing section."""
+        return {}
 
     def dense_time(self, layer: int, tokens: int, context: int):
         """Seconds :meth:`dense` would take, or None when the clock cannot say in advance."""
@@ -227,13 +241,32 @@ class SimClock(Clock):
     name = "simulated"
 
     def __init__(self, geom, channel: TransferChannel, roofline: Roofline, host: Roofline | None = None,
-                 overheads: tuple = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0), decision: float = 0.0):
+                 overheads: tuple = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0), decision: float = 0.0,
+                 host_expert: float = 0.0, overlap: bool = False):
         """``overheads``: (per decoder layer, per token of a pass, per expert run, per transfer issued, per
         prefetch prediction, per expert run from a low-precision copy) seconds the roofline does not see (``specmd calibrate`` fits them; a decoder
         layer's cost goes with its dense compute, so it scales with the model's depth; issuing is host work
         charged with the layer's compute). ``decision``: seconds per MoE layer call the stack's policies
         cost beyond calibrate's reference stack (``hardware.policy_overhead_us``), charged with the layer's
-        experts: the engine decides between the router and the experts, serial with compute."""
+        experts: the engine decides between the router and the experts, serial with compute. ``host_expert``:
+        seconds the host spends per expert it computes beyond its roofline (``hardware.host_expert_overhead_us``).
+
+        ``overlap`` (``hardware.host_overlap``): where the host's own work goes. False (a CPU, where the host
+        *is* the device): every overhead adds to the device's compute, in order. True (a GPU): the host
+        queues kernels ahead of the device, so between two synchronisations the host's overheads (per decoder
+        layer, per expert, per transfer issued, per prediction, per token) and the device's compute run side
+        by side and the segment takes the longer of the two; the model synchronises once per MoE layer call
+        (the read-back of its routing, :mod:`specmd.hook.readback`: the cache needs the selection on the
+        host), once per pass (the logits) and wherever compute waits for a transfer or the host. The
+        policies' decisions (``decision``) run after the read-back with the device idle: serial either way.
+
+        The host is a resource of its own beside the link (``host``): work a miss policy sends there
+        starts when the host is free, runs beside the link *and* the device's compute of the layer's other
+        experts, and the layer's output waits for it after the device's experts: Zhu et al.'s SMoE pipeline
+        (importance-driven scheduling, Fig. 9) runs "CPU expert computation: CPU computes the parameters of
+        experts from layer X not in GPU" beside "Direct expert computation: ... experts that are already in
+        the GPU", and "while the CPU computes one expert (E2), another (E0) can be simultaneously loaded into
+        GPU memory via PCIe" (§II)."""
         self.geom = geom
         self.channel = channel
         self.roofline = roofline
@@ -241,6 +274,12 @@ class SimClock(Clock):
         (self.layer_overhead, self.token_overhead, self.expert_overhead, self.issue_overhead,
          self.predict_overhead, self.unpack_overhead) = (tuple(overheads) + (0.0,) * 6)[:6]
         self.decision_overhead = decision
+        self.host_expert_overhead = host_expert
+        self.overlap = overlap
+        self.host_free_at = 0.0  # when the host work queued so far completes
+        self.host_busy_s = 0.0
+        self._host_acc = 0.0  # overlap: the host's overheads since the last synchronisation
+        self._dev_acc = 0.0  # overlap: the device's compute since the last synchronisation
         self.issued = 0  # transfers issued since the last charge of compute
         self.predictions = 0  # prefetch predictions since the last charge of compute
         self.now = 0.0
@@ -269,15 +308,34 @@ class SimClock(Clock):
                    (getattr(hw, "layer_overhead_us", 0.0) * 1e-6, getattr(hw, "token_overhead_us", 0.0) * 1e-6,
                     getattr(hw, "expert_overhead_us", 0.0) * 1e-6, getattr(hw, "transfer_issue_us", 0.0) * 1e-6,
                     getattr(hw, "predict_overhead_us", 0.0) * 1e-6, getattr(hw, "unpack_overhead_us", 0.0) * 1e-6),
-                   decision)
+                   decision, getattr(hw, "host_expert_overhead_us", 0.0) * 1e-6, bool(getattr(hw, "host_overlap", False)))
 
     # -- transfers --------------------------------------------------------------------------------
     @cython.ccall
     def begin_layer(self):
+        if self.overlap:  # the read-back of the routing: the host waits for the device to get there
+            self.sync()
         self.channel.advance(self.now)
+
+    @cython.ccall
+    def sync(self):
+        """The host waits for the device (``overlap``): the segment since the last one took the longer of the
+        host's overheads and the device's compute."""
+        if self._host_acc or self._dev_acc:
+            self.now += max(self._host_acc, self._dev_acc)
+            self._host_acc = self._dev_acc = 0.0
 
     def transfer_time(self, nbytes: int) -> float:
         return self.channel.duration(nbytes)
+
+    def link_backlog(self) -> float:
+        return max(0.0, self.channel.free_at - self.now)
+
+    def host_backlog(self) -> float:
+        return max(0.0, self.host_free_at - self.now)
+
+    def busy(self) -> dict:
+        return {"link_busy_s": self.channel.busy_s, "host_busy_s": self.host_busy_s}
 
     @cython.ccall
     def demand(self, nbytes: cython.longlong):
@@ -306,6 +364,8 @@ class SimClock(Clock):
 
     @cython.ccall
     def wait(self, handles) -> cython.double:
+        if self.overlap:
+            self.sync()
         t: cython.double = self.now
         h: Transfer
         if self._demand_ready > t:  # the demand fetches issued since the last wait (``demand`` returns no handle)
@@ -325,15 +385,19 @@ class SimClock(Clock):
 
     @cython.ccall
     def host(self, slots, experts):
+        d: cython.double = self.host_time(slots, experts)
         tr: Transfer = _new_transfer(0, self.now)
         tr.started = True
-        tr.ready_at = self.now + self.host_time(slots, experts)
+        tr.ready_at = max(self.now, self.host_free_at) + d
+        self.host_free_at = tr.ready_at
+        self.host_busy_s += d
         return tr
 
     # -- compute ----------------------------------------------------------------------------------
     def host_time(self, slots: int, experts: int) -> float:
         g = self.geom
-        return self.host_roofline.time(2.0 * slots * g.expert_params, experts * g.expert_bytes)
+        return (self.host_roofline.time(2.0 * slots * g.expert_params, experts * g.expert_bytes)
+                + experts * self.host_expert_overhead)
 
     def compute(self, flops: float, nbytes: float) -> None:
         dt = self.roofline.time(flops, nbytes)
@@ -357,6 +421,13 @@ class SimClock(Clock):
         flops: cython.double = 2.0 * tokens * params + 4.0 * tokens * context * self._hidden * attn_layers
         return max(flops / self._peak, params * self._dtype_bytes / self._mem) + attn_layers * self.layer_overhead
 
+    @cython.cfunc
+    def _dense_device(self, params: cython.double, attn_layers: cython.double, tokens: cython.double,
+                      context: cython.double) -> cython.double:
+        """The device's share of :meth:`_dense_time` (its roofline, without the host's per-layer overhead)."""
+        flops: cython.double = 2.0 * tokens * params + 4.0 * tokens * context * self._hidden * attn_layers
+        return max(flops / self._peak, params * self._dtype_bytes / self._mem)
+
     @cython.boundscheck(True)  # a layer outside the model is an IndexError, never a read past the arrays
     @cython.wraparound(False)
     def dense_time(self, layer: int, tokens: int, context: int) -> float:
@@ -376,13 +447,25 @@ class SimClock(Clock):
     @cython.boundscheck(True)  # a layer outside the model is an IndexError, never a read past the arrays
     @cython.wraparound(False)
     def dense(self, layer: cython.long, tokens: cython.longlong, context: cython.longlong):
+        if self.overlap:
+            p: cython.double = self._dense_params[layer]
+            a: cython.double = self._attn_layers[layer]
+            self._dev_acc += self._dense_device(p, a, tokens, context)
+            self._host_acc += a * self.layer_overhead
+            return
         self.now += self._dense_time(self._dense_params[layer], self._attn_layers[layer], tokens, context)
 
     @cython.ccall
     def experts(self, slots: cython.longlong, experts: cython.longlong, unpacked: cython.longlong = 0):
-        self.now += (self._experts_time(slots, experts) + self.issued * self.issue_overhead
-                     + self.predictions * self.predict_overhead + self.decision_overhead
-                     + unpacked * self.unpack_overhead)
+        if self.overlap:  # the decisions ran before (serial); the launches and the experts' compute side by side
+            self.now += self.decision_overhead
+            self._dev_acc += max(2.0 * slots * self._expert_params / self._peak, experts * self._expert_bytes / self._mem)
+            self._host_acc += (experts * self.expert_overhead + self.issued * self.issue_overhead
+                               + self.predictions * self.predict_overhead + unpacked * self.unpack_overhead)
+        else:
+            self.now += (self._experts_time(slots, experts) + self.issued * self.issue_overhead
+                         + self.predictions * self.predict_overhead + self.decision_overhead
+                         + unpacked * self.unpack_overhead)
         self.issued = self.predictions = 0
 
     @cython.ccall
@@ -391,5 +474,10 @@ class SimClock(Clock):
 
     @cython.ccall
     def tail(self, tokens: cython.longlong, context: cython.longlong):
+        if self.overlap:  # the pass ends with its logits read back: a synchronisation
+            self._dev_acc += self._dense_device(self._tail_params, self._tail_attn_layers, tokens, context)
+            self._host_acc += self._tail_attn_layers * self.layer_overhead + tokens * self.token_overhead
+            self.sync()
+            return
         self.now += (self._dense_time(self._tail_params, self._tail_attn_layers, tokens, context)
                      + tokens * self.token_overhead)

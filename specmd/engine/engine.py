@@ -300,4 +300,6 @@ class Engine:
         summary["measured_passes"] = cache.measure
         summary["timing_geometry"] = self.timing_as or "model"
         summary["prefetch_lateness"] = self._lateness(summary)
-        return {"cache": summary, "timing": st.timing(self.clock.name), "routing": {"fidelity": st.fidelity()}}
+        timing = st.timing(self.clock.name)
+        timing.update(self.clock.busy())  # every pass's, as total_s (a measure=decode run too)
+        return {"cache": summary, "timing": timing, "routing": {"fidelity": st.fidelity()}}

@@ -44,7 +44,22 @@ class CacheView:
         return self._m.clock.transfer_time(self.bytes_of(precision or self._m.fetch_precision))
 
     def host_time(self, slots: int, experts: int) -> float:
+        """Seconds the host needs for ``slots`` token-expert pairs over ``experts`` experts (full precision)."""
         return self._m.clock.host_time(slots, experts)
+
+    def device_time(self, slots: int, experts: int) -> float:
+        """Seconds the device's compute of ``experts`` experts over ``slots`` token-expert pairs takes (0 when the
+        clock cannot say in advance)."""
+        t = self._m.clock.experts_time(slots, experts)
+        return 0.0 if t is None else t
+
+    def link_backlog(self) -> float:
+        """Seconds from now until the link could start a demand fetch (the transfer on it finishes)."""
+        return self._m.clock.link_backlog()
+
+    def host_backlog(self) -> float:
+        """Seconds from now until the host could start new work (its queued work finishes)."""
+        return self._m.clock.host_backlog()
 
     # -- contents ---------------------------------------------------------------------------------
     def present(self, layer: int) -> list[int]:

@@ -33,12 +33,15 @@ class Bank:
     """Experts as fused tensors ``tensors[name]`` ``[n, ...]`` (the family's layout), holding the global slot
     ids ``first .. first + n - 1`` of a layer call's expert map."""
 
-    __slots__ = ("tensors", "first", "n", "tickets", "lo", "hi")
+    __slots__ = ("tensors", "first", "n", "tickets", "lo", "hi", "runner")
 
-    def __init__(self, tensors: dict, first: int, n: int):
+    def __init__(self, tensors: dict, first: int, n: int, runner=None):
         self.tensors = tensors
         self.first = first
         self.n = n
+        # who computes this bank's rows instead of the caller: a :class:`~.hostwork.HostWorker` (the host tier's
+        # bank: the host computes beside the device), or None
+        self.runner = runner
         self.tickets: list = []  # what the bank waits for (the executor's transfers; ``ready``)
         # the slots this call reads, [lo, hi) within [first, first + n): a grouped GEMM spans only them (an empty
         # group still costs ~1 us on a CPU: a 1,024-slot arena made offload 3.8x slower than simulated)
@@ -86,15 +89,23 @@ def grouped_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: tor
             if n:
                 parts.append((b, r0, n, groups[len(parts)]))
                 r0 += n
-    outs = []
-    for b, r0, n, ends in parts:
+    outs: list = [None] * len(parts)
+    for j, (b, r0, n, ends) in enumerate(parts):  # banks another worker computes start first, beside the rest
+        if b.runner is not None:
+            x = x_g if n < 0 else x_g[r0:r0 + n]  # [n, H]
+            sl = None if up_b is None else slots_g if n < 0 else slots_g[r0:r0 + n]  # [n]
+            outs[j] = b.runner.submit(_remote_bank, mod, x, sl, b, ends, (up, down, up_b, down_b), transposed, gated)
+    for j, (b, r0, n, ends) in enumerate(parts):
+        if outs[j] is not None:
+            continue
         if ready is not None:
             ready(b)
         x = x_g if n < 0 else x_g[r0:r0 + n]  # [n, H]
         sl = None if up_b is None else slots_g if n < 0 else slots_g[r0:r0 + n]  # [n] (for biases)
-        h = _linear(x, sl, b, ends, up, up_b, transposed)  # [n, 2I] (or [n, I] ungated)
-        h = mod._apply_gate(h) if gated else mod.act_fn(h)  # [n, I]
-        outs.append(_linear(h, sl, b, ends, down, down_b, transposed))  # [n, H]
+        outs[j] = _bank(mod, x, sl, b, ends, (up, down, up_b, down_b), transposed, gated)  # [n, H]
+    for j, b in enumerate(parts):
+        if b[0].runner is not None:
+            outs[j] = outs[j].result()  # [n, H] (the host's rows: joined before the top-k sum)
     done = parts[-1][1] + parts[-1][2] if parts and parts[-1][2] >= 0 else (S if parts else 0)
     if done < S:  # sentinel rows: nothing runs here, their contribution is zero
         outs.append(hidden.new_zeros(S - done, H, dtype=outs[0].dtype if outs else hidden.dtype))
@@ -106,6 +117,27 @@ def grouped_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: tor
     inv[perm] = torch.arange(S, device=perm.device)
     weighted = weighted[inv]  # [S, H] back in (token, rank) order
     return weighted.view(T, k, H).sum(dim=1).to(hidden.dtype)  # [T, H]
+
+
+def _bank(mod, x: torch.Tensor, sl: Optional[torch.Tensor], b: Bank, ends, names: tuple, transposed: bool,
+          gated: bool) -> torch.Tensor:
+    """One bank's rows ``x`` [n, H] through up, gate and down: [n, H]."""
+    up, down, up_b, down_b = names
+    h = _linear(x, sl, b, ends, up, up_b, transposed)  # [n, 2I] (or [n, I] ungated)
+    h = mod._apply_gate(h) if gated else mod.act_fn(h)  # [n, I]
+    return _linear(h, sl, b, ends, down, down_b, transposed)  # [n, H]
+
+
+def _remote_bank(mod, x: torch.Tensor, sl: Optional[torch.Tensor], b: Bank, ends, names: tuple, transposed: bool,
+                 gated: bool) -> torch.Tensor:
+    """:func:`_bank` where the bank's weights are (the host tier, on the worker's thread): the rows go there and
+    the result comes back to ``x``'s device."""
+    where = next(iter(b.tensors.values())).device
+    if where == x.device:
+        return _bank(mod, x, sl, b, ends, names, transposed, gated)
+    moved = ends if isinstance(ends, tuple) else ends.to(where)  # (the looped variant's groups are host ints)
+    out = _bank(mod, x.to(where), None if sl is None else sl.to(where), b, moved, names, transposed, gated)
+    return out.to(x.device)
 
 
 def group_ends(slots_g: torch.Tensor, total: int) -> torch.Tensor:

@@ -42,6 +42,7 @@ import torch
 from ..errors import ConfigError
 from .base import EXECUTION, Executor, RunFacts, upload
 from .kernel import expert_tensors, grouped_experts
+from .hostwork import HostWorker
 from .placement import Placement
 from .transfer import CudaMover, ThreadMover
 
@@ -176,10 +177,11 @@ class Offload(Executor):
                 "back per layer call, event-ordered copies) has not run on a GPU yet (docs/offload.md, 'On a GPU'); "
                 "check it with `python benchmarks/gpu_check.py` and report what it prints")
         self.mover = CudaMover(bw, lat, dev) if dev.type == "cuda" else ThreadMover(bw, lat)
+        self.host_worker = HostWorker()
         self.placement = Placement(cache.layout(), shapes, dtype, dev, tiers, self.mover, dict(store.bytes_of), store,
                                    self._name, mixed=bool(low), raw_layout=raw_layout, align=align,
                                    looped=p.kernel == "looped" or p.kernel == "auto" and not (
-                                       dev.type == "cuda" and dtype == torch.bfloat16))
+                                       dev.type == "cuda" and dtype == torch.bfloat16), host_worker=self.host_worker)
         cache.subscribe(self.placement)
 
     def _name(self, layer: int, expert: int) -> str:
@@ -242,6 +244,7 @@ class Offload(Executor):
             "copy_gbps": m.bytes_moved / m.copy_s / 1e9 if m.copy_s > 0 else None,
             "throttled": bool(self.params.throttle),
             "host_computed_experts": place.host_runs,
+            "host_s": self.host_worker.busy_s,  # the host worker computing experts beside the device
             "low_precision_runs": place.low_runs,  # experts run from a stored low-precision copy's bytes
         })
         return out
@@ -256,6 +259,9 @@ class Offload(Executor):
         m = getattr(self, "mover", None)
         if m is not None:
             m.close()
+        worker = getattr(self, "host_worker", None)
+        if worker is not None:
+            worker.close()
         tier = getattr(self, "tier", None)
         if tier is not None:
             tier.close()

@@ -78,13 +78,14 @@ class Placement(ResidencyEvents):
 
     def __init__(self, layout: PoolLayout, shapes: dict, dtype: torch.dtype, device: torch.device, tiers: dict,
                  mover, bytes_of: dict, store, name, mixed: bool = False, raw_layout: Optional[dict] = None,
-                 align: int = 1, looped: bool = False):
+                 align: int = 1, looped: bool = False, host_worker=None):
         """``shapes``: one expert's shape per fused parameter (the family's layout) at ``dtype``; ``tiers``:
         the host tier per stored precision ("native" always); ``bytes_of``: the engine's bytes per copy of each
         precision; ``store``: the quantized store (``unpack``); ``name(layer, expert)``: how errors name an
         expert; ``mixed``: copies of several precisions share the pools (byte arenas), whose raw tensors
         ``raw_layout[layer, precision]`` lists as ``[(name, dtype, shape, bytes)]``; ``looped``: the kernel runs
-        one GEMM per group (:func:`~.kernel.grouped_experts`'s ``groups``, made here from the host's routing)."""
+        one GEMM per group (:func:`~.kernel.grouped_experts`'s ``groups``, made here from the host's routing);
+        ``host_worker``: computes the host tier's bank beside the device (:class:`~.hostwork.HostWorker`)."""
         E, L = layout.num_experts, layout.num_layers
         self.E = E
         self.device = device
@@ -115,8 +116,9 @@ class Placement(ResidencyEvents):
         self._stream_n = [0, 0]  # rows of each stream bank taken this call
         self._after = None  # the compute work a new copy waits for (Mover.mark at the last finalize)
         self.work = Staging(shapes, dtype, device)  # experts put into place to run (unpacked, moved, host's)
-        # host-computed experts run where they are when the device is the host: the tier is their bank
-        self.host_in_place = device.type == "cpu" and hasattr(self.tier, "host_bank")
+        # host-computed experts run where they are, computed by the host worker beside the device (the host
+        # tier's bank: :mod:`.hostwork`); a tier without one (disk) copies them into the work bank
+        self.host_in_place = hasattr(self.tier, "host_bank")
         self.at = [-1] * (L * E)  # the slot (uniform) or byte offset (mixed) of each resident copy
         self.prec_of: list = [None] * (L * E)
         self.tickets: list = [None] * (L * E)
@@ -138,7 +140,7 @@ class Placement(ResidencyEvents):
         self._slot_of = torch.empty(E, dtype=torch.int64, device=device)
         # the banks a layer call hands the kernel, made once and re-pointed per call
         self._banks: list = []
-        self._arena_bank, self._work_bank, self._host_bank = Bank({}, 0, 0), Bank({}, 0, 0), Bank({}, 0, 0)
+        self._arena_bank, self._work_bank, self._host_bank = Bank({}, 0, 0), Bank({}, 0, 0), Bank({}, 0, 0, host_worker)
 
     # ---- events from the cache manager ------------------------------------------------------------------
     def inserted(self, key: int, layer: int, precision: str, prefetched: bool) -> None:
