@@ -14,7 +14,8 @@ POLICY_GROUPS = ("routing", "miss", "eviction", "prefetch")  # keys of hardware.
 CONF = Path(__file__).resolve().parent / "conf"
 RATES = ("bandwidth_gbps", "peak_tflops", "mem_bandwidth_gbps", "host_tflops", "host_mem_bandwidth_gbps")
 TIMES = ("latency_us", "layer_overhead_us", "token_overhead_us", "expert_overhead_us", "transfer_issue_us",
-         "predict_overhead_us", "unpack_overhead_us", "host_expert_overhead_us")
+         "predict_overhead_us", "unpack_overhead_us", "host_call_overhead_us", "host_expert_overhead_us",
+         "host_token_overhead_us")
 # Plausible ranges, 12+ orders of magnitude beyond any device either way (a phone's flash reads at ~1 GB/s, an
 # H200's HBM at 4.8 TB/s; tests model an instant link as 1e9 GB/s and a 100-byte expert's host at 3e-11
 # TFLOP/s): a value outside is an exponent typo, 1e308 us of latency or 1e-300 GB/s, whose times overflow to
@@ -70,9 +71,12 @@ class HardwareConfig:
     # one expert run from a stored low-precision copy: unpacking it (HQQ's bit-unpacking and scale/zero
     # arithmetic) before its GEMMs; a fused low-bit kernel on a GPU makes it small, eager PyTorch does not
     unpack_overhead_us: float = 0.0
-    # one expert computed on the host (miss=cpu_compute, hybrid) beyond its roofline: its framework calls and
-    # the host tier's reads; ``specmd calibrate`` times the model's own experts on the host
+    # The host computing experts (miss=cpu_compute, hybrid) beyond its roofline: per layer call that sends it
+    # work (the hand-off to the host worker and back), per expert (its framework calls) and per token-expert
+    # pair (small GEMMs run far below the peak); ``specmd calibrate`` times the model's own experts on the host
+    host_call_overhead_us: float = 0.0
     host_expert_overhead_us: float = 0.0
+    host_token_overhead_us: float = 0.0
     # whether the host's overheads above overlap the device's compute (a GPU: kernels are queued ahead of the
     # device, and each segment between synchronisations takes the longer of the two) or add to it (false: a
     # CPU, where the host is the device). ``specmd calibrate --device cuda`` sets it (SimClock's docstring).

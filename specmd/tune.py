@@ -30,7 +30,8 @@ later step fails):
 
 The space (``tune.<group>=[...]`` restricts a group's choices; ``tune.capacities`` lists capacities):
 routing ``standard`` or ``cache_prior`` (lambda 0.1/0.2/0.3/0.5 x J 1/2: Cache-Conditional Experts picks
-lambda per cache size under a perplexity budget, Fig. 10); miss ``fetch``, ``drop`` (J 1/2) or
+lambda per cache size under a perplexity budget, Fig. 10); miss ``fetch``, ``hybrid`` (each miss fetched or
+computed on the host, whichever ends the layer first), ``cpu_compute`` (Zhu et al.'s split), ``drop`` (J 1/2) or
 ``substitute`` (alpha 0.1/0.2/0.35/0.5: Zhu et al. pick alpha by hand); eviction ``lru``, ``lfu``,
 ``least_stale``, ``fld``, ``score``, ``arc``, ``lecar``; prefetch ``none``, ``topk`` (overfetch 1/1.5/2) or
 ``score`` (percentile 70/80/90). Oracles (``belady``, ``oracle``) are not candidates: no real system has
@@ -58,12 +59,13 @@ SPACE = {
     "routing": {"standard": [()],
                 "cache_prior": [(f"routing.lambda={lam}", f"routing.J={j}") for lam in (0.1, 0.2, 0.3, 0.5)
                                 for j in (1, 2)]},
-    "miss": {"fetch": [()], "drop": [(f"miss.J={j}",) for j in (1, 2)],
+    "miss": {"fetch": [()], "hybrid": [()], "cpu_compute": [()], "drop": [(f"miss.J={j}",) for j in (1, 2)],
              "substitute": [(f"miss.alpha={a}",) for a in (0.1, 0.2, 0.35, 0.5)]},
     "eviction": {name: [()] for name in ("lru", "lfu", "least_stale", "fld", "score", "arc", "lecar")},
     "prefetch": {"none": [()], "topk": [(f"prefetch.overfetch={o}",) for o in (1.0, 1.5, 2.0)],
                  "score": [(f"prefetch.percentile={p}",) for p in (70.0, 80.0, 90.0)]},
 }
+EXACT_MISSES = ("fetch", "hybrid", "cpu_compute")  # miss policies that run every expert exactly (lossless)
 OBJECTIVES = {"tpot": ("timing", "tpot_s", min), "hit_rate": ("cache", "hit_rate", max)}
 
 
@@ -153,9 +155,11 @@ def candidates(opts: Options, base_capacity: float) -> list[tuple[str, ...]]:
 
 
 def lossless(stack: tuple[str, ...]) -> bool:
-    """Standard routing and every miss fetched at the stored precision: outputs equal the unhooked model's."""
-    return ("routing=standard" in stack and "miss=fetch" in stack
-            and all(a == "miss.precision=native" for a in stack if a.startswith("miss.precision=")))
+    """Standard routing and every miss run exactly -- fetched at the stored precision, or computed on the host
+    from it (``hybrid`` without a low copy, ``cpu_compute``): outputs equal the unhooked model's."""
+    return ("routing=standard" in stack and any(f"miss={m}" in stack for m in EXACT_MISSES)
+            and all(a == "miss.precision=native" for a in stack if a.startswith("miss.precision="))
+            and not any(a.startswith("miss.low=") and a != "miss.low=None" for a in stack))
 
 
 def own_stack(raw: dict) -> tuple[str, ...]:

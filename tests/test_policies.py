@@ -199,8 +199,9 @@ def test_cpu_compute_two_pointer():
 class HybridView(FakeCache):
     """What miss=hybrid reads: per-expert link, host and device costs and what each resource has queued."""
 
-    def __init__(self, host=1.0, transfer=1.0, low=None, device=0.0, link_backlog=0.0, host_backlog=0.0):
+    def __init__(self, host=1.0, transfer=1.0, low=None, device=0.0, link_backlog=0.0, host_backlog=0.0, beside=True):
         super().__init__(host=host, transfer=transfer)
+        self.host_beside_device = lambda: beside
         self.transfer_time = lambda precision=None: low if precision not in (None, "native") else transfer
         self.device_time = lambda slots, experts: device * slots
         self.link_backlog = lambda: link_backlog
@@ -234,6 +235,12 @@ def test_hybrid_sees_the_links_backlog_and_the_devices_share():
     assert hybrid().handle(0, [0], rec, HybridView(host=2.0, transfer=1.0, link_backlog=3.0))[0].kind == "host"
     # the device's compute after the fetch counts: 1 + 1.5 > 2
     assert hybrid().handle(0, [0], rec, HybridView(host=2.0, transfer=1.0, device=1.5))[0].kind == "host"
+    # a hit (expert 1, 1.5 s on the device) beside the miss, host 3: beside the device the host ends at 3, a fetch
+    # at 1 + 1.5 + 1.5 = 4 -> host; on the device's cores (a CPU) the device's compute comes after both: host
+    # max(0, 3) + 1.5 = 4.5, fetch max(1, 0) + 3 = 4 -> fetched
+    rec2 = record([[0.7, 0.1, 0.1, 0.1], [0.1, 0.7, 0.1, 0.1]], 1)
+    assert hybrid().handle(0, [0], rec2, HybridView(host=3.0, transfer=1.0, device=1.5))[0].kind == "host"
+    assert hybrid().handle(0, [0], rec2, HybridView(host=3.0, transfer=1.0, device=1.5, beside=False))[0].kind == "fetch"
     # so does the host's queue: 1 < 2 + 2
     assert hybrid().handle(0, [0], rec, HybridView(host=2.0, transfer=0.5, link_backlog=1.5,
                                                     host_backlog=2.0))[0].kind == "fetch"

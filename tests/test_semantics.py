@@ -342,7 +342,7 @@ def host_clock(overlap=False, **over):
 
 
 def test_host_work_runs_beside_the_devices_experts_and_queues_on_the_host():
-    c = host_clock(host_expert=0.5)
+    c = host_clock(host_overheads=(0.0, 0.5, 0.0))
     h = c.host(1, 1)  # 2 s of roofline + 0.5 s per expert: ready at 2.5
     assert c.host_backlog() == pytest.approx(2.5)
     h2 = c.host(1, 1)  # queued behind the first: 2.5 .. 5.0
@@ -350,23 +350,32 @@ def test_host_work_runs_beside_the_devices_experts_and_queues_on_the_host():
     assert c.now == pytest.approx(2.0)
     assert c.wait([h]) == pytest.approx(0.5) and c.wait([h2]) == pytest.approx(2.5)  # the output waits for the host
     assert c.busy()["host_busy_s"] == pytest.approx(5.0) and c.now == pytest.approx(5.0)
+    # per batch sent (once), per expert, per token-expert pair: 3 pairs over 2 experts = 6 s of roofline + 1 + 2 x 0.5
+    # + 3 x 0.25; no work, no cost
+    c = host_clock(host_overheads=(1.0, 0.5, 0.25))
+    assert c.host_time(3, 2) == pytest.approx(8.75) and c.host_time(0, 0) == 0.0
 
 
-def test_the_engine_waits_for_the_host_after_the_devices_experts():
-    # cpu_compute, one miss on the host (3 s) and a hit whose device compute takes 2 s: the layer ends at 3, not 5
+def test_the_engine_waits_for_the_host_after_or_before_the_devices_experts():
+    # one miss on the host (3 s) and a hit whose device compute takes 2 s. A host of its own (host_overlap, a
+    # GPU's): beside the device, the layer ends at 3 (stall 1). The host on the device's cores (a CPU): the
+    # device's experts wait for it, 3 + 2 = 5 (stall 3)
     geom = Geometry(num_layers=1, num_experts=4, top_k=1, expert_bytes=100, total_bytes=400, expert_params=50)
-    hw = HardwareConfig(experts_per_layer=4, bandwidth_gbps=1e-7, latency_us=0.0, peak_tflops=100.0 / 2 / 1e12,
-                        mem_bandwidth_gbps=1e9, host_tflops=100.0 / 3 / 1e12, host_mem_bandwidth_gbps=1e9)
-    eng = Engine(geom, spec_of(miss="hybrid", prefetch="none", hardware=hw))
-    eng.cache._insert(0, 0, 100, eng.cache.pools[0], None, False, 0, True)  # expert 0 resident
-    eng.begin_pass("decode", 2, 2)
-    rec = record([[0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.7]], [[0], [3]])
-    plan = layer(eng, rec)  # expert 3: a fetch takes 1e9 s; the host 3 s -> host
-    eng.end_pass()
-    assert plan.host == [3] and list(eng.cache.stats.host_computed) == [1]
-    assert eng.cache.stats.passes[0].time_s == pytest.approx(3.0) and eng.cache.stats.stall_s[0] == pytest.approx(1.0)
-    t = eng.results()["timing"]
-    assert t["host_busy_s"] == pytest.approx(3.0) and t["link_busy_s"] == 0.0
+    for overlap, end, stall in ((True, 3.0, 1.0), (False, 5.0, 3.0)):
+        hw = HardwareConfig(experts_per_layer=4, bandwidth_gbps=1e-9, latency_us=0.0, peak_tflops=100.0 / 2 / 1e12,
+                            mem_bandwidth_gbps=1e9, host_tflops=100.0 / 3 / 1e12, host_mem_bandwidth_gbps=1e9,
+                            host_overlap=overlap)
+        eng = Engine(geom, spec_of(miss="hybrid", prefetch="none", hardware=hw))
+        eng.cache._insert(0, 0, 100, eng.cache.pools[0], None, False, 0, True)  # expert 0 resident
+        eng.begin_pass("decode", 2, 2)
+        rec = record([[0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.7]], [[0], [3]])
+        plan = layer(eng, rec)  # expert 3: a fetch takes 100 s; the host 3 s -> host
+        eng.end_pass()
+        assert plan.host == [3] and list(eng.cache.stats.host_computed) == [1]
+        st = eng.cache.stats
+        assert st.passes[0].time_s == pytest.approx(end) and st.stall_s[0] == pytest.approx(stall), overlap
+        t = eng.results()["timing"]
+        assert t["host_busy_s"] == pytest.approx(3.0) and t["link_busy_s"] == 0.0
 
 
 def test_overlap_takes_the_longer_of_host_overheads_and_device_compute_per_sync():

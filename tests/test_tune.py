@@ -28,7 +28,11 @@ def test_space_restrictions_and_draws_are_deterministic():
     assert sum(lossless(s) for s in space) == 2 * 2
     a, b = draw(Options(trials=5), space, ("own",)), draw(Options(trials=5), space, ("own",))
     assert a == b and a[0] == ("own",) and len(set(a)) == 5
-    assert len(candidates(Options(), 0.05)) == 9 * 7 * 7 * 7  # the whole default space at one capacity
+    assert len(candidates(Options(), 0.05)) == 9 * 9 * 7 * 7  # the whole default space at one capacity
+    # hybrid and cpu_compute run every expert exactly: lossless with standard routing, as fetch is
+    hybrid = candidates(Options(choices={"eviction": ["lru"], "routing": ["standard", "cache_prior"],
+                                         "miss": ["hybrid", "cpu_compute"], "prefetch": ["none"]}), 0.05)
+    assert sum(lossless(s) for s in hybrid) == 2 and all(lossless(s) == ("routing=standard" in s) for s in hybrid)
 
 
 @pytest.mark.parametrize("argv,match", [

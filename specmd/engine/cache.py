@@ -489,10 +489,16 @@ class CacheManager:
 
     @cython.ccall
     def _stall(self, call: LayerCall):
-        """Step 4: the host's work is issued (it runs beside the transfers and the device's compute); the
-        device's experts wait for their transfers."""
+        """Step 4: the host's work is issued: it runs beside the transfers, and beside the device's compute
+        when the host is a processor of its own (:meth:`Clock.host_beside_device`: the output waits for it in
+        :meth:`finish_layer`); else the device's experts wait for it as for their transfers."""
+        clock: Clock = self.clock
         if call.host_experts:
-            call.host_handle = self.clock.host(call.host_slots, call.host_experts)
+            h = clock.host(call.host_slots, call.host_experts)
+            if clock.host_beside_device():
+                call.host_handle = h
+            else:
+                call.waits.append(h)
         if call.waits or call.demanded:  # (a clock may track demand fetches without handles: Clock.demand)
             self.stats.stall_s[call.layer] += self.clock.wait(call.waits)
 

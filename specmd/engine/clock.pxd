@@ -33,6 +33,7 @@ cdef class Clock:
     cpdef double wait(self, handles)
     cpdef predicted(self)
     cpdef host(self, slots, experts)
+    cpdef bint host_beside_device(self)
     cpdef dense(self, long layer, long long tokens, long long context)
     cpdef experts(self, long long slots, long long experts, long long unpacked=*)
     cpdef mark(self)
@@ -51,7 +52,9 @@ cdef class SimClock(Clock):
     cdef public double predict_overhead
     cdef public double unpack_overhead
     cdef public double decision_overhead
+    cdef public double host_call_overhead
     cdef public double host_expert_overhead
+    cdef public double host_token_overhead
     cdef public bint overlap
     cdef public double host_free_at
     cdef public double host_busy_s

@@ -211,6 +211,13 @@ class Clock:
         """Each resource's busy seconds so far (``link_busy_s``, ``host_busy_s``), for the timing section."""
         return {}
 
+    @cython.ccall
+    def host_beside_device(self) -> cython.bint:
+        """Whether host work runs beside the device's compute (a GPU and its host CPU: the layer's output waits
+        for it after the device's experts) or on the same processor (a CPU: the device's experts wait for it,
+        as for their transfers)."""
+        return False
+
     def dense_time(self, layer: int, tokens: int, context: int):
         """Seconds :meth:`dense` would take, or None when the clock cannot say in advance."""
         return None
@@ -242,17 +249,20 @@ class SimClock(Clock):
 
     def __init__(self, geom, channel: TransferChannel, roofline: Roofline, host: Roofline | None = None,
                  overheads: tuple = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0), decision: float = 0.0,
-                 host_expert: float = 0.0, overlap: bool = False):
+                 host_overheads: tuple = (0.0, 0.0, 0.0), overlap: bool = False):
         """``overheads``: (per decoder layer, per token of a pass, per expert run, per transfer issued, per
         prefetch prediction, per expert run from a low-precision copy) seconds the roofline does not see (``specmd calibrate`` fits them; a decoder
         layer's cost goes with its dense compute, so it scales with the model's depth; issuing is host work
         charged with the layer's compute). ``decision``: seconds per MoE layer call the stack's policies
         cost beyond calibrate's reference stack (``hardware.policy_overhead_us``), charged with the layer's
-        experts: the engine decides between the router and the experts, serial with compute. ``host_expert``:
-        seconds the host spends per expert it computes beyond its roofline (``hardware.host_expert_overhead_us``).
+        experts: the engine decides between the router and the experts, serial with compute. ``host_overheads``:
+        (per layer call that sends the host work, per expert, per token-expert pair) seconds the host spends
+        beyond its roofline (``hardware.host_call_overhead_us``, ``host_expert_overhead_us``,
+        ``host_token_overhead_us``: ``specmd calibrate`` times the model's own experts on the host worker).
 
-        ``overlap`` (``hardware.host_overlap``): where the host's own work goes. False (a CPU, where the host
-        *is* the device): every overhead adds to the device's compute, in order. True (a GPU): the host
+        ``overlap`` (``hardware.host_overlap``): whether the host is a processor of its own. False (a CPU, where
+        the host *is* the device): every overhead adds to the device's compute, in order, and experts computed
+        on the host run on the same cores -- beside the link, but before the device's experts. True (a GPU): the host
         queues kernels ahead of the device, so between two synchronisations the host's overheads (per decoder
         layer, per expert, per transfer issued, per prediction, per token) and the device's compute run side
         by side and the segment takes the longer of the two; the model synchronises once per MoE layer call
@@ -260,9 +270,9 @@ class SimClock(Clock):
         host), once per pass (the logits) and wherever compute waits for a transfer or the host. The
         policies' decisions (``decision``) run after the read-back with the device idle: serial either way.
 
-        The host is a resource of its own beside the link (``host``): work a miss policy sends there
-        starts when the host is free, runs beside the link *and* the device's compute of the layer's other
-        experts, and the layer's output waits for it after the device's experts: Zhu et al.'s SMoE pipeline
+        The host is a resource of its own beside the link (``host``): work a miss policy sends there starts
+        when the host is free and runs beside the link; with ``overlap`` also beside the device's compute of
+        the layer's other experts, and the layer's output waits for it after the device's experts: Zhu et al.'s SMoE pipeline
         (importance-driven scheduling, Fig. 9) runs "CPU expert computation: CPU computes the parameters of
         experts from layer X not in GPU" beside "Direct expert computation: ... experts that are already in
         the GPU", and "while the CPU computes one expert (E2), another (E0) can be simultaneously loaded into
@@ -274,7 +284,7 @@ class SimClock(Clock):
         (self.layer_overhead, self.token_overhead, self.expert_overhead, self.issue_overhead,
          self.predict_overhead, self.unpack_overhead) = (tuple(overheads) + (0.0,) * 6)[:6]
         self.decision_overhead = decision
-        self.host_expert_overhead = host_expert
+        self.host_call_overhead, self.host_expert_overhead, self.host_token_overhead = (tuple(host_overheads) + (0.0,) * 3)[:3]
         self.overlap = overlap
         self.host_free_at = 0.0  # when the host work queued so far completes
         self.host_busy_s = 0.0
@@ -308,7 +318,9 @@ class SimClock(Clock):
                    (getattr(hw, "layer_overhead_us", 0.0) * 1e-6, getattr(hw, "token_overhead_us", 0.0) * 1e-6,
                     getattr(hw, "expert_overhead_us", 0.0) * 1e-6, getattr(hw, "transfer_issue_us", 0.0) * 1e-6,
                     getattr(hw, "predict_overhead_us", 0.0) * 1e-6, getattr(hw, "unpack_overhead_us", 0.0) * 1e-6),
-                   decision, getattr(hw, "host_expert_overhead_us", 0.0) * 1e-6, bool(getattr(hw, "host_overlap", False)))
+                   decision, (getattr(hw, "host_call_overhead_us", 0.0) * 1e-6,
+                              getattr(hw, "host_expert_overhead_us", 0.0) * 1e-6,
+                              getattr(hw, "host_token_overhead_us", 0.0) * 1e-6), bool(getattr(hw, "host_overlap", False)))
 
     # -- transfers --------------------------------------------------------------------------------
     @cython.ccall
@@ -336,6 +348,10 @@ class SimClock(Clock):
 
     def busy(self) -> dict:
         return {"link_busy_s": self.channel.busy_s, "host_busy_s": self.host_busy_s}
+
+    @cython.ccall
+    def host_beside_device(self) -> cython.bint:
+        return self.overlap
 
     @cython.ccall
     def demand(self, nbytes: cython.longlong):
@@ -395,9 +411,11 @@ class SimClock(Clock):
 
     # -- compute ----------------------------------------------------------------------------------
     def host_time(self, slots: int, experts: int) -> float:
+        if not experts:
+            return 0.0
         g = self.geom
-        return (self.host_roofline.time(2.0 * slots * g.expert_params, experts * g.expert_bytes)
-                + experts * self.host_expert_overhead)
+        return (self.host_roofline.time(2.0 * slots * g.expert_params, experts * g.expert_bytes) + self.host_call_overhead
+                + experts * self.host_expert_overhead + slots * self.host_token_overhead)
 
     def compute(self, flops: float, nbytes: float) -> None:
         dt = self.roofline.time(flops, nbytes)

@@ -286,6 +286,23 @@ class Engine:
             "structural": transfer > max(windows),
         }
 
+    def _fetch_bounds(self) -> dict:
+        """The decode speed no fetch-only stack can pass on this link: one native expert's transfer per miss,
+        back to back (``fetch_bound_tokens_per_s``: at the run's decode misses per token;
+        ``all_miss_bound_tokens_per_s``: at hit rate 0, every requested expert fetched). A stack that computes
+        misses on the host (``hybrid``, ``cpu_compute``) or fetches smaller copies can pass them."""
+        dec = [p for p in self.cache.stats.passes if p.kind == "decode"]
+        tokens = sum(p.tokens for p in dec)
+        try:
+            t = self.clock.transfer_time(self.store.bytes_of["native"])
+        except NotImplementedError:
+            return {}
+        if not tokens or not t > 0:
+            return {}
+        misses, requests = sum(p.misses for p in dec) / tokens, sum(p.requests for p in dec) / tokens
+        return {"fetch_bound_tokens_per_s": 1.0 / (misses * t) if misses else None,
+                "all_miss_bound_tokens_per_s": 1.0 / (requests * t) if requests else None}
+
     def results(self) -> dict:
         """The ``cache``, ``timing`` and ``routing`` sections of results.json."""
         cache = self.cache
@@ -302,4 +319,5 @@ class Engine:
         summary["prefetch_lateness"] = self._lateness(summary)
         timing = st.timing(self.clock.name)
         timing.update(self.clock.busy())  # every pass's, as total_s (a measure=decode run too)
+        timing.update(self._fetch_bounds())
         return {"cache": summary, "timing": timing, "routing": {"fidelity": st.fidelity()}}

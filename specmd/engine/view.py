@@ -53,6 +53,10 @@ class CacheView:
         t = self._m.clock.experts_time(slots, experts)
         return 0.0 if t is None else t
 
+    def host_beside_device(self) -> bool:
+        """Whether host work runs beside the device's compute (a GPU's host) or before it on the same cores."""
+        return bool(self._m.clock.host_beside_device())
+
     def link_backlog(self) -> float:
         """Seconds from now until the link could start a demand fetch (the transfer on it finishes)."""
         return self._m.clock.link_backlog()

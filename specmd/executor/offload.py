@@ -40,9 +40,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from .base import EXECUTION, Executor, RunFacts, upload
+from .base import EXECUTION, Executor, RunFacts, steady_host_allocator, upload
 from .kernel import expert_tensors, grouped_experts
-from .hostwork import HostWorker
+from .hostwork import HOST_COMPUTE
 from .placement import Placement
 from .transfer import CudaMover, ThreadMover
 
@@ -67,6 +67,11 @@ class Offload(Executor):
         # grouped_mm is native for bf16 only, and for other dtypes loops with a read of the offsets to the host,
         # two synchronisations per bank and call). Same bits either way (tests).
         kernel: str = "auto"
+        # where experts the miss policy sends to the host run (cpu_compute, hybrid): thread (a worker thread
+        # beside the device: a GPU's host CPU) | inline (the compute thread, first in the layer call while its
+        # copies land: a CPU device, whose host is the device) | auto (thread on CUDA, inline elsewhere).
+        # Same bits either way on a CPU (tests)
+        host_compute: str = "auto"
 
         def __post_init__(self):
             if self.host not in HOSTS:
@@ -75,6 +80,8 @@ class Offload(Executor):
                 raise ValueError(f"page_cache={self.page_cache!r}; valid choices: {', '.join(PAGE_CACHE)}")
             if self.kernel not in KERNELS:
                 raise ValueError(f"kernel={self.kernel!r}; valid choices: {', '.join(KERNELS)}")
+            if self.host_compute not in ("auto", *HOST_COMPUTE):
+                raise ValueError(f"host_compute={self.host_compute!r}; valid choices: auto, {', '.join(HOST_COMPUTE)}")
 
     # ---- before any model work: what this executor cannot carry out, and how the model must load --------
     @classmethod
@@ -112,6 +119,7 @@ class Offload(Executor):
     # ---- set-up: tier, mover, placement ---------------------------------------------------------------
     def attach(self, stack) -> None:
         super().attach(stack)
+        steady_host_allocator()  # what it measures is the steady state, not a fresh process's page faults
         p = self.params
         geom, cache, store = stack.geom, stack.cache, stack.store
         E, L = geom.num_experts, geom.num_layers
@@ -177,7 +185,8 @@ class Offload(Executor):
                 "back per layer call, event-ordered copies) has not run on a GPU yet (docs/offload.md, 'On a GPU'); "
                 "check it with `python benchmarks/gpu_check.py` and report what it prints")
         self.mover = CudaMover(bw, lat, dev) if dev.type == "cuda" else ThreadMover(bw, lat)
-        self.host_worker = HostWorker()
+        how = p.host_compute if p.host_compute != "auto" else "thread" if dev.type == "cuda" else "inline"
+        self.host_worker = HOST_COMPUTE[how]()
         self.placement = Placement(cache.layout(), shapes, dtype, dev, tiers, self.mover, dict(store.bytes_of), store,
                                    self._name, mixed=bool(low), raw_layout=raw_layout, align=align,
                                    looped=p.kernel == "looped" or p.kernel == "auto" and not (
@@ -244,7 +253,7 @@ class Offload(Executor):
             "copy_gbps": m.bytes_moved / m.copy_s / 1e9 if m.copy_s > 0 else None,
             "throttled": bool(self.params.throttle),
             "host_computed_experts": place.host_runs,
-            "host_s": self.host_worker.busy_s,  # the host worker computing experts beside the device
+            "host_s": self.host_worker.busy_s,  # the host computing experts (execution.host_compute)
             "low_precision_runs": place.low_runs,  # experts run from a stored low-precision copy's bytes
         })
         return out

@@ -12,6 +12,8 @@ A figure entry of an experiment's ``report.figures``::
     label:   axes whose values annotate scatter points; connect: join a series' points in x order
     percent / percent_x: show y / x as %; logx / logy; zero_lines: lines through 0 (relative plots)
     xlabel, ylabel, title; hline: baseline -> a dashed line at y of the report's ``baseline`` group
+    also:    (lines) more metrics drawn per series in the series' colour, each ``{y: expr, label: text, style:
+             ":" | "--" | "-."}`` (the measured points beside the simulated line; a bound)
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .tables import MISSING, Group, evaluate, sort_key, split_prefix
 
 KINDS = ("bars", "lines", "scatter")
 KEYS = {"kind", "x", "y", "overlay", "series", "panels", "label", "connect", "percent", "percent_x", "logx",
-        "logy", "zero_lines", "xlabel", "ylabel", "title", "hline"}
+        "logy", "zero_lines", "xlabel", "ylabel", "title", "hline", "also"}
 
 
 def _as_list(v) -> list:
@@ -159,7 +161,14 @@ def _lines(spec, fs, members, groups, ax, series_axes, kind, px, py):
         pts.sort()
         xs, ys, labels = zip(*pts)
         if kind == "lines" or fs.get("connect"):
-            ax.plot(xs, ys, marker="o", ms=4, label=name)
+            (line,) = ax.plot(xs, ys, marker="o", ms=4, label=name)
+            for extra in fs.get("also") or []:
+                more = sorted((float(x) * px, y * py) for g in gs
+                              for x, y in [(_value(spec, g, groups, fs["x"]), _value(spec, g, groups, extra["y"]))]
+                              if isinstance(x, (int, float)) and isinstance(y, (int, float)))
+                if more:
+                    ax.plot(*zip(*more), linestyle=extra.get("style", ":"), marker="x", ms=4, color=line.get_color(),
+                            label=f"{name} {extra.get('label', extra['y'])}")
         else:
             ax.scatter(xs, ys, s=22, label=name)
         for x, y, lab in pts:

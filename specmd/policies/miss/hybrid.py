@@ -15,13 +15,16 @@ class Hybrid(MissPolicy):
     (lossy, as ``fetch_priority`` degrades them).
 
     The costs are the clock's, through the cache view: ``transfer_time`` (one expert on the link),
-    ``host_time`` (one expert's tokens on the host: the profile's host roofline plus
-    ``host_expert_overhead_us``, which ``specmd calibrate`` measures on the model's own experts) and
+    ``host_time`` (the host's batch of experts: the profile's host roofline plus its per-call, per-expert and
+    per-token costs, which ``specmd calibrate`` measures on the model's own experts; a miss added to the
+    host's batch costs the difference) and
     ``device_time`` (its compute once on the device); ``link_backlog`` / ``host_backlog`` (what is queued:
     a transfer on the link, a prefetch promoted by this call's hits). The layer ends when the device has
-    computed every expert it runs -- after the last fetch lands -- and the host has computed its share
-    (``SimClock``: the host runs beside the link and the device). Misses are placed one by one, each
-    where the layer's end (``max(device end, host end)``) comes out earlier:
+    computed every expert it runs -- after the last fetch lands -- and the host has computed its share. The
+    host runs beside the link; beside the device's compute too where it is a processor of its own
+    (``host_beside_device``, a GPU's host: ``max(link + device, host)``), before it where it shares the
+    device's cores (a CPU: ``max(link, host) + device``), as the clock charges it (``SimClock``). Misses are
+    placed one by one, each where the layer's end comes out earlier:
 
     - **order: most tokens first** (longest host job first, the LPT rule for a makespan; ties: lower id).
       Zhu's Algorithm 2 sweeps by gate score and balances ``max(T_load, T_cpu)`` only; it neither sees the
@@ -74,26 +77,30 @@ class Hybrid(MissPolicy):
         device = cache.device_time(hit_slots, hit_n) if hit_n else 0.0  # the device's compute: the hits first
         link = None  # when the last fetch lands (seconds from now); None: no fetch, the device waits for none
         backlog = cache.link_backlog()
-        host = cache.host_backlog()
+        host_free = cache.host_backlog()
+        host, hs, hn = host_free, 0, 0  # when the host's share ends; its slots and experts so far
         c_fetch = cache.transfer_time("native")
         low = self._degraded(record, missing) if self.params.low else ()
         c_low = cache.transfer_time(self.params.low) if low else 0.0
         fetch, fetch_low, on_host = Fetched("native"), Fetched(self.params.low), HostComputed()
         out = [fetch] * len(missing)
+        end = _beside if cache.host_beside_device() else _before
         for i in sorted(range(len(missing)), key=lambda i: (-counts[missing[i]], missing[i])):
             c = counts[missing[i]]
             d = cache.device_time(c, 1)
             start = backlog if link is None else link
-            best, choice = max(start + c_fetch + device + d, host), (start + c_fetch, device + d, host, fetch)
+            best, choice = end(start + c_fetch, device + d, host), (start + c_fetch, device + d, host, fetch)
             if i in low:
-                t = max(start + c_low + device + d, host)
+                t = end(start + c_low, device + d, host)
                 if t < best:
                     best, choice = t, (start + c_low, device + d, host, fetch_low)
-            h = host + cache.host_time(c, 1)
-            t = max((0.0 if link is None else link) + device, h)
+            h = host_free + cache.host_time(hs + c, hn + 1)  # (one batch: the host's per-call cost once)
+            t = end(0.0 if link is None else link, device, h)
             if t < best:
                 best, choice = t, (link, device, h, on_host)
             link, device, host, out[i] = choice
+            if out[i] is on_host:
+                hs, hn = hs + c, hn + 1
         return out
 
     def _degraded(self, record, missing) -> set:
@@ -107,3 +114,14 @@ class Hybrid(MissPolicy):
         scores = w.amax(1).amax(0)  # [n] highest routing weight per requested expert
         band = dict(zip(requested, percentile_bands(scores, self.params.percentile, 1)))
         return {i for i, e in enumerate(missing) if band[e] > 0}
+
+
+def _beside(link: float, device: float, host: float) -> float:
+    """When the layer ends (seconds from now) with the host beside the device (a GPU's host CPU): the device
+    computes after the last fetch lands, the host meanwhile."""
+    return max(link + device, host)
+
+
+def _before(link: float, device: float, host: float) -> float:
+    """... with the host on the device's cores (a CPU): the device's experts wait for the link and the host."""
+    return max(link, host) + device
