@@ -181,3 +181,70 @@ def test_overhead_fit_predicts_its_passes():
     assert fit["passes"] == 5 * (len(PROMPTS) * 2 + 2)  # five stacks x (prefill + 1 decode per prompt, +2)
     assert all(v >= 0 and np.isfinite(v) for v in over.values())
     assert over["layer_overhead_us"] > 0 and fit["relative_rms"] < 0.2, (over, fit)
+
+
+def test_ram_link_is_measured_through_the_offload_tiers_copies():
+    """The link measurement copies rows of a RamTier into a slot as a fetch does (it broke silently when the
+    tier's layout changed: the quick calibration that would have noticed is a slow test)."""
+    from specmd.calibrate import measure_ram_link
+
+    bw, lat = measure_ram_link(torch.device("cpu"), reps=2, sizes=(64 << 10, 256 << 10, 1 << 20), source_bytes=4 << 20)
+    assert np.isfinite(bw) and bw > 1e8 and 0.0 <= lat < 0.1
+
+
+def test_host_costs_fitted_from_the_host_banks_of_a_run():
+    from types import SimpleNamespace
+
+    from specmd.calibrate import _fit_host
+
+    geom = SimpleNamespace(expert_params=1000, expert_bytes=4000)
+    hw = {"host_tflops": 1e-6, "host_mem_bandwidth_gbps": 1.0}  # 2 pairs of 1000 params: 4 ms; 4 kB: 4 us
+    calls = []
+    for n, rows in ((1, 1), (2, 2), (4, 9), (3, 30), (8, 8), (1, 64)):
+        roof = max(2.0 * rows * 1000 / 1e6, n * 4000 / 1e9)
+        calls.append((n, rows, roof + 30e-6 + n * 5e-6 + rows * 1e-6))
+    got = _fit_host(calls, geom, hw)
+    assert got["host_call_overhead_us"] == pytest.approx(30.0, rel=1e-6)
+    assert got["host_expert_overhead_us"] == pytest.approx(5.0, rel=1e-6)
+    assert got["host_token_overhead_us"] == pytest.approx(1.0, rel=1e-6)
+    assert _fit_host([], geom, hw) == {}
+
+
+def test_host_experts_timed_on_the_models_own_experts():
+    from specmd.calibrate import _load, measure_host_experts
+
+    model, cfg = _load("tiny")
+    hw = {"host_tflops": 0.1, "host_mem_bandwidth_gbps": 20.0}
+    costs, cases = measure_host_experts(model, cfg.family, hw, torch.device("cpu"), reps=2)
+    assert set(costs) == {"host_call_overhead_us", "host_expert_overhead_us", "host_token_overhead_us"}
+    assert all(np.isfinite(v) and v >= 0 for v in costs.values())
+    assert len(cases) == 6 and all(v > 0 for v in cases.values())
+
+
+def test_host_runners_account_each_bank():
+    from specmd.executor.hostwork import HOST_COMPUTE
+
+    for name, cls in HOST_COMPUTE.items():
+        host = cls()
+        host.calls = []
+        x = torch.zeros(5, 3)
+        try:
+            assert host.submit(lambda *a: a[1].sum() + 1, None, x, None, None, ([2, 5], [0, 3])).result() == 1
+            assert host.submit(lambda *a: 7, None, x[:2], None, None, torch.tensor([1, 1, 2, 4, 5])).result() == 7
+        finally:
+            host.close()
+        # (experts, rows, seconds): the looped variant's groups, and the grouped one's end rows per slot (4 slots
+        # with rows: the second is empty)
+        assert [c[:2] for c in host.calls] == [(2, 5), (4, 2)], name
+        assert host.runs == 2 and host.busy_s >= sum(c[2] for c in host.calls) * 0.999
+
+
+def test_steady_host_allocator_applies_once():
+    import ctypes.util
+
+    from specmd.executor.base import steady_host_allocator
+
+    if ctypes.util.find_library("c") is None:
+        pytest.skip("no C library to tune")
+    assert steady_host_allocator(prefault=16 << 20) is True
+    assert steady_host_allocator() is True  # (once per process)

@@ -818,6 +818,9 @@ BAD = [
     (["execution=offload", "execution.host=ssd"], ["ssd", "ram, disk"]),
     (["execution=offload", "execution.throttle=maybe"], ["throttle", "maybe", "true or false"]),
     (["execution=offload", "execution.kernel=fast"], ["kernel='fast'", "auto, grouped, looped"]),
+    (["execution=offload", "execution.host_compute=gpu"], ["host_compute='gpu'", "auto, thread, inline"]),
+    (["miss=hybrid", "miss.low=int5"], ["low='int5'", "int4"]),
+    (["miss=hybrid", "miss.percentile=120"], ["percentile=120", "[0, 100]"]),
 ]
 
 

@@ -366,7 +366,9 @@ def test_the_engine_waits_for_the_host_after_or_before_the_devices_experts():
                             mem_bandwidth_gbps=1e9, host_tflops=100.0 / 3 / 1e12, host_mem_bandwidth_gbps=1e9,
                             host_overlap=overlap)
         eng = Engine(geom, spec_of(miss="hybrid", prefetch="none", hardware=hw))
-        eng.cache._insert(0, 0, 100, eng.cache.pools[0], None, False, 0, True)  # expert 0 resident
+        eng.cache.prefetch(0, [0])  # expert 0 resident: prefetched (100 s on this link), arrived before the pass
+        eng.clock.wait_until(100.0)
+        eng.clock.stall_s = 0.0
         eng.begin_pass("decode", 2, 2)
         rec = record([[0.7, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.7]], [[0], [3]])
         plan = layer(eng, rec)  # expert 3: a fetch takes 100 s; the host 3 s -> host
@@ -375,7 +377,7 @@ def test_the_engine_waits_for_the_host_after_or_before_the_devices_experts():
         st = eng.cache.stats
         assert st.passes[0].time_s == pytest.approx(end) and st.stall_s[0] == pytest.approx(stall), overlap
         t = eng.results()["timing"]
-        assert t["host_busy_s"] == pytest.approx(3.0) and t["link_busy_s"] == 0.0
+        assert t["host_busy_s"] == pytest.approx(3.0) and t["link_busy_s"] == pytest.approx(100.0)  # (the prefetch)
 
 
 def test_overlap_takes_the_longer_of_host_overheads_and_device_compute_per_sync():

@@ -32,12 +32,17 @@ class HostWorker:
         self.calls: Optional[list] = None  # a list: each bank's (experts, rows, seconds) is appended (calibrate)
 
     def submit(self, fn: Callable, *args) -> Future:
-        """``fn(*args)`` on the worker, under the caller's autograd mode (a thread-local setting)."""
-        return self._pool.submit(self._timed, fn, args, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        """``fn(*args)`` on the worker, under the caller's autograd mode and intra-op thread count (thread-local
+        settings: a GEMM's summation order depends on how many threads split it, so with another count the
+        worker's rows differed from the caller's in the last bits)."""
+        return self._pool.submit(self._timed, fn, args, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                                 torch.get_num_threads())
 
-    def _timed(self, fn: Callable, args: tuple, grad: bool, inference: bool):
+    def _timed(self, fn: Callable, args: tuple, grad: bool, inference: bool, threads: int):
         t0 = time.perf_counter()
         try:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
             with torch.inference_mode(inference), torch.set_grad_enabled(grad):
                 return fn(*args)
         finally:
