@@ -22,7 +22,13 @@ Sections (each reports its own failure and the next one runs):
    TTFT, decode tok/s, bytes moved per token, and **% of the PCIe bound** for the bytes moved (link time of
    those bytes / measured time: 100% = the link never idles);
 7. **ratios**: hooked / unhooked decode (lru, no prefetch, capacity 1.0) and offload at capacity 1.0 /
-   simulated, on both models.
+   simulated, on both models;
+8. **calibrate**: ``specmd calibrate`` on the device, timed (target <= 90 s), with its own check;
+9. **hybrid**: on both models at 5% with the calibrated profile, ``fetch``, ``cpu_compute`` and ``hybrid``
+   against the all-fetch bound (every requested expert fetched over this link, hit rate 0: 31 tok/s for the
+   Qwen-shaped model on PCIe gen5) and the bound at the run's own misses per token (which no fetch-only stack
+   passes) -- target: hybrid above them -- and the calibrated clock's measured / simulated TTFT and TPOT
+   (target within +-15%).
 """
 
 from __future__ import annotations
@@ -96,6 +102,7 @@ PARITY = {
                                             quant={"name": "hqq", "optimize": False,
                                                    "precisions": ["int8", "int4", "int2"]}),
     "cpu_compute": dict(miss="cpu_compute"),
+    "hybrid": dict(miss="hybrid"),  # on CUDA the host's experts run on the CPU: its bits, not the GPU's
 }
 
 
@@ -116,12 +123,12 @@ def run_stack(model, spec, ids, prefill, device, new_tokens=6):
     return tokens, logits, res
 
 
-def spec_for(stack: dict, capacity: float, execution: dict):
+def spec_for(stack: dict, capacity: float, execution: dict, hw: dict | None = None):
     from specmd.compose import spec_of
     from specmd.executor import EXECUTION
     from specmd.hardware import HardwareConfig
 
-    spec = spec_of(hardware=HardwareConfig(capacity=capacity), **stack)
+    spec = spec_of(hardware=HardwareConfig(**{**(hw or {}), "capacity": capacity}), **stack)
     spec.execution = EXECUTION.params(execution)
     return spec
 
@@ -321,10 +328,69 @@ def ratios(name: str, model, device: str, quick: bool) -> None:
     RESULT.setdefault("ratios", {})[name] = {"unhooked_tpot_s": base, "hooked_tpot_s": hooked, "offload_tpot_s": off}
 
 
+# ---- 8, 9: calibrate, then hybrid misses and the calibrated clock ------------------------------------------------
+CALIBRATED: dict = {}
+
+
+def calibrate_section(device: str, quick: bool) -> None:
+    """``specmd calibrate`` on this device, timed (target: <= 90 s on an H100; ``--quick`` here: its quick mode),
+    its profile kept for section 9."""
+    import tempfile
+
+    from specmd.calibrate import calibrate
+
+    t0 = time.perf_counter()
+    out = calibrate(tempfile.mkdtemp(), "gpu_check", "deep_olmoe", device, quick, log=lambda m: print(m, flush=True))
+    seconds = time.perf_counter() - t0
+    hw = {k: v for k, v in out["hardware"].items() if k != "name"}
+    CALIBRATED.update(hw)
+    check = "; ".join(f"{k}: TTFT {v['ttft']:.2f}, TPOT {v['tpot']:.2f}" for k, v in out["check"].items())
+    row("calibrate", "time", f"{seconds:.0f} s", "target <= 90 s" + (f"; its check (measured/simulated): {check}"
+                                                                  if check else ""))
+    RESULT["calibrate"] = {"seconds": seconds, "hardware": hw, "fit": {k: v for k, v in out["fit"].items()
+                                                                       if k != "policies_not_measured"},
+                           "check": out["check"]}
+
+
+def hybrid_section(name: str, model, device: str, family: str, quick: bool) -> None:
+    """At 5% with the calibrated profile (host costs measured on this model's experts): fetch, cpu_compute and
+    hybrid, throttle off (the real link) -- decode tok/s against the all-fetch bounds (every requested expert
+    fetched; at the run's own misses per token), and throttled (the profile's link): measured / simulated TTFT
+    and TPOT, the calibrated clock's check on this model."""
+    from specmd.calibrate import measure_host_experts
+
+    if not CALIBRATED:
+        row("hybrid", name, "skipped", "no calibrated profile (the calibrate section failed or was skipped)")
+        return
+    host, _ = measure_host_experts(model, family, CALIBRATED, torch.device(device))
+    hw = {**CALIBRATED, **host}
+    tokens = 6 if quick else 16
+    for miss in ("fetch", "cpu_compute", "hybrid"):
+        stack = {"miss": miss}
+        ttft, tpot, res = timed_generation(model, spec_for(stack, 0.05, {"name": "offload", "throttle": False}, hw),
+                                           device, 16, tokens)
+        t, o = res["timing"], res["cache"]["miss_outcomes"]
+        bound, own = t.get("all_miss_bound_tokens_per_s"), t.get("fetch_bound_tokens_per_s")
+        _, _, thr = timed_generation(model, spec_for(stack, 0.05, {"name": "offload", "throttle": True}, hw),
+                                     device, 16, tokens)
+        r_ttft = thr["wall"]["ttft_s"] / thr["timing"]["ttft_s"]
+        r_tpot = thr["wall"]["tpot_s"] / thr["timing"]["tpot_s"]
+        row("hybrid", f"{name} {miss} 5%", f"{1 / tpot:.2f} tok/s, {(1 / tpot) / bound:.2f}x the all-fetch bound"
+            if bound else f"{1 / tpot:.2f} tok/s",
+            f"all-fetch bound {bound or float('nan'):.2f} tok/s, at its own hit rate {own or float('nan'):.2f}; "
+            f"fetched {o.get('fetched_native', 0)}, host {o['host_computed']}; calibrated measured/simulated "
+            f"TTFT {r_ttft:.2f}, TPOT {r_tpot:.2f}")
+        RESULT.setdefault("hybrid", {})[f"{name} {miss}"] = {
+            "tok_s": 1 / tpot, "ttft_s": ttft, "all_fetch_bound_tok_s": bound, "fetch_bound_tok_s": own,
+            "fetched": o.get("fetched_native", 0), "host": o["host_computed"], "ttft_ratio": r_ttft,
+            "tpot_ratio": r_tpot}
+
+
 def decode_sections(device: str, quick: bool, gbps: float) -> None:
     olmoe = deep_olmoe("cpu")
     at_the_link("deep_olmoe", olmoe, device, gbps, quick)
     ratios("deep_olmoe", olmoe, device, quick)
+    hybrid_section("deep_olmoe", olmoe, device, "olmoe", quick)
     del olmoe
     t0 = time.perf_counter()
     qwen = random_model(qwen_config(quick))
@@ -333,6 +399,7 @@ def decode_sections(device: str, quick: bool, gbps: float) -> None:
         f"built in host memory in {time.perf_counter() - t0:.0f} s")
     at_the_link("qwen", qwen, device, gbps, quick)
     ratios("qwen", qwen, device, quick)
+    hybrid_section("qwen", qwen, device, "qwen2_moe", quick)
 
 
 def main() -> None:
@@ -341,14 +408,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="toy sizes (2-layer Qwen, shorter generations)")
     ap.add_argument("--out", help="write the table as JSON here")
     ap.add_argument("--skip", nargs="*", default=[], help="sections to skip: lossless policies parity link "
-                                                          "profile decode")
+                                                          "profile calibrate decode")
     a = ap.parse_args()
     t0 = time.perf_counter()
     RESULT["device"] = torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "cpu"
     RESULT["torch"] = torch.__version__
     gbps = float("nan")
     for name, fn in (("lossless", lossless), ("policies", policies), ("parity", parity), ("link", link),
-                     ("profile", profile), ("decode", None)):
+                     ("profile", profile), ("calibrate", calibrate_section), ("decode", None)):
         if name in a.skip:
             continue
         t = time.perf_counter()

@@ -2,7 +2,7 @@
 and write a hardware profile that makes the simulated clock predict what ``execution=offload`` measures.
 
 1. **The link, per host tier**: the transfer path's own copies (:class:`~specmd.executor.transfer.ThreadMover`,
-   unthrottled) of 256 KiB .. 16 MiB from host memory (``ram``) and, with the page cache dropped, from a file
+   unthrottled) of 64 KiB .. 16 MiB from host memory (``ram``) and, with the page cache dropped, from a file
    (``disk``); ``latency + nbytes / bandwidth`` fitted by least squares.
 2. **Compute**: a float32 GEMM (``peak_tflops``) and a large copy (``mem_bandwidth_gbps``) on the device,
    the same on the host (``host_*``; equal on a CPU-only machine).
@@ -14,7 +14,7 @@ and write a hardware profile that makes the simulated clock predict what ``execu
    at 5% fetching HQQ copies (``miss=fetch_priority``, with lru + topk and with least_stale + score);
    prefills of 8..448 tokens, then decodes -- three times, each in a fresh install; each pass's measured
    compute time minus its simulated compute time (the median of the three) is fitted as ``decoder layers *
-   layer + tokens * token + experts run * expert + transfers issued * issue + predictions * prediction +
+   layer + tokens * token + experts run * expert + copy jobs issued * issue + predictions * prediction +
    experts unpacked * unpack`` overheads (non-negative least squares on relative error; the unpack term last,
    on the low-precision stacks' residuals, their policies' decision costs from 3 charged): the costs of eager
    framework calls and of issuing copies that a GPU hides in kernel launches and a CPU does not.
@@ -38,18 +38,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SIZES = (256 << 10, 1 << 20, 4 << 20, 16 << 20)
+SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)  # (the small ones pin the latency: an expert of a small model is 49 kB)
 
 
 def _fit_link(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(bandwidth bytes/s, latency s) of ``t = latency + n / bandwidth`` by least squares."""
+    """(bandwidth bytes/s, latency s) of ``t = latency + n / bandwidth`` by least squares on relative error (on
+    absolute error the 16 MiB copies' jitter, +-100 us, set the latency: 0-65 us from run to run)."""
     n = np.array([p[0] for p in points], dtype=float)
     t = np.array([p[1] for p in points], dtype=float)
-    slope, icpt = np.polyfit(n, t, 1)
+    slope, icpt = np.polyfit(n, t, 1, w=1.0 / t)
     return 1.0 / max(slope, 1e-15), max(icpt, 0.0)
 
 
-def measure_ram_link(device: torch.device, reps: int = 5, sizes=SIZES, source_bytes: int = 128 << 20
+def measure_ram_link(device: torch.device, reps: int = 9, sizes=SIZES, source_bytes: int = 128 << 20
                      ) -> tuple[float, float]:
     """The ``ram`` tier's own copies (:class:`~specmd.executor.tiers.RamTier`: one expert's row of a fused
     parameter into a slot) through the transfer channel, from sources cycling through ``source_bytes`` -- more than a last-level cache,
@@ -205,7 +206,7 @@ LOW_QUANT = {"name": "hqq", "precisions": ["int8", "int4", "int2"], "optimize": 
 def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: int = 16, reps: int = 3
                   ) -> tuple[dict, dict]:
     """Overheads (µs) from greedy generations under execution=offload; per pass residual = measured -
-    roofline, regressed on (decoder layers, tokens, experts run, transfers issued, predictions made).
+    roofline, regressed on (decoder layers, tokens, experts run, copy jobs issued, predictions made).
     Returns (overheads, fit report).
 
     Robust by construction, because a single pass of a few ms on a shared CPU varies by tens of percent
@@ -228,7 +229,9 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
     model, mcfg = _load(model_name)
     model.to(device)
     ckpt = local_checkpoint(mcfg.pretrained) if mcfg.pretrained else None
-    vocab = min(model.config.vocab_size, 250)
+    vocab = model.config.vocab_size  # (token ids over the whole vocabulary: routing as diverse as text's -- ids
+    # below 250 routed a 480-token prefill to fewer experts than a GSM8K prompt, and the transfer term came out
+    # too large: the default job's TTFT at 0.71-0.87 of the prediction)
     longest = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     prompts = [torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
                for n in PROMPTS if n + new_tokens <= longest]
@@ -251,12 +254,12 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
             ex, eng = stack.executor, stack.engine
             if extra.get("miss") == "hybrid":
                 ex.host_worker.calls = host_calls if rep >= 0 else None
-            counts = []  # per pass: (transfers issued, predictions made, experts unpacked) at its start, then deltas
+            counts = []  # per pass: (copy jobs issued, predictions made, experts unpacked) at its start, then deltas
             begin, end = ex.begin_pass, ex.end_pass
             place = ex.placement
-            ex.begin_pass = lambda kind, tokens: (counts.append((place.copies, eng.predictions, place.low_runs)),
+            ex.begin_pass = lambda kind, tokens: (counts.append((place.jobs, eng.predictions, place.low_runs)),
                                                   begin(kind, tokens))
-            ex.end_pass = lambda: (end(), counts.__setitem__(-1, (place.copies - counts[-1][0],
+            ex.end_pass = lambda: (end(), counts.__setitem__(-1, (place.jobs - counts[-1][0],
                                                                    eng.predictions - counts[-1][1],
                                                                    place.low_runs - counts[-1][2])))
             first = []  # pass index where each prompt's generation starts
@@ -280,8 +283,7 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
                 pi = max(j for j, f in enumerate(first) if f <= i)
                 key = (si, pi, i - first[pi])
                 row = rows.setdefault(key, [[], [], []])
-                row[0].append([layers, p.tokens, p.requests, c, q, u, p.time_s - p.stall_s])  # (the last: the
-                # simulated compute, the roofline's share scaled below) equal across reps but where wall-clock
+                row[0].append([layers, p.tokens, p.requests, c, q, u])  # equal across reps but where wall-clock
                 # arrival times changed a decision (a prefetch still in flight): the median of those too
                 row[1].append((w - ws) - (p.time_s - p.stall_s))
                 row[2].append(w - ws)
@@ -292,18 +294,12 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
     # native stacks first; then the unpack term alone on the low-precision stack's residuals given those:
     # its passes vary more (unpacking differs by precision, compactions come and go) and, fitted jointly,
     # moved the token term by 3x
-    # The roofline's share is scaled too (a sixth column: the simulated compute, which is the roofline when the
-    # profile has no overheads yet; its coefficient is 1 + the scale's change): the profile's peak comes from
-    # one 1024x1024 GEMM, and a model's own GEMMs run at another rate -- with the scale fixed at 1, the fit
-    # over-predicted 256-448-token prefills by 10-15% and under-predicted 16-token ones by 13%.
+    # (A seventh column scaling the roofline's share was tried: on a CPU the roofline is 1-7% of a pass and
+    # collinear with the token term, and its fitted scale swung from 0.05 to 5 between runs.)
     native = np.array([not stacks[k[0]][2] for k in rows])
-    cols = [0, 1, 2, 3, 4, 6]
-    Xn = X[:, cols]
     coef = np.zeros(X.shape[1])
-    coef[cols] = _nnls(Xn[native] / m[native, None], (y[native] + X[native, 6]) / m[native])
-    scale = max(coef[6], MIN_ROOFLINE_SCALE)
-    coef[6] = scale - 1.0  # (y is measured - simulated: the fitted share beyond the roofline's own)
-    u, r = X[~native, 5] / m[~native], (y[~native] - X[~native] @ coef) / m[~native]
+    coef[:5] = _nnls(X[native, :5] / m[native, None], y[native] / m[native])
+    u, r = X[~native, 5] / m[~native], (y[~native] - X[~native, :5] @ coef[:5]) / m[~native]
     coef[5] = max(0.0, float(u @ r) / float(u @ u)) if (u > 0).any() else 0.0
     rel = (X @ coef - y) / m
     # where the model misses: the mean relative residual of the prefills per prompt size, and of the decodes
@@ -311,8 +307,12 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
     by = {}
     for (si, pi, i), r in zip(keys, rel):
         by.setdefault("decode" if i else f"prefill {PROMPTS[pi]}", []).append(float(r))
-    report = {"relative_by_pass": {k: float(np.mean(v)) for k, v in by.items()}, "roofline_scale": float(scale),
-              "passes": len(rows), "reps": reps, "residual_rms_us": float(np.sqrt(np.mean((X @ coef - y) ** 2)) * 1e6),
+    err = X @ coef - y
+    report = {"relative_by_pass": {k: float(np.mean(v)) for k, v in by.items()}, "passes": len(rows),
+              # the native stacks' rows (the five-term fit) and the low-precision ones' (their unpack term)
+              "native_residual_rms_us": float(np.sqrt(np.mean(err[native] ** 2)) * 1e6),
+              "native_mean_pass_us": float(np.mean(m[native]) * 1e6),
+              "low_residual_rms_us": float(np.sqrt(np.mean(err[~native] ** 2)) * 1e6) if (~native).any() else 0.0, "reps": reps, "residual_rms_us": float(np.sqrt(np.mean((X @ coef - y) ** 2)) * 1e6),
               "relative_rms": float(np.sqrt(np.mean(rel ** 2))), "mean_pass_us": float(np.mean(m) * 1e6)}
     return {"layer_overhead_us": float(coef[0] * 1e6), "token_overhead_us": float(coef[1] * 1e6),
             "expert_overhead_us": float(coef[2] * 1e6), "transfer_issue_us": float(coef[3] * 1e6),
@@ -336,11 +336,10 @@ def _fit_host(calls: list, geom, hw: dict) -> dict:
             "host_token_overhead_us": float(c[2] * 1e6)}
 
 
-MIN_ROOFLINE_SCALE = 0.05  # the roofline at most 20x faster than the profile's GEMM says (a fit that zeroes it)
 REFERENCE = {"eviction": "lru", "prefetch": "topk", "miss": "fetch"}  # calibrate's reference stack: its costs are in the fit
 
 
-def measure_policies(model_name: str, hw: dict, device: torch.device, new_tokens: int = 10, reps: int = 2,
+def measure_policies(model_name: str, hw: dict, device: torch.device, new_tokens: int = 12, reps: int = 1,
                      log=print) -> tuple[dict, dict]:
     """Host microseconds per MoE layer call each built-in eviction, prefetch and miss policy's decisions cost
     beyond the reference stack's (lru, topk, fetch: theirs are in the fitted overheads; a miss policy runs with
@@ -360,7 +359,7 @@ def measure_policies(model_name: str, hw: dict, device: torch.device, new_tokens
 
     model, _ = _load(model_name)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, min(model.config.vocab_size, 250), (1, 48), generator=g).to(device)
+    ids = torch.randint(0, model.config.vocab_size, (1, 48), generator=g).to(device)
     model.to(device)
 
     def per_call(stack: dict) -> float:
@@ -462,7 +461,7 @@ def check_profile(model_name: str, hw: dict, device: torch.device, prompt: int =
     model, mcfg = _load(model_name)
     model.to(device)
     ckpt = local_checkpoint(mcfg.pretrained) if mcfg.pretrained else None
-    vocab = min(model.config.vocab_size, 250)
+    vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(7)).to(device)
     out = {}
     for miss in ("fetch", "hybrid"):
@@ -489,6 +488,8 @@ def calibrate(out: str | None = None, name: str | None = None, model: str = "dee
     from .executor.base import steady_host_allocator
 
     t_start = time.perf_counter()
+    say = log
+    log = lambda m: say(f"{m}  [{time.perf_counter() - t_start:.0f} s]")  # noqa: E731 (each stage's time)
     steady_host_allocator()  # as execution=offload measures: the fit and the runs it predicts see the same heap
     dev = torch.device(device)
     name = name or f"calibrated_{platform.node().split('.')[0] or 'host'}".replace("-", "_")
@@ -523,11 +524,10 @@ def calibrate(out: str | None = None, name: str | None = None, model: str = "dee
         # decision cost, and the unpack term is what is left
         costs, skipped = measure_policies(model, hw, dev, log=log)
         hw["policy_overhead_us"] = costs
-        over, fit = fit_overheads(model, dict(hw), dev)
+        # (fitted as costs that add to compute; on a GPU the clock overlaps them with the device's compute per
+        # segment between synchronisations: the tiny fit model's device time is ~0, where the two agree)
+        over, fit = fit_overheads(model, dict(hw, host_overlap=False), dev)
         fit["policies_not_measured"] = skipped
-        scale = fit["roofline_scale"]
-        hw["peak_tflops"] /= scale
-        hw["mem_bandwidth_gbps"] /= scale
         hw.update(over)
         if "host_call_overhead_us" in over:
             log(f"  host experts in the model's runs (miss=hybrid): {over['host_call_overhead_us']:.3g} us per batch + "
@@ -536,9 +536,11 @@ def calibrate(out: str | None = None, name: str | None = None, model: str = "dee
         log(f"  overheads ({model}, {fit['passes']} passes): decoder layer {over['layer_overhead_us']:.4g} us, token "
             f"{over['token_overhead_us']:.4g} us, expert {over['expert_overhead_us']:.4g} us, transfer issue "
             f"{over['transfer_issue_us']:.4g} us, prediction {over['predict_overhead_us']:.4g} us, unpacking a "
-            f"low-precision expert {over['unpack_overhead_us']:.4g} us; the roofline x{1 / scale:.3g}")
-        log(f"  fit: residual rms {fit['residual_rms_us']:.3g} us of a {fit['mean_pass_us']:.4g} us mean pass "
-            f"({fit['residual_rms_us'] / fit['mean_pass_us']:.1%}), relative rms {fit['relative_rms']:.1%}; mean "
+            f"low-precision expert {over['unpack_overhead_us']:.4g} us")
+        log(f"  fit: residual rms {fit['native_residual_rms_us']:.3g} us of a {fit['native_mean_pass_us']:.4g} us mean "
+            f"pass ({fit['native_residual_rms_us'] / fit['native_mean_pass_us']:.1%}) on the native stacks, "
+            f"{fit['low_residual_rms_us']:.3g} us on the low-precision ones (all: "
+            f"{fit['residual_rms_us'] / fit['mean_pass_us']:.1%}), relative rms {fit['relative_rms']:.1%}; mean "
             f"relative error " + ", ".join(f"{k} {v:+.1%}" for k, v in fit["relative_by_pass"].items()))
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     note = [f"specmd calibrate, {stamp}, on {platform.node()} ({platform.processor() or platform.machine()}, "

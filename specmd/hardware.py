@@ -61,12 +61,12 @@ class HardwareConfig:
     timing_as: Optional[str] = _P["timing_as"]
     # Fixed costs the roofline does not see (``specmd calibrate`` fits them on this machine; 0 = the ideal
     # device): per decoder layer (its eager ops' launch costs), per token of a pass, per expert a layer runs
-    # (one GEMM pair per expert group) and per transfer issued. The papers' GPUs hide them in kernel
+    # (one GEMM pair per expert group) and per copy job issued. The papers' GPUs hide them in kernel
     # launches; on a CPU running eager PyTorch they are most of a small model's time.
     layer_overhead_us: float = 0.0
     token_overhead_us: float = 0.0
     expert_overhead_us: float = 0.0
-    transfer_issue_us: float = 0.0  # host time to issue one transfer (demand or prefetch), serial with compute
+    transfer_issue_us: float = 0.0  # host time to issue one copy job (a layer call's demand fetches, or a prefetch)
     predict_overhead_us: float = 0.0  # one prefetch prediction (a later layer's router on this input + policy)
     # one expert run from a stored low-precision copy: unpacking it (HQQ's bit-unpacking and scale/zero
     # arithmetic) before its GEMMs; a fused low-bit kernel on a GPU makes it small, eager PyTorch does not

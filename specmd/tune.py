@@ -156,10 +156,11 @@ def candidates(opts: Options, base_capacity: float) -> list[tuple[str, ...]]:
 
 def lossless(stack: tuple[str, ...]) -> bool:
     """Standard routing and every miss run exactly -- fetched at the stored precision, or computed on the host
-    from it (``hybrid`` without a low copy, ``cpu_compute``): outputs equal the unhooked model's."""
+    from it (``hybrid`` without a low copy, ``cpu_compute``): outputs equal the unhooked model's (on a CUDA
+    device the host's experts are the CPU's arithmetic: equal up to rounding)."""
     return ("routing=standard" in stack and any(f"miss={m}" in stack for m in EXACT_MISSES)
             and all(a == "miss.precision=native" for a in stack if a.startswith("miss.precision="))
-            and not any(a.startswith("miss.low=") and a != "miss.low=None" for a in stack))
+            and not any(a.startswith("miss.low=") and a not in ("miss.low=None", "miss.low=null") for a in stack))
 
 
 def own_stack(raw: dict) -> tuple[str, ...]:
@@ -173,6 +174,8 @@ def own_stack(raw: dict) -> tuple[str, ...]:
             out.append(f"{key}={cfg[key.split('.', 1)[1]]}")
         if group == "miss" and cfg.get("precision", "native") != "native":
             out.append(f"miss.precision={cfg['precision']}")
+        if group == "miss" and cfg.get("low") is not None:  # hybrid's low-precision option: lossy
+            out.append(f"miss.low={cfg['low']}")
     out.append(f"hardware.capacity={raw['hardware']['capacity']}")
     return tuple(out)
 

@@ -23,3 +23,7 @@ def test_gpu_check_runs_every_section_on_the_cpu(tmp_path):
     for v in r["decode"].values():
         assert v["tok_s"] > 0 and v["decode_bytes_per_token"] >= 0 and 0 <= v["hit_rate"] <= 1
     assert set(r["ratios"]) == {"deep_olmoe", "qwen"}
+    assert r["calibrate"]["seconds"] > 0 and r["calibrate"]["hardware"]["bandwidth_gbps"] > 0
+    assert set(r["hybrid"]) == {f"{m} {miss}" for m in ("deep_olmoe", "qwen") for miss in ("fetch", "cpu_compute",
+                                                                                            "hybrid")}
+    assert all(v["tok_s"] > 0 and v["ttft_ratio"] > 0 for v in r["hybrid"].values())

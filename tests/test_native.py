@@ -286,7 +286,7 @@ JOB = hs.fixed_dictionaries({
     "k": hs.integers(1, 3), "passes": hs.integers(2, 25), "prefill": hs.integers(1, 6),
     "eviction": hs.sampled_from(sorted(EVICTION.names())), "scope": hs.sampled_from(["global", "per_layer"]),
     "slots": hs.integers(1, 12), "prefetch": hs.sampled_from(["none", "oracle"]),
-    "miss": hs.sampled_from(["fetch", "fetch", "cpu_compute", "drop"]),
+    "miss": hs.sampled_from(["fetch", "fetch", "cpu_compute", "hybrid", "drop"]),
     "bandwidth_gbps": hs.sampled_from([1e-3, 0.5, 16.0, 1e3]),
 })
 

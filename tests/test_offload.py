@@ -418,6 +418,24 @@ def test_low_precision_offload_equals_simulated(family, miss, capacity, scope):
         assert len([p for p, b in cache["bytes_by_precision"].items() if b]) > 1
 
 
+@pytest.mark.parametrize("family,how", [("olmoe", "inline"), ("mixtral", "thread")])
+def test_hybrid_with_low_copies_offload_equals_simulated(family, how):
+    """miss=hybrid with its third option (an int4 fetch for low-scored misses): fetched native copies, int4
+    copies and host-computed experts in one run, offload == simulated bit for bit."""
+    model = tiny(family)
+    ids, prefill = sample_ids(batch=1, seq=8, seed=1), sample_ids(batch=1, seq=16, seed=2)
+    hw = dict(capacity=0.15, scope="per_layer", host_expert_overhead_us=16.0, quant=QUANT,
+              miss={"name": "hybrid", "low": "int4"})
+    sim = run_stack(model, spec_of({"name": "simulated"}, **hw), ids, prefill, adapter_for(family))
+    off = run_stack(model, spec_of({"name": "offload", "check": True, "host_compute": how}, **hw), ids, prefill,
+                    adapter_for(family))
+    assert torch.equal(off[0], sim[0]) and torch.equal(off[1], sim[1]), (off[1] - sim[1]).abs().max()
+    assert off[2] == sim[2]
+    outcomes = off[2]["cache"]["miss_outcomes"]
+    assert outcomes["host_computed"] > 0 and outcomes["fetched_int4"] > 0 and outcomes["fetched_native"] > 0, outcomes
+    assert off[3]["wall"]["low_precision_runs"] > 0
+
+
 def test_deep_olmoe_lowest_bit_from_ram_equals_simulated(deep):
     full, _, ids, prefill = deep
     hw = dict(capacity=0.05, miss="fetch_lowest_bit", quant=QUANT)

@@ -208,10 +208,24 @@ class HybridView(FakeCache):
         self.host_backlog = lambda: host_backlog
 
 
+class _Hybrid:
+    """miss=hybrid with its answer spelt out: None (every miss fetched native, the manager's fast path) becomes
+    one native fetch per miss."""
+
+    def __init__(self, pol):
+        self.pol = pol
+
+    def handle(self, layer, missing, rec, view):
+        from specmd.engine.outcomes import Fetched
+
+        out = self.pol.handle(layer, missing, rec, view)
+        return [Fetched("native")] * len(missing) if out is None else out
+
+
 def hybrid(**params):
     pol = MISS.build({"name": "hybrid", **params})
     pol.num_experts = 4
-    return pol
+    return _Hybrid(pol)
 
 
 def test_hybrid_places_each_miss_where_the_layer_ends_first():
@@ -224,6 +238,7 @@ def test_hybrid_places_each_miss_where_the_layer_ends_first():
     # C_cpu = 5 (Zhu's sweep sends one miss to the host, ending at 5): hybrid fetches all four, ending at 4
     acts = hybrid().handle(0, [0, 1, 2, 3], rec, HybridView(host=5.0, transfer=1.0))
     assert [a.kind for a in acts] == ["fetch"] * 4
+    assert hybrid().pol.handle(0, [0, 1, 2, 3], rec, HybridView(host=5.0, transfer=1.0)) is None  # (the fast path)
     # ties go to the fetch (it may hit later): C_cpu = C_load = 1, one miss
     assert [a.kind for a in hybrid().handle(0, [2], rec, HybridView(host=1.0, transfer=1.0))] == ["fetch"]
 
@@ -241,9 +256,10 @@ def test_hybrid_sees_the_links_backlog_and_the_devices_share():
     rec2 = record([[0.7, 0.1, 0.1, 0.1], [0.1, 0.7, 0.1, 0.1]], 1)
     assert hybrid().handle(0, [0], rec2, HybridView(host=3.0, transfer=1.0, device=1.5))[0].kind == "host"
     assert hybrid().handle(0, [0], rec2, HybridView(host=3.0, transfer=1.0, device=1.5, beside=False))[0].kind == "fetch"
-    # so does the host's queue: 1 < 2 + 2
-    assert hybrid().handle(0, [0], rec, HybridView(host=2.0, transfer=0.5, link_backlog=1.5,
-                                                    host_backlog=2.0))[0].kind == "fetch"
+    # so does the host's queue: behind a 2 s transfer a fetch ends at 2.5; the host at 2 when idle, 3 behind 1 s
+    assert hybrid().handle(0, [0], rec, HybridView(host=2.0, transfer=0.5, link_backlog=2.0))[0].kind == "host"
+    assert hybrid().handle(0, [0], rec, HybridView(host=2.0, transfer=0.5, link_backlog=2.0,
+                                                    host_backlog=1.0))[0].kind == "fetch"
 
 
 def test_hybrid_orders_misses_by_tokens_and_offers_low_copies_to_low_scores():

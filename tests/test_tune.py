@@ -33,6 +33,14 @@ def test_space_restrictions_and_draws_are_deterministic():
     hybrid = candidates(Options(choices={"eviction": ["lru"], "routing": ["standard", "cache_prior"],
                                          "miss": ["hybrid", "cpu_compute"], "prefetch": ["none"]}), 0.05)
     assert sum(lossless(s) for s in hybrid) == 2 and all(lossless(s) == ("routing=standard" in s) for s in hybrid)
+    # a base configuration with hybrid's low-precision option keeps it, and is lossy
+    from specmd.tune import own_stack
+
+    raw = {"routing": {"name": "standard"}, "miss": {"name": "hybrid", "low": "int4", "percentile": 60.0},
+           "eviction": {"name": "lru"}, "prefetch": {"name": "none"}, "hardware": {"capacity": 0.05}}
+    assert "miss.low=int4" in own_stack(raw) and not lossless(own_stack(raw))
+    raw["miss"]["low"] = None
+    assert lossless(own_stack(raw))
 
 
 @pytest.mark.parametrize("argv,match", [

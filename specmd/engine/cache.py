@@ -131,7 +131,8 @@ class LayerCall:
     def __init__(self, manager):
         self._m = manager
         self.fetch_precision = manager.fetch_precision
-        self.waits: list = []  # the clock's handles the device's experts wait for (demand fetches, late prefetches)
+        self.waits: list = []  # the clock's handles the device's experts wait for (demand fetches, late prefetches;
+        # host work where the host shares the device's cores: CacheManager._stall)
         self.host_handle = None  # the host's work this call (the layer's output waits for it: finish_layer)
         self.demanded = 0  # demand fetches issued (the clock may return no handle for them)
 

@@ -61,6 +61,7 @@ cdef class SimClock(Clock):
     cdef double _host_acc
     cdef double _dev_acc
     cdef public long long issued
+    cdef bint _demand_job
     cdef public long long predictions
     cdef public double now
     cdef public double stall_s

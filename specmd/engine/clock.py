@@ -5,13 +5,14 @@ The cache manager never reads or computes a time. Time is a **handle**: ``demand
 ``wait(handles)`` (stall compute until all have; returns the stall added), and ``mark``/``since`` give a
 forward pass its duration and stall for the pass record. The engine charges compute through the clock
 (``dense``, ``experts``, ``tail``). Policies read time only through the cache view (``transfer_time``,
-``host_time``).
+``host_time``, ``device_time``, ``link_backlog``, ``host_backlog``, ``host_beside_device``).
 
 :class:`Clock` is the interface. :class:`SimClock` is the deterministic simulated clock (one
 non-preemptive transfer channel, demand before queued prefetches; roofline compute): its handles are
 :class:`Transfer` objects whose arithmetic stays inside it (a demand fetch needs none: the clock keeps the
 latest one's completion and the next ``wait`` includes it). ``execution=offload`` keeps the simulated
-clock deciding (so residency, victims and outputs are those of ``execution=simulated``, bit for bit) and
+clock deciding (so residency, victims and outputs are those of ``execution=simulated``, bit for bit -- on a
+CUDA device but for experts a miss policy sends to the host, which the CPU computes with its own bits) and
 measures the same passes on the wall (the executor's pass timer and transfer tickets): a clock on real
 time would make the decisions depend on the machine's timing.
 """
@@ -195,7 +196,8 @@ class Clock:
     @cython.ccall
     def host(self, slots, experts):
         """Host work issued now: it starts when the host is free (after the host work already queued), runs
-        beside the link and the device's compute, and returns its handle (wait on it for its result)."""
+        beside the link (and beside the device's compute where :meth:`host_beside_device`), and returns its
+        handle (wait on it for its result)."""
         raise NotImplementedError
 
     def link_backlog(self) -> float:
@@ -250,7 +252,8 @@ class SimClock(Clock):
     def __init__(self, geom, channel: TransferChannel, roofline: Roofline, host: Roofline | None = None,
                  overheads: tuple = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0), decision: float = 0.0,
                  host_overheads: tuple = (0.0, 0.0, 0.0), overlap: bool = False):
-        """``overheads``: (per decoder layer, per token of a pass, per expert run, per transfer issued, per
+        """``overheads``: (per decoder layer, per token of a pass, per expert run, per copy job issued -- a layer
+        call's demand fetches are one job, each prefetch is one: the offload executor's batching --, per
         prefetch prediction, per expert run from a low-precision copy) seconds the roofline does not see (``specmd calibrate`` fits them; a decoder
         layer's cost goes with its dense compute, so it scales with the model's depth; issuing is host work
         charged with the layer's compute). ``decision``: seconds per MoE layer call the stack's policies
@@ -290,7 +293,8 @@ class SimClock(Clock):
         self.host_busy_s = 0.0
         self._host_acc = 0.0  # overlap: the host's overheads since the last synchronisation
         self._dev_acc = 0.0  # overlap: the device's compute since the last synchronisation
-        self.issued = 0  # transfers issued since the last charge of compute
+        self.issued = 0  # prefetches issued since the last charge of compute (each its own copy job)
+        self._demand_job = False  # demand fetches issued since then (one copy job, however many)
         self.predictions = 0  # prefetch predictions since the last charge of compute
         self.now = 0.0
         self.stall_s = 0.0
@@ -355,7 +359,7 @@ class SimClock(Clock):
 
     @cython.ccall
     def demand(self, nbytes: cython.longlong):
-        self.issued += 1
+        self._demand_job = True  # (a layer call's demand fetches go as one copy job: one issue)
         ready: cython.double = self.channel.demand(self.now, nbytes)
         if ready > self._demand_ready:
             self._demand_ready = ready
@@ -478,13 +482,14 @@ class SimClock(Clock):
         if self.overlap:  # the decisions ran before (serial); the launches and the experts' compute side by side
             self.now += self.decision_overhead
             self._dev_acc += max(2.0 * slots * self._expert_params / self._peak, experts * self._expert_bytes / self._mem)
-            self._host_acc += (experts * self.expert_overhead + self.issued * self.issue_overhead
+            self._host_acc += (experts * self.expert_overhead + (self.issued + self._demand_job) * self.issue_overhead
                                + self.predictions * self.predict_overhead + unpacked * self.unpack_overhead)
         else:
-            self.now += (self._experts_time(slots, experts) + self.issued * self.issue_overhead
+            self.now += (self._experts_time(slots, experts) + (self.issued + self._demand_job) * self.issue_overhead
                          + self.predictions * self.predict_overhead + self.decision_overhead
                          + unpacked * self.unpack_overhead)
         self.issued = self.predictions = 0
+        self._demand_job = False
 
     @cython.ccall
     def predicted(self):

@@ -180,10 +180,11 @@ def steady_host_allocator(prefault: int = STEADY_HEAP_BYTES) -> bool:
     freed heap back to the kernel, so in a fresh process every large activation is first-touch page faults.
     Measured on this project's 2-core CPU (deep_olmoe, 480-token prefills under ``execution=offload``): a
     fresh process took 1.4-1.7x the TTFT that the same passes took in the long-running ``specmd calibrate``
-    that fitted the clock; with the settings below, 0.97-1.06x after the first pass. Set: blocks up to 32
+    that fitted the clock; with the settings below, 0.93-1.03x, the first pass included. Set: blocks up to 32
     MiB from the heap (glibc's maximum; fixed, not adaptive), the heap grown 64 MiB at a time and freed heap
     kept up to 1 GiB, and ``prefault``
-    bytes of heap touched once now (the first pass's faults; they stay with the heap)."""
+    bytes of heap touched once now (the first pass's faults; they stay with the heap). The settings are the
+    process's from then on (a process that measures keeps them; freed heap up to 1 GiB is not returned)."""
     global _steady
     if _steady:
         return True
@@ -201,6 +202,7 @@ def steady_host_allocator(prefault: int = STEADY_HEAP_BYTES) -> bool:
         return False
     if prefault:
         libc.malloc.restype = ctypes.c_void_p
+        libc.malloc.argtypes = [ctypes.c_size_t]
         libc.free.argtypes = [ctypes.c_void_p]
         blocks = []
         for _ in range(max(1, prefault // (16 << 20))):  # below the threshold: from the heap, kept after free

@@ -24,6 +24,7 @@ kernel is tested against): the same arithmetic group by group with per-expert we
 
 from __future__ import annotations
 
+from concurrent.futures import wait as futures_wait
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -90,22 +91,28 @@ def grouped_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: tor
                 parts.append((b, r0, n, groups[len(parts)]))
                 r0 += n
     outs: list = [None] * len(parts)
-    for j, (b, r0, n, ends) in enumerate(parts):  # banks another worker computes start first, beside the rest
-        if b.runner is not None:
+    remote = []
+    try:
+        for j, (b, r0, n, ends) in enumerate(parts):  # banks another worker computes start first, beside the rest
+            if b.runner is not None:
+                x = x_g if n < 0 else x_g[r0:r0 + n]  # [n, H]
+                sl = None if up_b is None else slots_g if n < 0 else slots_g[r0:r0 + n]  # [n]
+                outs[j] = b.runner.submit(_remote_bank, mod, x, sl, b, ends, (up, down, up_b, down_b), transposed,
+                                          gated)
+                remote.append(j)
+        for j, (b, r0, n, ends) in enumerate(parts):
+            if outs[j] is not None:
+                continue
+            if ready is not None:
+                ready(b)
             x = x_g if n < 0 else x_g[r0:r0 + n]  # [n, H]
-            sl = None if up_b is None else slots_g if n < 0 else slots_g[r0:r0 + n]  # [n]
-            outs[j] = b.runner.submit(_remote_bank, mod, x, sl, b, ends, (up, down, up_b, down_b), transposed, gated)
-    for j, (b, r0, n, ends) in enumerate(parts):
-        if outs[j] is not None:
-            continue
-        if ready is not None:
-            ready(b)
-        x = x_g if n < 0 else x_g[r0:r0 + n]  # [n, H]
-        sl = None if up_b is None else slots_g if n < 0 else slots_g[r0:r0 + n]  # [n] (for biases)
-        outs[j] = _bank(mod, x, sl, b, ends, (up, down, up_b, down_b), transposed, gated)  # [n, H]
-    for j, b in enumerate(parts):
-        if b[0].runner is not None:
-            outs[j] = outs[j].result()  # [n, H] (the host's rows: joined before the top-k sum)
+            sl = None if up_b is None else slots_g if n < 0 else slots_g[r0:r0 + n]  # [n] (for biases)
+            outs[j] = _bank(mod, x, sl, b, ends, (up, down, up_b, down_b), transposed, gated)  # [n, H]
+    finally:  # the host's rows are waited for before an error leaves the call too: a worker never computes
+        # from a bank the next call re-points
+        futures_wait([outs[j] for j in remote])
+    for j in remote:
+        outs[j] = outs[j].result()  # [n, H] the host's rows, joined before the top-k sum (raises the worker's error)
     done = parts[-1][1] + parts[-1][2] if parts and parts[-1][2] >= 0 else (S if parts else 0)
     if done < S:  # sentinel rows: nothing runs here, their contribution is zero
         outs.append(hidden.new_zeros(S - done, H, dtype=outs[0].dtype if outs else hidden.dtype))

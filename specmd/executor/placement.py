@@ -128,6 +128,7 @@ class Placement(ResidencyEvents):
         self._batch_keys: list = []  # their cache keys (-1: streamed)
         self.used_bytes = self.peak_bytes = 0
         self.copies = self.host_runs = self.low_runs = 0
+        self.jobs = 0  # copy jobs handed to the mover (a call's demand batch: one; each prefetch: one)
         self.bytes_submitted = 0  # bytes handed to the mover (demand batches and prefetches)
         self.stall_s = 0.0
         # the layer call's expert map: filled on the host in a ring of pinned rows and uploaded once per call.
@@ -170,6 +171,7 @@ class Placement(ResidencyEvents):
         self.flush()  # the call's demand copies go first, as the engine issued them
         tier = self.tiers[precision]
         self.bytes_submitted += size
+        self.jobs += 1
         self.tickets[key] = self.mover.submit(lambda: tier.copy_into(layer, e, views), size, False, self.name(layer, e),
                                               after=self._after)
 
@@ -250,6 +252,7 @@ class Placement(ResidencyEvents):
             groups.setdefault(prec, []).append((layer, e, dst))
         nbytes = sum(self.bytes_of[it[3]] for it in items)
         self.bytes_submitted += nbytes
+        self.jobs += 1
         jobs = [(self.tiers[q], g) for q, g in groups.items()]
         name = self.name
 

@@ -5,7 +5,8 @@ group applies; the model and the task come from the trace. For each recorded for
 ``engine.begin_pass``, then per MoE layer call ``engine.route(record)`` and ``engine.layer(record)``, then
 ``engine.end_pass`` -- the order and the records the live hook produces, so for a stack that does not change
 what the model computes (standard routing, every requested expert executed exactly: ``miss=fetch`` at native
-precision or ``miss=cpu_compute``) the ``cache`` and ``timing`` sections equal the live run's bit for bit.
+precision, ``miss=cpu_compute`` or ``miss=hybrid`` without a low copy) the ``cache`` and ``timing`` sections
+equal the live run's bit for bit.
 Other stacks are applied to the recorded logits (later layers' routing cannot react to the change) and the
 results say ``exact: false`` with the reasons.
 """

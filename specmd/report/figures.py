@@ -13,7 +13,8 @@ A figure entry of an experiment's ``report.figures``::
     percent / percent_x: show y / x as %; logx / logy; zero_lines: lines through 0 (relative plots)
     xlabel, ylabel, title; hline: baseline -> a dashed line at y of the report's ``baseline`` group
     also:    (lines) more metrics drawn per series in the series' colour, each ``{y: expr, label: text, style:
-             ":" | "--" | "-."}`` (the measured points beside the simulated line; a bound)
+             ":" | "--" | "-.", when: {axis: value}}`` (the measured points beside the simulated line; a bound),
+             ``when`` keeping the groups whose axes (or config keys: ``execution.name``) have those values
 """
 
 from __future__ import annotations
@@ -163,7 +164,9 @@ def _lines(spec, fs, members, groups, ax, series_axes, kind, px, py):
         if kind == "lines" or fs.get("connect"):
             (line,) = ax.plot(xs, ys, marker="o", ms=4, label=name)
             for extra in fs.get("also") or []:
+                when = extra.get("when") or {}
                 more = sorted((float(x) * px, y * py) for g in gs
+                              if all(_name(g, g.ok[0], [k]) == str(v) for k, v in when.items())
                               for x, y in [(_value(spec, g, groups, fs["x"]), _value(spec, g, groups, extra["y"]))]
                               if isinstance(x, (int, float)) and isinstance(y, (int, float)))
                 if more:

@@ -67,12 +67,12 @@ class Hybrid(MissPolicy):
             model.store.check([self.params.low], f"miss={self.name}")
 
     def handle(self, layer, missing, record, cache):
-        import torch
+        import numpy as np
 
         index = record.index  # [T, k] on the host
-        per_expert = torch.bincount(index.reshape(-1), minlength=self.num_experts)  # [E] tokens per expert
+        per_expert = np.bincount(index.numpy().reshape(-1), minlength=self.num_experts)  # [E] tokens per expert
         counts = dict(zip(missing, per_expert[missing].tolist()))  # the misses' tokens
-        hit_n = int(per_expert.count_nonzero()) - len(missing)
+        hit_n = int(np.count_nonzero(per_expert)) - len(missing)
         hit_slots = index.numel() - sum(counts.values())
         device = cache.device_time(hit_slots, hit_n) if hit_n else 0.0  # the device's compute: the hits first
         link = None  # when the last fetch lands (seconds from now); None: no fetch, the device waits for none
@@ -101,6 +101,8 @@ class Hybrid(MissPolicy):
             link, device, host, out[i] = choice
             if out[i] is on_host:
                 hs, hn = hs + c, hn + 1
+        if not hn and fetch_low not in out:
+            return None  # every miss fetched native: the cache manager's fast path (no execution plan)
         return out
 
     def _degraded(self, record, missing) -> set:
