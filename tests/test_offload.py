@@ -424,7 +424,7 @@ def test_hybrid_with_low_copies_offload_equals_simulated(family, how):
     copies and host-computed experts in one run, offload == simulated bit for bit."""
     model = tiny(family)
     ids, prefill = sample_ids(batch=1, seq=8, seed=1), sample_ids(batch=1, seq=16, seed=2)
-    hw = dict(capacity=0.15, scope="per_layer", host_expert_overhead_us=16.0, quant=QUANT,
+    hw = dict(capacity=0.15, scope="per_layer", host_expert_overhead_us=40.0, quant=QUANT,
               miss={"name": "hybrid", "low": "int4"})
     sim = run_stack(model, spec_of({"name": "simulated"}, **hw), ids, prefill, adapter_for(family))
     off = run_stack(model, spec_of({"name": "offload", "check": True, "host_compute": how}, **hw), ids, prefill,
