@@ -236,3 +236,24 @@ def test_a_job_that_never_ran_lands_in_its_own_row(tmp_path):
     t = read_table((out / "hand.md").read_text())
     assert set(t) == {"lru", "least_stale"}
     assert t["lru"]["hit %"] == "40.0 (1 of 4 runs)" and t["least_stale"]["hit %"] == "missing"
+
+
+def test_lines_draw_more_metrics_per_series_where_when_selects(tmp_path, monkeypatch):
+    """``also``: extra lines in the series' colour (hybrid_offload: measured points beside the simulated line,
+    the bound for the fetch series only), ``when`` keeping the groups whose axes have those values."""
+    import matplotlib.axes
+
+    drawn = []
+    plot = matplotlib.axes.Axes.plot
+
+    def spy(self, *args, **kwargs):
+        drawn.append((kwargs.get("label"), list(args[1]) if len(args) > 1 else None))
+        return plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    fig = {"kind": "lines", "x": "config.hardware.capacity", "y": "cache.hit_rate", "series": "eviction",
+           "also": [{"y": "cache.misses / cache.requests", "label": "miss ratio", "when": {"eviction": "lru"}}]}
+    build([str(make_sweep(tmp_path / "s", spec=dict(SPEC, figures=[fig])))], str(tmp_path / "o"))
+    by = dict(drawn)
+    assert by["lru miss ratio"] == pytest.approx([0.5, 0.2])  # 1 - mean hit rate at 5% and 25% (seed 2 failed)
+    assert "least_stale miss ratio" not in by and by["least_stale"] == pytest.approx([0.6, 0.9])
