@@ -23,12 +23,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 GPU = {"name": "offload", "throttle": False, "kernel": "grouped"}  # the kernel offload runs on CUDA
-CASES = [  # (label, execution, capacity, prefetch)
-    ("hooked (simulated) 100%", {"name": "simulated"}, 1.0, "none"),
-    ("offload 100%", GPU, 1.0, "none"),
-    ("offload 5%", GPU, 0.05, "none"),
-    ("offload 5% + topk", GPU, 0.05, "topk"),
-    ("offload 5% + topk, looped", dict(GPU, kernel="looped"), 0.05, "topk"),  # the CPU's kernel, for contrast
+CASES = [  # (label, execution, capacity, prefetch, miss)
+    ("hooked (simulated) 100%", {"name": "simulated"}, 1.0, "none", "fetch"),
+    ("offload 100%", GPU, 1.0, "none", "fetch"),
+    ("offload 5%", GPU, 0.05, "none", "fetch"),
+    ("offload 5% + topk", GPU, 0.05, "topk", "fetch"),
+    ("offload 5% + topk, looped", dict(GPU, kernel="looped"), 0.05, "topk", "fetch"),  # the CPU's kernel, for contrast
+    # miss=hybrid with the host's share inline (counted: a worker thread's ops are not -- the counting modes are
+    # per thread; on CUDA the worker adds one copy of the host's rows each way, on its own thread)
+    ("offload 5% + topk, hybrid", dict(GPU, host_compute="inline"), 0.05, "topk", "hybrid"),
 ]
 
 
@@ -70,8 +73,8 @@ def main() -> None:
         base, _ = measure(model, family, None)
         print(f"{name:12} {'unhooked':26} {base['device_ops']:7.1f} {base['kernels']:7.1f} {base['host_ops']:6.1f} "
               f"{base['syncs']:5.2f}")
-        for label, execution, cap, prefetch in CASES:
-            spec = spec_of(prefetch=prefetch, hardware=HardwareConfig(capacity=cap))
+        for label, execution, cap, prefetch, miss in CASES:
+            spec = spec_of(prefetch=prefetch, miss=miss, hardware=HardwareConfig(capacity=cap))
             spec.execution = EXECUTION.params(execution)
             got, c = measure(model, family, spec)
             print(f"{name:12} {label:26} {got['device_ops']:7.1f} {got['kernels']:7.1f} {got['host_ops']:6.1f} "

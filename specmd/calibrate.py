@@ -144,6 +144,13 @@ def measure_compute(device: torch.device, reps: int = 20) -> tuple[float, float]
     return flops, 2 * x.numel() * 4 / best
 
 
+def host_roofline(hw: dict):
+    """The host's roofline of a profile (``host_tflops``, ``host_mem_bandwidth_gbps``): the clock's own."""
+    from .engine.clock import Roofline
+
+    return Roofline(hw["host_tflops"] * 1e12, hw["host_mem_bandwidth_gbps"] * 1e9)
+
+
 def measure_host_experts(model, family: str, hw: dict, device: torch.device, reps: int = 15) -> tuple[dict, dict]:
     """The host's costs beyond its roofline for the model's own experts (its family's layout, its size),
     computed as the offload executor computes them (:mod:`~specmd.executor.hostwork`: one bank of the layer's
@@ -181,8 +188,7 @@ def measure_host_experts(model, family: str, hw: dict, device: torch.device, rep
                         if device.type == "cuda":
                             torch.cuda.synchronize(device)
                         best = min(best, time.perf_counter() - t0)
-                    roof = max(2.0 * n * tok * params / (hw["host_tflops"] * 1e12),
-                               n * nbytes / (hw["host_mem_bandwidth_gbps"] * 1e9))
+                    roof = host_roofline(hw).time(2.0 * n * tok * params, n * nbytes)
                     X.append([1.0, n, n * tok])
                     y.append(best - roof)
                     cases[f"{n} experts x {tok} tokens"] = best * 1e6
@@ -328,8 +334,8 @@ def _fit_host(calls: list, geom, hw: dict) -> dict:
     n = np.array([c[0] for c in calls], dtype=float)
     rows = np.array([c[1] for c in calls], dtype=float)
     t = np.array([c[2] for c in calls])
-    roof = np.maximum(2.0 * rows * geom.expert_params / (hw["host_tflops"] * 1e12),
-                      n * geom.expert_bytes / (hw["host_mem_bandwidth_gbps"] * 1e9))
+    host = host_roofline(hw)
+    roof = np.array([host.time(2.0 * r * geom.expert_params, k * geom.expert_bytes) for k, r in zip(n, rows)])
     X = np.stack([np.ones_like(n), n, rows], 1)
     c = _nnls(X / t[:, None], (t - roof) / t)
     return {"host_call_overhead_us": float(c[0] * 1e6), "host_expert_overhead_us": float(c[1] * 1e6),

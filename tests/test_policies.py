@@ -223,8 +223,10 @@ class _Hybrid:
 
 
 def hybrid(**params):
+    from types import SimpleNamespace
+
     pol = MISS.build({"name": "hybrid", **params})
-    pol.num_experts = 4
+    pol.setup(SimpleNamespace(num_experts=4, store=SimpleNamespace(check=lambda precisions, who: None)))
     return _Hybrid(pol)
 
 

@@ -267,7 +267,7 @@ class SimClock(Clock):
         the host *is* the device): every overhead adds to the device's compute, in order, and experts computed
         on the host run on the same cores -- beside the link, but before the device's experts. True (a GPU): the host
         queues kernels ahead of the device, so between two synchronisations the host's overheads (per decoder
-        layer, per expert, per transfer issued, per prediction, per token) and the device's compute run side
+        layer, per expert, per copy job issued, per prediction, per token) and the device's compute run side
         by side and the segment takes the longer of the two; the model synchronises once per MoE layer call
         (the read-back of its routing, :mod:`specmd.hook.readback`: the cache needs the selection on the
         host), once per pass (the logits) and wherever compute waits for a transfer or the host. The

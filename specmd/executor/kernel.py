@@ -40,8 +40,8 @@ class Bank:
         self.tensors = tensors
         self.first = first
         self.n = n
-        # who computes this bank's rows instead of the caller: a :class:`~.hostwork.HostWorker` (the host tier's
-        # bank: the host computes beside the device), or None
+        # who computes this bank's rows instead of the caller (the host tier's bank, :mod:`.hostwork`: a worker
+        # thread beside the device, or inline first in the call), or None
         self.runner = runner
         self.tickets: list = []  # what the bank waits for (the executor's transfers; ``ready``)
         # the slots this call reads, [lo, hi) within [first, first + n): a grouped GEMM spans only them (an empty
@@ -90,27 +90,26 @@ def grouped_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: tor
             if n:
                 parts.append((b, r0, n, groups[len(parts)]))
                 r0 += n
+    names = (up, down, up_b, down_b)
+    rows_of = [(x_g if n < 0 else x_g[r0:r0 + n],  # [n, H] each bank's rows, and their slots [n] (biases only)
+                None if up_b is None else slots_g if n < 0 else slots_g[r0:r0 + n]) for _, r0, n, _ in parts]
     outs: list = [None] * len(parts)
-    remote = []
+    remote = [j for j, p in enumerate(parts) if p[0].runner is not None]  # banks another runner computes
     try:
-        for j, (b, r0, n, ends) in enumerate(parts):  # banks another worker computes start first, beside the rest
-            if b.runner is not None:
-                x = x_g if n < 0 else x_g[r0:r0 + n]  # [n, H]
-                sl = None if up_b is None else slots_g if n < 0 else slots_g[r0:r0 + n]  # [n]
-                outs[j] = b.runner.submit(_remote_bank, mod, x, sl, b, ends, (up, down, up_b, down_b), transposed,
-                                          gated)
-                remote.append(j)
-        for j, (b, r0, n, ends) in enumerate(parts):
+        for j in remote:  # started first, beside the rest
+            b, (x, sl) = parts[j][0], rows_of[j]
+            outs[j] = b.runner.submit(_remote_bank, mod, x, sl, b, parts[j][3], names, transposed, gated)
+        for j, (b, _, _, ends) in enumerate(parts):
             if outs[j] is not None:
                 continue
             if ready is not None:
                 ready(b)
-            x = x_g if n < 0 else x_g[r0:r0 + n]  # [n, H]
-            sl = None if up_b is None else slots_g if n < 0 else slots_g[r0:r0 + n]  # [n] (for biases)
-            outs[j] = _bank(mod, x, sl, b, ends, (up, down, up_b, down_b), transposed, gated)  # [n, H]
+            x, sl = rows_of[j]
+            outs[j] = _bank(mod, x, sl, b, ends, names, transposed, gated)  # [n, H]
     finally:  # the host's rows are waited for before an error leaves the call too: a worker never computes
         # from a bank the next call re-points
-        futures_wait([outs[j] for j in remote])
+        if remote:
+            futures_wait([outs[j] for j in remote])
     for j in remote:
         outs[j] = outs[j].result()  # [n, H] the host's rows, joined before the top-k sum (raises the worker's error)
     done = parts[-1][1] + parts[-1][2] if parts and parts[-1][2] >= 0 else (S if parts else 0)

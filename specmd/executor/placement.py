@@ -85,7 +85,8 @@ class Placement(ResidencyEvents):
         expert; ``mixed``: copies of several precisions share the pools (byte arenas), whose raw tensors
         ``raw_layout[layer, precision]`` lists as ``[(name, dtype, shape, bytes)]``; ``looped``: the kernel runs
         one GEMM per group (:func:`~.kernel.grouped_experts`'s ``groups``, made here from the host's routing);
-        ``host_worker``: computes the host tier's bank beside the device (:class:`~.hostwork.HostWorker`)."""
+        ``host_worker``: computes the host tier's bank (:mod:`.hostwork`: a worker thread beside the device, or
+        inline first in the call)."""
         E, L = layout.num_experts, layout.num_layers
         self.E = E
         self.device = device
@@ -116,8 +117,8 @@ class Placement(ResidencyEvents):
         self._stream_n = [0, 0]  # rows of each stream bank taken this call
         self._after = None  # the compute work a new copy waits for (Mover.mark at the last finalize)
         self.work = Staging(shapes, dtype, device)  # experts put into place to run (unpacked, moved, host's)
-        # host-computed experts run where they are, computed by the host worker beside the device (the host
-        # tier's bank: :mod:`.hostwork`); a tier without one (disk) copies them into the work bank
+        # host-computed experts run where they are, the host tier's bank, computed by ``host_worker``
+        # (:mod:`.hostwork`); a tier without one (disk) copies them into the work bank
         self.host_in_place = hasattr(self.tier, "host_bank")
         self.at = [-1] * (L * E)  # the slot (uniform) or byte offset (mixed) of each resident copy
         self.prec_of: list = [None] * (L * E)

@@ -63,6 +63,8 @@ class Hybrid(MissPolicy):
 
     def setup(self, model):
         self.num_experts = model.num_experts
+        # the outcomes it answers with, made once (they hold no per-call state)
+        self._fetch, self._fetch_low, self._on_host = Fetched("native"), Fetched(self.params.low), HostComputed()
         if self.params.low:
             model.store.check([self.params.low], f"miss={self.name}")
 
@@ -82,7 +84,7 @@ class Hybrid(MissPolicy):
         c_fetch = cache.transfer_time("native")
         low = self._degraded(record, missing) if self.params.low else ()
         c_low = cache.transfer_time(self.params.low) if low else 0.0
-        fetch, fetch_low, on_host = Fetched("native"), Fetched(self.params.low), HostComputed()
+        fetch, fetch_low, on_host = self._fetch, self._fetch_low, self._on_host
         out = [fetch] * len(missing)
         end = _beside if cache.host_beside_device() else _before
         for i in sorted(range(len(missing)), key=lambda i: (-counts[missing[i]], missing[i])):
