@@ -29,6 +29,10 @@ DIRECTIVES = {
     "cdivision": False,  # Python's division and modulo semantics (the pure source is the reference)
     "initializedcheck": True,  # an unset memoryview field (a subclass that skipped __init__) raises
     "nonecheck": True,  # a typed reference still None (a subclass that skipped __init__) raises, never crashes
+    # every C type is declared in the module's .pxd (Cython's own style: plain Python in the .py, C only in
+    # the augmenting .pxd); an annotation in a .py is documentation, never a C type (``x: int`` would
+    # otherwise reject a numpy integer, ``x: float`` become a C double)
+    "annotation_typing": False,
 }
 
 

@@ -1,9 +1,12 @@
 """The compiled engine: which modules are compiled, and which copy of each one this process imports.
 
 The engine (cache manager, pools, clock, stats, outcomes, view, records), the replay driver's loop and
-every built-in policy are compiled by Cython from their own ``.py`` sources, in pure-Python mode: there is
-one source per module and per policy, and the uncompiled source is the pure-Python fallback. It gives the
-same results, only slower (``tests/test_native.py`` checks that). ``setup.py`` builds the extensions when
+every built-in policy are compiled by Cython from their own ``.py`` sources, written as Cython's own compiler
+is: plain annotated Python in the ``.py`` (no import of Cython's shadow module), every C declaration
+(``cdef class``, typed fields, ``cpdef``/``cdef`` signatures, typed locals, ``final``) in the augmenting
+``.pxd`` beside it. There is one source per module and per policy, and the uncompiled source is the pure-Python
+fallback, which needs no Cython at all. It gives the same results, only slower (``tests/test_native.py``
+checks that). ``setup.py`` builds the extensions when
 the package is installed (``pip install -e .`` builds them beside the sources). If the build fails, the
 package still installs and runs pure Python.
 
@@ -24,7 +27,7 @@ Why Cython and not mypyc (measured on this engine, 2026-11-25): plain Cython com
 53 s with their Python semantics unchanged: interpreted subclasses (a user's policy), dynamic attributes,
 monkeypatching in tests. mypyc refused the engine: 29 type errors (per-layer counters are set with
 ``setattr``, Optional attributes narrowed at run time), and type-checking the nine engine modules alone took
-3 min 45 s. ``docs/architecture.md`` ("The compiled engine") has the measurements.
+3 min 45 s. ``docs/benchmarks.md`` ("History") has the measurements.
 
 This module imports nothing from specmd, and ``setup.py`` runs it (for :func:`sources`) without importing
 the package.

@@ -45,21 +45,31 @@ class Registry(Generic[T]):
         self._classes: dict[str, type[T]] = {}
         self._loaded = False
 
-    def register(self, name: str) -> Callable[[type[T]], type[T]]:
-        def deco(cls: type[T]) -> type[T]:
-            if name in self._classes and self._classes[name] is not cls:
-                raise ValueError(f"{self.family} policy {name!r} registered twice")
-            if cls.__dict__.get("name") != name:
-                try:
-                    cls.name = name
-                except TypeError:  # an extension type (a compiled policy): its attributes are fixed
-                    raise TypeError(f"{self.family} policy {cls.__qualname__} is an extension type, whose "
-                                    f"attributes cannot be set after its class statement: name it in its class "
-                                    f"body (name = {name!r})") from None
-            self._classes[name] = cls
-            return cls
+    def register(self, target: "type[T] | str") -> Any:
+        """``FAMILY.register(Cls)``: registers ``Cls`` under the name its class body gives (``name = "lru"``),
+        the one style of every built-in policy in all four families (a statement after the class: Cython
+        takes no decorator on an extension type, and a compiled policy is one). ``@FAMILY.register("name")``
+        on a plain Python class (a user's file, a test) also sets ``name``."""
+        if isinstance(target, str):
+            return lambda cls: self._add(target, cls)
+        name = target.__dict__.get("name")
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{self.family} policy {target.__qualname__} names itself in its class body "
+                            f"(name = '...') before it registers")
+        return self._add(name, target)
 
-        return deco
+    def _add(self, name: str, cls: type[T]) -> type[T]:
+        if name in self._classes and self._classes[name] is not cls:
+            raise ValueError(f"{self.family} policy {name!r} registered twice")
+        if cls.__dict__.get("name") != name:
+            try:
+                cls.name = name
+            except TypeError:  # an extension type (a compiled policy): its attributes are fixed
+                raise TypeError(f"{self.family} policy {cls.__qualname__} is an extension type, whose "
+                                f"attributes cannot be set after its class statement: name it in its class "
+                                f"body (name = {name!r})") from None
+        self._classes[name] = cls
+        return cls
 
     def _load(self) -> None:
         if not self._loaded:

@@ -404,3 +404,54 @@ def test_an_extension_type_policy_names_itself_in_its_class_body():
         with pytest.raises(TypeError, match="name it in its class body"):
             reg.register("other")(LRU)
     assert LRU.name == "lru"
+
+
+def test_register_takes_the_class_and_its_body_name():
+    """The one registration style (all four families): ``FAMILY.register(Cls)`` after the class, its name
+    from the class body; a class without one is a TypeError before anything is registered."""
+    from specmd.policies.eviction.lru import LRU
+    from specmd.registry import Registry
+
+    reg = Registry("eviction", "specmd.policies.eviction")
+    assert reg.register(LRU) is LRU and reg._classes == {"lru": LRU}
+
+    class Nameless:
+        pass
+
+    with pytest.raises(TypeError, match="names itself in its class body"):
+        reg.register(Nameless)
+    assert set(reg._classes) == {"lru"}
+
+
+SOURCES = sorted((ROOT / "specmd").rglob("*.py"))
+
+
+def test_sources_are_plain_python_and_every_c_declaration_is_in_a_pxd():
+    """Cython's own style: no ``import cython``, no ``cython.`` directive or type, no ``__cinit__`` twin in any
+    ``.py`` of the package, not even in a comment; the C declarations live in the ``.pxd`` beside it. (A
+    module-level directive comment, ``# cython: wraparound=False``, names no attribute of it.)"""
+    import re
+
+    bad = []
+    for path in SOURCES:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\bcython\.|^\s*(import cython|from cython)\b|__cinit__", line):
+                bad.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not bad, "\n".join(bad)
+    assert any(p.with_suffix(".pxd").is_file() for p in SOURCES)  # (the rule has something to hold)
+
+
+def test_the_pure_sources_run_without_cython_installed(tmp_path):
+    """Cython is a build dependency only: with ``import cython`` made to fail, the pure sources import every
+    compiled module and replay a stack (the engine, a compiled policy, the driver)."""
+    code = (
+        "import sys; sys.modules['cython'] = None\n"  # (an import of it raises ImportError)
+        "import importlib, specmd\n"
+        "from specmd import native\n"
+        "for src in native.sources():\n"
+        "    importlib.import_module(native.module_name(src))\n"
+        "print('imported', len(native.sources()))\n")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, native.ENV: "1"}, capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"imported {len(native.sources())}" in out.stdout

@@ -2,6 +2,8 @@
 # The engine cimports these types so its calls into the manager are C calls. A field or hot method added
 # to cache.py is declared here; native.py runs every module that cimports this one as source whenever
 # cache.py runs as source (and this one whenever clock.py or stats.py does).
+# cache.py itself is plain Python: every C type of it is here (the fields, the C signatures, and each
+# function's typed locals as @cython.locals above its declaration).
 
 cimport cython
 
@@ -11,6 +13,13 @@ from specmd.engine.stats cimport CacheStats
 
 
 cdef class CacheManager  # (declared below; LayerCall refers to it)
+
+
+@cython.locals(t="long long", i=Py_ssize_t)
+cdef long long _total(long long[:] counts)
+
+@cython.locals(e="long long")
+cdef long long _expert(x, long layer, long long E) except? -1
 
 
 @cython.final
@@ -29,10 +38,6 @@ cdef class Pool:
     cdef public object on_access
     cdef public object on_remove
     cdef public object victim
-    cdef access(self, long long key)
-    cdef inserted(self, long long key, bint prefetch)
-    cdef removed(self, long long key)
-    cdef choose_victim(self, evictable)
 
 
 cdef class LayerCall:
@@ -52,11 +57,16 @@ cdef class LayerCall:
     cdef public object weights
     cdef public long n
     cpdef reset(self, long layer, long long base, Pool pool, record, index, weights, long n)
+    @cython.locals(m=CacheManager, nbytes="long long", prec=int, pool=Pool, base="long long", layer=long,
+                   key="long long", e="long long", streamed=long, clock=Clock, waits=list, E="long long",
+                   st=CacheStats, n=Py_ssize_t)
     cpdef fetch_many(self, experts, precision)
 
 
 cdef class _Evictable(Evictable):
     cdef CacheManager _m
+    @cython.locals(m=CacheManager)
+    cpdef bint ok(self, long long key)
 
 
 cdef class CacheManager:
@@ -98,21 +108,39 @@ cdef class CacheManager:
     cdef public object _default_fetch
     cdef long long _E
     cdef _Evictable _evictable
+    @cython.locals(pool=Pool, s=CacheStats)
     cpdef begin_pass(self, kind, tokens, context)
+    @cython.locals(clock=Clock, s=CacheStats)
     cpdef end_pass(self)
+    @cython.locals(call=LayerCall)
     cpdef LayerCall serve(self, long layer, experts, record=*, index=*, weights=*)
+    @cython.locals(stamp="long long", pin="long long[:]", E="long long", base="long long", e="long long",
+                   pool=Pool, st=CacheStats, call=LayerCall)
     cpdef LayerCall _open(self, long layer, experts, record, index, weights)
+    @cython.locals(here="signed char[:]", prec="int[:]", used="signed char[:]", prefetched="signed char[:]",
+                   transfers=list, native=int, st=CacheStats, layer=long, base="long long", key="long long",
+                   e="long long", hits=long, pool=Pool, compiled=bint, hooks=EvictionHooks, clock=Clock,
+                   E="long long")
     cdef _serve_hits(self, LayerCall call, experts)
+    @cython.locals(layer=long, base="long long", st=CacheStats, evicted_at="long long[:]", now="long long",
+                   e="long long", collisions=long)
     cdef _serve_misses(self, LayerCall call, missing)
+    @cython.locals(clock=Clock)
     cpdef _stall(self, LayerCall call)
+    @cython.locals(call=LayerCall)
     cpdef finish_layer(self)
+    @cython.locals(E="long long", base="long long", pool=Pool, nbytes="long long", pid=int, key="long long",
+                   e="long long", st=CacheStats)
+    cpdef prefetch(self, layer, experts)
     cpdef pin(self, long long key)
     cpdef bint evictable(self, long long key)
     cpdef bint make_room(self, Pool pool, long long nbytes)
+    @cython.locals(here="signed char[:]", prefetched="signed char[:]", used="signed char[:]", key=Py_ssize_t)
     cdef _uncount_prefetches(self)
     cpdef bint has(self, long long key)
     cpdef precision_of(self, long long key)
     cpdef transfer_of(self, long long key)
     cdef _insert(self, long long key, long layer, long long nbytes, Pool pool, transfer, bint prefetched, int prec, bint used)
     cpdef evict(self, key)
+    @cython.locals(k="long long", here="signed char[:]", layer=long, nbytes="long long", pool=Pool, st=CacheStats)
     cdef _evict(self, key)

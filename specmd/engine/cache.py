@@ -1,3 +1,5 @@
+# cython: wraparound=False
+# (every index in this module is non-negative: a key, a layer, an expert, each checked where it enters)
 """The cache manager: which experts are resident on the emulated device, and the accounting of every
 request. It decides residency only; time comes from the clock, victims from the eviction policy (which
 sees a read-only :class:`~specmd.engine.view.CacheView`, never this class), what a miss becomes from the
@@ -24,8 +26,6 @@ from array import array
 from collections import namedtuple
 from typing import Optional
 
-import cython
-
 from .clock import Clock
 from .geometry import Geometry
 from .hooks import Evictable, compiled_hooks
@@ -39,31 +39,27 @@ from .view import CacheView
 MEASURES = ("all", "decode")  # the forward passes the cache counters count
 
 
-@cython.cfunc
-def _total(counts: cython.longlong[:]) -> cython.longlong:
+def _total(counts) -> int:
     """``sum(counts)`` of a per-layer counter, in C (a pass's start and end totals)."""
-    t: cython.longlong = 0
-    i: cython.Py_ssize_t
+    t = 0
     for i in range(len(counts)):
         t += counts[i]
     return t
 
 
-@cython.cfunc
-@cython.exceptval(-1, check=True)
-def _expert(x, layer: cython.long, E: cython.longlong) -> cython.longlong:
+def _expert(x, layer: int, E: int) -> int:
     """``x`` as an expert index of ``layer``, checked: the one gate of the request path's unchecked array
     reads. An integer (numpy's too) in ``0 .. E - 1``; anything else is an IndexError or, a float, a
-    TypeError (compiled, never truncated to a key)."""
+    TypeError (compiled, never truncated to a key). The request path's loops make the common case's check
+    inline (``type(x) is int and 0 <= x < E``: no call per request) and call this for any other."""
     if not isinstance(x, int):
         x = operator.index(x)
-    e: cython.longlong = x
+    e = x
     if e < 0 or e >= E:
         raise IndexError(f"expert {e} of layer {layer}: the model has {E} experts per layer")
     return e
 
 
-@cython.cclass
 class Pool:
     """A byte budget and its eviction policy. (Fields: ``cache.pxd``.)"""
 
@@ -88,31 +84,8 @@ class Pool:
         self.on_layer = hook("on_layer") if hook is not None else policy.on_layer
         self.on_pass_start = hook("on_pass_start") if hook is not None else policy.on_pass_start
 
-    # The per-request hooks as the manager calls them: one home for the choice between C and Python.
-    @cython.cfunc
-    def access(self, key: cython.longlong):
-        if self.native:
-            self.hooks.on_access(key)
-        else:
-            self.on_access(key)
-
-    @cython.cfunc
-    def inserted(self, key: cython.longlong, prefetch: cython.bint):
-        if self.native:
-            self.hooks.on_insert(key, prefetch)
-        else:
-            self.on_insert(key, prefetch)
-
-    @cython.cfunc
-    def removed(self, key: cython.longlong):
-        if self.native:
-            self.hooks.on_remove(key)
-        else:
-            self.on_remove(key)
-
-    @cython.cfunc
-    def choose_victim(self, evictable):
-        return self.hooks.victim(evictable) if self.native else self.victim(evictable)
+    # (The manager calls the per-request hooks as ``pool.hooks.on_access(key) if pool.native else
+    # pool.on_access(key)``, written out where it calls them: no call of its own per request.)
 
 
 Entry = namedtuple("Entry", "key layer nbytes precision bits transfer prefetched used since")
@@ -123,7 +96,6 @@ Entry.__doc__ = """A snapshot of one resident (or arriving) expert, made when re
 lifetime); ``prefetched`` / ``used``: inserted by a counted prefetch / requested since."""
 
 
-@cython.cclass
 class LayerCall:
     """The state of the layer call being served: what an outcome may touch (one object, reused)."""
 
@@ -136,8 +108,7 @@ class LayerCall:
         self.host_handle = None  # the host's work this call (the layer's output waits for it: finish_layer)
         self.demanded = 0  # demand fetches issued (the clock may return no handle for them)
 
-    @cython.ccall
-    def reset(self, layer: cython.long, base: cython.longlong, pool: Pool, record, index, weights, n: cython.long):
+    def reset(self, layer: int, base: int, pool: Pool, record, index, weights, n: int):
         """A new layer call; ``base``: its layer's first key (``layer * num_experts``, computed by the caller)."""
         self.layer = layer
         self.base = base
@@ -181,25 +152,24 @@ class LayerCall:
         """A blocking transfer of ``expert`` at ``precision``: inserted if room can be made, else streamed."""
         self.fetch_many((expert,), precision)
 
-    @cython.ccall
     def fetch_many(self, experts, precision):
         """:meth:`fetch` for each of ``experts`` in order (one home for the demand-fetch accounting)."""
-        m: CacheManager = self._m
-        nbytes: cython.longlong = m._bytes_of[precision]
-        prec: cython.int = m._prec_id[precision]
-        pool: Pool = self.pool
-        base: cython.longlong = self.base
-        layer: cython.long = self.layer
-        key: cython.longlong
-        e: cython.longlong
-        streamed: cython.long = 0
-        clock: Clock = m.clock
+        m = self._m
+        nbytes = m._bytes_of[precision]
+        prec = m._prec_id[precision]
+        pool = self.pool
+        base = self.base
+        layer = self.layer
+        streamed = 0
+        clock = m.clock
         admit = pool.on_admit
-        waits: list = self.waits
+        waits = self.waits
         events = m.events
-        E: cython.longlong = m._E
+        E = m._E
         for x in experts:
-            e = _expert(x, layer, E)
+            e = x if type(x) is int else _expert(x, layer, E)
+            if e < 0 or e >= E:
+                _expert(e, layer, E)  # (raises the IndexError)
             key = base + e
             if admit is not None:
                 admit(key)
@@ -214,7 +184,7 @@ class LayerCall:
                 waits.append(handle)
         n = len(experts)
         self.demanded += n
-        st: CacheStats = m.stats
+        st = m.stats
         st.streamed[layer] += streamed
         st.bytes_demand[layer] += n * nbytes
         st.count(prec, n * nbytes, n)
@@ -225,7 +195,6 @@ class LayerCall:
         self.host_experts += 1
 
 
-@cython.cclass
 class _Evictable(Evictable):
     """The manager's answer to a policy's ``evictable(key)`` (:meth:`CacheManager.evictable`), without
     handing the policy the manager."""
@@ -233,12 +202,15 @@ class _Evictable(Evictable):
     def __init__(self, manager):
         self._m = manager
 
-    @cython.ccall
-    def ok(self, key: cython.longlong) -> cython.bint:
-        return self._m.evictable(key)
+    def ok(self, key: int) -> bool:
+        m = self._m
+        # not in the cache (a policy asking about a ghost; bounds-safe), pinned by the running layer call
+        if not (0 <= key < m._nkeys and m._here[key]) or m._pin[key] == m._stamp:
+            return False
+        tr = m._transfer[key]
+        return tr is None or m.clock.done(tr)
 
 
-@cython.cclass
 class CacheManager:
     """Residency and accounting of every request. (Fields: ``cache.pxd``.)"""
 
@@ -321,11 +293,10 @@ class CacheManager:
     # ---- forward passes -------------------------------------------------------------------------
     def begin_pass(self, kind, tokens, context):
         self.pass_index += 1
-        pool: Pool
         for pool in self.pools:
             if pool.on_pass_start is not None:
                 pool.on_pass_start(self.pass_index)
-        s: CacheStats = self.stats
+        s = self.stats
         if self.measure != "all" and kind != self.measure:
             self._uncounted = s.snapshot()
         self.current_pass = [kind, tokens, context, self.clock.mark(),
@@ -335,9 +306,9 @@ class CacheManager:
         if self.current_pass is None:
             return
         kind, tokens, context, mark, r0, h0, m0, c0 = self.current_pass
-        clock: Clock = self.clock
+        clock = self.clock
         clock.tail(tokens, context)
-        s: CacheStats = self.stats
+        s = self.stats
         seconds, stall = clock.since(mark)
         s.passes.append(PassRecord(
             self.pass_index, kind, tokens, seconds, stall,
@@ -349,83 +320,83 @@ class CacheManager:
             self._uncounted = None
             self._uncount_prefetches()
 
-    @cython.cfunc
     def _uncount_prefetches(self):
         """The prefetches of a pass that did not count were not issued: nor used nor wasted later."""
-        here: cython.schar[:] = self._here
-        prefetched: cython.schar[:] = self._prefetched
-        used: cython.schar[:] = self._used
-        key: cython.Py_ssize_t
+        here = self._here
+        prefetched = self._prefetched
+        used = self._used
         for key in range(self._nkeys):
             if here[key] and prefetched[key] and not used[key]:
                 prefetched[key] = 0
 
     # ---- one MoE layer call: named steps --------------------------------------------------------
-    @cython.ccall
-    def serve(self, layer: cython.long, experts, record=None, index=None, weights=None) -> LayerCall:
+    def serve(self, layer: int, experts, record=None, index=None, weights=None) -> LayerCall:
         """Make the requested ``experts`` of ``layer`` available and stall until they are. Returns the
         call; ``call.execution`` is None when every requested expert runs at native precision on the
         device (the lossless fast path), else the plan the outcomes built. ``index``/``weights`` are the
         selection the layer runs (None: the record's, read only if an outcome needs it)."""
-        call: LayerCall = self._open(layer, experts, record, index, weights)
+        call = self._open(layer, experts, record, index, weights)
         missing = self._serve_hits(call, experts)
         if missing:
             self._serve_misses(call, missing)
         self._stall(call)
         return call
 
-    @cython.ccall
-    @cython.boundscheck(True)  # a layer outside the model is an IndexError, never a stray write
-    def _open(self, layer: cython.long, experts, record, index, weights) -> LayerCall:
+    def _open(self, layer: int, experts, record, index, weights) -> LayerCall:
         """Step 1: pin the requests, tell the pool's policy where execution is, score the prediction.
         Every requested expert is checked to be one of the layer's (the later steps index by it unchecked)."""
         self.clock.begin_layer()
         self._stamp += 1
-        stamp: cython.longlong = self._stamp
-        pin: cython.longlong[:] = self._pin
-        E: cython.longlong = self._E
+        stamp = self._stamp
+        pin = self._pin
+        E = self._E
         if layer < 0 or layer >= len(self._pool_of_layer):
             raise IndexError(f"MoE layer {layer} of {len(self._pool_of_layer)}")
-        base: cython.longlong = layer * E
+        base = layer * E
         for x in experts:
-            pin[base + _expert(x, layer, E)] = stamp
-        pool: Pool = self._pool_of_layer[layer]
+            e = x if type(x) is int else _expert(x, layer, E)
+            if e < 0 or e >= E:
+                _expert(e, layer, E)  # (raises the IndexError)
+            pin[base + e] = stamp
+        pool = self._pool_of_layer[layer]
         if pool.on_layer is not None:
             pool.on_layer(layer, record)
         pred = self.predicted[layer]
         if pred is not None:
-            st: CacheStats = self.stats
+            st = self.stats
             st.pred_true[layer] += len(pred.intersection(experts))
             st.pred_predicted[layer] += len(pred)
             st.pred_actual[layer] += len(experts)
             self.predicted[layer] = None
-        call: LayerCall = self._call
+        call = self._call
         call.reset(layer, base, pool, record, index, weights, len(experts))
         return call
 
-    @cython.cfunc
-    @cython.boundscheck(False)  # (the call's experts were checked by _open)
-    @cython.wraparound(False)
     def _serve_hits(self, call: LayerCall, experts):
         """Step 2: resident experts (hits, late prefetches); returns the missing ones."""
-        here: cython.schar[:] = self._here
-        prec: cython.int[:] = self._prec
-        used: cython.schar[:] = self._used
-        prefetched: cython.schar[:] = self._prefetched
-        transfers: list = self._transfer
-        native: cython.int = self._native
-        st: CacheStats = self.stats
-        layer: cython.long = call.layer
-        base: cython.longlong = call.base
-        key: cython.longlong
-        e: cython.longlong
-        hits: cython.long = 0
-        pool: Pool = call.pool
-        clock: Clock = self.clock
+        here = self._here
+        prec = self._prec
+        used = self._used
+        prefetched = self._prefetched
+        transfers = self._transfer
+        native = self._native
+        st = self.stats
+        layer = call.layer
+        base = call.base
+        hits = 0
+        pool = call.pool
+        # the pool's policy's on_access: in C when it compiles it, else its bound Python method
+        compiled = pool.native
+        hooks = pool.hooks
+        on_access = pool.on_access
+        clock = self.clock
         missing = None
-        E: cython.longlong = self._E
+        E = self._E
         for x in experts:
-            e = _expert(x, layer, E)  # (checked by _open; again, as policy code ran since and may change the list)
+            # (checked by _open; again, as policy code ran since and may change the list)
+            e = x if type(x) is int else _expert(x, layer, E)
+            if e < 0 or e >= E:
+                _expert(e, layer, E)  # (raises the IndexError)
             key = base + e
             if not here[key]:
                 if missing is None:
@@ -444,30 +415,32 @@ class CacheManager:
                     used[key] = 1
                     if prefetched[key]:  # not a prefetch of a pass that did not count (measure=decode)
                         st.prefetch_used[layer] += 1
-                    pool.access(key)
+                    if compiled:
+                        hooks.on_access(key)
+                    else:
+                        on_access(key)
                     continue
             if prefetched[key] and not used[key]:
                 st.prefetch_used[layer] += 1
             used[key] = 1
             hits += 1
-            pool.access(key)
+            if compiled:
+                hooks.on_access(key)
+            else:
+                on_access(key)
         st.requests[layer] += len(experts)
         st.hits[layer] += hits
         return missing
 
-    @cython.cfunc
-    @cython.boundscheck(False)  # (the call's experts were checked by _open)
-    @cython.wraparound(False)
     def _serve_misses(self, call: LayerCall, missing):
         """Step 3: the miss policy names an outcome per missing expert; each outcome serves itself."""
-        layer: cython.long = call.layer
-        base: cython.longlong = call.base
-        st: CacheStats = self.stats
-        evicted_at: cython.longlong[:] = self._evicted_at
-        now: cython.longlong = self.pass_index
-        e: cython.longlong
+        layer = call.layer
+        base = call.base
+        st = self.stats
+        evicted_at = self._evicted_at
+        now = self.pass_index
         st.misses[layer] += len(missing)
-        collisions: cython.long = 0
+        collisions = 0
         for e in missing:  # (counted before any policy code runs: the list is still the one _open checked)
             if evicted_at[base + e] == now:
                 collisions += 1
@@ -488,12 +461,11 @@ class CacheManager:
         for e, out in zip(missing, outcomes):
             out.serve(call, e)
 
-    @cython.ccall
     def _stall(self, call: LayerCall):
         """Step 4: the host's work is issued: it runs beside the transfers, and beside the device's compute
         when the host is a processor of its own (:meth:`Clock.host_beside_device`: the output waits for it in
         :meth:`finish_layer`); else the device's experts wait for it as for their transfers."""
-        clock: Clock = self.clock
+        clock = self.clock
         if call.host_experts:
             h = clock.host(call.host_slots, call.host_experts)
             if clock.host_beside_device():
@@ -503,11 +475,10 @@ class CacheManager:
         if call.waits or call.demanded:  # (a clock may track demand fetches without handles: Clock.demand)
             self.stats.stall_s[call.layer] += self.clock.wait(call.waits)
 
-    @cython.ccall
     def finish_layer(self):
         """The layer call's experts have been charged: its output waits for the host's share (if it is
         later than the device's), and the call's experts are unpinned."""
-        call: LayerCall = self._call
+        call = self._call
         h = call.host_handle
         if h is not None:
             call.host_handle = None
@@ -519,21 +490,22 @@ class CacheManager:
         fetch precision). The prediction is remembered for precision/recall."""
         if not 0 <= layer < len(self._pool_of_layer):
             raise IndexError(f"prefetch for MoE layer {layer} of {len(self._pool_of_layer)}")
-        base: cython.longlong = layer * self._E
-        pool: Pool = self._pool_of_layer[layer]
+        E = self._E
+        base = layer * E
+        pool = self._pool_of_layer[layer]
         prec = self.fetch_precision
-        nbytes: cython.longlong = self._bytes_of[prec]
-        pid: cython.int = self._prec_id[prec]
-        key: cython.longlong
-        e: cython.longlong
-        st: CacheStats = self.stats
+        nbytes = self._bytes_of[prec]
+        pid = self._prec_id[prec]
+        st = self.stats
         pred = self.predicted[layer]
         if pred is None:
             self.predicted[layer] = set(experts)
         else:
             pred.update(experts)
         for x in experts:
-            e = _expert(x, layer, self._E)
+            e = x if type(x) is int else _expert(x, layer, E)
+            if e < 0 or e >= E:
+                _expert(e, layer, E)  # (raises the IndexError)
             key = base + e
             if self.has(key):
                 continue
@@ -562,40 +534,35 @@ class CacheManager:
         return Entry(key, key // self._E, self._nbytes[key], prec, self._bits_of[prec], self._transfer[key],
                      bool(self._prefetched[key]), bool(self._used[key]), self._since[key])
 
-    @cython.ccall
-    def has(self, key: cython.longlong) -> cython.bint:
+    def has(self, key: int) -> bool:
         """``key`` is in the cache, arrived or arriving (False for a key outside the model)."""
         return 0 <= key < self._nkeys and self._here[key] != 0
 
-    @cython.ccall
-    def precision_of(self, key: cython.longlong):
+    def precision_of(self, key: int):
         """The stored precision of ``key``'s copy, or None when it is not in the cache."""
         return self._precs[self._prec[key]] if self.has(key) else None
 
-    @cython.ccall
-    def transfer_of(self, key: cython.longlong):
+    def transfer_of(self, key: int):
         """The clock's handle of ``key``'s pending prefetch, or None (arrived, fetched, or not in the cache)."""
         return self._transfer[key] if self.has(key) else None
 
-    @cython.boundscheck(True)
-    def pin(self, key: cython.longlong):
+    def pin(self, key: int):
         """``key`` stays resident until the running layer call finishes."""
+        if not 0 <= key < self._nkeys:  # (an IndexError, never a stray write: compiled, written unchecked)
+            raise IndexError(f"key {key} of {self._nkeys}")
         self._pin[key] = self._stamp
 
-    @cython.boundscheck(True)
-    def evictable(self, key: cython.longlong) -> cython.bint:
-        if not self.has(key) or self._pin[key] == self._stamp:  # (not in the cache: a policy asking about a ghost)
-            return False
-        tr = self._transfer[key]
-        return tr is None or self.clock.done(tr)
+    def evictable(self, key: int) -> bool:
+        """Whether ``key`` may be evicted now (what a policy's ``victim`` asks: :class:`_Evictable`)."""
+        return self._evictable.ok(key)
 
-    @cython.ccall
-    def make_room(self, pool: Pool, nbytes: cython.longlong) -> cython.bint:
+    def make_room(self, pool: Pool, nbytes: int) -> bool:
         if nbytes > pool.capacity:
             return False
         evictable = self._evictable
         while pool.capacity - pool.used < nbytes:
-            victim = pool.choose_victim(evictable)
+            # the pool's policy's victim: in C when it compiles it, else its bound Python method
+            victim = pool.hooks.victim(evictable) if pool.native else pool.victim(evictable)
             if victim is None:
                 return False
             self._evict(victim)
@@ -609,10 +576,8 @@ class CacheManager:
             raise IndexError(f"key {key} (layer {layer}): not a key of this model, or not of that layer and its pool")
         self._insert(key, layer, nbytes, pool, transfer, prefetched, self._prec_id[precision], used)
 
-    @cython.cfunc
-    @cython.boundscheck(True)  # a key outside the model is an IndexError, never a stray write
-    def _insert(self, key: cython.longlong, layer: cython.long, nbytes: cython.longlong, pool: Pool, transfer,
-                prefetched: cython.bint, prec: cython.int, used: cython.bint):
+    def _insert(self, key: int, layer: int, nbytes: int, pool: Pool, transfer, prefetched: bool, prec: int,
+                used: bool):
         """:meth:`insert` with the precision's index in ``_precs`` (the request path's C call)."""
         if key < 0 or key >= self._nkeys:  # (a negative key would wrap to the model's last ones)
             raise IndexError(f"key {key} of {self._nkeys}")
@@ -625,36 +590,39 @@ class CacheManager:
         self._transfer[key] = transfer
         pool.used += nbytes
         self.used_bytes += nbytes
-        pool.inserted(key, prefetched)
+        if pool.native:
+            pool.hooks.on_insert(key, prefetched)
+        else:
+            pool.on_insert(key, prefetched)
         if self.events is not None:
             self.events.inserted(key, layer, self._precs[prec], prefetched)
         if self.used_bytes > self.stats.peak_bytes:
             self.stats.peak_bytes = self.used_bytes
 
-    @cython.ccall
-    @cython.boundscheck(True)  # a key outside the model is an IndexError, never a stray write
     def evict(self, key):
         self._evict(key)
 
-    @cython.cfunc
-    @cython.boundscheck(True)
     def _evict(self, key):
         """:meth:`evict` (a C call from :meth:`make_room`); ``key`` an int (a policy's victim), else a TypeError."""
-        k: cython.longlong = key
-        if not self.has(k):  # (bounds-safe: a negative key must not wrap to the last one)
+        k = key
+        here = self._here
+        if not (0 <= k < self._nkeys and here[k]):  # not in the cache (bounds-safe: no key wraps to another)
             raise KeyError(key)
-        layer: cython.long = k // self._E
-        nbytes: cython.longlong = self._nbytes[k]
-        self._here[k] = 0
+        layer = k // self._E
+        nbytes = self._nbytes[k]
+        here[k] = 0
         self._transfer[k] = None
-        pool: Pool = self._pool_of_layer[layer]
+        pool = self._pool_of_layer[layer]
         pool.used -= nbytes
         self.used_bytes -= nbytes
-        pool.removed(k)
+        if pool.native:
+            pool.hooks.on_remove(k)
+        else:
+            pool.on_remove(k)
         if self.events is not None:
             self.events.evicted(k)
         self._evicted_at[k] = self.pass_index
-        st: CacheStats = self.stats
+        st = self.stats
         st.evictions[layer] += 1
         st.lifetime_sum += self.pass_index - self._since[k]
         st.lifetime_n += 1

@@ -3,6 +3,9 @@
 # A field or hot method added to clock.py is declared here; native.py runs every module that cimports this
 # one as source whenever clock.py runs as source.
 
+cimport cython
+
+
 cdef class Transfer:
     cdef public object nbytes
     cdef public double issued_at
@@ -19,9 +22,13 @@ cdef class TransferChannel:
     cdef public double busy_s
     cdef public object queue
     cpdef double duration(self, double nbytes)
+    @cython.locals(d=double)
     cpdef _start(self, Transfer tr, double at)
+    @cython.locals(start=double, head=Transfer)
     cpdef advance(self, double t)
+    @cython.locals(start=double, d=double)
     cpdef double demand(self, double t, double nbytes)
+    @cython.locals(start=double)
     cpdef double promote(self, Transfer tr, double t)
 
 cdef class Clock:
@@ -76,8 +83,21 @@ cdef class SimClock(Clock):
     cdef double[:] _attn_layers
     cdef double _tail_params
     cdef double _tail_attn_layers
+    @cython.locals(dt=double)
     cpdef double wait_until(self, double t)
     cpdef sync(self)
+    @cython.locals(ready=double)
+    cpdef demand(self, long long nbytes)
+    @cython.locals(h=Transfer)
+    cpdef done(self, handle)
+    @cython.locals(t=double, h=Transfer)
+    cpdef double wait(self, handles)
+    @cython.locals(d=double, tr=Transfer)
+    cpdef host(self, slots, experts)
+    @cython.locals(p=double, a=double)
+    cpdef dense(self, long layer, long long tokens, long long context)
+    @cython.locals(flops=double)
     cdef double _dense_device(self, double params, double attn_layers, double tokens, double context)
+    @cython.locals(flops=double)
     cdef double _dense_time(self, double params, double attn_layers, double tokens, double context)
     cdef double _experts_time(self, double s, double n)

@@ -24,23 +24,19 @@ from collections import deque
 from array import array
 from dataclasses import dataclass
 
-import cython
-
 INF = math.inf
 
 
-@cython.cclass
 class Transfer:
     """The simulated clock's handle: a transfer (or host work) waiting on or travelling through the channel.
     ``ready_at`` is INF until it starts; only :class:`SimClock` reads it."""
 
 
-    def __init__(self, nbytes, issued_at: cython.double):
+    def __init__(self, nbytes, issued_at: float):
         _fill(self, nbytes, issued_at)
 
 
-@cython.cfunc
-def _fill(tr: Transfer, nbytes, issued_at: cython.double) -> Transfer:
+def _fill(tr: Transfer, nbytes, issued_at: float) -> Transfer:
     tr.nbytes = nbytes
     tr.issued_at = issued_at
     tr.ready_at = INF
@@ -48,13 +44,11 @@ def _fill(tr: Transfer, nbytes, issued_at: cython.double) -> Transfer:
     return tr
 
 
-@cython.cfunc
-def _new_transfer(nbytes, issued_at: cython.double) -> Transfer:
+def _new_transfer(nbytes, issued_at: float) -> Transfer:
     """A Transfer without a Python-level constructor call (the clock makes one per fetch)."""
     return _fill(Transfer.__new__(Transfer), nbytes, issued_at)
 
 
-@cython.cclass
 class TransferChannel:
 
     def __init__(self, bandwidth_bytes_per_s: float, latency_s: float):
@@ -66,23 +60,18 @@ class TransferChannel:
         self.queue: deque[Transfer] = deque()
         self.busy_s = 0.0
 
-    @cython.ccall
-    def duration(self, nbytes: cython.double) -> cython.double:
+    def duration(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bw
 
-    @cython.ccall
     def _start(self, tr: Transfer, at: float) -> None:
-        d: cython.double = self.duration(tr.nbytes)
+        d = self.duration(tr.nbytes)
         tr.started = True
         tr.ready_at = at + d
         self.free_at = tr.ready_at
         self.busy_s += d
 
-    @cython.ccall
     def advance(self, t: float) -> None:
         """Start every queued prefetch whose start time falls strictly before ``t``."""
-        start: cython.double
-        head: Transfer
         q = self.queue
         while q:
             head = q[0]
@@ -95,19 +84,16 @@ class TransferChannel:
         """Queue an asynchronous prefetch (served after earlier queued ones, after demand)."""
         self.queue.append(tr)
 
-    @cython.ccall
-    def demand(self, t: float, nbytes: cython.double) -> float:
+    def demand(self, t: float, nbytes: float) -> float:
         """A blocking fetch requested at ``t``: returns its completion time."""
-        start: cython.double
-        d: cython.double
-        self.advance(t)
-        start = max(t, self.free_at)
-        d = self.duration(nbytes)
+        if self.queue:
+            self.advance(t)
+        start = self.free_at if self.free_at > t else t  # (max(t, free_at), without a call per fetch)
+        d = self.latency + nbytes / self.bw  # (duration(nbytes))
         self.free_at = start + d
         self.busy_s += d
         return self.free_at
 
-    @cython.ccall
     def promote(self, tr: Transfer, t: float) -> float:
         """A queued prefetch is now needed: if it has not started, serve it as a demand fetch."""
         self.advance(t)
@@ -131,7 +117,6 @@ class Roofline:
         return max(flops / self.peak_flops, nbytes / self.mem_bytes_per_s)
 
 
-@cython.cclass
 class Clock:
     """What the engine needs from time: ``now`` and ``stall_s`` (seconds) are read by the engine's
     accounting. (A compiled extension type: the engine calls its methods without Python's call overhead; a
@@ -140,46 +125,38 @@ class Clock:
     name = "abstract"
 
     # -- transfers --------------------------------------------------------------------------------
-    @cython.ccall
     def begin_layer(self):
         """A layer call starts serving at ``now`` (start whatever the channel would have started)."""
 
     def transfer_time(self, nbytes: int) -> float:
         raise NotImplementedError
 
-    @cython.ccall
-    def demand(self, nbytes: cython.longlong):
+    def demand(self, nbytes: int):
         """A blocking fetch issued now (demand priority); returns its handle (wait on it before computing), or
         None when the clock keeps track of it itself: then the next :meth:`wait` waits for it too, whatever
         handles it is given (the simulated clock: no object per fetch on the replay's hottest path)."""
         raise NotImplementedError
 
-    @cython.ccall
-    def prefetch(self, nbytes: cython.longlong):
+    def prefetch(self, nbytes: int):
         """An asynchronous fetch issued now, queued behind earlier ones; returns its handle."""
         raise NotImplementedError
 
-    @cython.ccall
     def promote(self, handle):
         """A prefetch is needed now: serve it at demand priority if it has not started; returns its handle."""
         raise NotImplementedError
 
-    @cython.ccall
     def done(self, handle):
         """Whether ``handle``'s bytes (or host work) have arrived by now."""
         raise NotImplementedError
 
-    @cython.ccall
-    def wait(self, handles) -> cython.double:
+    def wait(self, handles) -> float:
         """Stall compute until every handle in ``handles`` is done; returns the stall added (seconds)."""
         raise NotImplementedError
 
-    @cython.ccall
     def mark(self):
         """An opaque mark of now, for :meth:`since` (a forward pass's start)."""
         raise NotImplementedError
 
-    @cython.ccall
     def since(self, mark):
         """(seconds elapsed, stall seconds added) since ``mark``."""
         raise NotImplementedError
@@ -189,11 +166,9 @@ class Clock:
         """Seconds the host needs for ``slots`` token-expert pairs over ``experts`` experts."""
         raise NotImplementedError
 
-    @cython.ccall
     def predicted(self):
         """The prefetch policy made one prediction (a later layer's router on this layer's input)."""
 
-    @cython.ccall
     def host(self, slots, experts):
         """Host work issued now: it starts when the host is free (after the host work already queued), runs
         beside the link (and beside the device's compute where :meth:`host_beside_device`), and returns its
@@ -213,8 +188,7 @@ class Clock:
         """Each resource's busy seconds so far (``link_busy_s``, ``host_busy_s``), for the timing section."""
         return {}
 
-    @cython.ccall
-    def host_beside_device(self) -> cython.bint:
+    def host_beside_device(self) -> bool:
         """Whether host work runs beside the device's compute (a GPU and its host CPU: the layer's output waits
         for it after the device's experts) or on the same processor (a CPU: the device's experts wait for it,
         as for their transfers)."""
@@ -228,21 +202,17 @@ class Clock:
         """Seconds :meth:`experts` would take, or None when the clock cannot say in advance."""
         return None
 
-    @cython.ccall
-    def dense(self, layer: cython.long, tokens: cython.longlong, context: cython.longlong):
+    def dense(self, layer: int, tokens: int, context: int):
         """Everything the model runs between MoE layer ``layer - 1``'s experts and layer ``layer``'s."""
 
-    @cython.ccall
-    def experts(self, slots: cython.longlong, experts: cython.longlong, unpacked: cython.longlong = 0):
+    def experts(self, slots: int, experts: int, unpacked: int = 0):
         """A layer's routed experts on the device: ``slots`` token-expert pairs over ``experts`` experts, of
         which ``unpacked`` run from a stored low-precision copy (unpacked first)."""
 
-    @cython.ccall
-    def tail(self, tokens: cython.longlong, context: cython.longlong):
+    def tail(self, tokens: int, context: int):
         """Everything after the last MoE layer (trailing dense layers, final norm, LM head)."""
 
 
-@cython.cclass
 class SimClock(Clock):
     """Deterministic simulated time: one transfer channel plus a roofline per op (docs/semantics.md "Simulated clock").
     Time only moves when compute is charged or a stall is taken, so a run is a function of its inputs."""
@@ -327,13 +297,12 @@ class SimClock(Clock):
                               getattr(hw, "host_token_overhead_us", 0.0) * 1e-6), bool(getattr(hw, "host_overlap", False)))
 
     # -- transfers --------------------------------------------------------------------------------
-    @cython.ccall
     def begin_layer(self):
         if self.overlap:  # the read-back of the routing: the host waits for the device to get there
             self.sync()
-        self.channel.advance(self.now)
+        if self.channel.queue:
+            self.channel.advance(self.now)
 
-    @cython.ccall
     def sync(self):
         """The host waits for the device (``overlap``): the segment since the last one took the longer of the
         host's overheads and the device's compute."""
@@ -353,41 +322,34 @@ class SimClock(Clock):
     def busy(self) -> dict:
         return {"link_busy_s": self.channel.busy_s, "host_busy_s": self.host_busy_s}
 
-    @cython.ccall
-    def host_beside_device(self) -> cython.bint:
+    def host_beside_device(self) -> bool:
         return self.overlap
 
-    @cython.ccall
-    def demand(self, nbytes: cython.longlong):
+    def demand(self, nbytes: int):
         self._demand_job = True  # (a layer call's demand fetches go as one copy job: one issue)
-        ready: cython.double = self.channel.demand(self.now, nbytes)
+        ready = self.channel.demand(self.now, nbytes)
         if ready > self._demand_ready:
             self._demand_ready = ready
         return None
 
-    @cython.ccall
-    def prefetch(self, nbytes: cython.longlong):
+    def prefetch(self, nbytes: int):
         self.issued += 1
         tr = _new_transfer(nbytes, self.now)
         self.channel.submit(tr)
         return tr
 
-    @cython.ccall
     def promote(self, transfer):
         self.channel.promote(transfer, self.now)
         return transfer
 
-    @cython.ccall
     def done(self, handle):
-        h: Transfer = handle
+        h = handle
         return h.ready_at <= self.now
 
-    @cython.ccall
-    def wait(self, handles) -> cython.double:
+    def wait(self, handles) -> float:
         if self.overlap:
             self.sync()
-        t: cython.double = self.now
-        h: Transfer
+        t = self.now
         if self._demand_ready > t:  # the demand fetches issued since the last wait (``demand`` returns no handle)
             t = self._demand_ready
         for h in handles:
@@ -395,18 +357,15 @@ class SimClock(Clock):
                 t = h.ready_at
         return self.wait_until(t)
 
-    @cython.ccall
     def mark(self):
         return self.now, self.stall_s
 
-    @cython.ccall
     def since(self, mark):
         return self.now - mark[0], self.stall_s - mark[1]
 
-    @cython.ccall
     def host(self, slots, experts):
-        d: cython.double = self.host_time(slots, experts)
-        tr: Transfer = _new_transfer(0, self.now)
+        d = self.host_time(slots, experts)
+        tr = _new_transfer(0, self.now)
         tr.started = True
         tr.ready_at = max(self.now, self.host_free_at) + d
         self.host_free_at = tr.ready_at
@@ -425,9 +384,7 @@ class SimClock(Clock):
         dt = self.roofline.time(flops, nbytes)
         self.now += dt
 
-    @cython.ccall
-    def wait_until(self, t: cython.double) -> cython.double:
-        dt: cython.double
+    def wait_until(self, t: float) -> float:
         if t > self.now:
             dt = t - self.now
             self.now = t
@@ -435,29 +392,26 @@ class SimClock(Clock):
             return dt
         return 0.0
 
-    @cython.cfunc
-    def _dense_time(self, params: cython.double, attn_layers: cython.double, tokens: cython.double,
-                    context: cython.double) -> cython.double:
+    def _dense_time(self, params: float, attn_layers: float, tokens: float,
+                    context: float) -> float:
         # (every operand a double, in the order Python evaluates the same expression on its ints: the
         # compiled and the pure clock give the same bits while the products stay below 2**53)
-        flops: cython.double = 2.0 * tokens * params + 4.0 * tokens * context * self._hidden * attn_layers
+        flops = 2.0 * tokens * params + 4.0 * tokens * context * self._hidden * attn_layers
         return max(flops / self._peak, params * self._dtype_bytes / self._mem) + attn_layers * self.layer_overhead
 
-    @cython.cfunc
-    def _dense_device(self, params: cython.double, attn_layers: cython.double, tokens: cython.double,
-                      context: cython.double) -> cython.double:
+    def _dense_device(self, params: float, attn_layers: float, tokens: float,
+                      context: float) -> float:
         """The device's share of :meth:`_dense_time` (its roofline, without the host's per-layer overhead)."""
-        flops: cython.double = 2.0 * tokens * params + 4.0 * tokens * context * self._hidden * attn_layers
+        flops = 2.0 * tokens * params + 4.0 * tokens * context * self._hidden * attn_layers
         return max(flops / self._peak, params * self._dtype_bytes / self._mem)
 
-    @cython.boundscheck(True)  # a layer outside the model is an IndexError, never a read past the arrays
-    @cython.wraparound(False)
     def dense_time(self, layer: int, tokens: int, context: int) -> float:
         """Seconds of everything before MoE layer ``layer``'s experts (its share of dense layers)."""
+        if not 0 <= layer < len(self._dense_params):  # (compiled, the arrays are read unchecked)
+            raise IndexError(f"MoE layer {layer} of {len(self._dense_params)}")
         return self._dense_time(self._dense_params[layer], self._attn_layers[layer], tokens, context)
 
-    @cython.cfunc
-    def _experts_time(self, s: cython.double, n: cython.double) -> cython.double:
+    def _experts_time(self, s: float, n: float) -> float:
         return (max(2.0 * s * self._expert_params / self._peak, n * self._expert_bytes / self._mem)
                 + n * self.expert_overhead)
 
@@ -465,20 +419,18 @@ class SimClock(Clock):
         """Seconds of a layer's routed experts: ``slots`` token-expert pairs over ``experts`` experts."""
         return self._experts_time(slots, experts)
 
-    @cython.ccall
-    @cython.boundscheck(True)  # a layer outside the model is an IndexError, never a read past the arrays
-    @cython.wraparound(False)
-    def dense(self, layer: cython.long, tokens: cython.longlong, context: cython.longlong):
+    def dense(self, layer: int, tokens: int, context: int):
+        if not 0 <= layer < len(self._dense_params):  # (compiled, the arrays are read unchecked)
+            raise IndexError(f"MoE layer {layer} of {len(self._dense_params)}")
         if self.overlap:
-            p: cython.double = self._dense_params[layer]
-            a: cython.double = self._attn_layers[layer]
+            p = self._dense_params[layer]
+            a = self._attn_layers[layer]
             self._dev_acc += self._dense_device(p, a, tokens, context)
             self._host_acc += a * self.layer_overhead
             return
         self.now += self._dense_time(self._dense_params[layer], self._attn_layers[layer], tokens, context)
 
-    @cython.ccall
-    def experts(self, slots: cython.longlong, experts: cython.longlong, unpacked: cython.longlong = 0):
+    def experts(self, slots: int, experts: int, unpacked: int = 0):
         if self.overlap:  # the decisions ran before (serial); the launches and the experts' compute side by side
             self.now += self.decision_overhead
             self._dev_acc += max(2.0 * slots * self._expert_params / self._peak, experts * self._expert_bytes / self._mem)
@@ -491,12 +443,10 @@ class SimClock(Clock):
         self.issued = self.predictions = 0
         self._demand_job = False
 
-    @cython.ccall
     def predicted(self):
         self.predictions += 1
 
-    @cython.ccall
-    def tail(self, tokens: cython.longlong, context: cython.longlong):
+    def tail(self, tokens: int, context: int):
         if self.overlap:  # the pass ends with its logits read back: a synchronisation
             self._dev_acc += self._dense_device(self._tail_params, self._tail_attn_layers, tokens, context)
             self._host_acc += self._tail_attn_layers * self.layer_overhead + tokens * self.token_overhead

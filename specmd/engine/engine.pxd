@@ -1,6 +1,8 @@
 # The engine's C-level declarations (Cython reads this beside engine.py; plain Python never does): the
 # drivers' per-layer-call entry points and the typed references to the cache manager and the clock.
 
+cimport cython
+
 from specmd.engine.cache cimport CacheManager
 from specmd.engine.clock cimport Clock
 from specmd.engine.record cimport GateRecord
@@ -29,6 +31,9 @@ cdef class Engine:
     cdef long long _run_n
     cpdef begin_pass(self, kind, tokens, context)
     cpdef end_pass(self)
+    @cython.locals(r=GateRecord)
     cpdef bint route(self, rec)
+    @cython.locals(cache=CacheManager, clock=Clock, r=GateRecord, layer=long)
     cpdef layer(self, rec, index=*, weights=*)
+    @cython.locals(st=CacheStats, r=GateRecord, layer=long, slots="long long")
     cdef _fidelity(self, rec, index, plan, long n)

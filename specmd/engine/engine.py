@@ -19,7 +19,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import cython
 import torch
 
 from ..errors import ConfigError
@@ -83,7 +82,7 @@ def check_model_ranges(spec: StackSpec, model: Geometry) -> None:
         raise ConfigError(f"the model's geometry holds nothing to cache: {model.num_layers} MoE layers, "
                           f"{model.num_experts} experts of {model.expert_bytes} bytes, top-{model.top_k}")
     errors = []
-    for group in ("routing", "miss", "prefetch", "eviction"):
+    for group in GROUPS:
         cls, params = getattr(spec, group)
         j = getattr(params, "J", None)
         if j is not None and not 0 <= j <= model.top_k:
@@ -118,7 +117,6 @@ def check_capacity(caps: list, hw: Any, geom: Geometry, store: StoreSizes, fetch
                       f"{' with scope=per_layer' if per_layer else ''}")
 
 
-@cython.cclass
 class Engine:
     """(A compiled extension type: ``engine.pxd`` declares its fields and the drivers' per-call methods.)"""
 
@@ -177,7 +175,7 @@ class Engine:
     def route(self, rec):
         """Number the call and let the routing policy change the selection (dual-logit semantics: the new
         selection is weighted by the original probabilities). True if the selection changed."""
-        r: GateRecord = rec
+        r = rec
         r.call = self.calls
         self.calls += 1
         if not self._routes:
@@ -202,10 +200,10 @@ class Engine:
         5. prefetches for later layers, issued as this layer's experts start computing;
         6. the experts' compute; the layer's experts are unpinned.
         """
-        cache: CacheManager = self.cache
-        clock: Clock = self.clock
-        r: GateRecord = rec
-        layer: cython.long = r.layer
+        cache = self.cache
+        clock = self.clock
+        r = rec
+        layer = r.layer
         shape = cache.current_pass  # [kind, tokens, context, ...]
         if shape is not None:  # 1
             clock.dense(layer, shape[1], shape[2])
@@ -221,14 +219,13 @@ class Engine:
         cache.finish_layer()
         return plan
 
-    @cython.cfunc
-    def _fidelity(self, rec, index, plan, n: cython.long):
+    def _fidelity(self, rec, index, plan, n: int):
         """Count the router's own selections that run unchanged; the device's share of the work is left in
         ``_run_slots`` (token-expert slots) and ``_run_n`` (experts)."""
-        st: CacheStats = self.cache.stats
-        r: GateRecord = rec
-        layer: cython.long = r.layer
-        slots: cython.longlong = r._slots if r._slots >= 0 else rec.slots  # (the field once known: no property call)
+        st = self.cache.stats
+        r = rec
+        layer = r.layer
+        slots = r._slots if r._slots >= 0 else rec.slots  # (the field once known: no property call)
         st.slots_total += slots
         rerouted = r._index is not None and rec.rerouted  # (no property call while no routing policy set one)
         if not rerouted and plan is None:

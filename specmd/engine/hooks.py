@@ -16,38 +16,32 @@ with :func:`as_evictable`.
 
 from __future__ import annotations
 
-import cython
-
 HOOKS = ("on_insert", "on_access", "on_remove", "victim")  # what the manager calls per request
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement at run time (not an extension type)
+COMPILED = not __file__.endswith(".py")  # this module runs as its extension (its file is the .so), not its source
 
 
-@cython.cclass
 class Evictable:
     """May ``key`` be evicted now? (The cache manager's answer: not a running call's expert, not a prefetch
     still in flight.)"""
 
-    @cython.ccall
-    def ok(self, key: cython.longlong) -> cython.bint:
+    def ok(self, key: int) -> bool:
         raise NotImplementedError
 
     def __call__(self, key) -> bool:
         return self.ok(key)
 
 
-@cython.cclass
 class CallableEvictable(Evictable):
     """An :class:`Evictable` that asks a Python callable."""
 
     def __init__(self, fn):
         self.fn = fn
 
-    @cython.ccall
-    def ok(self, key: cython.longlong) -> cython.bint:
+    def ok(self, key: int) -> bool:
         return bool(self.fn(key))
 
 
-@cython.ccall
 def as_evictable(evictable) -> Evictable:
     """``evictable`` as an :class:`Evictable` (itself when it is one)."""
     if isinstance(evictable, Evictable):
@@ -55,24 +49,19 @@ def as_evictable(evictable) -> Evictable:
     return CallableEvictable(evictable)
 
 
-@cython.cclass
 class EvictionHooks:
     """The per-request hooks (the contract: :mod:`specmd.policies.eviction.base`). Keys are
     ``layer * num_experts + expert``."""
 
-    @cython.ccall
-    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
+    def on_insert(self, key: int, prefetch: bool):
         raise NotImplementedError
 
-    @cython.ccall
-    def on_access(self, key: cython.longlong):
+    def on_access(self, key: int):
         raise NotImplementedError
 
-    @cython.ccall
-    def on_remove(self, key: cython.longlong):
+    def on_remove(self, key: int):
         raise NotImplementedError
 
-    @cython.ccall
     def victim(self, evictable):
         raise NotImplementedError
 
@@ -82,7 +71,7 @@ def compiled_hooks(policy) -> bool:
     :data:`HOOKS` is defined by an extension type (a compiled class), not by a Python class statement (a
     Python override: then the manager calls the bound Python methods, which is faster than C dispatching to
     them). Always False where this module runs as source."""
-    if not cython.compiled or not isinstance(policy, EvictionHooks):
+    if not COMPILED or not isinstance(policy, EvictionHooks):
         return False
     for name in HOOKS:
         owner = next(c for c in type(policy).__mro__ if name in c.__dict__)

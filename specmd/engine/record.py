@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-import cython
 import torch
 
 from ..errors import ConfigError
@@ -41,7 +40,6 @@ class NoLogits(ConfigError):
     """A policy needs router probabilities (or the prefetch signal) that the trace did not record."""
 
 
-@cython.cclass
 class GateRecord:
     """One MoE layer call, as the engine and the policies see it, whichever driver made it.
 
@@ -109,7 +107,7 @@ class GateRecord:
             self._slots = self.tokens * self.top_k
         return self._slots
 
-    def requested(self, num_experts: cython.long):
+    def requested(self, num_experts: int):
         """The experts this call's selection (``index``) requests, ascending."""
         if self.rerouted:
             return _unique(self._index, num_experts)
@@ -133,8 +131,7 @@ class GateRecord:
         return self.scoring.weigh(self.probs, index).to(self.weights.dtype)
 
 
-@cython.ccall
-def fill(rec: GateRecord, layer: cython.long, scoring, signal, requested) -> GateRecord:
+def fill(rec: GateRecord, layer: int, scoring, signal, requested) -> GateRecord:
     """A new record's own fields (what ``GateRecord.__init__`` does; a driver that allocates its records
     without a constructor call fills them here)."""
     rec.layer = layer

@@ -3,6 +3,18 @@
 # arrays: an increment is a C add, no int object). A counter added to PER_LAYER or
 # a field added to CacheStats is declared here too (tests/test_native.py checks the two lists agree).
 
+cdef class PassRecord:
+    cdef public long long index
+    cdef public object kind
+    cdef public long long tokens
+    cdef public double time_s
+    cdef public double stall_s
+    cdef public long long requests
+    cdef public long long hits
+    cdef public long long misses
+    cdef public long long collision_misses
+
+
 cdef class CacheStats:
     cdef dict __dict__  # the outcome counters made on first use (CacheStats.add)
     cdef public long num_layers

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from array import array
 
-import cython
-
 PER_LAYER = (
     "requests",
     "requests_router",  # distinct experts the router itself selected (before routing/pruning policies)
@@ -31,20 +29,33 @@ PER_LAYER = (
 )
 
 
-@cython.dataclasses.dataclass
-@cython.cclass
 class PassRecord:
-    """One forward pass's accounting (a dataclass; compiled, an extension type made without a Python call)."""
+    """One forward pass's accounting. (Compiled, an extension type: ``stats.pxd`` declares its fields.)"""
 
-    index: cython.longlong
-    kind: str  # "prefill" or "decode"
-    tokens: cython.longlong
-    time_s: cython.double
-    stall_s: cython.double
-    requests: cython.longlong
-    hits: cython.longlong
-    misses: cython.longlong
-    collision_misses: cython.longlong
+    FIELDS = ("index", "kind", "tokens", "time_s", "stall_s", "requests", "hits", "misses", "collision_misses")
+
+    def __init__(self, index: int, kind: str, tokens: int, time_s: float, stall_s: float, requests: int, hits: int,
+                 misses: int, collision_misses: int):
+        self.index = index
+        self.kind = kind  # "prefill" or "decode"
+        self.tokens = tokens
+        self.time_s = time_s
+        self.stall_s = stall_s
+        self.requests = requests
+        self.hits = hits
+        self.misses = misses
+        self.collision_misses = collision_misses
+
+    def astuple(self) -> tuple:
+        return tuple(getattr(self, f) for f in self.FIELDS)
+
+    def __eq__(self, other):
+        if not isinstance(other, PassRecord):
+            return NotImplemented
+        return self.astuple() == other.astuple()
+
+    def __repr__(self) -> str:
+        return f"PassRecord({', '.join(f'{f}={getattr(self, f)!r}' for f in self.FIELDS)})"
 
 
 def _zeros(name: str, num_layers: int) -> array:
@@ -58,7 +69,6 @@ SCALARS = ("peak_bytes", "slots_total", "slots_unchanged", "lifetime_sum", "life
 PER_PRECISION = ("fetched_n", "moved_bytes", "moved_any")  # the counters per stored precision
 
 
-@cython.cclass
 class CacheStats:
     """The counters. (A compiled extension type whose fields ``stats.pxd`` declares, so the cache manager
     updates them by C field access; the outcome counters :meth:`add` makes on first use live in its
@@ -112,7 +122,7 @@ class CacheStats:
                 v = counts
             setattr(self, k, v)
 
-    def add(self, stat, layer: cython.long):
+    def add(self, stat, layer: int):
         """One more of a per-layer counter; an outcome's own counter is created on first use."""
         counts = getattr(self, stat, None)
         if counts is None:
@@ -131,10 +141,10 @@ class CacheStats:
                 setattr(self, name, array("q", getattr(self, name)) + array("q", [0]))
         self.count(i, nbytes, fetched)
 
-    @cython.ccall
-    @cython.boundscheck(True)  # (an index beyond the precisions is an IndexError, never a stray write)
-    def count(self, i: cython.Py_ssize_t, nbytes: cython.longlong, fetched: cython.longlong):
+    def count(self, i: int, nbytes: int, fetched: int):
         """:meth:`count_precision` by the precision's index in ``precisions`` (the request path's C call)."""
+        if not 0 <= i < len(self.fetched_n):  # (an IndexError, never a stray write: compiled, unchecked below)
+            raise IndexError(f"precision index {i} of {len(self.fetched_n)}")
         self.fetched_n[i] += fetched
         self.moved_bytes[i] += nbytes
         self.moved_any[i] = 1

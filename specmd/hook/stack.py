@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..engine import Engine, LiveRecord, StackSpec
+from ..engine import GROUPS, Engine, LiveRecord, StackSpec
 from ..executor.base import upload
 from ..models.adapters import Adapter, adapter_for
 
@@ -131,7 +131,7 @@ class PolicyStack:
 
         self.readback = Readback(self.device, self.geom.num_layers)
         # what every layer call reads back: the logits when a policy of the stack reads them (Policy.reads_logits)
-        self.read_logits = any(getattr(spec, g)[0].reads_logits for g in ("routing", "miss", "eviction", "prefetch"))
+        self.read_logits = any(getattr(spec, g)[0].reads_logits for g in GROUPS)
         self._writer = None
         self._set_targets()
         self._handles = []

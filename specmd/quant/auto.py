@@ -5,11 +5,12 @@ from .base import NATIVE, QUANT
 from .hqq import HQQ
 
 
-@QUANT.register("auto")
 class Auto(HQQ):
     """The default: experts at native precision plus exactly the precisions the miss policy asks for
     (``miss=fetch_priority`` -> int8, int4, int2 copies from HQQ; ``miss=fetch`` -> nothing extra, no
     quantization at all). ``quant=hqq`` stores a chosen list instead; ``quant=none`` native only."""
+
+    name = "auto"
 
     @dataclass
     class Params(HQQ.Params):
@@ -20,3 +21,6 @@ class Auto(HQQ):
     def resolve(cls, params, needed):
         params.precisions = [p for p in dict.fromkeys(needed) if p != NATIVE]
         return params
+
+
+QUANT.register(Auto)

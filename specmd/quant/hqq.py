@@ -34,7 +34,6 @@ def dequantize(wq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, meta: 
     return Quantizer.dequantize(wq.to(device), m)
 
 
-@QUANT.register("hqq")
 class HQQ(QuantMethod):
     """Every expert is stored at ``native`` plus each of ``precisions`` (any of bf16, fp16, int8, int4,
     int3, int2). Integer copies come from ``hqq`` (asymmetric, ``group_size`` weights per scale/zero along
@@ -57,6 +56,8 @@ class HQQ(QuantMethod):
     Why HQQ: it needs no calibration data, supports int2/int3 (quanto has no int3; bitsandbytes no
     int2), and runs on CPU and GPU; the dequantized weights run in the family's own fused kernel, so the
     lossy output is the real quantized weights' output."""
+
+    name = "hqq"
 
     @dataclass
     class Params:
@@ -189,3 +190,6 @@ class HQQ(QuantMethod):
                 entry[n] = self._quantize_fused(p.detach(), num_experts, BITS[prec], self.params.group_size, Quantizer)
             layers.append(entry)
         return layers
+
+
+QUANT.register(HQQ)

@@ -1,3 +1,5 @@
+# cython: wraparound=False
+# (every index in this module is non-negative)
 """The future of a replayed trace: what oracle policies (``eviction=belady``, ``prefetch=oracle``) read.
 
 Layer calls are numbered in execution order (``GateRecord.call``). ``requests(call)`` is the set of experts
@@ -10,13 +12,11 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-import cython
 import numpy as np
 
 NEVER = np.iinfo(np.int64).max  # libCacheSim's "no next access" (INT64_MAX)
 
 
-@cython.cclass
 class Future:
     """(Compiled, an extension type, ``future.pxd``: Belady asks :meth:`next_use` in C.)"""
 
@@ -39,7 +39,7 @@ class Future:
         np.cumsum(np.bincount(keys, minlength=nkeys), out=ptr[1:])
         self._calls = np.ascontiguousarray(calls[order], dtype=np.int64)
         self._ptr = ptr
-        self._cursor = ptr[:-1].copy()
+        self._cursor = ptr[:nkeys].copy()
 
     def __len__(self) -> int:
         return len(self.call_ptr) - 1
@@ -52,15 +52,12 @@ class Future:
             return []
         return self.experts[self.call_ptr[call]:self.call_ptr[call + 1]].tolist()
 
-    @cython.ccall
-    @cython.boundscheck(False)  # (the key is checked; cursors stay within their key's run)
-    @cython.wraparound(False)
-    def next_use(self, key: cython.longlong, call: cython.longlong) -> cython.longlong:
+    def next_use(self, key: int, call: int) -> int:
         """The first call after ``call`` that requests ``key``, or ``NEVER``."""
-        if key < 0 or key >= len(self._cursor):
+        if key < 0 or key >= len(self._cursor):  # (the key is checked; cursors stay within their key's run)
             return NEVER
-        end: cython.longlong = self._ptr[key + 1]
-        i: cython.longlong = self._cursor[key]
+        end = self._ptr[key + 1]
+        i = self._cursor[key]
         if i > self._ptr[key] and self._calls[i - 1] > call:  # asked about an earlier call: bisect its run
             i = bisect_right(self._calls, call, self._ptr[key], end)
         while i < end and self._calls[i] <= call:

@@ -1,9 +1,8 @@
 from dataclasses import dataclass
 
-import cython
-
 from ..base import check_choice
-from .base import CAPACITY_UNITS, EVICTION, EvictionPolicy, KeyLists
+from .base import CAPACITY_UNITS, EVICTION, EvictionPolicy
+from .structures import KeyLists
 
 T1, T2, B1, B2 = 0, 1, 2, 3  # ARC's lists: KeyLists lists, each LRU first
 
@@ -16,7 +15,6 @@ class ARCParams:
         check_choice("capacity_unit", self.capacity_unit, CAPACITY_UNITS)
 
 
-@cython.cclass
 class ARC(EvictionPolicy):
     """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003). T1 holds keys seen once recently, T2 keys
     seen at least twice; ghost lists B1/B2 remember recent evictions from each; the target size ``p`` of T1
@@ -33,17 +31,12 @@ class ARC(EvictionPolicy):
     layer's, in-flight prefetches) are skipped within the chosen list, falling back to the other list. A
     prefetch is admitted like a miss. Hit counts equal libCacheSim's ARC on flat traces (tests).
 
-    The four lists are one :class:`~.base.KeyLists` (O(1) per request); ``t1``, ``t2``, ``b1``, ``b2`` read
+    The four lists are one :class:`~.structures.KeyLists` (O(1) per request); ``t1``, ``t2``, ``b1``, ``b2`` read
     them as lists of keys, LRU first. Compiled, an extension type (``arc.pxd``) whose hooks the cache
     manager calls in C."""
 
     name = "arc"
     Params = ARCParams  # (module-level: an extension type's body holds no class statement)
-
-    def __cinit__(self, *args, **kwargs):
-        # (compiled: runs before any __init__, even one a subclass forgot to chain, so the typed lists is
-        # never None when a hook runs in C; plain Python never calls it, and __init__ makes the same)
-        self._lists = KeyLists(4)
 
     def __init__(self, params=None):
         super().__init__(params or type(self).Params())
@@ -87,40 +80,35 @@ class ARC(EvictionPolicy):
             lists.remove(key)
             self._ghost_hit = self._in_b2 = True
 
-    @cython.ccall
-    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
+    def on_insert(self, key: int, prefetch: bool):
         self._lists.push_back(key, T2 if self._ghost_hit else T1)
         self._ghost_hit = self._in_b2 = False
 
-    @cython.ccall
-    def on_access(self, key: cython.longlong):
+    def on_access(self, key: int):
         self._lists.move_back(key, T2)  # from T1 or T2
 
-    @cython.ccall
-    def on_remove(self, key: cython.longlong):
+    def on_remove(self, key: int):
         if key == self._no_ghost:
             self._no_ghost = -1
             self._lists.remove(key)
         else:  # the key leaves for its list's ghost list
             self._lists.move_back(key, B1 if self._lists.owner(key) == T1 else B2)
 
-    @cython.ccall
     def _replace(self, evictable):
         lists: KeyLists = self._lists
-        n1: cython.longlong = lists.size(T1)
-        first: cython.long = T2
-        second: cython.long = T1
+        n1 = lists.size(T1)
+        first = T2
+        second = T1
         if (n1 and (n1 > self.p or (n1 == self.p and self._in_b2))) or not lists.size(T2):
             first, second = T1, T2
         key = lists.first(first, evictable)
         return key if key is not None else lists.first(second, evictable)
 
-    @cython.ccall
     def victim(self, evictable):
         if self._ghost_hit:
             return self._replace(evictable)
         lists: KeyLists = self._lists
-        c: cython.longlong = self.c
+        c = self.c
         if lists.size(T1) + lists.size(B1) + 1 > c:  # case IV(a): L1 = T1 ∪ B1 is full
             if lists.size(B1):
                 lists.remove(lists.front(B1))
@@ -135,4 +123,4 @@ class ARC(EvictionPolicy):
         return self._replace(evictable)
 
 
-EVICTION.register("arc")(ARC)  # (a statement, not a decorator: Cython takes no decorator on an extension type)
+EVICTION.register(ARC)

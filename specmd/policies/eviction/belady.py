@@ -1,11 +1,9 @@
-import cython
-
 from ...errors import ConfigError
 from ...engine.hooks import Evictable, as_evictable
-from .base import EVICTION, EvictionPolicy, KeyHeap
+from .base import EVICTION, EvictionPolicy
+from .structures import KeyHeap
 
 
-@cython.cclass
 class Belady(EvictionPolicy):
     """Belady's MIN (the offline optimum; FlashMoE's training oracle, Cache-Conditional Experts' Fig. 9
     bound): evicts the resident expert whose next request is furthest in the future, at (forward pass,
@@ -16,17 +14,13 @@ class Belady(EvictionPolicy):
     ``future``); a live run is rejected before the model loads. Next uses come from the router's own
     recorded requests: under cache-aware routing the replayed requests can differ (those replays say
     ``exact: false``) and a key whose recorded next use has passed is re-looked-up when it reaches the
-    top. The residents are ranked by ``(-next use, key)`` in a :class:`~.base.KeyHeap` (the replay's future
+    top. The residents are ranked by ``(-next use, key)`` in a :class:`~.structures.KeyHeap` (the replay's future
     answers next uses in C): O(log N) per insert, hit and eviction, no allocation. On flat
     traces its hit counts equal libCacheSim's Belady (tests). Compiled, an extension type (``belady.pxd``)
     whose hooks the cache manager calls in C."""
 
     name = "belady"
     needs_future = True
-
-    def __cinit__(self, *args, **kwargs):
-        # (compiled: the typed heap exists before any __init__, even one a subclass forgot to chain)
-        self._heap = KeyHeap()
 
     def setup(self, model):
         if model.future is None:
@@ -44,27 +38,21 @@ class Belady(EvictionPolicy):
         if record is not None:
             self.call = record.call
 
-    @cython.cfunc
-    def _touch(self, key: cython.longlong):
+    def _touch(self, key: int):
         self._heap.set(key, -self.future.next_use(key, self.call), 0)
 
-    @cython.ccall
-    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
+    def on_insert(self, key: int, prefetch: bool):
         self._touch(key)
 
-    @cython.ccall
-    def on_access(self, key: cython.longlong):
+    def on_access(self, key: int):
         self._touch(key)
 
-    @cython.ccall
-    def on_remove(self, key: cython.longlong):
+    def on_remove(self, key: int):
         self._heap.remove(key)
 
-    @cython.ccall
     def victim(self, evictable):
         heap: KeyHeap = self._heap
         ev: Evictable = as_evictable(evictable)
-        key: cython.longlong
         skipped = None  # keys ranked first but not evictable: set aside, then put back with their ranks
         found = None
         while True:
@@ -87,4 +75,4 @@ class Belady(EvictionPolicy):
         return found
 
 
-EVICTION.register("belady")(Belady)  # (a statement, not a decorator: Cython takes no decorator on an extension type)
+EVICTION.register(Belady)

@@ -1,5 +1,6 @@
 # FLD as an extension type (Cython reads this beside fld.py; plain Python never does).
-from specmd.policies.eviction.base cimport EvictionPolicy, LayerQueues
+from specmd.policies.eviction.base cimport EvictionPolicy
+from specmd.policies.eviction.structures cimport LayerQueues
 
 cdef class FLD(EvictionPolicy):
     cdef public long current

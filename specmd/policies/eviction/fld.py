@@ -1,9 +1,8 @@
 from dataclasses import dataclass
 
-import cython
-
 from ..base import check_choice
-from .base import EVICTION, EvictionPolicy, LayerQueues
+from .base import EVICTION, EvictionPolicy
+from .structures import LayerQueues
 
 
 def _forward(current, n):  # distance (layer - current) mod n, furthest first; the current layer last
@@ -25,7 +24,6 @@ class FLDParams:
         check_choice("distance", self.distance, DISTANCES)
 
 
-@cython.cclass
 class FLD(EvictionPolicy):
     """Furthest Layer Distance (HOBBIT, Tang et al. 2024; SpecMD App. B): evicts an expert of the layer
     furthest from the layer executing. SpecMD's description: "This policy computes the distance between
@@ -43,16 +41,11 @@ class FLD(EvictionPolicy):
 
     The executing layer has distance 0 in both and goes last. Ties within a layer: the expert resident
     longest (insertion order). Each layer keeps its resident keys in insertion order
-    (:class:`~.base.LayerQueues`); a victim costs O(L), not O(pool). Compiled, an extension type
+    (:class:`~.structures.LayerQueues`); a victim costs O(L), not O(pool). Compiled, an extension type
     (``fld.pxd``) whose hooks the cache manager calls in C."""
 
     name = "fld"
     Params = FLDParams  # (module-level: an extension type's body holds no class statement)
-
-    def __cinit__(self, *args, **kwargs):
-        # (compiled: runs before any __init__, even one a subclass forgot to chain, so the typed queues is
-        # never None when a hook runs in C; plain Python never calls it, and __init__ makes the same)
-        self._queues = LayerQueues(1, _absolute)
 
     def __init__(self, params=None):
         super().__init__(params or type(self).Params())
@@ -68,21 +61,17 @@ class FLD(EvictionPolicy):
     def on_layer(self, layer, record=None):
         self.current = layer
 
-    @cython.ccall
-    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
+    def on_insert(self, key: int, prefetch: bool):
         self._queues.add(key // self._e, key)
 
-    @cython.ccall
-    def on_access(self, key: cython.longlong):
+    def on_access(self, key: int):
         pass
 
-    @cython.ccall
-    def on_remove(self, key: cython.longlong):
+    def on_remove(self, key: int):
         self._queues.discard(key)
 
-    @cython.ccall
     def victim(self, evictable):
         return self._queues.first(self.current, evictable)
 
 
-EVICTION.register("fld")(FLD)  # (a statement, not a decorator: Cython takes no decorator on an extension type)
+EVICTION.register(FLD)

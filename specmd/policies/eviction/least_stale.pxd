@@ -1,5 +1,6 @@
 # Least-Stale as an extension type (Cython reads this beside least_stale.py; plain Python never does).
-from specmd.policies.eviction.base cimport EvictionPolicy, LayerQueues
+from specmd.policies.eviction.base cimport EvictionPolicy
+from specmd.policies.eviction.structures cimport LayerQueues
 
 cdef class LeastStale(EvictionPolicy):
     cdef long long[:] _mark

@@ -1,10 +1,9 @@
 from array import array
 from dataclasses import dataclass
 
-import cython
-
 from ..base import check_choice
-from .base import EVICTION, EvictionPolicy, LayerQueues
+from .base import EVICTION, EvictionPolicy
+from .structures import LayerQueues
 
 
 def _layer(current, n):  # lowest layer first, whatever the execution point
@@ -33,7 +32,6 @@ class LeastStaleParams:
         check_choice("order", self.order, ORDERS)
 
 
-@cython.cclass
 class LeastStale(EvictionPolicy):
     """Least-Stale (SpecMD §4.2). An expert is *current* if it was used or prefetched in the ongoing forward
     pass ("used in the current pass or selected by prefetching"), otherwise *stale* ("accessed in a previous
@@ -73,19 +71,13 @@ class LeastStale(EvictionPolicy):
     moves to the back of the current queue; at a new pass the current queue joins the back of the stale
     one). The executing layer counts as left: its experts that the call did not request are not needed
     again until the next pass (those it requested are pinned by the cache manager). The paper implements
-    both queues as priority heaps; here each queue is one FIFO per layer (:class:`~.base.LayerQueues`, kinds
+    both queues as priority heaps; here each queue is one FIFO per layer (:class:`~.structures.LayerQueues`, kinds
     stale and current), searched in the reading's layer order: O(L) per victim; a new pass splices each
     layer's current FIFO onto its stale one. Compiled, an extension type (``least_stale.pxd``) whose hooks
     the cache manager calls in C."""
 
     name = "least_stale"
     Params = LeastStaleParams  # (module-level: an extension type's body holds no class statement)
-
-    def __cinit__(self, *args, **kwargs):
-        # (compiled: runs before any __init__, even one a subclass forgot to chain, so the typed queues and marks is
-        # never None when a hook runs in C; plain Python never calls it, and __init__ makes the same)
-        self._queues = LayerQueues(1, _layer, 2)
-        self._mark = array("q")
 
     def __init__(self, params=None):
         super().__init__(params or type(self).Params())
@@ -110,9 +102,7 @@ class LeastStale(EvictionPolicy):
     def on_layer(self, layer, record=None):
         self.current = layer
 
-    @cython.cfunc
-    @cython.boundscheck(True)  # a key outside the arrays is an IndexError, never a stray write
-    def _current(self, key: cython.longlong):
+    def _current(self, key: int):
         if key < 0:
             raise IndexError(f"key {key} < 0")
         if key >= len(self._mark):  # (a policy used without attach: the marks grow to the largest key)
@@ -121,27 +111,22 @@ class LeastStale(EvictionPolicy):
             self._mark[key] = self.pass_index
             self._queues.add(0 if self._flat else key // self._e, key, CURRENT)
 
-    @cython.ccall
-    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
+    def on_insert(self, key: int, prefetch: bool):
         self._current(key)
 
-    @cython.ccall
-    def on_access(self, key: cython.longlong):
+    def on_access(self, key: int):
         self._current(key)
 
-    @cython.ccall
-    @cython.boundscheck(True)
-    def on_remove(self, key: cython.longlong):
-        if key < 0:
+    def on_remove(self, key: int):
+        if key < 0 or key >= len(self._mark):
             raise KeyError(key)
         self._mark[key] = -1
         self._queues.discard(key)
 
-    @cython.ccall
     def victim(self, evictable):
         c = 0 if self._flat else self.current
         key = self._queues.first(c, evictable, STALE)
         return key if key is not None else self._queues.first(c, evictable, CURRENT)
 
 
-EVICTION.register("least_stale")(LeastStale)  # (a statement: Cython takes no decorator on an extension type)
+EVICTION.register(LeastStale)

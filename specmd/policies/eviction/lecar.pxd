@@ -1,5 +1,8 @@
 # LeCaR as an extension type (Cython reads this beside lecar.py; plain Python never does).
-from specmd.policies.eviction.base cimport EvictionPolicy, KeyHeap, KeyLists
+
+cimport cython
+from specmd.policies.eviction.base cimport EvictionPolicy
+from specmd.policies.eviction.structures cimport KeyHeap, KeyLists
 
 cdef class LeCaR(EvictionPolicy):
     cdef public double w_lru
@@ -12,3 +15,5 @@ cdef class LeCaR(EvictionPolicy):
     cdef public double discount
     cdef public long _pending
     cdef public KeyHeap _lfu
+    @cython.locals(use_lru=bint)
+    cpdef victim(self, evictable)

@@ -2,10 +2,9 @@ import math
 import random
 from dataclasses import dataclass
 
-import cython
-
 from ..base import check_choice
-from .base import CAPACITY_UNITS, EVICTION, EvictionPolicy, KeyHeap, KeyLists
+from .base import CAPACITY_UNITS, EVICTION, EvictionPolicy
+from .structures import KeyHeap, KeyLists
 
 
 @dataclass
@@ -25,7 +24,6 @@ class LeCaRParams:
                              f"paper; 0 freezes the weights, exp(>709) overflows a float64)")
 
 
-@cython.cclass
 class LeCaR(EvictionPolicy):
     """LeCaR (Vietri et al., HotStorage 2018): regret minimisation over two experts, LRU and LFU. Each
     eviction follows LRU with probability ``w_lru`` (else LFU); the evicted key enters that policy's
@@ -36,18 +34,12 @@ class LeCaR(EvictionPolicy):
     ``random.Random(seed)``; ``update_weight=false`` freezes the weights (with ``lru_weight`` 1 or 0 this
     is exactly LRU or LFU, which the tests compare with libCacheSim).
 
-    LRU's order is one :class:`~.base.KeyLists` list, LFU's a :class:`~.base.KeyHeap` ranking the residents by
+    LRU's order is one :class:`~.structures.KeyLists` list, LFU's a :class:`~.structures.KeyHeap` ranking the residents by
     ``(uses, last use, key)``, re-ranked in place. Compiled, an
     extension type (``lecar.pxd``) whose hooks the cache manager calls in C."""
 
     name = "lecar"
     Params = LeCaRParams  # (module-level: an extension type's body holds no class statement)
-
-    def __cinit__(self, *args, **kwargs):
-        # (compiled: runs before any __init__, even one a subclass forgot to chain, so the typed order and heap is
-        # never None when a hook runs in C; plain Python never calls it, and __init__ makes the same)
-        self._recency = KeyLists(1)
-        self._lfu = KeyHeap()
 
     def __init__(self, params=None):
         super().__init__(params or type(self).Params())
@@ -86,19 +78,16 @@ class LeCaR(EvictionPolicy):
         """Each resident key's uses (a new dict: for checks and tests)."""
         return {k: self._lfu.rank(k) for k in self._lfu.keys()}
 
-    @cython.ccall
-    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
+    def on_insert(self, key: int, prefetch: bool):
         self._recency.push_back(key)
         self._lfu.set(key, 1, self.time)
 
-    @cython.ccall
-    def on_access(self, key: cython.longlong):
+    def on_access(self, key: int):
         self.time += 1
         self._recency.move_back(key)
         self._lfu.set(key, self._lfu.rank(key) + 1, self.time)
 
-    @cython.ccall
-    def on_remove(self, key: cython.longlong):
+    def on_remove(self, key: int):
         self._recency.remove(key)
         self._lfu.discard(key)
         hist = self.hist_lru if self._pending == 1 else self.hist_lfu if self._pending == 2 else None
@@ -108,15 +97,14 @@ class LeCaR(EvictionPolicy):
             if len(hist) > self.c:
                 del hist[next(iter(hist))]
 
-    @cython.ccall
     def victim(self, evictable):
         lru = self._recency.first(0, evictable)
         if lru is None:
             return None
         lfu = self._lfu.first(evictable)  # min (uses, last use): the last use is unique per use
-        use_lru: cython.bint = self.rng.random() < self.w_lru
+        use_lru = self.rng.random() < self.w_lru
         self._pending = 0 if lru == lfu else (1 if use_lru else 2)
         return lru if use_lru else lfu
 
 
-EVICTION.register("lecar")(LeCaR)  # (a statement, not a decorator: Cython takes no decorator on an extension type)
+EVICTION.register(LeCaR)

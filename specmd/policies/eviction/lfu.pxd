@@ -1,5 +1,6 @@
 # LFU as an extension type (Cython reads this beside lfu.py; plain Python never does). LHU derives from it.
-from specmd.policies.eviction.base cimport EvictionPolicy, KeyHeap
+from specmd.policies.eviction.base cimport EvictionPolicy
+from specmd.policies.eviction.structures cimport KeyHeap
 
 cdef class LFU(EvictionPolicy):
     cdef public long long clock

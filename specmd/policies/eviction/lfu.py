@@ -1,10 +1,9 @@
 from array import array
 from dataclasses import dataclass
 
-import cython
-
 from ..base import check_choice
-from .base import EVICTION, EvictionPolicy, KeyHeap
+from .base import EVICTION, EvictionPolicy
+from .structures import KeyHeap
 
 COUNTS = ("requests", "inserts")
 
@@ -18,7 +17,6 @@ class LFUParams:
         check_choice("counts", self.counts, COUNTS)
 
 
-@cython.cclass
 class LFU(EvictionPolicy):
     """Least frequently used (SpecMD App. B): "evicts the expert with the lowest access count over the
     entire inference history". Ties: least recently counted first. Two choices the text leaves open:
@@ -35,18 +33,11 @@ class LFU(EvictionPolicy):
       prefetch), which is libCacheSim's LFU (equal hit counts on flat traces: tests).
 
     Counts and last uses are per-key arrays; the residents are ranked by ``(count, last, key)`` in a
-    :class:`~.base.KeyHeap`, re-ranked in place at every count: O(log N) per request and per victim, no
+    :class:`~.structures.KeyHeap`, re-ranked in place at every count: O(log N) per request and per victim, no
     allocation (libCacheSim's LFU keeps frequency buckets; its answers are the same)."""
 
     name = "lfu"
     Params = LFUParams  # (module-level: an extension type's body holds no class statement)
-
-    def __cinit__(self, *args, **kwargs):
-        # (compiled: runs before any __init__, even one a subclass forgot to chain, so the typed structures
-        # are never None when a hook runs in C; plain Python never calls it, and __init__ makes the same)
-        self._heap = KeyHeap()
-        self._count = array("q", [0])
-        self._last = array("q", [0])
 
     def __init__(self, params=None):
         super().__init__(params or type(self).Params())
@@ -69,13 +60,11 @@ class LFU(EvictionPolicy):
         """Each counted key's last count on the policy's clock (a new dict: for checks and tests)."""
         return {k: self._last[k] for k in range(len(self._last)) if self._last[k]}
 
-    @cython.ccall
-    def weight(self, key: cython.longlong) -> cython.longlong:
+    def weight(self, key: int) -> int:
         """How much one use of ``key`` counts (LHU counts only high-precision uses)."""
         return 1
 
-    @cython.cfunc
-    def _fit(self, key: cython.longlong):
+    def _fit(self, key: int):
         """The per-key arrays hold ``key`` (they grow by doubling)."""
         if key < 0:
             raise IndexError(f"key {key} < 0")
@@ -87,8 +76,7 @@ class LFU(EvictionPolicy):
                 count[i], last[i] = self._count[i], self._last[i]
             self._count, self._last = count, last
 
-    @cython.cfunc
-    def _touch(self, key: cython.longlong, weight: cython.longlong):
+    def _touch(self, key: int, weight: int):
         self._fit(key)
         self.clock += 1
         self._count[key] += weight
@@ -102,8 +90,7 @@ class LFU(EvictionPolicy):
     def on_miss(self, key):
         self._touch(key, self.weight(key))
 
-    @cython.ccall
-    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
+    def on_insert(self, key: int, prefetch: bool):
         self._fit(key)
         if not self._requests:
             self._heap.set(key, self._count[key], self._last[key])
@@ -114,19 +101,16 @@ class LFU(EvictionPolicy):
         # (a prefetch of an expert never requested: count 0, least recent)
         self._heap.set(key, self._count[key], self._last[key])
 
-    @cython.ccall
-    def on_access(self, key: cython.longlong):
+    def on_access(self, key: int):
         self._touch(key, self.weight(key))
 
-    @cython.ccall
-    def on_remove(self, key: cython.longlong):
+    def on_remove(self, key: int):
         self._heap.remove(key)
         if not self._history:
             self._count[key] = 0
 
-    @cython.ccall
     def victim(self, evictable):
         return self._heap.first(evictable)
 
 
-EVICTION.register("lfu")(LFU)  # (a statement, not a decorator: Cython takes no decorator on an extension type)
+EVICTION.register(LFU)

@@ -4,3 +4,4 @@ from specmd.policies.eviction.lfu cimport LFU
 cdef class LHU(LFU):
     cdef public long long high_bits
     cdef public bint _all_high
+    cpdef long long weight(self, long long key)

@@ -1,7 +1,5 @@
 from dataclasses import dataclass
 
-import cython
-
 from ..base import check_choice
 from .base import EVICTION
 from .lfu import COUNTS, LFU
@@ -20,7 +18,6 @@ class LHUParams:
         check_choice("high", self.high, HIGH)
 
 
-@cython.cclass
 class LHU(LFU):
     """Least High-precision Used (HOBBIT, Tang et al. 2024; SpecMD App. B): LFU over *high-precision* uses
     only, "prioritizing retention of frequently-accessed high-precision experts since cache misses for these
@@ -54,8 +51,7 @@ class LHU(LFU):
         stored = getattr(view, "precisions", None)  # (every precision a copy or a fetch can have)
         self._all_high = stored is not None and all(view.bits_of(p) >= self.high_bits for p in stored)
 
-    @cython.ccall
-    def weight(self, key: cython.longlong) -> cython.longlong:
+    def weight(self, key: int) -> int:
         if self._all_high:
             return 1
         bits = self.view.bits(key)
@@ -64,4 +60,4 @@ class LHU(LFU):
         return 1 if bits >= self.high_bits else 0
 
 
-EVICTION.register("lhu")(LHU)  # (a statement, not a decorator: Cython takes no decorator on an extension type)
+EVICTION.register(LHU)

@@ -1,10 +1,7 @@
-import cython
-
 from .base import EVICTION
 from .fifo import FIFO
 
 
-@cython.cclass
 class LRU(FIFO):
     """Least recently used. Inserts (demand fetches and prefetches) and hits count as uses.
 
@@ -17,9 +14,8 @@ class LRU(FIFO):
 
     name = "lru"
 
-    @cython.ccall
-    def on_access(self, key: cython.longlong):
+    def on_access(self, key: int):
         self._list.move_back(key)
 
 
-EVICTION.register("lru")(LRU)  # (a statement, not a decorator: Cython takes no decorator on an extension type)
+EVICTION.register(LRU)

@@ -1,3 +1,6 @@
+# cython: wraparound=False, nonecheck=False
+# (compiled: the network's loops index flat weight arrays from offsets >= 0, with no None check per element;
+# every hook first reads a typed array, which raises on an instance whose __init__ never ran)
 """FlashMoE's ML-based eviction (Kim et al., FlashMoE §3.2): a small per-layer feed-forward network maps
 each expert's normalised recency and frequency to a predicted next-use distance, trained on Belady's
 oracle distances from routing traces; the resident expert with the largest prediction is evicted.
@@ -16,15 +19,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import cython
+import math
+from array import array
+
 import numpy as np
-from cython.cimports.libc.math import exp
 
 from ...errors import ConfigError
-from .base import EVICTION, EvictionPolicy, KeyHeap
+from .base import EVICTION, EvictionPolicy
+from .structures import KeyHeap
 
 ASSET_FILE = "ml_eviction.safetensors"
 EXP_MAX = 700.0  # SiLU's exp(-z) for z below -EXP_MAX: 0 (C's exp overflows to inf there, Python's raises)
+# SiLU's exp: libm's, as ``math.exp`` (run as source) or called in C (compiled: ml.pxd cimports libc's ``exp``
+# under this name, which a Python assignment to it would contradict, hence no ``import`` statement)
+globals().setdefault("exp", math.exp)
 
 
 def features(last_step: np.ndarray, freq: np.ndarray, step: int) -> np.ndarray:
@@ -91,7 +99,6 @@ class MLParams:
         resolve_weights(self.weights)
 
 
-@cython.cclass
 class ML(EvictionPolicy):
     """FlashMoE's learned eviction (see module docstring). ``weights``: a ``.safetensors`` file written by
     ``python -m specmd.train_eviction``, or ``specmd:<asset>`` for one shipped with a model (the embedded
@@ -116,7 +123,7 @@ class ML(EvictionPolicy):
     the call's first victim search (above); so ``on_layer`` marks the layer dirty and a use does not need
     to. A victim search first re-scores each dirty layer's *resident* experts (usually the running layer's
     few), a key inserted into a clean layer is scored at its insert, and the residents are ranked by
-    ``(-distance, key)`` in a :class:`~.base.KeyHeap` (``set_score``): the largest predicted distance
+    ``(-distance, key)`` in a :class:`~.structures.KeyHeap` (``set_score``): the largest predicted distance
     first, ties to the lower key. The network is evaluated one row at a time in C (:meth:`distance`), in
     float64 from the float32 features and weights (SiLU as ``z / (1 + exp(-z))``): the same bits compiled
     and as pure Python, and independent of how many rows are scored together (a batched float32 matmul's
@@ -125,11 +132,6 @@ class ML(EvictionPolicy):
 
     name = "ml"
     Params = MLParams  # (module-level: an extension type's body holds no class statement)
-
-    def __cinit__(self, *args, **kwargs):
-        # (compiled: the typed structures exist before any __init__, even one a subclass forgot to chain)
-        self._heap = KeyHeap()
-        self._shape([], 0)
 
     def __init__(self, params=None):
         super().__init__(params or type(self).Params())
@@ -150,7 +152,9 @@ class ML(EvictionPolicy):
         self._resident = np.zeros(L, dtype=np.int64)  # layer -> its resident keys
         nets = nets or [{"w1": np.zeros((H, 2)), "b1": np.zeros(H), "w2": np.zeros((H, H)), "b2": np.zeros(H),
                          "w3": np.zeros((1, H)), "b3": np.zeros(1)}]
-        stack = lambda name, f: np.ascontiguousarray(  # noqa: E731 (flat: _forward indexes by offset)
+        # flat float64 arrays (``array``: a C buffer compiled, and indexed fast as Python floats run as source;
+        # _forward indexes them by offset)
+        stack = lambda name, f: np.ascontiguousarray(  # noqa: E731
             np.stack([f(np.asarray(n[name], np.float64)) for n in nets]).reshape(-1))
         self._w1 = stack("w1", lambda a: a.T)  # [L, 2, H]: input-major, as x @ W1
         self._w2 = stack("w2", lambda a: a.T)  # [L, H in, H out]
@@ -160,7 +164,7 @@ class ML(EvictionPolicy):
         self._b3 = stack("b3", lambda a: a[0])  # [L]
         self._h1 = np.zeros(H)  # the hidden activations of the row being scored
         self._h2 = np.zeros(H)
-        self._x = np.zeros(2, dtype=np.float32)  # its features, rounded to float32 as the training set's
+        self._x = array("f", [0.0, 0.0])  # its features, rounded to float32 as the training set's
 
     def attach(self, view, capacity):
         super().attach(view, capacity)
@@ -171,18 +175,24 @@ class ML(EvictionPolicy):
                               f"has {geom.num_layers} MoE layers; train matching ones with python -m specmd.train_eviction")
         self._shape(nets, geom.num_experts)
 
-    @cython.boundscheck(True)
+    def _layer(self, key: int) -> int:
+        """``key``'s layer: an IndexError for a key outside the model (never a stray write compiled)."""
+        layer = key // self.E if self.E > 0 else -1
+        if layer < 0 or layer >= self._dirty.shape[0]:
+            raise IndexError(f"eviction=ml: key {key} outside the model's {self._dirty.shape[0]} layers")
+        return layer
+
     def on_layer(self, layer, record=None):
+        if not 0 <= layer < self._dirty.shape[0]:
+            raise IndexError(f"eviction=ml: MoE layer {layer} outside the model's {self._dirty.shape[0]}")
         self.step[layer] += 1
         self._dirty[layer] = 1
 
-    @cython.cfunc
-    @cython.boundscheck(True)
-    def _use(self, key: cython.longlong):
-        layer: cython.longlong = key // self.E
-        e: cython.longlong = key - layer * self.E
+    def _use(self, key: int):
+        layer = self._layer(key)
+        e = key - layer * self.E
         self.last[layer, e] = self.step[layer]
-        f: cython.double = self.freq[layer, e] + 1
+        f = self.freq[layer, e] + 1
         self.freq[layer, e] = f
         if f > self.fmax[layer]:
             self.fmax[layer] = f
@@ -190,30 +200,21 @@ class ML(EvictionPolicy):
     def on_miss(self, key):
         self._use(key)
 
-    @cython.ccall
-    def on_access(self, key: cython.longlong):
+    def on_access(self, key: int):
         self._use(key)
 
-    @cython.ccall
-    @cython.boundscheck(True)
-    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
-        layer: cython.longlong = key // self.E
+    def on_insert(self, key: int, prefetch: bool):
+        layer = self._layer(key)
         self._resident[layer] += 1
         # a dirty layer's keys are scored before the next search ranks them; a clean one's features stand
         self._heap.set_score(key, 0.0 if self._dirty[layer] else -self.distance(layer, key - layer * self.E))
 
-    @cython.ccall
-    def on_remove(self, key: cython.longlong):
+    def on_remove(self, key: int):
+        layer = self._layer(key)
         self._heap.remove(key)
-        self._resident[key // self.E] -= 1
+        self._resident[layer] -= 1
 
-    @cython.ccall
-    @cython.boundscheck(False)  # (layers and experts of the model's shape)
-    @cython.wraparound(False)
     def victim(self, evictable):
-        layer: cython.Py_ssize_t
-        e: cython.Py_ssize_t
-        base: cython.longlong
         heap: KeyHeap = self._heap
         for layer in range(self._dirty.shape[0]):
             if self._dirty[layer] and self._resident[layer] > 0:
@@ -229,13 +230,14 @@ class ML(EvictionPolicy):
         self._features(layer, expert)
         return float(self._x[0]), float(self._x[1])
 
-    @cython.cfunc
-    @cython.boundscheck(True)
-    def _features(self, layer: cython.long, expert: cython.long):
+    def _features(self, layer: int, expert: int):
         """:meth:`row` into ``_x`` (the network's input)."""
-        s: cython.longlong = self.last[layer, expert]
-        x0: cython.double = 0.0
-        x1: cython.double = 0.0
+        if not (0 <= layer < self._dirty.shape[0] and 0 <= expert < self.E):
+            raise IndexError(f"eviction=ml: layer {layer}, expert {expert} outside the model's "
+                             f"{self._dirty.shape[0]} x {self.E}")
+        s = self.last[layer, expert]
+        x0 = 0.0
+        x1 = 0.0
         if s >= 0:
             x0 = 1.0 / max(self.step[layer] - s + 1, 1)
         if self.fmax[layer] > 0:
@@ -243,40 +245,29 @@ class ML(EvictionPolicy):
         self._x[0] = x0
         self._x[1] = x1
 
-    @cython.ccall
-    def distance(self, layer: cython.long, expert: cython.long) -> cython.double:
+    def distance(self, layer: int, expert: int) -> float:
         """``expert``'s predicted next-use distance in ``layer`` now (its network on :meth:`row`)."""
         self._features(layer, expert)
         return self._forward(layer)
 
-    @cython.cfunc
-    @cython.boundscheck(False)  # (_features checked the layer; the weights are [L, ...] stacks of H)
-    @cython.wraparound(False)
-    @cython.nonecheck(False)  # (the local views are taken from fields __cinit__ sets)
-    def _forward(self, layer: cython.long) -> cython.double:
+    def _forward(self, layer: int) -> float:
         """The network of ``layer`` on the features in ``_x``: h1 = SiLU(x W1 + b1), h2 = SiLU(h1 W2 + b2),
         out = h2 W3 + b3, each sum in input order. (The weights are flat arrays indexed by offset, and the
         inner loop runs over contiguous outputs, which the C compiler vectorises.)"""
-        if not cython.compiled:  # (plain Python: the same arithmetic in numpy vectors, :meth:`_forward_vectors`)
-            return self._forward_vectors(layer)
-        H: cython.Py_ssize_t = self.H
-        w1: cython.double[::1] = self._w1
-        w2: cython.double[::1] = self._w2
-        w3: cython.double[::1] = self._w3
-        b1: cython.double[::1] = self._b1
-        b2: cython.double[::1] = self._b2
-        h1: cython.double[::1] = self._h1
-        h2: cython.double[::1] = self._h2
-        x0: cython.double = self._x[0]
-        x1: cython.double = self._x[1]
-        low: cython.double = -EXP_MAX  # (a C double: the global is a Python float)
-        i: cython.Py_ssize_t
-        j: cython.Py_ssize_t
-        z: cython.double
-        a: cython.double
-        o1: cython.Py_ssize_t = layer * 2 * H  # w1 [L, 2, H]
-        ob: cython.Py_ssize_t = layer * H  # b1, b2, w3 [L, H]
-        o2: cython.Py_ssize_t = layer * H * H  # w2 [L, H in, H out]
+        H = self.H
+        w1 = self._w1
+        w2 = self._w2
+        w3 = self._w3
+        b1 = self._b1
+        b2 = self._b2
+        h1 = self._h1
+        h2 = self._h2
+        x0 = self._x[0]
+        x1 = self._x[1]
+        low = -EXP_MAX  # (a C double: the global is a Python float)
+        o1 = layer * 2 * H  # w1 [L, 2, H]
+        ob = layer * H  # b1, b2, w3 [L, H]
+        o2 = layer * H * H  # w2 [L, H in, H out]
         for j in range(H):  # h1 [H] = SiLU(b1 + x0 w1[0] + x1 w1[1])
             z = b1[ob + j] + x0 * w1[o1 + j] + x1 * w1[o1 + H + j]
             h1[j] = z / (1.0 + exp(-z)) if z > low else 0.0
@@ -286,7 +277,7 @@ class ML(EvictionPolicy):
             a = h1[i]
             for j in range(H):
                 h2[j] += a * w2[o2 + i * H + j]
-        out: cython.double = self._b3[layer]
+        out = self._b3[layer]
         for j in range(H):  # out = b3 + sum_j SiLU(h2[j]) w3[j]
             z = h2[j]
             if z > low:
@@ -294,27 +285,4 @@ class ML(EvictionPolicy):
         return out
 
 
-    def _forward_vectors(self, layer: int) -> float:
-        """:meth:`_forward` for the pure-Python build, as numpy operations over each layer's outputs: the same
-        products and sums of the same float64 values in the same order (``h2`` is ``b2`` then each input's
-        row added in turn: numpy's ``sum(0)`` of the stacked rows; ``exp`` is libm's through ``math.exp``, as
-        the C code's), so the same bits (tested) at a loop of 128 rows' cost instead of 16,000 scalars'."""
-        H = self.H
-        w1 = np.asarray(self._w1)[layer * 2 * H:(layer + 1) * 2 * H].reshape(2, H)
-        w2 = np.asarray(self._w2)[layer * H * H:(layer + 1) * H * H].reshape(H, H)
-        b1 = np.asarray(self._b1)[layer * H:(layer + 1) * H]
-        b2 = np.asarray(self._b2)[layer * H:(layer + 1) * H]
-        w3 = np.asarray(self._w3)[layer * H:(layer + 1) * H].tolist()
-        x0, x1 = float(self._x[0]), float(self._x[1])
-        h1 = np.array([z / (1.0 + exp(-z)) if z > -EXP_MAX else 0.0 for z in (b1 + x0 * w1[0] + x1 * w1[1]).tolist()])
-        rows = np.empty((H + 1, H))
-        rows[0] = b2
-        rows[1:] = h1[:, None] * w2
-        out = float(self._b3[layer])
-        for j, z in enumerate(rows.sum(0).tolist()):
-            if z > -EXP_MAX:
-                out += z / (1.0 + exp(-z)) * w3[j]
-        return out
-
-
-EVICTION.register("ml")(ML)  # (a statement, not a decorator: Cython takes no decorator on an extension type)
+EVICTION.register(ML)

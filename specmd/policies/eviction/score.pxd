@@ -1,5 +1,8 @@
 # Score-based eviction as an extension type (Cython reads this beside score.py; plain Python never does).
-from specmd.policies.eviction.base cimport EvictionPolicy, KeyHeap
+
+cimport cython
+from specmd.policies.eviction.base cimport EvictionPolicy
+from specmd.policies.eviction.structures cimport KeyHeap
 
 cdef class Score(EvictionPolicy):
     cdef public long n
@@ -12,6 +15,11 @@ cdef class Score(EvictionPolicy):
     cdef public double[:, ::1] _mean
     cdef public long long[:] _len
     cdef public long long[:] _next
+    @cython.locals(E=Py_ssize_t, n=Py_ssize_t)
     cdef _step(self, long layer, float[:, :] steps)
+    @cython.locals(n=Py_ssize_t, T=Py_ssize_t, win="double[:, :, ::1]", t=Py_ssize_t, e=Py_ssize_t, slot=Py_ssize_t)
     cdef _fill(self, long layer, float[:, :] steps)
+    @cython.locals(n=Py_ssize_t, E=Py_ssize_t, k=Py_ssize_t, slot=Py_ssize_t, win="double[:, :, ::1]", mean="double[:, ::1]", e=Py_ssize_t, j=Py_ssize_t, base="long long", heap=KeyHeap)
     cdef _rerank(self, long layer)
+    @cython.locals(layer="long long", s=double)
+    cpdef on_insert(self, long long key, bint prefetch)

@@ -2,11 +2,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import cython
-
 from ...engine.record import NoLogits
 from ..base import check_choice, memory_errors
-from .base import EVICTION, EvictionPolicy, KeyHeap
+from .base import EVICTION, EvictionPolicy
+from .structures import KeyHeap
 
 
 START = ("mean", "zero")
@@ -27,7 +26,6 @@ class ScoreParams:
         check_choice("value", self.value, ("probs", "logits"))
 
 
-@cython.cclass
 class Score(EvictionPolicy):
     """Score-based eviction (Zhu et al. 2025; SpecMD App. B): evicts the resident expert with the lowest
     mean gate score over a window of recent steps of its layer. Zhu et al. define it for decoding: "for an
@@ -90,7 +88,7 @@ class Score(EvictionPolicy):
     The window of each layer is a ring of its last ``n`` steps ([L, n, E] doubles), and a step re-sums its
     layer's window oldest step first (the order and the bits of numpy's ``window.sum(0) / len(window)``,
     tested) into the layer's means. The residents are ranked by ``(score, key)`` in a
-    :class:`~.base.KeyHeap` (``set_score``): a step re-ranks its layer's resident keys in place. The
+    :class:`~.structures.KeyHeap` (``set_score``): a step re-ranks its layer's resident keys in place. The
     token steps are read from :meth:`GateRecord.probs_rows <specmd.engine.record.GateRecord.probs_rows>`,
     which a replay answers from probabilities computed a chunk of calls at a time. No allocation per
     step. (Compiled, an extension type, ``score.pxd``.)"""
@@ -104,12 +102,6 @@ class Score(EvictionPolicy):
     def model_errors(cls, params, model):
         # per pool: the [L, n, E] float64 ring of every layer's last n steps
         return memory_errors(f"n={params.n}", 8 * model.num_layers * params.n * model.num_experts)
-
-    def __cinit__(self, *args, **kwargs):
-        # (compiled: the typed structures exist before any __init__, even one a subclass forgot to chain)
-        self.n = 1
-        self._heap = KeyHeap()
-        self._shape(0, 0)
 
     def __init__(self, params=None):
         super().__init__(params or type(self).Params())
@@ -166,13 +158,11 @@ class Score(EvictionPolicy):
             steps = (scores[-self.n:] if self._token else scores.mean(0, keepdim=True)).float().cpu().numpy()
         self._step(layer, steps)
 
-    @cython.cfunc
-    @cython.boundscheck(True)
-    def _step(self, layer: cython.long, steps: cython.float[:, :]):
+    def _step(self, layer: int, steps: memoryview):
         """Push the last ``n`` rows of ``steps`` ([T, E] float32) into ``layer``'s window, re-sum it, and
         re-rank the layer's resident keys."""
-        E: cython.Py_ssize_t = self.E
-        n: cython.Py_ssize_t = self.n
+        E = self.E
+        n = self.n
         if steps.shape[1] != E:
             raise ValueError(f"eviction=score: a layer call of {steps.shape[1]} experts' scores; the model has {E}")
         if not 0 <= layer < self._len.shape[0]:
@@ -180,17 +170,10 @@ class Score(EvictionPolicy):
         self._fill(layer, steps)
         self._rerank(layer)
 
-    @cython.cfunc
-    @cython.boundscheck(False)  # (_step checked the layer and the width)
-    @cython.wraparound(False)
-    @cython.nonecheck(False)  # (the local views are taken from fields __cinit__ sets; steps is checked)
-    def _fill(self, layer: cython.long, steps: cython.float[:, :]):
-        n: cython.Py_ssize_t = self.n
-        T: cython.Py_ssize_t = steps.shape[0]
-        win: cython.double[:, :, ::1] = self._win
-        t: cython.Py_ssize_t
-        e: cython.Py_ssize_t
-        slot: cython.Py_ssize_t
+    def _fill(self, layer: int, steps: memoryview):
+        n = self.n
+        T = steps.shape[0]
+        win = self._win
         for t in range(max(T - n, 0), T):
             slot = self._next[layer]
             for e in range(self.E):
@@ -199,54 +182,45 @@ class Score(EvictionPolicy):
             if self._len[layer] < n:
                 self._len[layer] += 1
 
-    @cython.cfunc
-    @cython.boundscheck(False)  # (_step checked the layer)
-    @cython.wraparound(False)
-    @cython.nonecheck(False)  # (the local views are taken from fields __cinit__ sets)
-    def _rerank(self, layer: cython.long):
-        n: cython.Py_ssize_t = self.n
-        E: cython.Py_ssize_t = self.E
-        k: cython.Py_ssize_t = self._len[layer]
-        slot: cython.Py_ssize_t = self._next[layer] - k
+    def _rerank(self, layer: int):
+        n = self.n
+        E = self.E
+        k = self._len[layer]
+        slot = self._next[layer] - k
         if slot < 0:
             slot += n
-        win: cython.double[:, :, ::1] = self._win
-        mean: cython.double[:, ::1] = self._mean
-        e: cython.Py_ssize_t
-        j: cython.Py_ssize_t
+        win = self._win
+        mean = self._mean
         for e in range(E):  # the sums run oldest step first, each expert's in numpy's order
             mean[layer, e] = win[layer, slot, e]
         for j in range(1, k):
             slot = slot + 1 if slot + 1 < n else 0
             for e in range(E):
                 mean[layer, e] += win[layer, slot, e]
-        base: cython.longlong = layer * E
+        base = layer * E
         heap: KeyHeap = self._heap
         for e in range(E):
             mean[layer, e] = mean[layer, e] / k
             if heap.contains(base + e):
                 heap.set_score(base + e, mean[layer, e])
 
-    @cython.ccall
-    @cython.boundscheck(True)
-    def on_insert(self, key: cython.longlong, prefetch: cython.bint):
-        layer: cython.longlong = key // self.E
-        s: cython.double = 0.0
+    def on_insert(self, key: int, prefetch: bool):
+        layer = key // self.E
+        if layer < 0 or layer >= self._len.shape[0]:
+            raise IndexError(f"eviction=score: key {key} outside the model's {self._len.shape[0]} layers")
+        s = 0.0
         if self._len[layer] > 0 and not self._zero:
             s = self._mean[layer, key - layer * self.E]
         self._heap.set_score(key, s)
 
-    @cython.ccall
-    def on_access(self, key: cython.longlong):
+    def on_access(self, key: int):
         pass
 
-    @cython.ccall
-    def on_remove(self, key: cython.longlong):
+    def on_remove(self, key: int):
         self._heap.remove(key)
 
-    @cython.ccall
     def victim(self, evictable):
         return self._heap.first(evictable)
 
 
-EVICTION.register("score")(Score)  # (a statement, not a decorator: Cython takes no decorator on an extension type)
+EVICTION.register(Score)

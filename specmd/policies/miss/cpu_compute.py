@@ -1,7 +1,6 @@
 from .base import MISS, Fetched, HostComputed, MissPolicy, expert_scores
 
 
-@MISS.register("cpu_compute")
 class CPUCompute(MissPolicy):
     """CPU-assisted computing (Zhu et al. 2025, Algorithm 2; Fiddler-style): the misses of a layer call,
     sorted by gate score (highest first), are split with a two-pointer sweep between transfers to the device
@@ -13,6 +12,8 @@ class CPUCompute(MissPolicy):
     ``C_cpu`` the host roofline time of that expert for its tokens (hardware ``host_tflops``,
     ``host_mem_bandwidth_gbps``). Host-computed experts run at full precision (exact output) and are not
     inserted into the cache; their time overlaps the layer's transfers."""
+
+    name = "cpu_compute"
 
     reads_logits = False  # (Policy.reads_logits)
 
@@ -38,3 +39,6 @@ class CPUCompute(MissPolicy):
                 hi -= 1
         fetch, on_host = Fetched(), HostComputed()
         return [on_host if i in host else fetch for i in range(len(missing))]
+
+
+MISS.register(CPUCompute)

@@ -3,11 +3,12 @@ from dataclasses import dataclass
 from .base import MISS, Dropped, Fetched, MissPolicy, best_ranks
 
 
-@MISS.register("drop")
 class Drop(MissPolicy):
     """Drop low-ranked misses (Skliar et al. 2025; SpecMD §3.1.2): a missing expert is fetched if some token
     ranks it among its top ``J`` (0-based rank < J), otherwise it does not run for this call (its weight is
     zeroed, the others are not renormalised). ``J = 0`` drops every miss."""
+
+    name = "drop"
 
     @dataclass
     class Params:
@@ -22,3 +23,6 @@ class Drop(MissPolicy):
         fetch = Fetched()
         drop = Dropped()
         return [fetch if r < self.params.J else drop for r in ranks]
+
+
+MISS.register(Drop)

@@ -3,12 +3,13 @@ from dataclasses import dataclass
 from .base import MISS, CascadeMissPolicy, CascadeParams, Dropped, Fetched, best_ranks, expert_scores, percentile_bands
 
 
-@MISS.register("drop_priority_cascade")
 class DropPriorityCascade(CascadeMissPolicy):
     """Drop Priority Cascade (SpecMD §5.4): a miss ranked in some token's top ``J`` is fetched at the highest
     precision of ``precisions``; the others are banded by gate score among this layer call's requested
     experts: at or above the ``percentile``-th percentile -> highest precision, below it split evenly over
     the lower precisions and one final band that is dropped (``int8:4:2``: int4, int2, drop)."""
+
+    name = "drop_priority_cascade"
 
     @dataclass
     class Params(CascadeParams):
@@ -25,3 +26,6 @@ class DropPriorityCascade(CascadeMissPolicy):
             b = 0 if r < self.params.J else band[e]
             out.append(Dropped() if b >= len(cascade) else Fetched(cascade[b]))
         return out
+
+
+MISS.register(DropPriorityCascade)

@@ -3,10 +3,11 @@ from dataclasses import dataclass
 from .base import MISS, MissPolicy
 
 
-@MISS.register("fetch")
 class Fetch(MissPolicy):
     """Blocking fetch of every miss at ``precision`` (default ``native``: the stored full precision, 100%
     fidelity). ``precision=int4`` with ``quant=hqq`` is SpecMD's "all experts at 4 bit" setting."""
+
+    name = "fetch"
 
     reads_logits = False  # (Policy.reads_logits)
 
@@ -37,3 +38,6 @@ class Fetch(MissPolicy):
 
     def passive(self):
         return type(self).handle is Fetch.handle  # (a subclass with its own handle is called)
+
+
+MISS.register(Fetch)

@@ -3,10 +3,11 @@ from dataclasses import dataclass
 from .base import MISS, MissPolicy, parse_cascade
 
 
-@MISS.register("fetch_lowest_bit")
 class FetchLowestBit(MissPolicy):
     """Fetch Lowest Bit (SpecMD §5.4): experts are stored at the cascade ``precisions`` and every miss (and
     every prefetch) is fetched at its lowest one (``int8:4:2`` -> int2)."""
+
+    name = "fetch_lowest_bit"
 
     reads_logits = False  # (Policy.reads_logits)
 
@@ -27,3 +28,6 @@ class FetchLowestBit(MissPolicy):
 
     def handle(self, layer, missing, record, cache):
         return None
+
+
+MISS.register(FetchLowestBit)

@@ -4,7 +4,6 @@ from typing import Optional
 from .base import MISS, Fetched, HostComputed, MissPolicy, percentile_bands
 
 
-@MISS.register("hybrid")
 class Hybrid(MissPolicy):
     """Hybrid misses: each missed expert is fetched over the link or computed on the host from the host tier,
     whichever the costs say lets the layer finish first given what the link and the host already have queued,
@@ -37,6 +36,8 @@ class Hybrid(MissPolicy):
       weight its output gets, read back with the routing, so the policy needs no logits).
 
     Host-computed experts run at full precision (exact output) and are not inserted."""
+
+    name = "hybrid"
 
     reads_logits = False  # (Policy.reads_logits: the routing weights suffice)
 
@@ -129,3 +130,6 @@ def _beside(link: float, device: float, host: float) -> float:
 def _before(link: float, device: float, host: float) -> float:
     """... with the host on the device's cores (a CPU): the device's experts wait for the link and the host."""
     return max(link, host) + device
+
+
+MISS.register(Hybrid)

@@ -5,7 +5,6 @@ import torch
 from .base import MISS, Fetched, MissPolicy, Substituted
 
 
-@MISS.register("substitute")
 class Substitute(MissPolicy):
     """Expert substitution (Zhu et al. 2025, Algorithm 1 "expert-cache router"; SpecMD §3.1.2). For each
     token, ``S_{k+1}`` is its (k+1)-th highest score. A selected expert is *low-score* for the token if
@@ -16,6 +15,8 @@ class Substitute(MissPolicy):
     A missing expert is substituted when every token that selected it can be served this way; otherwise
     it is fetched (one transfer serves all its tokens, and the other tokens then stay exact). Scores are
     router probabilities (softmax, or sigmoid scores for DeepSeek-V3-style routers)."""
+
+    name = "substitute"
 
     @dataclass
     class Params:
@@ -52,3 +53,6 @@ class Substitute(MissPolicy):
             eligible[tokens.nonzero().squeeze(-1), pick] = False
             actions.append(Substituted(sub))
         return actions
+
+
+MISS.register(Substitute)

@@ -3,13 +3,14 @@ from dataclasses import dataclass
 from .base import PREFETCH, PrefetchPolicy, overfetch_count, overfetch_errors, topk_prediction
 
 
-@PREFETCH.register("lookahead")
 class Lookahead(PrefetchPolicy):
     """Multi-layer lookahead (HOBBIT, Tang et al. 2024): gating inputs of adjacent layers are similar, so
     the routers of layers l+1 ... l+``depth`` are all applied to layer l's router input and each token's top
     ``ceil(k * overfetch)`` experts of each are prefetched, nearer layers first (the channel is FIFO, so
     layer l+1's predictions arrive first). A layer predicted from several earlier layers is requested again
     each time; experts already resident or in flight are not re-fetched."""
+
+    name = "lookahead"
 
     @dataclass
     class Params:
@@ -46,3 +47,6 @@ class Lookahead(PrefetchPolicy):
                 break
             out.append((target, topk_prediction(record, target, self.count)))
         return out
+
+
+PREFETCH.register(Lookahead)

@@ -1,9 +1,10 @@
 from .base import PREFETCH, PrefetchPolicy
 
 
-@PREFETCH.register("none")
 class NoPrefetch(PrefetchPolicy):
     """No prefetching: every expert arrives by a demand fetch."""
+
+    name = "none"
 
     @classmethod
     def signal_depth(cls, params):
@@ -14,3 +15,6 @@ class NoPrefetch(PrefetchPolicy):
 
     def passive(self):
         return type(self).predict is NoPrefetch.predict  # (a subclass with its own predict is called)
+
+
+PREFETCH.register(NoPrefetch)

@@ -2,12 +2,13 @@ from ...errors import ConfigError
 from .base import PREFETCH, PrefetchPolicy
 
 
-@PREFETCH.register("oracle")
 class Oracle(PrefetchPolicy):
     """Oracle prefetch: exactly the next MoE layer's true request set, issued in ascending expert order
     when the current layer's experts start (the upper bound of any next-layer predictor: precision and
     recall 1). Replay only: it reads the recorded future (the router's own requests of the next layer call
     of the same forward pass); a live run is rejected before the model loads."""
+
+    name = "oracle"
 
     needs_future = True
 
@@ -26,3 +27,6 @@ class Oracle(PrefetchPolicy):
         if target is None or self.future.layer_of(nxt) != target:
             return []
         return [(target, self.future.requests(nxt))]
+
+
+PREFETCH.register(Oracle)

@@ -1,7 +1,8 @@
+# cython: wraparound=False
+# (the merge and selection loops below index buffers from 0 up: no index wraps)
 import math
 from dataclasses import dataclass
 
-import cython
 import numpy as np
 import torch
 
@@ -9,7 +10,6 @@ from ..base import check_choice, memory_errors
 from .base import PREFETCH, PrefetchPolicy, union_by_score
 
 
-@PREFETCH.register("score")
 class Score(PrefetchPolicy):
     """Score-based prefetch (Zhu et al. 2025; SpecMD §3.1.4): the next layer's router is applied to the
     current router input and every expert whose predicted probability is at or above the ``percentile``-th
@@ -25,6 +25,8 @@ class Score(PrefetchPolicy):
     * ``token``: over each token's own E scores. Then every token prefetches a fixed (100 - percentile)%
       of the experts (ties aside), which is top-k with k = (1 - percentile/100)·E: the count does *not*
       adapt, contradicting the text; kept as the literal "percentile of the softmax scores" reading."""
+
+    name = "score"
 
     @dataclass
     class Params:
@@ -129,20 +131,16 @@ class Score(PrefetchPolicy):
         return [(target, _chosen(rows, a, b, take_a, self._best, self._order))]
 
 
-@cython.cfunc
-@cython.boundscheck(False)  # (indices below the lengths the caller sized the buffers for)
-@cython.wraparound(False)
-def _merge(s: cython.float[::1], n: cython.Py_ssize_t, gone: cython.float[::1], new: cython.float[::1],
-           out: cython.float[::1]) -> cython.Py_ssize_t:
+def _merge(s: memoryview, n: int, gone: memoryview, new: memoryview,
+           out: memoryview) -> int:
     """``out`` = ``s[:n]`` without ``gone`` (a sub-multiset of it), with ``new``, ascending (all ascending as
     ``np.sort`` orders them, NaN last); returns its length."""
-    i: cython.Py_ssize_t = 0
-    j: cython.Py_ssize_t = 0
-    k: cython.Py_ssize_t = 0
-    o: cython.Py_ssize_t = 0
-    v: cython.float
-    ng: cython.Py_ssize_t = gone.shape[0]
-    nn: cython.Py_ssize_t = new.shape[0]
+    i = 0
+    j = 0
+    k = 0
+    o = 0
+    ng = gone.shape[0]
+    nn = new.shape[0]
     if n - ng + nn > out.shape[0] or n > s.shape[0]:
         raise ValueError(f"score prefetch: a window of {n} - {ng} + {nn} scores in a buffer of {out.shape[0]}")
     while i < n:
@@ -167,13 +165,8 @@ def _merge(s: cython.float[::1], n: cython.Py_ssize_t, gone: cython.float[::1], 
     return o
 
 
-@cython.cfunc
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _holds(rows: cython.float[:, :], a: cython.float) -> cython.bint:
+def _holds(rows: memoryview, a: float) -> bool:
     """Whether some score of ``rows`` equals ``a``."""
-    t: cython.Py_ssize_t
-    e: cython.Py_ssize_t
     for t in range(rows.shape[0]):
         for e in range(rows.shape[1]):
             if rows[t, e] == a:
@@ -181,20 +174,13 @@ def _holds(rows: cython.float[:, :], a: cython.float) -> cython.bint:
     return False
 
 
-@cython.cfunc
-@cython.boundscheck(False)  # (the buffers hold E entries: _push sized them)
-@cython.wraparound(False)
-def _chosen(rows: cython.float[:, :], a: cython.float, b: cython.float, take_a: cython.bint,
-            best: cython.float[::1], order: cython.longlong[::1]) -> list:
+def _chosen(rows: memoryview, a: float, b: float, take_a: bool,
+            best: memoryview, order: memoryview) -> list:
     """The experts some token scores at or above the threshold (``>= b``, or ``== a`` when ``take_a``), by
     descending best score, ties: the lower expert first (:func:`union_by_score`'s order)."""
-    T: cython.Py_ssize_t = rows.shape[0]
-    E: cython.Py_ssize_t = rows.shape[1]
-    t: cython.Py_ssize_t
-    e: cython.Py_ssize_t
-    i: cython.Py_ssize_t
-    m: cython.Py_ssize_t = 0
-    r: cython.float
+    T = rows.shape[0]
+    E = rows.shape[1]
+    m = 0
     if best.shape[0] < E or order.shape[0] < E:
         raise ValueError(f"score prefetch: scratch for {best.shape[0]} experts, rows of {E}")
     for e in range(E):
@@ -236,3 +222,6 @@ def _lerp(a, b, w) -> torch.Tensor:
     """``torch.lerp`` of two float32 values, the op ``torch.quantile`` ends with (a 0-dim float32 tensor)."""
     return torch.lerp(torch.tensor([a], dtype=torch.float32), torch.tensor([b], dtype=torch.float32),
                       torch.tensor([w], dtype=torch.float32)).reshape(())
+
+
+PREFETCH.register(Score)

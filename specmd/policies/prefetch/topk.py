@@ -3,7 +3,6 @@ from dataclasses import dataclass
 from .base import PREFETCH, PrefetchPolicy, overfetch_count, overfetch_errors, topk_prediction
 
 
-@PREFETCH.register("topk")
 class TopK(PrefetchPolicy):
     """Speculative next-layer prefetch (Eliseev & Mazur; SpecMD §3.1.4).
 
@@ -13,6 +12,8 @@ class TopK(PrefetchPolicy):
     tokens of the pass the predictions are united and issued in descending order of their highest
     probability (ties: lower expert index first), so the most confident ones reach the channel first.
     """
+
+    name = "topk"
 
     @dataclass
     class Params:
@@ -34,3 +35,6 @@ class TopK(PrefetchPolicy):
         if target is None:
             return []
         return [(target, topk_prediction(record, target, self.count))]
+
+
+PREFETCH.register(TopK)

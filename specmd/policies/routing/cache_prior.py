@@ -5,13 +5,14 @@ import torch
 from .base import ROUTING, RoutingPolicy, cache_mask
 
 
-@ROUTING.register("cache_prior")
 class CachePrior(RoutingPolicy):
     """Cache-Prior (Cache-Conditional Experts, Eq. 9): ``z' = z + lambda * Delta_avg * m~``, where ``m~``
     marks the cached experts plus each token's top-``J`` and ``Delta_avg`` is this layer's running average
     (over all tokens seen so far, this call included) of ``max z - min z``. The top-k of ``z'`` is
     selected; the original probabilities weigh it (dual-logit). ``lambda = 0`` is the router's own choice.
     Family selection rules (DeepSeek group limits) do not apply to the re-ranked choice."""
+
+    name = "cache_prior"
 
     @dataclass
     class Params:
@@ -40,3 +41,6 @@ class CachePrior(RoutingPolicy):
             boost.scatter_(-1, record.original[:, : self.params.J], True)
         z2 = z + (lam * delta) * boost
         return torch.topk(z2, record.top_k, dim=-1).indices
+
+
+ROUTING.register(CachePrior)

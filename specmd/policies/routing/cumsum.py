@@ -5,11 +5,12 @@ import torch
 from .base import ROUTING, RoutingPolicy, cache_mask, promote_select
 
 
-@ROUTING.register("cumsum")
 class Cumsum(RoutingPolicy):
     """Cumulative-sum threshold (Cache-Conditional Experts, Algorithm 2): per token, ``M`` is the number of
     top-ranked experts whose router probabilities first reach ``p`` (``M = 0`` for ``p = 0``), then Max-Rank
     with that ``M`` and top-``J`` kept. Probabilities are the family's (softmax, or sigmoid scores)."""
+
+    name = "cumsum"
 
     @dataclass
     class Params:
@@ -28,3 +29,6 @@ class Cumsum(RoutingPolicy):
         if self.params.p <= 0:
             m = torch.zeros_like(m)
         return promote_select(ranking, cache_mask(record, cache), m, self.params.J, record.top_k)
+
+
+ROUTING.register(Cumsum)

@@ -5,13 +5,14 @@ import torch
 from .base import ROUTING, RoutingPolicy, cache_mask, promote_select
 
 
-@ROUTING.register("max_rank")
 class MaxRank(RoutingPolicy):
     """Max-Rank (Cache-Conditional Experts, Algorithm 1): cached experts within the router's top ``M`` are
     promoted ahead of uncached ones, the router's top ``J`` always stay first; the new top-k runs, weighted
     by the original probabilities. ``M <= k`` leaves the selection unchanged (up to order); ``M >= E``
     searches every rank (the default 16 on Mixtral's 8 experts): a search depth, not a count of experts, so it
     is not bounded by the model, unlike ``J`` (checked against the top-k by the engine)."""
+
+    name = "max_rank"
 
     @dataclass
     class Params:
@@ -26,3 +27,6 @@ class MaxRank(RoutingPolicy):
         ranking = torch.argsort(record.logits, dim=-1, descending=True, stable=True)
         m = ranking.new_full((ranking.shape[0],), self.params.M)
         return promote_select(ranking, cache_mask(record, cache), m, self.params.J, record.top_k)
+
+
+ROUTING.register(MaxRank)

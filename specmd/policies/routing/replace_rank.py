@@ -6,7 +6,6 @@ from ..base import ranked_by_score
 from .base import ROUTING, RoutingPolicy
 
 
-@ROUTING.register("replace_rank")
 class ReplaceRank(RoutingPolicy):
     """Expert sensitivity by rank (Cache-Conditional Experts §3, Fig. 2 right): "we replaced the expert ranked
     k with a randomly selected expert" -- every token's expert at ``rank`` (0-based, 0 = the top-1) is swapped
@@ -18,6 +17,8 @@ class ReplaceRank(RoutingPolicy):
     renormalise (OLMoE) the swap mostly removes the replaced expert's contribution, and on those that do
     (Mixtral) the kept experts' weights grow. The draws come from a generator seeded with ``seed``, so a live
     run and its replay swap the same experts."""
+
+    name = "replace_rank"
 
     @dataclass
     class Params:
@@ -47,3 +48,6 @@ class ReplaceRank(RoutingPolicy):
         noise.scatter_(1, index.cpu(), -1.0)  # never draw an expert the token already selected
         index[:, self.params.rank] = noise.argmax(dim=1).to(index.device)
         return index
+
+
+ROUTING.register(ReplaceRank)

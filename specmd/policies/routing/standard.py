@@ -1,9 +1,10 @@
 from .base import ROUTING, RoutingPolicy
 
 
-@ROUTING.register("standard")
 class Standard(RoutingPolicy):
     """Unmodified routing: the router's own top-k (100% routing fidelity)."""
+
+    name = "standard"
 
     reads_logits = False  # (Policy.reads_logits)
 
@@ -12,3 +13,6 @@ class Standard(RoutingPolicy):
 
     def passive(self):
         return type(self).apply is Standard.apply  # (a subclass with its own apply is called)
+
+
+ROUTING.register(Standard)
