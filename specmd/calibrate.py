@@ -160,7 +160,7 @@ def measure_host_experts(model, family: str, hw: dict, device: torch.device, rep
     experts * expert + pairs * token`` (non-negative least squares). Returns ({``host_call_overhead_us``,
     ``host_expert_overhead_us``, ``host_token_overhead_us``}, {case: measured us})."""
     from .executor.hostwork import HOST_COMPUTE
-    from .executor.kernel import Bank, _remote_bank, expert_tensors, weight_names
+    from .executor.kernel import Bank, _remote_bank, expert_tensors
     from .models.adapters import adapter_for
 
     adapter = adapter_for(family)
@@ -169,8 +169,8 @@ def measure_host_experts(model, family: str, hw: dict, device: torch.device, rep
     tensors = {n: t.detach().cpu() for n, t in expert_tensors(mod, E).items()}
     params = sum(t[0].numel() for t in tensors.values())
     nbytes = sum(t[0].numel() * t.element_size() for t in tensors.values())
-    names = weight_names(mod)
-    transposed, gated = bool(getattr(mod, "is_transposed", False)), getattr(mod, "has_gate", True)
+    layout = adapter.experts_layout
+    names, transposed, gated = layout.names, layout.transposed, layout.gated
     H = tensors[names[1]].shape[2 if transposed else 1]
     dtype = next(iter(tensors.values())).dtype
     worker, bank = HOST_COMPUTE["thread" if device.type == "cuda" else "inline"](), Bank(tensors, 0, E)

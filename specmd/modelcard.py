@@ -1,6 +1,6 @@
 """Measure what a model card reports: routing statistics and task scores.
 
-    python -m specmd.modelcard --model specmd:tiny-olmoe --out card.json
+    specmd card --model specmd:tiny-olmoe --out card.json      # or python -m specmd.modelcard ...
 
 Routing statistics are measured on WikiText-2 *test* text (measurement only; never trained on), per MoE
 layer, from the router's own top-k:
@@ -41,8 +41,6 @@ REAL_LOCALITY = {(8, 2): {"model": "Mixtral-8x7B-Instruct", "mean": 0.376, "min"
                           "source": "vLLM decode routing capture, 577 tokens x 32 layers (issue 18)"}}
 LOCALITY_MEAN_TOL = 0.06
 LOCALITY_FLOOR = 0.25
-# family -> (mirror dir, real model, its MoE layers, its top-k)
-REFERENCE = {"olmoe": ("olmoe", "OLMoE-1B-7B", 16, 8), "mixtral": ("mistral", "Mixtral-8x7B", 32, 2)}
 REFERENCE_LAYERS = (0, 7, 15)
 DOMAINS = ("arxiv", "book", "c4", "github", "wikipedia")
 
@@ -97,9 +95,10 @@ def reference_stats(mirror, family: str) -> Optional[dict]:
     """The real model's popularity skew and co-selection (five domains pooled) from the mirror, or None."""
     import numpy as np
 
-    if family not in REFERENCE or mirror is None:
+    ref = _reference(family)
+    if ref is None or mirror is None:
         return None
-    root = Path(mirror) / "routing_stats" / "olmoe_paper" / REFERENCE[family][0]
+    root = Path(mirror) / "routing_stats" / "olmoe_paper" / ref[0]
     if not root.is_dir():
         return None
     counts, pairs = None, None
@@ -117,25 +116,34 @@ def reference_stats(mirror, family: str) -> Optional[dict]:
             for ab, n in c.items():
                 a, b = ab.split(",")
                 pairs[i, int(a), int(b)] += n
-    _, model, _, top_k = REFERENCE[family]
+    _, model, _, top_k = ref
     return {"model": model, "layers": per["layers"], "tokens": int(counts[0].sum()) // top_k,
             "domains": list(DOMAINS),
             "skew": [_skew(c) for c in counts], "layer_pairs": cross["layer_pairs"],
             "co_selection_nmi": [_nmi(p) for p in pairs]}
 
 
+def _reference(family: str):
+    """The family's real-model routing reference (its adapter's ``routing_reference``), or None."""
+    from .models.adapters import ADAPTERS
+
+    adapter = ADAPTERS.get(family)
+    return adapter.routing_reference if adapter is not None else None
+
+
 def reference_layers(family: str, num_layers: int) -> list[int]:
     """This model's layers at the real model's relative depths (layers 0/7/15 of 16 or of 32)."""
-    real = REFERENCE[family][2] if family in REFERENCE else 16
+    ref = _reference(family)
+    real = ref[2] if ref is not None else 16
     return sorted({min(num_layers - 1, round(x * num_layers / real)) for x in REFERENCE_LAYERS})
 
 def routing_stats(model, tokenizer, texts: list[str], window: int = 512, max_tokens: int = 65536) -> dict:
     """The card's routing statistics of ``model`` on ``texts`` (windows of ``window`` tokens, each one
     prefill pass, up to ``max_tokens``), from the trace the one recorder writes
-    (:func:`specmd.replay.record.record_routing`)."""
+    (:func:`specmd.record.record_routing`)."""
     import tempfile
 
-    from .replay.record import record_routing
+    from .record import record_routing
 
     ids = []
     for t in texts:
@@ -297,8 +305,9 @@ def render(card: dict, summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="specmd card", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="specmd:tiny-olmoe")
     ap.add_argument("--mirror", default=None, help="data mirror (default: $SPECMD_DATA_MIRROR)")
     ap.add_argument("--out", default=None)
@@ -308,7 +317,7 @@ def main():
                     help="re-measure only the routing part of the card --out (keeps its task scores)")
     ap.add_argument("--limits", default='{"wikitext": null, "mmlu": 10, "gsm8k": 50, "truthfulqa": null, "nq_open": 200}',
                     help="JSON: task -> eval.limit (null = full task)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     import os
 
     mirror = args.mirror or os.environ.get("SPECMD_DATA_MIRROR")

@@ -1,11 +1,11 @@
 """Train an embedded model: ``python -m specmd.train [overrides]`` (config: ``specmd/conf/train.yaml``; the deeper
 models: ``--config-name train_deep_olmoe`` / ``train_deep_mixtral``).
 
-An OLMoE- or Mixtral-architecture MoE (``architecture``; transformers' ``OlmoeForCausalLM`` /
-``MixtralForCausalLM``) with
-the load-balancing auxiliary loss, on WikiText-2 *validation* + GSM8K *train* read through the data mirror
-(or the hub), with a byte-level BPE tokenizer trained on the same text. Seeded: the data order of step s
-is a function of (seed, s), so a run interrupted and resumed from its checkpoint continues exactly.
+An MoE of one of specmd's families (``architecture``: ``olmoe`` or ``mixtral`` for the embedded models, whose
+transformers classes are ``OlmoeForCausalLM`` / ``MixtralForCausalLM``) with the load-balancing auxiliary
+loss, on WikiText-2 *validation* + GSM8K *train* read through the data mirror (or the hub), with a
+byte-level BPE tokenizer trained on the same text. Seeded: the data order of step s is a function of
+(seed, s), so a run interrupted and resumed from its checkpoint continues exactly.
 """
 
 from __future__ import annotations
@@ -124,23 +124,24 @@ def batch_indices(step: int, batch_size: int, n_blocks: int, seed: int) -> torch
 
 
 # ---- model / optimisation ----------------------------------------------------------------------------
-ARCHITECTURES = {"olmoe": ("OlmoeConfig", "OlmoeForCausalLM"), "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
-
-
 def build_model(cfg, tokenizer):
-    """The ``architecture``'s transformers model (``olmoe``: fine-grained experts, softmax top-k without
-    renormalisation; ``mixtral``: few coarse experts, renormalised top-k) from the ``model`` fields."""
-    import transformers
+    """The ``architecture``'s transformers model from the ``model`` fields: any family with an adapter
+    (:func:`specmd.models.adapters.families`; the embedded models are ``olmoe``: fine-grained experts, softmax
+    top-k without renormalisation, and ``mixtral``: few coarse experts, renormalised top-k), built as its
+    causal-LM class directly (no hub, transformers' own seeded initialisation)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from .models.adapters import families
 
     arch = cfg.get("architecture", "olmoe")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"architecture={arch!r}; valid: {sorted(ARCHITECTURES)}")
-    config_cls, model_cls = (getattr(transformers, n) for n in ARCHITECTURES[arch])
-    mc = config_cls(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
-                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                    output_router_logits=True, **OmegaConf.to_container(cfg.model, resolve=True))
+    if arch not in families():
+        raise ValueError(f"architecture={arch!r}; valid: {sorted(families())}")
+    mc = AutoConfig.for_model(arch, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                              output_router_logits=True, **OmegaConf.to_container(cfg.model, resolve=True))
     torch.manual_seed(cfg.seed)
-    return model_cls(mc)
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(mc)](mc)
 
 
 def lr_at(step: int, cfg) -> float:

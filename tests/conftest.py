@@ -22,7 +22,9 @@ def pytest_sessionfinish(session, exitstatus):
 
     shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
-FAMILIES = ["olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "deepseek_v2", "deepseek_v3", "gpt_oss"]
+from specmd.models.adapters import families  # noqa: E402 -- after SPECMD_CACHE is set
+
+FAMILIES = families()  # every family with an adapter, in its order (tests parametrise over it)
 
 
 def mirror_path():

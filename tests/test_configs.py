@@ -8,17 +8,18 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from conftest import ROOT
-from specmd import CONF_DIR
+from specmd import CONF_DIR, shipped
+from specmd.engine import GROUPS as FAMILIES
 from specmd.app import Run
 from specmd.errors import ConfigError
 
 CONF = Path(CONF_DIR)
-GROUPS = ["model", "routing", "miss", "eviction", "prefetch", "quant", "hardware", "logger"]
+# the groups config.yaml composes by default (each option of each must validate); the policy families among them
+GROUPS = list(shipped.defaults())
 NEEDS_QUANT = {"fetch_priority", "drop_priority_cascade"}  # cascades of stored precisions
 
 
-def options(group):
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+options = shipped.options
 
 
 def compose_run(overrides):
@@ -39,26 +40,22 @@ def oracle(group, option) -> bool:
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_validates(group, option):
     run = compose_run([f"{group}={option}"] + ([f"replay.trace={EMBEDDED_TRACE}"] if oracle(group, option) else []))
-    if group in ("routing", "miss", "eviction", "prefetch"):
+    if group in FAMILIES:
         assert run.policies[group][0].name == option  # config file named like its registry name
     if group == "model":
         assert run.model.name == option
 
 
 def test_every_registered_policy_has_a_config():
-    from specmd.policies.eviction import EVICTION
-    from specmd.policies.miss import MISS
-    from specmd.policies.prefetch import PREFETCH
-    from specmd.policies.routing import ROUTING
-
+    from specmd.executor import EXECUTION
+    from specmd.policies import REGISTRIES
     from specmd.quant import QUANT
 
-    for group, reg in (("routing", ROUTING), ("miss", MISS), ("eviction", EVICTION), ("prefetch", PREFETCH),
-                       ("quant", QUANT)):
+    for group, reg in {**REGISTRIES, "quant": QUANT, "execution": EXECUTION}.items():
         assert reg.names() == options(group)
 
 
-POLICY_GROUPS = ["routing", "miss", "eviction", "prefetch", "quant"]
+POLICY_GROUPS = [*FAMILIES, "quant"]
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +163,9 @@ def test_ranges_that_depend_on_the_model_are_checked_when_its_geometry_is_known(
 
 
 def test_real_model_configs_name_their_checkpoints():
-    for name in ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "phimoe", "deepseek_v2", "deepseek_v3", "gpt_oss"):
+    from specmd.models.adapters import families
+
+    for name in families():  # every family has a real-checkpoint config named after it
         run = compose_run([f"model={name}"])
         assert run.model.pretrained and run.model.family == name
 

@@ -66,19 +66,19 @@ def _layer_inputs(model, family, T, seed):
     hidden = torch.randn(T, model.config.hidden_size, generator=g)
     index = torch.rand(T, E, generator=g).argsort(dim=-1)[:, :k]  # k distinct experts per row
     weights = torch.rand(T, k, generator=g)
-    return mod, E, hidden, index, weights
+    return mod, adapter.experts_layout, E, hidden, index, weights
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("T", [1, 5, 33])
 def test_kernel_equals_the_family_experts_forward(family, T):
     model = tiny(family)
-    mod, E, hidden, index, weights = _layer_inputs(model, family, T, seed=T)
+    mod, layout, E, hidden, index, weights = _layer_inputs(model, family, T, seed=T)
     with torch.no_grad():
         ref = mod(hidden, index, weights)
         tensors = expert_tensors(mod, E)
         assert tensors and all(t.shape[0] == E for t in tensors.values())
-        out = run_experts(mod, hidden, index, weights, views_of(tensors, E))
+        out = run_experts(mod, layout, hidden, index, weights, views_of(tensors, E))
         assert torch.equal(out, ref)
         # the views permuted into a bigger slot table (an arena): expert e's bytes in slot perm[e]
         g = torch.Generator().manual_seed(100 + T)
@@ -90,12 +90,12 @@ def test_kernel_equals_the_family_experts_forward(family, T):
             for e in range(E):
                 table[perm[e]] = t[e]
             sources[name] = [table[perm[e]] for e in range(E)]
-        assert torch.equal(run_experts(mod, hidden, index, weights, sources), ref)
+        assert torch.equal(run_experts(mod, layout, hidden, index, weights, sources), ref)
         # an expert that does not run here (None): its rows contribute zero, as a zero weight does
         gone = int(index[0, 0])
         sources = {n: [None if e == gone else v for e, v in enumerate(vs)] for n, vs in views_of(tensors, E).items()}
         zeroed = torch.where(index == gone, torch.zeros_like(weights), weights)
-        assert torch.equal(run_experts(mod, hidden, index, weights, sources), mod(hidden, index, zeroed))
+        assert torch.equal(run_experts(mod, layout, hidden, index, weights, sources), mod(hidden, index, zeroed))
 
 
 def _banked_inputs(tensors, E, g, split: bool, gone: int):
@@ -133,7 +133,7 @@ def test_grouped_kernel_over_banks_equals_the_family_experts_forward(family):
 
     model = tiny(family)
     for T in (1, 5, 33):
-        mod, E, hidden, index, weights = _layer_inputs(model, family, T, seed=T)
+        mod, layout, E, hidden, index, weights = _layer_inputs(model, family, T, seed=T)
         g = torch.Generator().manual_seed(200 + T)
         with torch.no_grad():
             tensors = expert_tensors(mod, E)
@@ -143,7 +143,7 @@ def test_grouped_kernel_over_banks_equals_the_family_experts_forward(family):
                 ref = mod(hidden, index, torch.where(index == gone, torch.zeros_like(weights), weights))
                 counts = torch.bincount(index.reshape(-1), minlength=E)
                 rows = [int(counts[(slot_of >= b.first) & (slot_of < b.first + b.n)].sum()) for b in banks]
-                got = grouped_experts(mod, hidden, index, weights, slot_of, banks, rows)
+                got = grouped_experts(mod, layout, hidden, index, weights, slot_of, banks, rows)
                 assert torch.equal(got, ref), (family, T, split, (got - ref).abs().max())
                 groups = []
                 for b, n in zip(banks, rows):
@@ -152,15 +152,15 @@ def test_grouped_kernel_over_banks_equals_the_family_experts_forward(family):
                                       if counts[e] and b.first <= slot_of[e] < b.first + b.n)
                         ends = [sum(c for _, c in mine[:i + 1]) for i in range(len(mine))]
                         groups.append((ends, [sl for sl, _ in mine]))
-                looped = grouped_experts(mod, hidden, index, weights, slot_of, banks, rows, groups=groups)
+                looped = grouped_experts(mod, layout, hidden, index, weights, slot_of, banks, rows, groups=groups)
                 assert torch.equal(looped, ref), (family, T, split, "looped")
 
 
 def test_kernel_with_no_expert_available_returns_zeros():
     model = tiny("olmoe")
-    mod, E, hidden, index, weights = _layer_inputs(model, "olmoe", 5, seed=0)
+    mod, layout, E, hidden, index, weights = _layer_inputs(model, "olmoe", 5, seed=0)
     sources = {n: [None] * E for n in expert_tensors(mod, E)}
-    assert torch.equal(run_experts(mod, hidden, index, weights, sources), torch.zeros_like(hidden))
+    assert torch.equal(run_experts(mod, layout, hidden, index, weights, sources), torch.zeros_like(hidden))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -617,7 +617,7 @@ def test_disk_tier_truncated_after_construction_is_a_short_read(tmp_path):
     d = _ckpt_copy(tmp_path)
     st = d / "model.safetensors"
     shapes = {"gate_up_proj": (64, 128), "down_proj": (128, 32)}
-    tier = DiskTier(str(d), list(range(16)), shapes, torch.float32, 64)
+    tier = DiskTier(str(d), list(range(16)), shapes, torch.float32, 64, adapter_for("olmoe").hub)
     try:
         dst = {n: torch.empty(s) for n, s in shapes.items()}
         tier.copy_into(15, 63, dst)  # whole: reads fine
@@ -1034,7 +1034,7 @@ def test_grouped_kernel_with_one_slot_and_a_dropped_expert():
     from specmd.executor.kernel import Bank, grouped_experts
 
     model = tiny("olmoe")
-    mod, E, hidden, index, weights = _layer_inputs(model, "olmoe", 1, seed=9)
+    mod, layout, E, hidden, index, weights = _layer_inputs(model, "olmoe", 1, seed=9)
     with torch.no_grad():
         tensors = expert_tensors(mod, E)
         keep = int(index[0, 0])
@@ -1042,7 +1042,7 @@ def test_grouped_kernel_with_one_slot_and_a_dropped_expert():
         slot_of = torch.full((E,), 1, dtype=torch.long)
         slot_of[keep] = 0
         ref = mod(hidden, index, torch.where(index == keep, weights, torch.zeros_like(weights)))
-        got = grouped_experts(mod, hidden, index, weights, slot_of, [bank], [1])
+        got = grouped_experts(mod, layout, hidden, index, weights, slot_of, [bank], [1])
     assert torch.equal(got, ref)
     from specmd.executor.kernel import group_ends
 

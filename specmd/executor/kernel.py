@@ -49,11 +49,12 @@ class Bank:
         self.lo, self.hi = first, first + n
 
 
-def grouped_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, slot_of: torch.Tensor,
-                    banks: Sequence[Bank], rows: Optional[Sequence[int]] = None,
+def grouped_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                    slot_of: torch.Tensor, banks: Sequence[Bank], rows: Optional[Sequence[int]] = None,
                     ready: Optional[Callable] = None, groups: Optional[Sequence] = None) -> torch.Tensor:
-    """The layer call's experts from ``banks``. ``mod``: the family's fused experts module (its gate,
-    activation, layout flags; its own weights are not read); ``hidden`` [T, H]; ``index``/``weights`` [T, k]
+    """The layer call's experts from ``banks``. ``mod``: the family's fused experts module (its gate and
+    activation; its own weights are not read); ``layout``: its adapter's
+    :class:`~specmd.models.adapters.ExpertsLayout`; ``hidden`` [T, H]; ``index``/``weights`` [T, k]
     on the device; ``slot_of`` [E] long on the device: each expert's global slot this call, or the sentinel
     ``banks[-1].first + banks[-1].n``: it does not run here and its rows contribute zero (its weight is zero:
     dropped; or its output is not this kernel's). ``rows``: with several banks or sentinel rows, the
@@ -68,9 +69,8 @@ def grouped_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: tor
     call ~1 us, it is the faster (on deep_olmoe at capacity 1.0 the grouped call was 3.8x simulated over the
     whole 1,024-slot arena, 1.9x spanning only the slots read; looped 1.01-1.05x); ``rows`` is then
     required. Returns [T, H]."""
-    up, down, up_b, down_b = weight_names(mod)
-    transposed = bool(getattr(mod, "is_transposed", False))
-    gated = getattr(mod, "has_gate", True)
+    up, down, up_b, down_b = layout.names
+    transposed, gated = layout.transposed, layout.gated
     k = index.size(-1)
     T, H = hidden.shape
     S = T * k
@@ -116,7 +116,7 @@ def grouped_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: tor
     if done < S:  # sentinel rows: nothing runs here, their contribution is zero
         outs.append(hidden.new_zeros(S - done, H, dtype=outs[0].dtype if outs else hidden.dtype))
     proj = outs[0] if len(outs) == 1 else torch.cat(outs)  # [S, H]
-    if getattr(mod, "has_post_expert_norm", False):
+    if layout.post_norm:
         proj = mod.post_expert_norm(proj)
     weighted = proj * w_g.unsqueeze(-1)  # [S, H]
     inv = torch.empty_like(perm)  # [S]
@@ -192,13 +192,6 @@ def _linear(x: torch.Tensor, slots: torch.Tensor, b: Bank, ends: torch.Tensor, n
                            transposed)
 
 
-def weight_names(mod) -> tuple[str, str, Optional[str], Optional[str]]:
-    """(up weight, down weight, up bias, down bias) parameter names of a fused experts module."""
-    up = "gate_up_proj" if getattr(mod, "has_gate", True) else "up_proj"
-    bias = getattr(mod, "has_bias", False)
-    return up, "down_proj", (up + "_bias") if bias else None, ("down_proj_bias" if bias else None)
-
-
 def _grouped(x_g: torch.Tensor, bounds: Sequence[int], experts: Sequence[int], W: Sequence, B: Optional[Sequence],
              transposed: bool, out_dim: int, skip: bool) -> torch.Tensor:
     # x_g [S, in] rows sorted by expert; W[e]: [out, in] (or [in, out] when transposed); B[e]: [out]
@@ -216,16 +209,18 @@ def _grouped(x_g: torch.Tensor, bounds: Sequence[int], experts: Sequence[int], W
     return out
 
 
-def run_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, sources: dict) -> torch.Tensor:
-    """``mod``: the family's fused experts module (its gate, activation, layout flags); ``hidden`` [T, H];
+def run_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                sources: dict) -> torch.Tensor:
+    """``mod``: the family's fused experts module (its gate and activation); ``layout``: its adapter's
+    :class:`~specmd.models.adapters.ExpertsLayout`; ``hidden`` [T, H];
     ``index``/``weights`` [T, k]; ``sources[name][e]``: expert ``e``'s tensor of parameter ``name`` (a view,
     [2I, H] / [H, I], transposed for GPT-OSS; biases [2I] / [H]), or None: the expert does not run here and
     its rows contribute zero (a dropped expert's weight is zero anyway). Returns [T, H]."""
-    up, down, up_b, down_b = weight_names(mod)
+    up, down, up_b, down_b = layout.names
     Wu, Wd = sources[up], sources[down]
     Bu = sources[up_b] if up_b else None
     Bd = sources[down_b] if down_b else None
-    transposed = bool(getattr(mod, "is_transposed", False))
+    transposed = layout.transposed
     k = index.size(-1)
     T, H = hidden.shape
     sample_weights = weights.reshape(-1)  # [S]
@@ -242,11 +237,11 @@ def run_experts(mod, hidden: torch.Tensor, index: torch.Tensor, weights: torch.T
         return torch.zeros_like(hidden)
     up_dim = w0.shape[-1] if transposed else w0.shape[0]
     proj = _grouped(x_g, bounds, experts, Wu, Bu, transposed, up_dim, skip)  # [S, 2I]
-    proj = mod._apply_gate(proj) if getattr(mod, "has_gate", True) else mod.act_fn(proj)  # [S, I]
+    proj = mod._apply_gate(proj) if layout.gated else mod.act_fn(proj)  # [S, I]
     wd0 = next(Wd[e] for e in experts if Wd[e] is not None)
     down_dim = wd0.shape[-1] if transposed else wd0.shape[0]
     proj = _grouped(proj, bounds, experts, Wd, Bd, transposed, down_dim, skip)  # [S, H]
-    if getattr(mod, "has_post_expert_norm", False):
+    if layout.post_norm:
         proj = mod.post_expert_norm(proj)
     weighted = proj * w_g.unsqueeze(-1)  # [S, H]
     inv = torch.empty_like(perm)

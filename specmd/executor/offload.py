@@ -51,8 +51,9 @@ PAGE_CACHE = ("drop", "keep")
 KERNELS = ("auto", "grouped", "looped")
 
 
-@EXECUTION.register("offload")
 class Offload(Executor):
+    name = "offload"
+
     device_experts = False
 
     @dataclass
@@ -142,7 +143,8 @@ class Offload(Executor):
             if not stack.checkpoint:
                 raise ConfigError("execution.host=disk reads experts from a local checkpoint directory: set "
                                   "model.pretrained to one (or use execution.host=ram)")
-            tier = DiskTier(stack.checkpoint, list(geom.layer_ids), shapes, dtype, E, p.page_cache, dev)
+            tier = DiskTier(stack.checkpoint, list(geom.layer_ids), shapes, dtype, E, stack.adapter.hub, p.page_cache,
+                            dev)
         self.tier = tier
         tiers = {"native": tier}
         raw_layout: dict = {}  # (layer, precision) -> [(name, dtype, shape, bytes)]; equal ones shared
@@ -217,7 +219,8 @@ class Offload(Executor):
             index, weights = upload(plan.index, self._device), upload(plan.weights, self._device)
         slot_of, banks, rows, groups = place.prepare(mod.layer, running, host, low, sel, all_run)  # 2
         if banks and (groups is None or groups):
-            out = grouped_experts(mod.inner, hidden, index, weights, slot_of, banks, rows, place.ready, groups)  # 3
+            out = grouped_experts(mod.inner, self.stack.adapter.experts_layout, hidden, index, weights, slot_of, banks,
+                                  rows, place.ready, groups)  # 3
         else:  # nothing runs here (every expert dropped)
             out = torch.zeros_like(hidden)
         place.finalize()  # 4
@@ -274,3 +277,6 @@ class Offload(Executor):
         tier = getattr(self, "tier", None)
         if tier is not None:
             tier.close()
+
+
+EXECUTION.register(Offload)

@@ -9,8 +9,9 @@ from .base import EXECUTION, Executor, upload
 from .kernel import expert_tensors, run_experts, views_of
 
 
-@EXECUTION.register("simulated")
 class Simulated(Executor):
+    name = "simulated"
+
     def attach(self, stack) -> None:
         super().attach(stack)
         self._views = None  # per layer: {name: [E views]}, built on the first lossy call
@@ -32,4 +33,8 @@ class Simulated(Executor):
         for e, prec in plan.precisions.items():
             for name, w in stack.store.weights(mod.layer, e, prec).items():
                 sources[name][e] = w
-        return run_experts(mod.inner, hidden, upload(plan.index, dev), upload(plan.weights, dev), sources)
+        return run_experts(mod.inner, stack.adapter.experts_layout, hidden, upload(plan.index, dev),
+                           upload(plan.weights, dev), sources)
+
+
+EXECUTION.register(Simulated)

@@ -10,8 +10,8 @@
   in the process RSS (results.json says which).
 
 Both fill a destination ``{name: tensor}`` (an arena slot's views) with one expert at the run dtype.
-Checkpoints with fused expert tensors (transformers' names) and per-expert ones (the hub's:
-``experts.{e}.gate_proj/up_proj/down_proj``, Mixtral's ``w1/w3/w2``) are both read.
+Checkpoints with fused expert tensors (transformers' names) and per-expert ones (the hub's, as the family's
+adapter declares them: :class:`~specmd.models.adapters.HubLayout`) are both read.
 """
 
 from __future__ import annotations
@@ -180,22 +180,19 @@ class _Piece:
         self.param = param  # the fused parameter it fills (``name`` is the checkpoint tensor, for errors)
 
 
-# Per-expert hub names of a fused parameter: fused name -> [(per-expert suffix), ...] concatenated along rows
-PER_EXPERT = {
-    "gate_up_proj": [("gate_proj.weight", "up_proj.weight"), ("w1.weight", "w3.weight")],
-    "down_proj": [("down_proj.weight",), ("w2.weight",)],
-    "up_proj": [("up_proj.weight",)],
-}
-BLOCKS = ("mlp", "block_sparse_moe")
-
-
 class DiskTier(HostTier):
     name = "disk"
 
     def __init__(self, checkpoint: str, layer_ids: list[int], shapes: dict, dtype: torch.dtype, num_experts: int,
-                 page_cache: str = "drop", device: Optional[torch.device] = None):
-        """``shapes[name]``: one expert's shape of each per-expert parameter (as the model runs it)."""
+                 hub, page_cache: str = "drop", device: Optional[torch.device] = None):
+        """``shapes[name]``: one expert's shape of each per-expert parameter (as the model runs it); ``hub``:
+        the family's :class:`~specmd.models.adapters.HubLayout` (its adapter's ``hub``; None: only fused
+        tensors under transformers' names are read)."""
         self.dir = Path(checkpoint)
+        # where a layer's experts may be (transformers' block first) and, per fused parameter, the hub's
+        # per-expert tensors concatenated along rows
+        self._blocks = ("mlp",) if hub is None or hub.block == "mlp" else ("mlp", hub.block)
+        self._parts = {n: hub.expert_parts(n) for n in shapes} if hub is not None else {}
         self.dtype = dtype
         self.page_cache = page_cache
         files = sorted(self.dir.glob("*.safetensors"))
@@ -240,7 +237,7 @@ class DiskTier(HostTier):
         self._biggest = biggest
 
     def _locate(self, tensors, layer_id, e, name, shape, E) -> list[_Piece]:
-        for block in BLOCKS:
+        for block in self._blocks:
             prefix = f"model.layers.{layer_id}.{block}.experts"
             fused = tensors.get(f"{prefix}.{name}")
             if fused is not None:  # [E, ...]: expert e's bytes are the e-th of E equal chunks
@@ -250,10 +247,9 @@ class DiskTier(HostTier):
                 per = nbytes // E
                 return [_Piece(fd, path, off + e * per, per, _dtype(dt, path, name), f"{prefix}.{name}[{e}]", None,
                                tuple(shape), name)]
-            for parts in PER_EXPERT.get(name, ()):
-                found = [tensors.get(f"{prefix}.{e}.{p}") for p in parts]
-                if all(f is None for f in found):
-                    continue
+            parts = self._parts.get(name, ())
+            found = [tensors.get(f"{prefix}.{e}.{p}") for p in parts]
+            if parts and not all(f is None for f in found):
                 missing = [f"{prefix}.{e}.{p}" for p, f in zip(parts, found) if f is None]
                 if missing:
                     raise DataError(f"execution.host=disk: {self.dir} lacks {', '.join(missing)} (layer {layer_id}, "
@@ -269,7 +265,7 @@ class DiskTier(HostTier):
                                     f"the model has {shape[0]}")
                 return out
         raise DataError(f"execution.host=disk: expert {e} of layer {layer_id} ({name}) is not in the checkpoint "
-                        f"{self.dir} (looked for model.layers.{layer_id}.{{{','.join(BLOCKS)}}}.experts.{name} "
+                        f"{self.dir} (looked for model.layers.{layer_id}.{{{','.join(self._blocks)}}}.experts.{name} "
                         f"and per-expert tensors)")
 
     def _bounce_of_thread(self) -> torch.Tensor:

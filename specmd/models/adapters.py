@@ -4,17 +4,83 @@ Every transformers 5.x MoE family has ``model.model.layers[i].mlp`` with a route
 ``.router``) returning ``(router_logits [T,E], top_k_weights [T,k], top_k_index [T,k])`` and fused experts
 at ``.experts`` called as ``experts(hidden [T,H], top_k_index, top_k_weights)``. What differs is declared
 here as data: where the router lives, how logits become router probabilities, whether the top-k weights
-are renormalised and scaled, which config fields hold E and k, and the tiny test configuration.
+are renormalised and scaled, which config fields hold E and k, the tiny test configuration, how the family's
+hub checkpoints name its tensors (:class:`HubLayout`) and what its fused experts module computes beyond its
+weights (:class:`ExpertsLayout`). A family is one :class:`Adapter` record in :data:`ADAPTERS`: loading, the
+disk tier, the random checkpoint writer, the experts kernels, training and the tests read it from here and
+keep no table of their own.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
 from ..engine.geometry import Geometry
 from ..engine.record import Scoring
 from ..errors import ConfigError
+
+_BLOCK = re.compile(r"^(?P<pre>.*\.layers\.\d+)\.mlp\.(?P<rest>.*)$")  # a decoder layer's MoE block
+
+
+@dataclass(frozen=True)
+class HubLayout:
+    """How a family's Hugging Face hub checkpoints name what transformers renames and fuses on load (and
+    ``save_pretrained`` converts back): the MoE block (``mlp`` in transformers), the router when the hub
+    calls it ``gate``, and the per-expert projections that transformers fuses into ``gate_up_proj``
+    [E, 2I, H] (gate rows first) and ``down_proj`` [E, H, I]. One record serves both directions, so what the
+    random checkpoint writer names (:meth:`to_hub`) is what loading (:meth:`from_hub`) and the disk tier
+    (:meth:`expert_parts`) read."""
+
+    block: str = "mlp"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    router: Optional[str] = None  # transformers' router module, when the hub calls it ``gate``
+
+    def to_hub(self, name: str) -> str:
+        """A transformers tensor name (not a fused expert tensor) under the hub's name."""
+        m = _BLOCK.match(name)
+        if m is None:
+            return name
+        rest = m["rest"]
+        if self.router and rest.startswith(self.router + "."):
+            rest = "gate." + rest[len(self.router) + 1:]
+        return f"{m['pre']}.{self.block}.{rest}"
+
+    def from_hub(self, name: str) -> str:
+        """A hub tensor name (not a per-expert tensor) under transformers' name: the inverse of :meth:`to_hub`."""
+        if self.block == "mlp":
+            return name
+        if self.router:
+            name = name.replace(f".{self.block}.gate.", f".mlp.{self.router}.")
+        return name.replace(f".{self.block}.", ".mlp.")
+
+    def expert_parts(self, fused: str) -> tuple[str, ...]:
+        """The hub's per-expert tensors (after ``experts.{e}.``) whose rows, concatenated in order, are expert
+        ``e`` of transformers' fused parameter ``fused``; () when the hub keeps it fused too."""
+        parts = {"gate_up_proj": (self.gate, self.up), "down_proj": (self.down,), "up_proj": (self.up,)}
+        return tuple(f"{p}.weight" for p in parts.get(fused, ()))
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """What the experts kernels (:mod:`specmd.executor.kernel`) need of a family's fused experts module beyond
+    its ``[E, ...]`` weights: the flags transformers' ``use_experts_implementation`` sets on the class,
+    declared here so the kernels never probe a module (``tests/test_adapters.py`` checks each record against
+    its family's module)."""
+
+    gated: bool = True  # ``gate_up_proj`` through ``_apply_gate``; False: ``up_proj`` through ``act_fn``
+    transposed: bool = False  # weights [E, in, out] (GPT-OSS), else [E, out, in]
+    bias: bool = False  # per-expert biases ``<up>_bias`` [E, out] and ``down_proj_bias``
+    post_norm: bool = False  # ``post_expert_norm`` applied to each expert's output
+
+    @property
+    def names(self) -> tuple[str, str, Optional[str], Optional[str]]:
+        """(up weight, down weight, up bias, down bias) parameter names of the fused experts module."""
+        up = "gate_up_proj" if self.gated else "up_proj"
+        return up, "down_proj", (up + "_bias") if self.bias else None, "down_proj_bias" if self.bias else None
 
 
 @dataclass(frozen=True)
@@ -30,9 +96,14 @@ class Adapter:
     tiny: dict = field(default_factory=dict)
     # Weight semantics that reweigh() cannot reproduce exactly (documented deviation), else None.
     reweigh_note: Optional[str] = None
-    # Hub checkpoint names -> transformers' (substring renames, in order), for loading the dense weights
-    # without transformers' loader (execution=offload execution.host=disk, models.loader.load_dense).
-    hub_renames: tuple = ()
+    # How its hub checkpoints name the tensors (loading them without transformers' loader, the disk tier, the
+    # random checkpoint writer); None: not mapped (such checkpoints load only through transformers).
+    hub: Optional[HubLayout] = HubLayout()
+    # What its fused experts module computes beyond its weights (read by the experts kernels).
+    experts_layout: ExpertsLayout = ExpertsLayout()
+    # The real model whose routing statistics the data mirror holds (specmd card compares a shipped model's
+    # routing with them): (mirror dir under routing_stats/olmoe_paper, real model, its MoE layers, its top-k).
+    routing_reference: Optional[tuple] = None
 
     # ---- model structure (nothing outside this module knows where a family keeps its parts) ----------
     def num_experts(self, config) -> int:
@@ -114,11 +185,13 @@ ADAPTERS: dict[str, Adapter] = {
     for a in [
         # OLMoE-1B-7B: 64 experts, top-8, softmax, no renorm.
         Adapter("olmoe", renorm="norm_topk_prob", experts_attr="num_experts",
+                routing_reference=("olmoe", "OLMoE-1B-7B", 16, 8),
                 tiny=dict(_COMMON, intermediate_size=32, num_experts=64, num_experts_per_tok=8,
                           norm_topk_prob=False)),
         # Mixtral-8x7B: 8 experts, top-2, renormalised softmax.
         Adapter("mixtral", renorm=True, experts_attr="num_local_experts",
-                hub_renames=((".block_sparse_moe.", ".mlp."),),
+                routing_reference=("mistral", "Mixtral-8x7B", 32, 2),
+                hub=HubLayout(block="block_sparse_moe", gate="w1", up="w3", down="w2"),
                 tiny=dict(_COMMON, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)),
         # Qwen1.5-MoE-A2.7B: 60 experts, top-4, plus a gated shared expert (always resident).
         Adapter("qwen2_moe", renorm="norm_topk_prob", experts_attr="num_experts",
@@ -130,7 +203,7 @@ ADAPTERS: dict[str, Adapter] = {
                           num_experts_per_tok=8, norm_topk_prob=True, head_dim=16)),
         # Phi-3.5-MoE: 16 experts, top-2 through sparsemixer.
         Adapter("phimoe", router_attr="router", renorm=True, experts_attr="num_local_experts",
-                hub_renames=((".block_sparse_moe.gate.", ".mlp.router."), (".block_sparse_moe.", ".mlp.")),
+                hub=HubLayout(block="block_sparse_moe", gate="w1", up="w3", down="w2", router="router"),
                 tiny=dict(_COMMON, intermediate_size=128, num_local_experts=16, num_experts_per_tok=2),
                 reweigh_note="sparsemixer weights each pick by a softmax over logits within a jitter "
                              "threshold of it; reweigh() uses the renormalised full softmax instead"),
@@ -149,12 +222,19 @@ ADAPTERS: dict[str, Adapter] = {
                           topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, kv_lora_rank=32,
                           q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                           num_key_value_heads=4)),
-        # GPT-OSS-20B: 32 experts, top-4, softmax over the top-k logits (= renormalised softmax).
-        Adapter("gpt_oss", router_attr="router", renorm=True, experts_attr="num_local_experts",
+        # GPT-OSS-20B: 32 experts, top-4, softmax over the top-k logits (= renormalised softmax); experts
+        # [E, in, out] with biases; its hub checkpoints (MXFP4 blocks) are not mapped.
+        Adapter("gpt_oss", router_attr="router", renorm=True, experts_attr="num_local_experts", hub=None,
+                experts_layout=ExpertsLayout(transposed=True, bias=True),
                 tiny=dict(_COMMON, intermediate_size=64, num_local_experts=32, num_experts_per_tok=4,
                           head_dim=16, sliding_window=64, max_position_embeddings=131072, layer_types=["sliding_attention", "full_attention"] * 2)),
     ]
 }
+
+
+def families() -> list[str]:
+    """Every family specmd runs, in :data:`ADAPTERS`' order (what training and the tests enumerate)."""
+    return list(ADAPTERS)
 
 
 def adapter_for(family: str) -> Adapter:

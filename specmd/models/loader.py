@@ -250,7 +250,7 @@ def load_dense(path: str, cfg: ModelConfig):
     """The model of the checkpoint in ``path`` with its dense weights loaded and its routed experts left on
     the meta device (no bytes): the experts class's ``__init__`` runs under ``torch.device("meta")`` while the
     model is built, then every non-expert tensor of the checkpoint's safetensors files is loaded (names as
-    transformers uses them, or the hub's renamed by the adapter's ``hub_renames``). A dense weight the
+    transformers uses them, or the hub's renamed by the adapter's :meth:`~.adapters.HubLayout.from_hub`). A dense weight the
     checkpoint lacks is a DataError naming it."""
     import contextlib
 
@@ -316,9 +316,7 @@ def _dense_tensors(path, adapter, wanted: set, safe_open) -> dict:
         for name in st.keys():
             if ".experts." in name:
                 continue
-            target = name
-            for old, new in adapter.hub_renames:
-                target = target.replace(old, new)
+            target = adapter.hub.from_hub(name) if adapter.hub else name
             if target in wanted:
                 part[target] = st.get_tensor(name)
     return part

@@ -14,11 +14,11 @@ dict, the expert, the part). The values therefore depend neither on the sharding
 Layouts:
 
 * ``hub``: the names and shapes of the family's Hugging Face hub checkpoints, which ``from_pretrained``
-  converts from (and ``save_pretrained`` converts back to): the fused experts ``mlp.experts.gate_up_proj``
-  [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I] are stored per expert,
-  ``mlp.experts.{e}.gate_proj.weight`` [I, H], ``...up_proj.weight`` [I, H], ``...down_proj.weight`` [H, I];
-  Mixtral and PhiMoE call the block ``block_sparse_moe`` and the projections ``w1`` (gate), ``w3`` (up),
-  ``w2`` (down), and PhiMoE's router ``mlp.router`` is ``block_sparse_moe.gate`` there.
+  converts from (and ``save_pretrained`` converts back to), as the family's adapter declares them
+  (:class:`~specmd.models.adapters.HubLayout`): the fused experts ``mlp.experts.gate_up_proj`` [E, 2I, H] and
+  ``mlp.experts.down_proj`` [E, H, I] are stored per expert, e.g. ``mlp.experts.{e}.gate_proj.weight``
+  [I, H], ``...up_proj.weight`` [I, H], ``...down_proj.weight`` [H, I], and the block and router under the
+  hub's names.
 * ``transformers``: the names transformers itself uses (fused experts), loaded without conversion.
 """
 
@@ -34,9 +34,11 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 import torch
+
+from .adapters import ADAPTERS
 
 log = logging.getLogger(__name__)
 
@@ -68,28 +70,10 @@ def checkpoints_dir() -> Path:
     return cache_dir().parent / "checkpoints"
 
 
-@dataclass(frozen=True)
-class _Hub:
-    """How a family's hub checkpoint differs from transformers' names."""
-
-    block: str = "mlp"  # the MoE block's name on the hub (``mlp`` in transformers)
-    gate: str = "gate_proj"
-    up: str = "up_proj"
-    down: str = "down_proj"
-    router: Optional[str] = None  # transformers' router module, when the hub calls it ``gate``
-
-
-_QWEN2_STYLE = _Hub()
-_MIXTRAL_STYLE = _Hub(block="block_sparse_moe", gate="w1", up="w3", down="w2")
-HUB_LAYOUTS: dict[str, _Hub] = {
-    "olmoe": _QWEN2_STYLE,
-    "qwen2_moe": _QWEN2_STYLE,
-    "qwen3_moe": _QWEN2_STYLE,
-    "deepseek_v2": _QWEN2_STYLE,
-    "deepseek_v3": _QWEN2_STYLE,
-    "mixtral": _MIXTRAL_STYLE,
-    "phimoe": _Hub(block="block_sparse_moe", gate="w1", up="w3", down="w2", router="router"),
-}
+def _hub_of(family: str):
+    """The family's :class:`~specmd.models.adapters.HubLayout`, or None (not mapped, or no adapter: the
+    ``transformers`` layout writes any family)."""
+    return ADAPTERS[family].hub if family in ADAPTERS else None
 
 
 # ---- the tensors -------------------------------------------------------------------------------------------
@@ -155,15 +139,15 @@ def _state_entries(model) -> list[tuple[str, tuple, torch.dtype]]:
 
 
 _FUSED = re.compile(r"^(?P<pre>.*\.layers\.\d+)\.mlp\.experts\.(?P<what>gate_up_proj|down_proj)$")
-_BLOCK = re.compile(r"^(?P<pre>.*\.layers\.\d+)\.mlp\.(?P<rest>.*)$")
 
 
 def _plan(tensors: list[tuple[str, tuple, torch.dtype]], layout: str, family: str, hidden: int) -> list[_Entry]:
+    hub = _hub_of(family)
     entries = []
     for k, (name, shape, dtype) in enumerate(tensors):
         kind = _kind(name, shape, dtype)
         fused = _FUSED.match(name)
-        if fused is not None and family not in HUB_LAYOUTS:  # transformers layout, fused experts of unknown form
+        if fused is not None and hub is None:  # transformers layout, fused experts of unknown form
             fused = None
         if layout == "transformers" and fused is not None:
             # one piece per expert (and per gate / up half), as in the hub layout: the same values
@@ -171,24 +155,17 @@ def _plan(tensors: list[tuple[str, tuple, torch.dtype]], layout: str, family: st
             continue
         if fused is None:
             if layout == "hub":
-                name = _hub_name(name, family)
+                name = hub.to_hub(name)
             entries.append(_Entry(name, shape, dtype, [(_whole, _Piece(k, -1, 0, kind))]))
             continue
-        hub = HUB_LAYOUTS[family]
         pre = f"{fused['pre']}.{hub.block}.experts"
         _check_fused(fused["what"], shape, name, hidden)
-        if fused["what"] == "gate_up_proj":
-            n_exp, two_i, h = shape
-            for e in range(n_exp):
-                entries.append(_Entry(f"{pre}.{e}.{hub.gate}.weight", (two_i // 2, h), dtype,
-                                      [(_whole, _Piece(k, e, 0, kind))]))
-                entries.append(_Entry(f"{pre}.{e}.{hub.up}.weight", (two_i // 2, h), dtype,
-                                      [(_whole, _Piece(k, e, 1, kind))]))
-        else:
-            n_exp, h, i = shape
-            for e in range(n_exp):
-                entries.append(_Entry(f"{pre}.{e}.{hub.down}.weight", (h, i), dtype,
-                                      [(_whole, _Piece(k, e, 0, kind))]))
+        parts = hub.expert_parts(fused["what"])  # gate_up_proj: (gate, up), rows split in halves; down_proj: (down,)
+        n_exp, rows, cols = shape
+        for e in range(n_exp):
+            for part, suffix in enumerate(parts):
+                entries.append(_Entry(f"{pre}.{e}.{suffix}", (rows // len(parts), cols), dtype,
+                                      [(_whole, _Piece(k, e, part, kind))]))
     return entries
 
 
@@ -208,17 +185,6 @@ def _fused_pieces(k: int, what: str, shape: tuple, kind: str, name: str, hidden:
         return [p for e in range(n_exp) for p in ((_expert_rows(e, 0, half), _Piece(k, e, 0, kind)),
                                                    (_expert_rows(e, half, two_i), _Piece(k, e, 1, kind)))]
     return [(_expert(e), _Piece(k, e, 0, kind)) for e in range(shape[0])]
-
-
-def _hub_name(name: str, family: str) -> str:
-    hub = HUB_LAYOUTS[family]
-    m = _BLOCK.match(name)
-    if m is None:
-        return name
-    rest = m["rest"]
-    if hub.router and rest.startswith(hub.router + "."):
-        rest = "gate." + rest[len(hub.router) + 1:]
-    return f"{m['pre']}.{hub.block}.{rest}"
 
 
 def _piece_seed(seed: int, piece: _Piece) -> int:
@@ -318,10 +284,10 @@ def _validate(family: str, dtype: str, layout: str, shard_bytes: int) -> None:
         raise ValueError(f"layout={layout!r}; valid choices: {', '.join(LAYOUTS)}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; valid choices: {', '.join(DTYPES)}")
-    if layout == "hub" and family not in HUB_LAYOUTS:
+    if layout == "hub" and _hub_of(family) is None:
+        mapped = sorted(f for f, a in ADAPTERS.items() if a.hub is not None)
         raise ValueError(f"layout='hub' is not known for the {family!r} family (its hub checkpoints' names are not "
-                         f"mapped); hub layouts: {', '.join(sorted(HUB_LAYOUTS))}; "
-                         f"layout='transformers' writes any family")
+                         f"mapped); hub layouts: {', '.join(mapped)}; layout='transformers' writes any family")
     if not isinstance(shard_bytes, int) or shard_bytes <= 0:
         raise ValueError(f"shard_bytes={shard_bytes!r}; a positive number of bytes")
 
