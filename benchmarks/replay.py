@@ -38,7 +38,7 @@ from specmd.hook import install
 from specmd.models.loader import ModelConfig, load_model
 from specmd.policies.eviction import EVICTION
 from specmd.replay.driver import build_engine, run_replay
-from specmd.replay.sweep import replay_many
+from specmd.pool import replay_many
 from specmd.replay.trace import Trace, TraceWriter, full_calls, read_trace
 
 

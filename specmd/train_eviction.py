@@ -5,11 +5,12 @@
     # or from traces saved by runs (python -m specmd ... trace.save=true writes <run dir>/trace), or imported:
     python -m specmd.train_eviction --traces outputs/*/*/trace --out my_policy.safetensors
     python -m specmd.train_eviction --traces routing.jsonl --format jsonl --num-experts 64 --out my_policy.safetensors
+    # specmd train-eviction ... is the same command
 
 Every number here has one producer, the one a run uses:
 
 1. **record** (``--model``): the live driver with the recording stack and a trace writer
-   (:func:`specmd.replay.record.record_routing`), token by token: each token is a pass of its own, so a
+   (:func:`specmd.record.record_routing`), token by token: each token is a pass of its own, so a
    layer's step is one call of that layer, as in generation;
 2. **read** (``--traces``): the trace reader, or an importer (``--format``, :mod:`specmd.replay.formats`);
 3. **label**: Belady's next-use distance along each layer's calls. A step is one call of the layer, the
@@ -135,7 +136,7 @@ def record_model(args, directory: Path):
     """``--model``'s trace: its routing on WikiText-2 validation, token by token (module docstring, step 1)."""
     from .eval.mirror import resolve_mirror, set_offline
     from .models.loader import ModelConfig, load_model, resolve_pretrained
-    from .replay.record import record_routing
+    from .record import record_routing
     from .train import wikitext2_valid
 
     cfg_path = Path(resolve_pretrained(args.model)) / "config.json"
@@ -165,7 +166,8 @@ def read_traces(args) -> list:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="specmd train-eviction", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="specmd:<asset>, hub id or local checkpoint to record routing from")
     ap.add_argument("--traces", nargs="*", default=[], help="specmd trace directories (trace.save=true) or import files")
     ap.add_argument("--format", default="specmd", help="replay.format of --traces (specmd or an import format)")

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ConfigError
-from .replay.mrc import split_list
+from .mrc import split_list
 
 # group -> choice -> list of parameter overrides (each a tuple of "key=value" strings)
 SPACE = {
@@ -246,6 +246,9 @@ def main(argv=None) -> int:
     from rich.markup import escape
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:  # its help, not a Hydra override error (specmd.cli: every command has one)
+        print(__doc__.strip())
+        return 0
     err = Console(stderr=True)
     try:
         opts, base = parse(argv)
@@ -263,7 +266,7 @@ def tune(opts: Options, base: list[str], console) -> dict:
     from . import CONF_DIR
     from .app import Run, execute, recorded_trace
     from .replay.driver import check, open_trace
-    from .replay.sweep import replay_many
+    from .pool import replay_many
 
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -297,7 +297,7 @@ def test_a_figure_that_is_not_finite_fails_the_run_instead_of_writing_null(tmp_p
 
 
 def test_specmd_mrc_rejects_repeated_or_non_finite_points_and_unknown_policies():
-    from specmd.replay.mrc import parse
+    from specmd.mrc import parse
 
     trace = "replay.trace=/nonexistent"  # parse checks the arguments only
     with pytest.raises(ConfigError, match=r"mrc.capacities: \[nan\] must be fractions"):

@@ -1,6 +1,7 @@
 """The house read from its imports (DESIGN.md "The engine and its two drivers", docs/architecture.md):
-the engine imports nothing above it, no module imports itself back through another, and recording,
-replaying and Belady each have one home. Static: every import statement counts, function-local ones too."""
+the engine imports nothing above it, the drivers import nothing of the app or the commands, no module
+imports itself back through another, and recording, replaying and Belady each have one home. Static: every
+import statement counts, function-local ones too."""
 
 import ast
 import re
@@ -93,6 +94,52 @@ def test_imports_are_resolved():  # the checks above see real edges (a broken re
     assert "specmd.engine.store" in GRAPH["specmd.engine.engine"]
     assert "specmd.compose" in GRAPH["specmd.app"]
     assert "specmd.replay.driver" in GRAPH["specmd.train_eviction"]
+    assert "specmd.replay.driver" in GRAPH["specmd.pool"] and "specmd.app" in GRAPH["specmd.mrc"]
+
+
+# The drivers (DESIGN.md "The engine and its two drivers"): what the app composes and the commands run.
+DRIVERS = ("specmd.replay", "specmd.hook")
+
+
+def inside(module: str, packages) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def above_the_drivers() -> set:
+    """The app, the composition root, the command line and every command (read from its table: the module of
+    each command's logic and of its entry), and the orchestration beside the app (record-then-replay, the
+    replay pool)."""
+    from specmd.cli import COMMANDS
+
+    homes = {"specmd.app", "specmd.compose", "specmd.cli", "specmd.__main__", "specmd.record", "specmd.pool"}
+    for c in COMMANDS:
+        homes |= {c.module, (c.entry or c.module).partition(":")[0]}
+    return {m for m in MODULES if inside(m, homes)}
+
+
+def upward_from_drivers(graph: dict, above: set) -> dict:
+    return {m: sorted(deps & above) for m, deps in graph.items() if inside(m, DRIVERS) and deps & above}
+
+
+def test_the_drivers_import_nothing_of_the_app_or_the_commands():
+    above = above_the_drivers()
+    assert {"specmd.app", "specmd.compose", "specmd.mrc", "specmd.tune", "specmd.report.status", "specmd.train",
+            "specmd.cli.hydra_apps", "specmd.record", "specmd.pool"} <= above  # the table is read
+    assert upward_from_drivers(GRAPH, above) == {}
+    # the check itself: the import this restructuring removed (replay/mrc.py's ``from ..app import Run``)
+    assert upward_from_drivers({**GRAPH, "specmd.replay.mrc": {"specmd.app", "specmd.replay.driver"}}, above) == \
+        {"specmd.replay.mrc": ["specmd.app"]}
+
+
+def test_no_import_circle_through_the_command_table():
+    """The dispatcher imports each command's module by name (lazily, so ``specmd --help`` loads no torch):
+    those edges count too."""
+    from specmd.cli import COMMANDS
+
+    graph = {m: set(d) for m, d in GRAPH.items()}
+    for c in COMMANDS:
+        graph["specmd.cli"].add((c.entry or c.module).partition(":")[0])
+    assert cycles(graph) == []
 
 
 def where(pattern: str) -> list:

@@ -22,6 +22,7 @@ from specmd.policies.prefetch import PREFETCH
 from specmd.replay.driver import check, exactness, run_replay
 from specmd.engine.store import StoreSizes
 from specmd.replay.trace import Trace, TraceMeta, TraceWriter, full_calls, read_trace
+from specmd.shipped import replayed_experiments
 
 
 def case_spec(case):
@@ -227,7 +228,7 @@ def test_oracle_and_belady_are_rejected_live_before_the_model_loads():
 def test_miss_ratio_curves(recorded, tmp_path):
     import csv
 
-    from specmd.replay.mrc import main
+    from specmd.mrc import main
 
     family, model, prompts, trace, _ = recorded
     assert main([f"replay.trace={trace.path}", "eviction=[lru,belady]", "mrc.capacities=[0.1,0.5]",
@@ -244,7 +245,7 @@ def test_miss_ratio_curves(recorded, tmp_path):
 def test_mrc_rows_do_not_depend_on_jobs_and_bad_jobs_are_rejected(recorded, tmp_path, capsys):
     """specmd mrc replays its points on mrc.jobs forked processes over one decoded trace: the CSV is the
     same text as the one-process run's (point order included, score's torch ops and belady's future too)."""
-    from specmd.replay.mrc import main
+    from specmd.mrc import main
 
     family, model, prompts, trace, _ = recorded
     common = [f"replay.trace={trace.path}", "eviction=[score,lru,belady]", "mrc.capacities=[0.05,0.1,0.5]",
@@ -265,7 +266,7 @@ def test_replay_many_equals_one_by_one_replays(recorded):
     a spec the trace cannot replay fails the study before any replay."""
     import json
 
-    from specmd.replay.sweep import check_jobs, replay_many
+    from specmd.pool import check_jobs, replay_many
 
     family, model, prompts, trace, _ = recorded
     specs = [spec_of(eviction=e, prefetch=p, hardware=HardwareConfig(capacity=c))
@@ -400,7 +401,7 @@ def test_recorded_trace_key_changes_with_what_decides_routing_only():
 
     from specmd import CONF_DIR
     from specmd.app import Run
-    from specmd.replay.record import recording_config, trace_key
+    from specmd.record import recording_config, trace_key
 
     conf = CONF_DIR
 
@@ -419,15 +420,22 @@ def test_recorded_trace_key_changes_with_what_decides_routing_only():
         assert key(change) != base, change
 
 
-@pytest.mark.parametrize("experiment", ["specmd_fig4", "specmd_fig5", "flashmoe_fig6", "cce_fig9", "cce_fig10"])
+# what an experiment's stack needs changed to run on a 32-layer, 8-expert import (Mixtral's geometry)
+ON_MIXTRAL = {"flashmoe_fig6": ["eviction=lru"],  # eviction=ml needs networks of a 32-layer model: eviction.weights=FILE
+              "cce_fig10": ["hardware.experts_per_layer=4"]}
+
+
+@pytest.mark.parametrize("experiment", replayed_experiments())
 def test_replay_experiments_take_an_imported_trace(tmp_path, experiment):
     """A user's routing capture reproduces a paper's figure in one line: +experiment=E replay.trace=FILE
-    replay.format=jsonl replay.model=mixtral (the geometry comes from Mixtral's shipped config: no hub)."""
+    replay.format=jsonl replay.model=mixtral (the geometry comes from Mixtral's shipped config: no hub). Every
+    replayed experiment (``replay.trace: record``): those whose stack reads what an import lacks (a prefetch
+    signal, router logits) say so and name the way out."""
     import json
 
     from hydra import compose, initialize_config_dir
 
-    from specmd.app import execute
+    from specmd.app import Run, execute
     from specmd.models.loader import shipped_geometry
     from test_configs import CONF
 
@@ -438,14 +446,18 @@ def test_replay_experiments_take_an_imported_trace(tmp_path, experiment):
             for layer in range(32):
                 f.write(json.dumps({"token": tok, "layer": layer, "experts": rng.sample(range(8), 2)}) + "\n")
     over = [f"+experiment={experiment}", f"replay.trace={path}", "replay.format=jsonl", "replay.model=mixtral"]
-    if experiment == "flashmoe_fig6":
-        over.append("eviction=lru")  # eviction=ml needs networks of a 32-layer model: eviction.weights=FILE
-    if experiment == "cce_fig10":
-        over.append("hardware.experts_per_layer=4")
+    over += ON_MIXTRAL.get(experiment, [])
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        res = execute(compose(config_name="config", overrides=over), run_dir=tmp_path / "run")
+        cfg = compose(config_name="config", overrides=over)
+    run = Run(cfg)
+    pcls, pparams = run.spec.prefetch
+    if pcls.signal_depth(pparams) or run.replay.reuse_horizon:  # an import has no signal and no logits
+        with pytest.raises(ConfigError, match=r"an imported trace has no prefetch signal|needs router logits"):
+            execute(cfg, run_dir=tmp_path / "run")
+        return
+    res = execute(cfg, run_dir=tmp_path / "run")
     assert res["replay"]["format"] == "jsonl" and res["replay"]["passes"] == 6
-    decode_only = experiment == "flashmoe_fig6"  # stack.measure=decode: the first token is the prefill
+    decode_only = run.measure == "decode"  # stack.measure=decode: the first token is the prefill
     assert res["cache"]["requests"] == (5 if decode_only else 6) * 32 * 2
     geom = shipped_geometry("mixtral")
     assert res["cache"]["capacity_bytes"] > 0 and geom.expert_bytes > 100e6  # Mixtral's expert size, not 1 byte

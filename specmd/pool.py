@@ -1,5 +1,6 @@
-"""Many configurations replayed over one decoded trace, on every core: what ``specmd mrc`` and
-``benchmarks/replay.py``'s sweep run.
+"""Many configurations replayed over one decoded trace, on every core: what ``specmd mrc``, ``specmd tune``
+and ``benchmarks/replay.py``'s sweep run. An orchestration of the replay driver (:mod:`specmd.replay.driver`),
+so it sits beside the app, not in the driver package (``tests/test_layering.py``).
 
 A replay is one core's work (the engine is sequential), and a study is many replays of the same trace.
 :func:`replay_many` decodes nothing per configuration: the forked workers inherit the parent's trace
@@ -25,7 +26,7 @@ _SHARED: list = []
 
 def default_jobs() -> int:
     """The cores this process may run on (its CPU affinity where the platform reports one)."""
-    from ..jobs import usable_cores
+    from .jobs import usable_cores
 
     return usable_cores()
 
@@ -39,7 +40,7 @@ def check_jobs(jobs) -> int:
 
 
 def _one(i: int) -> dict:
-    from .driver import build_engine, run_replay
+    from .replay.driver import build_engine, run_replay
 
     trace, specs, ptr, experts = _SHARED
     engine, _, _ = build_engine(trace, specs[i], ptr, experts)
@@ -57,7 +58,7 @@ def replay_many(trace, specs: list, jobs: Optional[int] = None) -> list[dict]:
     (default: every core; never more processes than configurations). Each spec is checked against the
     trace (:func:`~specmd.replay.driver.check`) before any replay starts, so a bad one fails the whole
     study at once instead of after hours."""
-    from .driver import check, requested_per_call
+    from .replay.driver import check, requested_per_call
 
     jobs = default_jobs() if jobs is None else check_jobs(jobs)
     for spec in specs:

@@ -2,7 +2,7 @@
 the optimum) over one trace -- "is my problem the policy or the working set?".
 
     specmd mrc replay.trace=outputs/.../trace eviction=[lru,lfu,least_stale,belady] [mrc.capacities=[...]]
-    python -m specmd.replay.mrc replay.trace=...                       # the same
+    python -m specmd.mrc replay.trace=...                              # the same
 
 Every other override (prefetch, hardware, ...) applies to every point. Capacities are fractions of the
 model's bytes (``hardware.capacity``); default: 12 points from 1% to 100% on a log scale. Writes
@@ -29,8 +29,8 @@ def split_list(value: str) -> list[str]:
 
 
 def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str], int]:
-    from ..errors import ConfigError
-    from .sweep import check_jobs, default_jobs
+    from .errors import ConfigError
+    from .pool import check_jobs, default_jobs
 
     policies, caps, out, rest, jobs = ["lru", "lfu", "least_stale", "belady"], DEFAULT_CAPACITIES, None, [], None
     for arg in argv:
@@ -59,7 +59,7 @@ def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str], int]
     bad = [c for c in caps if not (math.isfinite(c) and 0 < c <= 1)]
     if bad:
         raise ConfigError(f"mrc.capacities: {bad} must be fractions of the model's bytes in (0, 1]")
-    from ..policies import REGISTRIES
+    from .policies import REGISTRIES
 
     unknown = [p for p in policies if p not in REGISTRIES["eviction"].names()]
     if unknown:
@@ -73,14 +73,14 @@ def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str], int]
 
 def compute(policies: list[str], capacities: list[float], overrides: list[str], jobs=None) -> list[dict]:
     """One row per (policy, capacity): hit rate, in-cache rate, collision rate, misses, stall. The points
-    are replayed on ``jobs`` processes over the one decoded trace (:func:`~.sweep.replay_many`; default:
+    are replayed on ``jobs`` processes over the one decoded trace (:func:`~specmd.pool.replay_many`; default:
     every core); the rows do not depend on ``jobs``."""
     from hydra import compose, initialize_config_dir
 
-    from .. import CONF_DIR
-    from ..app import Run
-    from .driver import open_trace
-    from .sweep import replay_many
+    from . import CONF_DIR
+    from .app import Run
+    from .replay.driver import open_trace
+    from .pool import replay_many
 
     points, specs, trace = [], [], None
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -125,9 +125,12 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    from ..errors import ConfigError
+    from .errors import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:  # its help, not a missing replay.trace (specmd.cli: every command has one)
+        print(__doc__.strip())
+        return 0
     try:
         policies, caps, out, rest, jobs = parse(argv)
         if not policies or not caps:

@@ -21,6 +21,9 @@ which experts the model routes to. Nor is the specmd git commit (every commit wo
 change to the hook or an adapter, delete ``replay.cache``. A recording that failed leaves ``failed.json``
 and no ``results.json``; the next job records again. A recorded run whose stack is lossless is the unhooked model's
 computation, so an exact replay also reports the recording's task scores (``replay.tasks_from``).
+
+Both are orchestration (a composed stack on the live driver, a trace writer, a cache with a lock), so this
+module sits beside the app, not in a driver package: the drivers import nothing of it (``tests/test_layering.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .trace import Trace, TraceWriter, read_trace
+from .replay.trace import Trace, TraceWriter, read_trace
 
 log = logging.getLogger("specmd")
 KEYWORD = "record"
@@ -62,7 +65,7 @@ def recording_config(raw: dict) -> dict:
 
 def trace_key(run, cfg: dict) -> str:
     """16 hex digits naming the routing a recording of ``cfg`` produces (module docstring: what counts)."""
-    from ..provenance import model_identity, versions
+    from .provenance import model_identity, versions
 
     weights = model_identity(run.model)
     if run.model.pretrained is not None and not weights.get("fingerprint"):
@@ -85,7 +88,7 @@ def recorded_trace(run, record: Callable[[dict, Path], None]) -> str:
     root = Path(run.replay.cache).expanduser().resolve()
     out = root / f"{name}-{trace_key(run, cfg)}"
     if root.exists() and not root.is_dir():
-        from ..errors import ConfigError
+        from .errors import ConfigError
 
         raise ConfigError(f"replay.cache={run.replay.cache} is a file, not a directory for the recordings")
     root.mkdir(parents=True, exist_ok=True)
@@ -112,9 +115,9 @@ def record_routing(model, ids: list, path, window: int = 512, token_by_token: bo
     generation runs): one layer call per token, the step ``eviction=ml`` and the token-to-token statistics
     count. ``depth`` / ``logits``: the prefetch signal and router logits to keep (``trace.depth`` /
     ``trace.logits``; none by default: the index and weights are what routing statistics read)."""
-    from ..compose import stack_spec
-    from ..hardware import HardwareConfig
-    from ..hook import install
+    from .compose import stack_spec
+    from .hardware import HardwareConfig
+    from .hook import install
 
     stack = install(model, stack_spec(RECORDING_STACK, HardwareConfig()))
     stack.writer = TraceWriter(path, stack.geom, stack.scoring, stack.store, depth, logits,
