@@ -11,7 +11,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from .engine import GROUPS, StackSpec
+from .engine import GROUPS
 from .errors import ConfigError
 from .hardware import HardwareConfig
 from .jobs import usable_cores
@@ -78,10 +78,9 @@ class Run:
         self._oracles()
         self._measured_passes()
         check_execution(self, c)
-        from .compose import timing_of  # 3
+        from .compose import build_spec  # 3
 
-        self.spec = StackSpec(hardware=self.hardware, quant=self.quant, measure=self.measure,
-                              timing=timing_of(self.hardware), execution=self.execution, **self.policies)
+        self.spec = build_spec(self.policies, self.hardware, self.quant, self.measure, self.execution)
 
     # ---- 1. sections ----------------------------------------------------------------------------------
     def _model(self, c: dict, checks: Checks) -> None:
@@ -228,16 +227,11 @@ def check_execution(run: "Run", c: dict) -> None:
 
 
 def collect(run: Run, engine, tasks: dict, wall_s: float, executor=None) -> dict:
+    """A live run's ``results.json`` dict (:func:`specmd.results.assemble`, the builder replay shares)."""
     from .provenance import provenance
+    from .results import assemble
 
-    results = {"config": run.raw, "tasks": tasks, "wall_s": wall_s, "provenance": provenance(run.model)}
-    if engine is None:
-        results.update(cache=None, timing=None, routing={"fidelity": 1.0})
-        return results
-    results.update(engine.results())
-    if executor is not None:  # the wall clock beside the simulated one, and what the run held in memory
-        results.update(executor.results())
-    return results
+    return assemble(run.raw, tasks, wall_s, provenance(run.model), engine, executor)
 
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")  # what a run computes on; torch knows more (meta, xla, hpu...), specmd not
@@ -346,7 +340,7 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
     logger = build_logger(run.raw.get("logger"), group)
     if run.replay.trace:
         from .replay.driver import replay
-        from .replay.record import KEYWORD
+        from .record import KEYWORD
 
         progress.stage = "replay"
         if run.replay.trace == KEYWORD:
@@ -418,9 +412,9 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
 
 def recorded_trace(run: Run) -> str:
     """``replay.trace=record``: the trace of ``run``'s model and tasks, recorded live by :func:`execute`
-    unless the trace cache holds it (:mod:`specmd.replay.record` decides the key and the lock; the app
+    unless the trace cache holds it (:mod:`specmd.record` decides the key and the lock; the app
     orchestrates record-then-replay)."""
-    from .replay.record import recorded_trace as cached
+    from .record import recorded_trace as cached
 
     return cached(run, lambda cfg, out: execute(OmegaConf.create(cfg), run_dir=str(out)))
 

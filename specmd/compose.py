@@ -2,19 +2,24 @@
 
 The engine (:mod:`specmd.engine`) imports nothing above it: it receives a :class:`~specmd.engine.StackSpec`
 whose policy classes were looked up here, in the registries, and the timing geometry that
-``hardware.timing_as`` names, read here from the shipped model configs. ``specmd.app`` (a run), the
-drivers' callers (``specmd.train_eviction``, ``specmd.calibrate``, benchmarks) and tests build their specs
-with these two functions.
+``hardware.timing_as`` names, read here from the shipped model configs. :func:`build_spec` is the one
+builder of a spec: ``specmd.app`` (a run, from its validated config), :func:`stack_spec` (config mappings:
+the drivers' callers ``specmd.train_eviction``, ``specmd.calibrate``, benchmarks) and :func:`spec_of` (code
+and tests) all end there. A family left out takes its default from ``specmd/conf/config.yaml`` (as the
+hardware does, :func:`specmd.hardware.default_profile`): the defaults have one home.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+from . import shipped
 from .engine import GROUPS, StackSpec
 from .errors import ConfigError
 
-DEFAULTS = {"routing": "standard", "miss": "fetch", "eviction": "lru", "prefetch": "topk"}
+# each family's default policy and the measured passes: what a run composes when the user names none
+DEFAULTS = {g: shipped.defaults()[g] for g in GROUPS}
+MEASURE = shipped.load("config")["stack"]["measure"]
 
 
 def timing_of(hardware: Any) -> Optional[tuple]:
@@ -31,17 +36,26 @@ def timing_of(hardware: Any) -> Optional[tuple]:
         raise ConfigError(f"hardware.timing_as={e}") from None
 
 
-def stack_spec(groups: dict, hardware: Any, quant: Optional[dict] = None, measure: str = "all") -> StackSpec:
+def build_spec(policies: dict, hardware: Any, quant: Optional[tuple] = None, measure: str = MEASURE,
+               execution: Optional[tuple] = None) -> StackSpec:
+    """The one builder of a :class:`~specmd.engine.StackSpec`: ``policies[family] = (class, validated
+    params)`` for every family, ``quant`` and ``execution`` (class, params) or None, and the timing geometry
+    ``hardware.timing_as`` names."""
+    return StackSpec(hardware=hardware, quant=quant, measure=measure, timing=timing_of(hardware),
+                     execution=execution, **{g: policies[g] for g in GROUPS})
+
+
+def stack_spec(groups: dict, hardware: Any, quant: Optional[dict] = None, measure: str = MEASURE) -> StackSpec:
     """From config mappings: ``groups[family] = {"name": ..., params}`` (validated by the registries)."""
     from .policies import REGISTRIES
     from .quant import QUANT
 
     parts = {g: REGISTRIES[g].params(groups.get(g) or {"name": DEFAULTS[g]}) for g in GROUPS}
     q = QUANT.params(quant) if quant is not None else None
-    return StackSpec(hardware=hardware, quant=q, measure=measure, timing=timing_of(hardware), **parts)
+    return build_spec(parts, hardware, q, measure)
 
 
-def spec_of(hardware: Any = None, quant: Any = None, measure: str = "all", **groups) -> StackSpec:
+def spec_of(hardware: Any = None, quant: Any = None, measure: str = MEASURE, **groups) -> StackSpec:
     """For code and tests: ``spec_of(eviction="lfu", miss={"name": "drop", "J": 1})``; a family is a name
     or a config mapping, missing ones take the defaults; ``hardware`` a HardwareConfig (default: the
     default profile's); ``quant`` a mapping or None."""

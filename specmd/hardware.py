@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Optional
 
+from . import shipped
 from .errors import ConfigError
 from .registry import check_finite
 
 SCOPES = ("global", "per_layer")
-POLICY_GROUPS = ("routing", "miss", "eviction", "prefetch")  # keys of hardware.policy_overhead_us
-CONF = Path(__file__).resolve().parent / "conf"
 RATES = ("bandwidth_gbps", "peak_tflops", "mem_bandwidth_gbps", "host_tflops", "host_mem_bandwidth_gbps")
 TIMES = ("latency_us", "layer_overhead_us", "token_overhead_us", "expert_overhead_us", "transfer_issue_us",
          "predict_overhead_us", "unpack_overhead_us", "host_call_overhead_us", "host_expert_overhead_us",
@@ -28,11 +26,7 @@ def default_profile() -> dict:
     """The figures of the default hardware profile: ``specmd/conf/hardware/<name>.yaml`` for the ``hardware``
     entry of ``specmd/conf/config.yaml``'s defaults. They are :class:`HardwareConfig`'s defaults, so code
     and tests that build one without a profile time the device a run gets by default (one home)."""
-    import yaml
-
-    defaults = yaml.safe_load((CONF / "config.yaml").read_text())["defaults"]
-    (name,) = [d["hardware"] for d in defaults if isinstance(d, dict) and "hardware" in d]
-    return yaml.safe_load((CONF / "hardware" / f"{name}.yaml").read_text())
+    return shipped.option("hardware", shipped.defaults()["hardware"])
 
 
 _P = default_profile()
@@ -115,13 +109,15 @@ class HardwareConfig:
                     raise ConfigError(f"hardware.{key}={getattr(self, key):g} is outside [{lo:g}, {hi:g}] {unit}, "
                                       f"beyond any device (an exponent typo?): the simulated times would overflow "
                                       f"or vanish")
+        from .engine import GROUPS  # the policy families: the groups of policy_overhead_us's keys
+
         table = self.policy_overhead_us if self.policy_overhead_us is not None else {}
         if not hasattr(table, "items"):
             raise ConfigError(f"hardware.policy_overhead_us={table!r} must be a mapping '<group>/<policy>': us")
         for key, v in table.items():
-            if key.count("/") != 1 or key.split("/")[0] not in POLICY_GROUPS:
+            if key.count("/") != 1 or key.split("/")[0] not in GROUPS:
                 raise ConfigError(f"hardware.policy_overhead_us: key {key!r} must be '<group>/<policy>' with group "
-                                  f"one of {', '.join(POLICY_GROUPS)}, e.g. 'prefetch/score'")
+                                  f"one of {', '.join(GROUPS)}, e.g. 'prefetch/score'")
             if isinstance(v, bool) or not (isinstance(v, (int, float)) and TIME_RANGE[0] <= v <= TIME_RANGE[1]):
                 raise ConfigError(f"hardware.policy_overhead_us[{key!r}]={v} must be a finite number in "
                                   f"[{TIME_RANGE[0]:g}, {TIME_RANGE[1]:g}] us")

@@ -1,4 +1,6 @@
-"""Writing run outputs atomically: a reader never sees a half-written file."""
+"""A run's outputs: :func:`assemble` builds ``results.json``'s dict for both drivers (the live hook and trace
+replay), and the writers put it (and ``passes.csv``) on disk atomically: a reader never sees a half-written
+file."""
 
 from __future__ import annotations
 
@@ -7,6 +9,23 @@ import math
 import os
 import secrets
 from pathlib import Path
+
+
+def assemble(config: dict, tasks: dict, wall_s: float, provenance: dict, engine=None, executor=None,
+             **sections) -> dict:
+    """``results.json``'s dict, the one builder for both drivers: the run's ``config``, its ``tasks`` scores,
+    ``wall_s`` and ``provenance``; then the engine's sections (``cache``, ``timing``, ``routing``: an
+    unhooked run, ``engine=None``, has no cache and routes as the model does), the executor's (``wall``,
+    ``memory``: an offloaded run) and the driver's own (a replay's ``replay`` and ``analysis``)."""
+    results = {"config": config, "tasks": tasks, "wall_s": wall_s, "provenance": provenance}
+    if engine is None:
+        results.update(cache=None, timing=None, routing={"fidelity": 1.0})
+    else:
+        results.update(engine.results())
+    if executor is not None:  # the wall clock beside the simulated one, and what the run held in memory
+        results.update(executor.results())
+    results.update(sections)
+    return results
 
 
 def _clean(obj):

@@ -44,9 +44,11 @@ def _wall_rows(t: Table, timing: dict, wall, memory) -> None:
 
 
 def print_summary(results: dict, run_dir: str, console: Console | None = None) -> None:
+    from .engine import GROUPS
+
     console = console or Console()
     cfg = results["config"]
-    stack = " ".join(f"{g}={cfg[g]['name']}" for g in ("routing", "miss", "eviction", "prefetch"))
+    stack = " ".join(f"{g}={cfg[g]['name']}" for g in GROUPS)
     hw = cfg["hardware"]
     t = Table(title=f"specmd · {cfg['model']['name']} · {stack} · {hw.get('name')} capacity={hw['capacity']}",
               show_header=False, title_justify="left")

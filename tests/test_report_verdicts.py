@@ -6,18 +6,16 @@ show them (marks, words, values), and an ad-hoc sweep shows none."""
 
 import functools
 import json
-from pathlib import Path
 
 import pytest
 import yaml
-from omegaconf import OmegaConf
 from test_report_adhoc import make_adhoc
 
-from specmd import CONF_DIR
 from specmd.errors import ConfigError
 from specmd.report import build, main
 from specmd.report.collect import Job, expected_jobs
 from specmd.report.tables import Spec, group_jobs
+from specmd.shipped import experiments, load as load_conf
 from specmd.report.verdicts import FAILS, HOLDS, UNMEASURED, parse_spec, summary, verdicts
 
 BASE = {"rows": ["eviction.name"], "cols": "hardware.capacity", "repeat": ["eval.seed"],
@@ -140,12 +138,9 @@ def test_a_bad_check_stops_the_report_with_its_name(tmp_path, capsys):
 
 # --- the shipped experiments ----------------------------------------------------------------------------
 
-EXPERIMENTS = Path(CONF_DIR) / "experiment"
-
-
 @functools.lru_cache(maxsize=None)
-def raw_yaml(name: str) -> dict:  # read-only
-    return OmegaConf.to_container(OmegaConf.load(EXPERIMENTS / f"{name}.yaml"))
+def raw_yaml(name: str) -> dict:  # read-only: the experiment's own file
+    return load_conf("experiment", name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,8 +182,7 @@ def fake_results(spec: Spec, axes: dict, numbers=None) -> dict:
 def shipped_section(report_id: str, numbers=None):
     """(spec, groups) of a report section as the shipped sweeps lay it out: every job each experiment with this
     report id (and its ``also``) expands to, with made-up results or ``numbers(axes)``."""
-    names = sorted(p.stem for p in EXPERIMENTS.glob("*.yaml") if (raw_yaml(p.stem)["report"].get("id") or p.stem)
-                   == report_id)
+    names = [n for n in experiments() if (raw_yaml(n)["report"].get("id") or n) == report_id]
     spec = parse_spec(raw_yaml(names[0])["report"], names[0])
     jobs = []
     for name in dict.fromkeys(names + spec.also):
@@ -204,9 +198,9 @@ def shipped_section(report_id: str, numbers=None):
 def shipped() -> dict:
     """report id -> [(experiment, its report block)]."""
     out: dict = {}
-    for p in sorted(EXPERIMENTS.glob("*.yaml")):
-        rep = raw_yaml(p.stem)["report"]
-        out.setdefault(rep.get("id") or p.stem, []).append((p.stem, rep))
+    for name in experiments():
+        rep = raw_yaml(name)["report"]
+        out.setdefault(rep.get("id") or name, []).append((name, rep))
     return out
 
 

@@ -2,6 +2,7 @@
 
 from rich.console import Console
 
+from specmd.engine import GROUPS
 from specmd.summary import COMPARE_HINT, print_summary
 
 
@@ -10,7 +11,7 @@ def results(**cache):
                 evictions=50, prefetch_issued=70, prefetch_used=60, streamed=0, prefetch_skipped=0)
     base.update(cache)
     hw = {"name": "a100_pcie", "capacity": 0.05}
-    cfg = {g: {"name": "x"} for g in ("routing", "miss", "eviction", "prefetch")}
+    cfg = {g: {"name": "x"} for g in GROUPS}
     cfg.update(model={"name": "m"}, hardware=hw, stack={"measure": "all"})
     return {"config": cfg, "cache": base, "tasks": {}, "wall_s": 1.0, "routing": {"fidelity": 1.0},
             "timing": {"stall_s": 0.1, "ttft_s": 0.01, "tpot_s": 0.001, "tokens_per_s": 10.0}}

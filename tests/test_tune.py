@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from specmd.engine import GROUPS
 from specmd.errors import ConfigError
 from specmd.tune import SPACE, Options, candidates, draw, lossless, parse, pareto
 
@@ -63,7 +64,7 @@ def test_parse_keeps_the_base_overrides():
     opts, rest = parse(["model=tiny", "tune.objective=hit_rate", "tune.eviction=[lru,fld]", "hardware.capacity=0.1"])
     assert rest == ["model=tiny", "hardware.capacity=0.1"]
     assert opts.objective == "hit_rate" and opts.choices == {"eviction": ["lru", "fld"]}
-    assert set(SPACE) == {"routing", "miss", "eviction", "prefetch"}
+    assert set(SPACE) == set(GROUPS)
 
 
 def test_tune_on_the_tiny_model_finds_a_stack_within_budget_that_reruns_live(tmp_path, mirror):

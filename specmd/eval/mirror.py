@@ -28,7 +28,6 @@ from typing import Callable, Optional
 from ..errors import DataError
 
 OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
-ENV_VAR = "SPECMD_DATA_MIRROR"
 
 
 def set_offline() -> None:

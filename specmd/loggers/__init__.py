@@ -186,7 +186,9 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 def run_tags(cfg: dict) -> list[str]:
-    tags = [f"{g}={cfg[g]['name']}" for g in ("routing", "miss", "eviction", "prefetch", "quant")
+    from ..engine import GROUPS
+
+    tags = [f"{g}={cfg[g]['name']}" for g in (*GROUPS, "quant")
             if isinstance(cfg.get(g), dict) and "name" in cfg[g]]
     model = cfg.get("model") or {}
     if model.get("name"):

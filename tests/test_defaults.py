@@ -1,0 +1,77 @@
+"""One home per list and default: every registered class's ``Params`` defaults equal its config file's values
+(``specmd/conf/<family>/<name>.yaml``), the stack's defaults are ``conf/config.yaml``'s, and the policy
+families are the engine's ``GROUPS`` everywhere they are listed."""
+
+from dataclasses import fields
+
+import pytest
+
+from specmd import shipped
+from specmd.engine import GROUPS
+from specmd.executor import EXECUTION
+from specmd.policies import REGISTRIES
+from specmd.quant import QUANT
+from specmd.registry import build_params
+
+FAMILIES = {**REGISTRIES, "quant": QUANT, "execution": EXECUTION}  # every registry with a config group
+# Params fields a class fills itself, never read from its config: quant=auto's precisions are the miss policy's
+# (QuantMethod.resolve), so its yaml leaves them out
+RESOLVED = {("quant", "auto"): {"precisions"}}
+
+
+def interpolated(value) -> bool:
+    """``${model.pretrained}``: a value taken from another section when Hydra composes, not a default."""
+    return isinstance(value, str) and "${" in value
+
+
+def mismatches(cls, yaml: dict, resolved: frozenset = frozenset()) -> list:
+    """What differs between ``cls.Params``'s defaults and its config file's fields (both ways; a field named
+    ``lambda_`` is the config's ``lambda``, as :func:`specmd.registry.build_params` reads it)."""
+    given = {k: v for k, v in yaml.items() if k != "name"}
+    if cls.Params is None:
+        return [f"{k}: in the yaml, but {cls.__name__} has no Params" for k in given]
+    default = cls.Params()
+    attr = {f.name.rstrip("_"): f.name for f in fields(cls.Params)}  # config key -> dataclass field
+    out = [f"{k}: in the yaml, not a Params field" for k in sorted(set(given) - set(attr))]
+    out += [f"{k}: a Params field the yaml does not show (default {getattr(default, attr[k])!r})"
+            for k in sorted(set(attr) - set(given) - resolved)]
+    for k in sorted(set(attr) & set(given)):
+        if interpolated(given[k]):
+            continue
+        value = getattr(build_params(cls.Params, {k: given[k]}, cls.name), attr[k])  # as validated (80 -> 80.0)
+        if value != getattr(default, attr[k]):
+            out.append(f"{k}: Params says {getattr(default, attr[k])!r}, the yaml {given[k]!r}")
+    return out
+
+
+@pytest.mark.parametrize("family,name", [(f, n) for f, reg in FAMILIES.items() for n in reg.names()])
+def test_every_params_default_equals_its_yaml(family, name):
+    cls = FAMILIES[family].get(name)
+    resolved = frozenset(RESOLVED.get((family, name), ()))
+    assert mismatches(cls, shipped.option(family, name), resolved) == [], f"{family}={name}"
+
+
+def test_the_check_itself_sees_a_changed_default():
+    cls = REGISTRIES["routing"].get("prune")
+    assert mismatches(cls, {"name": "prune", "h": cls.Params().h + 1}) != []
+    assert mismatches(cls, {"name": "prune"}) != []  # a field the yaml leaves out
+
+
+def test_stack_defaults_are_config_yamls():
+    from specmd.compose import spec_of
+    from specmd.hardware import HardwareConfig
+
+    chosen = shipped.defaults()
+    spec = spec_of()
+    assert spec.names() == {g: chosen[g] for g in GROUPS}
+    assert spec.measure == shipped.load("config")["stack"]["measure"]
+    assert HardwareConfig().name == shipped.option("hardware", chosen["hardware"])["name"]
+
+
+def test_the_policy_families_are_the_engines_groups():
+    from specmd.engine import StackSpec
+
+    assert tuple(REGISTRIES) == GROUPS
+    assert set(GROUPS) <= set(shipped.defaults())  # each family a config group with a default option
+    assert all(REGISTRIES[g].family == g for g in GROUPS)
+    assert all(g in {f.name for f in fields(StackSpec)} for g in GROUPS)
