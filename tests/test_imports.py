@@ -1,14 +1,18 @@
 """Importing routing traces from other engines (specmd.replay.formats): JSONL, llama.cpp moe-trace CSV, .npy, vLLM,
 and a format added by one registered parser."""
 
+import io
 import json
+import re
 import warnings
+import zipfile
 
 import numpy as np
 import pytest
 from conftest import ROOT
 
 from specmd.errors import ConfigError
+from specmd.replay.formats.vllm import VLLM_FIELDS
 from specmd.replay.imports import ImportOptions, load_import
 
 # 2 sequences (ids 7 then 3, by first appearance) x 3 tokens x 2 layers, E=8, k=2
@@ -409,6 +413,79 @@ def test_vllm_mismatched_requests_and_stray_arrays(tmp_path):
     j.write_text("\n")
     with pytest.raises(ConfigError, match=r"empty file, no requests"):
         load_import(j, "vllm", ImportOptions(num_experts=8))
+
+
+def test_vllm_bad_value_names_its_request_token_and_layer(tmp_path):
+    """Not square (4 layers, 9 tokens in request 'b'), so a location with token and layer swapped (or the
+    tokens counted from the file's start, not the request's) names another cell, here one that cannot exist."""
+    rng = np.random.default_rng(3)
+    a = _vllm_arrays(rng, 3, layers=4), _vllm_arrays(rng, 2, layers=4)
+    b = _vllm_arrays(rng, 5, layers=4), _vllm_arrays(rng, 4, layers=4)
+    b[1][2, 3] = [1, 9]  # request b's generated token 7 (5 prompt + 2), layer 3: expert 9 of 8
+    z = tmp_path / "r.npz"
+    np.savez(z, **{f"{r}/{f}": x for r, arrays in (("a", a), ("b", b)) for f, x in zip(VLLM_FIELDS, arrays)})
+    with pytest.raises(ConfigError, match=r"^" + re.escape(f"{z}, arrays b/*: request 'b' token 7 (generated) layer 3: "
+                                                            "expert id 9 out of range [0, 8)")):
+        load_import(z, "vllm", ImportOptions(num_experts=8))
+
+
+def _npy_bytes(a) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()
+
+
+def _zip_of(members: dict) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+def _flip_in_member(data: bytes) -> bytes:
+    """One bit of the first member's array data flipped: a valid .npy, failing its zip CRC."""
+    data = bytearray(data)
+    data[data.find(b"\x93NUMPY") + 128 + 3] ^= 1  # past the 128-byte .npy header
+    return bytes(data)
+
+
+_GOOD = _vllm_arrays(np.random.default_rng(4), 4)
+
+
+@pytest.mark.parametrize("name,content,match", [
+    ("r.npz", b'{"routed_experts": [[[1, 2]]]}\n', r"not a \.npz archive \(it does not start with a zip's signature"),
+    ("r.npz", _npy_bytes(_GOOD), r"a single \.npy array, not a vllm container .* is replay\.format=npy"),
+    ("r.npy", _npy_bytes(_GOOD), r"a single \.npy array, not a vllm container"),
+    ("r.npz", _zip_of({"routed_experts.npy": _npy_bytes(_GOOD)})[:40],
+     r"not a readable \.npz archive \(BadZipFile: .*; truncated\?\); expected a \.npz"),
+    ("r.npz", _zip_of({"a/routed_experts.npy": _npy_bytes(np.array([[1, 2], "x"], dtype=object))}),
+     r"array 'a/routed_experts' cannot be read \(ValueError: Object arrays cannot be loaded when allow_pickle=False\); "
+     r"expected an integer \.npy array \[tokens, layers, top_k\]"),
+    ("r.npz", _zip_of({"routed_experts.npy": _npy_bytes(_GOOD)[:-5]}),
+     r"array 'routed_experts' cannot be read \(ValueError: EOF"),
+    ("r.npz", _flip_in_member(_zip_of({"routed_experts.npy": _npy_bytes(_GOOD)})),
+     r"array 'routed_experts' cannot be read \(BadZipFile: Bad CRC-32"),
+    ("r.npz", _zip_of({"prompt_routed_experts": b"1,2\n3,4\n"}),
+     r"array 'prompt_routed_experts' is not a \.npy array \(8 bytes of something else\)"),
+], ids=["text-as-npz", "npy-as-npz", "npy", "truncated-archive", "object-array", "truncated-member", "bad-crc",
+        "member-not-npy"])
+def test_vllm_bad_containers_name_the_file_and_member(tmp_path, name, content, match):
+    """A renamed file, a truncated archive, a member that is an object array (never unpickled), truncated,
+    failing its CRC or no .npy at all: a ConfigError (one line, exit 2) naming the file and the member."""
+    f = tmp_path / name
+    f.write_bytes(content)
+    with pytest.raises(ConfigError, match=r"^" + re.escape(str(f)) + ": " + match):
+        load_import(f, "vllm", ImportOptions(num_experts=8))
+
+
+def test_vllm_container_is_told_by_its_content(tmp_path):
+    """An archive under another name is still read as one (the first bytes decide, not the suffix)."""
+    z = tmp_path / "r.npz"
+    np.savez(z, routed_experts=_GOOD)
+    renamed = tmp_path / "routes.jsonl"
+    z.rename(renamed)
+    assert load_import(renamed, "vllm", ImportOptions(num_experts=8)).index.tolist() == _GOOD.reshape(-1, 2).tolist()
 
 
 # ---- degenerate captures ---------------------------------------------------------------------------------------

@@ -491,6 +491,28 @@ def test_arena_first_fit_merge_and_compaction():
     assert a.holes() == [(0, 100)] and a.used == 0
 
 
+def test_arena_compaction_slides_the_cheapest_run_of_holes():
+    """Three holes of 20, 15 and 15 bytes and a 30-byte copy needing a 30-byte hole: the first run that holds
+    it (20 + 15, around a 30-byte copy) is not the cheapest (15 + 15, around a 10-byte copy). Only the cheaper
+    run's copy moves: taking the first run opens a hole as large, moving 3x the bytes (30, not 10)."""
+    from specmd.executor.arena import ByteArena
+
+    a = ByteArena(100, 10, "cpu")  # every copy here is >= 10 bytes: first-fit from the front
+    sizes = {1: 10, 2: 20, 3: 30, 4: 15, 5: 10, 6: 15}
+    assert [a.alloc(k, n) for k, n in sizes.items()] == [0, 10, 30, 60, 75, 85]
+    for k in (2, 4, 6):
+        a.release(k)
+    assert a.holes() == [(10, 20), (60, 15), (85, 15)] and a.alloc(7, 30) is None
+    for k in (1, 3, 5):
+        a.buf[a.live[k][0]:sum(a.live[k])] = _pattern(k, sizes[k])
+    assert a.window(30) == (60, 100)
+    assert a.compact(30) == {5: 60} and a.bytes_compacted == 10 and a.compactions == 1
+    assert a.holes() == [(10, 20), (70, 30)] and a.alloc(7, 30) == 70
+    assert {k: a.live[k][0] for k in (1, 3, 5)} == {1: 0, 3: 30, 5: 60}
+    for k in (1, 3, 5):
+        assert torch.equal(a.buf[a.live[k][0]:sum(a.live[k])], _pattern(k, sizes[k])), k
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_arena_random_operations_keep_every_copys_bytes(seed):
     """Random allocations and releases of mixed sizes whose bytes fit (as the engine admits them): an

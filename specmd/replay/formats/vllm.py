@@ -8,6 +8,15 @@ with ``request_id`` (optional) and the two fields as nested lists (``.tolist()``
 may be absent (a prompt-only or decode-only capture), not both. Unlike the per-token formats the prompt is
 **one prefill pass** of its tokens, as vLLM ran it (a chunked prefill is still replayed as one pass),
 followed by one decode pass per generated token; context counts the prompt.
+
+The container is told by its first bytes, not its name: a zip is read as a ``.npz`` whatever it is called (a
+renamed archive loses nothing), anything else as JSON Lines, except a file named ``.npz`` that is no zip (a
+truncated download, another file renamed) and a bare ``.npy`` array (the ``npy`` format's file, which holds
+no requests): both are refused naming what they are. Members are read with ``allow_pickle=False`` always:
+an object array (``np.save`` of ``dtype=object``) is refused, never unpickled, and a member that cannot be
+read (not a ``.npy``, truncated, failing its CRC) is a :class:`ConfigError` naming the file and the member:
+a bad trace is the user's input, like every other bad file an import format reads (exit 2, one line), not
+an internal error.
 """
 
 from __future__ import annotations
@@ -21,11 +30,25 @@ from ...errors import ConfigError
 from .base import ImportOptions, Records, json_objects, register_format
 
 VLLM_FIELDS = ("prompt_routed_experts", "routed_experts")
+ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first bytes (the second: an empty one), as np.load tells it
+NPZ = f"a .npz (np.savez's zip) of {' / '.join(VLLM_FIELDS)} arrays"  # what the messages expect
+MEMBER = "an integer .npy array [tokens, layers, top_k]"
 
 
 @register_format("vllm")
 def parse(path: Path, opts: ImportOptions, notes: list) -> Records:
-    requests = _npz_requests(path) if path.suffix == ".npz" else _jsonl_requests(path)
+    with open(path, "rb") as f:
+        head = f.read(len(np.lib.format.MAGIC_PREFIX))
+    if head == np.lib.format.MAGIC_PREFIX:
+        raise ConfigError(f"{path}: a single .npy array, not a vllm container ({NPZ}, or JSON Lines); a bare "
+                          f"[tokens, layers, top_k] array of one sequence is replay.format=npy")
+    if head.startswith(ZIP_MAGIC):
+        requests = _npz_requests(path)
+    elif path.suffix == ".npz":
+        raise ConfigError(f"{path}: not a .npz archive (it does not start with a zip's signature: truncated, or "
+                          f"another file renamed?); expected {NPZ}")
+    else:
+        requests = _jsonl_requests(path)
     if not requests:
         raise ConfigError(f"{path}: empty file, no requests")
     L, k = _shape(path, requests)
@@ -94,7 +117,8 @@ def _npz_requests(path: Path) -> list:
     try:
         z = np.load(path, allow_pickle=False)
     except Exception as e:  # noqa: BLE001 - any unreadable file is a user error here
-        raise ConfigError(f"{path}: not a readable .npz archive ({e})") from None
+        raise ConfigError(f"{path}: not a readable .npz archive ({type(e).__name__}: {e}; truncated?); "
+                          f"expected {NPZ}") from None
     groups: dict = {}
     with z:
         for key in z.files:
@@ -102,7 +126,15 @@ def _npz_requests(path: Path) -> list:
             if field not in VLLM_FIELDS:
                 raise ConfigError(f"{path}: array {key!r} is not one of {', '.join(VLLM_FIELDS)} (optionally "
                                   f"prefixed '<request>/')")
-            groups.setdefault(req, {})[field] = z[key]
+            try:
+                a = z[key]
+            except Exception as e:  # noqa: BLE001 - truncated, CRC, object dtype, absurd header: the file's fault
+                raise ConfigError(f"{path}: array {key!r} cannot be read ({type(e).__name__}: {e}); "
+                                  f"expected {MEMBER}") from None
+            if not isinstance(a, np.ndarray):  # np.load hands back the raw bytes of a member that is no .npy
+                raise ConfigError(f"{path}: array {key!r} is not a .npy array ({len(a)} bytes of something "
+                                  f"else); expected {MEMBER}")
+            groups.setdefault(req, {})[field] = a
     out = []
     for req, g in groups.items():
         where = f"arrays {req + '/' if req else ''}*"
