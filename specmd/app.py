@@ -275,10 +275,21 @@ class _Progress:
     """Where a job is (``stage``, one of :data:`specmd.jobs.STAGES`) and what it has computed so far."""
 
     def __init__(self):
-        self.stage = "config"
+        self._stage = "config"
         self.run: Optional[Run] = None
         self.partial = None  # () -> dict: the cache/timing accounting so far, once a stack exists
         self.wrote_results = False
+
+    @property
+    def stage(self) -> str:
+        return self._stage
+
+    @stage.setter
+    def stage(self, stage: str) -> None:  # a safe point: a signal whose exception was lost stops the job here
+        from .jobs import check_interrupt
+
+        check_interrupt()
+        self._stage = stage
 
 
 def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str] = None,
@@ -296,41 +307,52 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
     lock = None
     try:
         with jobs.signals_raise():
-            digest = jobs.config_hash(OmegaConf.to_container(cfg, resolve=True))
-            if resume:  # before validation: a job whose config became invalid is not reported done
-                from filelock import Timeout
-
-                lock = jobs.job_lock(run_dir)
-                try:
-                    lock.acquire(timeout=5)  # `specmd status` probes the lock for an instant
-                except Timeout:
-                    lock = None
-                    raise JobRunning(f"{run_dir} is locked by another process running this job") from None
-                done = jobs.finished(run_dir, digest)
-                if done is not None:
-                    done["resumed"] = True
-                    return done
-            run = progress.run = Run(cfg, overrides)
-            threads = run.threads or (threads and min(threads, usable_cores()))  # a launcher's share: capped too
-            if threads:
-                import torch
-
-                torch.set_num_threads(threads)
-            return _execute(run, digest, run_dir, group, progress)
-    except JobRunning:
-        raise
-    except BaseException as exc:
-        if not progress.wrote_results:
-            config = progress.run.raw if progress.run is not None else OmegaConf.to_container(cfg, resolve=False)
             try:
-                partial = progress.partial() if progress.partial is not None else None
-            except Exception:  # noqa: BLE001 -- the accounting of a broken engine: the error itself matters more
-                partial = None
-            jobs.write_failed(run_dir, progress.stage, exc, config, partial)
-        raise
+                digest = jobs.config_hash(OmegaConf.to_container(cfg, resolve=True))
+                if resume:  # before validation: a job whose config became invalid is not reported done
+                    from filelock import Timeout
+
+                    lock = jobs.job_lock(run_dir)
+                    try:
+                        lock.acquire(timeout=5)  # `specmd status` probes the lock for an instant
+                    except Timeout:
+                        lock = None
+                        raise JobRunning(f"{run_dir} is locked by another process running this job") from None
+                    done = jobs.finished(run_dir, digest)
+                    if done is not None:
+                        done["resumed"] = True
+                        return done
+                run = progress.run = Run(cfg, overrides)
+                threads = run.threads or (threads and min(threads, usable_cores()))  # a launcher's share: capped
+                if threads:
+                    import torch
+
+                    torch.set_num_threads(threads)
+                return _execute(run, digest, run_dir, group, progress)
+            except JobRunning:
+                raise
+            except BaseException as exc:
+                exc.specmd_stage = progress.stage  # what the CLI prints, even when failed.json cannot be written
+                if not progress.wrote_results:
+                    with jobs.signals_held():  # a second Ctrl-C cannot cut the record short
+                        _record_failure(cfg, run_dir, progress, exc)
+                raise
     finally:
         if lock is not None:
             lock.release()
+
+
+def _record_failure(cfg: DictConfig, run_dir: Path, progress: _Progress, exc: BaseException) -> None:
+    """``failed.json`` with the stage, the config and what was computed so far (:func:`jobs.write_failed`,
+    which keeps it elsewhere when the run directory cannot take it: ``exc.specmd_failed`` says where)."""
+    from . import jobs
+
+    config = progress.run.raw if progress.run is not None else OmegaConf.to_container(cfg, resolve=False)
+    try:
+        partial = progress.partial() if progress.partial is not None else None
+    except Exception:  # noqa: BLE001 -- the accounting of a broken engine: the error itself matters more
+        partial = None
+    exc.specmd_failed = jobs.write_failed(run_dir, progress.stage, exc, config, partial)
 
 
 def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progress: _Progress) -> dict:
@@ -452,12 +474,18 @@ def _finish(results: dict, engine, digest: str, run_dir: Path, logger, progress:
     the config hash), then the logger (which never raises: W&B trouble is a warning, specmd.loggers)."""
     from .results import write_json_atomic, write_passes_csv
 
+    from .jobs import rescue
+
     results["config_hash"] = digest
     check_numbers(results)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if engine is not None:
-        write_passes_csv(run_dir / "passes.csv", engine.cache.stats.passes)
-    write_json_atomic(run_dir / "results.json", results)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if engine is not None:
+            write_passes_csv(run_dir / "passes.csv", engine.cache.stats.passes)
+        write_json_atomic(run_dir / "results.json", results)
+    except OSError as exc:  # a full disk, a directory made read-only: the results are kept elsewhere, and named
+        kept = rescue(run_dir, "results.json", results)
+        raise OSError(exc.errno, f"{exc.strerror}; the run's results are kept in {kept}", exc.filename) from exc
     progress.wrote_results = True
     logger.log_run(results, str(run_dir))
     return results

@@ -7,3 +7,12 @@ class ConfigError(ValueError):
 
 class DataError(RuntimeError):
     """Evaluation data cannot be found (no mirror, hub unreachable, dataset missing from the mirror)."""
+
+
+def say(prog: str, message: str, label: str = "error") -> None:
+    """One line on stderr, as every command prints bad input: ``specmd CMD: error: message`` (rich markup
+    escaped, never wrapped)."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True).print(f"[bold red]{prog}: {label}:[/] {escape(message)}", highlight=False, soft_wrap=True)

@@ -93,12 +93,33 @@ def job_lock(run_dir: Path):
     return FileLock(str(run_dir / ".lock"))
 
 
+def rescue(run_dir: Path, name: str, body: dict) -> str:
+    """Keep ``body`` (a run's results or failure record) that ``run_dir`` could not take -- a full disk, a
+    directory made read-only mid-run -- in ``<tmp>/specmd-rescue/<run dir's name>-<token>/<name>``; when even
+    that fails, print it on stderr. Returns where it went, for the message that names it."""
+    import secrets
+    import sys
+    import tempfile
+
+    from .results import write_json_atomic
+
+    path = Path(tempfile.gettempdir()) / "specmd-rescue" / f"{Path(run_dir).name}-{secrets.token_hex(4)}" / name
+    try:
+        write_json_atomic(path, {"run_dir": str(run_dir), **body})
+        return str(path)
+    except OSError:
+        sys.stderr.write(f"specmd: {run_dir}/{name} could not be written anywhere; here it is:\n"
+                         f"{json.dumps(body, default=str)}\n")
+        return "stderr (above)"
+
+
 def write_failed(run_dir: Path, stage: str, exc: BaseException, config: Optional[dict] = None,
-                 partial: Optional[dict] = None) -> None:
+                 partial: Optional[dict] = None) -> str:
     """``failed.json``: ``stage`` (one of :data:`STAGES`), ``kind`` (``config``, ``data``, ``signal`` or
     ``error``), ``error``, ``signal`` when a signal stopped the job, the config and what was computed before the
     failure (``partial``: cache and timing so far). A ``results.json`` an earlier run left in the directory is
-    moved to ``results.stale-<token>.json``: kept, but the directory no longer says done."""
+    moved to ``results.stale-<token>.json``: kept, but the directory no longer says done. Returns where the
+    record went (:func:`rescue` when the directory cannot take it)."""
     import secrets
 
     from .errors import ConfigError, DataError
@@ -117,9 +138,14 @@ def write_failed(run_dir: Path, stage: str, exc: BaseException, config: Optional
         body["traceback"] = "".join(traceback.format_exception(exc))
     if isinstance(exc, Interrupted):
         body["signal"] = exc.signal_name
-    if (run_dir / "results.json").exists():
-        os.replace(run_dir / "results.json", run_dir / f"results.stale-{secrets.token_hex(4)}.json")
-    write_json_atomic(run_dir / "failed.json", body)
+    try:
+        if (run_dir / "results.json").exists():
+            os.replace(run_dir / "results.json", run_dir / f"results.stale-{secrets.token_hex(4)}.json")
+        write_json_atomic(run_dir / "failed.json", body)
+    except OSError as write_error:  # what was computed is not lost with the directory: kept, and named
+        body["not_written"] = f"{run_dir / 'failed.json'}: {write_error}"
+        return rescue(run_dir, "failed.json", body)
+    return str(run_dir / "failed.json")
 
 
 class Interrupted(BaseException):
@@ -131,13 +157,51 @@ class Interrupted(BaseException):
         super().__init__(f"stopped by {self.signal_name}")
 
 
+class _Signals:
+    """The signal state of this process: ``pending``, the first SIGTERM/SIGINT received (0: none); ``depth``,
+    how many :func:`signals_raise` blocks are open; ``held``, while ``failed.json`` is written
+    (:func:`signals_held`): a signal is recorded, not raised."""
+
+    pending = 0
+    depth = 0
+    held = False
+
+
+SIGNALS = _Signals()
+
+
+def check_interrupt() -> None:
+    """A safe point: raise :class:`Interrupted` when a signal arrived whose exception never reached the job
+    (raised inside a finalizer, ``__del__``, where Python prints and discards it). Called between stages, per
+    model call of an evaluation and before ``results.json`` is written; a plain attribute read otherwise."""
+    if SIGNALS.pending and SIGNALS.depth and not SIGNALS.held:
+        raise Interrupted(SIGNALS.pending)
+
+
+@contextlib.contextmanager
+def signals_held():
+    """While ``failed.json`` (or any record of the failure) is written: a signal is recorded but raises
+    nothing, so a second Ctrl-C cannot cut the record short; the handler stays armed."""
+    held, SIGNALS.held = SIGNALS.held, True
+    try:
+        yield
+    finally:
+        SIGNALS.held = held
+
+
 @contextlib.contextmanager
 def signals_raise():
-    """While a job runs, SIGTERM and SIGINT raise :class:`Interrupted` in the main thread, so the job writes
-    its ``failed.json`` (with the stage it was in) before the process exits; in the CLI's process and in a
-    launcher's worker (joblib, submitit, Ray) alike. Only default handlers are replaced (a launcher's own
-    handlers, e.g. submitit's, are left alone), and they are restored afterwards. The first signal makes both
-    ignored, so a second one cannot interrupt the writing of ``failed.json``."""
+    """While a job or a command runs, SIGTERM and SIGINT raise :class:`Interrupted` in the main thread, so it
+    writes its ``failed.json`` (with the stage it was in) or removes what it had half-written before the
+    process exits; in the CLI's process and in a launcher's worker (joblib, submitit, Ray) alike. Only default
+    handlers are replaced (a launcher's own handlers, e.g. submitit's, are left alone), and they are restored
+    when the outermost block ends.
+
+    The handler never disarms itself. It records the signal (:data:`SIGNALS`) and raises; if that exception
+    is lost -- raised inside a finalizer, which Python discards -- the record stays, the next safe point
+    (:func:`check_interrupt`) raises it, and the block's end raises it at the latest. (The handler used to set
+    both signals to ignored and then raise: a signal landing in a ``__del__`` was lost, and with it every later
+    one until SIGKILL.) While ``failed.json`` is written (:func:`signals_held`) a signal is only recorded."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -147,16 +211,21 @@ def signals_raise():
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def handler(signum, frame):
-        for s in saved:
-            signal.signal(s, signal.SIG_IGN)
-        raise Interrupted(signum)
+        SIGNALS.pending = SIGNALS.pending or signum
+        if not SIGNALS.held:
+            raise Interrupted(SIGNALS.pending)
 
+    SIGNALS.depth += 1
     for s, h in saved.items():
         if h in defaults:
             signal.signal(s, handler)
     try:
         yield
+        check_interrupt()  # a signal whose exception was lost, and no safe point since
     finally:
+        SIGNALS.depth -= 1
+        if SIGNALS.depth == 0:
+            SIGNALS.pending = 0  # reported (raised) or the process goes on without the handler: forgotten
         for s, h in saved.items():
             signal.signal(s, h)
 
@@ -191,18 +260,64 @@ def torch_threads(requested: Optional[int], launcher: dict) -> Optional[int]:
 SWEEP_EXIT = {"code": 0}  # set by SweepEnd in the process that launched the sweep
 
 
+def claim_run_dir(run_dir: Path, marker: str) -> None:
+    """A single run's directory, claimed before Hydra writes anything into it: created (an error naming the
+    path when it cannot be: under a file, read-only, a name too long), and marked as this run's by creating
+    ``marker`` (Hydra's ``.hydra``) exclusively. A directory that already holds a run -- its marker, a
+    ``results.json`` or a ``failed.json`` -- is refused: two runs given one ``hydra.run.dir`` used to both
+    succeed, leaving one run's results beside the other's config. (A sweep's jobs resume in their directories
+    instead: :func:`finished`.)"""
+    from .errors import ConfigError
+    from .results import writable_dir
+
+    where = f"hydra.run.dir={run_dir}"
+    writable_dir(run_dir, where).mkdir(parents=True, exist_ok=True)
+    held = [n for n in (marker, "results.json", "failed.json") if (run_dir / n).exists()]
+    try:
+        if held:
+            raise FileExistsError
+        os.mkdir(run_dir / marker)  # exclusive: of two runs started together, one gets the directory
+    except FileExistsError:
+        raise ConfigError(f"{where} already holds a run ({', '.join(held) or marker}): a run directory holds one "
+                          "run; choose another hydra.run.dir (or leave it out: each run gets its own), or remove "
+                          "that directory") from None
+
+
+@contextlib.contextmanager
+def _refusing():
+    """A check in a Hydra callback: its :class:`~specmd.errors.ConfigError` is one line and exit 2 (Hydra turns
+    an exception raised in a callback into a warning and goes on, so the check exits itself)."""
+    from .errors import ConfigError
+
+    try:
+        yield
+    except ConfigError as exc:
+        from .errors import say
+
+        say("specmd", str(exc))
+        raise SystemExit(2) from None
+
+
 def _sweep_end_callback():
     from hydra.experimental.callback import Callback
+
+    from .errors import ConfigError
 
     class SweepEnd(Callback):
         """After a multirun, in the launching process, whatever the launcher: reads the sweep directory
         (``specmd status``) and sets the exit code: 0 when every job is done, 2 when only config or data
         errors failed jobs (``failed.json``'s ``kind``), 1 otherwise (as a single run exits)."""
 
+        def on_run_start(self, config, **kwargs) -> None:
+            """A single run's directory is claimed for it (:func:`claim_run_dir`) before Hydra writes there."""
+            with _refusing():
+                claim_run_dir(Path(str(config.hydra.run.dir)).absolute(),
+                              str(config.hydra.output_subdir or ".specmd-run"))
+
         def on_multirun_start(self, config, **kwargs) -> None:
             """The launcher's own settings, before it starts a job: a value it would fail on with a traceback
             (joblib's ``n_jobs=0``) is one line and exit code 2, like a job's config error."""
-            import sys
+            import shutil
 
             from omegaconf import OmegaConf
 
@@ -212,13 +327,23 @@ def _sweep_end_callback():
             if "joblib" in target and launcher.get("n_jobs") == 0:
                 errors.append("hydra.launcher.n_jobs=0 runs no job: set a number of parallel jobs >= 1, or -1 for "
                               "one per core")
-            for key in ("jobs_per_task", "cpus_per_task", "tasks_per_node", "nodes"):
+            for key in ("jobs_per_task", "cpus_per_task", "tasks_per_node", "nodes", "timeout_min",
+                        "array_parallelism"):  # submitit's: a zero ran nothing, or failed "No error stream"
                 v = launcher.get(key)
                 if isinstance(v, int) and not isinstance(v, bool) and v < 1:
                     errors.append(f"hydra.launcher.{key}={v} must be >= 1")
+            for key in ("mem_gb", "gpus_per_node"):
+                v = launcher.get(key)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and (v < 0 or key == "mem_gb" and v == 0):
+                    errors.append(f"hydra.launcher.{key}={v} must be " + (">= 0" if key == "gpus_per_node" else
+                                                                           "> 0 (GB per task), or null"))
+            if "slurm" in target and shutil.which("srun") is None:  # submitit's own check is a traceback per job
+                errors.append("hydra/launcher: SLURM's srun is not on this machine's PATH (submitit submits with "
+                              "sbatch and runs with srun): launch from a SLURM login node, or use "
+                              "hydra/launcher=specmd_joblib (this machine's cores) or specmd_submitit_local")
             if errors:
-                print("specmd: error: " + "; ".join(errors), file=sys.stderr)
-                raise SystemExit(2)
+                with _refusing():
+                    raise ConfigError("; ".join(errors))
 
         def on_multirun_end(self, config, **kwargs) -> None:
             import sys
@@ -230,7 +355,7 @@ def _sweep_end_callback():
             states = [(job_state(j), j) for j in load_sweep(sweep_dir).jobs]
             bad = [(s, j) for s, j in states if s != "done"]
             print(f"specmd: sweep {sweep_dir}: {len(states) - len(bad)} of {len(states)} jobs done"
-                  + (f"; not done: " + ", ".join(f"{' '.join(j.overrides)} ({s})" for s, j in bad) if bad else ""),
+                  + ("; not done: " + ", ".join(f"{' '.join(j.overrides)} ({s})" for s, j in bad) if bad else ""),
                   file=sys.stderr)
             if bad:
                 only_input = all(s == "failed" and j.results.get("kind") in ("config", "data") for s, j in bad)

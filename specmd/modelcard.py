@@ -320,18 +320,43 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import os
 
+    from .errors import ConfigError
+    from .results import writable_dir, write_text_atomic
+
+    try:
+        limits = json.loads(args.limits)
+    except ValueError as exc:
+        raise ConfigError(f"--limits {args.limits!r} is not JSON ({exc}); e.g. "
+                          "'{\"wikitext\": null, \"mmlu\": 10}'") from None
+    if not isinstance(limits, dict):
+        raise ConfigError(f"--limits {args.limits!r}: a JSON object task -> eval.limit")
+    if args.routing_only and not (args.out and Path(args.out).is_file()):
+        raise ConfigError(f"--routing-only re-measures the routing part of an existing card: --out {args.out} "
+                          "names no card file")
+    if args.markdown and not (args.summary and Path(args.summary).is_file()):
+        raise ConfigError(f"--markdown needs --summary, the train_summary.json of specmd train (got {args.summary})")
+    for option in ("out", "markdown"):  # before minutes of measuring
+        path = getattr(args, option)
+        if path:
+            if Path(path).is_dir():
+                raise ConfigError(f"--{option} {path}: a directory; name the file to write")
+            writable_dir(Path(path).parent, f"--{option} {path}")
     mirror = args.mirror or os.environ.get("SPECMD_DATA_MIRROR")
     if args.routing_only:
         card = {**json.loads(Path(args.out).read_text()), **measure_routing(args.model, mirror)}
     else:
-        card = measure(args.model, mirror, json.loads(args.limits))
+        card = measure(args.model, mirror, limits)
     text = json.dumps(card, indent=2)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        write_text_atomic(Path(args.out), text + "\n")
     if args.markdown:
-        Path(args.markdown).write_text(render(card, json.loads(Path(args.summary).read_text())))
+        write_text_atomic(Path(args.markdown), render(card, json.loads(Path(args.summary).read_text())))
     print(text)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # python -m specmd.modelcard: specmd card, with its one error path
+    import sys
+
+    from .cli.outcome import guarded
+
+    sys.exit(guarded("specmd card", main, sys.argv[1:]))

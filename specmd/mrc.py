@@ -12,7 +12,6 @@ The points run on ``mrc.jobs`` processes (default: every core) over one decoded 
 
 from __future__ import annotations
 
-import csv
 import math
 import sys
 import time
@@ -120,35 +119,32 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
     a.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from .results import atomic_output
+
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
 
 
 def main(argv=None) -> int:
+    """``specmd mrc``; bad input raises :class:`~specmd.errors.ConfigError` (one line, exit 2: specmd.cli)."""
     from .errors import ConfigError
+    from .results import output_dir, write_csv
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:  # its help, not a missing replay.trace (specmd.cli: every command has one)
         print(__doc__.strip())
         return 0
-    try:
-        policies, caps, out, rest, jobs = parse(argv)
-        if not policies or not caps:
-            raise ConfigError(f"specmd mrc needs at least one policy and one capacity (got eviction={policies}, "
-                              f"mrc.capacities={caps})")
-        if any(a.startswith("hardware.experts_per_layer=") and a.split("=", 1)[1] not in ("null", "None")
-               for a in rest):
-            raise ConfigError("specmd mrc varies hardware.capacity; drop hardware.experts_per_layer")
-        rows = compute(policies, caps, rest, jobs)
-    except ConfigError as exc:
-        print(f"specmd mrc: error: {exc}", file=sys.stderr)
-        return 2
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "mrc.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    policies, caps, out, rest, jobs = parse(argv)
+    if not policies or not caps:
+        raise ConfigError(f"specmd mrc needs at least one policy and one capacity (got eviction={policies}, "
+                          f"mrc.capacities={caps})")
+    if any(a.startswith("hardware.experts_per_layer=") and a.split("=", 1)[1] not in ("null", "None")
+           for a in rest):
+        raise ConfigError("specmd mrc varies hardware.capacity; drop hardware.experts_per_layer")
+    out = output_dir(out, "mrc.out")  # before the replays: a path that cannot be written loses no work
+    rows = compute(policies, caps, rest, jobs)
+    write_csv(out / "mrc.csv", rows)
     plot(rows, out / "mrc.png")
     print(f"{'policy':<12} {'capacity':>8} {'hit rate':>9} {'collisions':>10}")
     for r in rows:
@@ -157,5 +153,7 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m specmd.mrc: specmd mrc, with its one error path
+    from .cli.outcome import guarded
+
+    sys.exit(guarded("specmd mrc", main, sys.argv[1:]))

@@ -48,9 +48,16 @@ def _one(i: int) -> dict:
 
 
 def _worker_init() -> None:
+    import signal
+
     import torch
 
     torch.set_num_threads(1)  # one process per core: a policy's torch ops must not spawn threads of their own
+    # a worker dies quietly on SIGINT/SIGTERM: the parent (which Ctrl-C reaches too) reports the signal once and
+    # terminates the pool; the handler a worker inherited (specmd.jobs.signals_raise) printed a traceback per
+    # worker
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_DFL)
 
 
 def replay_many(trace, specs: list, jobs: Optional[int] = None) -> list[dict]:

@@ -4,6 +4,7 @@ file."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -38,37 +39,99 @@ def _clean(obj):
     return obj
 
 
+@contextlib.contextmanager
+def atomic_output(path: Path):
+    """Yield a temporary name beside ``path`` (unique, hidden; created by the caller with mode 0666 less the
+    umask like any file the user writes); when the block ends it is renamed to ``path``, and when the block
+    fails -- an error, a full disk, SIGINT/SIGTERM -- it is removed: a reader never sees a half-written file,
+    and an interrupted command leaves nothing where the next run would find it."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def writable_dir(path, what: str) -> Path:
+    """``path`` is, or can be created as, a directory this process can write in -- checked before any work,
+    creating nothing: the nearest existing path at or above it is a directory (not a file, not a broken link),
+    no component to create is longer than that file system takes, and a temporary file can be made and
+    removed there (a read-only mount shows as one, root included). A :class:`~specmd.errors.ConfigError`
+    starting with ``what`` (the option and its value) otherwise. Every command's output directory and a run's
+    directory are checked here."""
+    import tempfile
+
+    from .errors import ConfigError
+
+    path = Path(os.path.expanduser(path))
+    probe = path
+    while not os.path.lexists(probe) and probe.parent != probe:
+        probe = probe.parent
+    if os.path.islink(probe) and not os.path.exists(probe):
+        raise ConfigError(f"{what}: {probe} is a broken symbolic link")
+    if not probe.is_dir():
+        raise ConfigError(f"{what}: {probe} is a file, not a directory"
+                          + (f" ({path} cannot be created under it)" if probe != path else ""))
+    try:
+        name_max = os.pathconf(probe, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    long = [p for p in path.relative_to(probe).parts if len(os.fsencode(p)) > name_max]
+    if long:
+        raise ConfigError(f"{what}: the name {long[0][:24]}... is {len(os.fsencode(long[0]))} bytes long; this file "
+                          f"system takes at most {name_max}")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=probe, prefix=".specmd-probe-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        raise ConfigError(f"{what}: {probe} is not writable ({exc.strerror or exc})") from None
+    return path
+
+
+def output_dir(path, option: str) -> Path:
+    """A command's output directory ``option=path``, checked (:func:`writable_dir`) and created, before any
+    work."""
+    path = writable_dir(path, f"{option}={path}")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # a unique temporary name, created with mode 0666 less the umask like any file the user writes (mkstemp
-    # would make it 0600)
-    tmp = str(path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
+    with atomic_output(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(_clean(data), f, indent=2, allow_nan=False)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def write_passes_csv(path: Path, passes) -> None:
     """Per-forward-pass accounting (one row per prefill or decode pass)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write("pass,kind,tokens,time_s,stall_s,requests,hits,misses,collision_misses\n")
-            for p in passes:
-                f.write(f"{p.index},{p.kind},{p.tokens},{p.time_s:.9g},{p.stall_s:.9g},"
-                        f"{p.requests},{p.hits},{p.misses},{p.collision_misses}\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write("pass,kind,tokens,time_s,stall_s,requests,hits,misses,collision_misses\n")
+        for p in passes:
+            f.write(f"{p.index},{p.kind},{p.tokens},{p.time_s:.9g},{p.stall_s:.9g},"
+                    f"{p.requests},{p.hits},{p.misses},{p.collision_misses}\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path``, atomically (:func:`atomic_output`)."""
+    with atomic_output(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_csv(path: Path, rows: list) -> None:
+    """``rows`` (dicts; the columns: every key, in order of appearance) as a CSV file, atomically
+    (:func:`atomic_output`)."""
+    import csv
+
+    with atomic_output(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        w.writeheader()
+        w.writerows(rows)

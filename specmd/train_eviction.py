@@ -30,12 +30,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .errors import ConfigError
 from .policies.eviction.ml import features
 
 EVALUATED = ("lru", "lfu", "ml", "belady")  # the held-out replay's eviction policies
@@ -188,6 +190,12 @@ def main(argv=None):
         ap.error("give --model or --traces")
     if not 0 < args.holdout < 1:
         ap.error(f"--holdout={args.holdout} must be in (0, 1)")
+    from .results import writable_dir
+
+    out = Path(args.out)
+    if out.is_dir() or not out.name:
+        raise ConfigError(f"--out {args.out}: a directory; name the weights file (e.g. {out / 'ml.safetensors'})")
+    writable_dir(out.parent, f"--out {args.out}")  # before recording and training: minutes of work
 
     with tempfile.TemporaryDirectory() as tmp:
         traces = read_traces(args)
@@ -204,10 +212,12 @@ def train(args, traces: list) -> dict:
 
     geoms = {(t.meta.geometry.num_layers, t.meta.geometry.num_experts) for t in traces}
     if len(geoms) != 1:
-        raise SystemExit(f"the traces have different (MoE layers, experts): {sorted(geoms)}")
+        raise ConfigError(f"the traces have different (MoE layers, experts): {sorted(geoms)}; train on traces of one "
+                          "model")
     ((L, E),) = geoms
     if any(len(t.passes) < 2 for t in traces):
-        raise SystemExit("every trace needs at least 2 passes (one to train on, one held out)")
+        raise ConfigError("every trace needs at least 2 passes (one to train on, one held out): "
+                          + ", ".join(f"{t.path} has {len(t.passes)}" for t in traces if len(t.passes) < 2))
     cuts = [max(1, min(len(t.passes) - 1, round(len(t.passes) * (1 - args.holdout)))) for t in traces]
     steps = [layer_steps(select_passes(t, 0, cut)) for t, cut in zip(traces, cuts)]
     tensors, mses = {}, []
@@ -226,19 +236,22 @@ def train(args, traces: list) -> dict:
     meta = {"num_layers": str(L), "num_experts": str(E), "cap": str(args.cap), "step": "one call of the layer",
             "source": json.dumps(source, default=str), "train_mse": json.dumps(mses),
             "paper": "FlashMoE §3.2 (2 -> 128 -> 128 -> 1, SiLU, MSE, AdamW 1e-3/1e-2)"}
-    tmp = out.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    held = [select_passes(t, cut) for t, cut in zip(traces, cuts)]
-    rates = holdout_hit_rates(held, args.eval_capacity, tmp)
-    meta["holdout_hit_rate"] = json.dumps({
-        "capacity_per_layer": args.eval_capacity, "passes": [[cut, len(t.passes)] for t, cut in zip(traces, cuts)],
-        "layer_calls": sum(len(h.calls) for h in held), **rates})
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(out)
+    from .results import atomic_output
+
+    with atomic_output(out) as tmp:  # an interrupt or an error leaves no weights file, whole or half
+        save_file(tensors, str(tmp), metadata=meta)
+        held = [select_passes(t, cut) for t, cut in zip(traces, cuts)]
+        rates = holdout_hit_rates(held, args.eval_capacity, tmp)
+        meta["holdout_hit_rate"] = json.dumps({
+            "capacity_per_layer": args.eval_capacity, "passes": [[cut, len(t.passes)] for t, cut in zip(traces, cuts)],
+            "layer_calls": sum(len(h.calls) for h in held), **rates})
+        save_file(tensors, str(tmp), metadata=meta)
     print(f"held-out replay ({sum(len(h.passes) for h in held)} passes, {args.eval_capacity} experts/layer): {rates}")
     print(f"wrote {out}")
     return meta
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # python -m specmd.train_eviction: specmd train-eviction, with its one error path
+    from .cli.outcome import guarded
+
+    sys.exit(guarded("specmd train-eviction", main, sys.argv[1:]))

@@ -17,7 +17,12 @@ later step fails):
    objective run live on ``tune.quality_task`` (WikiText word perplexity, ``tune.quality_limit`` documents,
    scored token by token as Cache-Conditional Experts does, so every token sees the cache;
    ``tune.token_by_token=false`` scores whole windows, where a cache-conditional router sees a cache full
-   of the window's own experts); the quality loss is ``ppl / ppl_unhooked - 1``. The search stops at the
+   of the window's own experts); the quality loss is ``ppl / ppl_unhooked - 1``. Another task is scored by
+   the metric its paper reports (:data:`specmd.eval.harness.QUALITY`: GSM8K strict match, MMLU accuracy...)
+   or by ``tune.quality_metric=<lm-eval key>`` with ``tune.quality_higher=true|false``; a higher-is-better
+   metric's loss is ``1 - value / value_unhooked``. A task whose metric or direction tune does not know is
+   refused before anything runs (taking lm-eval's first key measured GSM8K's ``sample_len``: +0.00% loss for
+   every stack), as is an unhooked score of 0 or a non-finite one (nothing to lose). The search stops at the
    first stack within budget (every later one is slower) or at a lossless one (standard routing, every miss
    fetched at the stored precision: bit-identical to the unhooked model); a stack over budget rules out the
    untried ones at least as lossy (same routing and miss policy, every knob as aggressive or more, a cache
@@ -41,17 +46,16 @@ after the first changed layer); the live runs of step 3 measure what the finalis
 
 from __future__ import annotations
 
-import csv
 import itertools
-import json
 import math
 import random
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
-from .errors import ConfigError
+from .errors import ConfigError, DataError
 from .mrc import split_list
 
 # group -> choice -> list of parameter overrides (each a tuple of "key=value" strings)
@@ -79,6 +83,8 @@ class Options:
     capacities: list = field(default_factory=list)  # empty: the base configuration's hardware.capacity
     quality_task: str = "wikitext"
     quality_limit: int = 1
+    quality_metric: str = ""  # empty: the task's metric in QUALITY
+    quality_higher: Optional[bool] = None  # empty: the metric's known direction
     token_by_token: bool = True
     out: str = ""
     choices: dict = field(default_factory=dict)  # group -> allowed choices
@@ -96,10 +102,48 @@ class Options:
         for c in self.capacities:
             if not (math.isfinite(c) and 0 < c <= 1):
                 raise ConfigError(f"tune.capacities: {c} must be a fraction in (0, 1]")
+        self.capacities = list(dict.fromkeys(self.capacities))  # a repeated capacity: one stack, one trial
+        self.quality_metric, self.quality_higher = quality_measure(self.quality_task, self.quality_metric,
+                                                                   self.quality_higher)
         for group, names in self.choices.items():
             bad = [n for n in names if n not in SPACE[group]]
             if bad or not names:
                 raise ConfigError(f"tune.{group}={names}: {bad or 'empty'}; valid choices: {', '.join(SPACE[group])}")
+
+
+# metrics whose direction is known without the task: the perplexities (lower is better) and the scores
+LOWER_IS_BETTER = ("word_perplexity", "byte_perplexity", "bits_per_byte", "perplexity")
+
+
+def quality_measure(task: str, metric: str, higher) -> tuple:
+    """``(metric, higher is better)`` that ``tune`` judges ``task``'s quality by: the task's in
+    :data:`~specmd.eval.harness.QUALITY` unless ``tune.quality_metric`` names another; the direction from
+    ``tune.quality_higher``, else known for the task's own metric or a perplexity. Anything else is a
+    :class:`ConfigError` before any work."""
+    from .eval.harness import QUALITY
+
+    known = ", ".join(f"{t} ({m}, {'higher' if h else 'lower'} is better)" for t, (m, h) in QUALITY.items())
+    if not metric:
+        if task not in QUALITY:
+            raise ConfigError(f"tune.quality_task={task}: tune knows the quality metric of {known}; for another "
+                              f"task name the lm-eval metric and its direction: tune.quality_metric=<key> "
+                              f"tune.quality_higher=true|false")
+        metric = QUALITY[task][0]
+    if higher is None:
+        if task in QUALITY and QUALITY[task][0] == metric:
+            higher = QUALITY[task][1]
+        elif metric.split("/")[0] in LOWER_IS_BETTER:
+            higher = False
+        else:
+            raise ConfigError(f"tune.quality_metric={metric}: whether higher or lower is better is unknown; set "
+                              f"tune.quality_higher=true (an accuracy, a match rate) or false (a perplexity)")
+    return metric, bool(higher)
+
+
+def quality_loss(value: float, ref: float, higher: bool) -> float:
+    """The fraction of quality lost against the unhooked model: ``value / ref - 1`` for a perplexity,
+    ``1 - value / ref`` for a score (both > 0 when quality fell)."""
+    return 1.0 - value / ref if higher else value / ref - 1.0
 
 
 def parse(argv: list[str]) -> tuple[Options, list[str]]:
@@ -112,7 +156,7 @@ def parse(argv: list[str]) -> tuple[Options, list[str]]:
             continue
         name = key[len("tune."):]
         valid = ["objective", "budget", "trials", "finalists", "seed", "capacities", "quality_task",
-                 "quality_limit", "token_by_token", "out", *SPACE]
+                 "quality_limit", "quality_metric", "quality_higher", "token_by_token", "out", *SPACE]
         if name not in valid:
             raise ConfigError(f"tune.{name}: unknown option; valid: {', '.join(valid)}")
         if not eq:
@@ -122,14 +166,14 @@ def parse(argv: list[str]) -> tuple[Options, list[str]]:
                 opts.choices[name] = split_list(value)
             elif name == "capacities":
                 opts.capacities = [float(v) for v in split_list(value)]
-            elif name in ("objective", "quality_task", "out"):
+            elif name in ("objective", "quality_task", "quality_metric", "out"):
                 setattr(opts, name, value)
             elif name in ("trials", "finalists", "seed", "quality_limit"):
                 setattr(opts, name, int(value))
             elif name == "budget":
                 opts.budget = float(value)
-            elif value.lower() in ("true", "false"):  # token_by_token
-                opts.token_by_token = value.lower() == "true"
+            elif value.lower() in ("true", "false"):  # token_by_token, quality_higher
+                setattr(opts, name, value.lower() == "true")
             else:
                 raise ValueError(value)
         except ValueError:
@@ -242,20 +286,16 @@ def select_finalists(ranked: list[dict], loss_of, opts: Options) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    """``specmd tune``; bad input raises :class:`ConfigError` (one line, exit 2: specmd.cli). Exit 1 when no
+    finalist is within the budget."""
     from rich.console import Console
-    from rich.markup import escape
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:  # its help, not a Hydra override error (specmd.cli: every command has one)
         print(__doc__.strip())
         return 0
-    err = Console(stderr=True)
-    try:
-        opts, base = parse(argv)
-        result = tune(opts, base, Console())
-    except ConfigError as exc:
-        err.print(f"[bold red]specmd tune: error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        return 2
+    opts, base = parse(argv)
+    result = tune(opts, base, Console())
     return 0 if result["winner"] else 1
 
 
@@ -268,14 +308,19 @@ def tune(opts: Options, base: list[str], console) -> dict:
     from .replay.driver import check, open_trace
     from .pool import replay_many
 
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
+    from .results import output_dir, write_csv, write_json_atomic
+
+    out = output_dir(opts.out, "tune.out")  # before any work: a path it cannot write loses nothing
     kind, metric, better = OBJECTIVES[opts.objective]
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         raw = OmegaConf.to_container(compose(config_name="config", overrides=base), resolve=False)
         if raw["hardware"].get("experts_per_layer") is not None:
             raise ConfigError("specmd tune varies hardware.capacity; drop hardware.experts_per_layer="
                               f"{raw['hardware']['experts_per_layer']}")
+        quality = [f"eval.tasks=[{opts.quality_task}]", f"eval.limit={opts.quality_limit}", "replay.trace=null",
+                   f"eval.token_by_token={str(opts.token_by_token).lower()}"]
+        live = [a for a in base if not a.startswith(("replay.", "eval.tasks=", "eval.limit="))]
+        Run(compose(config_name="config", overrides=[*live, *quality]))  # the live runs' config, checked now
         # 1. record the routing once (or take the trace given)
         given = any(a.startswith("replay.trace=") and a.split("=", 1)[1] not in ("null", "record") for a in base)
         base_run = Run(compose(config_name="config", overrides=[*base, *([] if given else ["replay.trace=record"])]))
@@ -304,28 +349,31 @@ def tune(opts: Options, base: list[str], console) -> dict:
         if any(t["objective"] is None for t in trials):  # tpot of a trace without decode steps
             raise ConfigError(f"tune.objective={opts.objective}: the trace {trace_path} gives no {metric} (it has no "
                               f"decode passes: record a generation task, or use tune.objective=hit_rate)")
-        _write_csv(out / "trials.csv", [{**t, "stack": " ".join(t["stack"])} for t in trials])
+        write_csv(out / "trials.csv", [{**t, "stack": " ".join(t["stack"])} for t in trials])
         if skipped:
-            (out / "skipped.json").write_text(json.dumps(skipped, indent=2))
+            write_json_atomic(out / "skipped.json", skipped)
 
         # 3.-4. finalists, measured live in order of the objective (see select_finalists)
-        quality = [f"eval.tasks=[{opts.quality_task}]", f"eval.limit={opts.quality_limit}", "replay.trace=null",
-                   f"eval.token_by_token={str(opts.token_by_token).lower()}"]
-        live = [a for a in base if not a.startswith(("replay.", "eval.tasks=", "eval.limit="))]
+        scores = {}
 
-        def perplexity(over: list[str], name: str) -> float:
-            res = execute(compose(config_name="config", overrides=[*live, *quality, *over]),
-                          run_dir=str(out / "finalists" / name))
-            task = res["tasks"][opts.quality_task]
-            key = "word_perplexity" if "word_perplexity" in task else next(iter(task))
-            return float(task[key])
+        def score(over: list[str], name: str) -> float:
+            run_dir = out / "finalists" / name
+            res = execute(compose(config_name="config", overrides=[*live, *quality, *over]), run_dir=str(run_dir))
+            scores[name] = value = quality_value(res, opts, run_dir / "results.json")
+            return value
 
-        ref = perplexity(["stack.enabled=false"], "unhooked")
+        ref = score(["stack.enabled=false"], "unhooked")
+        if ref == 0:
+            raise DataError(f"the unhooked model scores {opts.quality_metric}=0 on {opts.quality_task} "
+                            f"({out / 'finalists' / 'unhooked' / 'results.json'}): there is no quality to lose, so "
+                            f"the budget judges nothing; use a task the model scores on, or more documents "
+                            f"(tune.quality_limit)")
         ranked = sorted(trials, key=lambda t: t["objective"], reverse=better is max)
-        rows = select_finalists(ranked, lambda t, i: perplexity(list(t["stack"]), str(i)) / ref - 1.0, opts)
-        for r in rows:
-            r["perplexity"] = (1.0 + r["loss"]) * ref
-        _write_csv(out / "finalists.csv", rows)
+        rows = select_finalists(ranked, lambda t, i: quality_loss(score(list(t["stack"]), str(i)), ref,
+                                                                  opts.quality_higher), opts)
+        for i, r in enumerate(rows):
+            r["quality"] = scores[str(i)]
+        write_csv(out / "finalists.csv", rows)
 
     # 5. the Pareto front and the winner
     front = sorted(pareto(rows, better), key=lambda r: r["objective"], reverse=better is max)
@@ -334,18 +382,26 @@ def tune(opts: Options, base: list[str], console) -> dict:
     command = None if winner is None else " ".join(["python -m specmd", *live, winner["stack"]])
     quality_command = None if winner is None else " ".join(["python -m specmd", *live, *quality[:2], quality[3], winner["stack"]])
     summary = {"objective": opts.objective, "budget": opts.budget, "trace": trace_path, "trials": len(trials),
-               "skipped": len(skipped), "unhooked_perplexity": ref, "finalists": rows, "pareto": front,
-               "winner": winner, "command": command, "quality_command": quality_command}
-    (out / "tune.json").write_text(json.dumps(summary, indent=2))
+               "skipped": len(skipped), "quality_task": opts.quality_task, "quality_metric": opts.quality_metric,
+               "higher_is_better": opts.quality_higher, "unhooked_quality": ref, "finalists": rows,
+               "pareto": front, "winner": winner, "command": command, "quality_command": quality_command}
+    write_json_atomic(out / "tune.json", summary)
     _print(console, summary, opts)
     return summary
 
 
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+def quality_value(results: dict, opts: Options, path: Path) -> float:
+    """The quality metric of a live run's ``results`` (written to ``path``): a finite number, else a
+    :class:`~specmd.errors.DataError` naming the file and the key (never a loss judged on NaN)."""
+    task = results["tasks"].get(opts.quality_task) or {}
+    if opts.quality_metric not in task:
+        raise DataError(f"{path}: tasks.{opts.quality_task} has no {opts.quality_metric!r} (it has "
+                        f"{', '.join(task) or 'no metric'}); name one with tune.quality_metric=<key>")
+    value = task[opts.quality_metric]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{path}: tasks.{opts.quality_task}.{opts.quality_metric} is {value!r}, not a finite "
+                        f"number: the quality loss cannot be judged")
+    return float(value)
 
 
 def _print(console, s: dict, opts: Options) -> None:
@@ -354,7 +410,7 @@ def _print(console, s: dict, opts: Options) -> None:
     unit = "TPOT ms" if opts.objective == "tpot" else "hit %"
     scale = 1e3 if opts.objective == "tpot" else 100.0
     table = Table(title=f"specmd tune: Pareto front of {len(s['finalists'])} finalists ({s['trials']} stacks "
-                        f"replayed; quality: {opts.quality_task}, unhooked perplexity {s['unhooked_perplexity']:.4g})")
+                        f"replayed; quality: {opts.quality_task} {opts.quality_metric}, unhooked {s['unhooked_quality']:.4g})")
     for col in ("stack", unit, "quality loss %", f"within {opts.budget:.1%}"):
         table.add_column(col)
     for r in s["pareto"]:

@@ -28,6 +28,18 @@ def _launch(args, cwd, mirror, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
+def wait_for(p: subprocess.Popen, marker: str) -> str:
+    """What ``p`` printed on stderr up to the line holding ``marker`` (read as it comes: no sleep, no timeout
+    but the process's end); fails when the process ends first."""
+    seen = ""
+    while marker not in seen:
+        chunk = os.read(p.stderr.fileno(), 4096)
+        if not chunk:
+            pytest.fail(f"the process ended before printing {marker!r}: {seen[-2000:]}")
+        seen += chunk.decode(errors="replace")
+    return seen
+
+
 def test_job_dirname_is_stable_readable_and_distinct():
     a = job_dirname("eviction=lru,hardware.capacity=0.05")
     assert a == job_dirname("eviction=lru,hardware.capacity=0.05") and a.startswith("eviction=lru,hardware.capacity=0.05-")
@@ -83,12 +95,19 @@ def test_resume_skips_done_jobs_reruns_failed_and_status_lists_them(tmp_path, mi
 
 
 def test_a_failure_never_leaves_an_earlier_results_json_saying_done(tmp_path, mirror):
-    run = tmp_path / "run"
+    from hydra import compose, initialize_config_dir
+
+    from specmd import CONF_DIR
+    from specmd.app import execute
+    from specmd.errors import ConfigError
+
+    run = tmp_path / "run"  # a sweep job's directory (a single run is refused one: test_robust.py)
     run.mkdir()
     (run / "results.json").write_text(json.dumps({"config_hash": "old", "cache": {"hits": 1}}))
-    r = subprocess.run([sys.executable, "-m", "specmd", *FAST, "hardware.capacity=1.5", f"hydra.run.dir={run}"],
-                       cwd=ROOT, env=_env(mirror), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*FAST, "hardware.capacity=1.5"])
+    with pytest.raises(ConfigError):
+        execute(cfg, run_dir=str(run))
     assert not (run / "results.json").exists() and (run / "failed.json").exists()
     (stale,) = run.glob("results.stale-*.json")  # kept, not lost
     assert json.loads(stale.read_text())["cache"]["hits"] == 1
@@ -119,14 +138,14 @@ def test_failed_json_names_the_load_stage(tmp_path, mirror):
 
 def test_sigterm_writes_failed_json_with_stage_and_signal(tmp_path, mirror):
     # token_by_token WikiText: a job long enough to be stopped while it evaluates
-    p = _launch([*FAST, "eval.token_by_token=true", "eval.max_length=512", f"hydra.run.dir={tmp_path}/run"],
-                ROOT, mirror)
-    deadline = time.time() + 120
-    while not (tmp_path / "run" / ".hydra" / "config.yaml").exists() and time.time() < deadline:
-        time.sleep(0.2)
-    time.sleep(4)
+    # stopped once its weights are loaded (transformers' progress line: a state, not a time, so a loaded machine
+    # passes too), in a job far longer than that (20 documents scored token by token)
+    p = _launch([*FAST, "eval.token_by_token=true", "eval.max_length=512", "eval.limit=20",
+                 f"hydra.run.dir={tmp_path}/run"], ROOT, mirror)
+    err = wait_for(p, "Loading weights: 100%")
     p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=120)
+    out, rest = p.communicate(timeout=1200)
+    err += rest
     assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
     failed = json.loads((tmp_path / "run" / "failed.json").read_text())
     assert failed["signal"] == "SIGTERM" and failed["stage"] in ("load", "stack", "evaluate"), failed

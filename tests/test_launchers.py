@@ -20,7 +20,7 @@ def _sweep(tmp_path, name, mirror, *args, axes=("eviction=lru,fifo", "hardware.c
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", SPECMD_DATA_MIRROR=str(mirror))
     out = tmp_path / name
     r = subprocess.run([sys.executable, "-m", "specmd", "-m", *SWEEP, *axes, *args, f"hydra.sweep.dir={out}"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=3600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/results.json")}
     return {k: (r["cache"], r["timing"], r["tasks"]) for k, r in res.items()}

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from specmd.cli.outcome import guarded
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hs
@@ -255,7 +257,7 @@ def test_mrc_rows_do_not_depend_on_jobs_and_bad_jobs_are_rejected(recorded, tmp_
     assert (tmp_path / "1" / "mrc.csv").read_text() == (tmp_path / "2" / "mrc.csv").read_text()
     capsys.readouterr()
     for bad in ("0", "-2", "two", "1.5"):
-        assert main([*common, f"mrc.out={tmp_path / 'x'}", f"mrc.jobs={bad}"]) == 2
+        assert guarded("specmd mrc", main, [*common, f"mrc.out={tmp_path / 'x'}", f"mrc.jobs={bad}"]) == 2
         err = capsys.readouterr().err
         assert f"mrc.jobs={bad!r} must be a positive integer" in err, err
     assert not (tmp_path / "x").exists()

@@ -98,7 +98,7 @@ def chromium(tmp_path, *args):
            "--disable-background-networking", "--disable-component-update", "--disable-sync",
            "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'chromium-profile'}", "--window-size=1366,768",
            *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=90, check=False)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 

@@ -94,8 +94,8 @@ def test_tune_on_the_tiny_model_finds_a_stack_within_budget_that_reruns_live(tmp
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         res = execute(compose(config_name="config", overrides=over), run_dir=str(tmp_path / "rerun"))
     ppl = res["tasks"]["wikitext"]["word_perplexity"]
-    assert ppl == pytest.approx(w["perplexity"], rel=1e-9)
-    assert ppl / s["unhooked_perplexity"] - 1 <= 0.01
+    assert ppl == pytest.approx(w["quality"], rel=1e-9)
+    assert ppl / s["unhooked_quality"] - 1 <= 0.01
 
 
 def test_tune_refuses_a_fixed_slot_count_before_recording(tmp_path):

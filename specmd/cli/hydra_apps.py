@@ -77,10 +77,11 @@ def _hydra_main(cfg: DictConfig):
     except Exception as exc:  # model load, quantization, evaluation: failed.json names the stage, keeps the traceback
         if os.environ.get("HYDRA_FULL_ERROR") == "1":  # Hydra's own switch for the full trace
             raise
-        stage = _failed_stage(run_dir)
+        stage = getattr(exc, "specmd_stage", "?")  # execute() knows it even when failed.json cannot be written
+        where = getattr(exc, "specmd_failed", None) or f"{run_dir}/failed.json"
         err.print(f"[bold red]specmd: {'job failed' if multirun else 'error'}[/] in stage {stage}: "
                   f"{type(exc).__name__}: {escape(str(exc))}", highlight=False, soft_wrap=True)
-        err.print(f"  the traceback is in {run_dir}/failed.json (HYDRA_FULL_ERROR=1 prints it)"
+        err.print(f"  the traceback is in {where} (HYDRA_FULL_ERROR=1 prints it)"
                   + ("; the sweep goes on" if multirun else ""), markup=False, highlight=False, soft_wrap=True)
         if not multirun:
             raise SystemExit(1)
@@ -93,16 +94,6 @@ def _hydra_main(cfg: DictConfig):
     return results.get("cache", {}) and results["cache"].get("hit_rate")
 
 
-def _failed_stage(run_dir: str) -> str:
-    """The stage ``failed.json`` names (``?`` when the failure came before it could be written)."""
-    import json
-
-    try:
-        return json.loads((Path(run_dir) / "failed.json").read_text())["stage"]
-    except (OSError, ValueError, KeyError):
-        return "?"
-
-
 def asks_help(argv: list) -> bool:
     return "-h" in argv or "--help" in argv
 
@@ -110,15 +101,48 @@ def asks_help(argv: list) -> bool:
 def _as_hydra(app, argv: list) -> None:
     """``app()`` (a ``@hydra.main`` function) with ``argv`` as its command line; ``sys.argv`` and Hydra's
     global state as they were afterwards (a command run in-process, as the tests do, leaves nothing behind)."""
+    from unittest import mock
+
+    import hydra._internal.utils as hydra_utils
     from hydra.core.global_hydra import GlobalHydra
 
     saved = sys.argv[:]
     sys.argv[1:] = argv
     try:
-        app()
+        # a composition error (an unknown config group option, key or override syntax) reaches the dispatcher,
+        # which prints it as one line with exit 2 (specmd.cli.outcome), not as Hydra's multi-line report, exit 1
+        with mock.patch.object(hydra_utils, "run_and_report", _composition_errors_raise(hydra_utils.run_and_report)):
+            app()
     finally:
         sys.argv[:] = saved
         GlobalHydra.instance().clear()
+
+
+def _composition_errors_raise(run_and_report):
+    """Hydra's ``run_and_report`` (which prints any exception and exits 1), except that Hydra's and
+    OmegaConf's own errors -- the user's config and overrides -- and specmd's checks in Hydra's callbacks
+    (the run directory, the launcher's settings) propagate to specmd's one error path."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from ..errors import ConfigError, DataError
+
+    def wrapped(func):
+        caught = []
+
+        def body():
+            try:
+                return func()
+            except (HydraException, OmegaConfBaseException, ConfigError, DataError) as exc:
+                caught.append(exc)
+                return None
+
+        result = run_and_report(body)
+        if caught:
+            raise caught[0]
+        return result
+
+    return wrapped
 
 
 def run(argv: list) -> int:

@@ -129,6 +129,8 @@ def _flatten(metrics: dict) -> dict:
 def _phase_bar_lm():
     from lm_eval.models.huggingface import HFLM
 
+    from ..jobs import check_interrupt
+
     class PhaseBarLM(HFLM):
         """HFLM with one progress bar per request type. lm-eval 0.4.13's ``loglikelihood_rolling`` shows its
         own bar over the documents and then opens another one for every batch of windows it scores
@@ -146,6 +148,16 @@ def _phase_bar_lm():
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
             return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm or self._rolling,
                                                  override_bs=override_bs)
+
+        # a safe point per batch (specmd.jobs.check_interrupt): a signal whose exception a finalizer swallowed
+        # stops the evaluation at its next model call, not after the last document
+        def _model_call(self, inps, attn_mask=None, labels=None):
+            check_interrupt()
+            return super()._model_call(inps, attn_mask, labels)
+
+        def _model_generate(self, context, max_length, stop, **generation_kwargs):
+            check_interrupt()
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
     return PhaseBarLM
 

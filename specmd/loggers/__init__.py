@@ -67,8 +67,11 @@ class WandbLogger:
             if val is not None and not (isinstance(val, str) and val):
                 raise ConfigError(f"logger.{key}={val!r}; expected a non-empty string" +
                                   (" or null" if key != "project" else ""))
+        if group is not None and len(group) > 128:
+            raise ConfigError(f"logger.group={group[:40]!r}... is {len(group)} characters; W&B takes at most 128")
         self.project, self.entity, self.mode, self.group = project, entity, mode, group
         self.tags = list(tags or [])
+        wandb_rejects(project, self.tags)
         self.init_timeout_s, self.finish_timeout_s = float(init_timeout_s), float(finish_timeout_s)
 
     def _mode(self) -> str:
@@ -185,6 +188,24 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def wandb_rejects(project: str, tags: list) -> None:
+    """The project name and tags as W&B's own settings validate them (no ``/\\#?%:`` in a project, at most
+    128 characters; tags of 1 to 64 characters), at config time: W&B raised them in the middle of a run, as a
+    traceback, after the run had succeeded."""
+    import wandb
+
+    try:
+        wandb.Settings(project=project, run_tags=tuple(tags))
+    except Exception as exc:  # noqa: BLE001 -- wandb's UsageError or pydantic's ValidationError, by version
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "Tag" in ln or "project" in ln.lower()), lines[-1] if lines else exc)
+        why = str(why).split(" [type=")[0].removeprefix("Value error, ")
+        raise ConfigError(f"logger: W&B would reject this setting: {why}") from None
+
+
+TAG_MAX = 64  # W&B's limit on a tag's length
+
+
 def run_tags(cfg: dict) -> list[str]:
     from ..engine import GROUPS
 
@@ -199,7 +220,7 @@ def run_tags(cfg: dict) -> list[str]:
     elif hw.get("capacity") is not None:
         tags.append(f"capacity={hw['capacity']}")
     tags += [f"task={t}" for t in ((cfg.get("eval") or {}).get("tasks") or [])]
-    return tags
+    return [t[:TAG_MAX] for t in tags]  # a long model or task name: its tag cut, never the run's upload
 
 
 def run_overrides(run_dir: str) -> list:

@@ -1,0 +1,141 @@
+"""How every command ends: the one error path behind ``specmd COMMAND`` (:func:`guarded`).
+
+=========================================  ====  ==========================================================
+what ended the command                      exit  what the user sees
+=========================================  ====  ==========================================================
+success                                     0     the command's own output (a command may return 1 itself:
+                                                  ``tune`` without a winner, ``status`` with failed jobs)
+bad input: :class:`~specmd.errors.          2     ``specmd CMD: error: <message>``, one line naming the value
+ConfigError`, ``DataError``, a Hydra              and what is valid (a Hydra composition error is flattened
+composition error, a path it cannot use           to one line: ``Could not find 'model/nope'; available
+(exists, not a directory, read-only, name         options in 'model': ...``)
+too long)
+the disk or quota full                      1     one line naming the path
+SIGINT / SIGTERM                            130,  ``specmd CMD: stopped by SIGTERM``; the command has removed
+                                            143   (or marked) what it had half-written on its way out
+anything else: a bug                        1     one line, and the traceback in a file it names
+=========================================  ====  ==========================================================
+
+The main run has the same shape (``failed.json`` is its file). ``HYDRA_FULL_ERROR=1``, Hydra's switch for
+the whole trace, raises instead of printing one line, for every command.
+
+Signals are armed (:func:`specmd.jobs.signals_raise`) around the whole command, so a command only needs
+``try/finally`` (or ``except BaseException: clean up; raise``) around what it writes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import time
+from pathlib import Path
+
+# OSErrors that say the user's path cannot be used (exit 2) and those that say the machine ran out (exit 1)
+PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, errno.ENOTDIR, errno.EISDIR,
+               errno.ENAMETOOLONG, errno.ENOENT, errno.ELOOP, errno.EINVAL}
+FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def one_line(text: str) -> str:
+    """A multi-line message (Hydra's, OmegaConf's) as one line: the indented lines under a header ending in
+    ``:`` become its comma-separated list; other lines follow each other after ``;`` (or a space after a full
+    stop). Hydra's config search path and OmegaConf's object type (where to look inside Hydra, not what the
+    user typed) are left out."""
+    parts: list = []
+    items: list = []  # the indented lines under parts[-1], when it ends with ":"
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("Config search path"):
+            break
+        if not line or line.startswith(("object_type=", "provider=")):
+            continue
+        if raw[:1] in ("\t", " ") and parts and (items or parts[-1].endswith(":")):
+            items.append(line)
+            continue
+        if items:
+            parts[-1] += " " + ", ".join(items)
+            items = []
+        parts.append(line)
+    if items:
+        parts[-1] += " " + ", ".join(items)
+    out = ""
+    for p in parts:
+        out += p if not out else (" " if out.endswith(".") else "; ") + p
+    return out or text.strip()
+
+
+def classify(exc: BaseException) -> tuple:
+    """``(exit code, message, is a bug)`` for an exception that ended a command."""
+    from ..errors import ConfigError, DataError
+
+    if isinstance(exc, (ConfigError, DataError)):
+        return 2, one_line(str(exc)), False
+    if _is_composition_error(exc):
+        cause = exc.__cause__
+        text = str(exc) + (f"\n{cause}" if cause is not None and str(cause) not in str(exc) else "")
+        return 2, one_line(text), False
+    if isinstance(exc, OSError) and exc.errno in PATH_ERRNOS | FULL_ERRNOS:
+        where = exc.filename if exc.filename is not None else ""
+        detail = f"{where}: {exc.strerror}" if where else str(exc)
+        if exc.filename2 is not None:
+            detail += f" (-> {exc.filename2})"
+        return (1 if exc.errno in FULL_ERRNOS else 2), detail, False
+    return 1, one_line(f"{type(exc).__name__}: {exc}"), True
+
+
+def _is_composition_error(exc: BaseException) -> bool:
+    """Hydra's and OmegaConf's errors about a config or an override (never a bug of the command's own)."""
+    try:
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+    except ImportError:  # pragma: no cover - both are dependencies
+        return False
+    return isinstance(exc, (HydraException, OmegaConfBaseException))
+
+
+def traceback_file(prog: str, exc: BaseException) -> Path:
+    """Write ``exc``'s traceback to ``<tmp>/specmd-errors/<command>-<time>-<pid>.txt`` and return the path
+    (stderr's own last resort when even that cannot be written)."""
+    import tempfile
+    import traceback
+
+    text = "".join(traceback.format_exception(exc))
+    path = Path(tempfile.gettempdir()) / "specmd-errors" / \
+        f"{prog.replace(' ', '-')}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{' '.join(sys.argv)}\n\n{text}")
+    except OSError:
+        sys.stderr.write(text)
+        return Path("<stderr>")
+    return path
+
+
+def guarded(prog: str, fn, argv: list) -> int:
+    """``fn(argv)`` (a command's ``main``) with signals armed, every way it can end turned into one line and
+    an exit code (the table above)."""
+    from ..jobs import Interrupted, signals_raise
+
+    try:
+        with signals_raise():
+            code = fn(argv) or 0
+    except Interrupted as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 128 + exc.signum
+    except KeyboardInterrupt:  # a handler that was not ours (a library's): still Ctrl-C
+        print(f"{prog}: stopped by SIGINT", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 -- the one place every command's error ends
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        from ..errors import say
+
+        code, message, bug = classify(exc)
+        if bug:
+            path = traceback_file(prog, exc)
+            say(prog, f"{message} (a bug: the traceback is in {path}; please report it)")
+        else:
+            say(prog, message)
+        return code
+    return code

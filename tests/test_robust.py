@@ -1,0 +1,401 @@
+"""Every command as hard to break as the main run (issue 38): one error path (specmd/cli/outcome.py), signals
+that are never lost (specmd/jobs.py), one run per run directory, checks at config time for what W&B, submitit
+and SLURM would reject, tune's quality measure, outputs that are whole or absent, and what a full disk would
+lose kept elsewhere. Each case here is a user's input or an accident, with the one outcome a correct program
+has; the commands' own cases are beside their tests (test_calibrate, test_report*, test_imports)."""
+
+import errno
+import gc
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from specmd.cli.outcome import classify, guarded, one_line
+from specmd.errors import ConfigError, DataError
+from specmd.jobs import SIGNALS, Interrupted, check_interrupt, claim_run_dir, signals_held, signals_raise
+
+FAST = ["model=tiny", "eval.tasks=[wikitext]", "eval.limit=1", "eval.max_length=128", "logger=none"]
+
+HYDRA_MISSING = """In 'config': Could not find 'model/nope'
+
+Available options in 'model':
+\tolmoe
+\ttiny
+Config search path:
+\tprovider=hydra, path=pkg://hydra.conf
+"""
+OMEGA_STRUCT = """Could not override 'eviction.nokey'.
+To append to your config use +eviction.nokey=3
+Key 'nokey' is not in struct
+    full_key: eviction.nokey
+    object_type=dict"""
+
+
+# ---- one error path --------------------------------------------------------------------------------------
+def test_one_line_flattens_hydra_and_omegaconf_messages():
+    assert one_line(HYDRA_MISSING) == "In 'config': Could not find 'model/nope'; Available options in 'model': olmoe, tiny"
+    assert one_line(OMEGA_STRUCT) == ("Could not override 'eviction.nokey'. To append to your config use "
+                                      "+eviction.nokey=3; Key 'nokey' is not in struct; full_key: eviction.nokey")
+
+
+@pytest.mark.parametrize("exc, code, words", [
+    (ConfigError("x=3 must be >= 4"), 2, "x=3 must be >= 4"),
+    (DataError("no mirror"), 2, "no mirror"),
+    (FileExistsError(errno.EEXIST, "File exists", "/out/a"), 2, "/out/a: File exists"),
+    (NotADirectoryError(errno.ENOTDIR, "Not a directory", "/f/x"), 2, "/f/x: Not a directory"),
+    (OSError(errno.ENOSPC, "No space left on device", "/out/b"), 1, "/out/b: No space left on device"),
+])
+def test_bad_input_and_path_errors_are_one_line_with_their_exit_code(exc, code, words, capsys):
+    def fn(argv):
+        raise exc
+
+    assert guarded("specmd x", fn, []) == code
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("specmd x: error: ") and words in err, err
+    assert "Traceback" not in err
+
+
+def test_a_hydra_composition_error_is_bad_input():
+    from hydra.errors import MissingConfigException
+
+    code, message, bug = classify(MissingConfigException(HYDRA_MISSING, "model/nope"))
+    assert (code, bug) == (2, False) and message.startswith("In 'config': Could not find 'model/nope'; Available")
+
+
+def test_a_bug_is_one_line_exit_1_with_the_traceback_in_a_file(capsys, monkeypatch):
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+
+    def fn(argv):
+        raise KeyError("deep inside")
+
+    assert guarded("specmd x", fn, []) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "KeyError: 'deep inside'" in err and "a bug" in err, err
+    path = Path(err.split("the traceback is in ")[1].split(";")[0])
+    assert "Traceback (most recent call last)" in path.read_text() and "raise KeyError" in path.read_text()
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # Hydra's switch for the whole trace: raised, not one line
+    with pytest.raises(KeyError):
+        guarded("specmd x", fn, [])
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_stops_a_command_with_128_plus_its_number_after_its_cleanup(sig, code, tmp_path, capsys):
+    half = tmp_path / "half.txt"
+
+    def fn(argv):
+        try:
+            half.write_text("half")
+            os.kill(os.getpid(), sig)
+            pytest.fail("the signal did not stop the command")
+        finally:
+            half.unlink()
+
+    assert guarded("specmd x", fn, []) == code
+    assert capsys.readouterr().err == f"specmd x: stopped by {signal.Signals(sig).name}\n"
+    assert not half.exists() and signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler)
+
+
+def test_composition_errors_and_a_used_run_dir_through_the_cli_are_one_line_exit_2(tmp_path, capsys, mirror):
+    from specmd.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["model=nope"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("specmd: error: In 'config': Could not find 'model/nope'"), err
+    assert err.count("\n") == 1
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text("{}")  # an earlier run's
+    with pytest.raises(SystemExit) as e:
+        main([*FAST, f"hydra.run.dir={run}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "already holds a run (results.json)" in err, err
+    assert sorted(p.name for p in run.iterdir()) == ["results.json"]  # nothing written beside it
+
+
+# ---- signals: never lost ---------------------------------------------------------------------------------
+class _SignalInFinalizer:
+    """An object whose finalizer is running when SIGTERM arrives: the handler's exception is raised inside
+    ``__del__``, where Python prints and discards it."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+LOST = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the lost exception itself
+
+
+@LOST
+def test_a_signal_lost_in_a_finalizer_stops_the_job_at_the_next_safe_point():
+    with pytest.raises(Interrupted) as e:
+        with signals_raise():
+            obj = _SignalInFinalizer()
+            del obj
+            gc.collect()
+            assert SIGNALS.pending == signal.SIGTERM  # recorded, its exception discarded
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL)  # still armed
+            check_interrupt()  # a safe point
+            pytest.fail("the safe point did not raise")
+    assert e.value.signum == signal.SIGTERM and SIGNALS.pending == 0
+
+
+@LOST
+def test_a_signal_lost_in_a_finalizer_is_raised_at_the_end_of_the_block_at_the_latest():
+    with pytest.raises(Interrupted):
+        with signals_raise():
+            obj = _SignalInFinalizer()
+            del obj
+            gc.collect()
+    # and a later signal is not ignored (the old handler set both to SIG_IGN before raising)
+    with pytest.raises(Interrupted):
+        with signals_raise():
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_signal_while_the_failure_is_written_is_recorded_not_raised():
+    written = []
+    with pytest.raises(Interrupted) as e:
+        with signals_raise():
+            with signals_held():
+                os.kill(os.getpid(), signal.SIGINT)  # a second Ctrl-C while failed.json is written
+                written.append("failed.json")
+            assert SIGNALS.pending == signal.SIGINT
+    assert e.value.signum == signal.SIGINT and written == ["failed.json"]
+    check_interrupt()  # outside any block: nothing pending, nothing raised
+
+
+@LOST
+def test_a_run_stopped_by_a_signal_its_finalizer_swallowed_writes_failed_json(tmp_path, monkeypatch, mirror):
+    from hydra import compose, initialize_config_dir
+
+    from specmd import CONF_DIR, app
+
+    def _execute(run, digest, run_dir, group, progress):
+        progress.stage = "load"
+        obj = _SignalInFinalizer()
+        del obj
+        gc.collect()
+        progress.stage = "evaluate"  # a safe point: the lost signal stops the job here, in stage load
+        pytest.fail("the stage change did not raise")
+
+    monkeypatch.setattr(app, "_execute", _execute)
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=FAST)
+    with pytest.raises(Interrupted):
+        app.execute(cfg, run_dir=str(tmp_path))
+    failed = json.loads((tmp_path / "failed.json").read_text())
+    assert (failed["kind"], failed["signal"], failed["stage"]) == ("signal", "SIGTERM", "load")
+
+
+# ---- one run per run directory -----------------------------------------------------------------------------
+@pytest.mark.parametrize("held", [".hydra", "results.json", "failed.json"])
+def test_a_run_directory_holds_one_run(tmp_path, held):
+    run = tmp_path / "run"
+    claim_run_dir(run, ".hydra")
+    with pytest.raises(ConfigError, match="already holds a run"):
+        claim_run_dir(run, ".hydra")  # the second of two runs given one hydra.run.dir
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / held).mkdir() if held == ".hydra" else (other / held).write_text("{}")
+    with pytest.raises(ConfigError, match=rf"hydra.run.dir={other} already holds a run \({held}"):
+        claim_run_dir(other, ".hydra")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    claim_run_dir(empty, ".hydra")  # a directory the user made for it: fine
+
+
+def test_of_two_runs_claiming_one_directory_at_once_one_gets_it(tmp_path, monkeypatch):
+    claim_run_dir(tmp_path, ".hydra")
+    monkeypatch.setattr(Path, "exists", lambda self: False)  # both looked before either claimed
+    with pytest.raises(ConfigError, match="already holds a run"):
+        claim_run_dir(tmp_path, ".hydra")
+
+
+@pytest.mark.parametrize("where, why", [("file/x", "{tmp}/file is a file, not a directory ({tmp}/file/x cannot be "
+                                                   "created under it)"),
+                                        ("a" * 300, "the name aaaaaaaaaaaaaaaaaaaaaaaa... is 300 bytes long; this file "
+                                                    "system takes at most 255")])
+def test_a_run_directory_that_cannot_be_made_is_named(tmp_path, where, why):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError) as e:
+        claim_run_dir(tmp_path / where, ".hydra")
+    assert str(e.value) == f"hydra.run.dir={tmp_path / where}: " + why.format(tmp=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing created
+
+
+# ---- launchers and W&B: rejected at config time -------------------------------------------------------------
+def _multirun_start(launcher: dict):
+    from omegaconf import OmegaConf
+
+    from specmd.jobs import SweepEnd
+
+    SweepEnd().on_multirun_start(OmegaConf.create({"hydra": {"launcher": launcher}}))
+
+
+@pytest.mark.parametrize("launcher, words", [
+    ({"_target_": "hydra_plugins.x.JoblibLauncher", "n_jobs": 0}, "hydra.launcher.n_jobs=0 runs no job"),
+    ({"_target_": "x.LocalSubmititLauncher", "timeout_min": 0}, "hydra.launcher.timeout_min=0 must be >= 1"),
+    ({"_target_": "x.LocalSubmititLauncher", "mem_gb": 0}, "hydra.launcher.mem_gb=0 must be > 0"),
+    ({"_target_": "x.LocalSubmititLauncher", "gpus_per_node": -1}, "hydra.launcher.gpus_per_node=-1 must be >= 0"),
+    ({"_target_": "x.SlurmLauncher"}, "SLURM's srun is not on this machine's PATH"),
+])
+def test_launcher_settings_the_launcher_would_fail_on_are_one_line_exit_2(launcher, words, capsys, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit) as e:
+        _multirun_start(launcher)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("specmd: error: ") and words in err and err.count("\n") == 1, err
+    _multirun_start({"_target_": "x.LocalSubmititLauncher", "mem_gb": 4, "timeout_min": 60, "gpus_per_node": 0})
+
+
+@pytest.mark.parametrize("kw, words", [({"project": "team/specmd"}, "Invalid project name 'team/specmd'"),
+                                       ({"tags": ["t" * 65]}, "is 65 characters"),
+                                       ({"group": "g" * 129}, "W&B takes at most 128")])
+def test_wandb_settings_wandb_would_reject_are_config_errors(kw, words):
+    from specmd.loggers import WandbLogger
+
+    with pytest.raises(ConfigError, match=words):
+        WandbLogger(**kw)
+    WandbLogger(project="specmd", tags=["t" * 64], group="g" * 128)  # the limits themselves are fine
+
+
+def test_automatic_wandb_tags_are_cut_to_wandb_length():
+    from specmd.loggers import run_tags
+
+    tags = run_tags({"model": {"name": "m" * 100}, "eval": {"tasks": ["wikitext"]}})
+    assert tags == ["model=" + "m" * 58, "task=wikitext"]
+
+
+# ---- tune: a quality it knows how to judge ----------------------------------------------------------------
+def test_tune_judges_each_task_by_its_papers_metric_and_direction():
+    from specmd.tune import quality_loss, quality_measure
+
+    assert quality_measure("wikitext", "", None) == ("word_perplexity", False)
+    assert quality_measure("gsm8k", "", None) == ("exact_match/strict-match", True)
+    assert quality_measure("hellaswag", "acc_norm", True) == ("acc_norm", True)
+    assert quality_measure("lambada_openai", "perplexity", None) == ("perplexity", False)
+    assert quality_loss(11.0, 10.0, higher=False) == pytest.approx(0.1)   # perplexity up 10%: 10% lost
+    assert quality_loss(0.45, 0.5, higher=True) == pytest.approx(0.1)     # accuracy down 10%: 10% lost
+    assert quality_loss(0.55, 0.5, higher=True) == pytest.approx(-0.1)    # better: no loss
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["tune.quality_task=hellaswag"], "tune.quality_task=hellaswag: tune knows the quality metric of"),
+    (["tune.quality_task=hellaswag", "tune.quality_metric=acc_norm"],
+     "tune.quality_metric=acc_norm: whether higher or lower is better is unknown"),
+    (["tune.quality_higher=maybe"], "'maybe' is not a valid value for tune.quality_higher"),
+])
+def test_tune_refuses_a_quality_it_cannot_judge_before_any_work(argv, words):
+    from specmd.tune import parse
+
+    with pytest.raises(ConfigError, match=words):
+        parse(argv)
+
+
+@pytest.mark.parametrize("task, words", [
+    ({"exact_match/strict-match": float("nan")}, "tasks.gsm8k.exact_match/strict-match is nan, not a finite"),
+    ({"exact_match/strict-match": "n/a"}, "tasks.gsm8k.exact_match/strict-match is 'n/a', not a finite"),
+    ({"sample_len": 1.0}, "tasks.gsm8k has no 'exact_match/strict-match' \\(it has sample_len\\)"),
+])
+def test_tune_names_the_file_and_key_of_a_score_it_cannot_judge(tmp_path, task, words):
+    from specmd.tune import parse, quality_value
+
+    opts, _ = parse(["tune.quality_task=gsm8k"])
+    with pytest.raises(DataError, match=f"{tmp_path / 'results.json'}: {words}"):
+        quality_value({"tasks": {"gsm8k": task}}, opts, tmp_path / "results.json")
+
+
+def test_tune_replays_a_repeated_capacity_once():
+    from specmd.tune import candidates, parse
+
+    opts, _ = parse(["tune.capacities=[0.05,0.05,0.1,0.050]", "tune.eviction=[lru]", "tune.routing=[standard]",
+                     "tune.miss=[fetch]", "tune.prefetch=[none]"])
+    assert opts.capacities == [0.05, 0.1]
+    stacks = candidates(opts, 0.2)
+    assert len(stacks) == len(set(stacks)) == 2
+
+
+@pytest.mark.parametrize("command", ["tune", "mrc"])
+def test_an_output_directory_it_cannot_write_is_refused_before_any_work(tmp_path, command, monkeypatch, capsys):
+    from specmd import mrc, tune
+    from specmd.cli import main
+
+    def no_work(*a, **k):
+        pytest.fail("work started before the output directory was checked")
+
+    monkeypatch.setattr(mrc, "compute", no_work)
+    monkeypatch.setattr("specmd.app.recorded_trace", no_work)
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "out"
+    argv = {"tune": ["tune", "model=tiny", f"tune.out={out}"],
+            "mrc": ["mrc", f"replay.trace={tmp_path}", f"mrc.out={out}"]}[command]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{command}.out={out}: {tmp_path / 'file'} is a file, not a directory" in err, err
+    assert tune  # (imported for the patch target's module)
+
+
+# ---- outputs whole or absent; nothing computed lost -----------------------------------------------------------
+def test_an_output_interrupted_while_written_leaves_nothing(tmp_path):
+    from specmd.results import atomic_output, write_csv
+
+    with pytest.raises(Interrupted):
+        with atomic_output(tmp_path / "mrc.csv") as tmp:
+            tmp.write_text("half a ta")
+            raise Interrupted(signal.SIGINT)
+    assert list(tmp_path.iterdir()) == []
+    write_csv(tmp_path / "a.csv", [{"x": 1}, {"x": 2}])
+    assert (tmp_path / "a.csv").read_text().split() == ["x", "1", "2"] and len(list(tmp_path.iterdir())) == 1
+
+
+def test_a_failure_record_the_run_directory_cannot_take_is_kept_elsewhere(tmp_path):
+    from specmd.jobs import write_failed
+
+    (tmp_path / "file").write_text("")
+    run_dir = tmp_path / "file" / "run"  # cannot be written (as a full disk or a read-only mount)
+    where = write_failed(run_dir, "evaluate", RuntimeError("boom"), {"model": "tiny"}, {"cache": {"hits": 7}})
+    kept = json.loads(Path(where).read_text())
+    assert kept["cache"] == {"hits": 7} and kept["stage"] == "evaluate" and kept["run_dir"] == str(run_dir)
+    assert "not_written" in kept and str(run_dir / "failed.json") in kept["not_written"]
+
+
+def test_results_the_run_directory_cannot_take_are_kept_and_named(tmp_path):
+    from specmd import app
+
+    (tmp_path / "file").write_text("")
+    run_dir = tmp_path / "file" / "run"  # cannot take results.json (as a full disk or a read-only mount)
+
+    class Progress:
+        wrote_results = False
+        stage = "write"
+
+    logger = type("L", (), {"log_run": lambda *a: None})()
+    with pytest.raises(OSError, match="the run's results are kept in ") as e:
+        app._finish({"cache": {"hits": 3}}, None, "abc", run_dir, logger, Progress())
+    kept = json.loads(Path(str(e.value).split("kept in ")[1].split(":")[0]).read_text())
+    assert kept["cache"] == {"hits": 3} and kept["config_hash"] == "abc" and kept["run_dir"] == str(run_dir)
+    assert e.value.errno == errno.ENOTDIR  # one line naming the path, exit 2 (specmd.cli.outcome)
+
+
+def test_replay_pool_workers_die_quietly_on_a_signal():
+    from specmd import pool
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with signals_raise():
+            pool._worker_init()  # what a forked worker runs first
+            assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    assert sys.modules["torch"].get_num_threads() == 1
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
