@@ -22,6 +22,12 @@ and write a hardware profile that makes the simulated clock predict what ``execu
 The profile goes to ``DIR/hardware/<name>.yaml``; the default DIR is the user config directory, which
 specmd puts on Hydra's search path (``hardware=<name>`` works at once; with ``--out``, add
 ``hydra.searchpath=[file://DIR]``). ``<name>_disk.yaml`` carries the disk tier's link.
+
+Before it measures (minutes), calibrate checks what it was given (:func:`prepare`): the name is a name
+(:func:`check_name`: no path, no override syntax, not a shipped profile's), DIR is a directory it can write
+(:func:`check_output`), and the model loads here (:func:`check_model`: offline, a hub model is a DataError at
+once). Bad input is a ConfigError. The profiles are written to temporary files beside them and renamed when
+complete (:func:`_write_atomic`): an interrupted or failed calibrate leaves no half-written profile.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import argparse
 import datetime
 import os
 import platform
+import re
+import shlex
 import statistics
 import sys
 import time
@@ -37,6 +45,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from .results import writable_dir
 
 SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)  # (the small ones pin the latency: an expert of a small model is 49 kB)
 
@@ -87,11 +97,10 @@ def measure_disk_link(device: torch.device, path: Path, reps: int = 5) -> tuple[
 
     total = 64 << 20
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists() or path.stat().st_size != total:
-        with open(path, "wb") as f:
-            f.write(os.urandom(total))
-            f.flush()
-            os.fsync(f.fileno())  # dirty pages cannot be dropped: the reads below would hit memory
+    if not path.is_file() or path.stat().st_size != total:
+        # written under a temporary name and renamed: an interrupted write never leaves a short probe behind
+        _write_atomic([(path, os.urandom(total))])  # (fsynced: dirty pages cannot be dropped, the reads below
+        # would hit memory)
     fd = os.open(path, os.O_RDONLY)
     mover = ThreadMover(None, 0.0)
     points = []
@@ -411,14 +420,20 @@ def measure_policies(model_name: str, hw: dict, device: torch.device, new_tokens
     return costs, skipped
 
 
-def _load(model_name: str):
+def _model_config(model_name: str):
     from omegaconf import OmegaConf
 
     from . import CONF_DIR
-    from .models.loader import ModelConfig, load_model
+    from .models.loader import ModelConfig
     from .registry import build_params
 
-    mcfg = build_params(ModelConfig, dict(OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "model" / f"{model_name}.yaml"))), "model")
+    return build_params(ModelConfig, dict(OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "model" / f"{model_name}.yaml"))), "model")
+
+
+def _load(model_name: str):
+    from .models.loader import load_model
+
+    mcfg = _model_config(model_name)
     return load_model(mcfg)[0], mcfg
 
 
@@ -486,11 +501,221 @@ def check_profile(model_name: str, hw: dict, device: torch.device, prompt: int =
     return out
 
 
-def calibrate(out: str | None = None, name: str | None = None, model: str = "deep_olmoe", device: str = "cpu",
-              quick: bool = False, log=print) -> dict:
+# ---- what calibrate checks before it measures, and how it writes ------------------------------------------
+NAME_MAX = 100  # characters of a profile name
+NAME_CHARS = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # letters, digits, _ - . (not first: . -)
+OVERRIDE_CHARS = "=,+~ \t[]{}()'\"$:@%*?!#&|;<>`^"  # what Hydra's override grammar (or a shell) reads as syntax
+
+
+def default_name() -> str:
+    """``calibrated_<host>``: the host name's first label, anything but letters, digits and _ as _."""
+    host = re.sub(r"[^A-Za-z0-9_]", "_", platform.node().split(".")[0]) or "host"
+    return f"calibrated_{host}"[:NAME_MAX]
+
+
+def _name_problem(name: str) -> str | None:
+    """What is wrong with profile name ``name`` (see :func:`check_name`), or None."""
+    from . import shipped
+
+    if not name:
+        return "a profile needs a name"
+    if len(name) > NAME_MAX:
+        return f"{len(name)} characters; at most {NAME_MAX}"
+    if name in (".", "..") or any(c in name for c in "/\\"):
+        return ("a profile name is a file name in <dir>/hardware, not a path (no / or \\, not . or ..): the "
+                "profile is written to --out DIR/hardware/<name>.yaml and nowhere else")
+    syntax = sorted({c for c in name if c in OVERRIDE_CHARS or c.isspace()})
+    if syntax:
+        return (f"{' '.join(repr(c) for c in syntax)} would break the override hardware=<name> that selects it "
+                "(Hydra's override syntax)")
+    if not NAME_CHARS.fullmatch(name):
+        return "use letters, digits, _, - and . (not first: . or -)"
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    for where, value in ((f"Hydra reads hardware={name}", OverridesParser.create().parse_override(f"hardware={name}").value()),
+                         (f"the profile's YAML reads name: {name}", OmegaConf.to_container(OmegaConf.create(f"n: {name}"))["n"])):
+        if value != name or not isinstance(value, str):
+            return f"{where} as {'null' if value is None else f'the {type(value).__name__} {value!r}'}, not a name"
+    shipped_names = {n.lower(): n for n in shipped.options("hardware")}
+    for n in (name, f"{name}_disk"):  # (<name>_disk.yaml is written beside it)
+        own = shipped_names.get(n.lower())
+        if own == n:
+            return (f"hardware={n} selects the shipped profile specmd/conf/hardware/{own}.yaml, not the calibrated "
+                    "one: specmd's own configs come first on Hydra's search path (the user config directory and "
+                    "hydra.searchpath are searched after them)")
+        if own:
+            return (f"{n} differs from the shipped profile {own} only in case: on a case-insensitive file system "
+                    f"hardware={n} selects specmd/conf/hardware/{own}.yaml (first on Hydra's search path)")
+    return None
+
+
+def _suggest_name(name: str) -> str:
+    """A valid name close to ``name``."""
+    base = re.sub(r"[^A-Za-z0-9_]+", "_", name.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]).strip("_")
+    if not base:
+        return default_name()
+    for cand in (base, f"{base}_calibrated", f"box_{base}"):
+        cand = cand[:NAME_MAX]
+        if cand and _name_problem(cand) is None:
+            return cand
+    return default_name()
+
+
+def check_name(name: str) -> str:
+    r"""``--name``: a file name in ``<dir>/hardware`` that ``hardware=<name>`` selects -- no path (``/``, ``\``,
+    ``.``, ``..``), no override syntax (``=``, ``,``, brackets, quotes, spaces ...), letters, digits, ``_``,
+    ``-`` and ``.`` (not first: ``.`` or ``-``), at most :data:`NAME_MAX` characters, read back by Hydra as
+    that same string (not ``null``, ``true``, ``1.5``), and not a shipped profile's name (nor ``<name>_disk``):
+    specmd's configs come first on Hydra's search path, so ``hardware=a100_pcie`` would select the shipped
+    profile, not the calibrated one. Returns ``name``; a ConfigError names the problem and a name that works."""
+    from .errors import ConfigError
+
+    problem = _name_problem(name)
+    if problem:
+        raise ConfigError(f"--name {name!r}: {problem}; e.g. --name {_suggest_name(name)}")
+    return name
+
+
+def check_output(out: str | None, name: str) -> Path:
+    """Where the profiles go: ``<DIR>/hardware`` of ``--out DIR`` (default: the user config directory),
+    checked before any measurement -- a directory (or one that can be created: no file in its path), writable,
+    and ``<name>.yaml`` / ``<name>_disk.yaml`` inside it and not directories. Returns the absolute hardware
+    directory (not created)."""
     from . import user_config_dir
+    from .errors import ConfigError
+
+    if out is not None and not out.strip():
+        raise ConfigError(f"--out {out!r}: an empty path; name a directory (default: the user config directory)")
+    root = Path(out).expanduser() if out is not None else Path(user_config_dir())
+    flag = f"--out {out}" if out is not None else f"the user config directory {root} ($SPECMD_CONFIG)"
+    hw_dir = Path(os.path.abspath(root / "hardware"))
+    writable_dir(hw_dir, flag)
+    for n in (name, f"{name}_disk"):
+        target = hw_dir / f"{n}.yaml"
+        if not _inside(target, hw_dir):
+            raise ConfigError(f"--name {name!r}: {target} is not inside {hw_dir}")
+        if os.path.lexists(target) and (target.is_dir() or not target.is_file()):
+            raise ConfigError(f"{flag}: {target} exists and is not a file (the profile would replace it)")
+    return hw_dir
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    """``path`` lies directly in ``directory`` once both are resolved (its own last component is not followed:
+    os.replace replaces a link, not what it points to)."""
+    d = Path(os.path.realpath(directory))
+    return Path(os.path.realpath(path.parent)) == d and path.name not in ("", ".", "..")
+
+
+def check_model(model: str) -> None:
+    """``--model`` names a shipped model config whose checkpoint this machine can load: a local or shipped
+    checkpoint, or a hub id the hub (or the local HF cache) answers -- checked before any measurement (offline,
+    a hub model used to fail after the link and compute measurements, with a traceback). ConfigError for an
+    unknown config or a missing shipped checkpoint, DataError for an unreachable hub."""
+    from . import shipped
+    from .errors import ConfigError
+
+    models = shipped.options("model")
+    if model not in models:  # --quick never loads it: checked here, not after minutes of fitting
+        raise ConfigError(f"--model {model!r}: no such model config; valid choices: {', '.join(models)}")
+    mcfg = _model_config(model)
+    if mcfg.pretrained:
+        from .eval.mirror import require_hub_for
+        from .models.loader import resolve_pretrained
+
+        path = resolve_pretrained(mcfg.pretrained)  # (a missing shipped checkpoint: ConfigError)
+        if not os.path.isdir(os.path.expanduser(path)):
+            require_hub_for(f"--model {model} (model.pretrained={mcfg.pretrained})", path)
+
+
+def _write_fd(fd: int, data: bytes) -> None:
+    """All of ``data`` to ``fd``, then fsync."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.fsync(fd)
+
+
+def _write_atomic(files: list[tuple[Path, str | bytes]]) -> None:
+    """Each ``(path, content)`` written in full to a temporary file in the path's own directory
+    (``.<name>.<random>.tmp``: no config group option, no half file under the real name), then all renamed
+    into place (os.replace) with signals held: an interrupt (:class:`~specmd.jobs.Interrupted`) or an error
+    at any point leaves every path as it was before (or, once renamed, all complete) and no temporary file."""
+    import secrets
+
+    from .jobs import check_interrupt, signals_held
+
+    temps: list[tuple[Path | None, Path]] = []
+    try:
+        for path, content in files:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+            with signals_held():  # (recorded as soon as it exists: an interrupt cannot strike in between)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                temps.append((tmp, path))
+            check_interrupt()
+            try:
+                _write_fd(fd, content.encode() if isinstance(content, str) else content)
+            finally:
+                os.close(fd)
+        with signals_held():  # all renamed, or (an error) the rest removed as temporaries
+            for i, (tmp, path) in enumerate(temps):
+                os.replace(tmp, path)
+                temps[i] = (None, path)
+    except BaseException:
+        for tmp, _ in temps:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+        raise
+    check_interrupt()  # a signal that arrived while held: raised now, the files complete
+
+
+def use_command(name: str, out_root: Path | None) -> str:
+    """The run's overrides that select profile ``name``, quoted for a shell and for Hydra's override grammar:
+    ``hardware=<name>``, and ``hydra.searchpath=[file://DIR]`` for a profile written with ``--out DIR``."""
+    if out_root is None:
+        return f"hardware={name}"
+    url = f"file://{Path(os.path.abspath(out_root))}"
+    if not re.fullmatch(r"[A-Za-z0-9_./:-]+", url):  # Hydra: a quoted string (a quote escaped with \, and
+        # backslashes only where they precede a quote or the end), the whole override quoted for the shell
+        url = '"' + re.sub(r'(\\*)("|$)', lambda m: m[1] * 2 + ('\\"' if m[2] else ""), url) + '"'
+    return f"hardware={name} " + shlex.quote(f"hydra.searchpath=[{url}]")
+
+
+def _disk_probe() -> Path:
     from .quant.base import cache_dir
 
+    return cache_dir().parent / "calibrate" / "disk-probe.bin"
+
+
+def prepare(out: str | None, name: str | None, model: str, device: str) -> tuple[str, Path]:
+    """Everything calibrate checks before it measures (minutes of it): the device, the profile name
+    (:func:`check_name`; default :func:`default_name`), the output directory (:func:`check_output`), the
+    disk probe's directory, and the model (:func:`check_model`). Returns (name, hardware directory);
+    ConfigError (bad input) or DataError (an unreachable hub) otherwise."""
+    from .app import check_device
+
+    check_device(device)
+    name = check_name(default_name() if name is None else name)
+    hw_dir = check_output(out, name)
+    writable_dir(_disk_probe().parent, "the disk probe's directory ($SPECMD_CACHE)")
+    check_model(model)
+    return name, hw_dir
+
+
+def calibrate(out: str | None = None, name: str | None = None, model: str = "deep_olmoe", device: str = "cpu",
+              quick: bool = False, log=print) -> dict:
+    """Measure this machine and write ``<out or the user config directory>/hardware/<name>.yaml`` (and
+    ``<name>_disk.yaml``); see the module's doc. Its arguments are checked first (:func:`prepare`)."""
+    name, hw_dir = prepare(out, name, model, device)
+    return _calibrate(hw_dir, name, out is not None, model, device, quick, log)
+
+
+def _calibrate(hw_dir: Path, name: str, out: bool, model: str, device: str, quick: bool, log) -> dict:
+    from .errors import ConfigError
     from .executor.base import steady_host_allocator
 
     t_start = time.perf_counter()
@@ -498,12 +723,10 @@ def calibrate(out: str | None = None, name: str | None = None, model: str = "dee
     log = lambda m: say(f"{m}  [{time.perf_counter() - t_start:.0f} s]")  # noqa: E731 (each stage's time)
     steady_host_allocator()  # as execution=offload measures: the fit and the runs it predicts see the same heap
     dev = torch.device(device)
-    name = name or f"calibrated_{platform.node().split('.')[0] or 'host'}".replace("-", "_")
-    root = Path(out) if out else Path(user_config_dir())
     log(f"specmd calibrate: measuring {platform.node()} ({dev}) ...")
     bw, lat = measure_ram_link(dev)
     log(f"  link (host memory -> {dev}): {bw / 1e9:.3g} GB/s, latency {lat * 1e6:.3g} us")
-    dbw, dlat = measure_disk_link(dev, cache_dir().parent / "calibrate" / "disk-probe.bin")
+    dbw, dlat = measure_disk_link(dev, _disk_probe())
     log(f"  link (disk, page cache dropped -> host): {dbw / 1e9:.3g} GB/s, latency {dlat * 1e6:.3g} us")
     flops, mem = measure_compute(dev)
     hflops, hmem = (flops, mem) if dev.type == "cpu" else measure_compute(torch.device("cpu"))
@@ -553,19 +776,21 @@ def calibrate(out: str | None = None, name: str | None = None, model: str = "dee
             f"{os.cpu_count()} cores), device {dev}, torch {torch.__version__}",
             f"overheads fitted on model={model}" if fit else "overheads not fitted (--quick)"]
     note += [f"policy_overhead_us: {k} not measured ({why})" for k, why in fit.get("policies_not_measured", {}).items()]
-    hw_dir = root / "hardware"
-    hw_dir.mkdir(parents=True, exist_ok=True)
-    path = hw_dir / f"{name}.yaml"
-    path.write_text(_yaml(name, hw, note + ["link: host memory (execution.host=ram)"]))
+    path, path_disk = hw_dir / f"{name}.yaml", hw_dir / f"{name}_disk.yaml"
+    for p in (path, path_disk):  # (checked before measuring; asserted again where it is written)
+        if not _inside(p, hw_dir):
+            raise ConfigError(f"--name {name!r}: {p} is not inside {hw_dir}")
     disk = dict(hw, bandwidth_gbps=dbw / 1e9, latency_us=dlat * 1e6)
-    path_disk = hw_dir / f"{name}_disk.yaml"
-    path_disk.write_text(_yaml(f"{name}_disk", disk, note + ["link: the disk, page cache dropped (execution.host=disk)"]))
+    # both complete or neither: an interrupted calibrate leaves no half profile for hardware=<name> to find
+    _write_atomic([(path, _yaml(name, hw, note + ["link: host memory (execution.host=ram)"])),
+                   (path_disk, _yaml(f"{name}_disk", disk,
+                                     note + ["link: the disk, page cache dropped (execution.host=disk)"]))])
     check = {}
     if not quick:
         check = check_profile(model, hw, dev)
         log("  check (measured / simulated with this profile, 5%, lru + topk, 256-token prompt + 12 decodes): "
             + "; ".join(f"miss={k}: TTFT {v['ttft']:.2f}, TPOT {v['tpot']:.2f}" for k, v in check.items()))
-    use = f"hardware={name}" if not out else f"hardware={name} hydra.searchpath=[file://{root.resolve()}]"
+    use = use_command(name, hw_dir.parent if out else None)
     log(f"wrote {path} and {path_disk} in {time.perf_counter() - t_start:.0f} s\n"
         f"use: python -m specmd execution=offload {use}")
     return {"path": str(path), "path_disk": str(path_disk), "hardware": hw, "fit": fit, "name": name, "check": check}
@@ -581,16 +806,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="link, compute and host experts only (no policy costs, "
                                                            "overhead fit or check)")
     a = ap.parse_args(argv)
-    from .app import check_device
     from .errors import ConfigError
 
-    models = sorted(p.stem for p in (Path(__file__).resolve().parent / "conf" / "model").glob("*.yaml"))
-    try:
-        check_device(a.device)
-        if a.model not in models:  # --quick never loads it: checked here, not after minutes of fitting
-            raise ConfigError(f"--model {a.model!r}: no such model config; valid choices: {', '.join(models)}")
-    except ConfigError as exc:
-        print(f"specmd calibrate: error: {exc}", file=sys.stderr)
-        return 2
-    calibrate(a.out, a.name, a.model, a.device, a.quick)
+    # before any measurement; bad input (ConfigError, DataError) is one line and exit 2: specmd.cli.outcome
+    name, hw_dir = prepare(a.out, a.name, a.model, a.device)
+    _calibrate(hw_dir, name, a.out is not None, a.model, a.device, a.quick, print)
     return 0

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from specmd.cli.outcome import guarded
 from hydra import compose, initialize_config_dir
 
 from specmd import CONF_DIR
@@ -355,6 +357,6 @@ def test_a_sweep_whose_launcher_would_run_no_job_is_one_line_and_exit_2(tmp_path
 def test_calibrate_rejects_an_unknown_model_on_stderr_before_measuring(capsys):
     from specmd.calibrate import main
 
-    assert main(["--model", "gpt9", "--quick"]) == 2
+    assert guarded("specmd calibrate", main, ["--model", "gpt9", "--quick"]) == 2
     out = capsys.readouterr()
     assert "--model 'gpt9': no such model config; valid choices: deep_mixtral, deep_olmoe" in out.err and not out.out

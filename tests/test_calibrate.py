@@ -8,6 +8,8 @@ import sys
 
 import numpy as np
 import pytest
+
+from specmd.cli.outcome import guarded
 import torch
 
 from conftest import ROOT
@@ -249,3 +251,274 @@ def test_steady_host_allocator_applies_once():
         pytest.skip("no C library to tune")
     assert steady_host_allocator(prefault=16 << 20) is True
     assert steady_host_allocator() is True  # (once per process)
+
+
+# ---- what calibrate checks before it measures, and how it writes (issue 38) -------------------------------
+@pytest.fixture
+def no_measuring(monkeypatch):
+    """Every measurement of calibrate fails the test: what these tests check must be rejected before."""
+    import specmd.calibrate as cal
+
+    def measured(*a, **k):
+        raise AssertionError("calibrate measured before rejecting its arguments")
+
+    for f in ("measure_ram_link", "measure_disk_link", "measure_compute", "measure_host_experts",
+              "measure_policies", "fit_overheads", "check_profile", "_load"):
+        monkeypatch.setattr(cal, f, measured)
+
+
+@pytest.fixture
+def stub_measuring(monkeypatch):
+    """calibrate --quick in milliseconds: fixed figures instead of measurements (what is under test is what
+    it checks and writes, not what it measures)."""
+    from types import SimpleNamespace
+
+    import specmd.calibrate as cal
+    from specmd.executor import base
+
+    monkeypatch.setattr(base, "steady_host_allocator", lambda *a, **k: True)
+    monkeypatch.setattr(cal, "measure_ram_link", lambda dev: (8e9, 5e-6))
+    monkeypatch.setattr(cal, "measure_disk_link", lambda dev, path: (2e9, 50e-6))
+    monkeypatch.setattr(cal, "measure_compute", lambda dev: (1e11, 2e10))
+    monkeypatch.setattr(cal, "_load", lambda model: (None, SimpleNamespace(family="olmoe")))
+    monkeypatch.setattr(cal, "measure_host_experts", lambda *a, **k: (
+        {"host_call_overhead_us": 1.0, "host_expert_overhead_us": 2.0, "host_token_overhead_us": 3.0}, {}))
+
+
+def _leftovers(d):
+    """Every file under ``d`` (the profiles and any temporary file beside them)."""
+    return sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file()) if d.exists() else []
+
+
+@pytest.mark.parametrize("name,match", [
+    ("../../x", "not a path"), ("a/b", "not a path"), ("a\\b", "not a path"), ("..", "not a path"),
+    (".", "not a path"), ("a100_pcie", "selects the shipped profile specmd/conf/hardware/a100_pcie.yaml"),
+    ("A100_PCIE", "shipped profile"), ("nvme_ssd", "shipped profile"), ("a=b", "'=' would break the override"),
+    ("x,y", "',' would break the override"), ("my box", "' ' would break"), ("a[1]", "'\\[' '\\]' would break"),
+    ("$HOME", "'\\$' would break"), ("", "a profile needs a name"), (".hidden", "not first: . or -"),
+    ("-x", "not first: . or -"), ("é", "use letters, digits"), ("x" * 101, "101 characters; at most 100"),
+    ("null", "Hydra reads hardware=null as null"), ("1.5", "as the float 1.5"), ("yes", "YAML reads name: yes"),
+])
+def test_bad_profile_names_rejected_before_measuring(tmp_path, capsys, no_measuring, name, match):
+    """--name is a file name in DIR/hardware that hardware=<name> selects: no path, no override syntax, not a
+    shipped profile (specmd's configs come first on the search path); one line, exit 2, nothing written, and
+    the name it suggests is itself valid."""
+    from specmd.calibrate import check_name, main
+
+    assert guarded("specmd calibrate", main, ["--out", str(tmp_path / "out"), f"--name={name}", "--quick"]) == 2  # (= : "-x" is no option)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"specmd calibrate: error: --name {name!r}: "), err
+    assert __import__("re").search(match, err), err
+    suggested = err.rsplit("e.g. --name ", 1)[1].strip()
+    assert check_name(suggested) == suggested
+    assert _leftovers(tmp_path) == [] and not (tmp_path / "out").exists()  # (../../x: not beside it either)
+
+
+def test_a_shipped_profile_name_would_select_the_shipped_profile(tmp_path):
+    """Why calibrate refuses a shipped name: a profile DIR/hardware/a100_pcie.yaml loses to specmd's own
+    (hydra.searchpath and the user directory are searched after specmd/conf)."""
+    from hydra import compose, initialize_config_dir
+
+    from specmd import CONF_DIR
+    from specmd.calibrate import _yaml
+
+    hw = tmp_path / "hardware"
+    hw.mkdir()
+    (hw / "a100_pcie.yaml").write_text(_yaml("a100_pcie", {"bandwidth_gbps": 1234.5}, ["test"]))
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=["hardware=a100_pcie", f"hydra.searchpath=[file://{tmp_path}]"])
+    assert cfg.hardware.bandwidth_gbps != 1234.5
+
+
+def test_default_name_is_a_valid_name(monkeypatch):
+    import specmd.calibrate as cal
+
+    for host in ("my-box.lab.example.org", "über box", "", "1", "x" * 300):
+        monkeypatch.setattr(cal.platform, "node", lambda host=host: host)
+        assert cal.check_name(cal.default_name()) == cal.default_name()
+
+
+def test_out_that_is_no_writable_directory_rejected_before_measuring(tmp_path, capsys, no_measuring,
+                                                                     monkeypatch):
+    """--out an existing file, a path under a file, DIR/hardware a file, a profile path that is a directory,
+    a directory that cannot be written (simulated: root writes a chmod'ed one): one line naming the path and
+    what is wrong, exit 2, before any measurement."""
+    from specmd.calibrate import main
+
+    f = tmp_path / "afile"
+    f.write_text("x")
+
+    def rejected(out, *match):
+        assert guarded("specmd calibrate", main, ["--out", str(out), "--name", "box", "--quick"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"specmd calibrate: error: --out {out}: "), err
+        for m in match:
+            assert m in err, err
+
+    rejected(f, f"{f} is a file, not a directory")
+    rejected(f / "sub" / "dir", f"{f} is a file, not a directory ({f}/sub/dir/hardware cannot be created under it)")
+    (tmp_path / "d" / "hardware").mkdir(parents=True)
+    (tmp_path / "d" / "hardware" / "box_disk.yaml").mkdir()
+    rejected(tmp_path / "d", f"{tmp_path}/d/hardware/box_disk.yaml exists and is not a file")
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "hardware").write_text("x")
+    rejected(tmp_path / "e", f"{tmp_path}/e/hardware is a file, not a directory")
+    import tempfile
+
+    def read_only(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    rejected(tmp_path / "ro", f"{tmp_path} is not writable (Permission denied)")
+    assert not (tmp_path / "ro").exists()  # (the check creates nothing)
+
+
+def test_a_hub_model_offline_is_a_data_error_before_measuring(tmp_path, monkeypatch, no_measuring):
+    """--model olmoe (a hub checkpoint) with the hub unreachable: a DataError (the dispatcher's one line)
+    before the minutes of measuring, not a traceback after them; a shipped checkpoint needs no hub."""
+    import huggingface_hub
+
+    from specmd.calibrate import check_model, main
+    from specmd.errors import DataError
+    from specmd.eval import mirror
+
+    monkeypatch.setattr(mirror, "hub_reachable", lambda *a: False)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+    with pytest.raises(DataError, match=r"--model olmoe \(model.pretrained=allenai/OLMoE-1B-7B-0924\) needs "
+                                        r"the Hugging Face hub"):
+        main(["--out", str(tmp_path), "--model", "olmoe", "--quick"])
+    check_model("deep_olmoe")
+    check_model("tiny_mixtral")  # (no checkpoint: built in code)
+    assert _leftovers(tmp_path) == []
+
+
+def _interrupt_mid_write(monkeypatch, after: int = 0):
+    """The writer writes half of the (after+1)-th file it is given, then the job is interrupted."""
+    import signal
+
+    import specmd.calibrate as cal
+    from specmd.jobs import Interrupted
+
+    real, calls = cal._write_fd, []
+
+    def half(fd, data):
+        calls.append(fd)
+        if len(calls) <= after:
+            return real(fd, data)
+        os.write(fd, data[: len(data) // 2])
+        raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(cal, "_write_fd", half)
+    return calls
+
+
+@pytest.mark.parametrize("after", [0, 1])
+def test_an_interrupted_calibrate_leaves_no_half_profile(tmp_path, monkeypatch, stub_measuring, after):
+    """Interrupted while writing the profile (or its _disk twin): no profile under either name, no
+    temporary file, and a profile calibrated before is left as it was; uninterrupted, both are written."""
+    from specmd.calibrate import calibrate
+    from specmd.jobs import Interrupted
+
+    calls = _interrupt_mid_write(monkeypatch, after)
+    with pytest.raises(Interrupted):
+        calibrate(str(tmp_path), "box", "tiny", quick=True, log=lambda m: None)
+    assert len(calls) == after + 1 and _leftovers(tmp_path) == []
+    (tmp_path / "hardware" / "box.yaml").write_text("name: box\n# the old one\n")
+    with pytest.raises(Interrupted):
+        calibrate(str(tmp_path), "box", "tiny", quick=True, log=lambda m: None)
+    assert _leftovers(tmp_path) == ["hardware/box.yaml"]
+    assert (tmp_path / "hardware" / "box.yaml").read_text() == "name: box\n# the old one\n"
+
+
+def test_calibrate_writes_both_profiles_whole(tmp_path, stub_measuring):
+    """Uninterrupted: both profiles, complete, and nothing else; the printed command selects them."""
+    import shlex
+
+    from hydra import compose, initialize_config_dir
+
+    from specmd import CONF_DIR
+    from specmd.calibrate import calibrate
+
+    out = tmp_path / "my profiles, v2"  # (a space and a comma: quoted for the shell and for Hydra)
+    said = []
+    r = calibrate(str(out), "box", "tiny", quick=True, log=said.append)
+    assert _leftovers(out) == ["hardware/box.yaml", "hardware/box_disk.yaml"]
+    assert r["path"] == str(out / "hardware" / "box.yaml")
+    use = said[-1].split("use: python -m specmd execution=offload ", 1)[1].rsplit("  [", 1)[0]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=shlex.split(use))
+        assert cfg.hardware.name == "box" and cfg.hardware.bandwidth_gbps == pytest.approx(8.0)
+        cfg = compose("config", overrides=shlex.split(use.replace("hardware=box", "hardware=box_disk")))
+        assert cfg.hardware.bandwidth_gbps == pytest.approx(2.0)
+
+
+def test_a_real_signal_while_writing_leaves_no_half_profile(tmp_path, monkeypatch, stub_measuring):
+    """SIGTERM arriving mid-write under the dispatcher's handler (signals_raise): Interrupted, nothing left."""
+    import signal
+
+    import specmd.calibrate as cal
+    from specmd.jobs import SIGNALS, Interrupted, signals_raise
+
+    real = cal._write_fd
+
+    def killed(fd, data):
+        os.write(fd, data[: len(data) // 2])
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # (the handler runs between bytecodes, here)
+            pass
+        real(fd, data)
+
+    monkeypatch.setattr(cal, "_write_fd", killed)
+    try:
+        with pytest.raises(Interrupted), signals_raise():
+            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+                pytest.skip("signals_raise armed no handler here")
+            cal.calibrate(str(tmp_path), "box", "tiny", quick=True, log=lambda m: None)
+    finally:
+        SIGNALS.pending = 0  # (the process would have exited: the next test starts with no signal recorded)
+    assert _leftovers(tmp_path) == []
+
+
+def test_write_atomic_failure_leaves_no_temporary(tmp_path, monkeypatch):
+    """An error in the write or in a rename (disk full, a race): the temporaries go; the disk probe of the
+    link measurement is written the same way (an interrupted probe is never a short file)."""
+    import specmd.calibrate as cal
+
+    real = os.replace
+    n = []
+
+    def second_fails(a, b):
+        n.append(b)
+        if len(n) == 2:
+            raise OSError(28, "No space left on device")
+        real(a, b)
+
+    monkeypatch.setattr(os, "replace", second_fails)
+    with pytest.raises(OSError, match="No space"):
+        cal._write_atomic([(tmp_path / "a.yaml", "a: 1\n"), (tmp_path / "b.yaml", "b: 2\n")])
+    monkeypatch.setattr(os, "replace", real)
+    assert _leftovers(tmp_path) == ["a.yaml"] and (tmp_path / "a.yaml").read_text() == "a: 1\n"
+    _interrupt_mid_write(monkeypatch)
+    from specmd.jobs import Interrupted
+
+    with pytest.raises(Interrupted):
+        cal.measure_disk_link(torch.device("cpu"), tmp_path / "probe" / "disk-probe.bin")
+    assert _leftovers(tmp_path / "probe") == []
+
+
+@pytest.mark.parametrize("out", ["/tmp/plain", "/tmp/o 2", "/tmp/a,b]c", "/tmp/it's", '/tmp/a"b', "/tmp/x\\y",
+                                 "/tmp/e\\", '/tmp/x\\"y', "/tmp/$HOME*"])
+def test_printed_command_reads_back_the_directory(out):
+    """The `use:` line calibrate prints: a shell reads it as two words, and Hydra reads the search path as
+    exactly the directory the profile was written to, whatever characters the path holds."""
+    import shlex
+    from pathlib import Path
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from specmd.calibrate import use_command
+
+    assert use_command("box", None) == "hardware=box"
+    words = shlex.split(use_command("box", Path(out)))
+    assert words[0] == "hardware=box" and len(words) == 2
+    assert OverridesParser.create().parse_override(words[1]).value() == [f"file://{out}"]
