@@ -5,6 +5,8 @@ import csv
 import json
 
 import pytest
+
+from specmd.cli.outcome import guarded
 import yaml
 
 from specmd.errors import ConfigError
@@ -136,7 +138,7 @@ def test_bad_specs_and_paths_are_named(tmp_path):
     bad = dict(SPEC, figures=[{"kind": "pie", "y": "cache.hit_rate"}])
     with pytest.raises(ConfigError, match="kind='pie'.*bars, lines, scatter"):
         build([str(make_sweep(tmp_path / "s", spec=bad))], str(tmp_path / "o"))
-    assert main([str(tmp_path / "nowhere")]) == 2
+    assert guarded("specmd report", main, [str(tmp_path / "nowhere")]) == 2
 
 
 def test_report_logs_tables_and_figures_to_an_offline_wandb_run(tmp_path, monkeypatch):

@@ -8,6 +8,8 @@ import functools
 import json
 
 import pytest
+
+from specmd.cli.outcome import guarded
 import yaml
 from test_report_adhoc import make_adhoc
 
@@ -132,7 +134,7 @@ def test_a_bad_check_stops_the_report_with_its_name(tmp_path, capsys):
 
     spec = dict(SPEC, checks=[{"claim": "LS wins", "metric": "hit", "higher": {"eviction": "least_stale"},
                                "than": {"eviction": "lru"}}])
-    assert main([str(make_sweep(tmp_path / "s", spec=spec)), "--out", str(tmp_path / "o")]) == 2
+    assert guarded("specmd report", main, [str(make_sweep(tmp_path / "s", spec=spec)), "--out", str(tmp_path / "o")]) == 2
     assert "report.checks[0] of hand ('LS wins'): metric 'hit' is neither a label" in capsys.readouterr().err
 
 

@@ -79,7 +79,11 @@ def _plt():
 
 
 def _save(fig, path: Path) -> None:
-    fig.savefig(path, dpi=DPI, bbox_inches="tight", pad_inches=0.08)
+    from ..results import atomic_output
+
+    with atomic_output(path) as tmp:  # an interrupt leaves no half figure
+        fig.savefig(tmp, dpi=DPI, bbox_inches="tight", pad_inches=0.08,
+                    format=Path(path).suffix.lstrip(".") or "png")
     _plt().close(fig)
 
 

@@ -6,11 +6,20 @@ A sweep directory is what ``python -m specmd -m`` writes: ``multirun.yaml`` (the
 sweep was *asked* for are recomputed from ``multirun.yaml`` with Hydra's own override parser and the basic
 sweeper's expansion, so a job that never started is reported missing rather than silently absent. A plain
 run directory (``results.json`` and ``.hydra/``) is a sweep of one job.
+
+What cannot be read is never a traceback: a job directory whose ``.hydra/overrides.yaml`` is absent, not
+YAML or not a list of overrides is skipped (a warning names it and why: the job it holds then counts as
+missing), a ``results.json`` that is not a JSON object counts as not finished (named too), a value in a
+``results.json`` that is no finite number (Python's json reads ``NaN`` and ``Infinity``) is recorded on its
+job (``Job.problems``) and named by ``specmd report`` and ``specmd status``. A sweep directory whose
+``multirun.yaml`` cannot be read is a :class:`ConfigError` naming it when it was named, and skipped with a
+note when it was found below a parent.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -29,6 +38,13 @@ class Job:
     results: dict = field(default_factory=dict)  # results.json (or failed.json's partial results)
     error: Optional[str] = None
     config: dict = field(default_factory=dict)  # the job's resolved config (its sweep's, for a job that never ran)
+    own_config: bool = True  # False: ``config`` is its sweep's (the job wrote none), the keys its overrides set unknown
+    problems: dict = field(default_factory=dict)  # results path -> what it holds that is no finite number ("NaN")
+
+    @property
+    def file(self) -> str:
+        """The file its numbers come from (``<dir>/results.json``), for messages."""
+        return f"{self.dir}/results.json" if self.dir and not self.dir.startswith("wandb:") else str(self.dir)
 
     @property
     def axes(self) -> dict:
@@ -47,6 +63,7 @@ class Sweep:
     spec: dict  # the config's ``report`` section (may be empty)
     jobs: list
     time: float = 0.0  # multirun.yaml's mtime: which of several sweeps of one experiment is newest
+    warnings: list = field(default_factory=list)  # what could not be read (a directory skipped, a file garbled)
 
 
 def _normalise(overrides: list) -> list:
@@ -69,47 +86,128 @@ def expected_jobs(multirun: dict) -> list:
     return [job for batch in batches for job in batch]
 
 
-def _read(path: Path) -> Optional[dict]:
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
+
+
+def _read(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    """(the JSON object in ``path``, None), (None, None) when there is no such file, or (None, why it cannot
+    be read)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
+        return None, f"not readable as JSON ({_first_line(exc)})"
+    if not isinstance(data, dict):
+        return None, f"not a JSON object (a {type(data).__name__})"
+    return data, None
 
 
-def _job_dirs(root: Path) -> dict:
-    """Normalised overrides -> job directory, for every job directory under ``root``."""
-    from omegaconf import OmegaConf
+def non_finite(results: dict) -> dict:
+    """Dotted path -> ``NaN`` / ``Infinity`` / ``-Infinity`` of every non-finite number in a results.json
+    (its ``config`` and ``provenance`` left out): specmd writes such a value as null, so one is a damaged or
+    hand-edited file."""
+    out: dict = {}
 
-    out = {}
-    for manifest in root.rglob(".hydra/overrides.yaml"):
-        job_dir = manifest.parent.parent
-        if job_dir == root:
-            continue
-        out[tuple(_normalise(list(OmegaConf.load(manifest))))] = job_dir
+    def walk(v, where):
+        if isinstance(v, float) and not math.isfinite(v):
+            out[where] = "NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, f"{where}.{k}" if where else str(k))
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                walk(x, f"{where}.{i}")
+
+    walk({k: v for k, v in results.items() if k not in ("config", "provenance")}, "")
     return out
 
 
-def _job(overrides: list, job_dir: Optional[Path], base: dict) -> Job:
+def read_overrides(path: Path) -> tuple[Optional[list], Optional[str]]:
+    """(a job's overrides from its ``.hydra/overrides.yaml``, None) or (None, why they cannot be read)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        return None, "no .hydra/overrides.yaml"
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        return None, f"its .hydra/overrides.yaml is not readable as YAML ({_first_line(exc)})"
+    if data is None:
+        data = []
+    if not isinstance(data, list) or not all(isinstance(o, str) for o in data):
+        return None, (f"its .hydra/overrides.yaml is not a list of overrides (key=value strings), but "
+                      f"{str(data)[:80]!r}")
+    try:
+        _normalise(data)
+    except Exception as exc:  # noqa: BLE001 -- Hydra's parser raises its own (HydraException) and ValueErrors
+        return None, f"its .hydra/overrides.yaml holds no Hydra override list ({_first_line(exc)})"
+    return data, None
+
+
+def _job_dirs(root: Path, warnings: list) -> dict:
+    """Normalised overrides -> job directory, for every job directory under ``root``; a directory whose
+    manifest cannot be read is skipped with a warning (its job then counts as missing)."""
+    out = {}
+    for manifest in sorted(root.rglob(".hydra/overrides.yaml")):
+        job_dir = manifest.parent.parent
+        if job_dir == root:
+            continue
+        overrides, why = read_overrides(manifest)
+        if overrides is None:
+            warnings.append(f"{job_dir}: skipped: {why}")
+            continue
+        out[tuple(_normalise(overrides))] = job_dir
+    seen = set(out.values())
+    for name in ("results.json", "failed.json"):
+        for f in sorted(root.rglob(name)):
+            d = f.parent
+            if d != root and d not in seen and not (d / ".hydra" / "overrides.yaml").exists():
+                seen.add(d)
+                warnings.append(f"{d}: skipped: it holds {name} but no .hydra/overrides.yaml (which job of the "
+                                "sweep it ran cannot be told)")
+    return out
+
+
+def _job(overrides: list, job_dir: Optional[Path], base: dict, warnings: list) -> Job:
     """``base``: the sweep's config without its overrides; a job that wrote nothing is described by it (its
     swept values come from its overrides, tables.axis_value)."""
     if job_dir is None:
-        return Job(overrides, "missing", config=base)
-    res = _read(job_dir / "results.json")
+        return Job(overrides, "missing", config=base, own_config=False)
+    res, why = _read(job_dir / "results.json")
+    if why:
+        warnings.append(f"{job_dir / 'results.json'}: {why}: the job counts as not finished")
     if res is not None:
-        return Job(overrides, "ok", str(job_dir), res, config=res.get("config") or base)
-    failed = _read(job_dir / "failed.json")
+        cfg = res.get("config")
+        own = isinstance(cfg, dict) and bool(cfg)
+        job = Job(overrides, "ok", str(job_dir), res, config=cfg if own else base, own_config=own)
+        job.problems.update(non_finite(res))
+        return job
+    failed, why_failed = _read(job_dir / "failed.json")
+    if why_failed:
+        warnings.append(f"{job_dir / 'failed.json'}: {why_failed}")
     if failed is not None:
-        return Job(overrides, "failed", str(job_dir), failed, failed.get("error"), failed.get("config") or base)
-    log = job_dir / "__main__.log"
-    tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
-    return Job(overrides, "missing", str(job_dir), error=(tail[0][:300] if tail else None), config=base)
+        cfg = failed.get("config")
+        own = isinstance(cfg, dict) and bool(cfg)
+        error = failed.get("error")
+        return Job(overrides, "failed", str(job_dir), failed, None if error is None else str(error),
+                   cfg if own else base, own_config=own)
+    tail = []
+    try:
+        log = job_dir / "__main__.log"
+        tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
+    except OSError:
+        pass
+    error = f"results.json {why}" if why else (tail[0][:300] if tail else None)
+    return Job(overrides, "missing", str(job_dir), error=error, config=base, own_config=False)
 
 
 def load_sweep(path: Path) -> Sweep:
     """A sweep directory (``multirun.yaml``) or a single run directory (``results.json`` + ``.hydra``)."""
-    from omegaconf import OmegaConf
-
     import yaml
+    from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     path = Path(path)
@@ -117,29 +215,40 @@ def load_sweep(path: Path) -> Sweep:
         return _load_sweep(path)
     except ConfigError:
         raise
-    except (UnicodeDecodeError, yaml.YAMLError, OmegaConfBaseException, ValueError, KeyError, TypeError,
-            AttributeError) as exc:  # not YAML, or not a sweep's
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, OmegaConfBaseException, HydraException, ValueError,
+            KeyError, TypeError, AttributeError) as exc:  # unreadable, not YAML, or not a sweep's
         raise ConfigError(f"{path}: its multirun.yaml or .hydra files cannot be read as a Hydra sweep "
-                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+                          f"({_first_line(exc)})") from None
 
 
 def _load_sweep(path: Path) -> Sweep:
     from omegaconf import OmegaConf
 
+    warnings: list = []
     if (path / "multirun.yaml").exists():
         mr = OmegaConf.to_container(OmegaConf.load(path / "multirun.yaml"), resolve=False)
-        dirs = _job_dirs(path)
+        if not isinstance(mr, dict):
+            raise ConfigError(f"{path / 'multirun.yaml'}: not a mapping (a Hydra sweep's composed config)")
+        dirs = _job_dirs(path, warnings)
         base = {k: v for k, v in mr.items() if k != "hydra"}
-        jobs = [_job(ov, dirs.get(tuple(_normalise(ov))), base) for ov in expected_jobs(mr)]
+        jobs = [_job(ov, dirs.get(tuple(_normalise(ov))), base, warnings) for ov in expected_jobs(mr)]
         time = (path / "multirun.yaml").stat().st_mtime
     elif (path / ".hydra" / "config.yaml").exists():
         mr = OmegaConf.to_container(OmegaConf.load(path / ".hydra" / "config.yaml"), resolve=False)
-        overrides = list(OmegaConf.load(path / ".hydra" / "overrides.yaml"))
-        jobs = [_job(overrides, path, {k: v for k, v in mr.items() if k != "hydra"})]
+        if not isinstance(mr, dict):
+            raise ConfigError(f"{path / '.hydra' / 'config.yaml'}: not a mapping (a run's composed config)")
+        overrides, why = read_overrides(path / ".hydra" / "overrides.yaml")
+        if overrides is None:  # a run's config says what it ran: its axes come from there
+            warnings.append(f"{path}: {why}: read as a run without overrides (its axes from its config)")
+            overrides = []
+        jobs = [_job(overrides, path, {k: v for k, v in mr.items() if k != "hydra"}, warnings)]
         time = (path / ".hydra" / "config.yaml").stat().st_mtime
     else:
         raise ConfigError(f"{path}: not a specmd sweep (no multirun.yaml) or run directory (no .hydra/config.yaml)")
-    return Sweep(str(path), str(mr.get("experiment") or path.name), dict(mr.get("report") or {}), jobs, time)
+    report = mr.get("report") or {}
+    if not isinstance(report, dict):
+        raise ConfigError(f"{path}: its config's report section is not a mapping, but {str(report)[:80]!r}")
+    return Sweep(str(path), str(mr.get("experiment") or path.name), dict(report), jobs, time, warnings)
 
 
 def find_sweeps(paths: list) -> tuple[list, list]:
@@ -154,14 +263,26 @@ def find_sweeps(paths: list) -> tuple[list, list]:
         if (p / "multirun.yaml").exists() or (p / ".hydra" / "config.yaml").exists():
             sweeps.append(load_sweep(p))
             continue
-        found = [load_sweep(m.parent) for m in sorted(p.rglob("multirun.yaml"))]
+        found = _load_below([m.parent for m in sorted(p.rglob("multirun.yaml"))], notes)
         if not found:
-            raise ConfigError(f"{p}: no sweep (multirun.yaml) below it")
+            raise ConfigError(f"{p}: no sweep (multirun.yaml) below it" + (" that can be read" if notes else ""))
         newest = newest_per_experiment(found)
         notes += [f"{s.dir}: an older sweep of {s.experiment}, not read (name it to include it)"
                   for s in found if s not in newest]
         sweeps += newest
     return sweeps, notes
+
+
+def _load_below(dirs: list, notes: list) -> list:
+    """The sweeps in ``dirs`` (found below a directory the user named); one that cannot be read is left out,
+    with a note saying why."""
+    out = []
+    for d in dirs:
+        try:
+            out.append(load_sweep(d))
+        except ConfigError as exc:
+            notes.append(f"skipped: {exc}")
+    return out
 
 
 def newest_per_experiment(sweeps: list) -> list:
@@ -173,7 +294,7 @@ def newest_per_experiment(sweeps: list) -> list:
     return list(newest.values())
 
 
-def sweep_for_also(sweeps: list, name: str, roots: list) -> Optional[Sweep]:
+def sweep_for_also(sweeps: list, name: str, roots: list, notes: Optional[list] = None) -> Optional[Sweep]:
     """The newest sweep of experiment ``name`` among ``sweeps`` or below the parents of their directories
     (``report.also``: an experiment whose figure draws another one's runs)."""
     have = [s for s in sweeps if s.experiment == name]
@@ -185,7 +306,8 @@ def sweep_for_also(sweeps: list, name: str, roots: list) -> Optional[Sweep]:
         base = root / name
         if base.is_dir() and base.resolve() not in seen:
             seen.add(base.resolve())
-            cands += [load_sweep(m.parent) for m in base.rglob("multirun.yaml")]
+            cands += _load_below([m.parent for m in sorted(base.rglob("multirun.yaml"))],
+                                 notes if notes is not None else [])
     return max(cands, key=lambda s: s.time) if cands else None
 
 

@@ -23,7 +23,7 @@ import math
 from pathlib import Path
 
 from ..errors import ConfigError
-from .tables import MISSING, Group, evaluate, sort_key, split_prefix
+from .tables import MISSING, Group, job_value, numeric, sort_key, split_prefix, unnamed_axes
 
 KINDS = ("bars", "lines", "scatter")
 KEYS = {"kind", "x", "y", "overlay", "series", "panels", "label", "connect", "percent", "percent_x", "logx",
@@ -50,15 +50,16 @@ def _value(spec, group: Group, groups: list, expr: str):
     if prefix:
         mean, _, _ = cell(spec, "", expr, group, groups)
         return mean
-    vals = [evaluate(j.results, expr) for j in group.ok]
+    vals = [job_value(j, expr) for j in group.ok]  # a value that is no finite number: recorded, never drawn
     vals = [v for v in vals if v is not None]
     if not vals:
         return None
     if isinstance(vals[0], list):  # list-valued (per layer / per rank): element-wise mean over repeats
+        vals = [v for v in vals if isinstance(v, list)]
         n = min(len(v) for v in vals)
-        cols = [[v[i] for v in vals if isinstance(v[i], (int, float))] for i in range(n)]
+        cols = [[v[i] for v in vals if numeric(v[i])] for i in range(n)]
         return [sum(c) / len(c) if c else None for c in cols]
-    nums = [v for v in vals if isinstance(v, (int, float))]
+    nums = [v for v in vals if numeric(v)]
     return sum(nums) / len(nums) if nums else None
 
 
@@ -84,6 +85,10 @@ def draw(spec, fig_spec: dict, groups: list, path: Path) -> str:
     fig, axs = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 1.2, 3.6), squeeze=False,
                             sharey=kind != "scatter")
     series_axes = _as_list(fig_spec.get("series"))
+    # axes the spec does not name (a swept override it leaves out, a config key that tells runs apart: two
+    # models) split the series, or name the bars: their values are never drawn as one
+    extra = [a for a in unnamed_axes(spec, groups) if a not in series_axes + [panel_axis, fig_spec.get("x")]]
+    series_axes = series_axes + extra
     py = 100.0 if fig_spec.get("percent") else 1.0
     base = None
     if fig_spec.get("hline") == "baseline" and spec.baseline:
@@ -96,7 +101,7 @@ def draw(spec, fig_spec: dict, groups: list, path: Path) -> str:
     for ax, panel in zip(axs[0], panels):
         members = [g for g in ok if not panel_axis or _name(g, g.ok[0], [panel_axis]) == panel]
         if kind == "bars":
-            _bars(spec, fig_spec, members, groups, ax, py)
+            _bars(spec, fig_spec, members, groups, ax, py, extra)
         else:
             _lines(spec, fig_spec, members, groups, ax, series_axes, kind, px, py)
         if panel_axis:
@@ -121,14 +126,17 @@ def draw(spec, fig_spec: dict, groups: list, path: Path) -> str:
     if handles:
         axs[0][-1].legend(fontsize=7, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from ..results import atomic_output
+
+    with atomic_output(path) as tmp:  # an interrupt leaves no half figure
+        fig.savefig(tmp, dpi=120, format=Path(path).suffix.lstrip(".") or "png")
     plt.close(fig)
     return title
 
 
-def _bars(spec, fs, members, groups, ax, py):
+def _bars(spec, fs, members, groups, ax, py, extra=()):
     x_axis = fs.get("x")
-    names = [_name(g, g.ok[0], [x_axis]) for g in members]
+    names = [_name(g, g.ok[0], [x_axis, *extra]) for g in members]
     ys = [_value(spec, g, groups, fs["y"]) for g in members]
     pos = range(len(members))
     ax.bar(pos, [(y or 0) * py for y in ys], color="0.7", label=fs.get("y"))

@@ -124,7 +124,8 @@ def verdict_html(sec) -> str:
     items = []
     for v in vs:
         points = "".join(f"<li class='v-{STATE[p.status]}'><span class='mark' aria-hidden='true'>{p.mark}</span> "
-                         f"{escape(str(p.at))}: {escape(p.text)}</li>" for p in v.points)
+                         f"{escape(', '.join(x for x in (p.where, str(p.at)) if x))}: {escape(p.text)}</li>"
+                         for p in v.points)
         items.append(f"<li class='v-{STATE[v.status]}'><span class='mark' aria-hidden='true'>{v.mark}</span>"
                      f"<div><b class='state'>{escape(v.status)}</b> {escape(v.check.claim)}"
                      f"<span class='values'>{escape(v.values)}</span>"
@@ -198,4 +199,6 @@ def write_html(sections: list, notes: list, out: Path) -> None:
     for sec in sections:
         parts += section_html(sec)
     parts.append("</main></body></html>")
-    (out / "index.html").write_text("\n".join(parts) + "\n")
+    from ..results import write_text_atomic
+
+    write_text_atomic(out / "index.html", "\n".join(parts) + "\n")

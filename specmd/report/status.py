@@ -1,5 +1,11 @@
 """``specmd status SWEEP_DIR...``: which jobs of a sweep are done, failed, running or missing, and the
-command that resumes it (a re-launch runs only the jobs that are not done, :mod:`specmd.jobs`)."""
+command that resumes it (a re-launch runs only the jobs that are not done, :mod:`specmd.jobs`).
+
+What it cannot read is named, never a traceback: a job directory without a readable ``.hydra/overrides.yaml``
+or with a ``results.json`` that is no JSON object (``specmd status: <dir>: skipped: ...``; its job counts as
+not done), a done job's ``results.json`` holding NaN or Infinity (``specmd status: <file>: cache.hit_rate is
+NaN``), a sweep below a named parent whose ``multirun.yaml`` cannot be read (skipped; the exit is then 1). A
+directory named on the command line that is no sweep is an error (exit 2)."""
 
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ def job_state(job: Job) -> str:
                 pass
         except Timeout:
             return "running"
+        except OSError:  # a lock this user cannot open (another user's, a read-only copy): no process of ours
+            return "missing"
     return "missing"
 
 
@@ -39,48 +47,63 @@ def resume_command(sweep_dir: Path) -> Optional[str]:
     mr = sweep_dir / "multirun.yaml"
     if not mr.exists():
         return None
-    ov = OmegaConf.load(mr).hydra.overrides
-    task = list(ov.task)
-    own = [o for o in (ov.get("hydra") or []) if not o.split("=", 1)[0] in ("hydra.mode", "hydra.sweep.dir")]
+    try:
+        ov = OmegaConf.to_container(OmegaConf.load(mr), resolve=False)["hydra"]["overrides"]
+        task = [str(o) for o in ov.get("task") or []]
+        own = [str(o) for o in (ov.get("hydra") or [])
+               if not str(o).split("=", 1)[0] in ("hydra.mode", "hydra.sweep.dir")]
+    except Exception:  # noqa: BLE001 -- load_sweep read it; a multirun.yaml without hydra.overrides has no command
+        return None
     return shlex.join(["python", "-m", "specmd", "-m", *task, *own, f"hydra.sweep.dir={sweep_dir}"])
 
 
-def _sweep_dirs(path: Path) -> list:
+def _sweep_dirs(path: Path) -> tuple[list, bool]:
+    """The sweep directories ``path`` names, and whether it named one itself (else they were found below it)."""
     if (path / "multirun.yaml").exists() or (path / ".hydra" / "config.yaml").exists():
-        return [path]
+        return [path], True
     found = sorted(m.parent for m in path.rglob("multirun.yaml"))
     if not found:
         raise ConfigError(f"{path}: no sweep (multirun.yaml) or run directory below it")
-    return found
+    return found, False
 
 
 def main(argv: Optional[list] = None) -> int:
-    """Prints each sweep's counts and its unfinished jobs; exit 0 when every job is done, 1 otherwise."""
+    """Prints each sweep's counts and its unfinished jobs; exit 0 when every job is done, 1 otherwise (bad input:
+    a ConfigError, one line and exit 2 from specmd.cli.outcome)."""
     ap = argparse.ArgumentParser(prog="specmd status", description=__doc__)
     ap.add_argument("paths", nargs="+", help="sweep directories, run directories, or parents of them")
     ap.add_argument("-v", "--verbose", action="store_true", help="list the done jobs too")
     args = ap.parse_args(argv)
     complete = True
-    try:
-        for p in map(Path, args.paths):
-            if not p.exists():
-                raise ConfigError(f"{p}: no such directory")
-            for d in _sweep_dirs(p):
+    for p in map(Path, args.paths):
+        if not p.exists():
+            raise ConfigError(f"{p}: no such directory")
+        dirs, named = _sweep_dirs(p)
+        for d in dirs:
+            try:
                 sweep = load_sweep(d)
-                states = [(job_state(j), j) for j in sweep.jobs]
-                counts = {s: sum(st == s for st, _ in states) for s in ("done", "failed", "running", "missing")}
-                print(f"{d}  ({sweep.experiment}): {len(states)} jobs: "
-                      + ", ".join(f"{n} {s}" for s, n in counts.items()))
-                for st, j in states:
-                    if st != "done" or args.verbose:
-                        why = f"  [{j.results.get('stage')}] {j.error}" if st == "failed" else ""
-                        print(f"  {st:8s} {' '.join(j.overrides) or '(no overrides)'}  {j.dir or ''}{why}")
-                if counts["done"] < len(states):
-                    complete = False
-                    cmd = resume_command(d)
-                    if cmd:
-                        print(f"  resume: {cmd}")
-    except ConfigError as exc:
-        print(f"specmd status: error: {exc}", file=sys.stderr)
-        return 2
+            except ConfigError as exc:
+                if named:
+                    raise
+                print(f"specmd status: skipped: {exc}", file=sys.stderr)
+                complete = False
+                continue
+            for w in sweep.warnings:
+                print(f"specmd status: {w}", file=sys.stderr)
+            for j in sweep.jobs:
+                for key, why in j.problems.items():
+                    print(f"specmd status: {j.file}: {key} is {why}", file=sys.stderr)
+            states = [(job_state(j), j) for j in sweep.jobs]
+            counts = {s: sum(st == s for st, _ in states) for s in ("done", "failed", "running", "missing")}
+            print(f"{d}  ({sweep.experiment}): {len(states)} jobs: "
+                  + ", ".join(f"{n} {s}" for s, n in counts.items()))
+            for st, j in states:
+                if st != "done" or args.verbose:
+                    why = f"  [{j.results.get('stage')}] {j.error}" if st == "failed" else ""
+                    print(f"  {st:8s} {' '.join(j.overrides) or '(no overrides)'}  {j.dir or ''}{why}")
+            if counts["done"] < len(states):
+                complete = False
+                cmd = resume_command(d)
+                if cmd:
+                    print(f"  resume: {cmd}")
     return 0 if complete else 1

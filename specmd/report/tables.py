@@ -19,7 +19,17 @@ axes and its paper's layout have one home::
       checks: [...]                # the paper's direction claims, computed into verdicts: see verdicts.py
 
 Every swept axis not named in rows, cols or repeat becomes a row axis too: runs are averaged only over the
-``repeat`` axes, never silently over anything else.
+``repeat`` axes, never silently over anything else. Nor over a difference of their *resolved configs* that no
+override names (two sweeps of one experiment run on different models, the model set by the experiment or a
+default changed between them): a config key that tells apart runs the axes would pool becomes a row axis
+(:func:`config_split`; ``<group>.name`` keys first, then the shallowest), and the section's notes name every
+key that differed. Keys that change no number are left out: :data:`specmd.jobs.UNHASHED` (logger, threads,
+data), the report spec itself, the experiment's name, and the repeat axes.
+
+A value a metric reads must be a finite number: NaN, Infinity, a string, a boolean or a mapping in
+results.json is recorded on its job (``Job.problems``: path -> what it is), left out of every number, and
+named by the report (and by a verdict, which is then not measured). ``null`` is results.json's own "not
+measured" (TPOT of a run without decode passes, an lm-eval score without a value): a value absent, as before.
 
 A metric is an arithmetic expression over dotted paths into the job's results (``cache.misses /
 cache.requests``, ``timing.ttft_s * 1000``; operators and parentheses separated by spaces, because task
@@ -129,12 +139,54 @@ def _number(tok: str) -> bool:
         return False
 
 
-def evaluate(results: dict, expr: str) -> Any:
+def problem(v: Any) -> Optional[str]:
+    """What a value read from results.json is when it is no number a metric can use (``NaN``, ``Infinity``,
+    ``a string ('0.5'), not a number``...); None for a number, and for None (absent, or null: not measured)."""
+    if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+        return None
+    if isinstance(v, float):
+        return "NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity"
+    if isinstance(v, bool):
+        return f"{str(v).lower()} (a boolean), not a number"
+    if isinstance(v, str):
+        return f"a string ({v[:40]!r}), not a number"
+    if isinstance(v, dict):
+        return "a mapping, not a number"
+    if isinstance(v, list):
+        return "a list, not a number"
+    return f"a {type(v).__name__}, not a number"
+
+
+NON_FINITE = ("NaN", "Infinity", "-Infinity")
+
+
+def _read(results: dict, path: str, bad: Optional[dict], scalar: bool) -> Any:
+    """The value at ``path``: a number, a list of numbers (None where an element is no number) when not
+    ``scalar``, or None; what was no number goes into ``bad`` (path -> :func:`problem`)."""
+    v = lookup(results, path)
+    if isinstance(v, list) and not scalar:
+        out = []
+        for i, x in enumerate(v):
+            why = problem(x)
+            if why is not None and bad is not None:
+                bad[f"{path}.{i}"] = why
+            out.append(None if why else x)
+        return out
+    why = problem(v)
+    if why is not None:
+        if bad is not None:
+            bad[path] = why
+        return None
+    return v
+
+
+def evaluate(results: dict, expr: str, bad: Optional[dict] = None) -> Any:
     """A metric expression (module docstring) on one job's results (``config`` included); None if a path is
-    absent. A bare path may yield a list (per-layer or per-rank values)."""
+    absent, null, or holds no finite number (then recorded in ``bad``: path -> what it holds). A bare path may
+    yield a list (per-layer or per-rank values)."""
     for p in ("mean_first_half:", "mean_second_half:"):
         if expr.startswith(p):
-            values = evaluate(results, expr[len(p):])
+            values = evaluate(results, expr[len(p):], bad)
             if not isinstance(values, list) or not values:
                 return None
             h = len(values) // 2
@@ -143,7 +195,7 @@ def evaluate(results: dict, expr: str) -> Any:
             return sum(part) / len(part) if part else None
     tokens = _TOKEN.findall(expr)
     if len(tokens) == 1:
-        return lookup(results, tokens[0])
+        return _read(results, tokens[0], bad, scalar=False)
     names, py = {}, []
     for tok in tokens:
         if re.fullmatch(r"[-+*/]{2,}", tok):
@@ -151,8 +203,8 @@ def evaluate(results: dict, expr: str) -> Any:
         if tok in ("(", ")", "+", "-", "*", "/") or _number(tok):
             py.append(tok)
         else:
-            v = lookup(results, tok)
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
+            v = _read(results, tok, bad, scalar=True)
+            if v is None:
                 return None
             names.setdefault(tok, f"v{len(names)}")
             py.append(names[tok])
@@ -167,8 +219,31 @@ def evaluate(results: dict, expr: str) -> Any:
     env = {name: lookup(results, path) for path, name in names.items()}
     try:
         return eval(compile(tree, "<metric>", "eval"), {"__builtins__": {}}, env)  # noqa: S307 (checked AST)
-    except ZeroDivisionError:
+    except (ZeroDivisionError, OverflowError):
         return None
+
+
+def paths_of(expr: str) -> list:
+    """The results paths a metric expression reads (its prefix left out)."""
+    rest = next((expr[len(p):] for p in PREFIXES if expr.startswith(p)), expr)
+    return [t for t in _TOKEN.findall(rest) if t not in ("(", ")", "+", "-", "*", "/") and not _number(t)]
+
+
+def job_value(job, expr: str) -> Any:
+    """:func:`evaluate` on a job's results; a value that is no finite number is recorded on the job
+    (``job.problems``, which the report names) and read as absent."""
+    bad: dict = {}
+    v = evaluate(job.results, expr, bad)
+    problems = getattr(job, "problems", None)
+    if bad and problems is not None:
+        problems.update(bad)
+    if isinstance(v, float) and not math.isfinite(v):  # arithmetic on finite values can overflow
+        return None
+    return v
+
+
+def numeric(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 _PATH = re.compile(r"[A-Za-z_][\w/-]*(\.[\w/-]+)+")
@@ -216,15 +291,11 @@ class Group:
         return [j for j in self.jobs if j.status == "ok"]
 
     def values(self, expr: str) -> list:
-        out = []
-        for j in self.ok:
-            v = evaluate({**j.results}, expr)
-            if v is not None and not (isinstance(v, float) and math.isnan(v)):
-                out.append(v)
-        return out
+        """The finished jobs' values (a value that is no finite number recorded on its job, left out)."""
+        return [v for v in (job_value(j, expr) for j in self.ok) if v is not None]
 
     def mean(self, expr: str):
-        vals = [v for v in self.values(expr) if isinstance(v, (int, float))]
+        vals = [v for v in self.values(expr) if numeric(v)]
         return statistics.fmean(vals) if vals else None
 
     def status(self) -> str:
@@ -250,17 +321,157 @@ def row_axes(spec: Spec, jobs: list) -> list:
     return spec.rows + varying
 
 
+# config keys that change no number (specmd.jobs.UNHASHED), the spec itself, the experiment's name (two
+# experiments drawn into one section by ``also`` run one config when nothing else differs), W&B's bookkeeping
+NO_NUMBERS = ("logger", "threads", "data", "report", "experiment", "hydra", "hydra_overrides", "sweep_dir",
+              "job_type", "provenance")
+
+
+def _leaf(v: Any) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (list, dict)):
+        import json
+
+        return json.dumps(v, sort_keys=True, default=str)
+    return str(v)
+
+
+def _flat_config(config: Any, prefix: str = "") -> dict:
+    """Dotted key -> value text of a config's leaves (a list is one leaf)."""
+    out: dict = {}
+    if not isinstance(config, dict):
+        return out
+    for k, v in config.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and v:
+            out.update(_flat_config(v, key))
+        else:
+            out[key] = _leaf(v)
+    return out
+
+
+def _under(key: str, names) -> bool:
+    return any(key == n or key.startswith(n + ".") or (n.endswith(".name") and key.startswith(n[:-4]))
+               for n in names)
+
+
+def _known_config(job) -> dict:
+    """The config values of ``job`` that are known to be its own: all of a config it wrote (results.json,
+    failed.json); of its sweep's config (a job that never wrote one), the keys its overrides do not set."""
+    from ..jobs import UNHASHED
+
+    flat = {k: v for k, v in _flat_config(job.config).items()
+            if k.split(".", 1)[0] not in NO_NUMBERS + tuple(UNHASHED) and not k.startswith("_")}
+    if not getattr(job, "own_config", True):
+        own = list(job.axes)
+        flat = {k: v for k, v in flat.items() if not _under(k, own)}
+    return flat
+
+
+@dataclass
+class ConfigSplit:
+    """What :func:`config_split` found: the config keys added as row axes, each job's values of them, and
+    every key that differed between runs the axes alone would pool (key -> its values, in first-seen order)."""
+    axes: list
+    values: dict  # id(job) -> {key: value}
+    differ: dict
+
+
+def config_split(spec: Spec, jobs: list, axes: list) -> ConfigSplit:
+    """The config keys that tell apart runs whose ``axes`` values are equal and that the repeat axes do not
+    name: those runs are no repeats of one configuration. Greedily, ``<group>.name`` keys first, then the
+    shallowest, a key is added when it splits a group the axes (and the keys added so far) would form; a job
+    whose value of it is unknown (it never wrote its config, and its overrides set that key) takes its
+    group's value when the group has one, else ``-``."""
+    known = [(j, _known_config(j)) for j in jobs]
+    keys = list(dict.fromkeys(k for _, flat in known for k in flat))
+    named = set(axes)
+    keys = [k for k in keys if not _under(k, spec.repeat) and not _covered(k, list(named))]
+
+    def value(j, flat, k):
+        if k in flat:
+            return flat[k]
+        if not getattr(j, "own_config", True) and _under(k, list(j.axes)):
+            return None  # unknown: set by an override of a job that wrote no config
+        return MISSING
+
+    part = {id(j): tuple(axis_value(j, a) for a in axes) for j in jobs}
+    base = dict(part)
+
+    def splits(k, of: dict) -> dict:
+        seen: dict = {}
+        for j, flat in known:
+            v = value(j, flat, k)
+            if v is not None:
+                seen.setdefault(of[id(j)], {})[v] = None
+        return seen
+
+    differ = {}
+    for k in keys:
+        seen = splits(k, base)
+        if any(len(vs) > 1 for vs in seen.values()):
+            differ[k] = list(dict.fromkeys(v for vs in seen.values() if len(vs) > 1 for v in vs))
+    order = sorted(differ, key=lambda k: (not k.endswith(".name"), k.count("."), keys.index(k)))
+    added, values = [], {id(j): {} for j in jobs}
+    for k in order:
+        seen = splits(k, part)
+        if not any(len(vs) > 1 for vs in seen.values()):
+            continue  # the keys added so far already tell these runs apart
+        added.append(k)
+        for j, flat in known:
+            v = value(j, flat, k)
+            if v is None:
+                vs = list(seen.get(part[id(j)], {}))
+                v = vs[0] if len(vs) == 1 else MISSING
+            values[id(j)][k] = v
+            part[id(j)] += (v,)
+    return ConfigSplit(added, values, differ)
+
+
+def split_note(split: ConfigSplit) -> Optional[str]:
+    """The section's note on what its runs' configs differ in beyond the table's axes (None: nothing)."""
+    if not split.differ:
+        return None
+
+    def vals(k):
+        vs = split.differ[k]
+        return ", ".join(vs[:4]) + (f", … ({len(vs)} values)" if len(vs) > 4 else "")
+
+    shown = list(split.differ)[:6]
+    more = len(split.differ) - len(shown)
+    return ("runs of these sweeps differ in their resolved config beyond the table's axes and overrides: "
+            + "; ".join(f"{k} ({vals(k)})" for k in shown) + (f"; and {more} more key(s)" if more else "")
+            + f". They are no repeats of one configuration: kept apart by {', '.join(split.axes)} (a row axis),"
+              " never averaged together, and each check is judged for each value")
+
+
 def group_jobs(spec: Spec, jobs: list) -> tuple[list, list]:
-    """Groups in first-seen order (the sweep's order), and the row axes used."""
+    """Groups in first-seen order (the sweep's order), and the row axes used: the spec's, every swept axis it
+    does not name, and every config key that tells runs apart (:func:`config_split`)."""
     rows = row_axes(spec, jobs)
-    axes = rows + ([spec.cols] if spec.cols else [])
+    cols = [spec.cols] if spec.cols else []
+    split = config_split(spec, jobs, rows + cols)
+    rows = rows + split.axes
+    axes = rows + cols
     groups: dict = {}
     for j in jobs:
-        key = tuple(axis_value(j, a) for a in axes)
+        key = tuple(split.values[id(j)][a] if a in split.axes else axis_value(j, a) for a in axes)
         groups.setdefault(key, Group(dict(zip(axes, key)))).jobs.append(j)
     # axes whose value is "-" in every group tell nothing (a row axis of another half of a merged figure)
     rows = [a for a in rows if any(g.axes[a] != MISSING for g in groups.values())]
     return list(groups.values()), rows
+
+
+def unnamed_axes(spec: Spec, groups: list) -> list:
+    """The axes of the groups that the spec does not name and that take several values (a swept override the
+    spec leaves out, a config key that tells runs apart): a check is judged at each of their values, and a
+    figure draws each value apart."""
+    named = spec.rows + ([spec.cols] if spec.cols else [])
+    axes = list(dict.fromkeys(a for g in groups for a in g.axes if a not in named))
+    return [a for a in axes if len({g.axes.get(a) for g in groups}) > 1]
 
 
 def baseline_of(spec: Spec, group: Group, groups: list) -> Optional[Group]:
@@ -278,7 +489,7 @@ def baseline_of(spec: Spec, group: Group, groups: list) -> Optional[Group]:
 def cell(spec: Spec, label: str, expr: str, group: Group, groups: list) -> tuple[Optional[float], Optional[float], int]:
     """(mean, std or None, n) of one metric for one group; rel: metrics against the group's baseline."""
     prefix, inner = split_prefix(expr)
-    vals = [v for v in group.values(inner) if isinstance(v, (int, float))]
+    vals = [v for v in group.values(inner) if numeric(v)]
     if not vals:
         return None, None, 0
     if prefix:

@@ -19,8 +19,12 @@ A selector names row or column axes of the spec (``eviction`` and ``eviction.nam
 pick exactly one group; its value is the group's mean over the repeat axes, as the table shows it (a
 ``%`` label x 100, ``rel:`` against its baseline). A claim *holds* when the lower group's value is strictly
 below every ``than`` value (above, for ``higher``) at every point; it *does not hold* when it fails at some
-point; it is *not measured* when a group is absent, unfinished, has no value, or a selector matches several
-groups (the verdict says which). Values are compared as the table shows them (4 significant digits, ``%``
+point; it is *not measured* when a group is absent, unfinished, has no value, holds a value that is no finite
+number in a finished run's results.json (NaN, Infinity, a string: the verdict names the file and the key), or
+a selector matches several groups (the verdict says which). A section whose groups also differ in an axis the
+spec does not name (a swept override it leaves out, or a config key that tells its runs apart: two sweeps on
+two models, tables.config_split) judges each check at each value of those axes: it holds only where it holds
+at every one. Values are compared as the table shows them (4 significant digits, ``%``
 to 0.1): a difference the table cannot show is no difference. The experiment's verdict line counts them:
 "2 of 3 claims hold; 1 not measured". Checks are validated when the spec is parsed (:func:`parse_spec`): a typo
 fails before any sweep runs.
@@ -33,7 +37,8 @@ from typing import Any, Optional
 
 from ..errors import ConfigError
 from ..loggers import flatten
-from .tables import MISSING, Spec, axis_value, cell, expression_error, fmt, is_percent
+from .tables import (MISSING, NON_FINITE, Spec, axis_value, baseline_of, cell, expression_error, fmt, is_percent,
+                     paths_of, split_prefix, unnamed_axes)
 
 KEYS = ("claim", "metric", "lower", "higher", "than", "than_metric", "each")
 HOLDS, FAILS, UNMEASURED = "holds", "does not hold", "not measured"
@@ -58,10 +63,15 @@ class Point:
     at: str  # "" for a check without ``each``, else the axis value it was evaluated at
     status: str
     text: str  # "least_stale 2.3 < lru 10.1", or why it was not measured
+    where: str = ""  # the values of the axes the spec does not name it was judged at ("model.name=mixtral")
 
     @property
     def mark(self) -> str:
         return MARKS[self.status]
+
+    def label(self, each: Optional[str]) -> str:
+        """Where it was judged: ``model.name=mixtral, hardware.capacity=0.25``."""
+        return ", ".join(x for x in (self.where, f"{each}={self.at}" if each and self.at != "" else "") if x)
 
 
 @dataclass
@@ -228,9 +238,32 @@ def _measure(spec, groups: list, sel: dict, label: str, expr: str):
     if g.status() != "ok":
         return None, f"{_describe(sel)}: {'not run' if g.status() == 'missing' else g.status()}", None
     mean, _, n = cell(spec, label, expr, g, groups)
+    bad = _bad_values(spec, expr, g, groups)
+    if bad:
+        return None, f"{_describe(sel)}: {bad}", None
     if mean is None:
         return None, f"{_describe(sel)}: no value of {label}", None
     return mean, n, len(g.jobs)
+
+
+def _bad_values(spec, expr: str, g, groups: list) -> Optional[str]:
+    """``NaN in <file> (cache.collision_rate)``: a value of ``expr`` that is no finite number in a finished
+    job of the group (or of its baseline, for a ``rel:`` metric); a claim is not judged on what is left."""
+    prefix, inner = split_prefix(expr)
+    paths = paths_of(inner)
+    jobs = list(g.ok)
+    if prefix:
+        base = baseline_of(spec, g, groups)
+        jobs += base.ok if base is not None else []
+    found = []
+    for j in jobs:
+        for key, why in (getattr(j, "problems", None) or {}).items():
+            if any(key == p or key.startswith(p + ".") for p in paths):
+                kind = why if why in NON_FINITE else f"a non-numeric value ({why})"
+                found.append(f"{kind} in {j.file} ({key})")
+    if not found:
+        return None
+    return "; ".join(found[:2]) + (f"; and {len(found) - 2} more" if len(found) > 2 else "")
 
 
 def shown(mean: float, label: str) -> tuple[str, float]:
@@ -280,7 +313,38 @@ def _point(spec, groups: list, check: Check, subject: dict, than: list, at: str)
 
 
 def judge(check: Check, spec, groups: list) -> Verdict:
-    """The verdict of one check on a section's groups."""
+    """The verdict of one check on a section's groups: at each value of the axes the spec does not name (each
+    model of two sweeps on two models), and over them: it holds only where it holds at every one."""
+    extra = unnamed_axes(spec, groups)
+    if not extra:
+        return _judge(check, spec, groups)
+    combos = list(dict.fromkeys(tuple(g.axes.get(a) for a in extra) for g in groups))
+    parts = []
+    for combo in combos:
+        where = ", ".join(f"{a}={v}" for a, v in zip(extra, combo))
+        v = _judge(check, spec, [g for g in groups if tuple(g.axes.get(a) for a in extra) == combo])
+        parts.append((where, v))
+    points = []
+    for where, v in parts:
+        if v.points:
+            points += [Point(p.at, p.status, p.text, where) for p in v.points]
+        else:
+            points.append(Point("", v.status, v.text, where))
+    held = [w for w, v in parts if v.status == HOLDS]
+    failed = [w for w, v in parts if v.status == FAILS]
+    unmeasured = [w for w, v in parts if v.status == UNMEASURED]
+    n, axes = len(parts), " × ".join(extra)
+    if failed:
+        status, text = FAILS, f"holds at {len(held)} of {n} {axes} values; not at {'; '.join(failed)}"
+    elif unmeasured:
+        status = UNMEASURED
+        text = f"holds at {len(held)} of {n} {axes} values; not measured at {'; '.join(unmeasured)}"
+    else:
+        status, text = HOLDS, f"holds at every {axes} value ({n} of {n})"
+    return Verdict(check, status, text, points)
+
+
+def _judge(check: Check, spec, groups: list) -> Verdict:
     if check.each is None:
         p = _point(spec, groups, check, check.subject, check.than, "")
         return Verdict(check, p.status, p.text)
@@ -331,5 +395,5 @@ def markdown(vs: list) -> list:
     lines = [f"**Verdict:** {summary(vs)}", ""]
     for v in vs:
         lines.append(f"- {v.mark} **{v.status}**: {v.check.claim} — {v.values}")
-        lines += [f"  - {p.mark} {v.check.each}={p.at}: {p.text}" for p in v.points]
+        lines += [f"  - {p.mark} {p.label(v.check.each)}: {p.text}" for p in v.points]
     return lines + [""]
