@@ -330,18 +330,22 @@ def judge(check: Check, spec, groups: list) -> Verdict:
             points += [Point(p.at, p.status, p.text, where) for p in v.points]
         else:
             points.append(Point("", v.status, v.text, where))
-    held = [w for w, v in parts if v.status == HOLDS]
-    failed = [w for w, v in parts if v.status == FAILS]
-    unmeasured = [w for w, v in parts if v.status == UNMEASURED]
-    n, axes = len(parts), " × ".join(extra)
-    if failed:
-        status, text = FAILS, f"holds at {len(held)} of {n} {axes} values; not at {'; '.join(failed)}"
-    elif unmeasured:
-        status = UNMEASURED
-        text = f"holds at {len(held)} of {n} {axes} values; not measured at {'; '.join(unmeasured)}"
-    else:
-        status, text = HOLDS, f"holds at every {axes} value ({n} of {n})"
+    status, text = _over(" × ".join(extra), [(w, v.status) for w, v in parts], "; ")
     return Verdict(check, status, text, points)
+
+
+def _over(axis: str, parts: list, sep: str) -> tuple:
+    """``(status, text)`` of a check judged at each value of ``axis`` (``parts``: (value, status)): it holds
+    only where it holds at every value; it fails where it fails at one."""
+    held = [w for w, st in parts if st == HOLDS]
+    failed = [w for w, st in parts if st == FAILS]
+    unmeasured = [w for w, st in parts if st == UNMEASURED]
+    n = len(parts)
+    if failed:
+        return FAILS, f"holds at {len(held)} of {n} {axis} values; not at {sep.join(failed)}"
+    if unmeasured:
+        return UNMEASURED, f"holds at {len(held)} of {n} {axis} values; not measured at {sep.join(unmeasured)}"
+    return HOLDS, f"holds at every {axis} value ({n} of {n})"
 
 
 def _judge(check: Check, spec, groups: list) -> Verdict:
@@ -355,18 +359,7 @@ def _judge(check: Check, spec, groups: list) -> Verdict:
         return Verdict(check, UNMEASURED, f"no group has {_describe(check.subject)}")
     points = [_point(spec, groups, check, {**check.subject, check.each: v},
                      [{**t, check.each: v} for t in check.than], v) for v in values]
-    held = [p for p in points if p.status == HOLDS]
-    failed = [p for p in points if p.status == FAILS]
-    unmeasured = [p for p in points if p.status == UNMEASURED]
-    n, axis = len(points), check.each
-    if failed:
-        status = FAILS
-        text = f"holds at {len(held)} of {n} {axis} values; not at {', '.join(p.at for p in failed)}"
-    elif unmeasured:
-        status = UNMEASURED
-        text = f"holds at {len(held)} of {n} {axis} values; not measured at {', '.join(p.at for p in unmeasured)}"
-    else:
-        status, text = HOLDS, f"holds at every {axis} value ({n} of {n})"
+    status, text = _over(check.each, [(p.at, p.status) for p in points], ", ")
     return Verdict(check, status, text, points)
 
 
