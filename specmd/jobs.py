@@ -341,9 +341,13 @@ def _sweep_end_callback():
                 errors.append("hydra/launcher: SLURM's srun is not on this machine's PATH (submitit submits with "
                               "sbatch and runs with srun): launch from a SLURM login node, or use "
                               "hydra/launcher=specmd_joblib (this machine's cores) or specmd_submitit_local")
-            if errors:
-                with _refusing():
+            with _refusing():
+                if errors:
                     raise ConfigError("; ".join(errors))
+                from .results import writable_dir  # a sweep directory is reused (resume): writable is enough
+
+                sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
+                writable_dir(sweep_dir, f"hydra.sweep.dir={sweep_dir}")
 
         def on_multirun_end(self, config, **kwargs) -> None:
             import sys

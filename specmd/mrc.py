@@ -27,6 +27,27 @@ def split_list(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+OPTIONS = ("mrc.capacities", "mrc.out", "mrc.jobs")
+
+
+def plain_value(key: str, value: str) -> str:
+    """A string option's value as Hydra's override grammar reads it -- quotes removed, so
+    ``tune.out='/data/a b,c'`` names the directory a run's ``hydra.run.dir='/data/a b,c'`` would -- and never
+    empty (a :class:`~specmd.errors.ConfigError` naming the option)."""
+    from .errors import ConfigError
+
+    if value[:1] in ("'", '"'):
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        try:
+            value = OverridesParser.create().parse_override(f"k={value}").value()
+        except Exception as exc:  # noqa: BLE001 -- Hydra's grammar errors
+            raise ConfigError(f"{key}={value}: not a quoted string Hydra reads ({str(exc).splitlines()[0]})") from None
+    if not str(value).strip():
+        raise ConfigError(f"{key}= is empty: name a directory (or leave the option out for a new one per run)")
+    return str(value)
+
+
 def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str], int]:
     from .errors import ConfigError
     from .pool import check_jobs, default_jobs
@@ -34,6 +55,11 @@ def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str], int]
     policies, caps, out, rest, jobs = ["lru", "lfu", "least_stale", "belady"], DEFAULT_CAPACITIES, None, [], None
     for arg in argv:
         key, _, value = arg.partition("=")
+        if key.startswith("-"):
+            raise ConfigError(f"{arg!r}: specmd mrc takes overrides (key=value), not options; its own are "
+                              f"{', '.join(o + '=' for o in OPTIONS)} (specmd mrc --help)")
+        if key.startswith("mrc.") and key not in OPTIONS:
+            raise ConfigError(f"{key}: unknown option; valid: {', '.join(OPTIONS)}")
         if key == "eviction":
             policies = split_list(value)
         elif key == "mrc.capacities":
@@ -42,7 +68,7 @@ def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str], int]
             except ValueError:
                 raise ConfigError(f"mrc.capacities={value!r}: a list of numbers, e.g. [0.01,0.1,0.5]") from None
         elif key == "mrc.out":
-            out = value
+            out = plain_value(key, value)
         elif key == "mrc.jobs":
             try:
                 jobs = check_jobs(int(value))
@@ -142,7 +168,7 @@ def main(argv=None) -> int:
     if any(a.startswith("hardware.experts_per_layer=") and a.split("=", 1)[1] not in ("null", "None")
            for a in rest):
         raise ConfigError("specmd mrc varies hardware.capacity; drop hardware.experts_per_layer")
-    out = output_dir(out, "mrc.out")  # before the replays: a path that cannot be written loses no work
+    out = output_dir(out, "mrc.out", "mrc.csv")  # before the replays: a path it cannot write loses no work
     rows = compute(policies, caps, rest, jobs)
     write_csv(out / "mrc.csv", rows)
     plot(rows, out / "mrc.png")

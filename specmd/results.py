@@ -46,6 +46,7 @@ def atomic_output(path: Path):
     fails -- an error, a full disk, SIGINT/SIGTERM -- it is removed: a reader never sees a half-written file,
     and an interrupted command leaves nothing where the next run would find it."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
     try:
         yield tmp
@@ -92,17 +93,21 @@ def writable_dir(path, what: str) -> Path:
     return path
 
 
-def output_dir(path, option: str) -> Path:
-    """A command's output directory ``option=path``, checked (:func:`writable_dir`) and created, before any
-    work."""
+def output_dir(path, option: str, holds: str) -> Path:
+    """A command's output directory ``option=path``, checked before any work (:func:`writable_dir`) and not
+    created until something is written there (an error later leaves no empty directory). One holding
+    ``holds`` (the command's main output) is refused: like a run directory, an output directory holds one
+    command's results, which a second one would silently overwrite."""
+    from .errors import ConfigError
+
     path = writable_dir(path, f"{option}={path}")
-    path.mkdir(parents=True, exist_ok=True)
+    if (path / holds).exists():
+        raise ConfigError(f"{option}={path} already holds {holds} of an earlier run; choose another directory (the "
+                          f"default is a new one per run) or remove that one")
     return path
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output(path) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "w", encoding="utf-8") as f:

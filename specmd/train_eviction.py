@@ -190,6 +190,11 @@ def main(argv=None):
         ap.error("give --model or --traces")
     if not 0 < args.holdout < 1:
         ap.error(f"--holdout={args.holdout} must be in (0, 1)")
+    least = {"tokens": 1, "window": 2, "cap": 1, "steps": 1, "batch": 1, "eval_capacity": 1, "num_experts": 1}
+    for key, low in least.items():  # 0 steps wrote untrained networks; a negative cap a degenerate target
+        v = getattr(args, key)
+        if v is not None and v < low:
+            raise ConfigError(f"--{key.replace('_', '-')}={v} must be >= {low}")
     from .results import writable_dir
 
     out = Path(args.out)

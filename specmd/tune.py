@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import ConfigError, DataError
-from .mrc import split_list
+from .mrc import plain_value, split_list
 
 # group -> choice -> list of parameter overrides (each a tuple of "key=value" strings)
 SPACE = {
@@ -166,16 +166,24 @@ def parse(argv: list[str]) -> tuple[Options, list[str]]:
                 opts.choices[name] = split_list(value)
             elif name == "capacities":
                 opts.capacities = [float(v) for v in split_list(value)]
-            elif name in ("objective", "quality_task", "quality_metric", "out"):
+            elif name == "out":
+                opts.out = plain_value(key, value)
+            elif name in ("objective", "quality_task", "quality_metric"):
                 setattr(opts, name, value)
             elif name in ("trials", "finalists", "seed", "quality_limit"):
-                setattr(opts, name, int(value))
+                try:
+                    setattr(opts, name, int(value))
+                except ValueError:
+                    raise ConfigError(f"{arg!r}: tune.{name} is a whole number"
+                                      + (" >= 1" if name != "seed" else "")) from None
             elif name == "budget":
                 opts.budget = float(value)
             elif value.lower() in ("true", "false"):  # token_by_token, quality_higher
                 setattr(opts, name, value.lower() == "true")
             else:
                 raise ValueError(value)
+        except ConfigError:
+            raise
         except ValueError:
             raise ConfigError(f"{arg!r}: {value!r} is not a valid value for tune.{name}") from None
     opts.check()
@@ -310,7 +318,7 @@ def tune(opts: Options, base: list[str], console) -> dict:
 
     from .results import output_dir, write_csv, write_json_atomic
 
-    out = output_dir(opts.out, "tune.out")  # before any work: a path it cannot write loses nothing
+    out = output_dir(opts.out, "tune.out", "tune.json")  # before any work: a path it cannot write loses nothing
     kind, metric, better = OBJECTIVES[opts.objective]
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         raw = OmegaConf.to_container(compose(config_name="config", overrides=base), resolve=False)
@@ -327,6 +335,11 @@ def tune(opts: Options, base: list[str], console) -> dict:
         trace_path = base_run.replay.trace if given else recorded_trace(base_run)
         replay_over = [*(a for a in base if not a.startswith("replay.trace=")), f"replay.trace={trace_path}"]
         trace = open_trace(Run(compose(config_name="config", overrides=replay_over)).replay)
+        recorded = trace.meta.source.get("model")  # a live run's model config (an import's: none)
+        recorded = recorded.get("name") if isinstance(recorded, dict) else None
+        if given and recorded and recorded != raw["model"]["name"]:  # the finalists run live on the base's model
+            raise ConfigError(f"replay.trace={trace_path} was recorded on model={recorded}, but the live runs of the "
+                              f"finalists would run model={raw['model']['name']}: add model={recorded}")
         own = own_stack(raw)
         space = candidates(opts, float(raw["hardware"]["capacity"]))
 

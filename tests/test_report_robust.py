@@ -54,7 +54,7 @@ def make_sweep(root, rates, model="deep_olmoe", params=PARAMS, raw=None, spec=SP
         cache = (raw or {}).get((axes["eviction"], axes["eval.seed"]))
         if cache is None:
             cache = json.dumps({"collision_rate": rates[axes["eviction"]], "hit_rate": 0.5})
-        (d / "results.json").write_text(f'{{"config": {json.dumps(cfg)}, "cache": {cache}}}')
+        (d / "results.json").write_text(f'{{"config": {json.dumps(cfg)}, "cache": {cache}, "config_hash": "{num}"}}')
     return root
 
 
@@ -231,12 +231,31 @@ def test_a_results_json_that_is_no_object_and_a_run_without_overrides(tmp_path, 
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
     (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config()))
-    (run / "results.json").write_text(json.dumps({"config": config(), "cache": {"collision_rate": 0.1}}))
+    (run / "results.json").write_text(json.dumps({"config": config(), "cache": {"collision_rate": 0.1},
+                                                  "config_hash": "0"}))
     assert main([str(s), str(run), "--out", str(tmp_path / "o")]) == 0
     err = capsys.readouterr().err
     assert f"{d / 'results.json'}: not a JSON object (a list)" in err
     assert f"{run}: no .hydra/overrides.yaml: read as a run without overrides" in err
     assert status_main([str(run)]) == 0
+    (run / "results.json").write_text(json.dumps({"config": config(), "cache": {"collision_rate": 0.1}}))
+    assert status_main([str(run)]) == 1  # no config_hash: a re-launch would run it again, so it is not done
+    assert "its results.json has no config_hash" in capsys.readouterr().out
+
+
+def test_a_parent_of_single_runs_is_read_like_a_parent_of_sweeps(tmp_path, capsys):
+    s = make_sweep(tmp_path / "out" / "multirun" / "s", {"lru": 0.10, "least_stale": 0.02})
+    run = tmp_path / "out" / "day" / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config()))
+    (run / ".hydra" / "overrides.yaml").write_text("[]")
+    (run / "results.json").write_text(json.dumps({"config": config(), "cache": {"collision_rate": 0.1},
+                                                  "config_hash": "0"}))
+    from specmd.report.collect import sweeps_below
+
+    assert sweeps_below(tmp_path / "out") == [s, run]  # a sweep's own job directories are not runs of their own
+    assert status_main([str(tmp_path / "out")]) == 0
+    assert str(run) in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("layout", ["empty", "jobs_without_multirun", "file"])
@@ -251,7 +270,8 @@ def test_a_directory_that_holds_no_sweep_is_one_line_naming_it(tmp_path, capsys,
         (p / "0" / ".hydra" / "overrides.yaml").write_text("- eviction=lru\n")
         (p / "0" / "results.json").write_text("{}")
     assert guarded("specmd report", main, [str(p), "--out", str(tmp_path / "o")]) == 2
-    assert capsys.readouterr().err == f"specmd report: error: {p}: no sweep (multirun.yaml) below it\n"
+    assert capsys.readouterr().err == (f"specmd report: error: {p}: no sweep (multirun.yaml) or run directory "
+                                       "(.hydra/config.yaml) below it\n")
     assert guarded("specmd status", status_main, [str(p)]) == 2
     assert capsys.readouterr().err.startswith(f"specmd status: error: {p}: no sweep")
 

@@ -99,6 +99,25 @@ def test_a_signal_stops_a_command_with_128_plus_its_number_after_its_cleanup(sig
     assert not half.exists() and signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler)
 
 
+def test_a_second_signal_while_the_stop_is_reported_cannot_cut_it_short(monkeypatch):
+    class Stderr:  # the second Ctrl-C (a process group's, timeout's) lands as the line is written
+        text = ""
+
+        def write(self, text):
+            os.kill(os.getpid(), signal.SIGINT)
+            Stderr.text += text
+
+        def flush(self):
+            pass
+
+    def fn(argv):
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    assert guarded("specmd x", fn, []) == 130
+    assert Stderr.text == "specmd x: stopped by SIGINT\n"
+
+
 def test_composition_errors_and_a_used_run_dir_through_the_cli_are_one_line_exit_2(tmp_path, capsys, mirror):
     from specmd.cli import main
 
@@ -228,12 +247,12 @@ def test_a_run_directory_that_cannot_be_made_is_named(tmp_path, where, why):
 
 
 # ---- launchers and W&B: rejected at config time -------------------------------------------------------------
-def _multirun_start(launcher: dict):
+def _multirun_start(launcher: dict, sweep_dir="sweep"):
     from omegaconf import OmegaConf
 
     from specmd.jobs import SweepEnd
 
-    SweepEnd().on_multirun_start(OmegaConf.create({"hydra": {"launcher": launcher}}))
+    SweepEnd().on_multirun_start(OmegaConf.create({"hydra": {"launcher": launcher, "sweep": {"dir": sweep_dir}}}))
 
 
 @pytest.mark.parametrize("launcher, words", [
@@ -243,7 +262,8 @@ def _multirun_start(launcher: dict):
     ({"_target_": "x.LocalSubmititLauncher", "gpus_per_node": -1}, "hydra.launcher.gpus_per_node=-1 must be >= 0"),
     ({"_target_": "x.SlurmLauncher"}, "SLURM's srun is not on this machine's PATH"),
 ])
-def test_launcher_settings_the_launcher_would_fail_on_are_one_line_exit_2(launcher, words, capsys, monkeypatch):
+def test_launcher_settings_the_launcher_would_fail_on_are_one_line_exit_2(launcher, words, capsys, monkeypatch,
+                                                                          tmp_path):
     import shutil
 
     monkeypatch.setattr(shutil, "which", lambda name: None)
@@ -251,7 +271,17 @@ def test_launcher_settings_the_launcher_would_fail_on_are_one_line_exit_2(launch
         _multirun_start(launcher)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("specmd: error: ") and words in err and err.count("\n") == 1, err
-    _multirun_start({"_target_": "x.LocalSubmititLauncher", "mem_gb": 4, "timeout_min": 60, "gpus_per_node": 0})
+    _multirun_start({"_target_": "x.LocalSubmititLauncher", "mem_gb": 4, "timeout_min": 60, "gpus_per_node": 0},
+                    str(tmp_path / "sweep"))
+
+
+def test_a_sweep_directory_it_cannot_write_is_one_line_exit_2(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as e:
+        _multirun_start({"_target_": "x.JoblibLauncher", "n_jobs": 1}, str(tmp_path / "file"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == (f"specmd: error: hydra.sweep.dir={tmp_path / 'file'}: {tmp_path / 'file'} is "
+                                         "a file, not a directory\n")
 
 
 @pytest.mark.parametrize("kw, words", [({"project": "team/specmd"}, "Invalid project name 'team/specmd'"),
@@ -340,6 +370,80 @@ def test_an_output_directory_it_cannot_write_is_refused_before_any_work(tmp_path
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"{command}.out={out}: {tmp_path / 'file'} is a file, not a directory" in err, err
     assert tune  # (imported for the patch target's module)
+
+
+def test_tune_refuses_a_trace_of_another_model_than_its_live_runs(tmp_path):
+    import shutil
+
+    from rich.console import Console
+
+    from specmd.tune import parse, tune
+
+    trace = tmp_path / "trace"
+    shutil.copytree(Path(__file__).with_name("data") / "embedded_trace", trace)
+    meta = json.loads((trace / "meta.json").read_text())
+    meta["source"] = {"model": {"name": "deep_olmoe"}}  # as a live run of model=deep_olmoe records it
+    (trace / "meta.json").write_text(json.dumps(meta))
+    opts, base = parse(["model=tiny", f"replay.trace={trace}", f"tune.out={tmp_path / 'tune'}"])
+    with pytest.raises(ConfigError, match=f"replay.trace={trace} was recorded on model=deep_olmoe, but the live "
+                                          "runs of the finalists would run model=tiny: add model=deep_olmoe"):
+        tune(opts, base, Console())
+    assert not (tmp_path / "tune").exists()  # nothing written, no empty directory
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["tune.out="], "tune.out= is empty"),
+    (["tune.trials=abc"], "'tune.trials=abc': tune.trials is a whole number >= 1"),
+])
+def test_tune_options_bad_values(argv, words):
+    import re
+
+    from specmd.tune import parse
+
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        parse(argv)
+
+
+def test_an_output_option_reads_quotes_as_hydra_does(tmp_path):
+    from specmd.mrc import plain_value
+    from specmd.tune import parse
+
+    assert plain_value("mrc.out", f"'{tmp_path}/a b,c=d'") == f"{tmp_path}/a b,c=d"
+    assert parse([f'tune.out="{tmp_path}/t 1,x"'])[0].out == f"{tmp_path}/t 1,x"
+    assert plain_value("mrc.out", "plain/path") == "plain/path"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--bogus"], "'--bogus': specmd mrc takes overrides (key=value), not options"),
+    (["mrc.capacitys=[0.1]"], "mrc.capacitys: unknown option; valid: mrc.capacities, mrc.out, mrc.jobs"),
+    (["mrc.out=", "replay.trace=x"], "mrc.out= is empty"),
+])
+def test_mrc_options_bad_values(argv, words):
+    import re
+
+    from specmd.mrc import parse
+
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        parse(argv)
+
+
+@pytest.mark.parametrize("holds, option", [("mrc.csv", "mrc.out"), ("tune.json", "tune.out")])
+def test_an_output_directory_holding_an_earlier_result_is_refused(tmp_path, holds, option):
+    from specmd.results import output_dir
+
+    (tmp_path / holds).write_text("earlier")
+    with pytest.raises(ConfigError, match=f"{option}={tmp_path} already holds {holds} of an earlier run"):
+        output_dir(tmp_path, option, holds)
+    assert output_dir(tmp_path / "new", option, holds) == tmp_path / "new" and not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("option, value", [("--steps", "0"), ("--cap", "-3"), ("--batch", "-1"), ("--tokens", "0"),
+                                           ("--window", "1")])
+def test_train_eviction_refuses_degenerate_numbers_before_any_work(tmp_path, option, value):
+    from specmd.train_eviction import main
+
+    with pytest.raises(ConfigError, match=f"{option}={value} must be >= "):
+        main(["--traces", str(tmp_path), "--out", str(tmp_path / "w.safetensors"), option, value])
 
 
 # ---- outputs whole or absent; nothing computed lost -----------------------------------------------------------

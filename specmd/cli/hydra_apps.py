@@ -16,7 +16,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from .. import CONF_DIR
-from ..jobs import SWEEP_EXIT, Interrupted, torch_threads
+from ..jobs import SWEEP_EXIT, torch_threads
 
 RUN = """usage: specmd run [key=value ...] [+key=value] [~key] [--cfg job|hydra|all] [--info]
        specmd [key=value ...]   python -m specmd [key=value ...]   (the same)
@@ -149,11 +149,7 @@ def run(argv: list) -> int:
     """``specmd run`` (:data:`RUN`); a multirun when ``argv`` holds ``-m``."""
     if asks_help(argv):
         print(RUN)
-    try:
-        _as_hydra(_hydra_main, argv)
-    except Interrupted as exc:  # failed.json of the running job names the stage and the signal
-        print(f"specmd: {exc}", file=sys.stderr)
-        return 128 + exc.signum
+    _as_hydra(_hydra_main, argv)  # a signal: Interrupted, reported by specmd.cli.outcome (failed.json names it)
     return SWEEP_EXIT["code"]
 
 

@@ -25,8 +25,10 @@ Signals are armed (:func:`specmd.jobs.signals_raise`) around the whole command, 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -112,6 +114,17 @@ def traceback_file(prog: str, exc: BaseException) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _quiet():
+    """SIGINT and SIGTERM ignored for the block, then as they were."""
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
 def guarded(prog: str, fn, argv: list) -> int:
     """``fn(argv)`` (a command's ``main``) with signals armed, every way it can end turned into one line and
     an exit code (the table above)."""
@@ -120,12 +133,11 @@ def guarded(prog: str, fn, argv: list) -> int:
     try:
         with signals_raise():
             code = fn(argv) or 0
-    except Interrupted as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return 128 + exc.signum
-    except KeyboardInterrupt:  # a handler that was not ours (a library's): still Ctrl-C
-        print(f"{prog}: stopped by SIGINT", file=sys.stderr)
-        return 130
+    except (Interrupted, KeyboardInterrupt) as exc:  # KeyboardInterrupt: a handler not ours (a library's)
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        with _quiet():  # the command has ended: a second Ctrl-C (a process group's) cannot cut this line short
+            print(f"{prog}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
     except Exception as exc:  # noqa: BLE001 -- the one place every command's error ends
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

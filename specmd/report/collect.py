@@ -263,14 +263,24 @@ def find_sweeps(paths: list) -> tuple[list, list]:
         if (p / "multirun.yaml").exists() or (p / ".hydra" / "config.yaml").exists():
             sweeps.append(load_sweep(p))
             continue
-        found = _load_below([m.parent for m in sorted(p.rglob("multirun.yaml"))], notes)
+        found = _load_below(sweeps_below(p), notes)
         if not found:
-            raise ConfigError(f"{p}: no sweep (multirun.yaml) below it" + (" that can be read" if notes else ""))
+            raise ConfigError(f"{p}: no sweep (multirun.yaml) or run directory (.hydra/config.yaml) below it"
+                              + (" that can be read" if notes else ""))
         newest = newest_per_experiment(found)
         notes += [f"{s.dir}: an older sweep of {s.experiment}, not read (name it to include it)"
                   for s in found if s not in newest]
         sweeps += newest
     return sweeps, notes
+
+
+def sweeps_below(parent: Path) -> list:
+    """The sweep directories (``multirun.yaml``) below ``parent``, and the single runs' directories
+    (``.hydra/config.yaml``) that lie in none of them: ``specmd report outputs`` and ``specmd status outputs``
+    read the runs of ``outputs/<date>/<time>`` as well as the sweeps of ``outputs/multirun``."""
+    sweeps = sorted(m.parent for m in parent.rglob("multirun.yaml"))
+    runs = sorted(c.parent.parent for c in parent.rglob(".hydra/config.yaml"))
+    return sweeps + [r for r in runs if not any(s == r or s in r.parents for s in sweeps)]
 
 
 def _load_below(dirs: list, notes: list) -> list:

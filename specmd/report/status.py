@@ -16,14 +16,18 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ConfigError
-from .collect import Job, load_sweep
+from .collect import Job, load_sweep, sweeps_below
 
 
 def job_state(job: Job) -> str:
     """``done``, ``failed``, ``running`` (its directory's lock is held) or ``missing`` (never started, or
     interrupted without a trace: SIGKILL, a lost node)."""
-    if job.status == "ok":
+    if job.status == "ok" and job.results.get("config_hash"):
         return "done"
+    if job.status == "ok":  # what a re-launch would not count as done either (specmd.jobs.finished): say so
+        job.error = job.error or "its results.json has no config_hash (damaged, or not written by a specmd run): a " \
+                                 "re-launch runs it again"
+        return "missing"
     if job.status == "failed":
         return "failed"
     if job.dir is not None and (Path(job.dir) / ".lock").exists():
@@ -61,9 +65,9 @@ def _sweep_dirs(path: Path) -> tuple[list, bool]:
     """The sweep directories ``path`` names, and whether it named one itself (else they were found below it)."""
     if (path / "multirun.yaml").exists() or (path / ".hydra" / "config.yaml").exists():
         return [path], True
-    found = sorted(m.parent for m in path.rglob("multirun.yaml"))
+    found = sweeps_below(path)
     if not found:
-        raise ConfigError(f"{path}: no sweep (multirun.yaml) or run directory below it")
+        raise ConfigError(f"{path}: no sweep (multirun.yaml) or run directory (.hydra/config.yaml) below it")
     return found, False
 
 
@@ -99,7 +103,8 @@ def main(argv: Optional[list] = None) -> int:
                   + ", ".join(f"{n} {s}" for s, n in counts.items()))
             for st, j in states:
                 if st != "done" or args.verbose:
-                    why = f"  [{j.results.get('stage')}] {j.error}" if st == "failed" else ""
+                    why = (f"  [{j.results.get('stage')}] {j.error}" if st == "failed"
+                           else f"  ({j.error})" if st == "missing" and j.error else "")
                     print(f"  {st:8s} {' '.join(j.overrides) or '(no overrides)'}  {j.dir or ''}{why}")
             if counts["done"] < len(states):
                 complete = False
