@@ -70,6 +70,12 @@ class Run:
         c = self.raw = OmegaConf.to_container(cfg, resolve=True)
         self.set_by_user = {o.split("=", 1)[0].lstrip("+~") for o in overrides or ()}
         checks = Checks()
+        from .shipped import top_keys
+
+        unknown = sorted(set(c) - top_keys())
+        if unknown:  # +foo=bar: a key specmd reads nowhere (a sub-key's typo is each section's own error)
+            checks.fail(f"{', '.join(unknown)}: no such setting (added with +key=...); a run's settings: "
+                        f"{', '.join(sorted(top_keys()))}")
         for step in (self._model, self._hardware, self._eval, self._stack_and_trace, self._runtime,
                      self._policies, self._replay_and_execution):  # 1
             step(c, checks)
@@ -483,6 +489,7 @@ def _finish(results: dict, engine, digest: str, run_dir: Path, logger, progress:
         if engine is not None:
             write_passes_csv(run_dir / "passes.csv", engine.cache.stats.passes)
         write_json_atomic(run_dir / "results.json", results)
+        (run_dir / "failed.json").unlink(missing_ok=True)  # an earlier attempt's (the trace cache's run re-run)
     except OSError as exc:  # a full disk, a directory made read-only: the results are kept elsewhere, and named
         kept = rescue(run_dir, "results.json", results)
         raise OSError(exc.errno, f"{exc.strerror}; the run's results are kept in {kept}", exc.filename) from exc

@@ -35,6 +35,13 @@ def defaults() -> dict:
     return out
 
 
+def top_keys() -> set:
+    """Every top-level key a composed run config can have: ``config.yaml``'s own, its config groups (the
+    directories of ``conf/``) and what an experiment adds (``experiment``, ``report``)."""
+    own = set(load("config")) - {"defaults", "hydra"}
+    return own | {p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra"} | {"experiment", "report"}
+
+
 def options(group: str) -> list[str]:
     """The options of config group ``group``: the stems of ``conf/<group>/*.yaml``, sorted."""
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))

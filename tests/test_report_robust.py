@@ -334,3 +334,11 @@ def test_a_section_id_that_is_no_file_name_is_an_error_and_a_directory_name_is_m
     out, (sec,) = build([str(make_adhoc(tmp_path / "my sweep"))], str(tmp_path / "o2"))
     assert sec.spec.id == "my_sweep" and (out / "my_sweep.md").exists()
     assert all(p.parent == out for p in out.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("argv, words", [(["--publish"], "--publish saves a W&B Report: it needs --wandb"),
+                                         (["--group", "g"], "--group g selects the W&B runs to read when no paths")])
+def test_options_that_would_be_ignored_are_errors(tmp_path, argv, words):
+    s = make_sweep(tmp_path / "s", {"lru": 0.10})
+    with pytest.raises(ConfigError, match=words):
+        main([str(s), *argv, "--out", str(tmp_path / "o")])

@@ -210,6 +210,29 @@ def test_a_run_stopped_by_a_signal_its_finalizer_swallowed_writes_failed_json(tm
     assert (failed["kind"], failed["signal"], failed["stage"]) == ("signal", "SIGTERM", "load")
 
 
+def test_a_top_level_key_specmd_reads_nowhere_is_a_config_error(mirror):
+    from hydra import compose, initialize_config_dir
+
+    from specmd import CONF_DIR
+    from specmd.app import Run
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        with pytest.raises(ConfigError, match="foo: no such setting \\(added with \\+key=...\\); a run's settings: "
+                                              "data, device, "):
+            Run(compose(config_name="config", overrides=[*FAST, "+foo=bar"]))
+        Run(compose(config_name="config", overrides=[*FAST, "+experiment=specmd_fig4"]))  # adds experiment, report
+
+
+def test_a_rerun_that_succeeds_leaves_no_earlier_failed_json(tmp_path):
+    from specmd import app
+
+    (tmp_path / "failed.json").write_text("{}")  # an interrupted attempt in the trace cache's directory
+    logger = type("L", (), {"log_run": lambda *a: None})()
+    progress = type("P", (), {"wrote_results": False, "stage": "write"})()
+    app._finish({"cache": {"hits": 1}}, None, "abc", tmp_path, logger, progress)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+
+
 # ---- one run per run directory -----------------------------------------------------------------------------
 @pytest.mark.parametrize("held", [".hydra", "results.json", "failed.json"])
 def test_a_run_directory_holds_one_run(tmp_path, held):

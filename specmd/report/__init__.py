@@ -290,6 +290,11 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--mode", default="auto", choices=["auto", "online", "offline"], help="W&B mode")
     ap.add_argument("--publish", action="store_true", help="with --wandb online: also save a W&B Report")
     args = ap.parse_args(argv)
+    if args.publish and not args.wandb:
+        raise ConfigError("--publish saves a W&B Report: it needs --wandb ENTITY/PROJECT")
+    if args.group and args.paths:
+        raise ConfigError(f"--group {args.group} selects the W&B runs to read when no paths are given; with paths "
+                          "the runs are the paths' (drop --group, or the paths)")
     sweeps = None
     output_dir(args.paths, args.out)  # a path it cannot write is an error before any work (W&B included)
     if not args.paths:
