@@ -220,11 +220,20 @@ PURE_SUITE = ["test_semantics.py", "test_cache_manager.py", "test_clock.py", "te
               "test_offload.py", "test_quant_cache.py", "test_native.py"]
 
 
+# Tests of a process's behaviour, not of the compiled modules' arithmetic (two processes quantizing under one
+# lock, a CLI run failing at load, a run's peak RSS): the same Python runs either way, so the pure run leaves
+# them out (17 s of its 166).
+PURE_SKIP = ["tests/test_quant_cache.py::test_concurrent_processes_quantize_once",
+             "tests/test_offload.py::test_truncated_checkpoint_fails_the_cli_run_at_load",
+             "tests/test_offload.py::test_peak_rss_is_the_runs_own_not_its_launchers"]
+
+
 @pytest.mark.skipif(FORCED, reason="this is the pure run")
 def test_engine_policy_and_replay_tests_pass_on_the_pure_sources():
     env = {**os.environ, native.ENV: "1"}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                          *(f"tests/{t}" for t in PURE_SUITE)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          *(f"tests/{t}" for t in PURE_SUITE), *(f"--deselect={t}" for t in PURE_SKIP)], cwd=ROOT,
+                         env=env, capture_output=True, text=True,
                          timeout=3600)  # 166 s here: 20x, for a loaded machine
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " passed" in out.stdout.splitlines()[-1] and "RuntimeWarning" not in out.stdout, out.stdout[-2000:]
