@@ -292,7 +292,7 @@ class _Progress:
 
     @stage.setter
     def stage(self, stage: str) -> None:  # a safe point: a signal whose exception was lost stops the job here
-        from .jobs import check_interrupt
+        from .signals import check_interrupt
 
         check_interrupt()
         self._stage = stage
@@ -362,6 +362,7 @@ def _record_failure(cfg: DictConfig, run_dir: Path, progress: _Progress, exc: Ba
 
 
 def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progress: _Progress) -> dict:
+    from . import jobs
     from .eval.mirror import mirrored, require_hub_for, resolve_mirror, set_offline
     from .loggers import build_logger
 
@@ -426,10 +427,11 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
         with mirrored(root):
             tasks = evaluate(model, tokenizer, run.eval, device=run.device)
     finally:
-        if stack is not None:
-            stack.remove()
-            if stack.writer is not None:
-                stack.writer.close()
+        with jobs.signals_held():  # the hooks removed and the trace closed whole, whatever a second Ctrl-C does
+            if stack is not None:
+                stack.remove()
+                if stack.writer is not None:
+                    stack.writer.close()
     progress.stage = "write"
     t_end = time.perf_counter()
     results = collect(run, engine, tasks, t_end - t0, executor)
@@ -488,8 +490,8 @@ def _finish(results: dict, engine, digest: str, run_dir: Path, logger, progress:
         run_dir.mkdir(parents=True, exist_ok=True)
         if engine is not None:
             write_passes_csv(run_dir / "passes.csv", engine.cache.stats.passes)
-        write_json_atomic(run_dir / "results.json", results)
         (run_dir / "failed.json").unlink(missing_ok=True)  # an earlier attempt's (the trace cache's run re-run)
+        write_json_atomic(run_dir / "results.json", results)
     except OSError as exc:  # a full disk, a directory made read-only: the results are kept elsewhere, and named
         kept = rescue(run_dir, "results.json", results)
         raise OSError(exc.errno, f"{exc.strerror}; the run's results are kept in {kept}", exc.filename) from exc

@@ -39,7 +39,6 @@ import platform
 import re
 import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -643,7 +642,7 @@ def _write_atomic(files: list[tuple[Path, str | bytes]]) -> None:
     at any point leaves every path as it was before (or, once renamed, all complete) and no temporary file."""
     import secrets
 
-    from .jobs import check_interrupt, signals_held
+    from .signals import check_interrupt, signals_held
 
     temps: list[tuple[Path | None, Path]] = []
     try:
@@ -663,12 +662,13 @@ def _write_atomic(files: list[tuple[Path, str | bytes]]) -> None:
                 os.replace(tmp, path)
                 temps[i] = (None, path)
     except BaseException:
-        for tmp, _ in temps:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+        with signals_held():  # a second Ctrl-C cannot leave a temporary file behind
+            for tmp, _ in temps:
+                if tmp is not None:
+                    try:
+                        os.unlink(tmp)
+                    except OSError:
+                        pass
         raise
     check_interrupt()  # a signal that arrived while held: raised now, the files complete
 
@@ -806,8 +806,6 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="link, compute and host experts only (no policy costs, "
                                                            "overhead fit or check)")
     a = ap.parse_args(argv)
-    from .errors import ConfigError
-
     # before any measurement; bad input (ConfigError, DataError) is one line and exit 2: specmd.cli.outcome
     name, hw_dir = prepare(a.out, a.name, a.model, a.device)
     _calibrate(hw_dir, name, a.out is not None, a.model, a.device, a.quick, print)

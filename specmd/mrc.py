@@ -50,6 +50,7 @@ def plain_value(key: str, value: str) -> str:
 
 def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str], int]:
     from .errors import ConfigError
+    from .jobs import unique_suffix
     from .pool import check_jobs, default_jobs
 
     policies, caps, out, rest, jobs = ["lru", "lfu", "least_stale", "belady"], DEFAULT_CAPACITIES, None, [], None
@@ -92,7 +93,7 @@ def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str], int]
                           f"{', '.join(REGISTRIES['eviction'].names())}")
     if not any(a.startswith("replay.trace=") for a in rest):
         raise ConfigError("specmd mrc needs replay.trace=PATH (a trace from a run with trace.save=true, or an import)")
-    out = out or time.strftime("outputs/mrc/%Y-%m-%d/%H-%M-%S")
+    out = out or time.strftime("outputs/mrc/%Y-%m-%d/%H-%M-%S-") + unique_suffix()  # as a run's directory
     return policies, caps, out, rest, jobs
 
 
@@ -170,8 +171,8 @@ def main(argv=None) -> int:
         raise ConfigError("specmd mrc varies hardware.capacity; drop hardware.experts_per_layer")
     out = output_dir(out, "mrc.out", "mrc.csv")  # before the replays: a path it cannot write loses no work
     rows = compute(policies, caps, rest, jobs)
-    write_csv(out / "mrc.csv", rows)
     plot(rows, out / "mrc.png")
+    write_csv(out / "mrc.csv", rows)  # last: the mark of a complete mrc.out (output_dir refuses one holding it)
     print(f"{'policy':<12} {'capacity':>8} {'hit rate':>9} {'collisions':>10}")
     for r in rows:
         print(f"{r['policy']:<12} {r['capacity']:>8.3f} {r['hit_rate']:>9.4f} {r['collision_rate']:>10.4f}")

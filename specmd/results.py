@@ -52,7 +52,10 @@ def atomic_output(path: Path):
         yield tmp
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        from .signals import signals_held
+
+        with signals_held():  # a second Ctrl-C cannot leave the temporary file behind
+            tmp.unlink(missing_ok=True)
         raise
 
 

@@ -191,7 +191,9 @@ def parse(argv: list[str]) -> tuple[Options, list[str]]:
         group = arg.partition("=")[0].split(".")[0].lstrip("+")
         if group in SPACE:
             raise ConfigError(f"{arg!r}: tune searches {group}; restrict it with tune.{group}=[...] instead")
-    opts.out = opts.out or time.strftime("outputs/tune/%Y-%m-%d/%H-%M-%S")
+    from .jobs import unique_suffix
+
+    opts.out = opts.out or time.strftime("outputs/tune/%Y-%m-%d/%H-%M-%S-") + unique_suffix()  # as a run's
     return opts, rest
 
 

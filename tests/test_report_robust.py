@@ -342,3 +342,17 @@ def test_options_that_would_be_ignored_are_errors(tmp_path, argv, words):
     s = make_sweep(tmp_path / "s", {"lru": 0.10})
     with pytest.raises(ConfigError, match=words):
         main([str(s), *argv, "--out", str(tmp_path / "o")])
+
+
+def test_a_single_run_of_an_experiment_never_hides_its_sweep_below_a_parent(tmp_path):
+    from specmd.report.collect import find_sweeps
+
+    s = make_sweep(tmp_path / "out" / "multirun" / "s", {"lru": 0.10, "least_stale": 0.02})
+    run = tmp_path / "out" / "day" / "run"  # a later debugging run of the same experiment
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump({**config(), "experiment": "robust"}))
+    (run / ".hydra" / "overrides.yaml").write_text("[]")
+    (run / "results.json").write_text(json.dumps({"config": config(), "cache": {"collision_rate": 0.1}}))
+    sweeps, notes = find_sweeps([str(tmp_path / "out")])
+    assert [x.dir for x in sweeps] == [str(s)]
+    assert any(n.startswith(f"{run}: a single run of robust") for n in notes), notes

@@ -16,7 +16,8 @@ import pytest
 
 from specmd.cli.outcome import classify, guarded, one_line
 from specmd.errors import ConfigError, DataError
-from specmd.jobs import SIGNALS, Interrupted, check_interrupt, claim_run_dir, signals_held, signals_raise
+from specmd.jobs import claim_run_dir
+from specmd.signals import SIGNALS, Interrupted, check_interrupt, signals_held, signals_raise
 
 FAST = ["model=tiny", "eval.tasks=[wikitext]", "eval.limit=1", "eval.max_length=128", "logger=none"]
 
@@ -231,6 +232,77 @@ def test_a_rerun_that_succeeds_leaves_no_earlier_failed_json(tmp_path):
     progress = type("P", (), {"wrote_results": False, "stage": "write"})()
     app._finish({"cache": {"hits": 1}}, None, "abc", tmp_path, logger, progress)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+
+
+def test_a_signal_of_an_earlier_block_does_not_stop_the_next():
+    SIGNALS.pending = signal.SIGTERM  # landed as an earlier block ended (depth back at 0)
+    with signals_raise():
+        check_interrupt()  # not this block's signal: nothing raised
+    assert SIGNALS.pending == 0
+
+
+def test_a_second_signal_during_cleanup_cannot_leave_a_temporary_file(tmp_path, monkeypatch):
+    from specmd.results import atomic_output
+
+    unlink = Path.unlink
+
+    def interrupted_unlink(self, missing_ok=False):
+        os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C, as the temporary file is removed
+        unlink(self, missing_ok=missing_ok)
+
+    with pytest.raises(Interrupted):
+        with signals_raise():
+            with atomic_output(tmp_path / "out.csv") as tmp:
+                tmp.write_text("half")
+                monkeypatch.setattr(Path, "unlink", interrupted_unlink)
+                os.kill(os.getpid(), signal.SIGINT)  # the first
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hydra_lets_a_file_it_cannot_write_reach_the_one_error_path():
+    from specmd.cli.hydra_apps import _composition_errors_raise
+
+    def printing(func):  # Hydra's run_and_report: prints a traceback and exits 1 for whatever reaches it
+        try:
+            return func()
+        except Exception:
+            raise SystemExit(1)
+
+    def full():
+        raise OSError(errno.ENOSPC, "No space left on device", "run/.hydra/config.yaml")
+
+    with pytest.raises(OSError) as e:
+        _composition_errors_raise(printing)(full)
+    assert classify(e.value)[:2] == (1, "run/.hydra/config.yaml: No space left on device")
+
+
+def test_python_m_specmd_report_has_the_one_error_path(tmp_path, monkeypatch, capsys):
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["specmd.report", str(tmp_path / "nowhere")])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module("specmd.report", run_name="__main__")
+    assert e.value.code == 2 and capsys.readouterr().err == f"specmd report: error: {tmp_path / 'nowhere'}: no such directory\n"
+
+
+def test_default_output_directories_are_a_processs_own():
+    from specmd.jobs import unique_suffix
+    from specmd.mrc import parse as mrc_parse
+    from specmd.tune import parse as tune_parse
+
+    assert tune_parse([])[0].out.endswith(unique_suffix())
+    assert mrc_parse(["replay.trace=x"])[2].endswith(unique_suffix())
+
+
+def test_mrc_writes_its_csv_last(tmp_path, monkeypatch):
+    from specmd import mrc
+
+    monkeypatch.setattr(mrc, "compute", lambda *a: [{"policy": "lru", "capacity": 0.1, "hit_rate": 0.5,
+                                                      "collision_rate": 0.0}])
+    monkeypatch.setattr(mrc, "plot", lambda rows, path: (_ for _ in ()).throw(Interrupted(signal.SIGINT)))
+    with pytest.raises(Interrupted):
+        mrc.main(["replay.trace=x", f"mrc.out={tmp_path / 'm'}"])
+    assert not (tmp_path / "m" / "mrc.csv").exists()  # so the same mrc.out is not refused as done
 
 
 # ---- one run per run directory -----------------------------------------------------------------------------

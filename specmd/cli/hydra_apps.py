@@ -60,7 +60,7 @@ def _hydra_main(cfg: DictConfig):
     run_dir = hc.runtime.output_dir
     multirun = hc.mode.name == "MULTIRUN"
     # a multirun's runs share a W&B group: its sweep directory's last two parts (<date>/<time> by default)
-    group = "/".join(Path(hc.sweep.dir).parts[-2:]) if multirun else None
+    group = "/".join(Path(hc.sweep.dir).parts[-2:])[-128:] if multirun else None  # (W&B's limit: 128)
     err = Console(stderr=True)
     try:
         # a sweep's job resumes: done with this config -> not run again (specmd.jobs)
@@ -120,8 +120,9 @@ def _as_hydra(app, argv: list) -> None:
 
 def _composition_errors_raise(run_and_report):
     """Hydra's ``run_and_report`` (which prints any exception and exits 1), except that Hydra's and
-    OmegaConf's own errors -- the user's config and overrides -- and specmd's checks in Hydra's callbacks
-    (the run directory, the launcher's settings) propagate to specmd's one error path."""
+    OmegaConf's own errors -- the user's config and overrides --, specmd's checks in Hydra's callbacks (the
+    run directory, the launcher's settings) and a file Hydra cannot write (a full disk: ``.hydra/``, the log,
+    ``multirun.yaml``) propagate to specmd's one error path."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -133,7 +134,7 @@ def _composition_errors_raise(run_and_report):
         def body():
             try:
                 return func()
-            except (HydraException, OmegaConfBaseException, ConfigError, DataError) as exc:
+            except (HydraException, OmegaConfBaseException, ConfigError, DataError, OSError) as exc:
                 caught.append(exc)
                 return None
 
@@ -149,6 +150,7 @@ def run(argv: list) -> int:
     """``specmd run`` (:data:`RUN`); a multirun when ``argv`` holds ``-m``."""
     if asks_help(argv):
         print(RUN)
+    SWEEP_EXIT["code"] = 0  # (an earlier sweep in this process, as in the tests, does not set this one's)
     _as_hydra(_hydra_main, argv)  # a signal: Interrupted, reported by specmd.cli.outcome (failed.json names it)
     return SWEEP_EXIT["code"]
 

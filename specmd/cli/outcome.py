@@ -128,7 +128,7 @@ def _quiet():
 def guarded(prog: str, fn, argv: list) -> int:
     """``fn(argv)`` (a command's ``main``) with signals armed, every way it can end turned into one line and
     an exit code (the table above)."""
-    from ..jobs import Interrupted, signals_raise
+    from ..signals import Interrupted, signals_raise
 
     try:
         with signals_raise():
@@ -147,6 +147,8 @@ def guarded(prog: str, fn, argv: list) -> int:
         if bug:
             path = traceback_file(prog, exc)
             say(prog, f"{message} (a bug: the traceback is in {path}; please report it)")
+        elif isinstance(exc, OSError):  # the user's path, most likely; where it came from, in case it was not
+            say(prog, f"{message} (where: {traceback_file(prog, exc)})")
         else:
             say(prog, message)
         return code

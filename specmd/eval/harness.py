@@ -129,7 +129,7 @@ def _flatten(metrics: dict) -> dict:
 def _phase_bar_lm():
     from lm_eval.models.huggingface import HFLM
 
-    from ..jobs import check_interrupt
+    from ..signals import check_interrupt
 
     class PhaseBarLM(HFLM):
         """HFLM with one progress bar per request type. lm-eval 0.4.13's ``loglikelihood_rolling`` shows its

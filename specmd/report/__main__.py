@@ -1,7 +1,8 @@
-"""``python -m specmd.report`` (same as ``specmd report``)."""
+"""``python -m specmd.report`` (same as ``specmd report``, with its one error path: specmd.cli.outcome)."""
 
 import sys
 
+from ..cli.outcome import guarded
 from . import main
 
-sys.exit(main())
+sys.exit(guarded("specmd report", main, sys.argv[1:]))

@@ -267,9 +267,18 @@ def find_sweeps(paths: list) -> tuple[list, list]:
         if not found:
             raise ConfigError(f"{p}: no sweep (multirun.yaml) or run directory (.hydra/config.yaml) below it"
                               + (" that can be read" if notes else ""))
-        newest = newest_per_experiment(found)
+        multi = [s for s in found if (Path(s.dir) / "multirun.yaml").exists()]
+        newest = newest_per_experiment(multi)
         notes += [f"{s.dir}: an older sweep of {s.experiment}, not read (name it to include it)"
-                  for s in found if s not in newest]
+                  for s in multi if s not in newest]
+        swept = {s.experiment for s in multi}  # a single run (a debugging run of an experiment) never hides its
+        for s in found:  # sweep: read only where no sweep of its experiment was found
+            if s not in multi:
+                if s.experiment in swept:
+                    notes.append(f"{s.dir}: a single run of {s.experiment}, which a sweep below {p} covers: not "
+                                 "read (name it to include it)")
+                else:
+                    newest.append(s)
         sweeps += newest
     return sweeps, notes
 

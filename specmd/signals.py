@@ -1,0 +1,94 @@
+"""SIGINT and SIGTERM while specmd works: :func:`signals_raise` turns them into :class:`Interrupted` in the
+main thread, so a job writes its ``failed.json`` and a command removes what it had half-written before the
+process exits (exit 128 + the signal's number: :mod:`specmd.cli.outcome`). Its own module, below everything
+that writes files (:mod:`specmd.results`, :mod:`specmd.jobs`, the evaluation's safe points), importing only
+the standard library."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+
+
+class Interrupted(BaseException):
+    """A signal stopped the job (SIGTERM from a scheduler or ``kill``, SIGINT from Ctrl-C)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.signal_name = signal.Signals(signum).name
+        super().__init__(f"stopped by {self.signal_name}")
+
+
+class _Signals:
+    """The signal state of this process: ``pending``, the first SIGTERM/SIGINT received (0: none); ``depth``,
+    how many :func:`signals_raise` blocks are open; ``held``, while ``failed.json`` is written
+    (:func:`signals_held`): a signal is recorded, not raised."""
+
+    pending = 0
+    depth = 0
+    held = False
+
+
+SIGNALS = _Signals()
+
+
+def check_interrupt() -> None:
+    """A safe point: raise :class:`Interrupted` when a signal arrived whose exception never reached the job
+    (raised inside a finalizer, ``__del__``, where Python prints and discards it). Called between stages, per
+    model call of an evaluation and before ``results.json`` is written; a plain attribute read otherwise."""
+    if SIGNALS.pending and SIGNALS.depth and not SIGNALS.held:
+        raise Interrupted(SIGNALS.pending)
+
+
+@contextlib.contextmanager
+def signals_held():
+    """While ``failed.json`` (or any record of the failure) is written: a signal is recorded but raises
+    nothing, so a second Ctrl-C cannot cut the record short; the handler stays armed."""
+    held, SIGNALS.held = SIGNALS.held, True
+    try:
+        yield
+    finally:
+        SIGNALS.held = held
+
+
+@contextlib.contextmanager
+def signals_raise():
+    """While a job or a command runs, SIGTERM and SIGINT raise :class:`Interrupted` in the main thread, so it
+    writes its ``failed.json`` (with the stage it was in) or removes what it had half-written before the
+    process exits; in the CLI's process and in a launcher's worker (joblib, submitit, Ray) alike. Only default
+    handlers are replaced (a launcher's own handlers, e.g. submitit's, are left alone), and they are restored
+    when the outermost block ends.
+
+    The handler never disarms itself. It records the signal (:data:`SIGNALS`) and raises; if that exception
+    is lost -- raised inside a finalizer, which Python discards -- the record stays, the next safe point
+    (:func:`check_interrupt`) raises it, and the block's end raises it at the latest. (The handler used to set
+    both signals to ignored and then raise: a signal landing in a ``__del__`` was lost, and with it every later
+    one until SIGKILL.) While ``failed.json`` is written (:func:`signals_held`) a signal is only recorded."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    defaults = (signal.SIG_DFL, signal.default_int_handler)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum, frame):
+        SIGNALS.pending = SIGNALS.pending or signum
+        if not SIGNALS.held:
+            raise Interrupted(SIGNALS.pending)
+
+    if SIGNALS.depth == 0:
+        SIGNALS.pending = 0  # a signal of an earlier block (landed as it ended) is not this one's
+    SIGNALS.depth += 1
+    for s, h in saved.items():
+        if h in defaults:
+            signal.signal(s, handler)
+    try:
+        yield
+        check_interrupt()  # a signal whose exception was lost, and no safe point since
+    finally:
+        SIGNALS.depth -= 1
+        for s, h in saved.items():
+            signal.signal(s, h)
+        if SIGNALS.depth == 0:
+            SIGNALS.pending = 0  # reported (raised), or the process goes on without the handler: forgotten
