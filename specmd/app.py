@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from pathlib import Path
@@ -461,20 +460,15 @@ def check_numbers(results: dict) -> None:
     first one: ``results.json`` writes a non-finite float as null, which would read as "not measured". The
     hardware ranges (:mod:`specmd.hardware`) keep the clock's inputs finite, so what reaches here is a numeric
     bug; task scores are lm-eval's, whose NaN (a metric without a value) stays theirs."""
-    def walk(v, where):
-        if isinstance(v, float) and not math.isfinite(v):
-            raise NumericError(f"{where}={v}: a figure specmd computed is not a finite number (a bug: please "
-                               f"report it with this run's failed.json)")
-        if isinstance(v, dict):
-            for k, x in v.items():
-                walk(x, f"{where}.{k}")
-        elif isinstance(v, (list, tuple)):
-            for i, x in enumerate(v):
-                walk(x, f"{where}[{i}]")
+    from .results import non_finite
 
     for key in COMPUTED:
         if results.get(key) is not None:
-            walk(results[key], key)
+            bad = non_finite(results[key], key)
+            if bad:
+                where, v = next(iter(bad.items()))  # the first
+                raise NumericError(f"{where}={v}: a figure specmd computed is not a finite number (a bug: please "
+                                   f"report it with this run's failed.json)")
 
 
 def _finish(results: dict, engine, digest: str, run_dir: Path, logger, progress: _Progress) -> dict:

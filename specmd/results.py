@@ -29,6 +29,26 @@ def assemble(config: dict, tasks: dict, wall_s: float, provenance: dict, engine=
     return results
 
 
+def non_finite(tree, where: str = "") -> dict:
+    """Dotted path (``cache.per_layer.hit_rate.1``) -> value of every float in ``tree`` (dicts, lists, tuples)
+    that is NaN or infinite, in the tree's order: what a run checks before writing results.json
+    (:func:`specmd.app.check_numbers`) and what report and status name when they read one."""
+    out: dict = {}
+
+    def walk(v, at):
+        if isinstance(v, float) and not math.isfinite(v):
+            out[at] = v
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, f"{at}.{k}" if at else str(k))
+        elif isinstance(v, (list, tuple)):
+            for i, x in enumerate(v):
+                walk(x, f"{at}.{i}")
+
+    walk(tree, where)
+    return out
+
+
 def _clean(obj):
     if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
         return None

@@ -109,20 +109,10 @@ def non_finite(results: dict) -> dict:
     """Dotted path -> ``NaN`` / ``Infinity`` / ``-Infinity`` of every non-finite number in a results.json
     (its ``config`` and ``provenance`` left out): specmd writes such a value as null, so one is a damaged or
     hand-edited file."""
-    out: dict = {}
+    from ..results import non_finite as found
 
-    def walk(v, where):
-        if isinstance(v, float) and not math.isfinite(v):
-            out[where] = "NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity"
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                walk(x, f"{where}.{k}" if where else str(k))
-        elif isinstance(v, list):
-            for i, x in enumerate(v):
-                walk(x, f"{where}.{i}")
-
-    walk({k: v for k, v in results.items() if k not in ("config", "provenance")}, "")
-    return out
+    body = {k: v for k, v in results.items() if k not in ("config", "provenance")}
+    return {at: "NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity" for at, v in found(body).items()}
 
 
 def read_overrides(path: Path) -> tuple[Optional[list], Optional[str]]:
