@@ -424,7 +424,8 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
     progress.stage = "evaluate"
     try:
         with mirrored(root):
-            tasks = evaluate(model, tokenizer, run.eval, device=run.device)
+            tasks = evaluate(model, tokenizer, run.eval, device=run.device,
+                             live=stack.live if stack is not None else None)
     finally:
         with jobs.signals_held():  # the hooks removed and the trace closed whole, whatever a second Ctrl-C does
             if stack is not None:

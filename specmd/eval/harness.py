@@ -126,7 +126,53 @@ def _flatten(metrics: dict) -> dict:
     return out
 
 
+class _Patched:
+    """``module.name`` replaced by ``value`` inside a ``with`` block (one evaluation call; restored after)."""
+
+    def __init__(self, module, name: str, value):
+        self.module, self.name, self.value = module, name, value
+
+    def __enter__(self):
+        self.saved = getattr(self.module, self.name)
+        setattr(self.module, self.name, self.value)
+
+    def __exit__(self, *exc):
+        setattr(self.module, self.name, self.saved)
+
+
+def _finished_tracker(live, stops, eos, batch: int):
+    """A stopping criterion, evaluated after HF's and lm-eval's own at every generation step, that tells the
+    stack (``live``: :class:`specmd.hook.live.LiveTokens`) which sequences have stopped, so their next decode
+    rows are no requests. Stopped = lm-eval's stop string seen (its ``MultiTokenEOSCriteria`` keeps a
+    per-sequence ``done_tracker`` but stops the batch only when every sequence is done, so a finished
+    sequence generates on) or the model's end-of-sequence token generated (transformers then feeds it pad
+    tokens). Never stops anything itself."""
+    import torch
+    from transformers import StoppingCriteria
+
+    eos_ids = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), dtype=torch.long)
+
+    class Finished(StoppingCriteria):
+        def __init__(self):
+            self.done = torch.zeros(batch, dtype=torch.bool)
+
+        def __call__(self, input_ids, scores, **kwargs):
+            done = self.done
+            for c in stops:
+                tracker = getattr(c, "done_tracker", None)
+                if tracker is not None and len(tracker) == batch:
+                    done |= torch.tensor(tracker, dtype=torch.bool)
+            if eos_ids.numel():
+                done |= torch.isin(input_ids[:, -1].to("cpu"), eos_ids)
+            live.finish(done)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return Finished()
+
+
 def _phase_bar_lm():
+    import lm_eval.models.huggingface as hf
+    import torch
     from lm_eval.models.huggingface import HFLM
 
     from ..signals import check_interrupt
@@ -137,6 +183,20 @@ def _phase_bar_lm():
         (``disable_tqdm=False`` hard-coded): a WikiText run printed a bar per document."""
 
         _rolling = False
+        live = None  # the stack's LiveTokens (specmd.hook.live): which positions of a batch are requests
+        _lengths = None  # the true lengths of the rows of the scoring batch about to be called
+
+        def _record_lengths(self, max_length, tensors, padding_side="right"):
+            """lm-eval's ``pad_and_concat``, noting each row's own length (its right padding is no request)."""
+            self._lengths = [int(t.shape[-1]) for t in tensors] if padding_side == "right" else None
+            return self._pad_and_concat(max_length, tensors, padding_side=padding_side)
+
+        def _live_positions(self, inps):
+            """[B, S] bool of a right-padded scoring batch, or None when no row is padded."""
+            lengths, self._lengths = self._lengths, None
+            if lengths is None or len(lengths) != inps.shape[0] or min(lengths) >= inps.shape[1]:
+                return None
+            return torch.arange(inps.shape[1]).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
             self._rolling = True
@@ -146,18 +206,40 @@ def _phase_bar_lm():
                 self._rolling = False
 
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
-            return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm or self._rolling,
-                                                 override_bs=override_bs)
+            # lm-eval pads a scoring batch on the right inside this method and calls the model without a mask:
+            # its padding helper is wrapped for the call so the rows' lengths reach the stack
+            if self.live is None:
+                return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm or self._rolling,
+                                                     override_bs=override_bs)
+            self._pad_and_concat = hf.pad_and_concat
+            with _Patched(hf, "pad_and_concat", self._record_lengths):
+                return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm or self._rolling,
+                                                     override_bs=override_bs)
 
         # a safe point per batch (specmd.jobs.check_interrupt): a signal whose exception a finalizer swallowed
         # stops the evaluation at its next model call, not after the last document
         def _model_call(self, inps, attn_mask=None, labels=None):
             check_interrupt()
+            if self.live is not None:
+                positions = self._live_positions(inps)
+                if positions is not None:
+                    self.live.expect(positions)
             return super()._model_call(inps, attn_mask, labels)
 
         def _model_generate(self, context, max_length, stop, **generation_kwargs):
             check_interrupt()
-            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+            if self.live is None or context.shape[0] == 1:  # one sequence: its stop ends the generation
+                return super()._model_generate(context, max_length, stop, **generation_kwargs)
+            live, eos = self.live, self.model.generation_config.eos_token_id
+            original = hf.stop_sequences_criteria
+
+            def criteria(tokenizer, stop_sequences, initial_length, batch_size):
+                stops = original(tokenizer, stop_sequences, initial_length, batch_size)
+                stops.append(_finished_tracker(live, list(stops), eos, batch_size))
+                return stops
+
+            with _Patched(hf, "stop_sequences_criteria", criteria):
+                return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
     return PhaseBarLM
 
@@ -175,8 +257,11 @@ def _token_by_token_lm():
 
             past = DynamicCache(config=self.model.config)
             out = []
+            positions = self._live_positions(inps) if self.live is not None else None
             with torch.no_grad():
                 for t in range(inps.shape[1]):
+                    if positions is not None:  # a right pad of a shorter row: not a request in this step
+                        self.live.expect(positions[:, t:t + 1])
                     res = self.model(input_ids=inps[:, t:t + 1], past_key_values=past, use_cache=True)
                     past = res.past_key_values
                     out.append(res.logits)
@@ -185,8 +270,10 @@ def _token_by_token_lm():
     return TokenByTokenLM
 
 
-def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu") -> dict:
-    """Run the tasks; returns ``{specmd task name: {metric: value}}``."""
+def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu", live=None) -> dict:
+    """Run the tasks; returns ``{specmd task name: {metric: value}}``. ``live``: the installed stack's
+    :class:`~specmd.hook.live.LiveTokens` (None: unhooked), told which positions of each batch are requests
+    (right padding of a scoring batch, sequences of a generation batch that have stopped)."""
     if not cfg.tasks:
         return {}
     import lm_eval
@@ -197,6 +284,7 @@ def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu") -> dict:
     cls = _token_by_token_lm() if cfg.token_by_token else _phase_bar_lm()
     lm = cls(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size, device=device,
              max_length=window(model.config, cfg.max_length))
+    lm.live = live
     gen_kwargs = {"max_gen_toks": cfg.max_gen_toks} if cfg.max_gen_toks else None
     try:
         res = lm_eval.simple_evaluate(

@@ -79,6 +79,12 @@ class Executor(Plugin):
         passed instead, where it changed the router's)."""
         raise NotImplementedError
 
+    def run_idle(self, mod, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """A layer call of a pass with no live position (every sequence of the batch has finished, and the
+        model's ``generate`` runs on until all its stop criteria agree): no request, no engine. Its outputs
+        are discarded by whoever stopped those sequences; by default the experts contribute zero."""
+        return torch.zeros_like(hidden)
+
     # -- forward passes: the wall clock beside the simulated one ---------------------------------------
     def begin_pass(self, kind: str, tokens: int) -> None:
         self.pass_kinds.append(kind)
@@ -133,6 +139,27 @@ class Executor(Plugin):
 
 def _mean(xs: list):
     return sum(xs) / len(xs) if xs else None
+
+
+def full_selection(rec, index: torch.Tensor, weights: torch.Tensor) -> tuple:
+    """The block's whole ``[T, k]`` selection and weights on the host for a plan's live-row ``index``/``weights``
+    (``[n, k]``: the engine decides for live rows only). Pad and finished rows (``rec.live`` leaves them out)
+    keep the router's own selection: an executor computes them where that costs nothing the engine did not
+    decide -- ``simulated`` has every expert on the device and computes them as the unhooked model does;
+    ``offload`` computes a pad row's expert only if the call runs it anyway for a live row, and zero
+    elsewhere. Either way no live row's output changes: a live row shares a grouped GEMM only with the rows
+    that select the same running expert, and those are the same in both (row results of a GEMM depend on
+    its other rows' count in the last bits, measured on every tiny family, so this matters). Outputs at
+    pad positions are never read: a left pad is masked out of attention, a right pad comes after the
+    scored tokens of a causal model, and a finished sequence's tokens are cut by its stop rule.
+    With every row live (``rec.live`` None) the inputs come back unchanged."""
+    rows = None if rec is None else getattr(rec, "live", None)
+    if rows is None:
+        return index, weights
+    full_i, full_w = rec.full_index.clone(), rec.full_weights.clone()
+    full_i[rows] = index
+    full_w[rows] = weights.to(full_w.dtype)
+    return full_i, full_w
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from .base import EXECUTION, Executor, RunFacts, steady_host_allocator, upload
+from .base import EXECUTION, Executor, RunFacts, full_selection, steady_host_allocator, upload
 from .kernel import expert_tensors, grouped_experts
 from .hostwork import HOST_COMPUTE
 from .placement import Placement
@@ -120,6 +120,7 @@ class Offload(Executor):
     # ---- set-up: tier, mover, placement ---------------------------------------------------------------
     def attach(self, stack) -> None:
         super().attach(stack)
+        self.pad_host_runs = 0  # experts computed from the host tier for a batch's pad rows only (_pad_only)
         steady_host_allocator()  # what it measures is the steady state, not a fresh process's page faults
         p = self.params
         geom, cache, store = stack.geom, stack.cache, stack.store
@@ -211,13 +212,20 @@ class Offload(Executor):
                 running, sel = rec.requested(self.E), rec.index
             else:
                 running = torch.unique(sel).tolist()
+            if rec.live is not None:  # pad rows: computed only with experts that run anyway (full_selection)
+                sel, all_run = rec.full_index, False
         else:
             emap = plan.expert_map.numpy()  # [E] host
             running = (emap >= 0).nonzero()[0].tolist()
             host, low, all_run = plan.host, plan.precisions, False
-            sel = plan.index
-            index, weights = upload(plan.index, self._device), upload(plan.weights, self._device)
+            sel, w = full_selection(rec, plan.index, plan.weights)
+            index, weights = upload(sel, self._device), upload(w, self._device)
+        pads = self._pad_only(rec, sel, running, host) if rec is not None and rec.live is not None else ()
+        if pads:  # pad rows' experts that run for no live row: from the host tier, as the model computes them
+            host = (*host, *pads)
         slot_of, banks, rows, groups = place.prepare(mod.layer, running, host, low, sel, all_run)  # 2
+        place.host_runs -= len(pads)  # (not the engine's host computes)
+        self.pad_host_runs += len(pads)
         if banks and (groups is None or groups):
             out = grouped_experts(mod.inner, self.stack.adapter.experts_layout, hidden, index, weights, slot_of, banks,
                                   rows, place.ready, groups)  # 3
@@ -227,6 +235,24 @@ class Offload(Executor):
         if self.params.check:
             self.check_residency()
         return out
+
+    def _pad_only(self, rec, sel, running, host) -> list:
+        """The experts that only a batch's pad or finished rows select (``sel``: the whole ``[T, k]`` selection
+        on the host; ``rec.live``: the live rows). They are no requests: the engine neither counts nor
+        fetches them. The call computes them from the host tier (in place on a CPU; on a GPU through the
+        work bank, bytes the engine does not count) so that every pad row is computed as the model computes
+        it: a live row shares each expert's GEMM with the pad rows that select that expert, and a GEMM's
+        row results depend in their last bits on its row count, so a pad row computed otherwise at one
+        layer routes elsewhere at the next and moves a live row's bits (measured on GPT-OSS at batch 4).
+        :func:`~.base.full_selection` says why pad outputs are harmless either way."""
+        pad = torch.ones(sel.shape[0], dtype=torch.bool)
+        pad[rec.live] = False
+        wanted = torch.unique(sel[pad]).tolist()
+        if not wanted:
+            return []
+        have = set(running)
+        have.update(host)
+        return [e for e in wanted if e not in have]
 
     # ---- checks and results -------------------------------------------------------------------------------
     def check_residency(self, contents: bool = True) -> None:
@@ -256,6 +282,7 @@ class Offload(Executor):
             "copy_gbps": m.bytes_moved / m.copy_s / 1e9 if m.copy_s > 0 else None,
             "throttled": bool(self.params.throttle),
             "host_computed_experts": place.host_runs,
+            "pad_host_experts": self.pad_host_runs,  # pad rows' own experts, computed as the model does
             "host_s": self.host_worker.busy_s,  # the host computing experts (execution.host_compute)
             "low_precision_runs": place.low_runs,  # experts run from a stored low-precision copy's bytes
         })

@@ -5,7 +5,7 @@ in place of the native views (nothing is swapped into the live parameters)."""
 
 from __future__ import annotations
 
-from .base import EXECUTION, Executor, upload
+from .base import EXECUTION, Executor, full_selection, upload
 from .kernel import expert_tensors, run_experts, views_of
 
 
@@ -20,8 +20,9 @@ class Simulated(Executor):
         if plan is None:
             return mod.inner(hidden, index, weights)
         dev = hidden.device
+        sel, w = full_selection(rec, plan.index, plan.weights)  # pad rows: the router's own (every expert is here)
         if not plan.precisions:
-            return mod.inner(hidden, upload(plan.index, dev), upload(plan.weights, dev))
+            return mod.inner(hidden, upload(sel, dev), upload(w, dev))
         stack = self.stack
         E = stack.geom.num_experts
         if self._views is None:
@@ -33,8 +34,12 @@ class Simulated(Executor):
         for e, prec in plan.precisions.items():
             for name, w in stack.store.weights(mod.layer, e, prec).items():
                 sources[name][e] = w
-        return run_experts(mod.inner, stack.adapter.experts_layout, hidden, upload(plan.index, dev),
-                           upload(plan.weights, dev), sources)
+        return run_experts(mod.inner, stack.adapter.experts_layout, hidden, upload(sel, dev), upload(w, dev),
+                           sources)
+
+    def run_idle(self, mod, hidden, index, weights):
+        """Every expert is on the device: the model's own outputs (generation stays the unhooked model's)."""
+        return mod.inner(hidden, index, weights)
 
 
 EXECUTION.register(Simulated)

@@ -9,7 +9,10 @@ Per MoE layer call (SpecMD Algorithm 1):
 2. the block calls its experts, replaced by :class:`SpecmdExperts`: the engine serves the layer call
    (cache, miss outcomes, prefetch, clock) and says how the experts run; the executor (``execution``:
    simulated or offload, :mod:`specmd.executor`) runs them;
-3. pre/post hooks on the decoder mark forward passes (prefill or decode).
+3. pre/post hooks on the decoder mark forward passes (prefill or decode) and find their live positions
+   (:mod:`.live`): a batch's pad positions and finished sequences are no requests, so the record holds the
+   live rows only (the device tensors keep every row; the executor is told which are live). A pass with no
+   live position at all is no pass: the engine never sees it.
 The hook decides no cache question; model structure comes from the family's adapter.
 """
 
@@ -48,12 +51,14 @@ class LiveSignal:
     (``out``: target -> (logits, index) on the host); another target is computed on first request and read
     back on its own (a second, counted synchronisation)."""
 
-    __slots__ = ("routers", "hidden", "out")
+    __slots__ = ("routers", "hidden", "out", "rows")
 
-    def __init__(self, routers, hidden: torch.Tensor, out: Optional[dict]):
+    def __init__(self, routers, hidden: torch.Tensor, out: Optional[dict], rows=None):
+        """``rows``: the call's live rows (host long), or None: every row is live."""
         self.routers = routers
         self.hidden = hidden
         self.out = out
+        self.rows = rows
 
     @torch.no_grad()
     def __call__(self, target: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +68,8 @@ class LiveSignal:
         if got is None:
             logits, _, index = self.routers[target].forward(self.hidden)
             got = (to_host(logits), to_host(index))
+            if self.rows is not None:
+                got = (got[0][self.rows], got[1][self.rows])
             if self.out is None:
                 self.out = {}
             self.out[target] = got
@@ -78,14 +85,20 @@ class HookRecord(LiveRecord):
     """A live layer call: the router's output on the host (read back once) and on the device (``device_index``,
     ``device_weights``: what the block passes to its experts; ``block_index``: None, or the selection the
     block passed instead, read on the host). Logits the stack did not read back are read on first use
-    (``_late``: the device tensor)."""
+    (``_late``: the device tensor).
 
-    __slots__ = ("device_index", "device_weights", "block_index", "_late")
+    In a batch with pad or finished rows the record holds the live rows only (what the engine and the
+    policies see); ``live`` is their row numbers in the block's ``[T, k]`` tensors (host long, ascending), and
+    ``full_index``/``full_weights`` the block's whole selection on the host (pad rows: the router's own; live
+    rows: what runs). ``live`` is None when every row is live (then the record's tensors are the block's)."""
+
+    __slots__ = ("device_index", "device_weights", "block_index", "_late", "live", "full_index", "full_weights")
 
     @property
     def logits(self) -> torch.Tensor:
         if self._logits is None and self._late is not None:
-            self._logits, self._late = to_host(self._late), None
+            late, self._late = to_host(self._late), None
+            self._logits = late if self.live is None else late[self.live]
         return LiveRecord.logits.fget(self)
 
 
@@ -133,6 +146,11 @@ class PolicyStack:
         # what every layer call reads back: the logits when a policy of the stack reads them (Policy.reads_logits)
         self.read_logits = any(getattr(spec, g)[0].reads_logits for g in GROUPS)
         self._writer = None
+        from .live import LiveTokens
+
+        self.live = LiveTokens()  # which positions of a pass are requests (a batch's pads and finished rows are not)
+        self._rows = None  # this pass's live rows (host long), or None: every row is live
+        self._idle = False  # this pass has no live position: no pass for the engine
         self._set_targets()
         self._handles = []
         self._originals = []
@@ -194,12 +212,20 @@ class PolicyStack:
         past = kwargs.get("past_key_values")
         past_len = int(past.get_seq_length()) if past is not None else 0
         kind = "decode" if past_len > 0 else "prefill"
-        self.executor.begin_pass(kind, batch * seq)
-        self.engine.begin_pass(kind, batch * seq, past_len + seq)
+        live = self.live.begin(batch, seq, past_len, kwargs.get("attention_mask"))
+        self._rows = live.rows
+        self._idle = live.tokens == 0
+        if self._idle:  # every sequence of the batch has finished: nothing here is a request
+            return
+        self.executor.begin_pass(kind, live.tokens)
+        self.engine.begin_pass(kind, live.tokens, live.context)
         if self.writer is not None:
-            self.writer.begin_pass(kind, batch * seq, past_len + seq)
+            self.writer.begin_pass(kind, live.tokens, live.context)
 
     def _pass_end(self, module, args, output):
+        if self._idle:
+            self._idle = False
+            return
         self.engine.end_pass()
         self.executor.end_pass()
         if self.writer is not None:
@@ -210,6 +236,8 @@ class PolicyStack:
         readback, device = self.readback, self.device
 
         def hook(module, args, output):
+            if self._idle:
+                return None
             logits, weights, index = output
             hidden = args[0]
             hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -221,15 +249,27 @@ class PolicyStack:
                 want += (t_logits, t_index)
             host = readback(layer, want)  # the layer call's one synchronisation
             n = len(want) - 2 * len(targets)
+            rows = self._rows
+            if rows is not None:  # a batch with pad or finished rows: the engine sees the live rows only
+                full = host
+                host = [h[rows] for h in host]
             signal = {t: (host[n + 2 * i], host[n + 2 * i + 1]) for i, t in enumerate(targets)} if targets else None
             rec = HookRecord(layer, host[2] if read_logits else None, host[1], host[0], scoring,
-                             LiveSignal(routers, hidden, signal))
+                             LiveSignal(routers, hidden, signal, rows))
             rec._late = None if read_logits else logits
             rec.device_index, rec.device_weights, rec.block_index = index, weights, None
+            rec.live = rows
+            if rows is not None:
+                rec.full_index, rec.full_weights = full[0], full[1]
             records[layer] = rec
             if engine.route(rec):  # the routing policy's selection (on the host) goes to the block's experts
-                rec.device_index = upload(rec.index, device)
-                rec.device_weights = upload(rec.weights, device)
+                sel, w = rec.index, rec.weights
+                if rows is not None:  # pad rows keep the router's own selection
+                    sel, w = rec.full_index.clone(), rec.full_weights.clone()
+                    sel[rows], w[rows] = rec.index, rec.weights
+                    rec.full_index, rec.full_weights = sel, w
+                rec.device_index = upload(sel, device)
+                rec.device_weights = upload(w, device)
                 return logits, rec.device_weights, rec.device_index
             return None
 
@@ -237,14 +277,21 @@ class PolicyStack:
 
     # ---- one MoE layer call ------------------------------------------------------------------------------
     def run_layer(self, mod: SpecmdExperts, hidden, index, weights):
+        if self._idle:  # no live position: no request, no engine (what the executor computes there is its own)
+            return self.executor.run_idle(mod, hidden, index, weights)
         rec = self.records[mod.layer]
         if self._writer is not None:
             self._writer.layer(rec)
         if index is rec.device_index and weights is rec.device_weights:
             plan = self.engine.layer(rec)  # the block passes what the router hook returned (every family does)
         else:  # it changed them: the engine and executor serve what it passes (read back: a second synchronisation)
-            rec.block_index = to_host(index)
-            plan = self.engine.layer(rec, rec.block_index, to_host(weights))
+            block_index, block_weights = to_host(index), to_host(weights)
+            rows = rec.live
+            if rows is not None:
+                rec.full_index, rec.full_weights = block_index, block_weights
+                block_index, block_weights = block_index[rows], block_weights[rows]
+            rec.block_index = block_index
+            plan = self.engine.layer(rec, block_index, block_weights)
         return self.executor.run(mod, hidden, index, weights, plan, rec)
 
 
