@@ -435,6 +435,14 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
     progress.stage = "write"
     t_end = time.perf_counter()
     results = collect(run, engine, tasks, t_end - t0, executor)
+    if stack is not None and stack.writer is not None and results.get("cache") is not None:
+        # the requests are known (the recorded routing): the oracle's hit rates beside the realized ones
+        from .replay.driver import changes_computation
+        from .replay.oracle import oracle_rates
+        from .replay.trace import read_trace
+
+        results["cache"]["oracle"] = oracle_rates(read_trace(run_dir / "trace"), run.spec,
+                                                  exact=not changes_computation(run.spec))
     # wall seconds of each stage of this process (start-up = the process's wall time - evaluate)
     results["wall_stages_s"] = {"load": t_load - t0, "stack": t_stack - t_load, "evaluate": t_end - t_stack}
     return _finish(results, engine, digest, run_dir, logger, progress)

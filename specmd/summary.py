@@ -69,6 +69,19 @@ def print_summary(results: dict, run_dir: str, console: Console | None = None) -
                  for k in ("prefill", "decode") if cache.get(f"{k}_hit_rate") is not None]
         if split:
             t.add_row("  by pass kind", ", ".join(split))
+        oracle = cache.get("oracle")
+        if oracle and oracle.get("hit_rate") is not None:
+            t.add_row("  oracle (Belady)", f"{oracle['hit_rate']:.4f}  (same requests, capacity and batch"
+                                           f"{'' if oracle.get('exact', True) else '; of the replayed requests'})")
+        union = cache.get("union") or {}
+        for kind in ("decode", "prefill"):
+            u = union.get(kind)
+            if u:
+                d = u["distinct_per_layer"]
+                t.add_row(f"{kind} union", f"{d['mean']:.1f} experts/layer/step (p95 {d['p95']:.1f}, "
+                          f"{u['fraction']:.0%} of the layer) at {u['tokens_per_step']:.1f} tokens/step; independent "
+                          f"routing {u['independent_per_layer']:.1f}; {u['loads_per_token']:.2f} loads/token")
+                break
         t.add_row("collision misses", str(cache["collision_misses"]))
         t.add_row("evictions", str(cache["evictions"]))
         t.add_row("prefetch issued / used", f"{cache['prefetch_issued']} / {cache['prefetch_used']}")

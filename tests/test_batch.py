@@ -276,3 +276,57 @@ def test_lm_eval_batches_count_live_tokens_and_stay_lossless(mirror):
 
 def make(model):
     return install(model, _spec(capacity=0.1))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# union accounting and the oracle, hand-worked
+# ---------------------------------------------------------------------------------------------------------
+
+def _batched_trace():
+    """Two MoE layers, 4 experts, top-2. Pass 0 (prefill, 3 tokens); pass 1 (decode, 2 live tokens): layer 0
+    rows [0,1],[1,2] -> union {0,1,2}; layer 1 [3,0],[3,0] -> {0,3}. Pass 2 (decode, 1 token): [0,1] -> 2,
+    [2,3] -> 2."""
+    import numpy as np
+
+    from specmd.engine import Geometry
+    from specmd.engine.store import StoreSizes
+    from specmd.replay.trace import Trace, TraceMeta, full_calls
+
+    passes = np.array([[0, 3, 3], [1, 2, 4], [1, 1, 5]], dtype=np.int64)
+    rows = [[0, 1], [2, 3], [1, 2],  [0, 1], [0, 1], [0, 1],  # prefill: layer 0, layer 1
+            [0, 1], [1, 2], [3, 0], [3, 0],  # decode 1
+            [0, 1], [2, 3]]  # decode 2
+    geom = Geometry(num_layers=2, num_experts=4, top_k=2, expert_bytes=100, total_bytes=800)
+    meta = TraceMeta(geometry=geom, store=StoreSizes(16, 100, {}), logits="none", source={"format": "test"})
+    return Trace(meta=meta, passes=passes, calls=full_calls(passes, 2), index=np.asarray(rows, dtype=np.uint8))
+
+
+def test_union_accounting_on_a_hand_worked_trace():
+    trace = _batched_trace()
+    spec = spec_of(prefetch="none", hardware=HardwareConfig(experts_per_layer=2, scope="per_layer"))
+    u = run_replay(trace, spec).results()["cache"]["union"]
+    d = u["decode"]
+    assert d["steps"] == 2 and d["tokens_per_step"] == 1.5
+    assert d["distinct_per_layer"] == {"mean": 2.25, "p50": 2.25, "p95": pytest.approx(2.475)}  # steps: 2.5, 2.0
+    assert d["fraction"] == 2.25 / 4
+    assert d["independent_per_layer"] == pytest.approx((4 * (1 - 0.5 ** 2) + 2) / 2)  # b=2: 3; b=1: 2
+    assert d["sharing"] == pytest.approx(1 - 2.25 / 2.5)
+    assert d["loads_per_token"] == 9 / 3  # 5 + 4 distinct experts over 3 live tokens
+    p = u["prefill"]  # layer 0: {0,1,2,3} = 4; layer 1: {0,1} = 2
+    assert p["steps"] == 1 and p["distinct_per_layer"]["mean"] == 3.0 and p["loads_per_token"] == 2.0
+    assert u["by_layer"] == [(4 + 3 + 2) / 3, (2 + 2 + 2) / 3]
+    assert u["bytes_per_token"] == 100 * run_replay(trace, spec).results()["cache"]["misses"] / 6
+
+
+def test_the_oracle_is_belady_on_the_same_requests():
+    from specmd.replay.oracle import oracle_rates
+
+    trace = _batched_trace()
+    spec = spec_of(prefetch="none", hardware=HardwareConfig(experts_per_layer=2, scope="per_layer"))
+    lru = run_replay(trace, spec).results()["cache"]
+    bel = run_replay(trace, spec_of(eviction="belady", prefetch="none",
+                                    hardware=HardwareConfig(experts_per_layer=2, scope="per_layer"))).results()["cache"]
+    got = oracle_rates(trace, spec)
+    assert got["eviction"] == "belady" and got["exact"] is True
+    assert got["hit_rate"] == bel["hit_rate"] >= lru["hit_rate"]
+    assert got["decode_hit_rate"] == bel["decode_hit_rate"]

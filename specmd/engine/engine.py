@@ -27,6 +27,7 @@ from .clock import Clock, SimClock
 from .geometry import Geometry, pool_capacities, timed_as
 from .outcomes import Execution
 from .store import StoreSizes
+from .union import union_section
 
 GROUPS = ("routing", "miss", "eviction", "prefetch")
 
@@ -314,6 +315,7 @@ class Engine:
         summary["measured_passes"] = cache.measure
         summary["timing_geometry"] = self.timing_as or "model"
         summary["prefetch_lateness"] = self._lateness(summary)
+        summary["union"] = union_section(st, g.num_layers, g.num_experts, g.top_k, cache.measure)
         timing = st.timing(self.clock.name)
         timing.update(self.clock.busy())  # every pass's, as total_s (a measure=decode run too)
         timing.update(self._fetch_bounds())

@@ -132,8 +132,17 @@ def default_metrics(jobs: list) -> list:
     metrics = [("hit %", "cache.hit_rate"), ("in-cache %", "cache.in_cache_rate"),
                ("collision %", "cache.collision_rate"), ("TTFT (ms)", "timing.ttft_s * 1000"),
                ("TPOT (ms)", "timing.tpot_s * 1000"), ("decode tok/s", "timing.decode_tokens_per_s")]
-    tasks = dict.fromkeys(t for j in jobs if j.status == "ok" and isinstance(j.results.get("tasks"), dict)
-                          for t in j.results["tasks"])
+    ok = [j for j in jobs if j.status == "ok"]
+    # beside the realized hit rate, the oracle's (Belady on the same requests), and each step's union against
+    # independent routing: where any run has them (a replay; a live run that recorded its routing)
+    cache = [j.results.get("cache") or {} for j in ok]
+    if any((c.get("oracle") or {}).get("hit_rate") is not None for c in cache):
+        metrics.insert(1, ("oracle hit %", "cache.oracle.hit_rate"))
+    if any(((c.get("union") or {}).get("decode") or {}).get("tokens_per_step", 0) > 1 for c in cache):
+        metrics += [("decode batch", "cache.union.decode.tokens_per_step"),
+                    ("experts/layer/step", "cache.union.decode.distinct_per_layer.mean"),
+                    ("independent", "cache.union.decode.independent_per_layer")]
+    tasks = dict.fromkeys(t for j in ok if isinstance(j.results.get("tasks"), dict) for t in j.results["tasks"])
     for task in tasks:
         if task in QUALITY:
             metrics.append((f"{task} {QUALITY[task][0]}", f"tasks.{task}.{QUALITY[task][0]}"))
