@@ -18,6 +18,11 @@ libCacheSim's own C replay loop on the same problem, the live run of the same co
    rates must be equal, and the benchmark checks they are before it prints a speed ratio.
 4. The sweep: every eviction policy but ``ml`` x 10 capacities over the tiled trace, the configurations
    split over the cores, each process decoding the trace once and replaying its configurations on it.
+5. Batched replay (``--batch``, default 32; 0 skips): a trace of requests made from the live run's (its
+   prefill, then a window of its decode passes of 16..96 steps, each request's expert ids rotated so that
+   batch-mates differ), >= --requests expert requests at batch 1, replayed as recorded and composed at
+   ``replay.batch=B`` and ``replay.concurrency=B`` (specmd.replay.batching): the seconds to compose, the
+   replay's expert requests per second beside batch 1's, and their ratio.
 """
 
 from __future__ import annotations
@@ -68,6 +73,69 @@ def tile_decode(trace: Trace, requests: int) -> Trace:
     meta = dataclasses.replace(trace.meta, depth=0)
     return Trace(meta=meta, passes=passes, calls=full_calls(passes, L), index=np.asarray(trace.index[rows]),
                  weights=None, logits=np.asarray(trace.logits[rows]), path="tiled")
+
+
+def request_trace(trace: Trace, requests: int, seed: int = 0) -> Trace:
+    """Requests made from ``trace``'s first prefill and its decode passes, until the trace holds >= ``requests``
+    expert requests: request i is the prefill, then decode passes ``o_i .. o_i + d_i - 1`` (cyclically; d_i in
+    16..96), every expert id rotated by ``s_i`` (the router's structure kept, batch-mates made to differ)."""
+    L, E = trace.meta.geometry.num_layers, trace.meta.geometry.num_experts
+    dec = np.flatnonzero(trace.passes[:, 0] == 1)
+    pre = int(np.flatnonzero(trace.passes[:, 0] == 0)[0])
+    prompt = int(trace.passes[pre, 1])
+    first_row = np.concatenate(([0], np.cumsum(trace.passes[:, 1] * L)))
+    per_dec = sum(len(np.unique(trace.index[trace.calls[p * L + l, 2]])) for p in dec for l in range(L)) / len(dec)
+    per_pre = sum(len(np.unique(trace.index[first_row[pre] + l * prompt:first_row[pre] + (l + 1) * prompt]))
+                  for l in range(L))
+    rng = np.random.default_rng(seed)
+    plist, shifts, kinds, ctx, total = [], [], [], [], 0.0
+    while total < requests:
+        d = int(rng.integers(16, 97))
+        o = int(rng.integers(len(dec)))
+        plist.append(np.concatenate(([pre], dec[(o + np.arange(d)) % len(dec)])))
+        shifts.append(int(rng.integers(E)))
+        kinds.append(np.r_[0, np.ones(d, dtype=np.int64)])
+        ctx.append(np.r_[prompt, prompt + 1 + np.arange(d)])
+        total += per_pre + per_dec * d
+    src = np.concatenate(plist)
+    tokens = trace.passes[src, 1]
+    rows = np.repeat(first_row[src] - np.concatenate(([0], np.cumsum(tokens * L)[:-1])), tokens * L) + \
+        np.arange(int((tokens * L).sum()))
+    shift = np.repeat(np.repeat(shifts, [len(p) for p in plist]), tokens * L)
+    passes = np.stack([np.concatenate(kinds), tokens, np.concatenate(ctx)], 1).astype(np.int64)
+    index = ((np.asarray(trace.index[rows], dtype=np.int64) + shift[:, None]) % E).astype(trace.index.dtype)
+    logits = np.take_along_axis(np.asarray(trace.logits[rows]), (np.arange(E)[None, :] - shift[:, None]) % E, 1)
+    meta = dataclasses.replace(trace.meta, depth=0)
+    return Trace(meta=meta, passes=passes, calls=full_calls(passes, L), index=index, weights=None, logits=logits,
+                 path="requests")
+
+
+def batched(trace: Trace, batch: int, hw, requests: int) -> None:
+    """Section 5: the request trace replayed at batch 1, composed at ``replay.batch=batch`` and at
+    ``replay.concurrency=batch`` (lru, prefetch=none)."""
+    from specmd.replay.batching import compose_trace
+
+    reqs = request_trace(trace, requests)
+    spec = spec_of(eviction="lru", prefetch="none", hardware=hw)
+    n_req = int((reqs.passes[:, 0] == 0).sum())
+    print(f"batched replay: {n_req} requests (a prefill of {int(reqs.passes[0, 1])} tokens, 16..96 decode "
+          f"steps), lru, prefetch=none")
+    print(f"{'replay':<16} {'passes':>7} {'requests':>9} {'compose s':>9} {'replay s':>8} {'M req/s':>8} "
+          f"{'hit rate':>9} {'vs B=1':>7}")
+    base = None
+    for label, how in (("as recorded", None), (f"batch={batch}", dict(batch=batch)),
+                       (f"concurrency={batch}", dict(concurrency=batch))):
+        t0 = time.perf_counter()
+        tr = reqs if how is None else compose_trace(reqs, **how)
+        dc = time.perf_counter() - t0
+        engine, ptr, experts = build_engine(tr, spec)
+        t0 = time.perf_counter()
+        res = run_replay(tr, spec, engine, ptr, experts).results()
+        dt = time.perf_counter() - t0
+        speed = len(experts) / dt
+        base = base or speed
+        print(f"{label:<16} {len(tr.passes):>7} {len(experts):>9} {dc:>9.3f} {dt:>8.2f} {speed / 1e6:>8.3f} "
+              f"{res['cache']['hit_rate']:>9.4f} {speed / base:>7.2f}")
 
 
 class ServeOrder:
@@ -160,6 +228,8 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--procs", type=int, default=os.cpu_count() or 1, help="processes of the sweep")
     ap.add_argument("--compare-pure", action="store_true", help="also run this benchmark with SPECMD_PURE_PYTHON=1")
+    ap.add_argument("--batch", type=int, default=32, help="batched replay at this batch/concurrency (0: skip)")
+    ap.add_argument("--only-batch", action="store_true", help="only the live run and the batched replay (5)")
     args = ap.parse_args()
     from specmd import native
 
@@ -181,6 +251,9 @@ def main():
         print(f"live run (embedded model, lru, prefetch=none, capacity {args.capacity}): {n} requests, "
               f"{wall:.2f} s = {n / wall / 1e3:.1f} k req/s; replay of its trace {rwall * 1e3:.1f} ms = "
               f"{n / rwall / 1e6:.3f} M req/s ({wall / rwall:.0f}x faster; cache and timing identical)")
+    if args.only_batch:
+        batched(trace, args.batch, hw, args.requests)
+        return
     # 2. every policy on the tiled trace
     big = tile_decode(trace, args.requests)
     spec0 = spec_of(eviction="lru", prefetch="none", hardware=hw)
@@ -221,6 +294,9 @@ def main():
         dt, res = sweep(big, pols, caps, args.procs)
         print(f"sweep: {len(res)} configurations ({len(pols)} evictions x {len(caps)} capacities) over "
               f"{len(experts)} requests on {args.procs} processes: {dt:.1f} s")
+    # 5. batched and continuous-batching replay composed from the batch-1 requests
+    if args.batch > 0:
+        batched(trace, args.batch, hw, args.requests)
     if args.compare_pure:
         import subprocess
         import sys

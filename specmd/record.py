@@ -10,7 +10,9 @@ replays the same trace. The key hashes everything that decides the routing and n
 
 * the model config and the fingerprint of its weight files (a retrained checkpoint gets a new trace; a hub
   id not downloaded here is keyed by name and revision, with a warning);
-* the ``eval`` and ``data`` sections (tasks, limit, few-shot, generation length, seed, the mirror);
+* the ``eval`` and ``data`` sections (tasks, limit, few-shot, generation length, seed, the mirror; a replay
+  composed at ``replay.batch`` > 1 or a ``replay.concurrency`` records at ``eval.batch_size=1``, the trace
+  its composition needs: :mod:`specmd.replay.batching`);
 * the ``quant`` section as resolved for the run's miss policy (a cascade needs the quantized byte sizes,
   so ``quant=auto`` with precisions records as ``hqq`` with them);
 * ``trace.depth`` and ``trace.logits`` (what the prefetch and routing policies read); the device;
@@ -58,6 +60,11 @@ def recording_config(raw: dict) -> dict:
         # it would store none of them, and the replay needs their byte sizes: store them explicitly
         quant["name"] = "hqq"
     cfg["quant"] = quant
+    rp = raw.get("replay") or {}
+    if int(rp.get("batch") or 1) > 1 or rp.get("concurrency") is not None:
+        # a batched or continuous replay composes the recording's requests (specmd.replay.batching), which
+        # needs one request per pass: recorded at batch 1, whatever batch the live runs use
+        cfg["eval"] = {**(cfg.get("eval") or {}), "batch_size": 1}
     cfg["replay"] = {"trace": None}
     cfg["logger"] = {"name": "none"}
     return cfg

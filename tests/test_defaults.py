@@ -75,3 +75,13 @@ def test_the_policy_families_are_the_engines_groups():
     assert set(GROUPS) <= set(shipped.defaults())  # each family a config group with a default option
     assert all(REGISTRIES[g].family == g for g in GROUPS)
     assert all(g in {f.name for f in fields(StackSpec)} for g in GROUPS)
+
+
+def test_replay_defaults_are_config_yamls():
+    """The ``replay`` section: every ReplayConfig field shown in conf/config.yaml with its default."""
+    from specmd.replay.driver import ReplayConfig
+
+    yaml = shipped.load("config")["replay"]
+    assert {f.name for f in fields(ReplayConfig)} == set(yaml)
+    default = ReplayConfig()
+    assert {k: getattr(default, k) for k in yaml} == yaml

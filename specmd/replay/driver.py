@@ -41,7 +41,10 @@ class ReplayConfig:
     ``format``, and for imports the geometry the file lacks: ``num_experts``, ``expert_bytes``,
     ``model_bytes``, or ``model`` (a ``model`` config name, e.g. ``olmoe``: its geometry -- expert and model
     bytes, the roofline's dense parameters -- is read from its config without loading weights).
-    ``reuse_horizon``: also measure the trace's reuse probability by score rank (:mod:`.analysis`)."""
+    ``reuse_horizon``: also measure the trace's reuse probability by score rank (:mod:`.analysis`).
+    ``oracle``: also replay Belady on the same requests (``cache.oracle``: :mod:`.oracle`).
+    ``batch`` / ``concurrency`` (with ``arrival_rate`` and ``seed``): replay the batch-1 trace's requests as
+    a static batch of that size or continuously batched over that many slots (:mod:`.batching`)."""
 
     trace: Optional[str] = None
     format: str = "specmd"
@@ -51,6 +54,11 @@ class ReplayConfig:
     expert_bytes: Optional[int] = None
     model_bytes: Optional[int] = None
     model: Optional[str] = None
+    oracle: bool = True
+    batch: int = 1
+    concurrency: Optional[int] = None
+    arrival_rate: Optional[float] = None
+    seed: int = 0
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -61,9 +69,69 @@ class ReplayConfig:
             v = getattr(self, key)
             if v is not None and v < 1:
                 raise ConfigError(f"replay.{key}={v} must be >= 1")
+        self.check_batching()
+
+    def check_batching(self) -> None:
+        """The batching keys, before any trace is read (:mod:`.batching`)."""
+        import math
+
+        if self.batch < 1:
+            raise ConfigError(f"replay.batch={self.batch}: valid choices are whole numbers >= 1 (requests per "
+                              f"static batch; 1 = the trace as recorded)")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ConfigError(f"replay.concurrency={self.concurrency}: valid choices are null (no continuous "
+                              f"batching) or whole numbers >= 1 (slots)")
+        if self.concurrency is not None and self.batch > 1:
+            raise ConfigError(f"replay.batch={self.batch} and replay.concurrency={self.concurrency}: a replay is "
+                              f"either statically batched (replay.batch > 1) or continuously batched "
+                              f"(replay.concurrency), not both; set the other to its default (1 / null)")
+        if self.arrival_rate is not None:
+            if not math.isfinite(self.arrival_rate) or self.arrival_rate <= 0:
+                raise ConfigError(f"replay.arrival_rate={self.arrival_rate}: valid choices are null (every request "
+                                  f"waiting at the start) or a finite number > 0 (mean arrivals per engine step)")
+            if self.concurrency is None:
+                raise ConfigError(f"replay.arrival_rate={self.arrival_rate} needs replay.concurrency (arrivals "
+                                  f"are continuous batching's; replay.concurrency is null)")
+        if self.composes and not self.trace:
+            what = f"replay.batch={self.batch}" if self.batch > 1 else f"replay.concurrency={self.concurrency}"
+            raise ConfigError(f"{what} composes a replay from a batch-1 trace, and replay.trace is null (a live "
+                              f"run batches with eval.batch_size)")
+
+    @property
+    def composes(self) -> bool:
+        """Whether the replay is composed from the trace's requests (:mod:`.batching`)."""
+        return self.batch > 1 or self.concurrency is not None
 
 
 def open_trace(rc: ReplayConfig) -> Trace:
+    """The trace ``rc`` names, read or imported, and composed at ``rc``'s batch or concurrency."""
+    trace = _open(rc)
+    if not rc.composes:
+        return trace
+    from .batching import compose_trace
+
+    recorded_batch = _recorded_batch_size(trace)
+    if recorded_batch is not None and recorded_batch > 1:
+        raise ConfigError(f"replay.batch={rc.batch}, replay.concurrency={rc.concurrency}: the trace {trace.path} was "
+                          f"recorded at eval.batch_size={recorded_batch}, so its passes are batches already, not "
+                          f"single requests; composition needs a trace recorded at eval.batch_size=1")
+    return compose_trace(trace, rc.batch, rc.concurrency, rc.arrival_rate, rc.seed)
+
+
+def _recorded_batch_size(trace: Trace) -> Optional[int]:
+    """``eval.batch_size`` of the live run that recorded ``trace`` (its ``results.json`` beside the trace
+    directory), or None when that is not known (an import, a trace moved away from its run)."""
+    if trace.meta.imported:
+        return None
+    recorded = Path(trace.path).parent / "results.json"
+    try:
+        size = json.loads(recorded.read_text())["config"]["eval"]["batch_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return size if isinstance(size, int) else None
+
+
+def _open(rc: ReplayConfig) -> Trace:
     import os
 
     if not os.path.exists(rc.trace):
@@ -291,6 +359,11 @@ def exactness(trace: Trace, spec) -> list[str]:
     reasons += changes_computation(spec)
     if trace.meta.logits != "fp32":
         reasons.append(f"router logits recorded as {trace.meta.logits}")
+    b = trace.batching
+    if b and b["steps"] < b["passes"]:  # some step holds several requests (none does: the trace as recorded)
+        from .batching import INEXACT
+
+        reasons.append(INEXACT)
     return reasons
 
 
@@ -371,6 +444,17 @@ def run_replay(trace: Trace, spec, engine=None, ptr=None, experts=None) -> Engin
     return engine
 
 
+def batching_section(trace: Trace) -> dict:
+    """The results' ``replay.batching``: how the replayed passes were composed (:mod:`.batching`), or mode
+    None for the passes as recorded."""
+    from .batching import requests_in
+
+    if trace.batching:
+        return {k: trace.batching[k] for k in ("mode", "batch", "concurrency", "arrival_rate", "requests", "steps")}
+    return {"mode": None, "batch": 1, "concurrency": None, "arrival_rate": None, "requests": requests_in(trace),
+            "steps": int(len(trace.passes))}
+
+
 def replay(run, run_dir) -> tuple[dict, Engine]:
     """One replay run (from :func:`specmd.app.execute`): results.json's dict."""
     t0 = time.perf_counter()
@@ -398,10 +482,15 @@ def replay(run, run_dir) -> tuple[dict, Engine]:
         "trace": str(trace.path), "format": run.replay.format, "exact": not reasons, "inexact_because": reasons,
         "passes": int(len(trace.passes)), "layer_calls": int(len(trace.calls)), "requests": int(len(experts)),
         "notes": list(trace.notes), "source": trace.meta.source,
-        "tasks_from": str(recorded) if tasks else None,
+        "tasks_from": str(recorded) if tasks else None, "batching": batching_section(trace),
     }}
     if run.replay.reuse_horizon:
         from .analysis import reuse_by_rank
 
         sections["analysis"] = {"reuse_by_rank": reuse_by_rank(trace, int(run.replay.reuse_horizon))}
-    return assemble(config, tasks, wall_s, provenance(trace_path=trace.path), engine, **sections), engine
+    results = assemble(config, tasks, wall_s, provenance(trace_path=trace.path), engine, **sections)
+    if run.replay.oracle:  # the requests are known: Belady's hit rates beside the realized ones
+        from .oracle import oracle_rates
+
+        results["cache"]["oracle"] = oracle_rates(trace, spec, ptr, experts, exact=not reasons)
+    return results, engine

@@ -110,7 +110,8 @@ class Trace:
     tokens): the layer calls in execution order (a specmd trace has every MoE layer in every pass; an
     import may lack some). ``index`` [R, k] the router's own top-k per row; ``weights`` [R, k] or None;
     ``logits`` [R, E] or None; ``signal_index`` [R, D, k] / ``signal_logits`` [R, D, E] or None (depth 0).
-    ``meta``: :class:`TraceMeta` (geometry, store, scoring, depth, logits, source).
+    ``meta``: :class:`TraceMeta` (geometry, store, scoring, depth, logits, source). ``batching``: set on a
+    trace composed at a batch size or concurrency (:mod:`specmd.replay.batching`), else None.
     """
 
     meta: TraceMeta
@@ -123,6 +124,9 @@ class Trace:
     signal_logits: Optional[np.ndarray] = None
     path: str = ""
     notes: list = field(default_factory=list)  # what an importer skipped or assumed (reported in results)
+    # how the passes were composed from a batch-1 trace's requests (:mod:`specmd.replay.batching`: the
+    # results' ``replay.batching``); None: the passes as recorded
+    batching: Optional[dict] = None
 
     @property
     def depth(self) -> int:

@@ -37,6 +37,18 @@ class RoutingPolicy(Policy):
         return record.scoring.weigh(record.probs, index)
 
 
+def weigh_kept(record: Any, index: torch.Tensor, void: Any) -> torch.Tensor:
+    """Dual-logit weights of a selection whose ``void`` [T, k] slots are empty (or None: none is): each kept
+    slot gets its original probability, renormalised the family's way over the token's *kept* slots only
+    (``Scoring.weigh``, so a family that renormalises its top-k renormalises over fewer experts, one that
+    does not keeps the raw probabilities), an empty slot 0. Empty slots read a zero-probability column."""
+    probs = record.probs
+    if void is None:
+        return record.scoring.weigh(probs, index)
+    padded = torch.cat([probs, probs.new_zeros(probs.shape[0], 1)], dim=-1)  # column E: probability 0
+    return record.scoring.weigh(padded, index.masked_fill(void, probs.shape[-1]))
+
+
 def cache_mask(record: Any, cache: Any) -> torch.Tensor:
     """``[E]`` bool: experts of the record's layer that are in the cache (arrived or on their way)."""
     mask = record.logits.new_zeros(record.logits.shape[-1], dtype=torch.bool)
