@@ -437,8 +437,7 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
     results = collect(run, engine, tasks, t_end - t0, executor)
     if stack is not None and stack.writer is not None and results.get("cache") is not None:
         # the requests are known (the recorded routing): the oracle's hit rates beside the realized ones
-        from .replay.driver import changes_computation
-        from .replay.oracle import oracle_rates
+        from .replay.driver import changes_computation, oracle_rates
         from .replay.trace import read_trace
 
         results["cache"]["oracle"] = oracle_rates(read_trace(run_dir / "trace"), run.spec,

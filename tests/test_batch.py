@@ -319,7 +319,7 @@ def test_union_accounting_on_a_hand_worked_trace():
 
 
 def test_the_oracle_is_belady_on_the_same_requests():
-    from specmd.replay.oracle import oracle_rates
+    from specmd.replay.driver import oracle_rates
 
     trace = _batched_trace()
     spec = spec_of(prefetch="none", hardware=HardwareConfig(experts_per_layer=2, scope="per_layer"))

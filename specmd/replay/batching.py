@@ -17,14 +17,18 @@ as an ordinary :class:`~specmd.replay.trace.Trace`, so the replay driver, the en
   if requests are waiting and slots are free the step is a prefill of the admitted requests' prompts (all
   that fit, in trace order), otherwise a decode step of every running request's next decode pass; a request
   leaves when its decode passes are exhausted (one with none, a loglikelihood window, right after its
-  prefill). Prefill and decode never share a step (v0 without chunked prefill). Arrivals: all requests
-  waiting at the start, or (``replay.arrival_rate``) a seeded Poisson process of that mean per engine step;
-  a step with nothing running and nothing arrived skips to the next arrival (no empty passes).
+  prefill). Prefill and decode never share a step (v0 without chunked prefill); "fit" counts slots only
+  (v0's token budget per step, ``max_num_batched_tokens``, is not modelled: a prefill step may hold C
+  prompts). Arrivals: all requests waiting at the start, or (``replay.arrival_rate``) a seeded Poisson
+  process of that mean per engine step; a step with nothing running and nothing arrived skips to the next
+  arrival (no empty passes).
 
 A composed pass's layer call holds its members' rows of that layer, members in order (trace order), as the
 batch's flattened rows are ordered live; a pass has every layer any member had (an import may lack some:
 such a member contributes no rows there, and a call of no rows is not emitted). Its ``tokens`` are the
-members' (live tokens only) and its ``context`` is :func:`batched_context` of theirs. Every array is
+members' (live tokens only) and its ``context`` is :func:`batched_context` of theirs (the one rule, in
+:mod:`specmd.engine.batch`, that the live hook records for a live batched pass too; importable from here
+as well; :func:`batched_contexts` is its vectorised twin, held to the same integers). Every array is
 gathered with one row permutation: nothing loops per row in Python, and the continuous schedule loops once
 per admission, departure or arrival, never per step or row.
 
@@ -161,7 +165,7 @@ def continuous_schedule(trace: Trace, concurrency: int, arrival_rate: Optional[f
     step each request arrives at, non-decreasing (a serving log's), instead of :func:`arrivals`' draw.
 
     The loop runs once per event -- an admission (one prefill step), a run of decode steps up to the next
-    departure or arrival, a jump over idle time -- so at most ~3 iterations per request. Running requests
+    departure or arrival, a jump over idle time -- so at most 4 iterations per request. Running requests
     are kept as the decode count at which each finishes (a heap); a request admitted after ``d0`` decode
     steps runs in decode steps ``d0 .. d0 + decodes - 1``, so its j-th decode pass is the composed step of
     the ``(d0 + j)``-th decode step: placed afterwards with one ``searchsorted``."""

@@ -13,6 +13,7 @@ results say ``exact: false`` with the reasons.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import time
@@ -42,7 +43,7 @@ class ReplayConfig:
     ``model_bytes``, or ``model`` (a ``model`` config name, e.g. ``olmoe``: its geometry -- expert and model
     bytes, the roofline's dense parameters -- is read from its config without loading weights).
     ``reuse_horizon``: also measure the trace's reuse probability by score rank (:mod:`.analysis`).
-    ``oracle``: also replay Belady on the same requests (``cache.oracle``: :mod:`.oracle`).
+    ``oracle``: also replay Belady on the same requests (``cache.oracle``: :func:`oracle_rates`).
     ``batch`` / ``concurrency`` (with ``arrival_rate`` and ``seed``): replay the batch-1 trace's requests as
     a static batch of that size or continuously batched over that many slots (:mod:`.batching`)."""
 
@@ -490,7 +491,33 @@ def replay(run, run_dir) -> tuple[dict, Engine]:
         sections["analysis"] = {"reuse_by_rank": reuse_by_rank(trace, int(run.replay.reuse_horizon))}
     results = assemble(config, tasks, wall_s, provenance(trace_path=trace.path), engine, **sections)
     if run.replay.oracle:  # the requests are known: Belady's hit rates beside the realized ones
-        from .oracle import oracle_rates
-
         results["cache"]["oracle"] = oracle_rates(trace, spec, ptr, experts, exact=not reasons)
     return results, engine
+
+
+# The oracle beside a realized hit rate: Belady's eviction on the same requests, at the same capacity and batch,
+# the rest of the stack unchanged (docs/semantics.md "Batches and concurrency"). Users compare what a policy
+# realized with what no policy can beat: the gap says where a better eviction policy could still help. Belady
+# needs the future, so the oracle exists wherever the requests are known: a replay, and a live run that
+# recorded its routing (trace.save=true), whose trace is replayed once more under Belady.
+ORACLE_KEYS = ("hit_rate", "in_cache_rate", "prefill_hit_rate", "decode_hit_rate")
+
+
+def oracle_rates(trace, spec, ptr=None, experts=None, exact: bool = True) -> dict:
+    """``cache.oracle`` of a run: ``{"eviction": "belady", "hit_rate", "in_cache_rate", "prefill_hit_rate",
+    "decode_hit_rate", "exact"}`` -- the stack ``spec`` with its eviction replaced by Belady, replayed on
+    ``trace`` (``ptr``/``experts``: the requests per call an earlier replay of the trace made, reused).
+    ``exact``: the replay reproduces the run's requests (false for a composed batch or a lossy stack: then
+    the oracle is of the replayed requests). A stack Belady cannot run with (its config error) gives
+    ``{"eviction": "belady", "error": ...}`` instead of rates: an oracle never fails a run."""
+    from ..policies.eviction import EVICTION
+
+    try:
+        ospec = dataclasses.replace(spec, eviction=EVICTION.params({"name": "belady"}))
+        engine, ptr, experts = build_engine(trace, ospec, ptr, experts)
+        run_replay(trace, ospec, engine, ptr, experts)
+    except ConfigError as exc:
+        return {"eviction": "belady", "error": str(exc)}
+    cache = engine.results()["cache"]
+    out = {"eviction": "belady", **{k: cache.get(k) for k in ORACLE_KEYS}, "exact": bool(exact)}
+    return out
