@@ -24,6 +24,25 @@ def pytest_sessionfinish(session, exitstatus):
 
 from specmd.models.adapters import families  # noqa: E402 -- after SPECMD_CACHE is set
 
+
+def _absl_never_closes_the_capture():
+    """absl's logging handler (imported with lm-eval's ROUGE metric, TruthfulQA's) writes to the ``sys.stderr``
+    of its import, and closes that stream when logging is reconfigured unless it is the ``sys.stderr`` of
+    that moment. In a test that is pytest's capture file, and a later in-process Hydra run (``specmd run
+    --help`` under capsys: Hydra's dictConfig shuts every handler down) closed it: pytest then lost its
+    stderr and the session died mid-way. A user's process never swaps stderr; the tests' does. absl's
+    handler writes to the process's own stderr instead (which capture redirects at the descriptor)."""
+    import sys
+
+    try:
+        from absl import logging as absl_logging
+    except ImportError:
+        return
+    absl_logging.get_absl_handler().python_handler.setStream(sys.__stderr__)
+
+
+_absl_never_closes_the_capture()
+
 FAMILIES = families()  # every family with an adapter, in its order (tests parametrise over it)
 
 
