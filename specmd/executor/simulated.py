@@ -20,9 +20,9 @@ class Simulated(Executor):
         if plan is None:
             return mod.inner(hidden, index, weights)
         dev = hidden.device
-        sel, w = full_selection(rec, plan.index, plan.weights)  # pad rows: the router's own (every expert is here)
+        sel, sel_w = full_selection(rec, plan.index, plan.weights)  # pad rows: the router's own (every expert is here)
         if not plan.precisions:
-            return mod.inner(hidden, upload(sel, dev), upload(w, dev))
+            return mod.inner(hidden, upload(sel, dev), upload(sel_w, dev))
         stack = self.stack
         E = stack.geom.num_experts
         if self._views is None:
@@ -34,7 +34,7 @@ class Simulated(Executor):
         for e, prec in plan.precisions.items():
             for name, w in stack.store.weights(mod.layer, e, prec).items():
                 sources[name][e] = w
-        return run_experts(mod.inner, stack.adapter.experts_layout, hidden, upload(sel, dev), upload(w, dev),
+        return run_experts(mod.inner, stack.adapter.experts_layout, hidden, upload(sel, dev), upload(sel_w, dev),
                            sources)
 
     def run_idle(self, mod, hidden, index, weights):
