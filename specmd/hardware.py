@@ -80,6 +80,11 @@ class HardwareConfig:
     # {"prefetch/score": 180.0}. Policies run in Python between the router and the experts, serial with
     # compute on a CPU and on a GPU alike; ``specmd calibrate`` times each built-in one. Empty: free.
     policy_overhead_us: dict = field(default_factory=dict)
+    # Layer streaming (docs/semantics.md "Layer streaming"): a layer call requesting at least this fraction of
+    # its layer's experts (a prefill, a large batch) brings its misses through a double-buffered staging area
+    # outside the capacity instead of the cache, and the next layer's missing experts move while it computes.
+    # null: never (the papers' accounting, and the default: docs/semantics.md says why).
+    stream_layers: Optional[float] = _P.get("stream_layers")
 
     def __post_init__(self) -> None:
         for f in fields(self):  # also when built in code, not from a config (whose floats check_type checked)
@@ -91,6 +96,10 @@ class HardwareConfig:
         if epl is not None and not (0 < epl < 1 or (epl >= 1 and float(epl).is_integer())):
             raise ConfigError(f"hardware.experts_per_layer={epl} must be a whole number of slots >= 1, a fraction "
                               f"in (0, 1) of each layer's experts, or null")
+        sl = self.stream_layers
+        if sl is not None and (isinstance(sl, bool) or not isinstance(sl, (int, float)) or not 0.0 < sl <= 1.0):
+            raise ConfigError(f"hardware.stream_layers={sl!r} must be a fraction in (0, 1] of a layer's experts "
+                              f"(a call requesting at least that many streams its layer), or null (never)")
         if self.scope not in SCOPES:
             raise ConfigError(f"hardware.scope={self.scope!r}; valid choices: {', '.join(SCOPES)}")
         for key in RATES:

@@ -89,6 +89,10 @@ def print_summary(results: dict, run_dir: str, console: Console | None = None) -
         if cache.get("streamed"):
             t.add_row("  streamed (not cached)",
                       f"{cache['streamed']} misses ran without a cache slot (the layer's own experts filled it)")
+        if cache.get("layer_streams"):
+            t.add_row("layer streams", f"{cache['layer_streams']} layer calls streamed (hardware.stream_layers): "
+                      f"{cache['stream_served']} misses served from the staging area, "
+                      f"{cache['bytes_stream'] / 1e6:.3g} MB staged")
         if cache.get("prefetch_skipped"):
             t.add_row("  prefetch skipped", f"{cache['prefetch_skipped']} predictions not fetched (no evictable slot)")
         late = cache.get("prefetch_lateness")

@@ -108,6 +108,11 @@ cdef class CacheManager:
     cdef public object _default_fetch
     cdef long long _E
     cdef _Evictable _evictable
+    cdef public long long _stream_at
+    cdef public long _staged_layer
+    cdef public object _staged
+    cdef public object _stage_handle
+    cdef public bint _ahead
     @cython.locals(pool=Pool, s=CacheStats)
     cpdef begin_pass(self, kind, tokens, context)
     @cython.locals(clock=Clock, s=CacheStats)
@@ -125,6 +130,12 @@ cdef class CacheManager:
     @cython.locals(layer=long, base="long long", st=CacheStats, evicted_at="long long[:]", now="long long",
                    e="long long", collisions=long)
     cdef _serve_misses(self, LayerCall call, missing)
+    @cython.locals(layer=long, st=CacheStats, base="long long", n=Py_ssize_t, evicted_at="long long[:]",
+                   now="long long", e="long long", collisions=long, late=long, nbytes="long long", native=bint)
+    cdef _serve_streamed(self, LayerCall call, experts)
+    @cython.locals(layer=long, E="long long", base="long long", here="signed char[:]", e="long long",
+                   nbytes="long long", st=CacheStats)
+    cpdef stage_ahead(self)
     @cython.locals(clock=Clock)
     cpdef _stall(self, LayerCall call)
     @cython.locals(call=LayerCall)

@@ -17,6 +17,12 @@ Semantics (docs/semantics.md "Cache semantics"):
 * If a demand miss finds no evictable space (the layer's own working set fills its pool), the expert is
   *streamed*: its bytes are transferred, it runs, and it is not inserted. The pool never exceeds capacity.
 * A prefetch that finds no evictable space is skipped (``prefetch_skipped``); no bytes move.
+* *Layer streaming* (``hardware.stream_layers``; docs/semantics.md "Layer streaming"): a call that requests
+  at least ``stream_at`` of its layer's experts is *streamed*: its hits are served as always, its misses
+  (counted as misses, and ``stream_served``) come through a staging area outside the pools (bytes moved,
+  nothing inserted or evicted, the miss policy not asked: every requested expert runs exactly, at the
+  fetch precision), and the next layer is *staged ahead*: every expert it lacks starts moving as this
+  call's experts start computing, and its call is streamed whatever it requests.
 """
 
 from __future__ import annotations
@@ -215,11 +221,12 @@ class CacheManager:
     """Residency and accounting of every request. (Fields: ``cache.pxd``.)"""
 
     def __init__(self, geom: Geometry, capacities: list[int], evictions: list, miss, clock: Clock, store=None,
-                 measure: str = "all"):
+                 measure: str = "all", stream_at: int = 0):
         """``evictions``: one eviction policy instance per pool (see ``pool_capacities``); ``store``: an
         :class:`~specmd.engine.store.StoreSizes` (its ``bytes_of`` / ``bits_of``; default native only);
         ``measure``: which passes the counters keep (``all``, or ``decode``: a prefill pass runs and warms
-        the cache, then its counts are rolled back; its pass record stays for the timing section)."""
+        the cache, then its counts are rolled back; its pass record stays for the timing section);
+        ``stream_at``: the requested experts at which a layer call is streamed (0: never; module docstring)."""
         self.geom = geom
         self.precisions = store or StoreSizes.native_only(geom)
         self.miss = miss
@@ -272,6 +279,15 @@ class CacheManager:
         self._prec_id = {p: i for i, p in enumerate(self._precs)}
         self._native = self._prec_id.get(NATIVE, -1)
         self._evictable = _Evictable(self)  # what policies' ``victim`` asks, made once
+        if stream_at < 0:
+            raise ValueError(f"stream_at={stream_at}: a number of experts >= 0 (0: no layer streaming)")
+        self._stream_at = stream_at
+        # layer streaming's staging: the layer staged ahead (-1: none), the experts it lacked then, the
+        # clock's handle of their transfer; ``_ahead``: the call being served stages the next layer
+        self._staged_layer = -1
+        self._staged = None
+        self._stage_handle = None
+        self._ahead = False
         for pool in self.pools:
             pool.policy.attach(self.view, pool.capacity)
 
@@ -299,6 +315,8 @@ class CacheManager:
         s = self.stats
         if self.measure != "all" and kind != self.measure:
             self._uncounted = s.snapshot()
+        self._staged_layer = -1  # (a pass never inherits a stage: every pass runs every layer)
+        self._staged = self._stage_handle = None
         self.current_pass = [kind, tokens, context, self.clock.mark(),
                              _total(s.requests), _total(s.hits), _total(s.misses), _total(s.collision_misses)]
 
@@ -336,9 +354,12 @@ class CacheManager:
         device (the lossless fast path), else the plan the outcomes built. ``index``/``weights`` are the
         selection the layer runs (None: the record's, read only if an outcome needs it)."""
         call = self._open(layer, experts, record, index, weights)
-        missing = self._serve_hits(call, experts)
-        if missing:
-            self._serve_misses(call, missing)
+        if self._stream_at and (layer == self._staged_layer or len(experts) >= self._stream_at):
+            self._serve_streamed(call, experts)
+        else:
+            missing = self._serve_hits(call, experts)
+            if missing:
+                self._serve_misses(call, missing)
         self._stall(call)
         return call
 
@@ -460,6 +481,87 @@ class CacheManager:
             out.prepare(call, e)
         for e, out in zip(missing, outcomes):
             out.serve(call, e)
+
+    def _serve_streamed(self, call: LayerCall, experts):
+        """Steps 2-3 of a streamed call (module docstring): hits as always; the misses from the staging area,
+        what was staged ahead waited for, the rest moved now as one copy job. Nothing enters or leaves a pool."""
+        layer = call.layer
+        st = self.stats
+        st.layer_streams[layer] += 1
+        self._ahead = len(experts) >= self._stream_at  # (a staged call below the threshold ends the run ahead)
+        missing = self._serve_hits(call, experts)
+        staged = None
+        if layer == self._staged_layer:
+            staged = self._staged
+            handle = self._stage_handle
+            self._staged_layer = -1
+            self._staged = self._stage_handle = None
+            if handle is not None and not self.clock.done(handle):
+                call.waits.append(self.clock.promote(handle))
+        if not missing:
+            return
+        base = call.base
+        n = len(missing)
+        st.misses[layer] += n
+        st.stream_served[layer] += n
+        evicted_at = self._evicted_at
+        now = self.pass_index
+        collisions = 0
+        for e in missing:
+            if evicted_at[base + e] == now:
+                collisions += 1
+        st.collision_misses[layer] += collisions
+        on_miss = call.pool.on_miss
+        if on_miss is not None:
+            for x in missing:
+                on_miss(base + x)
+        prec = self.fetch_precision
+        late = 0  # misses the stage ahead did not carry (none, or a layer not staged): moved now
+        for e in missing:
+            if staged is None or e not in staged:
+                late += 1
+        if late:
+            nbytes = late * self._bytes_of[prec]
+            handle = self.clock.demand(nbytes)
+            if handle is not None:
+                call.waits.append(handle)
+            call.demanded += late
+            st.bytes_stream[layer] += nbytes
+            st.count(self._prec_id[prec], nbytes, 0)
+        native = prec == NATIVE
+        events = self.events
+        for e in missing:
+            if not native:
+                call.plan().precisions[e] = prec
+            if events is not None:  # the executor stages its bytes for this call only
+                events.streamed(layer, e, prec)
+
+    def stage_ahead(self) -> None:
+        """After a streamed call that reached the threshold, as its experts start computing: the next MoE
+        layer's experts not in the cache start moving into the staging area's other buffer (one copy job,
+        queued on the link behind demand: it overlaps this layer's compute), and that layer's call is
+        streamed. The routing of the next layer is not known yet, so the stage carries every expert it lacks."""
+        if not self._ahead:
+            return
+        self._ahead = False
+        layer = self._call.layer + 1
+        if layer >= len(self._pool_of_layer):
+            return
+        E = self._E
+        base = layer * E
+        here = self._here
+        staged = set()
+        for e in range(E):
+            if not here[base + e]:
+                staged.add(e)
+        prec = self.fetch_precision
+        nbytes = len(staged) * self._bytes_of[prec]
+        st = self.stats
+        st.bytes_stream[layer] += nbytes
+        st.count(self._prec_id[prec], nbytes, 0)
+        self._staged_layer = layer
+        self._staged = staged
+        self._stage_handle = self.clock.prefetch(nbytes) if nbytes else None
 
     def _stall(self, call: LayerCall):
         """Step 4: the host's work is issued: it runs beside the transfers, and beside the device's compute

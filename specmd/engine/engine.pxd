@@ -27,6 +27,7 @@ cdef class Engine:
     cdef long long _E
     cdef bint _routes
     cdef bint _predicts
+    cdef bint _streams
     cdef long long _run_slots
     cdef long long _run_n
     cpdef begin_pass(self, kind, tokens, context)

@@ -118,6 +118,14 @@ def check_capacity(caps: list, hw: Any, geom: Geometry, store: StoreSizes, fetch
                       f"{' with scope=per_layer' if per_layer else ''}")
 
 
+def stream_at(threshold: Optional[float], num_experts: int) -> int:
+    """The requested experts at which a layer call is streamed: ``hardware.stream_layers`` (a fraction of the
+    layer's experts, or None: never) as a count, at least 1 (``ceil``, with a rounding guard: 0.3 of 10 is 3)."""
+    if threshold is None:
+        return 0
+    return max(1, math.ceil(threshold * num_experts - 1e-9))
+
+
 class Engine:
     """(A compiled extension type: ``engine.pxd`` declares its fields and the drivers' per-call methods.)"""
 
@@ -155,7 +163,9 @@ class Engine:
         for policy in evictions:
             policy.setup(self.model)
         self.clock = clock or SimClock.from_hardware(geom, hw, spec.names())
-        self.cache = CacheManager(geom, caps, evictions, self.miss, self.clock, self.store, spec.measure)
+        self.cache = CacheManager(geom, caps, evictions, self.miss, self.clock, self.store, spec.measure,
+                                  stream_at(getattr(hw, "stream_layers", None), geom.num_experts))
+        self._streams = self.cache._stream_at > 0
         self.view = self.cache.view
         # a passive routing or prefetch policy (its hook always answers "no change": RoutingPolicy.passive) is
         # not called per layer call
@@ -198,7 +208,8 @@ class Engine:
         2. the requested experts: the union of the selection's experts, ascending;
         3. the cache serves them: hits, then misses through the miss policy's outcomes; stall until ready;
         4. routing fidelity, and the device's share of the expert work;
-        5. prefetches for later layers, issued as this layer's experts start computing;
+        5. prefetches for later layers, issued as this layer's experts start computing; then, after a
+           streamed call, the next layer staged ahead (``hardware.stream_layers``);
         6. the experts' compute; the layer's experts are unpinned.
         """
         cache = self.cache
@@ -216,6 +227,8 @@ class Engine:
                 clock.predicted()
                 self.predictions += 1
                 cache.prefetch(target, predicted)
+        if self._streams:
+            cache.stage_ahead()
         clock.experts(self._run_slots, self._run_n, len(plan.precisions) if plan is not None else 0)  # 6
         cache.finish_layer()
         return plan

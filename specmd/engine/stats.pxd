@@ -30,8 +30,11 @@ cdef class CacheStats:
     cdef public long long[:] prefetch_wasted
     cdef public long long[:] prefetch_skipped
     cdef public long long[:] streamed
+    cdef public long long[:] layer_streams
+    cdef public long long[:] stream_served
     cdef public long long[:] bytes_demand
     cdef public long long[:] bytes_prefetch
+    cdef public long long[:] bytes_stream
     cdef public double[:] stall_s
     cdef public long long[:] dropped
     cdef public long long[:] substituted

@@ -17,8 +17,11 @@ PER_LAYER = (
     "prefetch_wasted",
     "prefetch_skipped",
     "streamed",
+    "layer_streams",  # layer calls streamed (hardware.stream_layers: docs/semantics.md "Layer streaming")
+    "stream_served",  # ... their misses, served from the staging area (counted in misses too)
     "bytes_demand",
     "bytes_prefetch",
+    "bytes_stream",  # bytes those calls moved into the staging area (a layer staged ahead: all it lacked)
     "stall_s",
     "dropped",  # miss outcomes besides fetching
     "substituted",

@@ -34,7 +34,7 @@ def union_section(stats, num_layers: int, num_experts: int, top_k: int, measure:
     same way) and ``sharing`` (1 - measured / independent: how far below the line requests share experts);
     ``loads_per_token`` (distinct experts summed over layers / live tokens: what one token costs in expert
     loads); ``hit_rate``. Then ``by_layer`` (each MoE layer's mean distinct experts per counted step) and
-    ``bytes_per_token`` (bytes moved, demand and prefetch, per counted live token)."""
+    ``bytes_per_token`` (bytes moved, demand, prefetch and layer streams, per counted live token)."""
     passes = [p for p in stats.passes if measure == "all" or p.kind == measure]
     out: dict = {}
     L = max(1, num_layers)
@@ -63,6 +63,6 @@ def union_section(stats, num_layers: int, num_experts: int, top_k: int, measure:
     steps = len(passes)
     out["by_layer"] = [r / steps for r in stats.requests] if steps else []
     tokens = sum(p.tokens for p in passes)
-    moved = sum(stats.bytes_demand) + sum(stats.bytes_prefetch)
+    moved = sum(stats.bytes_demand) + sum(stats.bytes_prefetch) + sum(stats.bytes_stream)
     out["bytes_per_token"] = moved / tokens if tokens else None
     return out

@@ -18,6 +18,13 @@ class CacheView:
     def __init__(self, manager):
         self._m = manager
 
+    # -- the forward pass -------------------------------------------------------------------------
+    @property
+    def pass_kind(self) -> Optional[str]:
+        """The ongoing forward pass's kind, ``"prefill"`` or ``"decode"`` (None outside a pass)."""
+        cur = self._m.current_pass
+        return None if cur is None else cur[0]
+
     # -- geometry and precisions ------------------------------------------------------------------
     @property
     def geometry(self) -> Geometry:
