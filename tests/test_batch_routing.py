@@ -372,8 +372,9 @@ def embedded():
 @pytest.mark.parametrize("routing,cap", [({"name": "piggyback"}, None),
                                          ({"name": "budget", "max_experts": 12, "max_fraction": None}, 12)])
 def test_a_batched_generation_on_the_embedded_model(routing, cap, embedded):
-    """Two prompts decoded together: every layer call stays within its bound (piggyback: the union of the
-    top-3 sets; budget: 12 experts), selections change (fidelity < 1), the cache stays consistent."""
+    """Two prompts decoded together: every decode layer call stays within its bound (piggyback: the union of
+    the top-3 sets; budget: 12 experts), selections change (fidelity < 1), the prefill is the router's own
+    (passes: decode), the cache stays consistent."""
     from specmd.hook import install
 
     model, tok = embedded
@@ -390,7 +391,8 @@ def test_a_batched_generation_on_the_embedded_model(routing, cap, embedded):
         index = apply(rec, cache)
         ran = rec.original if index is None else index
         top3 = ranked_by_score(rec.probs, rec.original)[:, :3]
-        seen.append((len(set(ran.reshape(-1).tolist())), len(set(top3.reshape(-1).tolist())), index is not None))
+        seen.append((len(set(ran.reshape(-1).tolist())), len(set(top3.reshape(-1).tolist())), index is not None,
+                     cache.pass_kind))
         return index
 
     policy.apply = spy
@@ -400,8 +402,36 @@ def test_a_batched_generation_on_the_embedded_model(routing, cap, embedded):
     finally:
         stack.remove()
     assert out.shape == (2, n + 3)
-    assert seen and any(changed for _, _, changed in seen)
-    for distinct, base, changed in seen:
+    assert seen and any(changed for _, _, changed, _ in seen)
+    assert not any(changed for _, _, changed, kind in seen if kind == "prefill")  # passes: decode (the default)
+    for distinct, base, changed, kind in seen:
+        if kind == "prefill":
+            continue
         assert distinct <= (cap if cap else base)
     stack.cache.check_invariants()
     assert stack.cache.stats.fidelity() < 1
+
+
+# ---- the passes they act on -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("routing,rows,k", [({"name": "piggyback", "k0": 2}, "PIGGY", 4),
+                                            ({"name": "budget", "max_experts": 3, "max_fraction": None}, "BUDGET", 2)])
+def test_batch_aware_routing_leaves_prefill_as_routed_unless_told(routing, rows, k):
+    """``passes: decode`` (both papers: decode only): a prefill call is the router's own (fidelity 1, every
+    router request served); ``passes: all`` changes it as it changes a decode step; another value is refused
+    naming the choices."""
+    g = Geometry(num_layers=1, num_experts=8, top_k=k, expert_bytes=10, total_bytes=80)
+    table = globals()[rows]
+    for passes, changed in (("decode", False), ("all", True)):
+        eng = Engine(g, spec_of(routing={**routing, "passes": passes}, prefetch="none",
+                                hardware=HardwareConfig(capacity=1.0)))
+        rec = record(table, k)
+        eng.begin_pass("prefill", rec.tokens, rec.tokens)
+        assert eng.route(rec) is changed
+        eng.layer(rec)
+        eng.end_pass()
+        out = eng.results()
+        assert (out["routing"]["fidelity"] < 1) is changed
+        assert (out["cache"]["requests"] < out["cache"]["requests_router"]) is changed
+    with pytest.raises(ConfigError, match="passes='prefill'.*decode, all"):
+        ROUTING.build({**routing, "passes": "prefill"})

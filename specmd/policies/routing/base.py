@@ -37,6 +37,16 @@ class RoutingPolicy(Policy):
         return record.scoring.weigh(record.probs, index)
 
 
+PASSES = ("decode", "all")  # the passes a batch-aware routing policy acts on (``passes``)
+
+
+def acts_on(passes: str, cache: Any) -> bool:
+    """Whether a policy with ``passes`` (one of :data:`PASSES`) acts on the ongoing pass: ``decode`` leaves
+    prefill calls as routed (OEA: "we use it only during decode, not prefill"); a call outside any pass (a
+    policy called on its own, ``cache`` None) is acted on."""
+    return passes == "all" or cache is None or cache.pass_kind != "prefill"
+
+
 def weigh_kept(record: Any, index: torch.Tensor, void: Any) -> torch.Tensor:
     """Dual-logit weights of a selection whose ``void`` [T, k] slots are empty (or None: none is): each kept
     slot gets its original probability, renormalised the family's way over the token's *kept* slots only

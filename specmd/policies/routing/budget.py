@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 
 from ..base import check_choice, ranked_by_score
-from .base import ROUTING, RoutingPolicy, weigh_kept
+from .base import PASSES, ROUTING, RoutingPolicy, acts_on, weigh_kept
 
 BY = ("mass", "count")
 OVERFLOW = ("substitute", "drop")
@@ -56,8 +56,8 @@ class Budget(RoutingPolicy):
     of 8, OLMoE 8 of 64, Qwen3 8 of 128), so one token always fits and the budget binds only on calls that
     batch several: on Qwen3-30B at batch 16 it is 32 experts, between OEA's measured active sets at k0 = 4
     and 5 (29.9 and 35.1 experts, Table 4) and two thirds of vanilla routing's 48.8. Both papers reduce
-    experts only in decode (Lynx: "no intervention during compute-bound phases"); specmd's routing policies
-    see no pass kind, so the budget caps every layer call, a prefill's too."""
+    experts only in decode (Lynx: "no intervention during compute-bound phases"): ``passes: decode`` (the
+    default) leaves prefill calls as routed; ``passes: all`` caps every layer call, a prefill's too."""
 
     name = "budget"
     reads_logits = True  # (Policy.reads_logits): the budget's order and the substitutes read the probabilities
@@ -68,6 +68,7 @@ class Budget(RoutingPolicy):
         max_fraction: Optional[float] = 0.25
         by: str = "mass"
         overflow: str = "substitute"
+        passes: str = "decode"  # decode | all: the passes it caps (a prefill needs most of the layer)
 
         def __post_init__(self):
             if (self.max_experts is None) == (self.max_fraction is None):
@@ -79,6 +80,7 @@ class Budget(RoutingPolicy):
                 raise ValueError(f"max_fraction={self.max_fraction} must be in (0, 1] (a share of the layer's experts)")
             check_choice("by", self.by, BY)
             check_choice("overflow", self.overflow, OVERFLOW)
+            check_choice("passes", self.passes, PASSES)
 
     def __init__(self, params=None):
         super().__init__(params)
@@ -135,7 +137,7 @@ class Budget(RoutingPolicy):
         return index, void
 
     def apply(self, record, cache):
-        if record.tokens == 0:
+        if record.tokens == 0 or not acts_on(self.params.passes, cache):
             return None
         made = self.select(record)
         if made is None:

@@ -2,8 +2,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import ranked_by_score
-from .base import ROUTING, RoutingPolicy, weigh_kept
+from ..base import check_choice, ranked_by_score
+from .base import PASSES, ROUTING, RoutingPolicy, acts_on, weigh_kept
 
 
 class Piggyback(RoutingPolicy):
@@ -50,8 +50,9 @@ class Piggyback(RoutingPolicy):
     92.8, where top-3 pruning alone falls to 51.2 on AIME24). On Qwen3-235B its measured point is k0 = 5
     (-15%). ``k0 = k`` is the router's own choice, ``k0 > k`` is refused (the paper: "it should never help to
     set k0 > k"; on a top-2 model such as Mixtral set k0 = 1). The paper routes this way only in decode
-    ("we use it only during decode, not prefill"); specmd's routing policies see no pass kind, so it applies
-    to every layer call (a prefill's many tokens make ``S^base`` nearly every expert, and few tokens change).
+    ("we use it only during decode, not prefill"): ``passes: decode`` (the default) leaves prefill calls as
+    routed; ``passes: all`` piggybacks there too (a prefill's many tokens make ``S^base`` nearly every
+    expert, and few tokens change).
     Ranks are by router probability (``ranked_by_score``); family selection rules (DeepSeek group limits)
     do not apply to the piggybacked experts."""
 
@@ -61,10 +62,12 @@ class Piggyback(RoutingPolicy):
     @dataclass
     class Params:
         k0: int = 3
+        passes: str = "decode"  # decode | all: the passes it acts on (the paper: decode only)
 
         def __post_init__(self):
             if self.k0 < 1:
                 raise ValueError(f"k0={self.k0} must be >= 1 (the top-k0 experts every token keeps)")
+            check_choice("passes", self.passes, PASSES)
 
     def __init__(self, params=None):
         super().__init__(params)
@@ -96,7 +99,7 @@ class Piggyback(RoutingPolicy):
         return index, void
 
     def apply(self, record, cache):
-        if self.params.k0 >= record.top_k or record.tokens == 0:
+        if self.params.k0 >= record.top_k or record.tokens == 0 or not acts_on(self.params.passes, cache):
             return None
         index, void = self.select(record)
         if not bool(void.any()) and torch.equal(index.sort(-1).values, record.original.sort(-1).values):
