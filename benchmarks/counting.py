@@ -3,12 +3,13 @@
 are not views), host ops and device-to-host synchronisations, for the unhooked model, the hooked stack
 (``execution=simulated``) and the offloaded one (``execution.kernel=grouped``, what runs on CUDA; the last row
 the CPU's looped kernel), on the tiny families and deep_olmoe. A greedy generation: a prefill of 16 tokens
-and 8 decode steps.
+and 8 decode steps; then the same at batch 8 (``B=8`` rows: prompts of 9..16 tokens, left-padded, so the hook
+finds the live rows of every call; the deltas against the unhooked model at batch 8).
 
-    python benchmarks/counting.py [--models olmoe mixtral ... deep_olmoe]
+    python benchmarks/counting.py [--models olmoe mixtral ... deep_olmoe] [--batch 8]
 
-Targets (issue 35): syncs per MoE layer call <= 1 on the hooked and the offload paths; device ops on the
-offload path <= the unhooked block's + 16.
+Targets (issue 35; at B=8, issue 44): syncs per MoE layer call <= 1 on the hooked and the offload paths;
+device ops on the offload path <= the unhooked block's + 16.
 """
 
 from __future__ import annotations
@@ -46,24 +47,37 @@ def load(name: str):
     return tiny(name), name
 
 
-def measure(model, family: str, spec) -> tuple:
+BATCHED = [case for case in CASES if case[0] in ("hooked (simulated) 100%", "offload 100%", "offload 5% + topk")]
+
+
+def prompts(batch: int) -> tuple:
+    """``batch`` prompts of 16 tokens (batch 1), or of 9..16 tokens left-padded to 16: ids and mask [B, 16]."""
+    ids = torch.randint(1, 200, (batch, 16), generator=torch.Generator().manual_seed(0))
+    if batch == 1:
+        return ids, None
+    mask = torch.ones_like(ids)
+    for b in range(batch):
+        pad = b % 8  # 0..7 pads
+        ids[b, :pad] = 0
+        mask[b, :pad] = 0
+    return ids, mask
+
+
+def measure(model, family: str, spec, batch: int = 1) -> tuple:
     from specmd.hook.counting import count_generation
     from specmd.models.adapters import adapter_for
 
-    ids = torch.randint(0, 200, (1, 16), generator=torch.Generator().manual_seed(0))
-    c = count_generation(model, adapter_for(family), spec, ids, 8)
+    ids, mask = prompts(batch)
+    c = count_generation(model, adapter_for(family), spec, ids, 8, mask)
     return c.per_call(), c
 
 
 def main() -> None:
     from conftest import FAMILIES
 
-    from specmd.compose import spec_of
-    from specmd.executor import EXECUTION
-    from specmd.hardware import HardwareConfig
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=FAMILIES + ["deep_olmoe"])
+    ap.add_argument("--batch", type=int, default=8, help="the batched rows' batch (0: none)")
     a = ap.parse_args()
     print(f"per MoE layer call: device ops / kernels / host ops / syncs (delta vs unhooked: ops, kernels); "
           f"torch {torch.__version__}")
@@ -74,12 +88,26 @@ def main() -> None:
         print(f"{name:12} {'unhooked':26} {base['device_ops']:7.1f} {base['kernels']:7.1f} {base['host_ops']:6.1f} "
               f"{base['syncs']:5.2f}")
         for label, execution, cap, prefetch, miss in CASES:
-            spec = spec_of(prefetch=prefetch, miss=miss, hardware=HardwareConfig(capacity=cap))
-            spec.execution = EXECUTION.params(execution)
-            got, c = measure(model, family, spec)
-            print(f"{name:12} {label:26} {got['device_ops']:7.1f} {got['kernels']:7.1f} {got['host_ops']:6.1f} "
-                  f"{got['syncs']:5.2f} {got['device_ops'] - base['device_ops']:+6.1f} "
-                  f"{got['kernels'] - base['kernels']:+6.1f}", flush=True)
+            row(name, label, model, family, base, execution, cap, prefetch, miss)
+        if a.batch > 1:
+            bbase, _ = measure(model, family, None, a.batch)
+            print(f"{name:12} {f'unhooked B={a.batch}':26} {bbase['device_ops']:7.1f} {bbase['kernels']:7.1f} "
+                  f"{bbase['host_ops']:6.1f} {bbase['syncs']:5.2f}")
+            for label, execution, cap, prefetch, miss in BATCHED:
+                row(name, f"{label} B={a.batch}", model, family, bbase, execution, cap, prefetch, miss, a.batch)
+
+
+def row(name, label, model, family, base, execution, cap, prefetch, miss, batch=1) -> None:
+    from specmd.compose import spec_of
+    from specmd.executor import EXECUTION
+    from specmd.hardware import HardwareConfig
+
+    spec = spec_of(prefetch=prefetch, miss=miss, hardware=HardwareConfig(capacity=cap))
+    spec.execution = EXECUTION.params(execution)
+    got, c = measure(model, family, spec, batch)
+    print(f"{name:12} {label:26} {got['device_ops']:7.1f} {got['kernels']:7.1f} {got['host_ops']:6.1f} "
+          f"{got['syncs']:5.2f} {got['device_ops'] - base['device_ops']:+6.1f} "
+          f"{got['kernels'] - base['kernels']:+6.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,16 @@ from ..counting import Counting, count_layer_calls
 from .stack import install
 
 
-def count_generation(model, adapter, spec, ids: torch.Tensor, new_tokens: int) -> Counting:
+def count_generation(model, adapter, spec, ids: torch.Tensor, new_tokens: int, attention_mask=None) -> Counting:
     """A greedy generation of ``new_tokens`` from ``ids`` counted per MoE layer call, through the policy stack
-    ``spec`` (a :class:`~specmd.engine.StackSpec`; None: the unhooked model)."""
+    ``spec`` (a :class:`~specmd.engine.StackSpec`; None: the unhooked model); ``attention_mask``: a batch's
+    left padding (0 = pad), as a serving batch has it."""
     blocks = [adapter.block(model, i) for i in adapter.moe_layers(model)]
 
     def gen():
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            model.generate(ids, attention_mask=attention_mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False)
 
     stack = install(model, spec, adapter) if spec is not None else None
     try:

@@ -85,7 +85,9 @@ class LiveTokens:
         past_i = None  # [B] live positions before this pass, per sequence
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 \
                 and tuple(attention_mask.shape) == (batch, past + seq):
-            mask = attention_mask.to("cpu").bool()  # (once per pass, not per layer call)
+            # read on the host once per pass, never per layer call (a copy even on a CPU device: what the layer
+            # calls index with is host memory, as on a GPU; benchmarks/counting.py's B=8 rows)
+            mask = attention_mask.to("cpu", copy=True).bool()
             cur = mask[:, past:]
             live = cur if live is None else live & cur
             past_i = mask[:, :past].sum(1)
