@@ -316,6 +316,7 @@ def test_union_accounting_on_a_hand_worked_trace():
     assert p["steps"] == 1 and p["distinct_per_layer"]["mean"] == 3.0 and p["loads_per_token"] == 2.0
     assert u["by_layer"] == [(4 + 3 + 2) / 3, (2 + 2 + 2) / 3]
     assert u["bytes_per_token"] == 100 * run_replay(trace, spec).results()["cache"]["misses"] / 6
+    assert u["static_share"] == 4 / 8  # two pools of 2 slots over 2 x 4 experts
 
 
 def test_the_oracle_is_belady_on_the_same_requests():

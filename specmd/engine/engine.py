@@ -328,7 +328,9 @@ class Engine:
         summary["measured_passes"] = cache.measure
         summary["timing_geometry"] = self.timing_as or "model"
         summary["prefetch_lateness"] = self._lateness(summary)
-        summary["union"] = union_section(st, g.num_layers, g.num_experts, g.top_k, cache.measure)
+        fetch_bytes = self.store.bytes_of[cache.fetch_precision]
+        summary["union"] = union_section(st, g.num_layers, g.num_experts, g.top_k, cache.measure,
+                                         sum(p.capacity // fetch_bytes for p in cache.pools))
         timing = st.timing(self.clock.name)
         timing.update(self.clock.busy())  # every pass's, as total_s (a measure=decode run too)
         timing.update(self._fetch_bounds())
