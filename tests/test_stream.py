@@ -143,3 +143,21 @@ def test_offload_equals_simulated_with_streamed_layers(family, miss):
     assert off[2] == sim[2]
     if miss == "fetch":
         assert torch.equal(sim[0], ref)
+
+
+def test_a_recorded_streamed_run_replays_exactly(tmp_path):
+    """A live batched run with streamed layers, recorded, replays to the same cache, timing and routing
+    sections: the stream is the engine's decision, whichever driver feeds it."""
+    from specmd.replay.trace import TraceWriter, read_trace
+
+    model = tiny("olmoe")
+    spec = _live_spec("simulated", "fetch")
+    stack = install(model, spec)
+    stack.writer = TraceWriter(tmp_path / "trace", stack.geom, stack.scoring, stack.store, 1)
+    with torch.no_grad(), stack:
+        model.generate(sample_ids(3, 10, seed=5), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    stack.writer.close()
+    want = stack.engine.results()
+    assert want["cache"]["layer_streams"] > 0
+    got = run_replay(read_trace(tmp_path / "trace"), spec).results()
+    assert got["cache"] == want["cache"] and got["timing"] == want["timing"] and got["routing"] == want["routing"]
