@@ -127,11 +127,12 @@ cdef class CacheManager:
                    e="long long", hits=long, pool=Pool, compiled=bint, hooks=EvictionHooks, clock=Clock,
                    E="long long")
     cdef _serve_hits(self, LayerCall call, experts)
+    @cython.locals(layer=long)
+    cdef _serve_misses(self, LayerCall call, missing)
     @cython.locals(layer=long, base="long long", st=CacheStats, evicted_at="long long[:]", now="long long",
                    e="long long", collisions=long)
-    cdef _serve_misses(self, LayerCall call, missing)
-    @cython.locals(layer=long, st=CacheStats, base="long long", n=Py_ssize_t, evicted_at="long long[:]",
-                   now="long long", e="long long", collisions=long, late=long, nbytes="long long", native=bint)
+    cdef _count_misses(self, LayerCall call, missing)
+    @cython.locals(layer=long, st=CacheStats, e="long long", late=long, nbytes="long long", native=bint)
     cdef _serve_streamed(self, LayerCall call, experts)
     @cython.locals(layer=long, E="long long", base="long long", here="signed char[:]", e="long long",
                    nbytes="long long", st=CacheStats)

@@ -456,20 +456,7 @@ class CacheManager:
     def _serve_misses(self, call: LayerCall, missing):
         """Step 3: the miss policy names an outcome per missing expert; each outcome serves itself."""
         layer = call.layer
-        base = call.base
-        st = self.stats
-        evicted_at = self._evicted_at
-        now = self.pass_index
-        st.misses[layer] += len(missing)
-        collisions = 0
-        for e in missing:  # (counted before any policy code runs: the list is still the one _open checked)
-            if evicted_at[base + e] == now:
-                collisions += 1
-        st.collision_misses[layer] += collisions
-        on_miss = call.pool.on_miss
-        if on_miss is not None:
-            for x in missing:
-                on_miss(base + x)
+        self._count_misses(call, missing)
         # (a passive miss policy's handle always answers None: not called)
         outcomes = None if self._miss_passive else self.miss.handle(layer, missing, call.record, self.view)
         if outcomes is None:  # every miss fetched at the policy's precision (what Fetched(None) does)
@@ -481,6 +468,25 @@ class CacheManager:
             out.prepare(call, e)
         for e, out in zip(missing, outcomes):
             out.serve(call, e)
+
+    def _count_misses(self, call: LayerCall, missing) -> None:
+        """A call's misses counted (collision misses among them: evicted earlier in this pass) and told to the
+        pool's policy (``on_miss``), before any policy code runs: the list is still the one ``_open`` checked."""
+        layer = call.layer
+        base = call.base
+        st = self.stats
+        evicted_at = self._evicted_at
+        now = self.pass_index
+        st.misses[layer] += len(missing)
+        collisions = 0
+        for e in missing:
+            if evicted_at[base + e] == now:
+                collisions += 1
+        st.collision_misses[layer] += collisions
+        on_miss = call.pool.on_miss
+        if on_miss is not None:
+            for x in missing:
+                on_miss(base + x)
 
     def _serve_streamed(self, call: LayerCall, experts):
         """Steps 2-3 of a streamed call (module docstring): hits as always; the misses from the staging area,
@@ -500,21 +506,8 @@ class CacheManager:
                 call.waits.append(self.clock.promote(handle))
         if not missing:
             return
-        base = call.base
-        n = len(missing)
-        st.misses[layer] += n
-        st.stream_served[layer] += n
-        evicted_at = self._evicted_at
-        now = self.pass_index
-        collisions = 0
-        for e in missing:
-            if evicted_at[base + e] == now:
-                collisions += 1
-        st.collision_misses[layer] += collisions
-        on_miss = call.pool.on_miss
-        if on_miss is not None:
-            for x in missing:
-                on_miss(base + x)
+        st.stream_served[layer] += len(missing)
+        self._count_misses(call, missing)
         prec = self.fetch_precision
         late = 0  # misses the stage ahead did not carry (none, or a layer not staged): moved now
         for e in missing:
