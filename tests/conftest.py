@@ -43,6 +43,20 @@ def _absl_never_closes_the_capture():
 
 _absl_never_closes_the_capture()
 
+
+def _sigint_as_python_starts_it():
+    """A background job of a non-interactive shell (``cmd &`` in a script) starts with SIGINT ignored, and
+    Python then leaves it ignored; specmd respects that (only default handlers are replaced: specmd/signals.py),
+    so the tests of Ctrl-C (tests/test_robust.py) would see no signal at all. The tests' process gets Python's
+    own handler, as an interactive start has it."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_sigint_as_python_starts_it()
+
 FAMILIES = families()  # every family with an adapter, in its order (tests parametrise over it)
 
 

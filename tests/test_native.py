@@ -217,7 +217,11 @@ def test_a_policy_file_added_after_the_build_is_plain_python_without_a_warning(t
 # README's two commands only, so the second run is this test's subprocess).
 PURE_SUITE = ["test_semantics.py", "test_cache_manager.py", "test_clock.py", "test_eviction.py", "test_prefetch.py",
               "test_policies.py", "test_replay.py", "test_capacity.py", "test_golden.py", "test_lossless.py",
-              "test_offload.py", "test_quant_cache.py", "test_native.py"]
+              "test_offload.py", "test_quant_cache.py", "test_native.py",
+              # layer streaming's hand-worked counts and clock (the streamed call's C path, as source)
+              "test_stream.py::test_a_streamed_pass_by_hand",
+              "test_stream.py::test_the_stage_ahead_overlaps_the_layer_before",
+              "test_stream.py::test_only_calls_at_the_threshold_stream"]
 
 
 # Tests of a process's behaviour, not of the compiled modules' arithmetic (two processes quantizing under one
