@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32, help="eval.max_gen_toks")
     ap.add_argument("--stream", type=float, default=0.5, help="hardware.stream_layers in section 2")
     ap.add_argument("--skip-policies", action="store_true", help="leave out section 3")
+    ap.add_argument("--skip-live-batches", action="store_true",
+                    help="section 1: only the batch-1 recording (what section 2 replays)")
     ap.add_argument("--policy-docs", type=int, default=4, help="WikiText documents in section 3")
     a = ap.parse_args()
     common = [f"model={a.model}", f"hardware.capacity={a.capacity}", "prefetch=none", "eviction=lru",
@@ -78,7 +80,7 @@ def main() -> None:
     print(f"{'B':>3} | {'union live':>10} {'composed':>9} {'diff':>6} | {'hit live':>8} {'composed':>9} {'diff':>6}"
           f" | {'oracle live':>11} {'composed':>9}")
     print(f"{1:>3} | {pct(union(one)):>10} {'':>9} {'':>6} | {pct(one['cache']['decode_hit_rate']):>8}")
-    for b in a.batches:
+    for b in ([] if a.skip_live_batches else a.batches):
         live = run(tmp / f"live-b{b}", *common, f"eval.batch_size={b}", "trace.save=true")
         comp = run(tmp / f"composed-b{b}", *common, f"replay.trace={trace}", f"replay.batch={b}")
         ul, uc = union(live), union(comp)

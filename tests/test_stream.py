@@ -99,6 +99,29 @@ def test_only_calls_at_the_threshold_stream():
     assert off["layer_streams"] == off["stream_served"] == off["bytes_stream"] == 0
 
 
+def test_a_staged_call_whose_requests_are_all_cached_does_not_wait_for_the_stage():
+    """Two layers of 8 experts, a pool of 4 (1 ms per expert moved or run), stream_layers=0.5 (4 experts).
+    Pass 0 (decode, 1 token) fetches {0, 1} at both layers. Pass 1, a prefill of 4 tokens: layer 0 requests
+    {0..3} and streams (2 hits, 2 misses moved now: 2 ms stalled) and stages layer 1's 6 lacking experts (6 ms
+    on the link, from 2 ms: ready at 8 ms, while layer 0 computes until 6 ms); layer 1 then requests {0, 1},
+    both cached: its call is streamed (staged) but misses nothing, so it never waits for the stage. The pass:
+    2 ms stalled + 4 + 2 ms of compute = 8 ms (waiting for the stage would make it 10)."""
+    passes = np.array([[1, 1, 1], [0, 4, 4]], dtype=np.int64)
+    rows = [[0, 1], [0, 1],
+            [0, 1], [2, 3], [0, 1], [2, 3],  [0, 1], [1, 0], [0, 1], [1, 0]]
+    geom = Geometry(num_layers=2, num_experts=8, top_k=2, expert_bytes=100, total_bytes=1000)
+    meta = TraceMeta(geometry=geom, store=StoreSizes(16, 100, {}), logits="none", source={"format": "test"})
+    trace = Trace(meta=meta, passes=passes, calls=full_calls(passes, 2), index=np.asarray(rows, dtype=np.uint8))
+    hw = HardwareConfig(capacity=0.4, stream_layers=0.5, bandwidth_gbps=1e-4, latency_us=0.0,
+                        peak_tflops=1e12, mem_bandwidth_gbps=1e12, expert_overhead_us=1000.0)
+    st = run_replay(trace, spec_of(prefetch="none", hardware=hw)).cache.stats
+    assert list(st.layer_streams) == [1, 1] and list(st.stream_served) == [2, 0] and list(st.hits) == [2, 2]
+    assert list(st.bytes_stream) == [200, 600]
+    p = st.passes[1]
+    assert p.stall_s == pytest.approx(2 * MS, rel=1e-9)  # layer 0's misses only: layer 1 never waits
+    assert p.time_s == pytest.approx((2 + 4 + 2) * MS, rel=1e-9)
+
+
 def test_threshold_as_a_count():
     assert stream_at(None, 64) == 0
     assert stream_at(0.5, 64) == 32 and stream_at(0.3, 10) == 3 and stream_at(0.31, 10) == 4

@@ -132,7 +132,8 @@ cdef class CacheManager:
     @cython.locals(layer=long, base="long long", st=CacheStats, evicted_at="long long[:]", now="long long",
                    e="long long", collisions=long)
     cdef _count_misses(self, LayerCall call, missing)
-    @cython.locals(layer=long, st=CacheStats, e="long long", late=long, nbytes="long long", native=bint)
+    @cython.locals(layer=long, st=CacheStats, e="long long", late=long, nbytes="long long", native=bint,
+                   needs_stage=bint)
     cdef _serve_streamed(self, LayerCall call, experts)
     @cython.locals(layer=long, E="long long", base="long long", here="signed char[:]", e="long long",
                    nbytes="long long", st=CacheStats)

@@ -279,8 +279,8 @@ class CacheManager:
         self._prec_id = {p: i for i, p in enumerate(self._precs)}
         self._native = self._prec_id.get(NATIVE, -1)
         self._evictable = _Evictable(self)  # what policies' ``victim`` asks, made once
-        if stream_at < 0:
-            raise ValueError(f"stream_at={stream_at}: a number of experts >= 0 (0: no layer streaming)")
+        if isinstance(stream_at, bool) or not isinstance(stream_at, int) or stream_at < 0:
+            raise ValueError(f"stream_at={stream_at!r}: a whole number of experts >= 0 (0: no layer streaming)")
         self._stream_at = stream_at
         # layer streaming's staging: the layer staged ahead (-1: none), the experts it lacked then, the
         # clock's handle of their transfer; ``_ahead``: the call being served stages the next layer
@@ -497,22 +497,26 @@ class CacheManager:
         self._ahead = len(experts) >= self._stream_at  # (a staged call below the threshold ends the run ahead)
         missing = self._serve_hits(call, experts)
         staged = None
+        stage = None
         if layer == self._staged_layer:
             staged = self._staged
-            handle = self._stage_handle
+            stage = self._stage_handle
             self._staged_layer = -1
             self._staged = self._stage_handle = None
-            if handle is not None and not self.clock.done(handle):
-                call.waits.append(self.clock.promote(handle))
         if not missing:
-            return
+            return  # (every request a hit: the stage's bytes are not waited for)
         st.stream_served[layer] += len(missing)
         self._count_misses(call, missing)
         prec = self.fetch_precision
         late = 0  # misses the stage ahead did not carry (none, or a layer not staged): moved now
+        needs_stage = False
         for e in missing:
             if staged is None or e not in staged:
                 late += 1
+            else:
+                needs_stage = True
+        if needs_stage and stage is not None and not self.clock.done(stage):  # only for a miss it carries
+            call.waits.append(self.clock.promote(stage))
         if late:
             nbytes = late * self._bytes_of[prec]
             handle = self.clock.demand(nbytes)

@@ -51,5 +51,6 @@ class ResidencyEvents:
         """``key``'s copy left its pool (a victim, or a prefetch dropped before use)."""
 
     def streamed(self, layer: int, expert: int, precision: str) -> None:
-        """A demand miss of this layer call that no pool could hold: its bytes go to a staging area for
-        this call only (the transfer is counted like any other)."""
+        """A demand miss of this layer call that no pool could hold, or a miss of a streamed layer call
+        (``hardware.stream_layers``): its bytes go to a staging area for this call only (the transfer is
+        counted like any other)."""

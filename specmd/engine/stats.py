@@ -190,6 +190,8 @@ class CacheStats:
             **{f"fetched_{p}": n for p, n in sorted(self.fetched_by_precision.items())},
             "dropped": out["dropped"], "substituted": out["substituted"], "host_computed": out["host_computed"],
             **{name: self.total(name) for name in self.extra},
+            # misses a streamed layer call served from its staging area (hardware.stream_layers), when any
+            **({"stream_served": out["stream_served"]} if out["stream_served"] else {}),
         }
         out["bytes_by_precision"] = dict(sorted(self.bytes_by_precision.items()))
         out["per_layer"] = {name: self.per_layer(name) for name in PER_LAYER}

@@ -12,6 +12,8 @@ distinct experts summed over its layer calls) and the per-layer counters: nothin
 
 from __future__ import annotations
 
+from typing import Optional
+
 from .batch import independent_union
 
 
@@ -26,7 +28,8 @@ def _quantile(xs: list, q: float):
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def union_section(stats, num_layers: int, num_experts: int, top_k: int, measure: str, slots: int = 0) -> dict:
+def union_section(stats, num_layers: int, num_experts: int, top_k: int, measure: str,
+                  slots: Optional[int] = None) -> dict:
     """The ``cache.union`` section: per pass kind (``prefill``, ``decode``) over the counted passes:
     ``steps``; ``tokens_per_step`` (live tokens: the batch, for decode steps); ``distinct_per_layer`` (mean,
     p50, p95 over steps of a step's distinct experts per layer call) and its ``fraction`` of the layer's
@@ -35,7 +38,8 @@ def union_section(stats, num_layers: int, num_experts: int, top_k: int, measure:
     ``loads_per_token`` (distinct experts summed over layers / live tokens: what one token costs in expert
     loads); ``hit_rate``. Then ``by_layer`` (each MoE layer's mean distinct experts per counted step) and
     ``bytes_per_token`` (bytes moved, demand, prefetch and layer streams, per counted live token), and
-    ``static_share``: ``slots`` (the experts the cache holds at the fetch precision) over the model's experts,
+    ``static_share``: ``slots`` (the experts the cache holds at the fetch precision; None: not known, no
+    figure) over the model's experts,
     the hit rate a *static* cache of the same bytes gets once every step requests every expert (any fixed
     set of experts, picked at random: reuse between steps, what a cache exists for, is then gone). A dynamic
     policy whose decode hit rate is at or below it has stopped paying: pinning any experts would do as well
@@ -70,5 +74,5 @@ def union_section(stats, num_layers: int, num_experts: int, top_k: int, measure:
     tokens = sum(p.tokens for p in passes)
     moved = sum(stats.bytes_demand) + sum(stats.bytes_prefetch) + sum(stats.bytes_stream)
     out["bytes_per_token"] = moved / tokens if tokens else None
-    out["static_share"] = min(1.0, slots / (L * num_experts)) if num_experts else None
+    out["static_share"] = min(1.0, slots / (L * num_experts)) if num_experts and slots is not None else None
     return out
