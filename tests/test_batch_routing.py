@@ -107,16 +107,21 @@ def test_piggyback_unchanged_calls_are_none():
     assert ROUTING.build({"name": "piggyback", "k0": 2}).apply(both, None) is None
 
 
-def test_piggyback_through_the_engine_counts_fidelity_and_requests():
-    g = Geometry(num_layers=1, num_experts=8, top_k=4, expert_bytes=10, total_bytes=80)
-    eng = Engine(g, spec_of(routing={"name": "piggyback", "k0": 2}, prefetch="none",
-                            hardware=HardwareConfig(capacity=1.0)))
-    rec = record(PIGGY, 4)
-    eng.begin_pass("decode", 4, 10)
-    assert eng.route(rec)
+def one_call(routing: dict, rec, kind: str = "decode") -> tuple:
+    """(whether the routing changed the selection, the engine's results) of ``rec`` served as one layer call
+    of a ``kind`` pass: one MoE layer of 8 experts, a cache that holds them all, no prefetch."""
+    g = Geometry(num_layers=1, num_experts=8, top_k=rec.top_k, expert_bytes=10, total_bytes=80)
+    eng = Engine(g, spec_of(routing=routing, prefetch="none", hardware=HardwareConfig(capacity=1.0)))
+    eng.begin_pass(kind, rec.tokens, 10)
+    changed = eng.route(rec)
     eng.layer(rec)
     eng.end_pass()
-    out = eng.results()
+    return changed, eng.results()
+
+
+def test_piggyback_through_the_engine_counts_fidelity_and_requests():
+    changed, out = one_call({"name": "piggyback", "k0": 2}, record(PIGGY, 4))
+    assert changed
     assert out["routing"]["fidelity"] == pytest.approx(11 / 16)  # kept router selections: 3 + 2 + 4 + 2
     assert out["cache"]["requests"] == 5 and out["cache"]["requests_router"] == 8  # |S^base| vs the router's
 
@@ -250,16 +255,10 @@ def test_budget_leaves_a_call_that_fits_unchanged():
 
 
 def test_budget_through_the_engine_counts_fidelity_and_requests():
-    g = Geometry(num_layers=1, num_experts=8, top_k=2, expert_bytes=10, total_bytes=80)
     for overflow, fidelity in (("substitute", 5 / 8), ("drop", 5 / 8)):
-        eng = Engine(g, spec_of(routing={"name": "budget", "max_experts": 3, "max_fraction": None,
-                                         "overflow": overflow}, prefetch="none", hardware=HardwareConfig(capacity=1.0)))
-        rec = record(BUDGET, 2)
-        eng.begin_pass("decode", 4, 10)
-        assert eng.route(rec)
-        eng.layer(rec)
-        eng.end_pass()
-        out = eng.results()
+        changed, out = one_call({"name": "budget", "max_experts": 3, "max_fraction": None, "overflow": overflow},
+                                record(BUDGET, 2))
+        assert changed
         assert out["routing"]["fidelity"] == pytest.approx(fidelity)  # E0, E0 E4, E3, E4 kept of 8
         assert out["cache"]["requests"] == 3 and out["cache"]["requests_router"] == 5
 
@@ -420,17 +419,10 @@ def test_batch_aware_routing_leaves_prefill_as_routed_unless_told(routing, rows,
     """``passes: decode`` (both papers: decode only): a prefill call is the router's own (fidelity 1, every
     router request served); ``passes: all`` changes it as it changes a decode step; another value is refused
     naming the choices."""
-    g = Geometry(num_layers=1, num_experts=8, top_k=k, expert_bytes=10, total_bytes=80)
     table = globals()[rows]
     for passes, changed in (("decode", False), ("all", True)):
-        eng = Engine(g, spec_of(routing={**routing, "passes": passes}, prefetch="none",
-                                hardware=HardwareConfig(capacity=1.0)))
-        rec = record(table, k)
-        eng.begin_pass("prefill", rec.tokens, rec.tokens)
-        assert eng.route(rec) is changed
-        eng.layer(rec)
-        eng.end_pass()
-        out = eng.results()
+        did, out = one_call({**routing, "passes": passes}, record(table, k), "prefill")
+        assert did is changed
         assert (out["routing"]["fidelity"] < 1) is changed
         assert (out["cache"]["requests"] < out["cache"]["requests_router"]) is changed
     with pytest.raises(ConfigError, match="passes='prefill'.*decode, all"):
