@@ -24,6 +24,8 @@ Sections (each reports its own failure and the next one runs):
 7. **ratios**: hooked / unhooked decode (lru, no prefetch, capacity 1.0) and offload at capacity 1.0 /
    simulated, on both models;
 8. **calibrate**: ``specmd calibrate`` on the device, timed (target <= 90 s), with its own check;
+   then **fidelity**: ``specmd fidelity --quick``'s grid on that profile (median and p90 |measured /
+   simulated - 1| of TTFT and TPOT, the noise, the miss policies' ranking);
 9. **hybrid**: on both models at 5% with the calibrated profile, ``fetch``, ``cpu_compute`` and ``hybrid``
    against the all-fetch bound (every requested expert fetched over this link, hit rate 0: 31 tok/s for the
    Qwen-shaped model on PCIe gen5) and the bound at the run's own misses per token (which no fetch-only stack
@@ -386,6 +388,27 @@ def hybrid_section(name: str, model, device: str, family: str, quick: bool) -> N
             "tpot_ratio": r_tpot}
 
 
+def fidelity_section(device: str, quick: bool) -> None:
+    """``specmd fidelity --quick`` on the calibrated profile (the tiny model's grid: capacity x miss x batch,
+    repeats alternated; ``--quick`` here: two cells): the median and p90 |measured / simulated - 1| of TTFT and
+    TPOT, the noise, and the ranking of the miss policies."""
+    from specmd.fidelity import QUICK, measure, summarize
+
+    if not CALIBRATED:
+        row("fidelity", "grid", "skipped", "no calibrated profile (the calibrate section failed or was skipped)")
+        return
+    grid = dict(QUICK, capacities=(0.05,), misses=("fetch", "hybrid"), batches=(1,)) if quick else QUICK
+    cells, meta = measure(CALIBRATED, grid, 3, 8 if quick else 32, 2 if quick else 6, device, log=lambda m: None)
+    s = summarize(cells, meta)
+    for f in ("ttft", "tpot"):
+        x = s[f]
+        row("fidelity", f"{f.upper()} median |error|", f"{x['median_abs_err']:.1%}",
+            f"p90 {x['p90_abs_err']:.1%}, worst {x['worst']['err']:+.1%} ({x['worst']['cell']}); median noise "
+            f"{x['median_noise']:.1%}, {x['noise_bound_cells']}/{x['cells']} cells noise-bound")
+    row("fidelity", "ranking", f"{s['ranking']['agree']}/{s['ranking']['groups']} groups agree")
+    RESULT["fidelity"] = {"cells": cells, "summary": s}
+
+
 def decode_sections(device: str, quick: bool, gbps: float) -> None:
     olmoe = deep_olmoe("cpu")
     at_the_link("deep_olmoe", olmoe, device, gbps, quick)
@@ -408,14 +431,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="toy sizes (2-layer Qwen, shorter generations)")
     ap.add_argument("--out", help="write the table as JSON here")
     ap.add_argument("--skip", nargs="*", default=[], help="sections to skip: lossless policies parity link "
-                                                          "profile calibrate decode")
+                                                          "profile calibrate fidelity decode")
     a = ap.parse_args()
     t0 = time.perf_counter()
     RESULT["device"] = torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "cpu"
     RESULT["torch"] = torch.__version__
     gbps = float("nan")
     for name, fn in (("lossless", lossless), ("policies", policies), ("parity", parity), ("link", link),
-                     ("profile", profile), ("calibrate", calibrate_section), ("decode", None)):
+                     ("profile", profile), ("calibrate", calibrate_section), ("fidelity", fidelity_section),
+                     ("decode", None)):
         if name in a.skip:
             continue
         t = time.perf_counter()

@@ -27,15 +27,10 @@ MISSES = ("fetch", "cpu_compute", "hybrid")
 
 
 def qwen_shaped():
-    """The Qwen1.5-MoE-A2.7B shape (specmd/assets/configs/qwen2_moe.json) at 2 layers and a 4,096-token
-    vocabulary, as a seeded random model of specmd's own loader."""
-    from specmd.models.loader import SHIPPED_CONFIGS, ModelConfig, load_model
+    """The Qwen1.5-MoE-A2.7B shape at 2 layers: the shipped random-weight model config ``qwen2_moe_shaped``."""
+    from specmd.calibrate import _load
 
-    real = json.loads((SHIPPED_CONFIGS / "qwen2_moe.json").read_text())
-    keep = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
-            "num_attention_heads", "num_key_value_heads", "num_experts", "num_experts_per_tok")
-    tiny = {k: real[k] for k in keep} | {"num_hidden_layers": 2, "vocab_size": 4096}
-    return load_model(ModelConfig(name="qwen_shaped_2l", family="qwen2_moe", pretrained=None, tiny=tiny))[0], None
+    return _load("qwen2_moe_shaped")[0], None
 
 
 def deep_olmoe():

@@ -409,6 +409,15 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
         model.to(run.device)
     engine = stack.engine if stack is not None else None
     executor = stack.executor if stack is not None else None
+    if stack is not None:  # a calibrated profile used elsewhere than where it was fitted: said, once
+        import platform
+
+        from .hardware import profile_mismatch
+
+        for line in profile_mismatch(run.hardware, {"host": platform.node(), "device": str(run.device),
+                                                    "torch": torch.__version__, "dtype": run.model.dtype,
+                                                    "model": run.model.name, "expert_bytes": stack.geom.expert_bytes}):
+            log.warning("%s", line)
     tasks: dict = {}
     progress.partial = lambda: collect(run, engine, tasks, time.perf_counter() - t0, executor)
     if stack is not None and run.save_trace:

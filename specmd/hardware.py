@@ -11,7 +11,7 @@ from .registry import check_finite
 
 SCOPES = ("global", "per_layer")
 RATES = ("bandwidth_gbps", "peak_tflops", "mem_bandwidth_gbps", "host_tflops", "host_mem_bandwidth_gbps")
-TIMES = ("latency_us", "layer_overhead_us", "token_overhead_us", "expert_overhead_us", "transfer_issue_us",
+TIMES = ("latency_us", "layer_overhead_us", "token_overhead_us", "layer_token_overhead_us", "expert_overhead_us", "transfer_issue_us",
          "predict_overhead_us", "unpack_overhead_us", "host_call_overhead_us", "host_expert_overhead_us",
          "host_token_overhead_us")
 # Plausible ranges, 12+ orders of magnitude beyond any device either way (a phone's flash reads at ~1 GB/s, an
@@ -19,7 +19,8 @@ TIMES = ("latency_us", "layer_overhead_us", "token_overhead_us", "expert_overhea
 # TFLOP/s): a value outside is an exponent typo, 1e308 us of latency or 1e-300 GB/s, whose times overflow to
 # inf or report nonsense without a word.
 RATE_RANGE = (1e-15, 1e15)
-TIME_RANGE = (0.0, 1e12)  # us: 11.6 days per event
+TIME_RANGE = (0.0, 1e12)
+FRACTIONS = ("roofline_serial", "host_roofline_serial", "host_link_contention")  # us: 11.6 days per event
 
 
 def default_profile() -> dict:
@@ -59,6 +60,10 @@ class HardwareConfig:
     # launches; on a CPU running eager PyTorch they are most of a small model's time.
     layer_overhead_us: float = 0.0
     token_overhead_us: float = 0.0
+    # per token per decoder layer (its elementwise ops, norms and attention bookkeeping run per token): what
+    # ``specmd calibrate`` fits, so the cost scales with depth -- fitted per token of a pass on 16-layer
+    # deep_olmoe, it put 32-layer deep_mixtral's 32-token prefill at 0.6-0.7 of measured
+    layer_token_overhead_us: float = 0.0
     expert_overhead_us: float = 0.0
     transfer_issue_us: float = 0.0  # host time to issue one copy job (a layer call's demand fetches, or a prefetch)
     predict_overhead_us: float = 0.0  # one prefetch prediction (a later layer's router on this input + policy)
@@ -75,6 +80,18 @@ class HardwareConfig:
     # device, and each segment between synchronisations takes the longer of the two) or add to it (false: a
     # CPU, where the host is the device). ``specmd calibrate --device cuda`` sets it (SimClock's docstring).
     host_overlap: bool = False
+    # How far the roofline's two bounds add rather than overlap: time = max(compute, memory) + serial * min(...);
+    # 0 is the ideal roofline (a GPU), 1 their sum (a CPU's small GEMMs, measured by ``specmd calibrate`` on
+    # the experts' own kernel at several sizes); the host's own beside it
+    roofline_serial: float = 0.0
+    host_roofline_serial: float = 0.0
+    # Host work and the link's copies at once: the overlapped span costs this fraction more (0: each as if
+    # alone, 1: they take turns); ``specmd calibrate`` measures both alone and together
+    host_link_contention: float = 0.0
+    # What ``specmd calibrate`` fitted the profile on: host, device, torch, dtype, model and the expert bytes
+    # it covers ({} for a hand-written profile); a run on another says so (docs/semantics.md "How far to
+    # trust the clock")
+    calibrated_on: dict = field(default_factory=dict)
     # The host time a policy's decisions cost per MoE layer call beyond calibrate's reference stack (lru
     # eviction, topk prefetch: theirs is in the fitted overheads above), keyed "<group>/<name>", e.g.
     # {"prefetch/score": 180.0}. Policies run in Python between the router and the experts, serial with
@@ -118,6 +135,14 @@ class HardwareConfig:
                     raise ConfigError(f"hardware.{key}={getattr(self, key):g} is outside [{lo:g}, {hi:g}] {unit}, "
                                       f"beyond any device (an exponent typo?): the simulated times would overflow "
                                       f"or vanish")
+        for key in FRACTIONS:
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+                raise ConfigError(f"hardware.{key}={v!r} must be a fraction in [0, 1]")
+        if not hasattr(self.calibrated_on if self.calibrated_on is not None else {}, "items"):
+            raise ConfigError(f"hardware.calibrated_on={self.calibrated_on!r} must be a mapping (what calibrate "
+                              f"fitted the profile on)")
+        self.calibrated_on = dict(self.calibrated_on or {})
         from .engine import GROUPS  # the policy families: the groups of policy_overhead_us's keys
 
         table = self.policy_overhead_us if self.policy_overhead_us is not None else {}
@@ -131,3 +156,25 @@ class HardwareConfig:
                 raise ConfigError(f"hardware.policy_overhead_us[{key!r}]={v} must be a finite number in "
                                   f"[{TIME_RANGE[0]:g}, {TIME_RANGE[1]:g}] us")
         self.policy_overhead_us = {str(k): float(v) for k, v in table.items()}  # plain (a profile gives a DictConfig)
+
+
+def profile_mismatch(hw: HardwareConfig, facts: dict) -> list[str]:
+    """What differs between where ``hw`` was calibrated (``hardware.calibrated_on``) and this run's ``facts``
+    (``host``, ``device``, ``torch``, ``dtype``, ``model``, ``expert_bytes``): one line each, naming both;
+    [] for a profile calibrate did not write. The clock's fitted costs belong to the machine, the framework
+    and the sizes they were measured at (docs/semantics.md "How far to trust the clock")."""
+    on = hw.calibrated_on or {}
+    out = []
+    for key in ("host", "device", "torch", "dtype"):
+        if on.get(key) is not None and facts.get(key) is not None and str(on[key]) != str(facts[key]):
+            out.append(f"hardware={hw.name} was calibrated with {key} {on[key]}; this run's is {facts[key]}")
+    if on.get("model") and facts.get("model") and on["model"] != facts["model"]:
+        out.append(f"hardware={hw.name}'s overheads were fitted on model={on['model']}; this run's is "
+                   f"model={facts['model']} (`specmd calibrate --model {facts['model']}` fits it)")
+    span, eb = on.get("kernel_bytes"), facts.get("expert_bytes")
+    if span and eb:  # an expert is three projections (gate, up, down) of about equal size
+        if not span[0] <= eb / 3 <= span[1]:
+            out.append(f"hardware={hw.name}'s roofline was fitted on weights of {span[0]:.3g}-{span[1]:.3g} bytes; "
+                       f"this model's expert projections are {eb / 3:.3g}")
+    return out
+

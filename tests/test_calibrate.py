@@ -177,7 +177,7 @@ def test_overhead_fit_predicts_its_passes():
     single noisy pass) does not reach on a quiet machine."""
     from specmd.calibrate import PROMPTS, fit_overheads, measure_compute
 
-    flops, mem = measure_compute(torch.device("cpu"))
+    flops, mem, _ = measure_compute(torch.device("cpu"))
     hw = {"capacity": 0.05, "bandwidth_gbps": 10.0, "latency_us": 5.0, "peak_tflops": flops / 1e12,
           "mem_bandwidth_gbps": mem / 1e9, "host_tflops": flops / 1e12, "host_mem_bandwidth_gbps": mem / 1e9}
     over, fit = fit_overheads("tiny", hw, torch.device("cpu"), new_tokens=4, reps=2)
@@ -262,13 +262,13 @@ def no_measuring(monkeypatch):
     def measured(*a, **k):
         raise AssertionError("calibrate measured before rejecting its arguments")
 
-    for f in ("measure_ram_link", "measure_disk_link", "measure_compute", "measure_host_experts",
+    for f in ("measure_ram_link", "measure_disk_link", "measure_compute", "measure_contention", "measure_host_experts",
               "measure_policies", "fit_overheads", "check_profile", "_load"):
         monkeypatch.setattr(cal, f, measured)
 
 
 @pytest.fixture
-def stub_measuring(monkeypatch):
+def stub_measuring(monkeypatch, tmp_path):
     """calibrate --quick in milliseconds: fixed figures instead of measurements (what is under test is what
     it checks and writes, not what it measures)."""
     from types import SimpleNamespace
@@ -276,10 +276,18 @@ def stub_measuring(monkeypatch):
     import specmd.calibrate as cal
     from specmd.executor import base
 
+    # (saved measurements: this test's own, beside its directory, whose every file the tests list)
+    monkeypatch.setenv("SPECMD_CACHE", str(tmp_path.parent / f"{tmp_path.name}-cache"))
     monkeypatch.setattr(base, "steady_host_allocator", lambda *a, **k: True)
-    monkeypatch.setattr(cal, "measure_ram_link", lambda dev: (8e9, 5e-6))
-    monkeypatch.setattr(cal, "measure_disk_link", lambda dev, path: (2e9, 50e-6))
-    monkeypatch.setattr(cal, "measure_compute", lambda dev: (1e11, 2e10))
+    link_report = {"points": [], "median_abs_err": 0.0, "max_abs_err": 0.0}
+    monkeypatch.setattr(cal, "measure_ram_link", lambda dev, report=None: (report.update(link_report), (8e9, 5e-6))[1])
+    monkeypatch.setattr(cal, "measure_disk_link", lambda dev, path, report=None: (report.update(link_report),
+                                                                                   (2e9, 50e-6))[1])
+    kernel = {"serial": 0.5, "launch_us": 1.0, "points": [{"bytes": 1e5}, {"bytes": 5e7}], "median_abs_err": 0.0,
+              "max_abs_err": 0.0}
+    monkeypatch.setattr(cal, "measure_compute", lambda dev: (1e11, 2e10, kernel))
+    monkeypatch.setattr(cal, "measure_contention", lambda dev, hw: (0.25, {"host_ms": 1.0, "link_ms": 1.0,
+                                                                            "together_ms": 1.25}))
     monkeypatch.setattr(cal, "_load", lambda model: (None, SimpleNamespace(family="olmoe")))
     monkeypatch.setattr(cal, "measure_host_experts", lambda *a, **k: (
         {"host_call_overhead_us": 1.0, "host_expert_overhead_us": 2.0, "host_token_overhead_us": 3.0}, {}))

@@ -69,6 +69,8 @@ COMMANDS = (
             "finalists measured live"),
     Command("calibrate", "specmd.calibrate", "measure this machine and write a hardware profile for "
             "execution=offload"),
+    Command("fidelity", "specmd.fidelity", "how far to trust the simulated clock: offload runs on a grid, "
+            "wall vs simulated"),
     Command("train", "specmd.train", "train an embedded MoE model (Hydra overrides; config train.yaml)",
             "specmd.cli.hydra_apps:train"),
     Command("train-eviction", "specmd.train_eviction", "train the ml eviction networks (eviction=ml) from "

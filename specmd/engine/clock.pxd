@@ -21,6 +21,7 @@ cdef class TransferChannel:
     cdef public double free_at
     cdef public double busy_s
     cdef public object queue
+    cdef public object last
     cpdef double duration(self, double nbytes)
     @cython.locals(d=double)
     cpdef _start(self, Transfer tr, double at)
@@ -30,6 +31,8 @@ cdef class TransferChannel:
     cpdef double demand(self, double t, double nbytes)
     @cython.locals(start=double)
     cpdef double promote(self, Transfer tr, double t)
+
+cdef inline double _roof(double a, double b, double serial)
 
 cdef class Clock:
     cpdef begin_layer(self)
@@ -58,11 +61,13 @@ cdef class SimClock(Clock):
     cdef public double issue_overhead
     cdef public double predict_overhead
     cdef public double unpack_overhead
+    cdef public double layer_token_overhead
     cdef public double decision_overhead
     cdef public double host_call_overhead
     cdef public double host_expert_overhead
     cdef public double host_token_overhead
     cdef public bint overlap
+    cdef public double contention
     cdef public double host_free_at
     cdef public double host_busy_s
     cdef double _host_acc
@@ -75,6 +80,7 @@ cdef class SimClock(Clock):
     cdef double _demand_ready
     cdef double _peak
     cdef double _mem
+    cdef double _serial
     cdef double _expert_params
     cdef double _expert_bytes
     cdef double _hidden
@@ -92,10 +98,17 @@ cdef class SimClock(Clock):
     cpdef done(self, handle)
     @cython.locals(t=double, h=Transfer)
     cpdef double wait(self, handles)
-    @cython.locals(d=double, tr=Transfer)
+    @cython.locals(d=double, tr=Transfer, start=double, end=double, k=double)
     cpdef host(self, slots, experts)
+    @cython.locals(link_end=double, ov=double, extra=double, last=Transfer, ch=TransferChannel)
+    cdef double _contend(self, double start, double end)
+    cdef void _compute(self, double d, double k)
     @cython.locals(p=double, a=double)
     cpdef dense(self, long layer, long long tokens, long long context)
+    @cython.locals(d=double)
+    cpdef experts(self, long long slots, long long experts, long long unpacked=*)
+    @cython.locals(d=double)
+    cpdef tail(self, long long tokens, long long context)
     @cython.locals(flops=double)
     cdef double _dense_device(self, double params, double attn_layers, double tokens, double context)
     @cython.locals(flops=double)

@@ -59,6 +59,7 @@ class TransferChannel:
         self.free_at = 0.0  # when the transfer occupying the channel completes
         self.queue: deque[Transfer] = deque()
         self.busy_s = 0.0
+        self.last = None  # the prefetch that started last (a demand fetch has no object: None)
 
     def duration(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bw
@@ -69,6 +70,7 @@ class TransferChannel:
         tr.ready_at = at + d
         self.free_at = tr.ready_at
         self.busy_s += d
+        self.last = tr
 
     def advance(self, t: float) -> None:
         """Start every queued prefetch whose start time falls strictly before ``t``."""
@@ -92,6 +94,7 @@ class TransferChannel:
         d = self.latency + nbytes / self.bw  # (duration(nbytes))
         self.free_at = start + d
         self.busy_s += d
+        self.last = None
         return self.free_at
 
     def promote(self, tr: Transfer, t: float) -> float:
@@ -108,13 +111,21 @@ class TransferChannel:
 
 @dataclass(frozen=True)
 class Roofline:
-    """time(op) = max(flops / peak, bytes / memory bandwidth)."""
+    """time(op) = max(flops / peak, bytes / memory bandwidth) + serial * min(...): ``serial`` 0 is the ideal
+    roofline (a GPU streams weights while it multiplies); 1 adds the two (a CPU's small GEMMs: ``specmd
+    calibrate`` fits it on the experts' own kernel, ``hardware.roofline_serial``)."""
 
     peak_flops: float
     mem_bytes_per_s: float
+    serial: float = 0.0
 
     def time(self, flops: float, nbytes: float) -> float:
-        return max(flops / self.peak_flops, nbytes / self.mem_bytes_per_s)
+        return _roof(flops / self.peak_flops, nbytes / self.mem_bytes_per_s, self.serial)
+
+
+def _roof(a: float, b: float, serial: float) -> float:
+    """The longer of compute ``a`` and memory ``b``, plus ``serial`` of the shorter (0.0: exactly the max)."""
+    return (a if a > b else b) + serial * (b if a > b else a)
 
 
 class Clock:
@@ -221,10 +232,10 @@ class SimClock(Clock):
 
     def __init__(self, geom, channel: TransferChannel, roofline: Roofline, host: Roofline | None = None,
                  overheads: tuple = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0), decision: float = 0.0,
-                 host_overheads: tuple = (0.0, 0.0, 0.0), overlap: bool = False):
+                 host_overheads: tuple = (0.0, 0.0, 0.0), overlap: bool = False, contention: float = 0.0):
         """``overheads``: (per decoder layer, per token of a pass, per expert run, per copy job issued -- a layer
         call's demand fetches are one job, each prefetch is one: the offload executor's batching --, per
-        prefetch prediction, per expert run from a low-precision copy) seconds the roofline does not see (``specmd calibrate`` fits them; a decoder
+        prefetch prediction, per expert run from a low-precision copy, per token per decoder layer) seconds the roofline does not see (``specmd calibrate`` fits them; a decoder
         layer's cost goes with its dense compute, so it scales with the model's depth; issuing is host work
         charged with the layer's compute). ``decision``: seconds per MoE layer call the stack's policies
         cost beyond calibrate's reference stack (``hardware.policy_overhead_us``), charged with the layer's
@@ -243,6 +254,12 @@ class SimClock(Clock):
         host), once per pass (the logits) and wherever compute waits for a transfer or the host. The
         policies' decisions (``decision``) run after the read-back with the device idle: serial either way.
 
+        ``contention`` (``hardware.host_link_contention``): host work and the link's copies running at once
+        share host memory (and on a CPU its cores): the overlapped span costs this fraction of itself more,
+        charged to whichever of the two ends last (0: each runs as if alone; 1: they take turns). Host work
+        is what the host computes (``host``) and, without ``overlap`` (a CPU device), all compute. ``specmd
+        calibrate`` measures a kernel and copies alone and together.
+
         The host is a resource of its own beside the link (``host``): work a miss policy sends there starts
         when the host is free and runs beside the link; with ``overlap`` also beside the device's compute of
         the layer's other experts, and the layer's output waits for it after the device's experts: Zhu et al.'s SMoE pipeline
@@ -255,10 +272,11 @@ class SimClock(Clock):
         self.roofline = roofline
         self.host_roofline = host or roofline
         (self.layer_overhead, self.token_overhead, self.expert_overhead, self.issue_overhead,
-         self.predict_overhead, self.unpack_overhead) = (tuple(overheads) + (0.0,) * 6)[:6]
+         self.predict_overhead, self.unpack_overhead, self.layer_token_overhead) = (tuple(overheads) + (0.0,) * 7)[:7]
         self.decision_overhead = decision
         self.host_call_overhead, self.host_expert_overhead, self.host_token_overhead = (tuple(host_overheads) + (0.0,) * 3)[:3]
         self.overlap = overlap
+        self.contention = contention
         self.host_free_at = 0.0  # when the host work queued so far completes
         self.host_busy_s = 0.0
         self._host_acc = 0.0  # overlap: the host's overheads since the last synchronisation
@@ -271,6 +289,7 @@ class SimClock(Clock):
         self._demand_ready = 0.0  # when the last demand fetch completes
         self._peak = roofline.peak_flops
         self._mem = roofline.mem_bytes_per_s
+        self._serial = roofline.serial
         self._expert_params = geom.expert_params
         self._expert_bytes = geom.expert_bytes
         self._hidden = geom.hidden_size
@@ -287,14 +306,17 @@ class SimClock(Clock):
         table = getattr(hw, "policy_overhead_us", None) or {}
         decision = sum(table.get(f"{g}/{n}", 0.0) for g, n in (policies or {}).items()) * 1e-6
         return cls(geom, TransferChannel(hw.bandwidth_gbps * 1e9, hw.latency_us * 1e-6),
-                   Roofline(hw.peak_tflops * 1e12, hw.mem_bandwidth_gbps * 1e9),
-                   Roofline(hw.host_tflops * 1e12, hw.host_mem_bandwidth_gbps * 1e9),
+                   Roofline(hw.peak_tflops * 1e12, hw.mem_bandwidth_gbps * 1e9, getattr(hw, "roofline_serial", 0.0)),
+                   Roofline(hw.host_tflops * 1e12, hw.host_mem_bandwidth_gbps * 1e9,
+                            getattr(hw, "host_roofline_serial", 0.0)),
                    (getattr(hw, "layer_overhead_us", 0.0) * 1e-6, getattr(hw, "token_overhead_us", 0.0) * 1e-6,
                     getattr(hw, "expert_overhead_us", 0.0) * 1e-6, getattr(hw, "transfer_issue_us", 0.0) * 1e-6,
-                    getattr(hw, "predict_overhead_us", 0.0) * 1e-6, getattr(hw, "unpack_overhead_us", 0.0) * 1e-6),
+                    getattr(hw, "predict_overhead_us", 0.0) * 1e-6, getattr(hw, "unpack_overhead_us", 0.0) * 1e-6,
+                    getattr(hw, "layer_token_overhead_us", 0.0) * 1e-6),
                    decision, (getattr(hw, "host_call_overhead_us", 0.0) * 1e-6,
                               getattr(hw, "host_expert_overhead_us", 0.0) * 1e-6,
-                              getattr(hw, "host_token_overhead_us", 0.0) * 1e-6), bool(getattr(hw, "host_overlap", False)))
+                              getattr(hw, "host_token_overhead_us", 0.0) * 1e-6), bool(getattr(hw, "host_overlap", False)),
+                   getattr(hw, "host_link_contention", 0.0))
 
     # -- transfers --------------------------------------------------------------------------------
     def begin_layer(self):
@@ -367,10 +389,48 @@ class SimClock(Clock):
         d = self.host_time(slots, experts)
         tr = _new_transfer(0, self.now)
         tr.started = True
-        tr.ready_at = max(self.now, self.host_free_at) + d
-        self.host_free_at = tr.ready_at
-        self.host_busy_s += d
+        start = max(self.now, self.host_free_at)
+        end = start + d
+        if self.contention > 0.0 and experts:  # (the host's kernels contend; its per-call costs do not)
+            g = self.geom
+            k = self.host_roofline.time(2.0 * slots * g.expert_params, experts * g.expert_bytes)
+            end = self._contend(start, start + k) + (d - k)
+        tr.ready_at = end
+        self.host_free_at = end
+        self.host_busy_s += end - start
         return tr
+
+    def _contend(self, start: float, end: float) -> float:
+        """Work of the host's processor over [start, end) beside the link's copies (``contention``): the
+        copies and the work share host memory and, on a CPU, its cores, so their overlap costs
+        ``contention`` of itself more, charged to whichever ends last -- the work (its new end is returned)
+        or the link (the copy in flight, and the demand fetches waited on, end later)."""
+        ch = self.channel
+        if ch.queue:
+            ch.advance(end)  # (the prefetches that start while the work runs)
+        link_end = ch.free_at
+        ov = (end if end < link_end else link_end) - start
+        if ov <= 0.0:
+            return end
+        extra = self.contention * ov
+        if end >= link_end:
+            return end + extra
+        ch.free_at = link_end + extra
+        ch.busy_s += extra
+        if self._demand_ready == link_end:
+            self._demand_ready = link_end + extra
+        last = ch.last
+        if last is not None and last.ready_at == link_end:
+            last.ready_at = link_end + extra
+        return end
+
+    def _compute(self, d: float, k: float) -> None:
+        """With ``contention``: the device computes for ``d`` seconds from now, ``k`` of them in kernels
+        (``overlap`` false: a CPU,
+        whose compute is the host processor's work). The kernels contend with the link's copies; the rest --
+        the framework's per-layer, per-expert and per-copy costs, one Python thread -- leaves the other cores
+        to the copies (contended whole, a CPU's decodes came out 20% slower than measured)."""
+        self.now = self._contend(self.now, self.now + k) + (d - k)
 
     # -- compute ----------------------------------------------------------------------------------
     def host_time(self, slots: int, experts: int) -> float:
@@ -397,13 +457,14 @@ class SimClock(Clock):
         # (every operand a double, in the order Python evaluates the same expression on its ints: the
         # compiled and the pure clock give the same bits while the products stay below 2**53)
         flops = 2.0 * tokens * params + 4.0 * tokens * context * self._hidden * attn_layers
-        return max(flops / self._peak, params * self._dtype_bytes / self._mem) + attn_layers * self.layer_overhead
+        return (_roof(flops / self._peak, params * self._dtype_bytes / self._mem, self._serial)
+                + attn_layers * (self.layer_overhead + tokens * self.layer_token_overhead))
 
     def _dense_device(self, params: float, attn_layers: float, tokens: float,
                       context: float) -> float:
         """The device's share of :meth:`_dense_time` (its roofline, without the host's per-layer overhead)."""
         flops = 2.0 * tokens * params + 4.0 * tokens * context * self._hidden * attn_layers
-        return max(flops / self._peak, params * self._dtype_bytes / self._mem)
+        return _roof(flops / self._peak, params * self._dtype_bytes / self._mem, self._serial)
 
     def dense_time(self, layer: int, tokens: int, context: int) -> float:
         """Seconds of everything before MoE layer ``layer``'s experts (its share of dense layers)."""
@@ -412,7 +473,7 @@ class SimClock(Clock):
         return self._dense_time(self._dense_params[layer], self._attn_layers[layer], tokens, context)
 
     def _experts_time(self, s: float, n: float) -> float:
-        return (max(2.0 * s * self._expert_params / self._peak, n * self._expert_bytes / self._mem)
+        return (_roof(2.0 * s * self._expert_params / self._peak, n * self._expert_bytes / self._mem, self._serial)
                 + n * self.expert_overhead)
 
     def experts_time(self, slots: int, experts: int):
@@ -426,20 +487,30 @@ class SimClock(Clock):
             p = self._dense_params[layer]
             a = self._attn_layers[layer]
             self._dev_acc += self._dense_device(p, a, tokens, context)
-            self._host_acc += a * self.layer_overhead
+            self._host_acc += a * (self.layer_overhead + tokens * self.layer_token_overhead)
             return
-        self.now += self._dense_time(self._dense_params[layer], self._attn_layers[layer], tokens, context)
+        p = self._dense_params[layer]
+        a = self._attn_layers[layer]
+        if self.contention > 0.0:
+            self._compute(self._dense_time(p, a, tokens, context), self._dense_device(p, a, tokens, context))
+        else:
+            self.now += self._dense_time(p, a, tokens, context)
 
     def experts(self, slots: int, experts: int, unpacked: int = 0):
         if self.overlap:  # the decisions ran before (serial); the launches and the experts' compute side by side
             self.now += self.decision_overhead
-            self._dev_acc += max(2.0 * slots * self._expert_params / self._peak, experts * self._expert_bytes / self._mem)
+            self._dev_acc += _roof(2.0 * slots * self._expert_params / self._peak, experts * self._expert_bytes / self._mem,
+                                   self._serial)
             self._host_acc += (experts * self.expert_overhead + (self.issued + self._demand_job) * self.issue_overhead
                                + self.predictions * self.predict_overhead + unpacked * self.unpack_overhead)
         else:
-            self.now += (self._experts_time(slots, experts) + (self.issued + self._demand_job) * self.issue_overhead
-                         + self.predictions * self.predict_overhead + self.decision_overhead
-                         + unpacked * self.unpack_overhead)
+            d = (self._experts_time(slots, experts) + (self.issued + self._demand_job) * self.issue_overhead
+                 + self.predictions * self.predict_overhead + self.decision_overhead + unpacked * self.unpack_overhead)
+            if self.contention > 0.0:
+                self._compute(d, _roof(2.0 * slots * self._expert_params / self._peak,
+                                       experts * self._expert_bytes / self._mem, self._serial))
+            else:
+                self.now += d
         self.issued = self.predictions = 0
         self._demand_job = False
 
@@ -449,8 +520,12 @@ class SimClock(Clock):
     def tail(self, tokens: int, context: int):
         if self.overlap:  # the pass ends with its logits read back: a synchronisation
             self._dev_acc += self._dense_device(self._tail_params, self._tail_attn_layers, tokens, context)
-            self._host_acc += self._tail_attn_layers * self.layer_overhead + tokens * self.token_overhead
+            self._host_acc += (self._tail_attn_layers * (self.layer_overhead + tokens * self.layer_token_overhead)
+                               + tokens * self.token_overhead)
             self.sync()
             return
-        self.now += (self._dense_time(self._tail_params, self._tail_attn_layers, tokens, context)
-                     + tokens * self.token_overhead)
+        d = self._dense_time(self._tail_params, self._tail_attn_layers, tokens, context) + tokens * self.token_overhead
+        if self.contention > 0.0:
+            self._compute(d, self._dense_device(self._tail_params, self._tail_attn_layers, tokens, context))
+        else:
+            self.now += d

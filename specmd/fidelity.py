@@ -1,0 +1,413 @@
+"""``specmd fidelity [--profile P] [--quick] [--out FILE]``: how far to trust the simulated clock on this
+machine -- a grid of short runs under ``execution=offload``, each cell's wall time beside its simulated time,
+the error per cell, per component and over the grid (docs/semantics.md "How far to trust the clock").
+
+The grid (:data:`GRID`; ``--quick``: :data:`QUICK`): models x capacity x miss x batch. A cell is one stack
+(the default eviction and prefetch, the cell's miss policy, the profile at the cell's capacity) running a
+``--prompt``-token prefill and ``--decodes`` greedy decodes of ``batch`` random sequences, in a fresh install
+(a cold cache). Each model's cells are preceded by one warm-up run; then the cells run ``--repeats`` times,
+**alternated** (repeat 1 of every cell, then repeat 2 ...): a slow minute of the machine lands on every cell
+alike rather than on one. A cell's wall TTFT and TPOT are the median over its repeats; its simulated ones the
+median too (under offload the simulated clock still decides, and a copy still in flight on the wall can
+change a prefetch's outcome between repeats).
+
+Per cell: ``err = wall / simulated - 1`` for TTFT and TPOT; the **noise**, the repeats' spread
+``(max - min) / median`` of the wall; a cell whose noise exceeds ``|err|`` is marked ``noise``: its error is
+the machine's, not the model's. The error is split into the clock's components, as additive shares of the
+simulated time (they sum to ``err``): ``compute`` (the device's own work: dense layers, experts, the
+framework's per-layer/token/expert/copy-issue costs) and ``waits`` (what the pass spent beyond it: copies
+waited for, and on a CPU the host's experts, which run inline on the same cores); and two resources timed on
+their own, each as measured / simulated busy time: the ``link`` (the copies) and the ``host`` (the host's
+expert kernel). Over the grid: median |err|, p90, the worst cell, and the **ranking**: in each (model,
+capacity, batch) group, whether the simulated order of the miss policies by decode speed is the measured one
+(two policies whose measured TPOTs differ by less than their noise count as a tie either way).
+
+The profile is a name (as ``hardware=NAME`` selects it: the user config directory, then the shipped ones), or
+a path to a profile's yaml; default: calibrate's default name (:func:`specmd.calibrate.default_name`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# The grid: three expert sizes (49 kB, 0.4 MB and 35 MB float32 experts), caches from a small fraction to all
+# of the experts, the three places a miss can go, one request and a batch.
+GRID = {"models": ("deep_olmoe", "deep_mixtral", "qwen2_moe_shaped"), "capacities": (0.05, 0.3, 1.0),
+        "misses": ("fetch", "cpu_compute", "hybrid"), "batches": (1, 4)}
+QUICK = {"models": ("tiny",), "capacities": (0.05, 1.0), "misses": ("fetch", "cpu_compute", "hybrid"),
+         "batches": (1, 4)}
+COMPONENTS = ("compute", "waits")  # additive shares of the error
+RESOURCES = ("link", "host")  # measured / simulated busy time
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    capacity: float
+    miss: str
+    batch: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.model} c={self.capacity:g} {self.miss} B={self.batch}"
+
+    @property
+    def group(self) -> tuple:
+        return (self.model, self.capacity, self.batch)
+
+
+def cells_of(grid: dict) -> list[Cell]:
+    return [Cell(m, c, miss, b) for m in grid["models"] for c in grid["capacities"] for miss in grid["misses"]
+            for b in grid["batches"]]
+
+
+# ---- one run of one cell ---------------------------------------------------------------------------------
+class _PassProbe:
+    """Per forward pass of an installed offload stack: (kind, wall s, wall copy stall s, wall host s, wall link
+    busy s, simulated s, simulated stall s, simulated host busy s, simulated link busy s). Wraps the executor's
+    ``begin_pass``/``end_pass`` (the boundaries the wall clock itself uses) and reads both sides' busy counters
+    there."""
+
+    def __init__(self, stack):
+        self.ex, self.clock = stack.executor, stack.engine.clock
+        self.marks: list = []
+        begin, end = self.ex.begin_pass, self.ex.end_pass
+        self.ex.begin_pass = lambda kind, tokens: (self.marks.append(self._now()), begin(kind, tokens))
+        self.ex.end_pass = lambda: (end(), self.marks.__setitem__(-1, _sub(self._now(), self.marks[-1])))
+
+    def _now(self) -> tuple:
+        host = getattr(self.ex, "host_worker", None)
+        mover = getattr(self.ex, "mover", None)
+        busy = self.clock.busy()
+        return (host.busy_s if host is not None else 0.0, mover.busy_s if mover is not None else 0.0,
+                busy.get("host_busy_s", 0.0), busy.get("link_busy_s", 0.0))
+
+
+def _sub(a: tuple, b: tuple) -> tuple:
+    return tuple(x - y for x, y in zip(a, b))
+
+
+def run_cell(model, ckpt, hw: dict, cell: Cell, ids: torch.Tensor, decodes: int, device) -> dict:
+    """One fresh install of ``cell``'s stack: a warm-up generation (the first touch of the arena's and the host
+    tier's pages, the first calls of its kernels, its first evictions: costs a long run pays once, not per
+    prompt), then the measured one; per pass kind the mean of each side's times over the measured generation's passes."""
+    from .compose import spec_of
+    from .executor import EXECUTION
+    from .executor.hostwork import InlineHost
+    from .hardware import HardwareConfig
+    from .hook import install
+
+    spec = spec_of(hardware=HardwareConfig(**{**hw, "capacity": cell.capacity}), miss=cell.miss)
+    spec.execution = EXECUTION.params({"name": "offload", "throttle": True})
+    stack = install(model, spec, device=device, checkpoint=ckpt)
+    try:
+        probe = _PassProbe(stack)
+        # (as long as the measured prompt, its tokens reversed: a shorter one left the first eviction and the
+        # first activations of the measured size to the measured prefill -- a 4 x 32-token prefill of the
+        # Qwen-shaped model at 30% took 3.0 s once, then 1.1-1.2 s)
+        warm = torch.flip(ids, (1,))
+        with torch.no_grad():
+            for x, n in ((warm, 2), (ids, decodes)):
+                first = len(stack.executor.pass_kinds)
+                model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=0)
+        ex = stack.executor
+        inline = isinstance(getattr(ex, "host_worker", None), InlineHost)
+        passes = stack.engine.cache.stats.passes
+        out = {}
+        for kind in ("prefill", "decode"):
+            rows = [(w, ws, m, p.time_s, p.stall_s) for k, w, ws, m, p in
+                    zip(ex.pass_kinds[first:], ex.pass_wall[first:], ex.pass_stall[first:], probe.marks[first:],
+                        passes[first:]) if k == kind]
+            if not rows:
+                continue
+            n = len(rows)
+            mean = lambda f: sum(f(r) for r in rows) / n  # noqa: E731
+            wall, sim = mean(lambda r: r[0]), mean(lambda r: r[3])
+            host_w = mean(lambda r: r[2][0])
+            # the wall's waits: copies waited for, and (inline, a CPU) the host's experts on the same cores
+            waits_w = mean(lambda r: r[1]) + (host_w if inline else 0.0)
+            out[kind] = {"wall_s": wall, "sim_s": sim, "wall_waits_s": waits_w, "sim_waits_s": mean(lambda r: r[4]),
+                         "wall_host_s": host_w, "sim_host_s": mean(lambda r: r[2][2]),
+                         "wall_link_s": mean(lambda r: r[2][1]), "sim_link_s": mean(lambda r: r[2][3])}
+        return out
+    finally:
+        stack.remove()
+        del stack
+        gc.collect()  # (a 35 MB-expert model's arena and host tier are gigabytes: freed before the next install)
+
+
+# ---- the grid --------------------------------------------------------------------------------------------
+def _median_run(runs: list[dict]) -> dict:
+    """Each figure's median over a cell's repeats, and the wall's spread per kind."""
+    out = {}
+    for kind in ("prefill", "decode"):
+        rs = [r[kind] for r in runs if kind in r]
+        if not rs:
+            continue
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        walls = [r["wall_s"] for r in rs]
+        med["noise"] = (max(walls) - min(walls)) / med["wall_s"] if med["wall_s"] > 0 else 0.0
+        med["repeats"] = [r["wall_s"] for r in rs]
+        out[kind] = med
+    return out
+
+
+def _ratio(a: float, b: float):
+    return a / b if b > 0 else None
+
+
+def cell_report(runs: list[dict]) -> dict:
+    """A cell's figures: per kind (``ttft``: the prefill, ``tpot``: a decode) the error, the noise, the
+    components' shares of the error and the resources' measured / simulated busy time."""
+    med = _median_run(runs)
+    out = {}
+    for name, kind in (("ttft", "prefill"), ("tpot", "decode")):
+        m = med.get(kind)
+        if m is None:
+            continue
+        sim = m["sim_s"]
+        err = m["wall_s"] / sim - 1
+        waits = (m["wall_waits_s"] - m["sim_waits_s"]) / sim
+        out[name] = {"wall_s": m["wall_s"], "sim_s": sim, "err": err, "noise": m["noise"],
+                     "noise_bound": m["noise"] > abs(err), "repeats_s": m["repeats"],
+                     "components": {"compute": err - waits, "waits": waits},
+                     "resources": {"link": _ratio(m["wall_link_s"], m["sim_link_s"]),
+                                   "host": _ratio(m["wall_host_s"], m["sim_host_s"])},
+                     "busy_s": {k: m[k] for k in ("wall_link_s", "sim_link_s", "wall_host_s", "sim_host_s")}}
+    return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    """The ``q`` quantile (linear interpolation)."""
+    v = sorted(values)
+    if not v:
+        return math.nan
+    i = q * (len(v) - 1)
+    lo = math.floor(i)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (i - lo)
+
+
+def summarize(cells: dict[str, dict], meta: dict[str, Cell]) -> dict:
+    """Over the grid: per figure the median, p90 and worst |err|, the share of noise-bound cells, each
+    component's median |share| and each resource's median ratio; and the ranking's agreement."""
+    out = {}
+    for fig in ("ttft", "tpot"):
+        rows = [(k, c[fig]) for k, c in cells.items() if fig in c]
+        errs = [abs(r["err"]) for _, r in rows]
+        worst = max(rows, key=lambda kr: abs(kr[1]["err"]))
+        out[fig] = {"cells": len(rows), "median_abs_err": _pct(errs, 0.5), "p90_abs_err": _pct(errs, 0.9),
+                    "worst": {"cell": worst[0], "err": worst[1]["err"]},
+                    "noise_bound_cells": sum(r["noise_bound"] for _, r in rows),
+                    "median_noise": _pct([r["noise"] for _, r in rows], 0.5),
+                    "components": {c: _pct([abs(r["components"][c]) for _, r in rows], 0.5) for c in COMPONENTS},
+                    "resources": {x: _pct([r["resources"][x] for _, r in rows if r["resources"][x] is not None], 0.5)
+                                  for x in RESOURCES}}
+    out["ranking"] = ranking(cells, meta)
+    return out
+
+
+def ranking(cells: dict[str, dict], meta: dict[str, Cell]) -> dict:
+    """Per (model, capacity, batch) group: does the simulated order of its miss policies by TPOT agree with
+    the measured one? A pair whose measured TPOTs differ by less than the larger of their noises is a tie and
+    agrees either way."""
+    groups: dict[tuple, list] = {}
+    for k, c in cells.items():
+        if "tpot" in c:
+            groups.setdefault(meta[k].group, []).append((meta[k].miss, c["tpot"]))
+    verdicts = {}
+    for g, rows in groups.items():
+        ok = True
+        for i in range(len(rows)):
+            for j in range(i + 1, len(rows)):
+                a, b = rows[i][1], rows[j][1]
+                gap = abs(a["wall_s"] - b["wall_s"]) / min(a["wall_s"], b["wall_s"])
+                if gap <= max(a["noise"], b["noise"]):
+                    continue  # inside the noise: a tie
+                if (a["wall_s"] < b["wall_s"]) != (a["sim_s"] < b["sim_s"]):
+                    ok = False
+        sim_order = [m for m, _ in sorted(rows, key=lambda r: r[1]["sim_s"])]
+        wall_order = [m for m, _ in sorted(rows, key=lambda r: r[1]["wall_s"])]
+        verdicts[f"{g[0]} c={g[1]:g} B={g[2]}"] = {"agree": ok, "simulated": sim_order, "measured": wall_order}
+    n = len(verdicts)
+    return {"groups": n, "agree": sum(v["agree"] for v in verdicts.values()),
+            "share": sum(v["agree"] for v in verdicts.values()) / n if n else None, "per_group": verdicts}
+
+
+def measure(hw: dict, grid: dict, repeats: int, prompt: int, decodes: int, device: str, log=print) -> dict:
+    """Run the grid (see the module's doc); returns {cell key: report} and the cells."""
+    from .calibrate import _load
+    from .executor.base import steady_host_allocator
+    from .models.loader import local_checkpoint
+    from .signals import check_interrupt
+
+    steady_host_allocator()
+    dev = torch.device(device)
+    cells = cells_of(grid)
+    runs: dict[str, list] = {c.key: [] for c in cells}
+    t0 = time.perf_counter()
+    for name in grid["models"]:
+        model, mcfg = _load(name)
+        model.to(dev)
+        ckpt = local_checkpoint(mcfg.pretrained) if mcfg.pretrained else None
+        vocab = model.config.vocab_size
+        mine = [c for c in cells if c.model == name]
+        ids = {b: torch.randint(0, vocab, (b, prompt), generator=torch.Generator().manual_seed(11 + b)).to(dev)
+               for b in grid["batches"]}
+        run_cell(model, ckpt, hw, mine[0], ids[mine[0].batch], 2, dev)  # the process's warm-up (discarded)
+        for r in range(repeats):
+            for c in mine:
+                check_interrupt()
+                runs[c.key].append(run_cell(model, ckpt, hw, c, ids[c.batch], decodes, dev))
+            log(f"  {name}: repeat {r + 1}/{repeats} of {len(mine)} cells  [{time.perf_counter() - t0:.0f} s]")
+        del model
+        gc.collect()
+    return {c.key: cell_report(runs[c.key]) for c in cells}, {c.key: c for c in cells}
+
+
+# ---- the command -----------------------------------------------------------------------------------------
+def resolve_profile(profile: str | None) -> tuple[str, dict]:
+    """(name, fields) of the profile: a yaml path, or a name as ``hardware=NAME`` finds it (the user config
+    directory's ``hardware/``, then the shipped profiles). ConfigError naming what was looked for."""
+    import yaml
+
+    from . import shipped, user_config_dir
+    from .calibrate import default_name
+    from .errors import ConfigError
+    from .hardware import HardwareConfig
+
+    name = profile or default_name()
+    path = Path(name).expanduser()
+    if not (name.endswith((".yaml", ".yml")) and path.is_file()):
+        path = Path(user_config_dir()) / "hardware" / f"{name}.yaml"
+    if path.is_file():
+        try:
+            fields = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"--profile {name}: {path} is not a readable profile: {exc}") from None
+        if not isinstance(fields, dict):
+            raise ConfigError(f"--profile {name}: {path} holds no profile mapping")
+    elif name in shipped.options("hardware"):
+        fields = shipped.option("hardware", name)
+    else:
+        raise ConfigError(f"--profile {name!r}: no such profile (looked for a .yaml path, {path}, and the shipped "
+                          f"{', '.join(shipped.options('hardware'))}); make one with `specmd calibrate"
+                          f"{'' if profile is None else ' --name ' + name}`")
+    fields = dict(fields)
+    label = str(fields.pop("name", path.stem))
+    try:
+        HardwareConfig(**fields)  # every field checked, before minutes of runs
+    except TypeError as exc:
+        raise ConfigError(f"--profile {name}: {exc}") from None
+    return label, fields
+
+
+def table(report: dict) -> str:
+    """The fidelity table: one row per cell, then the grid's figures."""
+    lines = [f"{'cell':38s} {'TTFT w/s':>9s} {'noise':>6s} {'TPOT w/s':>9s} {'noise':>6s}  "
+             f"{'TTFT: compute waits':>20s} {'TPOT: compute waits':>20s}  {'link w/s':>8s} {'host w/s':>8s}"]
+    for key, c in report["cells"].items():
+        def fig(f):
+            if f not in c:
+                return f"{'-':>9s} {'':>6s}"
+            x = c[f]
+            return f"{1 + x['err']:9.2f}{'*' if x['noise_bound'] else ' '}{x['noise']:5.0%}"
+
+        def comp(f):
+            return f"{c[f]['components']['compute']:+10.0%} {c[f]['components']['waits']:+9.0%}" if f in c else " " * 20
+
+        res = c.get("tpot", c.get("ttft"))["resources"]
+        rs = " ".join(f"{res[x]:8.2f}" if res[x] is not None else f"{'-':>8s}" for x in RESOURCES)
+        lines.append(f"{key:38s} {fig('ttft')} {fig('tpot')}  {comp('ttft')} {comp('tpot')}  {rs}")
+    s = report["summary"]
+    lines.append("")
+    for f in ("ttft", "tpot"):
+        x = s[f]
+        lines.append(f"{f.upper()}: median |err| {x['median_abs_err']:.1%}, p90 {x['p90_abs_err']:.1%}, worst "
+                     f"{x['worst']['err']:+.1%} ({x['worst']['cell']}); median noise {x['median_noise']:.1%}, "
+                     f"{x['noise_bound_cells']}/{x['cells']} cells noise-bound (*); median |share| compute "
+                     f"{x['components']['compute']:.1%}, waits {x['components']['waits']:.1%}; busy measured / "
+                     f"simulated: link {_fmt(x['resources']['link'])}, host {_fmt(x['resources']['host'])}")
+    rk = s["ranking"]
+    lines.append(f"ranking (miss policies by decode speed): simulated order = measured in {rk['agree']}/{rk['groups']} "
+                 f"groups" + "".join(f"\n  differs: {g}: simulated {' < '.join(v['simulated'])}, measured "
+                                     f"{' < '.join(v['measured'])}" for g, v in rk["per_group"].items() if not v["agree"]))
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}"
+
+
+def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, prompt: int = 32, decodes: int = 6,
+             device: str = "cpu", models=None, log=print) -> dict:
+    """The whole command (module doc); returns the report written as JSON."""
+    from .app import check_device
+    from .calibrate import check_model
+    from .errors import ConfigError
+
+    check_device(device)
+    for flag, v, lo in (("--repeats", repeats, 3), ("--prompt", prompt, 1), ("--decodes", decodes, 2)):
+        if v < lo:
+            raise ConfigError(f"{flag} {v}: at least {lo}" + (" (the median of three tells noise from error)"
+                                                              if flag == "--repeats" else ""))
+    grid = dict(QUICK if quick else GRID)
+    if models:
+        grid["models"] = tuple(models)
+    for m in grid["models"]:
+        try:
+            check_model(m)
+        except ConfigError as exc:
+            raise ConfigError(str(exc).replace("--model ", "--models ", 1)) from None
+    label, hw = resolve_profile(profile)
+    t0 = time.perf_counter()
+    log(f"specmd fidelity: profile {label}, {len(cells_of(grid))} cells x {repeats} repeats on {platform.node()} "
+        f"({device}) ...")
+    cells, meta = measure(hw, grid, repeats, prompt, decodes, device, log)
+    report = {"profile": label, "hardware": hw, "device": device, "torch": torch.__version__, "host": platform.node(),
+              "grid": {k: list(v) for k, v in grid.items()}, "repeats": repeats, "prompt": prompt,
+              "decodes": decodes, "cells": cells, "summary": summarize(cells, meta),
+              "seconds": time.perf_counter() - t0}
+    return report
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="specmd fidelity", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", help="a hardware profile: its name (as hardware=NAME) or a yaml path "
+                                      "(default: calibrate's default name)")
+    ap.add_argument("--quick", action="store_true", help="the tiny model, capacities 0.05 and 1.0 (~2 min)")
+    ap.add_argument("--models", nargs="+", help="model configs of the grid (default: deep_olmoe deep_mixtral "
+                                                "qwen2_moe_shaped; --quick: tiny)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per cell, alternated; the median is kept")
+    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per sequence")
+    ap.add_argument("--decodes", type=int, default=6, help="greedy decode steps")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", help="write the report as JSON here")
+    a = ap.parse_args(argv)
+    out = None
+    if a.out:  # checked before minutes of runs
+        from .errors import ConfigError
+        from .results import writable_dir
+
+        out = Path(a.out).expanduser()
+        if out.is_dir():
+            raise ConfigError(f"--out {a.out}: a directory; name the JSON file to write")
+        writable_dir(out.parent, f"--out {a.out}")
+    report = fidelity(a.profile, a.quick, a.repeats, a.prompt, a.decodes, a.device, a.models)
+    print(table(report))
+    if out is not None:
+        from .results import write_json_atomic
+
+        write_json_atomic(out, report)
+        print(f"wrote {out}")
+    return 0

@@ -1,0 +1,239 @@
+"""How far to trust the clock (issue 45): the roofline's serial share and the host/link contention worked by
+hand, the profile's provenance (calibrated_on) and what a run says about it, calibrate's saved measurements,
+and ``specmd fidelity``'s figures (error, noise, components, ranking) on hand-made cells and on a real
+tiny grid."""
+
+import math
+
+import pytest
+import torch
+
+from specmd.engine.clock import Roofline, SimClock, TransferChannel
+from specmd.errors import ConfigError
+from specmd.hardware import HardwareConfig, profile_mismatch
+
+
+# ---- the clock ------------------------------------------------------------------------------------------
+def test_roofline_serial_adds_that_share_of_the_shorter_bound():
+    """compute 2 s, memory 3 s: the ideal roofline takes 3, serial 0.5 takes 3 + 1, serial 1 their sum."""
+    assert Roofline(100.0, 10.0).time(200.0, 30.0) == 3.0
+    assert Roofline(100.0, 10.0, 0.5).time(200.0, 30.0) == 4.0
+    assert Roofline(100.0, 10.0, 1.0).time(200.0, 30.0) == 5.0
+
+
+def _clock(geom, serial=0.0, contention=0.0, bw=1e15):
+    return SimClock(geom, TransferChannel(bw, 0.0), Roofline(100.0, 10.0, serial), Roofline(100.0, 10.0, serial),
+                    contention=contention)
+
+
+def test_roofline_serial_is_the_experts_and_dense_time(geom_small):
+    """The clock's own expert and dense times follow the serial share (its compiled arithmetic, not only the
+    Roofline helper): an expert of the small geometry, 1 slot."""
+    g = geom_small
+    c = 2.0 * g.expert_params / 100.0
+    m = g.expert_bytes / 10.0
+    assert _clock(g).experts_time(1, 1) == max(c, m)
+    assert _clock(g, serial=1.0).experts_time(1, 1) == pytest.approx(c + m, rel=1e-12)
+    p = g.dense_params[0]
+    dc, dm = 2.0 * p / 100.0 + 4.0 * g.hidden_size * g.attn_layers[0] / 100.0, p * g.dtype_bytes / 10.0
+    assert _clock(g, serial=0.5).dense_time(0, 1, 1) == pytest.approx(max(dc, dm) + 0.5 * min(dc, dm), rel=1e-12)
+
+
+@pytest.mark.parametrize("host_s,link_s,contention,stall", [
+    (6.0, 10.0, 0.5, 13.0),   # the link ends last: stretched by half of the 6 s overlap
+    (10.0, 6.0, 0.5, 13.0),   # the host ends last: stretched by half of the 6 s overlap
+    (6.0, 10.0, 0.0, 10.0),   # no contention: the longer of the two
+    (6.0, 10.0, 1.0, 16.0),   # full contention: they take turns
+])
+def test_host_and_link_at_once_cost_the_contention_of_their_overlap(geom_small, host_s, link_s, contention,
+                                                                    stall):
+    """A demand fetch of ``link_s`` seconds and host work of ``host_s`` issued together: the wait for both is
+    max + contention * min. (Only the host's kernels contend: a per-call overhead does not, below.)"""
+    g = geom_small
+    clock = SimClock(g, TransferChannel(1.0, 0.0), Roofline(1e15, 1e15), Roofline(1e15, g.expert_bytes / host_s),
+                     contention=contention)  # (the host's kernel: one expert's bytes in host_s seconds)
+    clock.demand(int(link_s))  # 1 byte/s: link_s seconds
+    h = clock.host(1, 1)
+    assert clock.wait([h]) == pytest.approx(stall)
+    assert clock.busy()["host_busy_s"] == pytest.approx(host_s + (contention * min(host_s, link_s)
+                                                                   if host_s >= link_s else 0.0))
+    calls = SimClock(g, TransferChannel(1.0, 0.0), Roofline(1e15, 1e15), Roofline(1e15, 1e15),
+                     host_overheads=(host_s, 0.0, 0.0), contention=contention)
+    calls.demand(int(link_s))
+    assert calls.wait([calls.host(1, 1)]) == pytest.approx(max(host_s, link_s))
+
+
+def test_a_cpu_devices_kernels_contend_with_the_copies_in_flight(geom_small):
+    """Without overlap (a CPU), the experts' kernel beside a demand fetch in flight is host work too: 4 s of
+    kernel (400 bytes at 100 B/s) and 1 s of per-expert overhead beside a 10 s copy, contention 0.5: the
+    copy ends at 10 + 0.5 * 4; the compute at 5 s; the wait brings the clock to 12."""
+    g = geom_small
+    clock = SimClock(g, TransferChannel(1.0, 0.0), Roofline(1e15, 100.0), overheads=(0, 0, 1.0), contention=0.5)
+    clock.demand(10)
+    clock.experts(1, 1)
+    assert clock.now == pytest.approx(5.0)
+    assert clock.wait([]) == pytest.approx(7.0) and clock.now == pytest.approx(12.0)
+    free = SimClock(g, TransferChannel(1.0, 0.0), Roofline(1e15, 100.0), overheads=(0, 0, 1.0))
+    free.demand(10)
+    free.experts(1, 1)
+    assert free.wait([]) == pytest.approx(5.0)
+
+
+@pytest.fixture
+def geom_small():
+    from specmd.engine.geometry import Geometry
+
+    return Geometry(num_layers=2, num_experts=4, top_k=2, expert_bytes=400, total_bytes=5000, expert_params=100, hidden_size=8,
+                    dtype_bytes=4, dense_params=[50.0, 50.0], attn_layers=[1.0, 1.0], tail_params=10.0,
+                    tail_attn_layers=0.0)
+
+
+# ---- the profile's provenance ----------------------------------------------------------------------------
+@pytest.mark.parametrize("key,value,match", [
+    ("roofline_serial", 1.5, "roofline_serial=1.5 must be a fraction in \\[0, 1\\]"),
+    ("host_roofline_serial", -0.1, "must be a fraction"),
+    ("host_link_contention", math.nan, "host_link_contention"),
+    ("host_link_contention", True, "must be a fraction"),
+    ("calibrated_on", "vm", "calibrated_on='vm' must be a mapping"),
+])
+def test_bad_fidelity_fields_rejected(key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        HardwareConfig(**{key: value})
+
+
+def test_a_run_elsewhere_than_the_profile_was_fitted_says_what_differs():
+    on = {"host": "vm", "device": "cpu", "torch": "2.13.0", "dtype": "float32", "model": "deep_olmoe",
+          "expert_bytes": 49152, "kernel_bytes": [131072.0, 46137344.0]}
+    hw = HardwareConfig(name="rep1", calibrated_on=on)
+    same = {"host": "vm", "device": "cpu", "torch": "2.13.0", "dtype": "float32", "model": "deep_olmoe",
+            "expert_bytes": 49152 * 8}
+    assert profile_mismatch(hw, same) == []
+    lines = profile_mismatch(hw, dict(same, device="cuda", model="mixtral", expert_bytes=4e9))
+    assert lines == [
+        "hardware=rep1 was calibrated with device cpu; this run's is cuda",
+        "hardware=rep1's overheads were fitted on model=deep_olmoe; this run's is model=mixtral (`specmd calibrate "
+        "--model mixtral` fits it)",
+        "hardware=rep1's roofline was fitted on weights of 1.31e+05-4.61e+07 bytes; this model's expert "
+        "projections are 1.33e+09"]
+    assert profile_mismatch(HardwareConfig(), dict(same, device="cuda")) == []  # a hand-written profile
+
+
+# ---- calibrate's saved measurements ---------------------------------------------------------------------
+def test_calibrate_reuses_its_measurements_unless_asked(tmp_path, monkeypatch):
+    """A second calibrate of the same host, device, torch and model measures nothing and writes the same
+    profile; --remeasure measures again; another model is another key."""
+    from types import SimpleNamespace
+
+    import specmd.calibrate as cal
+    from specmd.executor import base
+
+    monkeypatch.setenv("SPECMD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(base, "steady_host_allocator", lambda *a, **k: True)
+    calls = []
+    rep = {"points": [], "median_abs_err": 0.0, "max_abs_err": 0.0}
+    kern = {"serial": 0.75, "launch_us": 1.0, "points": [{"bytes": 1e5}, {"bytes": 5e7}], "median_abs_err": 0.0,
+            "max_abs_err": 0.0}
+    monkeypatch.setattr(cal, "measure_ram_link", lambda dev, report=None: (calls.append("link"), report.update(rep),
+                                                                           (8e9, 5e-6))[2])
+    monkeypatch.setattr(cal, "measure_disk_link", lambda dev, path, report=None: (report.update(rep), (2e9, 5e-5))[1])
+    monkeypatch.setattr(cal, "measure_compute", lambda dev: (calls.append("compute"), (1e11, 2e10, kern))[1])
+    monkeypatch.setattr(cal, "measure_contention", lambda dev, hw: (0.5, {"host_ms": 1.0, "link_ms": 1.0,
+                                                                           "together_ms": 1.5}))
+    monkeypatch.setattr(cal, "_load", lambda model: (None, SimpleNamespace(family="olmoe")))
+    monkeypatch.setattr(cal, "measure_host_experts", lambda *a, **k: (
+        {"host_call_overhead_us": 1.0, "host_expert_overhead_us": 2.0, "host_token_overhead_us": 3.0}, {}))
+    first = cal.calibrate(str(tmp_path / "a"), "box", "tiny", quick=True, log=lambda m: None)
+    assert calls == ["link", "compute"] and first["reused"] == []
+    second = cal.calibrate(str(tmp_path / "b"), "box", "tiny", quick=True, log=lambda m: None)
+    assert calls == ["link", "compute"] and second["reused"] == ["link", "disk", "compute", "contention",
+                                                                 "host_experts"]
+    assert (tmp_path / "a/hardware/box.yaml").read_text().split("\n", 1)[1] == \
+        (tmp_path / "b/hardware/box.yaml").read_text().split("\n", 1)[1]  # (all but the time stamp)
+    cal.calibrate(str(tmp_path / "c"), "box", "tiny", quick=True, log=lambda m: None, remeasure=True)
+    cal.calibrate(str(tmp_path / "d"), "box", "deep_olmoe", quick=True, log=lambda m: None)
+    assert calls == ["link", "compute"] * 3
+    hw = HardwareConfig(**{k: v for k, v in first["hardware"].items()})
+    assert hw.roofline_serial == 0.75 and hw.host_link_contention == 0.5
+    assert hw.calibrated_on["model"] == "tiny" and hw.calibrated_on["dtype"] == "float32"
+
+
+def test_the_written_profile_reads_back_with_its_provenance(tmp_path):
+    import yaml
+
+    from specmd.calibrate import _yaml
+
+    on = {"host": "vm", "device": "cpu", "model": "tiny", "kernel_bytes": [1.0, 2.0], "expert_bytes": 3}
+    text = _yaml("p", {"bandwidth_gbps": 3.5, "roofline_serial": 0.5, "calibrated_on": on}, ["test"])
+    back = yaml.safe_load(text)
+    assert back["calibrated_on"] == on and HardwareConfig(**{k: v for k, v in back.items()}).roofline_serial == 0.5
+
+
+# ---- specmd fidelity --------------------------------------------------------------------------------------
+def _run(wall, sim, waits_w=0.0, waits_s=0.0):
+    return {"decode": {"wall_s": wall, "sim_s": sim, "wall_waits_s": waits_w, "sim_waits_s": waits_s,
+                       "wall_host_s": 0.0, "sim_host_s": 0.0, "wall_link_s": 1.0, "sim_link_s": 2.0}}
+
+
+def test_cell_error_noise_and_components_by_hand():
+    """Repeats 1.1, 1.2, 1.5 s walls against 1.0 s simulated: the median 1.2 (+20%), the noise (1.5 - 1.1) /
+    1.2 = 33% > 20%: noise-bound; the waits' share (0.3 - 0.1) / 1.0 and compute's the rest."""
+    from specmd.fidelity import cell_report
+
+    r = cell_report([_run(1.1, 1.0, 0.3, 0.1), _run(1.5, 1.0, 0.3, 0.1), _run(1.2, 1.0, 0.3, 0.1)])["tpot"]
+    assert r["err"] == pytest.approx(0.2) and r["noise"] == pytest.approx(0.4 / 1.2) and r["noise_bound"]
+    assert r["components"] == pytest.approx({"compute": 0.0, "waits": 0.2})
+    assert r["resources"] == {"link": 0.5, "host": None}
+    quiet = cell_report([_run(1.2, 1.0), _run(1.21, 1.0), _run(1.19, 1.0)])["tpot"]
+    assert not quiet["noise_bound"] and quiet["components"]["compute"] == pytest.approx(0.2)
+
+
+def test_ranking_counts_ties_inside_the_noise():
+    """Group 1: fetch measured faster than hybrid by 50% but simulated slower: disagrees. Group 2: the same
+    order flipped by only 5%, inside a 10% noise: a tie, agrees."""
+    from specmd.fidelity import Cell, ranking
+
+    def tp(wall, sim, noise):
+        return {"tpot": {"wall_s": wall, "sim_s": sim, "noise": noise}}
+
+    cells = {"a": tp(1.0, 2.0, 0.01), "b": tp(1.5, 1.0, 0.01), "c": tp(1.0, 2.0, 0.1), "d": tp(1.05, 1.0, 0.1)}
+    meta = {"a": Cell("m", 0.05, "fetch", 1), "b": Cell("m", 0.05, "hybrid", 1),
+            "c": Cell("m", 0.3, "fetch", 1), "d": Cell("m", 0.3, "hybrid", 1)}
+    r = ranking(cells, meta)
+    assert (r["groups"], r["agree"]) == (2, 1)
+    assert r["per_group"]["m c=0.05 B=1"] == {"agree": False, "simulated": ["hybrid", "fetch"],
+                                              "measured": ["fetch", "hybrid"]}
+
+
+def test_fidelity_runs_a_grid_on_the_tiny_model():
+    """Two cells of the real thing (tiny, 5%, fetch and hybrid, batch 1 and 2): each cell's both figures, a
+    positive wall and simulated time, three repeats, components that add up to the error, the grid's summary."""
+    from specmd.fidelity import measure, summarize
+
+    hw = HardwareConfig(name="t").__dict__ | {"bandwidth_gbps": 5.0}
+    hw.pop("name")
+    grid = {"models": ("tiny",), "capacities": (0.05,), "misses": ("fetch", "hybrid"), "batches": (1, 2)}
+    cells, meta = measure(hw, grid, 3, 8, 2, "cpu", log=lambda m: None)
+    assert sorted(cells) == ["tiny c=0.05 fetch B=1", "tiny c=0.05 fetch B=2", "tiny c=0.05 hybrid B=1",
+                             "tiny c=0.05 hybrid B=2"]
+    for c in cells.values():
+        for f in ("ttft", "tpot"):
+            x = c[f]
+            assert x["wall_s"] > 0 and x["sim_s"] > 0 and len(x["repeats_s"]) == 3
+            assert sum(x["components"].values()) == pytest.approx(x["err"])
+    assert cells["tiny c=0.05 hybrid B=1"]["tpot"]["busy_s"]["sim_host_s"] > 0  # the host computed experts
+    s = summarize(cells, meta)
+    assert s["ttft"]["cells"] == 4 and s["ranking"]["groups"] == 2
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--repeats", "2"], "--repeats 2: at least 3"),
+    (["--profile", "nope"], "--profile 'nope': no such profile .* a100_pcie"),
+    (["--models", "nope"], "--models 'nope': no such model config; valid choices: .*deep_olmoe"),
+    (["--device", "tpu"], "tpu"),
+])
+def test_bad_fidelity_arguments_refused_before_any_run(argv, match, monkeypatch):
+    import specmd.fidelity as fid
+
+    monkeypatch.setattr(fid, "measure", lambda *a, **k: pytest.fail("measured before refusing"))
+    with pytest.raises(ConfigError, match=match):
+        fid.main(argv + (["--profile", "a100_pcie"] if "--profile" not in argv else []))
