@@ -237,3 +237,21 @@ def test_bad_fidelity_arguments_refused_before_any_run(argv, match, monkeypatch)
     monkeypatch.setattr(fid, "measure", lambda *a, **k: pytest.fail("measured before refusing"))
     with pytest.raises(ConfigError, match=match):
         fid.main(argv + (["--profile", "a100_pcie"] if "--profile" not in argv else []))
+
+
+def test_a_run_on_a_profile_fitted_elsewhere_warns(tmp_path, caplog):
+    """The run itself compares the profile's calibrated_on with what it runs: one warning line per difference."""
+    import logging
+
+    from hydra import compose, initialize_config_dir
+
+    from specmd import CONF_DIR
+    from specmd.app import execute
+
+    overrides = ["model=tiny", "eval.tasks=[]", "logger=none", "+hardware.calibrated_on={device: cuda, model: tiny}"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    with caplog.at_level(logging.WARNING, logger="specmd"):
+        execute(cfg, run_dir=str(tmp_path / "run"), overrides=overrides)
+    said = [r.getMessage() for r in caplog.records if "calibrated" in r.getMessage() or "fitted" in r.getMessage()]
+    assert said == ["hardware=a100_pcie was calibrated with device cuda; this run's is cpu"]
