@@ -255,3 +255,17 @@ def test_a_run_on_a_profile_fitted_elsewhere_warns(tmp_path, caplog):
         execute(cfg, run_dir=str(tmp_path / "run"), overrides=overrides)
     said = [r.getMessage() for r in caplog.records if "calibrated" in r.getMessage() or "fitted" in r.getMessage()]
     assert said == ["hardware=a100_pcie was calibrated with device cuda; this run's is cpu"]
+
+
+def test_the_token_cost_scales_with_the_decoder_layers(geom_small):
+    """``layer_token_overhead_us`` is per token per decoder layer (the 7th overhead): a 3-token pass through MoE
+    layer 0's segment (1 decoder layer) and 1 s per token-layer adds 3 s; a segment of 2 decoder layers 6 s."""
+    g = geom_small
+    base = SimClock(g, TransferChannel(1.0, 0.0), Roofline(1e15, 1e15)).dense_time(0, 3, 3)
+    clock = SimClock(g, TransferChannel(1.0, 0.0), Roofline(1e15, 1e15), overheads=(0, 0, 0, 0, 0, 0, 1.0))
+    assert clock.dense_time(0, 3, 3) == pytest.approx(base + 3.0)
+    g.attn_layers = [2.0, 1.0]
+    assert SimClock(g, TransferChannel(1.0, 0.0), Roofline(1e15, 1e15),
+                    overheads=(0, 0, 0, 0, 0, 0, 1.0)).dense_time(0, 3, 3) == pytest.approx(6.0, abs=1e-9)
+    hw = HardwareConfig(layer_token_overhead_us=2.0)
+    assert SimClock.from_hardware(g, hw).layer_token_overhead == 2e-6
