@@ -370,6 +370,10 @@ def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, 
         except ConfigError as exc:
             raise ConfigError(str(exc).replace("--model ", "--models ", 1)) from None
     label, hw = resolve_profile(profile)
+    if not any(hw.get(k) for k in ("layer_overhead_us", "layer_token_overhead_us", "token_overhead_us",
+                                   "expert_overhead_us")):
+        log(f"note: profile {label} has no framework costs fitted (calibrate --quick, or a hand-written profile): "
+            f"on a CPU the simulated times leave out most of a small model's time")
     t0 = time.perf_counter()
     log(f"specmd fidelity: profile {label}, {len(cells_of(grid))} cells x {repeats} repeats on {platform.node()} "
         f"({device}) ...")
