@@ -845,12 +845,12 @@ class Measurements:
     a second calibrate (another name, ``--out``) takes seconds, and an interrupted one resumes at the stage
     it was in."""
 
-    def __init__(self, key: dict, remeasure: bool, log):
+    def __init__(self, key: dict, remeasure: bool):
         import hashlib
 
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         self.path = _disk_probe().parent / f"measured-{digest}.json"
-        self.key, self.log, self.reused = key, log, []
+        self.key, self.reused = key, []
         self.data = {}
         if not remeasure and self.path.is_file():
             try:
@@ -883,7 +883,7 @@ def _calibrate(hw_dir: Path, name: str, out: bool, model: str, device: str, quic
     log = lambda m: say(f"{m}  [{time.perf_counter() - t_start:.0f} s]")  # noqa: E731 (each stage's time)
     steady_host_allocator()  # as execution=offload measures: the fit and the runs it predicts see the same heap
     dev = torch.device(device)
-    ms = Measurements(measurement_key(model, device), remeasure, log)
+    ms = Measurements(measurement_key(model, device), remeasure)
     log(f"specmd calibrate: measuring {platform.node()} ({dev}) ..."
         + (f" (reusing measurements of an earlier calibrate: {ms.path}; --remeasure measures anew)" if ms.data else ""))
 

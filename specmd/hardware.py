@@ -19,8 +19,8 @@ TIMES = ("latency_us", "layer_overhead_us", "token_overhead_us", "layer_token_ov
 # TFLOP/s): a value outside is an exponent typo, 1e308 us of latency or 1e-300 GB/s, whose times overflow to
 # inf or report nonsense without a word.
 RATE_RANGE = (1e-15, 1e15)
-TIME_RANGE = (0.0, 1e12)
-FRACTIONS = ("roofline_serial", "host_roofline_serial", "host_link_contention")  # us: 11.6 days per event
+TIME_RANGE = (0.0, 1e12)  # us: 11.6 days per event
+FRACTIONS = ("roofline_serial", "host_roofline_serial", "host_link_contention")
 
 
 def default_profile() -> dict:
