@@ -2,10 +2,13 @@
 and write a hardware profile that makes the simulated clock predict what ``execution=offload`` measures.
 
 1. **The link, per host tier**: the transfer path's own copies (:class:`~specmd.executor.transfer.ThreadMover`,
-   unthrottled) of 64 KiB .. 16 MiB from host memory (``ram``) and, with the page cache dropped, from a file
-   (``disk``); ``latency + nbytes / bandwidth`` fitted by least squares.
-2. **Compute**: a float32 GEMM (``peak_tflops``) and a large copy (``mem_bandwidth_gbps``) on the device,
-   the same on the host (``host_*``; equal on a CPU-only machine).
+   unthrottled) of 64 KiB .. 32 MiB from host memory (``ram``) and, with the page cache dropped, from a file
+   (``disk``); ``latency + nbytes / bandwidth`` fitted by least squares, with a faster rate for a copy's first
+   MBs where that fits better (``small_copy_gbps``/``small_copy_mb``: :func:`_fit_link`).
+2. **Compute**: the experts' own kernel at four weight sizes and one to 128 rows, fitted as the clock's
+   roofline (``peak_tflops``, ``mem_bandwidth_gbps``, ``gemv_bandwidth_gbps`` for one row,
+   ``roofline_serial``: :func:`measure_compute`), the same on the host (``host_*``; equal on a CPU-only
+   machine); then the host and the link at once (``host_link_contention``: :func:`measure_contention`).
 3. **Policy decisions** (measured before 4): each built-in eviction, prefetch and miss policy's host time per
    MoE layer call beyond the reference stack's (lru, topk, fetch), timed on the engine
    (``hardware.policy_overhead_us``).
@@ -50,20 +53,44 @@ from .results import writable_dir
 
 # (the small ones pin the latency: an expert of a small model is 49 kB; the large ones its bandwidth at a
 # Qwen1.5-MoE expert's parameters: 23 MB fused gate and up, 12 MB down)
-SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 32 << 20)
+SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20)
 
 
 def _fit_link(points: list[tuple[int, float]], report: dict | None = None) -> tuple[float, float]:
-    """(bandwidth bytes/s, latency s) of ``t = latency + n / bandwidth`` by least squares on relative error (on
-    absolute error the 16 MiB copies' jitter, +-100 us, set the latency: 0-65 us from run to run). ``report``
-    (a dict) receives each point's measured and fitted microseconds and the fit's median and worst error."""
+    """(bandwidth bytes/s, latency s) of the link's copies, ``t = latency + min(n, K) / small + max(0, n - K) /
+    bandwidth``: the first ``K`` bytes of a copy at the ``small`` rate (``hardware.small_copy_gbps``,
+    ``small_copy_mb``), the knee ``K`` one of the measured sizes or none (one rate), whichever fits best by
+    least squares on relative error (SciPy's bounded linear least squares; on absolute error the 16 MiB
+    copies' jitter, +-100 us, set the latency: 0-65 us from run to run). On this 2-core VM a copy of up to
+    4 MiB ran at 10-13 GB/s and beyond at 7-8: one rate over 64 kB-32 MiB came out at 11 GB/s and put a 35 MB
+    expert's copy at 0.6 of its time. ``report`` (a dict) receives ``small_bw`` and ``small_bytes`` (None:
+    no knee), each point's measured and fitted microseconds and the fit's median and worst error."""
+    from scipy.optimize import lsq_linear
+
     n = np.array([p[0] for p in points], dtype=float)
     t = np.array([p[1] for p in points], dtype=float)
-    slope, icpt = np.polyfit(n, t, 1, w=1.0 / t)
-    bw, lat = 1.0 / max(slope, 1e-15), max(icpt, 0.0)
+    best = None
+    for knee in [None] + sorted(set(n))[1:-2]:  # (a knee leaves >= 2 sizes beyond it to fit its rate)
+        head = n if knee is None else np.minimum(n, knee)
+        X = np.stack([np.ones_like(n), head, n - head], axis=1) / t[:, None]
+        if knee is None:
+            X = X[:, :2]
+        fit = lsq_linear(X, np.ones_like(t), bounds=(0.0, np.inf))
+        pred = (X @ fit.x) * t
+        err = float(np.sum((pred / t - 1) ** 2))
+        if best is None or err < best[0] - 1e-12:
+            best = (err, knee, fit.x, pred)
+    _, knee, x, pred = best
+    lat = float(x[0])
+    if knee is None or not x[1] > 0 or not x[2] > x[1]:  # (no knee, or none where the small copies are faster)
+        slope = x[1] if knee is None else x[2]
+        small_bw, small_bytes = None, None
+    else:
+        slope, small_bw, small_bytes = x[2], 1.0 / x[1], float(knee)
+    bw = 1.0 / max(float(slope), 1e-15)
     if report is not None:
-        pred = lat + n / bw
-        report.update({"points": [{"bytes": float(a), "measured_us": float(b * 1e6), "fitted_us": float(c * 1e6)}
+        report.update({"small_bw": small_bw, "small_bytes": small_bytes,
+                       "points": [{"bytes": float(a), "measured_us": float(b * 1e6), "fitted_us": float(c * 1e6)}
                                   for a, b, c in zip(n, t, pred)],
                        "median_abs_err": float(np.median(np.abs(pred / t - 1))),
                        "max_abs_err": float(np.max(np.abs(pred / t - 1)))})
@@ -156,12 +183,14 @@ def measure_compute(device: torch.device, reps: int = 7, pool_bytes: int = 192 <
     the median of ``reps`` after a warm-up. The report: ``serial``, each point's measured and fitted
     microseconds, the fit's median and worst relative error.
 
+    A one-row product reads its weight at its own rate (``report["gemv_bw"]``, ``hardware.gemv_bandwidth_gbps``:
+    :class:`~specmd.engine.clock.Roofline`): a BLAS library runs one row as a GEMV, two as a GEMM.
+
     On this 2-core VM the ideal roofline (serial 0) fitted with a 27% median error; the sum (serial ~1) with
     14%: a CPU's skinny GEMMs neither stream the weights at a copy's bandwidth while they multiply nor reach
-    the GEMM peak (a 46 MB weight: 2.9 ms for one row, 6.0 ms for eight)."""
-    from scipy.optimize import least_squares
-
-    pts = []  # (flops, bytes, seconds)
+    the GEMM peak. And one rate for every row count put a 46 MB weight's one row (2.9 ms: 16 GB/s) 42% long
+    and its two rows (6.3 ms: 7.3 GB/s) 32% short -- a Qwen-shaped decode at batch 1 came out 20-30% slow."""
+    pts = []  # (flops, bytes, rows, seconds)
     for h, f in KERNEL_SHAPES:
         # weights cycling through ``pool_bytes``, more than a last-level cache: a run's experts are read from
         # memory (one weight timed over and over measured the cache: 39 GB/s where the 35 MB experts of a
@@ -183,21 +212,32 @@ def measure_compute(device: torch.device, reps: int = 7, pool_bytes: int = 192 <
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - t0)
-            pts.append((2.0 * t * h * f, 4.0 * h * f, statistics.median(times)))
-    F, B, T = (np.array(c) for c in zip(*pts))
+            pts.append((2.0 * t * h * f, 4.0 * h * f, t, statistics.median(times)))
+    return _fit_kernel(pts)
 
-    def model(p):  # p: log peak, log bandwidth, launch seconds, serial
-        c, m = F / np.exp(p[0]), B / np.exp(p[1])
-        return p[2] + np.maximum(c, m) + p[3] * np.minimum(c, m)
 
-    guess = [np.log(np.max(F / T)), np.log(np.max(B / T)), 0.0, 0.5]
-    fit = least_squares(lambda p: model(p) / T - 1.0, guess, bounds=([-np.inf, -np.inf, 0.0, 0.0],
-                                                                     [np.inf, np.inf, np.inf, 1.0]), method="trf")
-    peak, bw = float(np.exp(fit.x[0])), float(np.exp(fit.x[1]))
+def _fit_kernel(pts: list[tuple[float, float, int, float]]) -> tuple[float, float, dict]:
+    """:func:`measure_compute`'s fit of its points (flops, weight bytes, rows, seconds)."""
+    from scipy.optimize import least_squares
+
+    F, B, R, T = (np.array(c, dtype=float) for c in zip(*pts))
+    one = R == 1
+
+    def model(p):  # p: log peak, log bandwidth, log one-row bandwidth, launch seconds, serial
+        c, m = F / np.exp(p[0]), B / np.exp(np.where(one, p[2], p[1]))
+        return p[3] + np.maximum(c, m) + p[4] * np.minimum(c, m)
+
+    # (a max is not smooth: started from each corner of the rates' lower bounds and the serial share, the best
+    # fit kept)
+    lo = [np.log(np.max(F / T)), np.log(np.max(B / T)), np.log(np.max(B / T))]
+    fit = min((least_squares(lambda p: model(p) / T - 1.0, [lo[0] + a, lo[1] + b, lo[2] + b, 0.0, s],
+                             bounds=([-np.inf] * 3 + [0.0, 0.0], [np.inf] * 4 + [1.0]), method="trf")
+               for a in (0.0, 2.0) for b in (0.0, 1.0) for s in (0.0, 0.5, 1.0)), key=lambda f: f.cost)
+    peak, bw, gemv = (float(np.exp(fit.x[i])) for i in range(3))
     pred = model(fit.x)
-    report = {"serial": float(fit.x[3]), "launch_us": float(fit.x[2] * 1e6),
-              "points": [{"flops": float(a), "bytes": float(b), "measured_us": float(t * 1e6),
-                          "fitted_us": float(p * 1e6)} for a, b, t, p in zip(F, B, T, pred)],
+    report = {"serial": float(fit.x[4]), "launch_us": float(fit.x[3] * 1e6), "gemv_bw": gemv,
+              "points": [{"flops": float(a), "bytes": float(b), "rows": int(r), "measured_us": float(t * 1e6),
+                          "fitted_us": float(p * 1e6)} for a, b, r, t, p in zip(F, B, R, T, pred)],
               "median_abs_err": float(np.median(np.abs(pred / T - 1))),
               "max_abs_err": float(np.max(np.abs(pred / T - 1)))}
     return peak, bw, report
@@ -267,7 +307,8 @@ def host_roofline(hw: dict):
     """The host's roofline of a profile (``host_tflops``, ``host_mem_bandwidth_gbps``): the clock's own."""
     from .engine.clock import Roofline
 
-    return Roofline(hw["host_tflops"] * 1e12, hw["host_mem_bandwidth_gbps"] * 1e9)
+    return Roofline(hw["host_tflops"] * 1e12, hw["host_mem_bandwidth_gbps"] * 1e9, hw.get("host_roofline_serial", 0.0),
+                    (hw.get("host_gemv_bandwidth_gbps") or 0.0) * 1e9)
 
 
 def measure_host_experts(model, family: str, hw: dict, device: torch.device, reps: int = 15) -> tuple[dict, dict]:
@@ -307,7 +348,7 @@ def measure_host_experts(model, family: str, hw: dict, device: torch.device, rep
                         if device.type == "cuda":
                             torch.cuda.synchronize(device)
                         best = min(best, time.perf_counter() - t0)
-                    roof = host_roofline(hw).time(2.0 * n * tok * params, n * nbytes)
+                    roof = host_roofline(hw).time(2.0 * n * tok * params, n * nbytes, n * nbytes if tok == 1 else 0.0)
                     X.append([1.0, n, n * tok])
                     y.append(best - roof)
                     cases[f"{n} experts x {tok} tokens"] = best * 1e6
@@ -456,8 +497,11 @@ def _fit_host(calls: list, geom, hw: dict) -> dict:
     n = np.array([c[0] for c in calls], dtype=float)
     rows = np.array([c[1] for c in calls], dtype=float)
     t = np.array([c[2] for c in calls])
+    from .engine.clock import one_row
+
     host = host_roofline(hw)
-    roof = np.array([host.time(2.0 * r * geom.expert_params, k * geom.expert_bytes) for k, r in zip(n, rows)])
+    roof = np.array([host.time(2.0 * r * geom.expert_params, k * geom.expert_bytes, one_row(r, k) * geom.expert_bytes)
+                     for k, r in zip(n, rows)])
     X = np.stack([np.ones_like(n), n, rows], 1)
     c = _nnls(X / t[:, None], (t - roof) / t)
     return {"host_call_overhead_us": float(c[0] * 1e6), "host_expert_overhead_us": float(c[1] * 1e6),
@@ -829,7 +873,7 @@ def calibrate(out: str | None = None, name: str | None = None, model: str = "dee
     return _calibrate(hw_dir, name, out is not None, model, device, quick, log, remeasure)
 
 
-MEASURE_VERSION = 3  # bump when a measurement changes meaning: older saved measurements are not reused
+MEASURE_VERSION = 4  # bump when a measurement changes meaning: older saved measurements are not reused
 
 
 def measurement_key(model: str, device: str) -> dict:
@@ -873,6 +917,18 @@ class Measurements:
         return self.data[name]
 
 
+def _small_fields(report: dict) -> dict:
+    """A link fit's small-copy regime as the profile's fields (:func:`_fit_link`; null: one rate)."""
+    small = report.get("small_bw")
+    return {"small_copy_gbps": small / 1e9 if small else None,
+            "small_copy_mb": report["small_bytes"] / 1e6 if small else None}
+
+
+def _small(report: dict) -> str:
+    f = _small_fields(report)
+    return f" ({f['small_copy_gbps']:.3g} GB/s up to {f['small_copy_mb']:.3g} MB)" if f["small_copy_gbps"] else ""
+
+
 def _calibrate(hw_dir: Path, name: str, out: bool, model: str, device: str, quick: bool, log,
                remeasure: bool = False) -> dict:
     from .errors import ConfigError
@@ -903,18 +959,22 @@ def _calibrate(hw_dir: Path, name: str, out: bool, model: str, device: str, quic
         return {"flops": flops, "mem": mem, "kernel": kern, "hflops": hflops, "hmem": hmem, "host_kernel": hkern}
 
     ln, dk, cp = ms.stage("link", link), ms.stage("disk", disk), ms.stage("compute", compute)
-    log(f"  link (host memory -> {dev}): {ln['bw'] / 1e9:.3g} GB/s, latency {ln['lat'] * 1e6:.3g} us (fit: median "
-        f"error {ln['report']['median_abs_err']:.1%}, worst {ln['report']['max_abs_err']:.1%})")
-    log(f"  link (disk, page cache dropped -> host): {dk['bw'] / 1e9:.3g} GB/s, latency {dk['lat'] * 1e6:.3g} us")
+    log(f"  link (host memory -> {dev}): {ln['bw'] / 1e9:.3g} GB/s{_small(ln['report'])}, latency {ln['lat'] * 1e6:.3g} "
+        f"us (fit: median error {ln['report']['median_abs_err']:.1%}, worst {ln['report']['max_abs_err']:.1%})")
+    log(f"  link (disk, page cache dropped -> host): {dk['bw'] / 1e9:.3g} GB/s{_small(dk['report'])}, latency "
+        f"{dk['lat'] * 1e6:.3g} us")
     kern = cp["kernel"]
     log(f"  compute (the experts' kernel, {len(kern['points'])} shapes): {cp['flops'] / 1e12:.3g} TFLOP/s, weights "
-        f"read at {cp['mem'] / 1e9:.3g} GB/s, serial {kern['serial']:.2f} (fit: median error "
+        f"read at {cp['mem'] / 1e9:.3g} GB/s (one row: {kern['gemv_bw'] / 1e9:.3g}), serial {kern['serial']:.2f} "
+        f"(fit: median error "
         f"{kern['median_abs_err']:.1%}, worst {kern['max_abs_err']:.1%})"
         + (f"; host {cp['hflops'] / 1e12:.3g} TFLOP/s, {cp['hmem'] / 1e9:.3g} GB/s" if dev.type != "cpu" else ""))
     hw = {"capacity": 0.05, "experts_per_layer": None, "scope": "global", "bandwidth_gbps": ln["bw"] / 1e9,
           "latency_us": ln["lat"] * 1e6, "peak_tflops": cp["flops"] / 1e12, "mem_bandwidth_gbps": cp["mem"] / 1e9,
           "host_tflops": cp["hflops"] / 1e12, "host_mem_bandwidth_gbps": cp["hmem"] / 1e9,
-          "roofline_serial": kern["serial"], "host_roofline_serial": cp["host_kernel"]["serial"], "timing_as": None,
+          "roofline_serial": kern["serial"], "host_roofline_serial": cp["host_kernel"]["serial"],
+          "gemv_bandwidth_gbps": kern["gemv_bw"] / 1e9, "host_gemv_bandwidth_gbps": cp["host_kernel"]["gemv_bw"] / 1e9,
+          **_small_fields(ln["report"]), "timing_as": None,
           # a GPU queues kernels ahead of the device: the host's overheads overlap its compute (SimClock)
           "host_overlap": dev.type == "cuda"}
     cont = ms.stage("contention", lambda: measure_contention(dev, hw))
@@ -974,7 +1034,7 @@ def _calibrate(hw_dir: Path, name: str, out: bool, model: str, device: str, quic
     for p in (path, path_disk):  # (checked before measuring; asserted again where it is written)
         if not _inside(p, hw_dir):
             raise ConfigError(f"--name {name!r}: {p} is not inside {hw_dir}")
-    disk = dict(hw, bandwidth_gbps=dk["bw"] / 1e9, latency_us=dk["lat"] * 1e6)
+    disk = dict(hw, bandwidth_gbps=dk["bw"] / 1e9, latency_us=dk["lat"] * 1e6, **_small_fields(dk["report"]))
     # both complete or neither: an interrupted calibrate leaves no half profile for hardware=<name> to find
     _write_atomic([(path, _yaml(name, hw, note + ["link: host memory (execution.host=ram)"])),
                    (path_disk, _yaml(f"{name}_disk", disk,

@@ -21,6 +21,9 @@ TIMES = ("latency_us", "layer_overhead_us", "token_overhead_us", "layer_token_ov
 RATE_RANGE = (1e-15, 1e15)
 TIME_RANGE = (0.0, 1e12)  # us: 11.6 days per event
 FRACTIONS = ("roofline_serial", "host_roofline_serial", "host_link_contention")
+# rates a profile may leave out (null: the rate beside it serves): a one-row product's weight reads, the
+# link's small copies
+OPTIONAL_RATES = ("gemv_bandwidth_gbps", "host_gemv_bandwidth_gbps", "small_copy_gbps")
 
 
 def default_profile() -> dict:
@@ -88,6 +91,16 @@ class HardwareConfig:
     # Host work and the link's copies at once: the overlapped span costs this fraction more (0: each as if
     # alone, 1: they take turns); ``specmd calibrate`` measures both alone and together
     host_link_contention: float = 0.0
+    # The weights a one-row product reads (a GEMV: one token through an expert, batch-1 decode's dense layers)
+    # stream at this rate, not mem_bandwidth_gbps (a BLAS library runs one row on another kernel than two:
+    # on a 2-core VM's CPU 16 GB/s against 7.3); the host's beside it. null: mem_bandwidth_gbps
+    gemv_bandwidth_gbps: Optional[float] = None
+    host_gemv_bandwidth_gbps: Optional[float] = None
+    # The link's first small_copy_mb MB of a copy run at small_copy_gbps, the rest at bandwidth_gbps (a CPU's
+    # copies of a few MiB run from and to its last-level cache; a 35 MB expert's do not); the clock's link
+    # runs at the rate of the model's expert size. null (both): bandwidth_gbps throughout
+    small_copy_gbps: Optional[float] = None
+    small_copy_mb: Optional[float] = None
     # What ``specmd calibrate`` fitted the profile on: host, device, torch, dtype, model and the expert bytes
     # it covers ({} for a hand-written profile); a run on another says so (docs/semantics.md "How far to
     # trust the clock")
@@ -135,6 +148,18 @@ class HardwareConfig:
                     raise ConfigError(f"hardware.{key}={getattr(self, key):g} is outside [{lo:g}, {hi:g}] {unit}, "
                                       f"beyond any device (an exponent typo?): the simulated times would overflow "
                                       f"or vanish")
+        for key in OPTIONAL_RATES:
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not RATE_RANGE[0] <= v <= RATE_RANGE[1]):
+                raise ConfigError(f"hardware.{key}={v!r} must be a rate in [{RATE_RANGE[0]:g}, {RATE_RANGE[1]:g}] "
+                                  f"GB/s, or null (the rate beside it serves)")
+        mb = self.small_copy_mb
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0.0 < mb <= 1e12):
+            raise ConfigError(f"hardware.small_copy_mb={mb!r} must be a size in (0, 1e12] MB, or null")
+        if (mb is None) != (self.small_copy_gbps is None):
+            raise ConfigError(f"hardware.small_copy_gbps={self.small_copy_gbps!r} and small_copy_mb={mb!r}: give "
+                              f"both (a copy's first small_copy_mb MB at small_copy_gbps) or neither")
         for key in FRACTIONS:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:

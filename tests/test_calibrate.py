@@ -283,7 +283,7 @@ def stub_measuring(monkeypatch, tmp_path):
     monkeypatch.setattr(cal, "measure_ram_link", lambda dev, report=None: (report.update(link_report), (8e9, 5e-6))[1])
     monkeypatch.setattr(cal, "measure_disk_link", lambda dev, path, report=None: (report.update(link_report),
                                                                                    (2e9, 50e-6))[1])
-    kernel = {"serial": 0.5, "launch_us": 1.0, "points": [{"bytes": 1e5}, {"bytes": 5e7}], "median_abs_err": 0.0,
+    kernel = {"serial": 0.5, "launch_us": 1.0, "gemv_bw": 2e10, "points": [{"bytes": 1e5}, {"bytes": 5e7}], "median_abs_err": 0.0,
               "max_abs_err": 0.0}
     monkeypatch.setattr(cal, "measure_compute", lambda dev: (1e11, 2e10, kernel))
     monkeypatch.setattr(cal, "measure_contention", lambda dev, hw: (0.25, {"host_ms": 1.0, "link_ms": 1.0,

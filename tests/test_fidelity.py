@@ -39,6 +39,97 @@ def test_roofline_serial_is_the_experts_and_dense_time(geom_small):
     assert _clock(g, serial=0.5).dense_time(0, 1, 1) == pytest.approx(max(dc, dm) + 0.5 * min(dc, dm), rel=1e-12)
 
 
+def test_a_one_row_product_reads_its_weights_at_the_gemv_rate():
+    """Memory 30 bytes at 10 B/s, 10 of them by one-row products at 20 B/s: 20 / 10 + 10 / 20 = 2.5 s. Without
+    a GEMV rate, the one-row bytes read at the memory bandwidth: 3 s, the same bits as before it existed."""
+    assert Roofline(100.0, 10.0, 0.0, 20.0).time(0.0, 30.0, 10.0) == 2.5
+    assert Roofline(100.0, 10.0).time(0.0, 30.0, 10.0) == Roofline(100.0, 10.0).time(0.0, 30.0) == 3.0
+
+
+@pytest.mark.parametrize("slots,experts,one", [
+    (4, 4, 4),     # a decode step at batch 1: every expert one row
+    (16, 14, 12),  # batch 4, top-4: two experts shared by two tokens
+    (128, 60, 0),  # a prefill: none
+    (5, 3, 1),     # 1 + 2 + 2 (the fewest one-row experts 5 slots over 3 experts allow)
+    (3, 4, 4),     # fewer slots than experts (a void slot): at most every expert
+    (0, 0, 0),
+])
+def test_one_row_experts_are_the_fewest_the_counts_allow(slots, experts, one):
+    from specmd.engine.clock import one_row
+
+    assert one_row(slots, experts) == one
+
+
+def _gemv_clock(geom, gemv):
+    return SimClock(geom, TransferChannel(1e15, 0.0), Roofline(1e15, 10.0, 0.0, gemv), Roofline(1e15, 10.0, 0.0, gemv))
+
+
+def test_the_clock_times_one_row_experts_and_batch_1_dense_layers_at_the_gemv_rate(geom_small):
+    """The small geometry (400-byte experts, 50 dense params of 4 bytes), memory 10 B/s, GEMV 40 B/s: 2 experts
+    of one row each read 800 bytes at 40 B/s (20 s); 3 slots over 2 experts, one of them one row: 400 / 40 +
+    400 / 10 = 50 s; one token's dense layer 200 bytes at 40 (5 s), two tokens' at 10 (20 s). The host's
+    kernel follows the same rule. gemv 0 (off): everything at 10 B/s."""
+    g = geom_small
+    c = _gemv_clock(g, 40.0)
+    assert c.experts_time(2, 2) == 20.0 and c.experts_time(3, 2) == 50.0 and c.experts_time(4, 2) == 80.0
+    assert c.dense_time(0, 1, 0) == 5.0 and c.dense_time(0, 2, 0) == 20.0
+    assert c.host_time(2, 2) == 20.0 and c.host_time(3, 2) == 50.0
+    off = _gemv_clock(g, 0.0)
+    assert off.experts_time(2, 2) == 80.0 and off.dense_time(0, 1, 0) == 20.0 and off.host_time(2, 2) == 80.0
+    c.experts(2, 2)  # (the charge itself, not only the prediction)
+    assert c.now == 20.0
+
+
+def test_the_link_runs_at_the_rate_of_the_models_expert_size(geom_small):
+    """A copy's first small_copy_mb at small_copy_gbps, the rest at bandwidth_gbps: the small geometry's
+    400-byte expert under a 1,000-byte knee copies at the small rate; over a 100-byte knee, 100 bytes at 4
+    B/s and 300 at 1 (325 s: 400 / 325 B/s); without a knee at 1 B/s."""
+    from specmd.engine.clock import copy_rate
+
+    assert copy_rate(1.0, 4.0, 1000.0, 400.0) == 4.0
+    assert copy_rate(1.0, 4.0, 100.0, 400.0) == 400.0 / 325.0
+    assert copy_rate(1.0, 0.0, 0.0, 400.0) == 1.0
+    g = geom_small
+    hw = HardwareConfig(bandwidth_gbps=1e-9, latency_us=0.0, small_copy_gbps=4e-9, small_copy_mb=100e-6)
+    assert SimClock.from_hardware(g, hw).transfer_time(400) == pytest.approx(325.0, rel=1e-12)
+    assert SimClock.from_hardware(g, HardwareConfig(bandwidth_gbps=1e-9, latency_us=0.0)).transfer_time(400) \
+        == pytest.approx(400.0, rel=1e-12)
+    gemv = SimClock.from_hardware(g, HardwareConfig(mem_bandwidth_gbps=1e-8, peak_tflops=1e3, gemv_bandwidth_gbps=4e-8))
+    assert gemv.experts_time(2, 2) == pytest.approx(20.0, rel=1e-12)
+
+
+def test_the_link_fit_finds_a_knee_where_small_copies_run_faster():
+    """Copies at 12 GB/s up to 4 MiB and 7.5 beyond, 40 us each: the fit recovers all four figures; an affine
+    link (one rate) gets no knee."""
+    from specmd.calibrate import SIZES, _fit_link
+
+    K = 4 << 20
+    rep = {}
+    bw, lat = _fit_link([(n, 40e-6 + min(n, K) / 12e9 + max(0, n - K) / 7.5e9) for n in SIZES], rep)
+    assert bw == pytest.approx(7.5e9, rel=1e-6) and lat == pytest.approx(40e-6, rel=1e-6)
+    assert rep["small_bw"] == pytest.approx(12e9, rel=1e-6) and rep["small_bytes"] == K
+    rep = {}
+    _fit_link([(n, 40e-6 + n / 7.5e9) for n in SIZES], rep)
+    assert rep["small_bw"] is None and rep["small_bytes"] is None
+
+
+def test_the_kernel_fit_finds_the_one_row_rate():
+    """Points made by the clock's own roofline with a GEMV rate (0.15 TFLOP/s -- compute-bound at 128 rows, so
+    the peak and the serial share are each identifiable --, 8 GB/s, one row at 16, serial 1, 10 us a call):
+    the fit recovers each."""
+    from specmd.calibrate import KERNEL_SHAPES, KERNEL_TOKENS, _fit_kernel
+
+    pts = []
+    for h, f in KERNEL_SHAPES:
+        for t in KERNEL_TOKENS:
+            F, B = 2.0 * t * h * f, 4.0 * h * f
+            pts.append((F, B, t, 10e-6 + Roofline(1.5e11, 8e9, 1.0, 16e9).time(F, B, B if t == 1 else 0.0)))
+    peak, bw, rep = _fit_kernel(pts)
+    assert peak == pytest.approx(1.5e11, rel=1e-4) and bw == pytest.approx(8e9, rel=1e-4)
+    assert rep["gemv_bw"] == pytest.approx(16e9, rel=1e-4) and rep["serial"] == pytest.approx(1.0, rel=1e-4)
+    assert rep["max_abs_err"] < 1e-6
+
+
 @pytest.mark.parametrize("host_s,link_s,contention,stall", [
     (6.0, 10.0, 0.5, 13.0),   # the link ends last: stretched by half of the 6 s overlap
     (10.0, 6.0, 0.5, 13.0),   # the host ends last: stretched by half of the 6 s overlap
@@ -95,6 +186,11 @@ def geom_small():
     ("host_link_contention", math.nan, "host_link_contention"),
     ("host_link_contention", True, "must be a fraction"),
     ("calibrated_on", "vm", "calibrated_on='vm' must be a mapping"),
+    ("gemv_bandwidth_gbps", 0.0, "gemv_bandwidth_gbps=0.0 must be a rate in"),
+    ("host_gemv_bandwidth_gbps", True, "host_gemv_bandwidth_gbps=True must be a rate"),
+    ("small_copy_mb", -1.0, "small_copy_mb=-1.0 must be a size"),
+    ("small_copy_mb", 4.0, "give both"),  # (without small_copy_gbps)
+    ("small_copy_gbps", math.inf, "small_copy_gbps"),
 ])
 def test_bad_fidelity_fields_rejected(key, value, match):
     with pytest.raises(ConfigError, match=match):
@@ -130,9 +226,9 @@ def test_calibrate_reuses_its_measurements_unless_asked(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECMD_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(base, "steady_host_allocator", lambda *a, **k: True)
     calls = []
-    rep = {"points": [], "median_abs_err": 0.0, "max_abs_err": 0.0}
-    kern = {"serial": 0.75, "launch_us": 1.0, "points": [{"bytes": 1e5}, {"bytes": 5e7}], "median_abs_err": 0.0,
-            "max_abs_err": 0.0}
+    rep = {"points": [], "median_abs_err": 0.0, "max_abs_err": 0.0, "small_bw": 1.2e10, "small_bytes": 4e6}
+    kern = {"serial": 0.75, "launch_us": 1.0, "gemv_bw": 3e10, "points": [{"bytes": 1e5}, {"bytes": 5e7}],
+            "median_abs_err": 0.0, "max_abs_err": 0.0}
     monkeypatch.setattr(cal, "measure_ram_link", lambda dev, report=None: (calls.append("link"), report.update(rep),
                                                                            (8e9, 5e-6))[2])
     monkeypatch.setattr(cal, "measure_disk_link", lambda dev, path, report=None: (report.update(rep), (2e9, 5e-5))[1])
@@ -154,6 +250,8 @@ def test_calibrate_reuses_its_measurements_unless_asked(tmp_path, monkeypatch):
     assert calls == ["link", "compute"] * 3
     hw = HardwareConfig(**{k: v for k, v in first["hardware"].items()})
     assert hw.roofline_serial == 0.75 and hw.host_link_contention == 0.5
+    assert hw.gemv_bandwidth_gbps == hw.host_gemv_bandwidth_gbps == 30.0  # (the kernel fit's one-row rate)
+    assert hw.small_copy_gbps == 12.0 and hw.small_copy_mb == 4.0  # (the link fit's knee)
     assert hw.calibrated_on["model"] == "tiny" and hw.calibrated_on["dtype"] == "float32"
 
 

@@ -33,6 +33,9 @@ cdef class TransferChannel:
     cpdef double promote(self, Transfer tr, double t)
 
 cdef inline double _roof(double a, double b, double serial)
+cdef inline double _memory(double nbytes, double gemv_bytes, double mem, double gemv)
+@cython.locals(s=double)
+cpdef double one_row(double slots, double experts)
 
 cdef class Clock:
     cpdef begin_layer(self)
@@ -81,6 +84,7 @@ cdef class SimClock(Clock):
     cdef double _peak
     cdef double _mem
     cdef double _serial
+    cdef double _gemv
     cdef double _expert_params
     cdef double _expert_bytes
     cdef double _hidden
@@ -109,8 +113,8 @@ cdef class SimClock(Clock):
     cpdef experts(self, long long slots, long long experts, long long unpacked=*)
     @cython.locals(d=double)
     cpdef tail(self, long long tokens, long long context)
-    @cython.locals(flops=double)
+    @cython.locals(flops=double, nbytes=double)
     cdef double _dense_device(self, double params, double attn_layers, double tokens, double context)
-    @cython.locals(flops=double)
     cdef double _dense_time(self, double params, double attn_layers, double tokens, double context)
+    cdef double _experts_kernel(self, double s, double n)
     cdef double _experts_time(self, double s, double n)

@@ -113,19 +113,59 @@ class TransferChannel:
 class Roofline:
     """time(op) = max(flops / peak, bytes / memory bandwidth) + serial * min(...): ``serial`` 0 is the ideal
     roofline (a GPU streams weights while it multiplies); 1 adds the two (a CPU's small GEMMs: ``specmd
-    calibrate`` fits it on the experts' own kernel, ``hardware.roofline_serial``)."""
+    calibrate`` fits it on the experts' own kernel, ``hardware.roofline_serial``).
+
+    ``gemv`` (bytes/s; 0: the memory bandwidth): the weights a one-row product reads (a GEMV: one token
+    through an expert, a decode step's dense layers at batch 1) stream at their own rate -- a BLAS library
+    dispatches one row to another kernel than two. On this 2-core VM's CPU a 46 MB weight read at 16 GB/s
+    for one row and 7.3 GB/s for two (``hardware.gemv_bandwidth_gbps``: ``specmd calibrate`` fits both)."""
 
     peak_flops: float
     mem_bytes_per_s: float
     serial: float = 0.0
+    gemv: float = 0.0
 
-    def time(self, flops: float, nbytes: float) -> float:
-        return _roof(flops / self.peak_flops, nbytes / self.mem_bytes_per_s, self.serial)
+    def time(self, flops: float, nbytes: float, gemv_bytes: float = 0.0) -> float:
+        """``gemv_bytes`` of the ``nbytes`` are read by one-row products."""
+        return _roof(flops / self.peak_flops, _memory(nbytes, gemv_bytes, self.mem_bytes_per_s, self.gemv),
+                     self.serial)
 
 
 def _roof(a: float, b: float, serial: float) -> float:
     """The longer of compute ``a`` and memory ``b``, plus ``serial`` of the shorter (0.0: exactly the max)."""
     return (a if a > b else b) + serial * (b if a > b else a)
+
+
+def _memory(nbytes: float, gemv_bytes: float, mem: float, gemv: float) -> float:
+    """Seconds to read ``nbytes`` of weights at ``mem`` bytes/s, ``gemv_bytes`` of them by one-row products at
+    ``gemv`` bytes/s (0: ``mem``; then exactly ``nbytes / mem``, the clock's bits without the GEMV rate)."""
+    if gemv > 0.0 and gemv_bytes > 0.0:
+        return (nbytes - gemv_bytes) / mem + gemv_bytes / gemv
+    return nbytes / mem
+
+
+def one_row(slots: float, experts: float) -> float:
+    """How many of ``experts`` experts run one row when they share ``slots`` token-expert pairs: the fewest the
+    counts allow, ``2 * experts - slots`` (each expert runs >= 1 row; if m run >= 2, ``slots >= experts + m``),
+    clipped to [0, experts]. Exact where it matters most -- a decode step at batch 1 (every expert one row)
+    and a prefill (slots >> experts: none) -- and, without the selection's histogram (the clock sees counts
+    only: no per-call allocation), the likeliest for a small batch, whose repeated experts are mostly
+    shared by two tokens."""
+    s = 2.0 * experts - slots
+    return 0.0 if s < 0.0 else (experts if s > experts else s)
+
+
+def copy_rate(bandwidth: float, small_bandwidth: float, small_bytes: float, unit: float) -> float:
+    """Bytes/s of the link for copies of ``unit`` bytes (a model's expert): the first ``small_bytes`` of a copy
+    at ``small_bandwidth``, the rest at ``bandwidth`` (``hardware.small_copy_gbps`` / ``small_copy_mb``; 0:
+    ``bandwidth`` throughout). On this 2-core VM a copy reads at 10-13 GB/s up to a few MiB and 7-8 GB/s
+    beyond (a 35 MB Qwen expert), and one affine fit over 64 kB-32 MiB put the large copies at 0.6 of their
+    time. The clock's channel runs at the rate of the model's expert size: a job of several experts is
+    several such copies."""
+    if small_bandwidth <= 0.0 or small_bytes <= 0.0 or unit <= 0.0:
+        return bandwidth
+    head = unit if unit < small_bytes else small_bytes
+    return unit / (head / small_bandwidth + (unit - head) / bandwidth)
 
 
 class Clock:
@@ -290,6 +330,7 @@ class SimClock(Clock):
         self._peak = roofline.peak_flops
         self._mem = roofline.mem_bytes_per_s
         self._serial = roofline.serial
+        self._gemv = roofline.gemv
         self._expert_params = geom.expert_params
         self._expert_bytes = geom.expert_bytes
         self._hidden = geom.hidden_size
@@ -305,10 +346,14 @@ class SimClock(Clock):
         charged per layer call."""
         table = getattr(hw, "policy_overhead_us", None) or {}
         decision = sum(table.get(f"{g}/{n}", 0.0) for g, n in (policies or {}).items()) * 1e-6
-        return cls(geom, TransferChannel(hw.bandwidth_gbps * 1e9, hw.latency_us * 1e-6),
-                   Roofline(hw.peak_tflops * 1e12, hw.mem_bandwidth_gbps * 1e9, getattr(hw, "roofline_serial", 0.0)),
+        rate = copy_rate(hw.bandwidth_gbps * 1e9, (getattr(hw, "small_copy_gbps", None) or 0.0) * 1e9,
+                         (getattr(hw, "small_copy_mb", None) or 0.0) * 1e6, geom.expert_bytes)
+        return cls(geom, TransferChannel(rate, hw.latency_us * 1e-6),
+                   Roofline(hw.peak_tflops * 1e12, hw.mem_bandwidth_gbps * 1e9, getattr(hw, "roofline_serial", 0.0),
+                            (getattr(hw, "gemv_bandwidth_gbps", None) or 0.0) * 1e9),
                    Roofline(hw.host_tflops * 1e12, hw.host_mem_bandwidth_gbps * 1e9,
-                            getattr(hw, "host_roofline_serial", 0.0)),
+                            getattr(hw, "host_roofline_serial", 0.0),
+                            (getattr(hw, "host_gemv_bandwidth_gbps", None) or 0.0) * 1e9),
                    (getattr(hw, "layer_overhead_us", 0.0) * 1e-6, getattr(hw, "token_overhead_us", 0.0) * 1e-6,
                     getattr(hw, "expert_overhead_us", 0.0) * 1e-6, getattr(hw, "transfer_issue_us", 0.0) * 1e-6,
                     getattr(hw, "predict_overhead_us", 0.0) * 1e-6, getattr(hw, "unpack_overhead_us", 0.0) * 1e-6,
@@ -392,8 +437,7 @@ class SimClock(Clock):
         start = max(self.now, self.host_free_at)
         end = start + d
         if self.contention > 0.0 and experts:  # (the host's kernels contend; its per-call costs do not)
-            g = self.geom
-            k = self.host_roofline.time(2.0 * slots * g.expert_params, experts * g.expert_bytes)
+            k = self._host_kernel(slots, experts)
             end = self._contend(start, start + k) + (d - k)
         tr.ready_at = end
         self.host_free_at = end
@@ -433,11 +477,16 @@ class SimClock(Clock):
         self.now = self._contend(self.now, self.now + k) + (d - k)
 
     # -- compute ----------------------------------------------------------------------------------
+    def _host_kernel(self, slots: int, experts: int) -> float:
+        """The host's roofline over ``experts`` experts sharing ``slots`` token-expert pairs."""
+        g = self.geom
+        return self.host_roofline.time(2.0 * slots * g.expert_params, experts * g.expert_bytes,
+                                       one_row(slots, experts) * g.expert_bytes)
+
     def host_time(self, slots: int, experts: int) -> float:
         if not experts:
             return 0.0
-        g = self.geom
-        return (self.host_roofline.time(2.0 * slots * g.expert_params, experts * g.expert_bytes) + self.host_call_overhead
+        return (self._host_kernel(slots, experts) + self.host_call_overhead
                 + experts * self.host_expert_overhead + slots * self.host_token_overhead)
 
     def compute(self, flops: float, nbytes: float) -> None:
@@ -454,17 +503,19 @@ class SimClock(Clock):
 
     def _dense_time(self, params: float, attn_layers: float, tokens: float,
                     context: float) -> float:
-        # (every operand a double, in the order Python evaluates the same expression on its ints: the
-        # compiled and the pure clock give the same bits while the products stay below 2**53)
-        flops = 2.0 * tokens * params + 4.0 * tokens * context * self._hidden * attn_layers
-        return (_roof(flops / self._peak, params * self._dtype_bytes / self._mem, self._serial)
+        return (self._dense_device(params, attn_layers, tokens, context)
                 + attn_layers * (self.layer_overhead + tokens * self.layer_token_overhead))
 
     def _dense_device(self, params: float, attn_layers: float, tokens: float,
                       context: float) -> float:
-        """The device's share of :meth:`_dense_time` (its roofline, without the host's per-layer overhead)."""
+        """The device's share of :meth:`_dense_time` (its roofline, without the host's per-layer overhead); one
+        token is a one-row product throughout (``Roofline.gemv``)."""
+        # (every operand a double, in the order Python evaluates the same expression on its ints: the
+        # compiled and the pure clock give the same bits while the products stay below 2**53)
         flops = 2.0 * tokens * params + 4.0 * tokens * context * self._hidden * attn_layers
-        return _roof(flops / self._peak, params * self._dtype_bytes / self._mem, self._serial)
+        nbytes = params * self._dtype_bytes
+        return _roof(flops / self._peak, _memory(nbytes, nbytes if tokens == 1.0 else 0.0, self._mem, self._gemv),
+                     self._serial)
 
     def dense_time(self, layer: int, tokens: int, context: int) -> float:
         """Seconds of everything before MoE layer ``layer``'s experts (its share of dense layers)."""
@@ -472,9 +523,15 @@ class SimClock(Clock):
             raise IndexError(f"MoE layer {layer} of {len(self._dense_params)}")
         return self._dense_time(self._dense_params[layer], self._attn_layers[layer], tokens, context)
 
+    def _experts_kernel(self, s: float, n: float) -> float:
+        """The device's roofline over ``n`` experts sharing ``s`` token-expert pairs (:func:`one_row` of them
+        one-row products)."""
+        return _roof(2.0 * s * self._expert_params / self._peak,
+                     _memory(n * self._expert_bytes, one_row(s, n) * self._expert_bytes, self._mem, self._gemv),
+                     self._serial)
+
     def _experts_time(self, s: float, n: float) -> float:
-        return (_roof(2.0 * s * self._expert_params / self._peak, n * self._expert_bytes / self._mem, self._serial)
-                + n * self.expert_overhead)
+        return self._experts_kernel(s, n) + n * self.expert_overhead
 
     def experts_time(self, slots: int, experts: int):
         """Seconds of a layer's routed experts: ``slots`` token-expert pairs over ``experts`` experts."""
@@ -499,16 +556,14 @@ class SimClock(Clock):
     def experts(self, slots: int, experts: int, unpacked: int = 0):
         if self.overlap:  # the decisions ran before (serial); the launches and the experts' compute side by side
             self.now += self.decision_overhead
-            self._dev_acc += _roof(2.0 * slots * self._expert_params / self._peak, experts * self._expert_bytes / self._mem,
-                                   self._serial)
+            self._dev_acc += self._experts_kernel(slots, experts)
             self._host_acc += (experts * self.expert_overhead + (self.issued + self._demand_job) * self.issue_overhead
                                + self.predictions * self.predict_overhead + unpacked * self.unpack_overhead)
         else:
             d = (self._experts_time(slots, experts) + (self.issued + self._demand_job) * self.issue_overhead
                  + self.predictions * self.predict_overhead + self.decision_overhead + unpacked * self.unpack_overhead)
             if self.contention > 0.0:
-                self._compute(d, _roof(2.0 * slots * self._expert_params / self._peak,
-                                       experts * self._expert_bytes / self._mem, self._serial))
+                self._compute(d, self._experts_kernel(slots, experts))
             else:
                 self.now += d
         self.issued = self.predictions = 0
