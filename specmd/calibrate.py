@@ -17,8 +17,8 @@ and write a hardware profile that makes the simulated clock predict what ``execu
    at 5% fetching HQQ copies (``miss=fetch_priority``, with lru + topk and with least_stale + score);
    prefills of 8..448 tokens, then decodes -- three times, each in a fresh install; each pass's measured
    compute time minus its simulated compute time (the median of the three) is fitted as ``decoder layers *
-   layer + tokens * decoder layers * token + experts run * expert + copy jobs issued * issue + predictions * prediction +
-   experts unpacked * unpack`` overheads (non-negative least squares on relative error; the unpack term last,
+   layer + tokens * decoder layers * token + experts run * expert + copy jobs issued * issue + experts placed *
+   place + predictions * prediction + experts unpacked * unpack`` overheads (non-negative least squares on relative error; the unpack term last,
    on the low-precision stacks' residuals, their policies' decision costs from 3 charged): the costs of eager
    framework calls and of issuing copies that a GPU hides in kernel launches and a CPU does not.
 
@@ -97,34 +97,39 @@ def _fit_link(points: list[tuple[int, float]], report: dict | None = None) -> tu
     return bw, lat
 
 
-def measure_ram_link(device: torch.device, reps: int = 9, sizes=SIZES, source_bytes: int = 128 << 20,
-                     report: dict | None = None) -> tuple[float, float]:
+def measure_ram_link(device: torch.device, reps: int = 5, sizes=SIZES, source_bytes: int = 128 << 20,
+                     report: dict | None = None, rounds: int = 3) -> tuple[float, float]:
     """The ``ram`` tier's own copies (:class:`~specmd.executor.tiers.RamTier`: one expert's row of a fused
     parameter into a slot) through the transfer channel, from sources cycling through ``source_bytes`` -- more than a last-level cache,
     so a copy reads memory as a fetch of a cold expert does (one source copied over and over measured the
-    cache: 50 GB/s on a machine whose memory copies at half that)."""
+    cache: 50 GB/s on a machine whose memory copies at half that). Each size the median over ``rounds``
+    passes over all sizes of the median of ``reps`` copies (as :func:`measure_compute`: a slow second lands
+    in one pass; measured size after size, the bulk rate moved by 15% between calibrations)."""
     from .executor.tiers import RamTier
     from .executor.transfer import CudaMover, ThreadMover
 
     mover = CudaMover(None, 0.0, device) if device.type == "cuda" else ThreadMover(None, 0.0)
-    points = []
+    nrows = [max(4, source_bytes // size) for size in sizes]
+    src = torch.empty(max(r * size for r, size in zip(nrows, sizes)) // 8, dtype=torch.int64).random_()
+    # per size, one fused [rows, size] parameter (the tier's layout) over the same source memory -- a layer of
+    # the tier each --, copied one row at a time as a fetch copies one expert's parameter into its slot
+    tier = RamTier([{"w": src[: rows * size // 8].view(rows, size // 8)} for rows, size in zip(nrows, sizes)],
+                   pin=device.type == "cuda")
+    dsts = [{"w": torch.empty(size // 8, dtype=torch.int64, device=device)} for size in sizes]
+    per = [[] for _ in sizes]
     try:
-        for size in sizes:
-            rows = max(4, source_bytes // size)
-            # one fused [rows, size] parameter (the tier's layout), copied one row at a time as a fetch copies one
-            # expert's parameter into its slot
-            tier = RamTier([{"w": torch.empty((rows, size // 8), dtype=torch.int64).random_()}],
-                           pin=device.type == "cuda")
-            dst = {"w": torch.empty(size // 8, dtype=torch.int64, device=device)}
-            times = []
-            for r in range(reps):
-                t = mover.submit(lambda r=r: tier.copy_into(0, (r * 7) % rows, dst), size, True)
-                mover.wait(t)
-                times.append(t.finished - t.issued)  # the channel as a fetch sees it: hand-off included
-            points.append((size, statistics.median(times)))
-            del tier
+        for rnd in range(rounds):
+            for li, (size, rows) in enumerate(zip(sizes, nrows)):
+                times = []
+                for r in range(reps):
+                    row = (rnd * reps + r) * 7 % rows
+                    t = mover.submit(lambda li=li, row=row: tier.copy_into(li, row, dsts[li]), size, True)
+                    mover.wait(t)
+                    times.append(t.finished - t.issued)  # the channel as a fetch sees it: hand-off included
+                per[li].append(statistics.median(times))
     finally:
         mover.close()
+    points = [(size, statistics.median(p)) for size, p in zip(sizes, per)]
     return _fit_link(points, report)
 
 
@@ -173,14 +178,15 @@ KERNEL_SHAPES = ((128, 256), (512, 1024), (1024, 2816), (2048, 5632))
 KERNEL_TOKENS = (1, 2, 8, 32, 128)
 
 
-def measure_compute(device: torch.device, reps: int = 7, pool_bytes: int = 192 << 20) -> tuple[float, float, dict]:
+def measure_compute(device: torch.device, reps: int = 5, rounds: int = 3, pool_bytes: int = 192 << 20
+                    ) -> tuple[float, float, dict]:
     """(FLOP/s, weight bytes/s, report) of the device's roofline, fitted on the kernel the executor dispatches
     per expert projection (``torch.mm(x, w.t())``, :func:`~specmd.executor.kernel._linear`) at
     :data:`KERNEL_SHAPES` x :data:`KERNEL_TOKENS` rows: ``t = launch + max(c, m) + serial * min(c, m)``, ``c =
     flops / peak``, ``m = bytes / bandwidth`` -- the clock's roofline (``serial``: ``hardware.roofline_serial``)
     with a per-call constant that keeps small kernels from biasing the rates (the per-call cost itself is the
     fitted ``expert_overhead_us``) -- by SciPy's bounded nonlinear least squares on relative error. Each point
-    the median of ``reps`` after a warm-up. The report: ``serial``, each point's measured and fitted
+    the median over ``rounds`` passes of the median of ``reps`` calls, after a warm-up. The report: ``serial``, each point's measured and fitted
     microseconds, the fit's median and worst relative error.
 
     A one-row product reads its weight at its own rate (``report["gemv_bw"]``, ``hardware.gemv_bandwidth_gbps``:
@@ -190,17 +196,24 @@ def measure_compute(device: torch.device, reps: int = 7, pool_bytes: int = 192 <
     14%: a CPU's skinny GEMMs neither stream the weights at a copy's bandwidth while they multiply nor reach
     the GEMM peak. And one rate for every row count put a 46 MB weight's one row (2.9 ms: 16 GB/s) 42% long
     and its two rows (6.3 ms: 7.3 GB/s) 32% short -- a Qwen-shaped decode at batch 1 came out 20-30% slow."""
-    pts = []  # (flops, bytes, rows, seconds)
-    for h, f in KERNEL_SHAPES:
-        # weights cycling through ``pool_bytes``, more than a last-level cache: a run's experts are read from
-        # memory (one weight timed over and over measured the cache: 39 GB/s where the 35 MB experts of a
-        # Qwen-shaped run read at 16)
-        ws = torch.rand(max(2, pool_bytes // (4 * h * f)), f, h, device=device)
-        k = 0
-        for t in KERNEL_TOKENS:
-            x = torch.randn(t, h, device=device)
-            out = torch.empty(t, f, device=device)
-            torch.mm(x, ws[0].t(), out=out)
+    # weights cycling through ``pool_bytes`` per shape, more than a last-level cache: a run's experts are read
+    # from memory (one weight timed over and over measured the cache: 39 GB/s where the 35 MB experts of a
+    # Qwen-shaped run read at 16)
+    pools = [torch.rand(max(2, pool_bytes // (4 * h * f)), f, h, device=device) for h, f in KERNEL_SHAPES]
+    cases = [(i, t) for i in range(len(KERNEL_SHAPES)) for t in KERNEL_TOKENS]
+    xs = {(i, t): (torch.randn(t, KERNEL_SHAPES[i][0], device=device),
+                   torch.empty(t, KERNEL_SHAPES[i][1], device=device)) for i, t in cases}
+    for i, t in cases:  # (each kernel's first call)
+        torch.mm(xs[i, t][0], pools[i][0].t(), out=xs[i, t][1])
+    # ``rounds`` passes over every case, the median of ``reps`` calls each, the median over the passes kept: a
+    # slow second of a shared machine lands in one pass, not on a run of neighbouring cases (measured case
+    # after case, one such second put three of the 46 MB cases at 3-4x their time and the fit's bandwidth 30% low)
+    per = {c: [] for c in cases}
+    k = 0
+    for _ in range(rounds):
+        for i, t in cases:
+            x, out = xs[i, t]
+            ws = pools[i]
             times = []
             for _ in range(reps):
                 k = (k + 1) % ws.shape[0]
@@ -212,7 +225,11 @@ def measure_compute(device: torch.device, reps: int = 7, pool_bytes: int = 192 <
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - t0)
-            pts.append((2.0 * t * h * f, 4.0 * h * f, t, statistics.median(times)))
+            per[i, t].append(statistics.median(times))
+    pts = []  # (flops, bytes, rows, seconds)
+    for i, t in cases:
+        h, f = KERNEL_SHAPES[i]
+        pts.append((2.0 * t * h * f, 4.0 * h * f, t, statistics.median(per[i, t])))
     return _fit_kernel(pts)
 
 
@@ -372,7 +389,8 @@ LOW_QUANT = {"name": "hqq", "precisions": ["int8", "int4", "int2"], "optimize": 
 def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: int = 16, reps: int = 3
                   ) -> tuple[dict, dict]:
     """Overheads (µs) from greedy generations under execution=offload; per pass residual = measured -
-    roofline, regressed on (decoder layers, tokens, experts run, copy jobs issued, predictions made).
+    roofline, regressed on (decoder layers, tokens, experts run, copy jobs issued, predictions made, experts
+    placed; then experts unpacked).
     Returns (overheads, fit report).
 
     Robust by construction, because a single pass of a few ms on a shared CPU varies by tens of percent
@@ -385,7 +403,8 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
       enough to separate their terms, and TTFT's prompt lies inside the range it is predicted from;
     - rows are weighted by 1 / the pass's measured time, so the fit minimises *relative* error: the many
       short decode passes do not outvote the few prefills (TTFT and TPOT are judged by ratios);
-    - one generation before the repetitions warms the framework (first calls of kernels, allocator)."""
+    - one generation before the repetitions warms the framework (first calls of kernels, allocator), and one
+      at the start of each install, discarded, its first evictions (as ``specmd fidelity``'s cells do)."""
     from .compose import spec_of
     from .executor import EXECUTION
     from .hardware import HardwareConfig
@@ -418,26 +437,34 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
             spec.execution = EXECUTION.params({"name": "offload", "throttle": True})
             stack = install(model, spec, device=device, checkpoint=ckpt)
             ex, eng = stack.executor, stack.engine
-            if extra.get("miss") == "hybrid":
-                ex.host_worker.calls = host_calls if rep >= 0 else None
+            hybrid = extra.get("miss") == "hybrid"
             counts = []  # per pass: (copy jobs issued, predictions made, experts unpacked) at its start, then deltas
             begin, end = ex.begin_pass, ex.end_pass
             place = ex.placement
-            ex.begin_pass = lambda kind, tokens: (counts.append((place.jobs, eng.predictions, place.low_runs)),
-                                                  begin(kind, tokens))
+            ex.begin_pass = lambda kind, tokens: (counts.append((place.jobs, eng.predictions, place.copies,
+                                                                 place.low_runs)), begin(kind, tokens))
             ex.end_pass = lambda: (end(), counts.__setitem__(-1, (place.jobs - counts[-1][0],
                                                                    eng.predictions - counts[-1][1],
-                                                                   place.low_runs - counts[-1][2])))
+                                                                   place.copies - counts[-1][2],
+                                                                   place.low_runs - counts[-1][3])))
             first = []  # pass index where each prompt's generation starts
             try:
                 with torch.no_grad():
+                    # the install's first generation, discarded: its first prefill pays what a run pays once
+                    # (the first evictions, the first activations of a size) -- counted, it put the 8-token
+                    # prefills 8% above the fit and the fit 7-13% above a warmed 32-token prefill
+                    warm = torch.flip(prompts[1], (1,))
+                    model.generate(warm, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
+                    skip = len(counts)
+                    if hybrid:  # (its host banks timed from here on)
+                        ex.host_worker.calls = host_calls if rep >= 0 else None
                     for pi, ids in enumerate(prompts if rep >= 0 else prompts[:2]):
                         first.append(len(counts))
                         n = new_tokens if pi == 2 else 2
                         model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
             finally:
                 stack.remove()
-            if rep < 0 or extra.get("miss") == "hybrid":
+            if rep < 0 or hybrid:
                 geom = stack.geom
                 continue
             layers = float(sum(stack.geom.attn_layers) + stack.geom.tail_attn_layers)  # decoder layers
@@ -445,11 +472,13 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
             # compute only on both sides: the measured pass minus its measured stall, against the simulated
             # pass minus its simulated stall (stalls depend on compute speed; fitting them would bias the
             # overheads)
-            for i, (p, w, ws, (c, q, u)) in enumerate(zip(passes, ex.pass_wall, ex.pass_stall, counts)):
+            for i, (p, w, ws, (c, q, f, u)) in enumerate(zip(passes, ex.pass_wall, ex.pass_stall, counts)):
+                if i < skip:
+                    continue
                 pi = max(j for j, f in enumerate(first) if f <= i)
                 key = (si, pi, i - first[pi])
                 row = rows.setdefault(key, [[], [], []])
-                row[0].append([layers, p.tokens * layers, p.requests, c, q, u])  # equal across reps but where wall-clock
+                row[0].append([layers, p.tokens * layers, p.requests, c, q, f, u])  # equal across reps but where wall-clock
                 # arrival times changed a decision (a prefetch still in flight): the median of those too
                 row[1].append((w - ws) - (p.time_s - p.stall_s))
                 row[2].append(w - ws)
@@ -464,9 +493,9 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
     # collinear with the token term, and its fitted scale swung from 0.05 to 5 between runs.)
     native = np.array([not stacks[k[0]][2] for k in rows])
     coef = np.zeros(X.shape[1])
-    coef[:5] = _nnls(X[native, :5] / m[native, None], y[native] / m[native])
-    u, r = X[~native, 5] / m[~native], (y[~native] - X[~native, :5] @ coef[:5]) / m[~native]
-    coef[5] = max(0.0, float(u @ r) / float(u @ u)) if (u > 0).any() else 0.0
+    coef[:6] = _nnls(X[native, :6] / m[native, None], y[native] / m[native])
+    u, r = X[~native, 6] / m[~native], (y[~native] - X[~native, :6] @ coef[:6]) / m[~native]
+    coef[6] = max(0.0, float(u @ r) / float(u @ u)) if (u > 0).any() else 0.0
     rel = (X @ coef - y) / m
     # where the model misses: the mean relative residual of the prefills per prompt size, and of the decodes
     keys = list(rows)
@@ -485,7 +514,8 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
     return {"layer_overhead_us": float(coef[0] * 1e6), "token_overhead_us": 0.0,
             "layer_token_overhead_us": float(coef[1] * 1e6),
             "expert_overhead_us": float(coef[2] * 1e6), "transfer_issue_us": float(coef[3] * 1e6),
-            "predict_overhead_us": float(coef[4] * 1e6), "unpack_overhead_us": float(coef[5] * 1e6), **host}, report
+            "predict_overhead_us": float(coef[4] * 1e6), "place_overhead_us": float(coef[5] * 1e6),
+            "unpack_overhead_us": float(coef[6] * 1e6), **host}, report
 
 
 def _fit_host(calls: list, geom, hw: dict) -> dict:
@@ -1011,7 +1041,8 @@ def _calibrate(hw_dir: Path, name: str, out: bool, model: str, device: str, quic
                 f"token (these replace the ones above)")
         log(f"  overheads ({model}, {fit['passes']} passes): decoder layer {over['layer_overhead_us']:.4g} us, token "
             f"x layer {over['layer_token_overhead_us']:.4g} us, expert {over['expert_overhead_us']:.4g} us, transfer issue "
-            f"{over['transfer_issue_us']:.4g} us, prediction {over['predict_overhead_us']:.4g} us, unpacking a "
+            f"{over['transfer_issue_us']:.4g} us, expert placed {over['place_overhead_us']:.4g} us, prediction "
+            f"{over['predict_overhead_us']:.4g} us, unpacking a "
             f"low-precision expert {over['unpack_overhead_us']:.4g} us")
         log(f"  fit: residual rms {fit['native_residual_rms_us']:.3g} us of a {fit['native_mean_pass_us']:.4g} us mean "
             f"pass ({fit['native_residual_rms_us'] / fit['native_mean_pass_us']:.1%}) on the native stacks, "

@@ -13,7 +13,7 @@ SCOPES = ("global", "per_layer")
 RATES = ("bandwidth_gbps", "peak_tflops", "mem_bandwidth_gbps", "host_tflops", "host_mem_bandwidth_gbps")
 TIMES = ("latency_us", "layer_overhead_us", "token_overhead_us", "layer_token_overhead_us", "expert_overhead_us", "transfer_issue_us",
          "predict_overhead_us", "unpack_overhead_us", "host_call_overhead_us", "host_expert_overhead_us",
-         "host_token_overhead_us")
+         "host_token_overhead_us", "place_overhead_us")
 # Plausible ranges, 12+ orders of magnitude beyond any device either way (a phone's flash reads at ~1 GB/s, an
 # H200's HBM at 4.8 TB/s; tests model an instant link as 1e9 GB/s and a 100-byte expert's host at 3e-11
 # TFLOP/s): a value outside is an exponent typo, 1e308 us of latency or 1e-300 GB/s, whose times overflow to
@@ -69,6 +69,9 @@ class HardwareConfig:
     layer_token_overhead_us: float = 0.0
     expert_overhead_us: float = 0.0
     transfer_issue_us: float = 0.0  # host time to issue one copy job (a layer call's demand fetches, or a prefetch)
+    # per expert a fetch places in the cache (its slot's allocation and views, the eviction that made room: the
+    # executor's bookkeeping, on the compute thread): a prefill at a small capacity places most of its experts
+    place_overhead_us: float = 0.0
     predict_overhead_us: float = 0.0  # one prefetch prediction (a later layer's router on this input + policy)
     # one expert run from a stored low-precision copy: unpacking it (HQQ's bit-unpacking and scale/zero
     # arithmetic) before its GEMMs; a fused low-bit kernel on a GPU makes it small, eager PyTorch does not

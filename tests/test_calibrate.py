@@ -107,6 +107,7 @@ def test_overheads_charged_exactly():
     assert run(transfer_issue_us=5)[0] == pytest.approx(base + 2 * 5e-6, abs=1e-12)
     assert run(predict_overhead_us=9)[0] == base  # no prefetcher: no prediction charged
     assert run(unpack_overhead_us=11)[0] == base  # every expert runs native: nothing unpacked
+    assert run(place_overhead_us=13)[0] == pytest.approx(base + 6 * 13e-6, abs=1e-12)  # each miss placed once
     from specmd.quant.base import ExpertStore
 
     low = dict(miss={"name": "fetch", "precision": "int4"}, store=ExpertStore(16, 1000, {"int4": 300}))
@@ -116,6 +117,10 @@ def test_overheads_charged_exactly():
     pbase, _, predictions = run("topk", **fast)
     assert predictions == 1  # layer 0 predicts layer 1
     assert run("topk", predict_overhead_us=9, **fast)[0] == pytest.approx(pbase + predictions * 9e-6, abs=1e-12)
+    # an expert placed by a prefetch is placed once: its demand, if it is late, places nothing more
+    pc = run("topk", **fast)[1]
+    placed = pc["misses"] + pc["prefetch_issued"] - pc["prefetch_late"]
+    assert run("topk", place_overhead_us=13, **fast)[0] == pytest.approx(pbase + placed * 13e-6, abs=1e-12)
     # a policy's decision cost: charged per layer call (2 here) for the stack's own policies only
     assert run(policy_overhead_us={"eviction/lru": 40.0})[0] == pytest.approx(base + 2 * 40e-6, abs=1e-12)
     assert run(policy_overhead_us={"eviction/lru": 40.0, "prefetch/none": 3.0, "prefetch/score": 500.0,

@@ -519,7 +519,7 @@ class CacheManager:
             call.waits.append(self.clock.promote(stage))
         if late:
             nbytes = late * self._bytes_of[prec]
-            handle = self.clock.demand(nbytes)
+            handle = self.clock.demand(nbytes, 0)  # (placed when they were prefetched)
             if handle is not None:
                 call.waits.append(handle)
             call.demanded += late
@@ -558,7 +558,7 @@ class CacheManager:
         st.count(self._prec_id[prec], nbytes, 0)
         self._staged_layer = layer
         self._staged = staged
-        self._stage_handle = self.clock.prefetch(nbytes) if nbytes else None
+        self._stage_handle = self.clock.prefetch(nbytes, len(staged)) if nbytes else None
 
     def _stall(self, call: LayerCall):
         """Step 4: the host's work is issued: it runs beside the transfers, and beside the device's compute

@@ -39,8 +39,8 @@ cpdef double one_row(double slots, double experts)
 
 cdef class Clock:
     cpdef begin_layer(self)
-    cpdef demand(self, long long nbytes)
-    cpdef prefetch(self, long long nbytes)
+    cpdef demand(self, long long nbytes, long long placed=*)
+    cpdef prefetch(self, long long nbytes, long long placed=*)
     cpdef promote(self, handle)
     cpdef done(self, handle)
     cpdef double wait(self, handles)
@@ -65,6 +65,8 @@ cdef class SimClock(Clock):
     cdef public double predict_overhead
     cdef public double unpack_overhead
     cdef public double layer_token_overhead
+    cdef public double place_overhead
+    cdef public long long placed
     cdef public double decision_overhead
     cdef public double host_call_overhead
     cdef public double host_expert_overhead
@@ -97,7 +99,7 @@ cdef class SimClock(Clock):
     cpdef double wait_until(self, double t)
     cpdef sync(self)
     @cython.locals(ready=double)
-    cpdef demand(self, long long nbytes)
+    cpdef demand(self, long long nbytes, long long placed=*)
     @cython.locals(h=Transfer)
     cpdef done(self, handle)
     @cython.locals(t=double, h=Transfer)

@@ -182,14 +182,17 @@ class Clock:
     def transfer_time(self, nbytes: int) -> float:
         raise NotImplementedError
 
-    def demand(self, nbytes: int):
+    def demand(self, nbytes: int, placed: int = 1):
         """A blocking fetch issued now (demand priority); returns its handle (wait on it before computing), or
         None when the clock keeps track of it itself: then the next :meth:`wait` waits for it too, whatever
-        handles it is given (the simulated clock: no object per fetch on the replay's hottest path)."""
+        handles it is given (the simulated clock: no object per fetch on the replay's hottest path).
+        ``placed``: the experts it places (a slot each, or a staging row; 0: a late prefetch's bytes, placed
+        when it was issued)."""
         raise NotImplementedError
 
-    def prefetch(self, nbytes: int):
-        """An asynchronous fetch issued now, queued behind earlier ones; returns its handle."""
+    def prefetch(self, nbytes: int, placed: int = 1):
+        """An asynchronous fetch issued now, queued behind earlier ones; returns its handle. ``placed``: as
+        :meth:`demand`'s."""
         raise NotImplementedError
 
     def promote(self, handle):
@@ -275,7 +278,9 @@ class SimClock(Clock):
                  host_overheads: tuple = (0.0, 0.0, 0.0), overlap: bool = False, contention: float = 0.0):
         """``overheads``: (per decoder layer, per token of a pass, per expert run, per copy job issued -- a layer
         call's demand fetches are one job, each prefetch is one: the offload executor's batching --, per
-        prefetch prediction, per expert run from a low-precision copy, per token per decoder layer) seconds the roofline does not see (``specmd calibrate`` fits them; a decoder
+        prefetch prediction, per expert run from a low-precision copy, per token per decoder layer, per expert a fetch
+        places -- its slot's allocation and views, the eviction that made room: the executor's bookkeeping on
+        the compute thread) seconds the roofline does not see (``specmd calibrate`` fits them; a decoder
         layer's cost goes with its dense compute, so it scales with the model's depth; issuing is host work
         charged with the layer's compute). ``decision``: seconds per MoE layer call the stack's policies
         cost beyond calibrate's reference stack (``hardware.policy_overhead_us``), charged with the layer's
@@ -312,7 +317,8 @@ class SimClock(Clock):
         self.roofline = roofline
         self.host_roofline = host or roofline
         (self.layer_overhead, self.token_overhead, self.expert_overhead, self.issue_overhead,
-         self.predict_overhead, self.unpack_overhead, self.layer_token_overhead) = (tuple(overheads) + (0.0,) * 7)[:7]
+         self.predict_overhead, self.unpack_overhead, self.layer_token_overhead,
+         self.place_overhead) = (tuple(overheads) + (0.0,) * 8)[:8]
         self.decision_overhead = decision
         self.host_call_overhead, self.host_expert_overhead, self.host_token_overhead = (tuple(host_overheads) + (0.0,) * 3)[:3]
         self.overlap = overlap
@@ -322,6 +328,7 @@ class SimClock(Clock):
         self._host_acc = 0.0  # overlap: the host's overheads since the last synchronisation
         self._dev_acc = 0.0  # overlap: the device's compute since the last synchronisation
         self.issued = 0  # prefetches issued since the last charge of compute (each its own copy job)
+        self.placed = 0  # experts placed by fetches since then (a slot's allocation, views, the eviction before)
         self._demand_job = False  # demand fetches issued since then (one copy job, however many)
         self.predictions = 0  # prefetch predictions since the last charge of compute
         self.now = 0.0
@@ -357,7 +364,7 @@ class SimClock(Clock):
                    (getattr(hw, "layer_overhead_us", 0.0) * 1e-6, getattr(hw, "token_overhead_us", 0.0) * 1e-6,
                     getattr(hw, "expert_overhead_us", 0.0) * 1e-6, getattr(hw, "transfer_issue_us", 0.0) * 1e-6,
                     getattr(hw, "predict_overhead_us", 0.0) * 1e-6, getattr(hw, "unpack_overhead_us", 0.0) * 1e-6,
-                    getattr(hw, "layer_token_overhead_us", 0.0) * 1e-6),
+                    getattr(hw, "layer_token_overhead_us", 0.0) * 1e-6, getattr(hw, "place_overhead_us", 0.0) * 1e-6),
                    decision, (getattr(hw, "host_call_overhead_us", 0.0) * 1e-6,
                               getattr(hw, "host_expert_overhead_us", 0.0) * 1e-6,
                               getattr(hw, "host_token_overhead_us", 0.0) * 1e-6), bool(getattr(hw, "host_overlap", False)),
@@ -392,15 +399,17 @@ class SimClock(Clock):
     def host_beside_device(self) -> bool:
         return self.overlap
 
-    def demand(self, nbytes: int):
+    def demand(self, nbytes: int, placed: int = 1):
         self._demand_job = True  # (a layer call's demand fetches go as one copy job: one issue)
+        self.placed += placed
         ready = self.channel.demand(self.now, nbytes)
         if ready > self._demand_ready:
             self._demand_ready = ready
         return None
 
-    def prefetch(self, nbytes: int):
+    def prefetch(self, nbytes: int, placed: int = 1):
         self.issued += 1
+        self.placed += placed
         tr = _new_transfer(nbytes, self.now)
         self.channel.submit(tr)
         return tr
@@ -558,15 +567,17 @@ class SimClock(Clock):
             self.now += self.decision_overhead
             self._dev_acc += self._experts_kernel(slots, experts)
             self._host_acc += (experts * self.expert_overhead + (self.issued + self._demand_job) * self.issue_overhead
-                               + self.predictions * self.predict_overhead + unpacked * self.unpack_overhead)
+                               + self.predictions * self.predict_overhead + unpacked * self.unpack_overhead
+                               + self.placed * self.place_overhead)
         else:
             d = (self._experts_time(slots, experts) + (self.issued + self._demand_job) * self.issue_overhead
-                 + self.predictions * self.predict_overhead + self.decision_overhead + unpacked * self.unpack_overhead)
+                 + self.predictions * self.predict_overhead + self.decision_overhead + unpacked * self.unpack_overhead
+                 + self.placed * self.place_overhead)
             if self.contention > 0.0:
                 self._compute(d, self._experts_kernel(slots, experts))
             else:
                 self.now += d
-        self.issued = self.predictions = 0
+        self.issued = self.predictions = self.placed = 0
         self._demand_job = False
 
     def predicted(self):
