@@ -260,6 +260,53 @@ def _fit_kernel(pts: list[tuple[float, float, int, float]]) -> tuple[float, floa
     return peak, bw, report
 
 
+def speed_probe(device: torch.device, reps: int = 5, rounds: int = 3) -> dict:
+    """The machine's speed now, for a later run to compare with (``specmd fidelity``: a shared VM runs 10-25%
+    slower or faster from one quarter of an hour to the next, and a profile fitted in a fast one predicts a
+    slow one short in every cell): the median over ``rounds`` of the median of ``reps`` timings, in
+    microseconds, of one expert projection's kernel (1024 x 2816 at 8 rows, weights cycling beyond the
+    last-level cache) and of a fixed stretch of Python (the interpreter work a small model's framework costs
+    are made of)."""
+    h, f = KERNEL_SHAPES[2]
+    ws = torch.rand(max(2, (96 << 20) // (4 * h * f)), f, h, device=device)
+    x, out = torch.randn(8, h, device=device), torch.empty(8, f, device=device)
+    table = {i: i for i in range(64)}
+
+    def kernel(k):
+        torch.mm(x, ws[k % ws.shape[0]].t(), out=out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def python(k):
+        acc = 0
+        for i in range(4000):
+            acc += table.get((i + k) & 63, 0)
+        return acc
+
+    kernel(0)
+    figures = {}
+    for name, fn in (("kernel_us", kernel), ("python_us", python)):
+        per, k = [], 0
+        for _ in range(rounds):
+            times = []
+            for _ in range(reps):
+                k += 1
+                t0 = time.perf_counter()
+                fn(k)
+                times.append(time.perf_counter() - t0)
+            per.append(statistics.median(times))
+        figures[name] = statistics.median(per) * 1e6
+    return figures
+
+
+def drift(then: dict | None, now: dict) -> dict | None:
+    """``now`` / ``then`` per :func:`speed_probe` figure (> 1: the machine is slower now than when the profile
+    was fitted); None without ``then`` (a profile from before the probe, or hand-written)."""
+    if not then:
+        return None
+    return {k: now[k] / then[k] for k in now if then.get(k)}
+
+
 def measure_contention(device: torch.device, hw: dict, reps: int = 5) -> tuple[float, dict]:
     """``hardware.host_link_contention``: the host computing (an expert projection's kernel, as the host runs
     the experts of ``miss=cpu_compute``/``hybrid``) and the link copying (the ``ram`` tier's copies through
@@ -386,7 +433,7 @@ PROMPTS = (8, 32, 128, 448)
 LOW_QUANT = {"name": "hqq", "precisions": ["int8", "int4", "int2"], "optimize": False}
 
 
-def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: int = 16, reps: int = 3
+def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: int = 10, reps: int = 3
                   ) -> tuple[dict, dict]:
     """Overheads (µs) from greedy generations under execution=offload; per pass residual = measured -
     roofline, regressed on (decoder layers, tokens, experts run, copy jobs issued, predictions made, experts
@@ -453,8 +500,9 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
                     # the install's first generation, discarded: its first prefill pays what a run pays once
                     # (the first evictions, the first activations of a size) -- counted, it put the 8-token
                     # prefills 8% above the fit and the fit 7-13% above a warmed 32-token prefill
-                    warm = torch.flip(prompts[1], (1,))
-                    model.generate(warm, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
+                    if rep >= 0:  # (the warm-up repetition is discarded whole)
+                        model.generate(torch.flip(prompts[1], (1,)), max_new_tokens=2, min_new_tokens=2,
+                                       do_sample=False, pad_token_id=0)
                     skip = len(counts)
                     if hybrid:  # (its host banks timed from here on)
                         ex.host_worker.calls = host_calls if rep >= 0 else None
@@ -541,7 +589,7 @@ def _fit_host(calls: list, geom, hw: dict) -> dict:
 REFERENCE = {"eviction": "lru", "prefetch": "topk", "miss": "fetch"}  # calibrate's reference stack: its costs are in the fit
 
 
-def measure_policies(model_name: str, hw: dict, device: torch.device, new_tokens: int = 12, reps: int = 1,
+def measure_policies(model_name: str, hw: dict, device: torch.device, new_tokens: int = 8, reps: int = 1,
                      log=print) -> tuple[dict, dict]:
     """Host microseconds per MoE layer call each built-in eviction, prefetch and miss policy's decisions cost
     beyond the reference stack's (lru, topk, fetch: theirs are in the fitted overheads; a miss policy runs with
@@ -1055,7 +1103,10 @@ def _calibrate(hw_dir: Path, name: str, out: bool, model: str, device: str, quic
     hw["calibrated_on"] = {"host": platform.node(), "device": str(dev), "torch": torch.__version__,
                            "dtype": geom["dtype"], "model": model, "expert_bytes": geom["expert_bytes"],
                            "kernel_bytes": [min(p["bytes"] for p in kern["points"]),
-                                            max(p["bytes"] for p in kern["points"])]}
+                                            max(p["bytes"] for p in kern["points"])],
+                           # the machine's speed as the profile was fitted (not saved with the measurements:
+                           # a reused stage was measured then, the probe says now)
+                           "speed": speed_probe(dev)}
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     note = [f"specmd calibrate, {stamp}, on {platform.node()} ({platform.processor() or platform.machine()}, "
             f"{os.cpu_count()} cores), device {dev}, torch {torch.__version__}",

@@ -18,7 +18,9 @@ simulated time (they sum to ``err``): ``compute`` (the device's own work: dense 
 framework's per-layer/token/expert/copy-issue costs) and ``waits`` (what the pass spent beyond it: copies
 waited for, and on a CPU the host's experts, which run inline on the same cores); and two resources timed on
 their own, each as measured / simulated busy time: the ``link`` (the copies) and the ``host`` (the host's
-expert kernel). Over the grid: median |err|, p90, the worst cell, and the **ranking**: in each (model,
+expert kernel). And the machine's **drift**: :func:`~specmd.calibrate.speed_probe` at the start and the end
+against the one calibrate took (``calibrated_on.speed``): a shared machine slower now than when the profile
+was fitted shows as error in every cell, which the repeats, alternated within the run, cannot see. Over the grid: median |err|, p90, the worst cell, and the **ranking**: in each (model,
 capacity, batch) group, whether the simulated order of the miss policies by decode speed is the measured one
 (two policies whose measured TPOTs differ by less than their noise count as a tie either way).
 
@@ -345,6 +347,11 @@ def table(report: dict) -> str:
                      f"{x['noise_bound_cells']}/{x['cells']} cells noise-bound (*); median |share| compute "
                      f"{x['components']['compute']:.1%}, waits {x['components']['waits']:.1%}; busy measured / "
                      f"simulated: link {_fmt(x['resources']['link'])}, host {_fmt(x['resources']['host'])}")
+    d = report.get("drift")
+    lines.append("machine speed against the profile's calibration (time now / then, > 1: slower now): " + (
+        "not recorded (a profile from before calibrate's speed probe, or hand-written)" if not d else
+        "; ".join(f"{when}: " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in d[when].items()) for when in ("start", "end"))
+        + " -- a drift the same in every cell shows as error in every cell, not as noise"))
     rk = s["ranking"]
     lines.append(f"ranking (miss policies by decode speed): simulated order = measured in {rk['agree']}/{rk['groups']} "
                  f"groups" + "".join(f"\n  differs: {g}: simulated {' < '.join(v['simulated'])}, measured "
@@ -360,7 +367,7 @@ def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, 
              device: str = "cpu", models=None, log=print) -> dict:
     """The whole command (module doc); returns the report written as JSON."""
     from .app import check_device
-    from .calibrate import check_model
+    from .calibrate import check_model, drift, speed_probe
     from .errors import ConfigError
 
     check_device(device)
@@ -384,10 +391,14 @@ def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, 
     t0 = time.perf_counter()
     log(f"specmd fidelity: profile {label}, {len(cells_of(grid))} cells x {repeats} repeats on {platform.node()} "
         f"({device}) ...")
+    then = (hw.get("calibrated_on") or {}).get("speed")
+    start = drift(then, speed_probe(torch.device(device)))
     cells, meta = measure(hw, grid, repeats, prompt, decodes, device, log)
     report = {"profile": label, "hardware": hw, "device": device, "torch": torch.__version__, "host": platform.node(),
               "grid": {k: list(v) for k, v in grid.items()}, "repeats": repeats, "prompt": prompt,
               "decodes": decodes, "cells": cells, "summary": summarize(cells, meta),
+              "drift": None if start is None else {"start": start,
+                                                   "end": drift(then, speed_probe(torch.device(device)))},
               "seconds": time.perf_counter() - t0}
     return report
 

@@ -268,6 +268,7 @@ def no_measuring(monkeypatch):
         raise AssertionError("calibrate measured before rejecting its arguments")
 
     for f in ("measure_ram_link", "measure_disk_link", "measure_compute", "measure_contention", "measure_host_experts",
+              "speed_probe",
               "measure_policies", "fit_overheads", "check_profile", "_load"):
         monkeypatch.setattr(cal, f, measured)
 
@@ -291,6 +292,7 @@ def stub_measuring(monkeypatch, tmp_path):
     kernel = {"serial": 0.5, "launch_us": 1.0, "gemv_bw": 2e10, "points": [{"bytes": 1e5}, {"bytes": 5e7}], "median_abs_err": 0.0,
               "max_abs_err": 0.0}
     monkeypatch.setattr(cal, "measure_compute", lambda dev: (1e11, 2e10, kernel))
+    monkeypatch.setattr(cal, "speed_probe", lambda dev: {"kernel_us": 100.0, "python_us": 50.0})
     monkeypatch.setattr(cal, "measure_contention", lambda dev, hw: (0.25, {"host_ms": 1.0, "link_ms": 1.0,
                                                                             "together_ms": 1.25}))
     monkeypatch.setattr(cal, "_load", lambda model: (None, SimpleNamespace(family="olmoe")))

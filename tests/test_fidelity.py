@@ -233,6 +233,7 @@ def test_calibrate_reuses_its_measurements_unless_asked(tmp_path, monkeypatch):
                                                                            (8e9, 5e-6))[2])
     monkeypatch.setattr(cal, "measure_disk_link", lambda dev, path, report=None: (report.update(rep), (2e9, 5e-5))[1])
     monkeypatch.setattr(cal, "measure_compute", lambda dev: (calls.append("compute"), (1e11, 2e10, kern))[1])
+    monkeypatch.setattr(cal, "speed_probe", lambda dev: {"kernel_us": 100.0, "python_us": 50.0})
     monkeypatch.setattr(cal, "measure_contention", lambda dev, hw: (0.5, {"host_ms": 1.0, "link_ms": 1.0,
                                                                            "together_ms": 1.5}))
     monkeypatch.setattr(cal, "_load", lambda model: (None, SimpleNamespace(family="olmoe")))
@@ -253,6 +254,19 @@ def test_calibrate_reuses_its_measurements_unless_asked(tmp_path, monkeypatch):
     assert hw.gemv_bandwidth_gbps == hw.host_gemv_bandwidth_gbps == 30.0  # (the kernel fit's one-row rate)
     assert hw.small_copy_gbps == 12.0 and hw.small_copy_mb == 4.0  # (the link fit's knee)
     assert hw.calibrated_on["model"] == "tiny" and hw.calibrated_on["dtype"] == "float32"
+    assert hw.calibrated_on["speed"] == {"kernel_us": 100.0, "python_us": 50.0}  # (the machine's speed then)
+
+
+def test_drift_is_the_machines_speed_now_against_the_calibrations():
+    """Time now / then per probe figure; nothing to compare with for a profile without a probe. The probe
+    itself measures positive microseconds of both kinds."""
+    from specmd.calibrate import drift, speed_probe
+
+    assert drift({"kernel_us": 100.0, "python_us": 50.0}, {"kernel_us": 125.0, "python_us": 45.0}) == \
+        {"kernel_us": 1.25, "python_us": 0.9}
+    assert drift(None, {"kernel_us": 1.0}) is None and drift({}, {"kernel_us": 1.0}) is None
+    now = speed_probe(torch.device("cpu"), reps=1, rounds=1)
+    assert set(now) == {"kernel_us", "python_us"} and all(v > 0 for v in now.values())
 
 
 def test_the_written_profile_reads_back_with_its_provenance(tmp_path):
@@ -300,6 +314,20 @@ def test_ranking_counts_ties_inside_the_noise():
     assert (r["groups"], r["agree"]) == (2, 1)
     assert r["per_group"]["m c=0.05 B=1"] == {"agree": False, "simulated": ["hybrid", "fetch"],
                                               "measured": ["fetch", "hybrid"]}
+
+
+def test_the_table_says_how_far_the_machine_drifted_since_calibration():
+    """The drift line: each figure's time now / then at the start and the end; a profile without a probe says
+    so instead of a figure."""
+    from specmd.fidelity import Cell, cell_report, summarize, table
+
+    run = lambda w: {**_run(w, 1.0), "prefill": _run(w, 1.0)["decode"]}  # noqa: E731
+    cells = {"a": cell_report([run(1.1), run(1.2), run(1.3)])}
+    report = {"cells": cells, "summary": summarize(cells, {"a": Cell("m", 0.05, "fetch", 1)}),
+              "drift": {"start": {"kernel_us": 1.25, "python_us": 0.9}, "end": {"kernel_us": 1.3, "python_us": 1.0}}}
+    assert "(time now / then, > 1: slower now): start: kernel 1.25, python 0.90; end: kernel 1.30, python 1.00" \
+        in table(report)
+    assert "not recorded (a profile from before calibrate's speed probe" in table(dict(report, drift=None))
 
 
 def test_fidelity_runs_a_grid_on_the_tiny_model():
