@@ -121,6 +121,11 @@ def test_overheads_charged_exactly():
     pc = run("topk", **fast)[1]
     placed = pc["misses"] + pc["prefetch_issued"] - pc["prefetch_late"]
     assert run("topk", place_overhead_us=13, **fast)[0] == pytest.approx(pbase + placed * 13e-6, abs=1e-12)
+    # streamed calls (3 of 8 experts >= 0.3): layer 0's 3 misses moved at once, layer 1's 8 staged ahead -- each
+    # expert through the staging area placed once (11)
+    sbase, sc, _ = run(stream_layers=0.3, **fast)
+    assert sc["layer_streams"] == 2 and sc["bytes_stream"] == 11 * 1000
+    assert run(stream_layers=0.3, place_overhead_us=13, **fast)[0] == pytest.approx(sbase + 11 * 13e-6, abs=1e-12)
     # a policy's decision cost: charged per layer call (2 here) for the stack's own policies only
     assert run(policy_overhead_us={"eviction/lru": 40.0})[0] == pytest.approx(base + 2 * 40e-6, abs=1e-12)
     assert run(policy_overhead_us={"eviction/lru": 40.0, "prefetch/none": 3.0, "prefetch/score": 500.0,

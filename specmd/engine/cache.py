@@ -519,7 +519,7 @@ class CacheManager:
             call.waits.append(self.clock.promote(stage))
         if late:
             nbytes = late * self._bytes_of[prec]
-            handle = self.clock.demand(nbytes, 0)  # (placed when they were prefetched)
+            handle = self.clock.demand(nbytes, late)  # (each into a staging row)
             if handle is not None:
                 call.waits.append(handle)
             call.demanded += late

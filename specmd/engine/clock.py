@@ -186,8 +186,8 @@ class Clock:
         """A blocking fetch issued now (demand priority); returns its handle (wait on it before computing), or
         None when the clock keeps track of it itself: then the next :meth:`wait` waits for it too, whatever
         handles it is given (the simulated clock: no object per fetch on the replay's hottest path).
-        ``placed``: the experts it places (a slot each, or a staging row; 0: a late prefetch's bytes, placed
-        when it was issued)."""
+        ``placed``: the experts it places (a slot each, or a staging row each: a streamed call's misses not
+        staged ahead go as one demand of that many)."""
         raise NotImplementedError
 
     def prefetch(self, nbytes: int, placed: int = 1):
