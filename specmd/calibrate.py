@@ -62,7 +62,7 @@ def _fit_link(points: list[tuple[int, float]], report: dict | None = None) -> tu
     ``small_copy_mb``), the knee ``K`` one of the measured sizes or none (one rate), whichever fits best by
     least squares on relative error (SciPy's bounded linear least squares; on absolute error the 16 MiB
     copies' jitter, +-100 us, set the latency: 0-65 us from run to run). On this 2-core VM a copy of up to
-    4 MiB ran at 10-13 GB/s and beyond at 7-8: one rate over 64 kB-32 MiB came out at 11 GB/s and put a 35 MB
+    4-8 MiB ran at 9-18 GB/s (five calibrations) and beyond at 6-8: one rate over 64 kB-32 MiB came out at 11 GB/s and put a 35 MB
     expert's copy at 0.6 of its time. ``report`` (a dict) receives ``small_bw`` and ``small_bytes`` (None:
     no knee), each point's measured and fitted microseconds and the fit's median and worst error."""
     from scipy.optimize import lsq_linear
@@ -76,15 +76,16 @@ def _fit_link(points: list[tuple[int, float]], report: dict | None = None) -> tu
         if knee is None:
             X = X[:, :2]
         fit = lsq_linear(X, np.ones_like(t), bounds=(0.0, np.inf))
+        if knee is not None and not 0.0 < fit.x[1] < fit.x[2]:
+            continue  # (a knee only where the small copies run faster: else one rate, the no-knee fit)
         pred = (X @ fit.x) * t
         err = float(np.sum((pred / t - 1) ** 2))
         if best is None or err < best[0] - 1e-12:
             best = (err, knee, fit.x, pred)
     _, knee, x, pred = best
     lat = float(x[0])
-    if knee is None or not x[1] > 0 or not x[2] > x[1]:  # (no knee, or none where the small copies are faster)
-        slope = x[1] if knee is None else x[2]
-        small_bw, small_bytes = None, None
+    if knee is None:
+        slope, small_bw, small_bytes = x[1], None, None
     else:
         slope, small_bw, small_bytes = x[2], 1.0 / x[1], float(knee)
     bw = 1.0 / max(float(slope), 1e-15)
@@ -112,7 +113,8 @@ def measure_ram_link(device: torch.device, reps: int = 5, sizes=SIZES, source_by
     nrows = [max(4, source_bytes // size) for size in sizes]
     src = torch.empty(max(r * size for r, size in zip(nrows, sizes)) // 8, dtype=torch.int64).random_()
     # per size, one fused [rows, size] parameter (the tier's layout) over the same source memory -- a layer of
-    # the tier each --, copied one row at a time as a fetch copies one expert's parameter into its slot
+    # the tier each (on CUDA each pinned: 0.9 GB at once) --, copied one row at a time as a fetch copies one
+    # expert's parameter into its slot
     tier = RamTier([{"w": src[: rows * size // 8].view(rows, size // 8)} for rows, size in zip(nrows, sizes)],
                    pin=device.type == "cuda")
     dsts = [{"w": torch.empty(size // 8, dtype=torch.int64, device=device)} for size in sizes]
@@ -485,7 +487,7 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
             stack = install(model, spec, device=device, checkpoint=ckpt)
             ex, eng = stack.executor, stack.engine
             hybrid = extra.get("miss") == "hybrid"
-            counts = []  # per pass: (copy jobs issued, predictions made, experts unpacked) at its start, then deltas
+            counts = []  # per pass: (copy jobs issued, predictions made, experts placed, experts unpacked) at its start, then deltas
             begin, end = ex.begin_pass, ex.end_pass
             place = ex.placement
             ex.begin_pass = lambda kind, tokens: (counts.append((place.jobs, eng.predictions, place.copies,
@@ -520,13 +522,13 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
             # compute only on both sides: the measured pass minus its measured stall, against the simulated
             # pass minus its simulated stall (stalls depend on compute speed; fitting them would bias the
             # overheads)
-            for i, (p, w, ws, (c, q, f, u)) in enumerate(zip(passes, ex.pass_wall, ex.pass_stall, counts)):
+            for i, (p, w, ws, (c, q, pl, u)) in enumerate(zip(passes, ex.pass_wall, ex.pass_stall, counts)):
                 if i < skip:
                     continue
                 pi = max(j for j, f in enumerate(first) if f <= i)
                 key = (si, pi, i - first[pi])
                 row = rows.setdefault(key, [[], [], []])
-                row[0].append([layers, p.tokens * layers, p.requests, c, q, f, u])  # equal across reps but where wall-clock
+                row[0].append([layers, p.tokens * layers, p.requests, c, q, pl, u])  # equal across reps but where wall-clock
                 # arrival times changed a decision (a prefetch still in flight): the median of those too
                 row[1].append((w - ws) - (p.time_s - p.stall_s))
                 row[2].append(w - ws)
@@ -537,7 +539,7 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
     # native stacks first; then the unpack term alone on the low-precision stack's residuals given those:
     # its passes vary more (unpacking differs by precision, compactions come and go) and, fitted jointly,
     # moved the token term by 3x
-    # (A seventh column scaling the roofline's share was tried: on a CPU the roofline is 1-7% of a pass and
+    # (A column scaling the roofline's share was tried: on a CPU the roofline is 1-7% of a pass and
     # collinear with the token term, and its fitted scale swung from 0.05 to 5 between runs.)
     native = np.array([not stacks[k[0]][2] for k in rows])
     coef = np.zeros(X.shape[1])
@@ -552,7 +554,7 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
         by.setdefault("decode" if i else f"prefill {PROMPTS[pi]}", []).append(float(r))
     err = X @ coef - y
     report = {"relative_by_pass": {k: float(np.mean(v)) for k, v in by.items()}, "passes": len(rows),
-              # the native stacks' rows (the five-term fit) and the low-precision ones' (their unpack term)
+              # the native stacks' rows (the six-term fit) and the low-precision ones' (their unpack term)
               "native_residual_rms_us": float(np.sqrt(np.mean(err[native] ** 2)) * 1e6),
               "native_mean_pass_us": float(np.mean(m[native]) * 1e6),
               "low_residual_rms_us": float(np.sqrt(np.mean(err[~native] ** 2)) * 1e6) if (~native).any() else 0.0, "reps": reps, "residual_rms_us": float(np.sqrt(np.mean((X @ coef - y) ** 2)) * 1e6),

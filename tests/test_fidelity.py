@@ -5,6 +5,7 @@ tiny grid."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -111,6 +112,13 @@ def test_the_link_fit_finds_a_knee_where_small_copies_run_faster():
     rep = {}
     _fit_link([(n, 40e-6 + n / 7.5e9) for n in SIZES], rep)
     assert rep["small_bw"] is None and rep["small_bytes"] is None
+    # small copies *slower* than large ones (a knee would fit, the wrong way round): one rate, the no-knee fit's
+    rep = {}
+    pts = [(n, 40e-6 + min(n, K) / 4e9 + max(0, n - K) / 7.5e9) for n in SIZES]
+    bw, lat = _fit_link(pts, rep)
+    assert rep["small_bw"] is None
+    line = np.polyfit([n for n, _ in pts], [t for _, t in pts], 1, w=[1 / t for _, t in pts])
+    assert bw == pytest.approx(1 / line[0], rel=1e-3) and lat == pytest.approx(line[1], rel=1e-2)
 
 
 def test_the_kernel_fit_finds_the_one_row_rate():
@@ -190,7 +198,8 @@ def geom_small():
     ("host_gemv_bandwidth_gbps", True, "host_gemv_bandwidth_gbps=True must be a rate"),
     ("small_copy_mb", -1.0, "small_copy_mb=-1.0 must be a size"),
     ("small_copy_mb", 4.0, "give both"),  # (without small_copy_gbps)
-    ("small_copy_gbps", math.inf, "small_copy_gbps"),
+    ("small_copy_gbps", math.inf, "small_copy_gbps=inf"),
+    ("small_copy_gbps", -3.0, "small_copy_gbps=-3.0 must be a rate"),
 ])
 def test_bad_fidelity_fields_rejected(key, value, match):
     with pytest.raises(ConfigError, match=match):

@@ -558,6 +558,9 @@ class CacheManager:
         st.count(self._prec_id[prec], nbytes, 0)
         self._staged_layer = layer
         self._staged = staged
+        # (every staged expert placed now, as this clock stages them ahead; the offload executor stages a
+        # streamed call's misses at the call -- docs/semantics.md "Layer streaming" -- so with streaming on the
+        # per-placement cost counts the staged layer, not only the call's misses)
         self._stage_handle = self.clock.prefetch(nbytes, len(staged)) if nbytes else None
 
     def _stall(self, call: LayerCall):

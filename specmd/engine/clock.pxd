@@ -119,4 +119,5 @@ cdef class SimClock(Clock):
     cdef double _dense_device(self, double params, double attn_layers, double tokens, double context)
     cdef double _dense_time(self, double params, double attn_layers, double tokens, double context)
     cdef double _experts_kernel(self, double s, double n)
+    cdef double _host_kernel(self, double slots, double experts)
     cdef double _experts_time(self, double s, double n)

@@ -147,10 +147,10 @@ def _memory(nbytes: float, gemv_bytes: float, mem: float, gemv: float) -> float:
 def one_row(slots: float, experts: float) -> float:
     """How many of ``experts`` experts run one row when they share ``slots`` token-expert pairs: the fewest the
     counts allow, ``2 * experts - slots`` (each expert runs >= 1 row; if m run >= 2, ``slots >= experts + m``),
-    clipped to [0, experts]. Exact where it matters most -- a decode step at batch 1 (every expert one row)
-    and a prefill (slots >> experts: none) -- and, without the selection's histogram (the clock sees counts
-    only: no per-call allocation), the likeliest for a small batch, whose repeated experts are mostly
-    shared by two tokens."""
+    clipped to [0, experts]: a lower bound. Exact where it matters most, a decode step at batch 1 (every
+    expert one row); for a small batch, whose repeated experts are mostly shared by two tokens, close; for a
+    prefill (slots >> experts) 0, where a few rarely chosen experts may still run one row. The clock sees
+    counts only, not the selection's histogram (no per-call allocation)."""
     s = 2.0 * experts - slots
     return 0.0 if s < 0.0 else (experts if s > experts else s)
 
@@ -158,14 +158,23 @@ def one_row(slots: float, experts: float) -> float:
 def copy_rate(bandwidth: float, small_bandwidth: float, small_bytes: float, unit: float) -> float:
     """Bytes/s of the link for copies of ``unit`` bytes (a model's expert): the first ``small_bytes`` of a copy
     at ``small_bandwidth``, the rest at ``bandwidth`` (``hardware.small_copy_gbps`` / ``small_copy_mb``; 0:
-    ``bandwidth`` throughout). On this 2-core VM a copy reads at 10-13 GB/s up to a few MiB and 7-8 GB/s
+    ``bandwidth`` throughout). On this 2-core VM a copy reads at 9-18 GB/s up to 4-8 MiB and 6-8 GB/s
     beyond (a 35 MB Qwen expert), and one affine fit over 64 kB-32 MiB put the large copies at 0.6 of their
-    time. The clock's channel runs at the rate of the model's expert size: a job of several experts is
-    several such copies."""
+    time. The clock's channel runs at the rate of the model's expert size, an expert taken as one copy (the
+    tier copies it one parameter at a time: a Qwen1.5-MoE expert's 23 and 12 MB, each past a few-MiB knee,
+    come out within a few percent of one 35 MB copy; an expert whose parameters each fit under the knee and
+    whose sum does not is priced a little slow)."""
     if small_bandwidth <= 0.0 or small_bytes <= 0.0 or unit <= 0.0:
         return bandwidth
     head = unit if unit < small_bytes else small_bytes
     return unit / (head / small_bandwidth + (unit - head) / bandwidth)
+
+
+def link_rate(hw, unit: float) -> float:
+    """A profile's link rate (bytes/s) for copies of ``unit`` bytes (:func:`copy_rate`): the clock's channel and
+    the offload executor's pacing (``execution.throttle``) use the same."""
+    return copy_rate(hw.bandwidth_gbps * 1e9, (getattr(hw, "small_copy_gbps", None) or 0.0) * 1e9,
+                     (getattr(hw, "small_copy_mb", None) or 0.0) * 1e6, unit)
 
 
 class Clock:
@@ -353,9 +362,7 @@ class SimClock(Clock):
         charged per layer call."""
         table = getattr(hw, "policy_overhead_us", None) or {}
         decision = sum(table.get(f"{g}/{n}", 0.0) for g, n in (policies or {}).items()) * 1e-6
-        rate = copy_rate(hw.bandwidth_gbps * 1e9, (getattr(hw, "small_copy_gbps", None) or 0.0) * 1e9,
-                         (getattr(hw, "small_copy_mb", None) or 0.0) * 1e6, geom.expert_bytes)
-        return cls(geom, TransferChannel(rate, hw.latency_us * 1e-6),
+        return cls(geom, TransferChannel(link_rate(hw, geom.expert_bytes), hw.latency_us * 1e-6),
                    Roofline(hw.peak_tflops * 1e12, hw.mem_bandwidth_gbps * 1e9, getattr(hw, "roofline_serial", 0.0),
                             (getattr(hw, "gemv_bandwidth_gbps", None) or 0.0) * 1e9),
                    Roofline(hw.host_tflops * 1e12, hw.host_mem_bandwidth_gbps * 1e9,

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.clock import link_rate
 from ..errors import ConfigError
 from .base import EXECUTION, Executor, RunFacts, full_selection, steady_host_allocator, upload
 from .kernel import expert_tensors, grouped_experts
@@ -59,7 +60,7 @@ class Offload(Executor):
     @dataclass
     class Params:
         host: str = "ram"  # ram: experts in host memory (pinned on CUDA); disk: read per expert from the checkpoint
-        throttle: bool = True  # pace transfers to hardware.bandwidth_gbps + latency_us (false: the machine's speed)
+        throttle: bool = True  # pace transfers to the profile's link (its rate at the model's expert size: the clock's) + latency_us (false: the machine's speed)
         page_cache: str = "drop"  # disk: drop each read's pages from the page cache (every fetch reads the disk) | keep
         check: bool = False  # after every layer call, assert the arena equals the engine's resident set (tests)
         # how a bank's experts run: grouped (one grouped GEMM per projection: a GPU, where launches and the
@@ -178,7 +179,7 @@ class Offload(Executor):
                         raise ConfigError(f"execution=offload: {q} copy's {n} starts at byte {o}, not aligned to its {d}")
                     o += nb
         hw = stack.spec.hardware
-        bw = hw.bandwidth_gbps * 1e9 if p.throttle else None
+        bw = link_rate(hw, geom.expert_bytes) if p.throttle else None  # (the simulated clock's channel's)
         lat = hw.latency_us * 1e-6 if p.throttle else 0.0
         if dev.type == "cuda":
             import logging
