@@ -98,14 +98,31 @@ def _fit_link(points: list[tuple[int, float]], report: dict | None = None) -> tu
     return bw, lat
 
 
+def _in_passes(cases: list, time_one, reps: int, rounds: int) -> dict:
+    """Each case's seconds: ``rounds`` passes over all ``cases``, in each the median of ``reps`` calls of
+    ``time_one(case, i)`` (seconds; ``i`` counts every call, to cycle sources), and the median over the passes
+    kept. A slow second of a shared machine lands in one pass, not on a run of neighbouring cases: measured
+    case after case, one such second put three of the 46 MB kernel cases at 3-4x their time and the fit's
+    bandwidth 30% low, and the link's bulk rate moved by 15% between calibrations."""
+    per = {c: [] for c in cases}
+    i = 0
+    for _ in range(rounds):
+        for c in cases:
+            times = []
+            for _ in range(reps):
+                i += 1
+                times.append(time_one(c, i))
+            per[c].append(statistics.median(times))
+    return {c: statistics.median(v) for c, v in per.items()}
+
+
 def measure_ram_link(device: torch.device, reps: int = 5, sizes=SIZES, source_bytes: int = 128 << 20,
                      report: dict | None = None, rounds: int = 3) -> tuple[float, float]:
     """The ``ram`` tier's own copies (:class:`~specmd.executor.tiers.RamTier`: one expert's row of a fused
     parameter into a slot) through the transfer channel, from sources cycling through ``source_bytes`` -- more than a last-level cache,
     so a copy reads memory as a fetch of a cold expert does (one source copied over and over measured the
-    cache: 50 GB/s on a machine whose memory copies at half that). Each size the median over ``rounds``
-    passes over all sizes of the median of ``reps`` copies (as :func:`measure_compute`: a slow second lands
-    in one pass; measured size after size, the bulk rate moved by 15% between calibrations)."""
+    cache: 50 GB/s on a machine whose memory copies at half that). Each size timed in passes
+    (:func:`_in_passes`)."""
     from .executor.tiers import RamTier
     from .executor.transfer import CudaMover, ThreadMover
 
@@ -118,21 +135,17 @@ def measure_ram_link(device: torch.device, reps: int = 5, sizes=SIZES, source_by
     tier = RamTier([{"w": src[: rows * size // 8].view(rows, size // 8)} for rows, size in zip(nrows, sizes)],
                    pin=device.type == "cuda")
     dsts = [{"w": torch.empty(size // 8, dtype=torch.int64, device=device)} for size in sizes]
-    per = [[] for _ in sizes]
+    def copy(li: int, i: int) -> float:
+        row = i * 7 % nrows[li]
+        t = mover.submit(lambda: tier.copy_into(li, row, dsts[li]), sizes[li], True)
+        mover.wait(t)
+        return t.finished - t.issued  # the channel as a fetch sees it: hand-off included
+
     try:
-        for rnd in range(rounds):
-            for li, (size, rows) in enumerate(zip(sizes, nrows)):
-                times = []
-                for r in range(reps):
-                    row = (rnd * reps + r) * 7 % rows
-                    t = mover.submit(lambda li=li, row=row: tier.copy_into(li, row, dsts[li]), size, True)
-                    mover.wait(t)
-                    times.append(t.finished - t.issued)  # the channel as a fetch sees it: hand-off included
-                per[li].append(statistics.median(times))
+        secs = _in_passes(list(range(len(sizes))), copy, reps, rounds)
     finally:
         mover.close()
-    points = [(size, statistics.median(p)) for size, p in zip(sizes, per)]
-    return _fit_link(points, report)
+    return _fit_link([(size, secs[li]) for li, size in enumerate(sizes)], report)
 
 
 def measure_disk_link(device: torch.device, path: Path, reps: int = 5, report: dict | None = None
@@ -207,31 +220,24 @@ def measure_compute(device: torch.device, reps: int = 5, rounds: int = 3, pool_b
                    torch.empty(t, KERNEL_SHAPES[i][1], device=device)) for i, t in cases}
     for i, t in cases:  # (each kernel's first call)
         torch.mm(xs[i, t][0], pools[i][0].t(), out=xs[i, t][1])
-    # ``rounds`` passes over every case, the median of ``reps`` calls each, the median over the passes kept: a
-    # slow second of a shared machine lands in one pass, not on a run of neighbouring cases (measured case
-    # after case, one such second put three of the 46 MB cases at 3-4x their time and the fit's bandwidth 30% low)
-    per = {c: [] for c in cases}
-    k = 0
-    for _ in range(rounds):
-        for i, t in cases:
-            x, out = xs[i, t]
-            ws = pools[i]
-            times = []
-            for _ in range(reps):
-                k = (k + 1) % ws.shape[0]
-                w = ws[k]
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                torch.mm(x, w.t(), out=out)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - t0)
-            per[i, t].append(statistics.median(times))
+
+    def mm(case: tuple, k: int) -> float:
+        x, out = xs[case]
+        ws = pools[case[0]]
+        w = ws[k % ws.shape[0]]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        torch.mm(x, w.t(), out=out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    secs = _in_passes(cases, mm, reps, rounds)  # (in passes: a slow second lands in one)
     pts = []  # (flops, bytes, rows, seconds)
     for i, t in cases:
         h, f = KERNEL_SHAPES[i]
-        pts.append((2.0 * t * h * f, 4.0 * h * f, t, statistics.median(per[i, t])))
+        pts.append((2.0 * t * h * f, 4.0 * h * f, t, secs[i, t]))
     return _fit_kernel(pts)
 
 
@@ -265,8 +271,8 @@ def _fit_kernel(pts: list[tuple[float, float, int, float]]) -> tuple[float, floa
 def speed_probe(device: torch.device, reps: int = 5, rounds: int = 3) -> dict:
     """The machine's speed now, for a later run to compare with (``specmd fidelity``: a shared VM runs 10-25%
     slower or faster from one quarter of an hour to the next, and a profile fitted in a fast one predicts a
-    slow one short in every cell): the median over ``rounds`` of the median of ``reps`` timings, in
-    microseconds, of one expert projection's kernel (1024 x 2816 at 8 rows, weights cycling beyond the
+    slow one short in every cell): timed in passes (:func:`_in_passes`), in microseconds, one expert
+    projection's kernel (1024 x 2816 at 8 rows, weights cycling beyond the
     last-level cache) and of a fixed stretch of Python (the interpreter work a small model's framework costs
     are made of)."""
     h, f = KERNEL_SHAPES[2]
@@ -285,20 +291,13 @@ def speed_probe(device: torch.device, reps: int = 5, rounds: int = 3) -> dict:
             acc += table.get((i + k) & 63, 0)
         return acc
 
+    def timed(name: str, k: int) -> float:
+        t0 = time.perf_counter()
+        (kernel if name == "kernel_us" else python)(k)
+        return time.perf_counter() - t0
+
     kernel(0)
-    figures = {}
-    for name, fn in (("kernel_us", kernel), ("python_us", python)):
-        per, k = [], 0
-        for _ in range(rounds):
-            times = []
-            for _ in range(reps):
-                k += 1
-                t0 = time.perf_counter()
-                fn(k)
-                times.append(time.perf_counter() - t0)
-            per.append(statistics.median(times))
-        figures[name] = statistics.median(per) * 1e6
-    return figures
+    return {name: s * 1e6 for name, s in _in_passes(["kernel_us", "python_us"], timed, reps, rounds).items()}
 
 
 def drift(then: dict | None, now: dict) -> dict | None:
