@@ -61,63 +61,63 @@ class HardwareConfig:
     # device): per decoder layer (its eager ops' launch costs), per token of a pass, per expert a layer runs
     # (one GEMM pair per expert group) and per copy job issued. The papers' GPUs hide them in kernel
     # launches; on a CPU running eager PyTorch they are most of a small model's time.
-    layer_overhead_us: float = 0.0
-    token_overhead_us: float = 0.0
+    layer_overhead_us: float = _P["layer_overhead_us"]
+    token_overhead_us: float = _P["token_overhead_us"]
     # per token per decoder layer (its elementwise ops, norms and attention bookkeeping run per token): what
     # ``specmd calibrate`` fits, so the cost scales with depth -- fitted per token of a pass on 16-layer
     # deep_olmoe, it put 32-layer deep_mixtral's 32-token prefill at 0.6-0.7 of measured
-    layer_token_overhead_us: float = 0.0
-    expert_overhead_us: float = 0.0
+    layer_token_overhead_us: float = _P["layer_token_overhead_us"]
+    expert_overhead_us: float = _P["expert_overhead_us"]
     transfer_issue_us: float = 0.0  # host time to issue one copy job (a layer call's demand fetches, or a prefetch)
     # per expert a fetch places in the cache (its slot's allocation and views, the eviction that made room: the
     # executor's bookkeeping, on the compute thread): a prefill at a small capacity places most of its experts
-    place_overhead_us: float = 0.0
+    place_overhead_us: float = _P["place_overhead_us"]
     predict_overhead_us: float = 0.0  # one prefetch prediction (a later layer's router on this input + policy)
     # one expert run from a stored low-precision copy: unpacking it (HQQ's bit-unpacking and scale/zero
     # arithmetic) before its GEMMs; a fused low-bit kernel on a GPU makes it small, eager PyTorch does not
-    unpack_overhead_us: float = 0.0
+    unpack_overhead_us: float = _P["unpack_overhead_us"]
     # The host computing experts (miss=cpu_compute, hybrid) beyond its roofline: per layer call that sends it
     # work (the hand-off to the host worker and back), per expert (its framework calls) and per token-expert
     # pair (small GEMMs run far below the peak); ``specmd calibrate`` times the model's own experts on the host
-    host_call_overhead_us: float = 0.0
-    host_expert_overhead_us: float = 0.0
-    host_token_overhead_us: float = 0.0
+    host_call_overhead_us: float = _P["host_call_overhead_us"]
+    host_expert_overhead_us: float = _P["host_expert_overhead_us"]
+    host_token_overhead_us: float = _P["host_token_overhead_us"]
     # whether the host's overheads above overlap the device's compute (a GPU: kernels are queued ahead of the
     # device, and each segment between synchronisations takes the longer of the two) or add to it (false: a
     # CPU, where the host is the device). ``specmd calibrate --device cuda`` sets it (SimClock's docstring).
-    host_overlap: bool = False
+    host_overlap: bool = _P["host_overlap"]
     # How far the roofline's two bounds add rather than overlap: time = max(compute, memory) + serial * min(...);
     # 0 is the ideal roofline (a GPU), 1 their sum (a CPU's small GEMMs, measured by ``specmd calibrate`` on
     # the experts' own kernel at several sizes); the host's own beside it
-    roofline_serial: float = 0.0
-    host_roofline_serial: float = 0.0
+    roofline_serial: float = _P["roofline_serial"]
+    host_roofline_serial: float = _P["host_roofline_serial"]
     # Host work and the link's copies at once: the overlapped span costs this fraction more (0: each as if
     # alone, 1: they take turns); ``specmd calibrate`` measures both alone and together
-    host_link_contention: float = 0.0
+    host_link_contention: float = _P["host_link_contention"]
     # The weights a one-row product reads (a GEMV: one token through an expert, batch-1 decode's dense layers)
     # stream at this rate, not mem_bandwidth_gbps (a BLAS library runs one row on another kernel than two:
     # on a 2-core VM's CPU 16 GB/s against 7.3); the host's beside it. null: mem_bandwidth_gbps
-    gemv_bandwidth_gbps: Optional[float] = None
-    host_gemv_bandwidth_gbps: Optional[float] = None
+    gemv_bandwidth_gbps: Optional[float] = _P["gemv_bandwidth_gbps"]
+    host_gemv_bandwidth_gbps: Optional[float] = _P["host_gemv_bandwidth_gbps"]
     # The link's first small_copy_mb MB of a copy run at small_copy_gbps, the rest at bandwidth_gbps (a CPU's
     # copies of a few MiB run from and to its last-level cache; a 35 MB expert's do not); the clock's link
     # runs at the rate of the model's expert size. null (both): bandwidth_gbps throughout
-    small_copy_gbps: Optional[float] = None
-    small_copy_mb: Optional[float] = None
+    small_copy_gbps: Optional[float] = _P["small_copy_gbps"]
+    small_copy_mb: Optional[float] = _P["small_copy_mb"]
     # What ``specmd calibrate`` fitted the profile on: host, device, torch, dtype, model and the expert bytes
     # it covers ({} for a hand-written profile); a run on another says so (docs/semantics.md "How far to
     # trust the clock")
-    calibrated_on: dict = field(default_factory=dict)
+    calibrated_on: Optional[dict] = field(default_factory=dict)
     # The host time a policy's decisions cost per MoE layer call beyond calibrate's reference stack (lru
     # eviction, topk prefetch: theirs is in the fitted overheads above), keyed "<group>/<name>", e.g.
     # {"prefetch/score": 180.0}. Policies run in Python between the router and the experts, serial with
     # compute on a CPU and on a GPU alike; ``specmd calibrate`` times each built-in one. Empty: free.
-    policy_overhead_us: dict = field(default_factory=dict)
+    policy_overhead_us: Optional[dict] = field(default_factory=dict)
     # Layer streaming (docs/semantics.md "Layer streaming"): a layer call requesting at least this fraction of
     # its layer's experts (a prefill, a large batch) brings its misses through a double-buffered staging area
     # outside the capacity instead of the cache, and the next layer's missing experts move while it computes.
     # null: never (the papers' accounting, and the default: docs/semantics.md says why).
-    stream_layers: Optional[float] = _P.get("stream_layers")
+    stream_layers: Optional[float] = _P["stream_layers"]
 
     def __post_init__(self) -> None:
         for f in fields(self):  # also when built in code, not from a config (whose floats check_type checked)

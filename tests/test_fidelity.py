@@ -382,7 +382,7 @@ def test_a_run_on_a_profile_fitted_elsewhere_warns(tmp_path, caplog):
     from specmd import CONF_DIR
     from specmd.app import execute
 
-    overrides = ["model=tiny", "eval.tasks=[]", "logger=none", "+hardware.calibrated_on={device: cuda, model: tiny}"]
+    overrides = ["model=tiny", "eval.tasks=[]", "logger=none", "hardware.calibrated_on={device: cuda, model: tiny}"]
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     with caplog.at_level(logging.WARNING, logger="specmd"):
