@@ -33,7 +33,8 @@ later step fails):
    printed; the winner is the best objective whose loss is within ``tune.budget`` (a fraction: 0.01 = 1 %
    perplexity), with the command line that re-runs it. -> ``tune.json``.
 
-The space (``tune.<group>=[...]`` restricts a group's choices; ``tune.capacities`` lists capacities):
+The space (``tune.<group>=[...]`` restricts a group's choices; ``tune.capacities`` lists capacities; a single
+value, ``tune.capacities=0.05``, is a one-element list, and tune says so):
 routing ``standard`` or ``cache_prior`` (lambda 0.1/0.2/0.3/0.5 x J 1/2: Cache-Conditional Experts picks
 lambda per cache size under a perplexity budget, Fig. 10); miss ``fetch``, ``hybrid`` (each miss fetched or
 computed on the host, whichever ends the layer first), ``cpu_compute`` (Zhu et al.'s split), ``drop`` (J 1/2) or
@@ -88,6 +89,7 @@ class Options:
     token_by_token: bool = True
     out: str = ""
     choices: dict = field(default_factory=dict)  # group -> allowed choices
+    notes: list = field(default_factory=list)  # how an option was read, said before the work (a scalar as a list)
 
     def check(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -113,6 +115,7 @@ class Options:
 
 # metrics whose direction is known without the task: the perplexities (lower is better) and the scores
 LOWER_IS_BETTER = ("word_perplexity", "byte_perplexity", "bits_per_byte", "perplexity")
+HIGHER_IS_BETTER = ("acc", "acc_norm", "exact_match", "mc1", "mc2", "f1", "em")
 
 
 def quality_measure(task: str, metric: str, higher) -> tuple:
@@ -129,15 +132,27 @@ def quality_measure(task: str, metric: str, higher) -> tuple:
                               f"task name the lm-eval metric and its direction: tune.quality_metric=<key> "
                               f"tune.quality_higher=true|false")
         metric = QUALITY[task][0]
+    known = direction(task, metric)
     if higher is None:
-        if task in QUALITY and QUALITY[task][0] == metric:
-            higher = QUALITY[task][1]
-        elif metric.split("/")[0] in LOWER_IS_BETTER:
-            higher = False
-        else:
+        if known is None:
             raise ConfigError(f"tune.quality_metric={metric}: whether higher or lower is better is unknown; set "
                               f"tune.quality_higher=true (an accuracy, a match rate) or false (a perplexity)")
+        higher = known
+    elif known is not None and bool(higher) != known:  # every lossy stack would "gain" quality and fit any budget
+        raise ConfigError(f"tune.quality_higher={str(bool(higher)).lower()} contradicts {metric} of {task}, whose "
+                          f"{'higher' if known else 'lower'} values are better: leave tune.quality_higher out")
     return metric, bool(higher)
+
+
+def direction(task: str, metric: str):
+    """Whether higher values of ``metric`` are better when that is known (the task's own metric in QUALITY, a
+    perplexity, an accuracy or match rate), else None."""
+    from .eval.harness import QUALITY
+
+    if task in QUALITY and QUALITY[task][0] == metric:
+        return QUALITY[task][1]
+    base = metric.split("/")[0].split(",")[0]
+    return False if base in LOWER_IS_BETTER else True if base in HIGHER_IS_BETTER else None
 
 
 def quality_loss(value: float, ref: float, higher: bool) -> float:
@@ -161,6 +176,8 @@ def parse(argv: list[str]) -> tuple[Options, list[str]]:
             raise ConfigError(f"tune.{name}: unknown option; valid: {', '.join(valid)}")
         if not eq:
             raise ConfigError(f"{arg!r}: expected tune.<option>=<value>")
+        if (name in SPACE or name == "capacities") and not value.strip().startswith("[") and "," not in value:
+            opts.notes.append(f"{arg}: one value, taken as the list {name}=[{value.strip()}]")
         try:
             if name in SPACE:
                 opts.choices[name] = split_list(value)
@@ -305,6 +322,8 @@ def main(argv=None) -> int:
         print(__doc__.strip())
         return 0
     opts, base = parse(argv)
+    for note in opts.notes:
+        print(f"specmd tune: note: {note}", file=sys.stderr)
     result = tune(opts, base, Console())
     return 0 if result["winner"] else 1
 
@@ -337,8 +356,7 @@ def tune(opts: Options, base: list[str], console) -> dict:
         trace_path = base_run.replay.trace if given else recorded_trace(base_run)
         replay_over = [*(a for a in base if not a.startswith("replay.trace=")), f"replay.trace={trace_path}"]
         trace = open_trace(Run(compose(config_name="config", overrides=replay_over)).replay)
-        recorded = trace.meta.source.get("model")  # a live run's model config (an import's: none)
-        recorded = recorded.get("name") if isinstance(recorded, dict) else None
+        recorded = trace.meta.model  # a live run's model (an import's: none)
         if given and recorded and recorded != raw["model"]["name"]:  # the finalists run live on the base's model
             raise ConfigError(f"replay.trace={trace_path} was recorded on model={recorded}, but the live runs of the "
                               f"finalists would run model={raw['model']['name']}: add model={recorded}")

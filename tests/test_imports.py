@@ -616,3 +616,17 @@ def test_a_bad_value_that_fills_a_chunk_names_its_line(tmp_path, monkeypatch, fm
     f.write_text(text)
     with pytest.raises(ConfigError, match=r"r\.txt, " + match):
         load_import(f, fmt, ImportOptions(num_experts=8))
+
+
+@pytest.mark.parametrize("encoding, words", [
+    ("utf-16", "it starts with a UTF-16 LE byte-order mark; convert it: iconv -f UTF-16 -t UTF-8"),
+    ("latin-1", "a byte 0xe9 is not UTF-8"),
+])
+@pytest.mark.parametrize("header", [False, True])
+def test_a_csv_that_is_not_utf8_is_one_error_naming_the_file(tmp_path, encoding, words, header):
+    f = tmp_path / "trace.csv"
+    text = ("seq,token,layer,expert\n0,0,0,1\n" if header else "0,0,1,2\n-1,0,3,4\n") + "# caf\u00e9\n"
+    f.write_bytes(text.encode(encoding))
+    with pytest.raises(ConfigError, match=re.escape(f"replay.trace={str(f)!r} with replay.format=llama_csv: not "
+                                                    f"UTF-8 text ({words}")):
+        load_import(f, "llama_csv", ImportOptions(num_experts=8))

@@ -405,6 +405,7 @@ def test_tune_judges_each_task_by_its_papers_metric_and_direction():
     assert quality_measure("gsm8k", "", None) == ("exact_match/strict-match", True)
     assert quality_measure("hellaswag", "acc_norm", True) == ("acc_norm", True)
     assert quality_measure("lambada_openai", "perplexity", None) == ("perplexity", False)
+    assert quality_measure("hellaswag", "acc_norm", None) == ("acc_norm", True)  # an accuracy: known
     assert quality_loss(11.0, 10.0, higher=False) == pytest.approx(0.1)   # perplexity up 10%: 10% lost
     assert quality_loss(0.45, 0.5, higher=True) == pytest.approx(0.1)     # accuracy down 10%: 10% lost
     assert quality_loss(0.55, 0.5, higher=True) == pytest.approx(-0.1)    # better: no loss
@@ -412,9 +413,14 @@ def test_tune_judges_each_task_by_its_papers_metric_and_direction():
 
 @pytest.mark.parametrize("argv, words", [
     (["tune.quality_task=hellaswag"], "tune.quality_task=hellaswag: tune knows the quality metric of"),
-    (["tune.quality_task=hellaswag", "tune.quality_metric=acc_norm"],
-     "tune.quality_metric=acc_norm: whether higher or lower is better is unknown"),
+    (["tune.quality_task=hellaswag", "tune.quality_metric=brier_score"],
+     "tune.quality_metric=brier_score: whether higher or lower is better is unknown"),
     (["tune.quality_higher=maybe"], "'maybe' is not a valid value for tune.quality_higher"),
+    # a direction against the metric's known one: every lossy stack would "gain" quality and fit any budget
+    (["tune.quality_higher=true"], "tune.quality_higher=true contradicts word_perplexity of wikitext, whose lower"),
+    (["tune.quality_task=gsm8k", "tune.quality_higher=false"], "tune.quality_higher=false contradicts exact_match/"),
+    (["tune.quality_task=hellaswag", "tune.quality_metric=acc_norm", "tune.quality_higher=false"],
+     "tune.quality_higher=false contradicts acc_norm of hellaswag, whose higher"),
 ])
 def test_tune_refuses_a_quality_it_cannot_judge_before_any_work(argv, words):
     from specmd.tune import parse
@@ -434,6 +440,15 @@ def test_tune_names_the_file_and_key_of_a_score_it_cannot_judge(tmp_path, task, 
     opts, _ = parse(["tune.quality_task=gsm8k"])
     with pytest.raises(DataError, match=f"{tmp_path / 'results.json'}: {words}"):
         quality_value({"tasks": {"gsm8k": task}}, opts, tmp_path / "results.json")
+
+
+def test_tune_takes_a_single_value_as_a_one_element_list_and_says_so():
+    from specmd.tune import parse
+
+    opts, _ = parse(["tune.capacities=0.05", "tune.eviction=lru", "tune.prefetch=[none]"])
+    assert opts.capacities == [0.05] and opts.choices["eviction"] == ["lru"]
+    assert opts.notes == ["tune.capacities=0.05: one value, taken as the list capacities=[0.05]",
+                          "tune.eviction=lru: one value, taken as the list eviction=[lru]"]
 
 
 def test_tune_replays_a_repeated_capacity_once():
@@ -467,7 +482,8 @@ def test_an_output_directory_it_cannot_write_is_refused_before_any_work(tmp_path
     assert tune  # (imported for the patch target's module)
 
 
-def test_tune_refuses_a_trace_of_another_model_than_its_live_runs(tmp_path):
+@pytest.mark.parametrize("recorded", [{"name": "deep_olmoe"}, "deep_olmoe"])  # a live run's mapping, a bare name
+def test_tune_refuses_a_trace_of_another_model_than_its_live_runs(tmp_path, recorded):
     import shutil
 
     from rich.console import Console
@@ -477,7 +493,7 @@ def test_tune_refuses_a_trace_of_another_model_than_its_live_runs(tmp_path):
     trace = tmp_path / "trace"
     shutil.copytree(Path(__file__).with_name("data") / "embedded_trace", trace)
     meta = json.loads((trace / "meta.json").read_text())
-    meta["source"] = {"model": {"name": "deep_olmoe"}}  # as a live run of model=deep_olmoe records it
+    meta["source"] = {"model": recorded}  # however the trace spells it, the check reads it
     (trace / "meta.json").write_text(json.dumps(meta))
     opts, base = parse(["model=tiny", f"replay.trace={trace}", f"tune.out={tmp_path / 'tune'}"])
     with pytest.raises(ConfigError, match=f"replay.trace={trace} was recorded on model=deep_olmoe, but the live "

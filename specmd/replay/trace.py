@@ -64,6 +64,16 @@ class TraceMeta:
     version: int = VERSION
 
     @property
+    def model(self) -> Optional[str]:
+        """The name of the model the routing was recorded on, however ``source`` records it: a live run's model
+        config (a mapping with ``name``) or a bare name (an older recording, a hand-written meta.json); None for
+        an import. Every check comparing a trace's model with a run's reads it here, so both spellings are
+        checked alike (tune compared only the mapping: a trace naming ``tiny`` passed for ``model=deep_olmoe``)."""
+        model = self.source.get("model")
+        model = model.get("name") if isinstance(model, dict) else model
+        return str(model) if model not in (None, "") else None
+
+    @property
     def imported(self) -> Optional[str]:
         """The import format this trace came from, or None for a specmd recording."""
         return self.source.get("format")

@@ -28,8 +28,22 @@ def load_import(path, fmt: str, opts: Optional[ImportOptions] = None) -> Trace:
         what = "a directory (a specmd trace? set replay.format=specmd)" if path.is_dir() else "no such file"
         raise ConfigError(f"replay.trace={str(path)!r} with replay.format={fmt}: {what}")
     notes: list = []
-    rec = parse(path, opts, notes)
+    try:
+        rec = parse(path, opts, notes)
+    except UnicodeDecodeError as e:  # every text format is read as UTF-8: one error for all of them, naming the file
+        raise ConfigError(f"replay.trace={str(path)!r} with replay.format={fmt}: not UTF-8 text ({not_utf8(path, e)})"
+                          ) from None
     return build_trace(rec, fmt, path, opts, notes)
+
+
+def not_utf8(path: Path, e: UnicodeDecodeError) -> str:
+    """What the bytes of a file that is not UTF-8 look like, and how to convert it."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    bom = {b"\xff\xfe": "UTF-16 LE", b"\xfe\xff": "UTF-16 BE"}.get(head[:2])
+    if bom:
+        return f"it starts with a {bom} byte-order mark; convert it: iconv -f UTF-16 -t UTF-8 {path} > {path}.utf8"
+    return f"a byte 0x{e.object[e.start]:02x} is not UTF-8; convert it to UTF-8 (iconv -f <its encoding> -t UTF-8)"
 
 
 @dataclass
