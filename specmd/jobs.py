@@ -15,8 +15,10 @@ held skips the job as running elsewhere instead of writing into the same directo
 
 Failures. Every failure writes ``failed.json`` (:func:`write_failed`): the stage that failed (``config``,
 ``load``, ``stack`` -- which quantizes the experts --, ``evaluate``, ``replay``, ``write``), the error, and
-the signal when one stopped the job (SIGTERM and SIGINT are turned into exceptions by
-:func:`signals_raise`; SIGKILL leaves no ``failed.json`` and the job counts as interrupted).
+the signal when one stopped the job (every signal of :data:`specmd.signals.ENDING` is turned into an exception
+by :func:`signals_raise`; a job that ended before it could say so, in the instant between Hydra making its
+directory and the job starting, gets one from :func:`record_unrecorded`; SIGKILL leaves no ``failed.json``
+and the job counts as interrupted).
 ``results.json`` is written only by a job that succeeded.
 """
 
@@ -177,6 +179,20 @@ def torch_threads(requested: Optional[int], launcher: dict) -> Optional[int]:
 
 
 SWEEP_EXIT = {"code": 0}  # set by SweepEnd in the process that launched the sweep
+OPENED: dict = {}  # "dir": the run directory Hydra made for the job this process is starting (SweepEnd sets it)
+
+
+def record_unrecorded(exc: BaseException) -> None:
+    """A job's directory exists but the job ended before :func:`specmd.app.execute` could record how (a Ctrl-C
+    while Hydra saved its config or while the run imported torch, a full disk under ``.hydra``): ``failed.json``
+    with stage ``config`` there, so the directory never reads as a job that is still running or vanished.
+    Nothing when the job recorded its own ending (``failed.json`` or ``results.json``) or exited by itself."""
+    run_dir = OPENED.pop("dir", None)
+    if run_dir is None or isinstance(exc, SystemExit) or not isinstance(exc, (Exception, Interrupted)):
+        return
+    if not any((run_dir / n).exists() for n in ("failed.json", "results.json")):
+        with signals_held():
+            exc.specmd_failed = write_failed(run_dir, "config", exc)
 
 
 def claim_run_dir(run_dir: Path, marker: str) -> None:
@@ -230,8 +246,16 @@ def _sweep_end_callback():
         def on_run_start(self, config, **kwargs) -> None:
             """A single run's directory is claimed for it (:func:`claim_run_dir`) before Hydra writes there."""
             with _refusing():
-                claim_run_dir(Path(str(config.hydra.run.dir)).absolute(),
-                              str(config.hydra.output_subdir or ".specmd-run"))
+                run_dir = Path(str(config.hydra.run.dir)).absolute()
+                claim_run_dir(run_dir, str(config.hydra.output_subdir or ".specmd-run"))
+            OPENED["dir"] = run_dir  # from now on, however the job ends, the directory says so (failed.json)
+
+        def on_job_start(self, config, **kwargs) -> None:
+            """A sweep's job directory, as soon as Hydra has made it (a single run's: on_run_start)."""
+            OPENED["dir"] = Path(str(config.hydra.runtime.output_dir))
+
+        def on_job_end(self, config, job_return=None, **kwargs) -> None:
+            OPENED.pop("dir", None)  # recorded by the job itself (results.json or failed.json)
 
         def on_multirun_start(self, config, **kwargs) -> None:
             """The launcher's own settings, before it starts a job: a value it would fail on with a traceback

@@ -52,11 +52,13 @@ def _worker_init() -> None:
 
     import torch
 
+    from .signals import ENDING
+
     torch.set_num_threads(1)  # one process per core: a policy's torch ops must not spawn threads of their own
-    # a worker dies quietly on SIGINT/SIGTERM: the parent (which Ctrl-C reaches too) reports the signal once and
-    # terminates the pool; the handler a worker inherited (specmd.jobs.signals_raise) printed a traceback per
-    # worker
-    for s in (signal.SIGINT, signal.SIGTERM):
+    # a worker dies quietly on an ending signal: the parent (which Ctrl-C and a closed terminal reach too) reports
+    # the signal once and terminates the pool; the handler a worker inherited (specmd.jobs.signals_raise) printed
+    # a traceback per worker
+    for s in ENDING:
         signal.signal(s, signal.SIG_DFL)
 
 

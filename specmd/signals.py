@@ -1,8 +1,16 @@
-"""SIGINT and SIGTERM while specmd works: :func:`signals_raise` turns them into :class:`Interrupted` in the
+"""The signals that end a job or a command: :func:`signals_raise` turns each into :class:`Interrupted` in the
 main thread, so a job writes its ``failed.json`` and a command removes what it had half-written before the
-process exits (exit 128 + the signal's number: :mod:`specmd.cli.outcome`). Its own module, below everything
-that writes files (:mod:`specmd.results`, :mod:`specmd.jobs`, the evaluation's safe points), importing only
-the standard library."""
+process exits (exit 128 + the *first* signal's number: :mod:`specmd.cli.outcome`). Its own module, below
+everything that writes files (:mod:`specmd.results`, :mod:`specmd.jobs`, the evaluation's safe points),
+importing only the standard library.
+
+:data:`ENDING` is every signal a terminal or a scheduler sends to end a process: SIGINT (Ctrl-C), SIGTERM
+(``kill``, a scheduler's cancel, SLURM's time limit and pre-emption), SIGHUP (a closed terminal, a dropped ssh
+session), SIGQUIT (Ctrl-\\) and SIGUSR1/SIGUSR2 (what ``sbatch --signal=USR1@90`` sends ahead of the limit;
+their default action ends the process without a word). Each is handled only while its handler is the default:
+a launcher's own (submitit's SIGUSR2 for its checkpoints) is left alone. A second signal, of any of them, while
+the first is being handled is recorded, never raised where it would tear down what the first one's clean-up is
+doing (:func:`signals_held`); the exit code stays the first one's."""
 
 from __future__ import annotations
 
@@ -10,17 +18,26 @@ import contextlib
 import signal
 
 
+ENDING = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+               if hasattr(signal, n))  # (Windows has only the first two)
+
+
 class Interrupted(BaseException):
-    """A signal stopped the job (SIGTERM from a scheduler or ``kill``, SIGINT from Ctrl-C)."""
+    """A signal stopped the job (one of :data:`ENDING`: SIGTERM from a scheduler or ``kill``, SIGINT from Ctrl-C,
+    SIGHUP from a closed terminal ...); ``exit_code`` is the shell's convention, 128 + its number."""
 
     def __init__(self, signum: int):
         self.signum = signum
         self.signal_name = signal.Signals(signum).name
         super().__init__(f"stopped by {self.signal_name}")
 
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
 
 class _Signals:
-    """The signal state of this process: ``pending``, the first SIGTERM/SIGINT received (0: none); ``depth``,
+    """The signal state of this process: ``pending``, the first signal of :data:`ENDING` received (0: none); ``depth``,
     how many :func:`signals_raise` blocks are open; ``held``, while ``failed.json`` is written
     (:func:`signals_held`): a signal is recorded, not raised."""
 
@@ -53,7 +70,7 @@ def signals_held():
 
 @contextlib.contextmanager
 def signals_raise():
-    """While a job or a command runs, SIGTERM and SIGINT raise :class:`Interrupted` in the main thread, so it
+    """While a job or a command runs, every signal of :data:`ENDING` raises :class:`Interrupted` in the main thread, so it
     writes its ``failed.json`` (with the stage it was in) or removes what it had half-written before the
     process exits; in the CLI's process and in a launcher's worker (joblib, submitit, Ray) alike. Only default
     handlers are replaced (a launcher's own handlers, e.g. submitit's, are left alone), and they are restored
@@ -70,7 +87,7 @@ def signals_raise():
         yield
         return
     defaults = (signal.SIG_DFL, signal.default_int_handler)
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    saved = {s: signal.getsignal(s) for s in ENDING}
 
     def handler(signum, frame):
         SIGNALS.pending = SIGNALS.pending or signum

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -154,6 +155,44 @@ def test_grouped_kernel_over_banks_equals_the_family_experts_forward(family):
                         groups.append((ends, [sl for sl, _ in mine]))
                 looped = grouped_experts(mod, layout, hidden, index, weights, slot_of, banks, rows, groups=groups)
                 assert torch.equal(looped, ref), (family, T, split, "looped")
+
+
+def test_a_signal_between_two_host_banks_leaves_the_call_as_itself(monkeypatch):
+    """Two Ctrl-C 0.3 s apart during ``miss=hybrid`` printed ``AttributeError: 'NoneType' object has no attribute
+    '_condition'``: the first landed between two banks' submits and the clean-up waited on the one never
+    submitted. Now the call ends with the signal (Interrupted), after waiting -- with signals held, so a second
+    one cannot tear the wait down -- for what the worker had started."""
+    import specmd.executor.kernel as kernel
+    from specmd.executor.hostwork import HostWorker
+    from specmd.signals import SIGNALS, Interrupted
+
+    model = tiny("olmoe")
+    mod, layout, E, hidden, index, weights = _layer_inputs(model, "olmoe", 5, seed=1)
+    with torch.no_grad():
+        slot_of, banks = _banked_inputs(expert_tensors(mod, E), E, torch.Generator().manual_seed(3), True,
+                                        int(index[0, 0]))
+    counts = torch.bincount(index.reshape(-1), minlength=E)
+    rows = [int(counts[(slot_of >= b.first) & (slot_of < b.first + b.n)].sum()) for b in banks]
+    worker, started, held = HostWorker(), [], []
+
+    class Interrupting:
+        def submit(self, *a):
+            raise Interrupted(signal.SIGINT)
+
+    class Recording:
+        def submit(self, *a):
+            started.append(worker.submit(*a))
+            return started[-1]
+
+    banks[0].runner, banks[1].runner = Recording(), Interrupting()
+    wait = kernel.futures_wait
+    monkeypatch.setattr(kernel, "futures_wait", lambda fs: (held.append(SIGNALS.held), wait(fs))[1])
+    try:
+        with torch.no_grad(), pytest.raises(Interrupted):
+            kernel.grouped_experts(mod, layout, hidden, index, weights, slot_of, banks, rows)
+    finally:
+        worker.close()
+    assert len(started) == 1 and started[0].done() and held == [True] and SIGNALS.held is False
 
 
 def test_kernel_with_no_expert_available_returns_zeros():

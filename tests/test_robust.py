@@ -83,8 +83,11 @@ def test_a_bug_is_one_line_exit_1_with_the_traceback_in_a_file(capsys, monkeypat
         guarded("specmd x", fn, [])
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129),
+                                       (signal.SIGQUIT, 131), (signal.SIGUSR1, 138), (signal.SIGUSR2, 140)])
 def test_a_signal_stops_a_command_with_128_plus_its_number_after_its_cleanup(sig, code, tmp_path, capsys):
+    """Every signal a terminal or a scheduler ends a process with (a closed terminal's SIGHUP ended a run with
+    exit 129, no line and no failed.json; SLURM's --signal=USR1 ended it without a word)."""
     half = tmp_path / "half.txt"
 
     def fn(argv):
@@ -98,6 +101,75 @@ def test_a_signal_stops_a_command_with_128_plus_its_number_after_its_cleanup(sig
     assert guarded("specmd x", fn, []) == code
     assert capsys.readouterr().err == f"specmd x: stopped by {signal.Signals(sig).name}\n"
     assert not half.exists() and signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler)
+
+
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGHUP, signal.SIGTERM])
+def test_a_second_signal_during_the_cleanup_keeps_the_first_ones_exit_code(second, tmp_path, capsys):
+    """SIGTERM then Ctrl-C recorded SIGTERM but exited 130: the exit code is the first signal's."""
+    def fn(argv):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        finally:
+            os.kill(os.getpid(), second)  # lands in the clean-up of the first
+
+    assert guarded("specmd x", fn, []) == 143
+    assert capsys.readouterr().err == "specmd x: stopped by SIGTERM\n"
+
+
+def test_a_signal_while_the_process_exits_keeps_the_first_signals_exit_code():
+    """SIGTERM then Ctrl-C: the run recorded SIGTERM and printed its line, then the Ctrl-C landed while the
+    interpreter joined its threads (a second, measured) and the process died of SIGINT (exit 130). The console
+    entry ignores ending signals once the command has its exit code."""
+    import subprocess
+
+    script = ("import atexit, os, signal, sys, time\n"
+              "import specmd.cli as cli\n"
+              "def stop(argv):\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "atexit.register(time.sleep, 1)\n"  # a slow exit, as joining a worker thread is
+              "cli.BY_NAME['stop'] = cli.Command('stop', '__main__', '', '__main__:stop')\n"
+              "sys.argv = ['specmd', 'stop']\n"
+              "cli.main()\n")
+    p = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    assert p.stderr.readline() == "specmd stop: stopped by SIGTERM\n"
+    p.send_signal(signal.SIGINT)  # (the line is printed: the process is exiting)
+    assert p.wait(timeout=60) == 143 and p.stderr.read() == ""
+
+
+def test_a_signal_while_an_error_is_reported_is_held(monkeypatch, capsys):
+    import specmd.cli.outcome as outcome
+
+    classify = outcome.classify
+
+    def slow_classify(exc):
+        os.kill(os.getpid(), signal.SIGHUP)  # a dropped ssh session as the error line is being written
+        return classify(exc)
+
+    monkeypatch.setattr(outcome, "classify", slow_classify)
+
+    def fn(argv):
+        raise ConfigError("x=1 is bad; valid: 2")
+
+    assert guarded("specmd x", fn, []) == 2
+    assert capsys.readouterr().err == "specmd x: error: x=1 is bad; valid: 2\n"
+
+
+def test_a_run_stopped_before_it_could_record_its_end_still_writes_failed_json(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C one second after start (Hydra saving its config, the run importing torch) left a run directory
+    with no failed.json: from the moment the directory exists, failed.json says how the run ended."""
+    import specmd.app
+    from specmd.cli import main
+
+    def interrupted(*a, **k):
+        raise Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(specmd.app, "execute", interrupted)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main([*FAST, f"hydra.run.dir={run}"])
+    assert e.value.code == 130 and capsys.readouterr().err.endswith("specmd: stopped by SIGINT\n")
+    failed = json.loads((run / "failed.json").read_text())
+    assert (failed["stage"], failed["kind"], failed["signal"]) == ("config", "signal", "SIGINT")
 
 
 def test_a_second_signal_while_the_stop_is_reported_cannot_cut_it_short(monkeypatch):

@@ -98,6 +98,7 @@ def is_override_or_option(word: str) -> bool:
 
 def main(argv: Optional[list] = None) -> None:
     """``specmd ARGS`` (the console script) and ``python -m specmd ARGS``: exits with the command's code."""
+    from_process = argv is None  # the console script, python -m specmd: this process ends with the command
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(usage())
@@ -112,7 +113,10 @@ def main(argv: Optional[list] = None) -> None:
               + f"; commands: {', '.join(BY_NAME)}. A run's overrides look like key=value (specmd run --help); "
               "specmd --help lists what each command does", file=sys.stderr)
         sys.exit(2)
-    from .outcome import guarded
+    from .outcome import guarded, ignore_ending_signals
 
     prog = "specmd" if command.module == "specmd.app" else f"specmd {command.name}"  # the run's own voice
-    sys.exit(guarded(prog, lambda args: command.function()(args), rest))
+    code = guarded(prog, lambda args: command.function()(args), rest)
+    if from_process:  # (a test calling main(argv) keeps its own handlers)
+        ignore_ending_signals()
+    sys.exit(code)

@@ -16,7 +16,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from .. import CONF_DIR
-from ..jobs import SWEEP_EXIT, torch_threads
+from ..jobs import OPENED, SWEEP_EXIT, record_unrecorded, torch_threads
 
 RUN = """usage: specmd run [key=value ...] [+key=value] [~key] [--cfg job|hydra|all] [--info]
        specmd [key=value ...]   python -m specmd [key=value ...]   (the same)
@@ -151,7 +151,14 @@ def run(argv: list) -> int:
     if asks_help(argv):
         print(RUN)
     SWEEP_EXIT["code"] = 0  # (an earlier sweep in this process, as in the tests, does not set this one's)
-    _as_hydra(_hydra_main, argv)  # a signal: Interrupted, reported by specmd.cli.outcome (failed.json names it)
+    OPENED.clear()
+    try:
+        _as_hydra(_hydra_main, argv)  # a signal: Interrupted, reported by specmd.cli.outcome (failed.json names it)
+    except BaseException as exc:
+        record_unrecorded(exc)  # ended after its directory existed, before the job could say how
+        raise
+    finally:
+        OPENED.clear()
     return SWEEP_EXIT["code"]
 
 

@@ -11,8 +11,9 @@ composition error, a path it cannot use           to one line: ``Could not find 
 (exists, not a directory, read-only, name         options in 'model': ...``)
 too long)
 the disk or quota full                      1     one line naming the path
-SIGINT / SIGTERM                            130,  ``specmd CMD: stopped by SIGTERM``; the command has removed
-                                            143   (or marked) what it had half-written on its way out
+a signal: INT, TERM, HUP, QUIT, USR1/2     128+  ``specmd CMD: stopped by SIGTERM``; the command has removed
+(:data:`specmd.signals.ENDING`)             n     (or marked) what it had half-written on its way out; 130
+                                                  Ctrl-C, 143 SIGTERM, 129 SIGHUP: the *first* signal's
 anything else: a bug                        1     one line, and the traceback in a file it names
 =========================================  ====  ==========================================================
 
@@ -25,7 +26,6 @@ Signals are armed (:func:`specmd.jobs.signals_raise`) around the whole command, 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import signal
@@ -114,42 +114,57 @@ def traceback_file(prog: str, exc: BaseException) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def _quiet():
-    """SIGINT and SIGTERM ignored for the block, then as they were."""
-    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
-
-
 def guarded(prog: str, fn, argv: list) -> int:
     """``fn(argv)`` (a command's ``main``) with signals armed, every way it can end turned into one line and
-    an exit code (the table above)."""
-    from ..signals import Interrupted, signals_raise
+    an exit code (the table above). The command's outcome is reported with signals held: a second signal --
+    of any kind, during the first one's report or an error's -- is recorded, not raised, so it neither cuts the
+    line short nor changes the exit code (the first signal's)."""
+    from ..signals import SIGNALS, Interrupted, signals_held, signals_raise
 
     try:
         with signals_raise():
-            code = fn(argv) or 0
-    except (Interrupted, KeyboardInterrupt) as exc:  # KeyboardInterrupt: a handler not ours (a library's)
-        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-        with _quiet():  # the command has ended: a second Ctrl-C (a process group's) cannot cut this line short
-            print(f"{prog}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
-        return 128 + signum
-    except Exception as exc:  # noqa: BLE001 -- the one place every command's error ends
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        from ..errors import say
+            try:
+                return fn(argv) or 0
+            except BaseException as exc:  # noqa: BLE001 -- the one place every command's error ends
+                with signals_held():
+                    code = report(prog, exc)
+                    SIGNALS.pending = 0  # reported: the block's end does not raise it again
+                return code
+    except (Interrupted, KeyboardInterrupt) as exc:  # the instant the block ends (a signal lost in a finalizer,
+        # raised by check_interrupt), or a handler not ours (a library's KeyboardInterrupt)
+        return report(prog, exc)
 
-        code, message, bug = classify(exc)
-        if bug:
-            path = traceback_file(prog, exc)
-            say(prog, f"{message} (a bug: the traceback is in {path}; please report it)")
-        elif isinstance(exc, OSError):  # the user's path, most likely; where it came from, in case it was not
-            say(prog, f"{message} (where: {traceback_file(prog, exc)})")
-        else:
-            say(prog, message)
-        return code
+
+def report(prog: str, exc: BaseException) -> int:
+    """One line for ``exc`` on stderr (a bug's traceback in a file it names); the exit code."""
+    from ..signals import Interrupted
+
+    if isinstance(exc, (Interrupted, KeyboardInterrupt)):
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        print(f"{prog}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+    if isinstance(exc, SystemExit):  # a command's own exit (argparse's usage error, --help)
+        raise exc
+    if os.environ.get("HYDRA_FULL_ERROR") == "1" or not isinstance(exc, Exception):
+        raise exc
+    from ..errors import say
+
+    code, message, bug = classify(exc)
+    if bug:
+        path = traceback_file(prog, exc)
+        say(prog, f"{message} (a bug: the traceback is in {path}; please report it)")
+    elif isinstance(exc, OSError):  # the user's path, most likely; where it came from, in case it was not
+        say(prog, f"{message} (where: {traceback_file(prog, exc)})")
+    else:
+        say(prog, message)
     return code
+
+
+def ignore_ending_signals() -> None:
+    """The process has its exit code and is exiting (:func:`specmd.cli.main`): a signal now -- a second Ctrl-C
+    while the interpreter joins its threads -- is ignored, so the code stays the first signal's and no
+    ``KeyboardInterrupt`` traceback is printed from an atexit handler. (SIGKILL still ends a stuck exit.)"""
+    from ..signals import ENDING
+
+    for s in ENDING:
+        signal.signal(s, signal.SIG_IGN)

@@ -29,6 +29,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..signals import SIGNALS
+
 
 class Bank:
     """Experts as fused tensors ``tensors[name]`` ``[n, ...]`` (the family's layout), holding the global slot
@@ -107,9 +109,10 @@ def grouped_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weig
             x, sl = rows_of[j]
             outs[j] = _bank(mod, x, sl, b, ends, names, transposed, gated)  # [n, H]
     finally:  # the host's rows are waited for before an error leaves the call too: a worker never computes
-        # from a bank the next call re-points
+        # from a bank the next call re-points. Only what was submitted (a signal can land between two submits),
+        # and with signals held: a second Ctrl-C must not tear the wait down under the worker
         if remote:
-            futures_wait([outs[j] for j in remote])
+            _join([outs[j] for j in remote if outs[j] is not None])
     for j in remote:
         outs[j] = outs[j].result()  # [n, H] the host's rows, joined before the top-k sum (raises the worker's error)
     done = parts[-1][1] + parts[-1][2] if parts and parts[-1][2] >= 0 else (S if parts else 0)
@@ -123,6 +126,16 @@ def grouped_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weig
     inv[perm] = torch.arange(S, device=perm.device)
     weighted = weighted[inv]  # [S, H] back in (token, rank) order
     return weighted.view(T, k, H).sum(dim=1).to(hidden.dtype)  # [T, H]
+
+
+def _join(futures: list) -> None:
+    """Wait for the host's ``futures``; a signal meanwhile is recorded (:mod:`specmd.signals`) and raised at the
+    next safe point, never inside the wait."""
+    held, SIGNALS.held = SIGNALS.held, True
+    try:
+        futures_wait(futures)
+    finally:
+        SIGNALS.held = held
 
 
 def _bank(mod, x: torch.Tensor, sl: Optional[torch.Tensor], b: Bank, ends, names: tuple, transposed: bool,
