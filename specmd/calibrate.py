@@ -883,6 +883,7 @@ def _write_atomic(files: list[tuple[Path, str | bytes]]) -> None:
     from .signals import check_interrupt, signals_held
 
     temps: list[tuple[Path | None, Path]] = []
+    path = files[0][0] if files else Path(".")
     try:
         for path, content in files:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -899,7 +900,7 @@ def _write_atomic(files: list[tuple[Path, str | bytes]]) -> None:
             for i, (tmp, path) in enumerate(temps):
                 os.replace(tmp, path)
                 temps[i] = (None, path)
-    except BaseException:
+    except BaseException as exc:
         with signals_held():  # a second Ctrl-C cannot leave a temporary file behind
             for tmp, _ in temps:
                 if tmp is not None:
@@ -907,7 +908,24 @@ def _write_atomic(files: list[tuple[Path, str | bytes]]) -> None:
                         os.unlink(tmp)
                     except OSError:
                         pass
+        unwritten = [f for i, f in enumerate(files) if i >= len(temps) or temps[i][0] is not None]
+        if isinstance(exc, OSError) and unwritten:  # what no path took is kept elsewhere, and named
+            raise _kept_elsewhere(exc, unwritten, path) from exc
         raise
+
+
+def _kept_elsewhere(exc: OSError, files: list, path: Path) -> OSError:
+    """A write of ``files`` that failed at ``path`` (a full disk, a read-only directory): the error naming it,
+    with every file's content kept under ``<tmp>/specmd-rescue/`` (the profile calibrate measured for minutes
+    is not lost with the disk) and named."""
+    from .results import keep_elsewhere
+
+    kept = [keep_elsewhere(p, lambda tmp, c=c: Path(tmp).write_bytes(c.encode() if isinstance(c, str) else c))
+            for p, c in files]
+    if len(kept) > 1 and all(k.startswith("what it held is kept in ") for k in kept):  # (one rescue directory)
+        kept = [f"what calibrate measured is kept in {Path(kept[0].rsplit(' ', 1)[1]).parent}/ ("
+                f"{', '.join(p.name for p, _ in files)})"]
+    return OSError(exc.errno, f"{exc.strerror or exc}; " + "; ".join(kept), str(path))
     check_interrupt()  # a signal that arrived while held: raised now, the files complete
 
 

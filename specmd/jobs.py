@@ -98,15 +98,14 @@ def job_lock(run_dir: Path):
 
 def rescue(run_dir: Path, name: str, body: dict) -> str:
     """Keep ``body`` (a run's results or failure record) that ``run_dir`` could not take -- a full disk, a
-    directory made read-only mid-run -- in ``<tmp>/specmd-rescue/<run dir's name>-<token>/<name>``; when even
-    that fails, print it on stderr. Returns where it went, for the message that names it."""
-    import secrets
+    directory made read-only mid-run -- in ``<tmp>/specmd-rescue/<run dir's name>-<pid>/<name>``
+    (:func:`specmd.results.rescue_dir`); when even that fails, print it on stderr. Returns where it went, for the
+    message that names it."""
     import sys
-    import tempfile
 
-    from .results import write_json_atomic
+    from .results import rescue_dir, write_json_atomic
 
-    path = Path(tempfile.gettempdir()) / "specmd-rescue" / f"{Path(run_dir).name}-{secrets.token_hex(4)}" / name
+    path = rescue_dir(run_dir) / name
     try:
         write_json_atomic(path, {"run_dir": str(run_dir), **body})
         return str(path)

@@ -146,17 +146,18 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
     a.legend()
     fig.tight_layout()
-    from .results import atomic_output
+    from .results import write_file
 
-    with atomic_output(path) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)
+    try:
+        write_file(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def main(argv=None) -> int:
     """``specmd mrc``; bad input raises :class:`~specmd.errors.ConfigError` (one line, exit 2: specmd.cli)."""
     from .errors import ConfigError
-    from .results import output_dir, write_csv
+    from .results import csv_fill, keep_elsewhere, output_dir, write_csv
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:  # its help, not a missing replay.trace (specmd.cli: every command has one)
@@ -171,7 +172,11 @@ def main(argv=None) -> int:
         raise ConfigError("specmd mrc varies hardware.capacity; drop hardware.experts_per_layer")
     out = output_dir(out, "mrc.out", "mrc.csv")  # before the replays: a path it cannot write loses no work
     rows = compute(policies, caps, rest, jobs)
-    plot(rows, out / "mrc.png")
+    try:
+        plot(rows, out / "mrc.png")
+    except OSError as exc:  # the curves were computed: kept with the figure, not lost with it
+        raise OSError(exc.errno, f"{exc.strerror}; the curves: {keep_elsewhere(out / 'mrc.csv', csv_fill(rows))}",
+                      exc.filename) from exc
     write_csv(out / "mrc.csv", rows)  # last: the mark of a complete mrc.out (output_dir refuses one holding it)
     print(f"{'policy':<12} {'capacity':>8} {'hit rate':>9} {'collisions':>10}")
     for r in rows:

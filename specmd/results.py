@@ -10,6 +10,7 @@ import math
 import os
 import secrets
 from pathlib import Path
+from typing import Optional
 
 
 def assemble(config: dict, tasks: dict, wall_s: float, provenance: dict, engine=None, executor=None,
@@ -71,11 +72,13 @@ def atomic_output(path: Path):
     try:
         yield tmp
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         from .signals import signals_held
 
         with signals_held():  # a second Ctrl-C cannot leave the temporary file behind
             tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename in (None, str(tmp), tmp):  # the file the user asked for
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
         raise
 
 
@@ -130,36 +133,82 @@ def output_dir(path, option: str, holds: str) -> Path:
     return path
 
 
+def write_file(path: Path, fill) -> None:
+    """The one way specmd writes a file the user keeps: ``fill(tmp)`` writes the content to a temporary name
+    that becomes ``path`` when complete (:func:`atomic_output`). When the write fails -- a full disk, a quota, a
+    directory made read-only -- the error is an ``OSError`` naming ``path`` (an ``f.write`` error names no
+    file) and what the content was is written again under ``<tmp>/specmd-rescue/`` and named in the message
+    (:func:`keep_elsewhere`): nothing computed is lost, and the command's one line says where it went."""
+    try:
+        with atomic_output(path) as tmp:
+            fill(tmp)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{exc.strerror or exc}; {keep_elsewhere(path, fill)}", str(path)) from exc
+
+
+def rescue_dir(directory: Path) -> Path:
+    """Where what ``directory`` could not take is kept: ``<tmp>/specmd-rescue/<its name>-<pid>``, one per
+    directory and process (a run's passes.csv, results.json and failed.json land together)."""
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / "specmd-rescue" / f"{Path(directory).name}-{os.getpid()}"
+
+
+def keep_elsewhere(path: Path, fill, name: Optional[str] = None) -> str:
+    """``fill`` (what would have been ``path``) written to ``<tmp>/specmd-rescue/<its directory>-<token>/<name>``
+    instead; the phrase naming where, for an error message."""
+    path = Path(path)
+    kept = rescue_dir(path.parent) / (name or path.name)
+    try:
+        with atomic_output(kept) as tmp:
+            fill(tmp)
+    except OSError as exc:
+        return f"it could not be kept elsewhere either ({kept.parent}: {exc.strerror or exc})"
+    return f"what it held is kept in {kept}"
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
-    with atomic_output(path) as tmp:
+    def fill(tmp):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(_clean(data), f, indent=2, allow_nan=False)
             f.flush()
             os.fsync(f.fileno())
 
+    write_file(path, fill)
+
 
 def write_passes_csv(path: Path, passes) -> None:
     """Per-forward-pass accounting (one row per prefill or decode pass)."""
-    with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
-        f.write("pass,kind,tokens,time_s,stall_s,requests,hits,misses,collision_misses\n")
-        for p in passes:
-            f.write(f"{p.index},{p.kind},{p.tokens},{p.time_s:.9g},{p.stall_s:.9g},"
-                    f"{p.requests},{p.hits},{p.misses},{p.collision_misses}\n")
+    def fill(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write("pass,kind,tokens,time_s,stall_s,requests,hits,misses,collision_misses\n")
+            for p in passes:
+                f.write(f"{p.index},{p.kind},{p.tokens},{p.time_s:.9g},{p.stall_s:.9g},"
+                        f"{p.requests},{p.hits},{p.misses},{p.collision_misses}\n")
+
+    write_file(path, fill)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """``text`` into ``path``, atomically (:func:`atomic_output`)."""
-    with atomic_output(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+    """``text`` into ``path``, atomically (:func:`write_file`)."""
+    write_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def write_csv(path: Path, rows: list) -> None:
     """``rows`` (dicts; the columns: every key, in order of appearance) as a CSV file, atomically
-    (:func:`atomic_output`)."""
+    (:func:`write_file`)."""
+    write_file(path, csv_fill(rows))
+
+
+def csv_fill(rows: list):
+    """What :func:`write_csv` writes, as a ``fill(tmp)`` for :func:`write_file` and :func:`keep_elsewhere`."""
     import csv
 
-    with atomic_output(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-        w.writeheader()
-        w.writerows(rows)
+    def fill(tmp):
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+            w.writeheader()
+            w.writerows(rows)
+
+    return fill

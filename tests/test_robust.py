@@ -671,6 +671,87 @@ def test_results_the_run_directory_cannot_take_are_kept_and_named(tmp_path):
     assert e.value.errno == errno.ENOTDIR  # one line naming the path, exit 2 (specmd.cli.outcome)
 
 
+@pytest.fixture
+def rescue_here(tmp_path, monkeypatch):
+    """``<tmp>`` (where specmd keeps what a directory could not take) inside the test's own directory."""
+    import tempfile
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    return tmp_path / "tmp" / "specmd-rescue"
+
+
+def _full_under(monkeypatch, directory: Path):
+    """``os.fsync`` of a file under ``directory`` fails as a full disk does (no file name in the error)."""
+    real = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.parametrize("writer", ["json", "text", "csv"])
+def test_a_failed_write_names_the_file_and_keeps_what_it_held(tmp_path, rescue_here, writer, monkeypatch):
+    from specmd.results import write_csv, write_json_atomic, write_text_atomic
+
+    path = tmp_path / "out" / "x.out"
+    real = os.replace
+
+    def replace(a, b):  # the user's directory is full (the error names no file, as f.write's does)
+        if Path(b).parent == path.parent:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    write = {"json": lambda: write_json_atomic(path, {"a": 1}), "text": lambda: write_text_atomic(path, "a 1\n"),
+             "csv": lambda: write_csv(path, [{"a": 1}])}[writer]
+    with pytest.raises(OSError) as e:
+        write()
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(path)
+    kept = Path(e.value.strerror.split("what it held is kept in ")[1])
+    assert kept == rescue_here / f"out-{os.getpid()}" / "x.out" and "1" in kept.read_text()
+    assert list(path.parent.iterdir()) == []  # no temporary left, no half file
+    assert classify(e.value)[:2] == (1, f"{path}: No space left on device; what it held is kept in {kept}")
+
+
+def test_a_run_on_a_full_disk_is_one_line_naming_the_file_with_its_results_kept(tmp_path, rescue_here, monkeypatch,
+                                                                                 capsys, mirror):
+    from specmd.cli import main
+
+    run = tmp_path / "run"
+    _full_under(monkeypatch, run)
+    with pytest.raises(SystemExit) as e:
+        main([*FAST, f"hydra.run.dir={run}"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    kept = rescue_here / f"run-{os.getpid()}"
+    assert e.value.code == 1 and err == (f"specmd: error in stage write: {run}/results.json: No space left on device; "
+                                         f"what it held is kept in {kept}/results.json (failed.json: "
+                                         f"{kept}/failed.json)"), err
+    assert json.loads((kept / "results.json").read_text())["tasks"]["wikitext"]
+    assert json.loads((kept / "failed.json").read_text())["stage"] == "write"
+    assert not (run / "results.json").exists()
+
+
+def test_calibrate_keeps_the_profile_a_full_disk_refused(tmp_path, rescue_here, monkeypatch):
+    import specmd.calibrate as cal
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cal, "_write_fd", full)
+    a, b = tmp_path / "hw" / "a.yaml", tmp_path / "hw" / "b.yaml"
+    with pytest.raises(OSError) as e:
+        cal._write_atomic([(a, "a: 1\n"), (b, "b: 2\n")])
+    kept = rescue_here / f"hw-{os.getpid()}"
+    assert e.value.filename == str(a) and e.value.strerror.endswith(f"what calibrate measured is kept in {kept}/ "
+                                                                "(a.yaml, b.yaml)")
+    assert (kept / "a.yaml").read_text() == "a: 1\n" and (kept / "b.yaml").read_text() == "b: 2\n"
+    assert list(a.parent.iterdir()) == []
+
+
 def test_replay_pool_workers_die_quietly_on_a_signal():
     from specmd import pool
 

@@ -77,14 +77,21 @@ def _hydra_main(cfg: DictConfig):
     except Exception as exc:  # model load, quantization, evaluation: failed.json names the stage, keeps the traceback
         if os.environ.get("HYDRA_FULL_ERROR") == "1":  # Hydra's own switch for the full trace
             raise
+        from .outcome import classify
+
         stage = getattr(exc, "specmd_stage", "?")  # execute() knows it even when failed.json cannot be written
         where = getattr(exc, "specmd_failed", None) or f"{run_dir}/failed.json"
-        err.print(f"[bold red]specmd: {'job failed' if multirun else 'error'}[/] in stage {stage}: "
-                  f"{type(exc).__name__}: {escape(str(exc))}", highlight=False, soft_wrap=True)
-        err.print(f"  the traceback is in {where} (HYDRA_FULL_ERROR=1 prints it)"
-                  + ("; the sweep goes on" if multirun else ""), markup=False, highlight=False, soft_wrap=True)
+        code, message, bug = classify(exc)
+        head = f"[bold red]specmd: {'job failed' if multirun else 'error'}[/] in stage {stage}: "
+        if bug:
+            err.print(head + f"{type(exc).__name__}: {escape(str(exc))}", highlight=False, soft_wrap=True)
+            err.print(f"  the traceback is in {where} (HYDRA_FULL_ERROR=1 prints it)"
+                      + ("; the sweep goes on" if multirun else ""), markup=False, highlight=False, soft_wrap=True)
+        else:  # a file it could not write (a full disk, a read-only directory): one line naming it, no traceback
+            err.print(head + escape(f"{message} (failed.json: {where})" + ("; the sweep goes on" if multirun else "")),
+                      highlight=False, soft_wrap=True)
         if not multirun:
-            raise SystemExit(1)
+            raise SystemExit(code)
         return None
     if results.get("resumed"):
         Console().print(f"specmd: done already, not run again: {run_dir}/results.json (same config hash)",

@@ -79,12 +79,13 @@ def _plt():
 
 
 def _save(fig, path: Path) -> None:
-    from ..results import atomic_output
+    from ..results import write_file
 
-    with atomic_output(path) as tmp:  # an interrupt leaves no half figure
-        fig.savefig(tmp, dpi=DPI, bbox_inches="tight", pad_inches=0.08,
-                    format=Path(path).suffix.lstrip(".") or "png")
-    _plt().close(fig)
+    try:  # an interrupt leaves no half figure; a full disk names the figure and keeps it elsewhere
+        write_file(path, lambda tmp: fig.savefig(tmp, dpi=DPI, bbox_inches="tight", pad_inches=0.08,
+                                                 format=Path(path).suffix.lstrip(".") or "png"))
+    finally:
+        _plt().close(fig)
 
 
 def axis_series(axis: str, others: list, metric: tuple, groups: list) -> tuple[dict, Optional[list]]:

@@ -126,11 +126,12 @@ def draw(spec, fig_spec: dict, groups: list, path: Path) -> str:
     if handles:
         axs[0][-1].legend(fontsize=7, loc="best")
     fig.tight_layout()
-    from ..results import atomic_output
+    from ..results import write_file
 
-    with atomic_output(path) as tmp:  # an interrupt leaves no half figure
-        fig.savefig(tmp, dpi=120, format=Path(path).suffix.lstrip(".") or "png")
-    plt.close(fig)
+    try:  # an interrupt leaves no half figure; a full disk names the figure and keeps it elsewhere
+        write_file(path, lambda tmp: fig.savefig(tmp, dpi=120, format=Path(path).suffix.lstrip(".") or "png"))
+    finally:
+        plt.close(fig)
     return title
 
 
