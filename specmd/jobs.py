@@ -178,7 +178,8 @@ def torch_threads(requested: Optional[int], launcher: dict) -> Optional[int]:
 
 
 SWEEP_EXIT = {"code": 0}  # set by SweepEnd in the process that launched the sweep
-OPENED: dict = {}  # "dir": the run directory Hydra made for the job this process is starting (SweepEnd sets it)
+OPENED: dict = {}  # "dir": the run directory Hydra made for the job this process is starting, "sweep": the sweep's
+# directory (SweepEnd sets them)
 
 
 def record_unrecorded(exc: BaseException) -> None:
@@ -290,6 +291,7 @@ def _sweep_end_callback():
 
                 sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
                 writable_dir(sweep_dir, f"hydra.sweep.dir={sweep_dir}")
+            OPENED["sweep"] = sweep_dir
 
         def on_multirun_end(self, config, **kwargs) -> None:
             import sys

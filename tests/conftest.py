@@ -15,12 +15,16 @@ ROOT = Path(__file__).resolve().parent.parent
 # session, so each model is quantized once), never to the user's ~/.cache/specmd.
 # The session removes it at the end (pytest_sessionfinish), so no specmd-test-cache-* is left in the temp dir.
 _SESSION_CACHE = os.environ["SPECMD_CACHE"] = tempfile.mkdtemp(prefix="specmd-test-cache-")
+# What a command keeps in the temporary directory (a failed write's content in specmd-rescue/, a bug's traceback
+# in specmd-errors/) goes to the session's own, removed with it: the tests fail writes on purpose
+_SESSION_TMP = tempfile.tempdir = tempfile.mkdtemp(prefix="specmd-test-tmp-")
 
 
 def pytest_sessionfinish(session, exitstatus):
     import shutil
 
     shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)
 
 from specmd.models.adapters import families  # noqa: E402 -- after SPECMD_CACHE is set
 
@@ -53,6 +57,8 @@ def _sigint_as_python_starts_it():
 
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:  # (ignored in a background job as SIGINT is)
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
 _sigint_as_python_starts_it()

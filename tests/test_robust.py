@@ -735,6 +735,20 @@ def test_a_run_on_a_full_disk_is_one_line_naming_the_file_with_its_results_kept(
     assert not (run / "results.json").exists()
 
 
+def test_hydra_writing_its_record_on_a_full_disk_names_the_directory(tmp_path, monkeypatch):
+    """Hydra's ``.hydra/config.yaml`` on a full disk fails as the file closes, naming no file: the error names the
+    run's directory (then failed.json is kept, and the line is the full disk's, exit 1)."""
+    from specmd.cli.hydra_apps import hydra_write_error
+    from specmd.jobs import OPENED
+
+    monkeypatch.setitem(OPENED, "dir", tmp_path / "run")
+    exc = hydra_write_error(OSError(errno.ENOSPC, "No space left on device"))
+    assert exc.filename == str(tmp_path / "run") and classify(exc)[:2] == (
+        1, f"{tmp_path / 'run'}: No space left on device (Hydra writing its record of the run there)")
+    named = OSError(errno.EACCES, "Permission denied", "/x/.hydra")
+    assert hydra_write_error(named) is named
+
+
 def test_calibrate_keeps_the_profile_a_full_disk_refused(tmp_path, rescue_here, monkeypatch):
     import specmd.calibrate as cal
 

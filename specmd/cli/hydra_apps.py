@@ -141,7 +141,10 @@ def _composition_errors_raise(run_and_report):
         def body():
             try:
                 return func()
-            except (HydraException, OmegaConfBaseException, ConfigError, DataError, OSError) as exc:
+            except OSError as exc:
+                caught.append(hydra_write_error(exc))
+                return None
+            except (HydraException, OmegaConfBaseException, ConfigError, DataError) as exc:
                 caught.append(exc)
                 return None
 
@@ -151,6 +154,18 @@ def _composition_errors_raise(run_and_report):
         return result
 
     return wrapped
+
+
+def hydra_write_error(exc: OSError) -> OSError:
+    """An error of Hydra writing its record of a run (``.hydra/``, the log, ``multirun.yaml``) that names no file
+    (a full disk fails the write when the file closes): it names the directory Hydra was writing into."""
+    where = OPENED.get("dir") or OPENED.get("sweep")
+    if exc.filename is not None or where is None:
+        return exc
+    error = OSError(exc.errno, f"{exc.strerror or exc} (Hydra writing its record of the run there)",
+                    str(where))
+    error.__cause__ = exc
+    return error
 
 
 def run(argv: list) -> int:
