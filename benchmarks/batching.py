@@ -19,13 +19,13 @@ reads (every figure is a run a user can repeat by hand):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from specmd.cli import script
 
 
 def run(out: Path, *overrides: str) -> dict:
@@ -54,19 +54,19 @@ def task_metric(res: dict, task: str, key: str):
     return None
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list) -> int:
+    ap = script.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="deep_olmoe")
-    ap.add_argument("--batches", nargs="+", type=int, default=[4, 8, 16])
-    ap.add_argument("--requests", type=int, default=16, help="GSM8K requests (eval.limit)")
+    ap.add_argument("--batches", nargs="+", type=script.whole(1), default=[4, 8, 16])
+    ap.add_argument("--requests", type=script.whole(1), default=16, help="GSM8K requests (eval.limit)")
     ap.add_argument("--capacity", type=float, default=0.25)
-    ap.add_argument("--gen", type=int, default=32, help="eval.max_gen_toks")
+    ap.add_argument("--gen", type=script.whole(1), default=32, help="eval.max_gen_toks")
     ap.add_argument("--stream", type=float, default=0.5, help="hardware.stream_layers in section 2")
     ap.add_argument("--skip-policies", action="store_true", help="leave out section 3")
     ap.add_argument("--skip-live-batches", action="store_true",
                     help="section 1: only the batch-1 recording (what section 2 replays)")
-    ap.add_argument("--policy-docs", type=int, default=4, help="WikiText documents in section 3")
-    a = ap.parse_args()
+    ap.add_argument("--policy-docs", type=script.whole(1), default=4, help="WikiText documents in section 3")
+    a = ap.parse_args(argv)
     common = [f"model={a.model}", f"hardware.capacity={a.capacity}", "prefetch=none", "eviction=lru",
               "eval.tasks=[gsm8k]", f"eval.limit={a.requests}", f"eval.max_gen_toks={a.gen}"]
     tmp = Path(tempfile.mkdtemp(prefix="specmd-batching-"))
@@ -105,7 +105,7 @@ def main() -> None:
                   f"{c['layer_streams']:>14}", flush=True)
 
     if a.skip_policies:
-        return
+        return 0
     print(f"\n3. batch-aware routing at B=16 live: WikiText ({a.policy_docs} documents) scored one token per pass")
     print(f"{'routing':>10} | {'word ppl':>9} {'fidelity':>8} {'union % (decode)':>16} {'decode tok/s':>12} "
           f"{'decode hit %':>12}")
@@ -118,7 +118,8 @@ def main() -> None:
               f"{res['routing']['fidelity']:8.4f} {pct(union(res)):>16} "
               f"{res['timing']['decode_tokens_per_s'] or 0:12.1f} {pct(res['cache']['decode_hit_rate']):>12}",
               flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    script.run("benchmarks/batching.py", main)

@@ -14,7 +14,6 @@ device ops on the offload path <= the unhooked block's + 16.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -72,13 +71,16 @@ def measure(model, family: str, spec, batch: int = 1) -> tuple:
     return c.per_call(), c
 
 
-def main() -> None:
+def main(argv: list) -> int:
     from conftest import FAMILIES
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=FAMILIES + ["deep_olmoe"])
-    ap.add_argument("--batch", type=int, default=8, help="the batched rows' batch (0: none)")
-    a = ap.parse_args()
+    from specmd.cli.script import ArgumentParser, choice_of, whole
+
+    models = FAMILIES + ["deep_olmoe"]
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=models, type=choice_of(models, "--models"))
+    ap.add_argument("--batch", type=whole(0), default=8, help="the batched rows' batch (0: none)")
+    a = ap.parse_args(argv)
     print(f"per MoE layer call: device ops / kernels / host ops / syncs (delta vs unhooked: ops, kernels); "
           f"torch {torch.__version__}")
     print(f"{'model':12} {'path':26} {'dev ops':>7} {'kernels':>7} {'host':>6} {'syncs':>5} {'+ops':>6} {'+kern':>6}")
@@ -95,6 +97,7 @@ def main() -> None:
                   f"{bbase['host_ops']:6.1f} {bbase['syncs']:5.2f}")
             for label, execution, cap, prefetch, miss in BATCHED:
                 row(name, f"{label} B={a.batch}", model, family, bbase, execution, cap, prefetch, miss, a.batch)
+    return 0
 
 
 def row(name, label, model, family, base, execution, cap, prefetch, miss, batch=1) -> None:
@@ -111,4 +114,6 @@ def row(name, label, model, family, base, execution, cap, prefetch, miss, batch=
 
 
 if __name__ == "__main__":
-    main()
+    from specmd.cli.script import run
+
+    run("benchmarks/counting.py", main)

@@ -40,7 +40,6 @@ import json
 import math
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -425,44 +424,53 @@ def decode_sections(device: str, quick: bool, gbps: float) -> None:
     hybrid_section("qwen", qwen, device, "qwen2_moe", quick)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+SECTIONS = ("lossless", "policies", "parity", "link", "profile", "calibrate", "fidelity", "decode")
+
+
+def main(argv: list) -> int:
+    """The check; exit 1 when a section failed (its row says FAILED), 2 for bad arguments (before any work)."""
+    from specmd.cli.script import ArgumentParser, Sections, choice_of, device, out_file
+
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="toy sizes (2-layer Qwen, shorter generations)")
-    ap.add_argument("--out", help="write the table as JSON here")
-    ap.add_argument("--skip", nargs="*", default=[], help="sections to skip: lossless policies parity link "
-                                                          "profile calibrate fidelity decode")
-    a = ap.parse_args()
+    ap.add_argument("--out", type=out_file, help="write the table as JSON here")
+    ap.add_argument("--skip", nargs="*", default=[], type=choice_of(SECTIONS, "--skip"),
+                    help=f"sections to skip: {' '.join(SECTIONS)}")
+    a = ap.parse_args(argv)
     t0 = time.perf_counter()
     RESULT["device"] = torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "cpu"
     RESULT["torch"] = torch.__version__
     gbps = float("nan")
-    for name, fn in (("lossless", lossless), ("policies", policies), ("parity", parity), ("link", link),
-                     ("profile", profile), ("calibrate", calibrate_section), ("fidelity", fidelity_section),
-                     ("decode", None)):
+    sections = Sections()
+    for name, fn in zip(SECTIONS, (lossless, policies, parity, link, profile, calibrate_section, fidelity_section,
+                                   None)):
         if name in a.skip:
             continue
         t = time.perf_counter()
-        try:
+        with sections.run(name, lambda exc, name=name: row(name, "FAILED", f"{type(exc).__name__}: {exc}")):
             if name == "decode":
                 decode_sections(a.device, a.quick, gbps if math.isfinite(gbps) else 25.0)
             elif name == "link":
                 gbps = link(a.device, a.quick)
             else:
                 fn(a.device, a.quick)
-        except Exception as exc:  # noqa: BLE001 -- the next section runs; the failure is in the table
-            row(name, "FAILED", f"{type(exc).__name__}: {exc}")
-            traceback.print_exc()
         RESULT.setdefault("seconds", {})[name] = round(time.perf_counter() - t, 1)
     RESULT["total_s"] = round(time.perf_counter() - t0, 1)
+    RESULT["failed"] = sections.failed
     print(f"\n{'section':<22} {'item':<44} value  (note)")
     for section, item, value, note in ROWS:
         print(f"{section:<22} {item:<44} {value}" + (f"  ({note})" if note else ""))
     print(f"total {RESULT['total_s']} s on {RESULT['device']}, torch {RESULT['torch']}")
     RESULT["rows"] = [list(r) for r in ROWS]
     if a.out:
-        Path(a.out).write_text(json.dumps(RESULT, indent=1, default=str))
+        from specmd.results import write_text_atomic
+
+        write_text_atomic(a.out, json.dumps(RESULT, indent=1, default=str))
+    return sections.exit_code()
 
 
 if __name__ == "__main__":
-    main()
+    from specmd.cli.script import run
+
+    run("benchmarks/gpu_check.py", main)

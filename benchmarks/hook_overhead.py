@@ -13,7 +13,6 @@ Target (issue #2): ratio <= 1.15 on the mid-size model.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -24,6 +23,7 @@ from specmd.hardware import HardwareConfig
 from specmd.hook import install
 from specmd.models.adapters import adapter_for
 from specmd.models.loader import build_tiny
+from specmd.cli import script
 
 MID = dict(hidden_size=512, intermediate_size=256, num_hidden_layers=8, num_attention_heads=8,
            num_key_value_heads=8, num_experts=64, num_experts_per_tok=8, vocab_size=4096)
@@ -79,14 +79,14 @@ def bench(name, build, prefetch, repeats, batch, seq, new_tokens, eviction="lru"
     return rows
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv: list) -> int:
+    ap = script.ArgumentParser()
     ap.add_argument("--prefetch", default="topk", choices=["none", "topk", "score"])
     ap.add_argument("--eviction", default="lru")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeats", type=script.whole(1), default=5)
+    ap.add_argument("--device", type=script.device, default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     global DEVICE
     DEVICE = args.device
     torch.set_num_threads(torch.get_num_threads())
@@ -104,7 +104,8 @@ def main():
     print(f"{'model':<22}{'case':<10}{'unhooked s':>12}{'hooked s':>12}{'ratio':>8}{'median':>8}")
     for name, case, base, hooked, ratio, med in rows:
         print(f"{name:<22}{case:<10}{base:>12.4f}{hooked:>12.4f}{ratio:>8.3f}{med:>8.3f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    script.run("benchmarks/hook_overhead.py", main)

@@ -14,13 +14,13 @@ hybrid's margin over the better of the other two in both clocks.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
 import yaml
+from specmd.cli import script
 
 ROOT = Path(__file__).resolve().parent.parent
 MISSES = ("fetch", "cpu_compute", "hybrid")
@@ -63,14 +63,31 @@ def run(model, ckpt, hw: dict, miss: str, prompt: int, tokens: int) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", required=True, help="a calibrated hardware profile (specmd calibrate)")
-    ap.add_argument("--models", nargs="*", default=["deep_olmoe", "qwen_shaped"])
-    ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=24)
-    ap.add_argument("--out", help="write the figures as JSON here")
-    a = ap.parse_args()
+def profile_file(value: str) -> str:
+    """``--profile``: a hardware profile file that exists and reads as a mapping."""
+    import argparse
+
+    try:
+        prof = yaml.safe_load(Path(value).read_text())
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{value}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise argparse.ArgumentTypeError(f"{value}: not YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(prof, dict):
+        raise argparse.ArgumentTypeError(f"{value}: not a hardware profile (a mapping; specmd calibrate writes one)")
+    return value
+
+
+def main(argv: list) -> int:
+    ap = script.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", required=True, type=profile_file,
+                    help="a calibrated hardware profile (specmd calibrate)")
+    ap.add_argument("--models", nargs="*", default=["deep_olmoe", "qwen_shaped"],
+                    type=script.choice_of(["deep_olmoe", "qwen_shaped"], "--models"))
+    ap.add_argument("--prompt", type=script.whole(1), default=64)
+    ap.add_argument("--tokens", type=script.whole(2), default=24)
+    ap.add_argument("--out", type=script.out_file, help="write the figures as JSON here")
+    a = ap.parse_args(argv)
     from specmd.calibrate import measure_host_experts
     from specmd.executor.base import steady_host_allocator
 
@@ -107,8 +124,11 @@ def main() -> None:
         results[name] = rows
         del model
     if a.out:
-        Path(a.out).write_text(json.dumps(results, indent=1))
+        from specmd.results import write_text_atomic
+
+        write_text_atomic(a.out, json.dumps(results, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    script.run("benchmarks/hybrid.py", main)

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from specmd.cli import script
 
 AXES = ["eviction=lru,fifo,lfu", "hardware.capacity=0.05,0.1,0.25,0.5"]
 BASE = ["model=tiny", "eval.tasks=[wikitext]", "eval.limit=1", "eval.max_length=128", "logger=none"]
@@ -40,8 +41,8 @@ def sweep(out: Path, extra: list, env: dict) -> tuple[float, dict]:
     return wall, res
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list) -> int:
+    ap = script.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replay", action="store_true", help="replay one recording in every job")
     ap.add_argument("--skip-ray", action="store_true")
     ap.add_argument("--out", default=None)
@@ -87,4 +88,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    script.run("benchmarks/launchers.py", main)

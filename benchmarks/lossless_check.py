@@ -3,7 +3,6 @@
     python benchmarks/lossless_check.py --device cuda
 """
 
-import argparse
 import sys
 
 import torch
@@ -12,13 +11,14 @@ sys.path.insert(0, "tests")
 from conftest import FAMILIES, make_stack  # noqa: E402
 
 from specmd.models.loader import build_tiny  # noqa: E402
+from specmd.cli import script  # noqa: E402
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    args = ap.parse_args()
+def main(argv: list) -> int:
+    ap = script.ArgumentParser()
+    ap.add_argument("--device", type=script.device, default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = ap.parse_args(argv)
     ok = True
     for family in FAMILIES:
         model = build_tiny(family, dtype=args.dtype).to(args.device)
@@ -32,8 +32,8 @@ def main():
         s = stack.cache.stats.summary()
         print(f"{family:<12} equal={same} requests={s['requests']} hit_rate={s['hit_rate']:.3f}")
     print("ALL EQUAL" if ok else "MISMATCH")
-    sys.exit(0 if ok else 1)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    script.run("benchmarks/lossless_check.py", main)

@@ -5,7 +5,6 @@ finite; the cache invariants must hold. Prints one line per stack.
     python benchmarks/policy_check.py --device cuda
 """
 
-import argparse
 import sys
 
 import torch
@@ -21,6 +20,7 @@ from specmd.policies.eviction import EVICTION  # noqa: E402
 from specmd.policies.miss import MISS  # noqa: E402
 from specmd.policies.prefetch import PREFETCH  # noqa: E402
 from specmd.policies.routing import ROUTING  # noqa: E402
+from specmd.cli import script  # noqa: E402
 
 LOSSLESS_MISS = {"fetch", "cpu_compute"}
 
@@ -64,17 +64,19 @@ def run(device: str, family: str, capacity: float, quiet: bool = False) -> tuple
     return good, bad, skipped
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--family", default="olmoe")
+def main(argv: list) -> int:
+    from conftest import FAMILIES
+
+    ap = script.ArgumentParser()
+    ap.add_argument("--device", type=script.device, default="cpu")
+    ap.add_argument("--family", default="olmoe", type=script.choice_of(FAMILIES, "--family"))
     ap.add_argument("--capacity", type=float, default=0.1)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     good, bad, skipped = run(args.device, args.family, args.capacity)
     print(f"{good} ok, {len(bad)} failed{': ' + ', '.join(bad) if bad else ''}; skipped {', '.join(skipped)}")
     print("ALL OK" if not bad else "FAILED")
-    sys.exit(0 if not bad else 1)
+    return 0 if not bad else 1
 
 
 if __name__ == "__main__":
-    main()
+    script.run("benchmarks/policy_check.py", main)

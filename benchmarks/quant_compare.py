@@ -10,6 +10,7 @@ import time
 import torch
 
 from specmd.models.loader import ModelConfig, load_model
+from specmd.cli import script
 
 
 def group(w):
@@ -36,7 +37,8 @@ def quanto(w, bits, optimize):
     return quantize_weight(w, qtype=q, axis=0, scale=scale, shift=shift, group_size=group(w)).dequantize()
 
 
-def main():
+def main(argv: list) -> int:
+    script.ArgumentParser(description=__doc__).parse_args(argv)  # --help; no options
     torch.manual_seed(0)
     model, tok = load_model(ModelConfig(family="olmoe", pretrained="specmd:tiny-olmoe"))
     layer = model.model.layers[1].mlp.experts
@@ -66,7 +68,8 @@ def main():
                          / torch.cat([gate_up.flatten(), down.flatten()]).norm())
             oerr = float((expert_out(gu, dn) - ref).norm() / ref.norm())
             print(f"{name:<18} {bits:>4} {werr:>15.4f} {oerr:>15.4f} {dt:>8.2f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    script.run("benchmarks/quant_compare.py", main)

@@ -27,7 +27,6 @@ libCacheSim's own C replay loop on the same problem, the live run of the same co
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import tempfile
@@ -45,6 +44,7 @@ from specmd.policies.eviction import EVICTION
 from specmd.replay.driver import build_engine, run_replay
 from specmd.pool import replay_many
 from specmd.replay.trace import Trace, TraceWriter, full_calls, read_trace
+from specmd.cli import script
 
 
 def live_run(model, spec, ids, new_tokens, path):
@@ -219,18 +219,18 @@ def sweep(trace: Trace, policies: list[str], capacities: list[float], procs: int
     return time.perf_counter() - t0, [(p, c, r["cache"]["hit_rate"]) for (p, c), r in zip(configs, res)]
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=1_000_000)
+def main(argv: list) -> int:
+    ap = script.ArgumentParser()
+    ap.add_argument("--requests", type=script.whole(1), default=1_000_000)
     ap.add_argument("--capacity", type=float, default=0.1)
-    ap.add_argument("--decode", type=int, default=96, help="decode tokens of the live run")
+    ap.add_argument("--decode", type=script.whole(1), default=96, help="decode tokens of the live run")
     ap.add_argument("--policies", nargs="*", default=None)
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--procs", type=int, default=os.cpu_count() or 1, help="processes of the sweep")
+    ap.add_argument("--procs", type=script.whole(1), default=os.cpu_count() or 1, help="processes of the sweep")
     ap.add_argument("--compare-pure", action="store_true", help="also run this benchmark with SPECMD_PURE_PYTHON=1")
-    ap.add_argument("--batch", type=int, default=32, help="batched replay at this batch/concurrency (0: skip)")
+    ap.add_argument("--batch", type=script.whole(0), default=32, help="batched replay at this batch/concurrency (0: skip)")
     ap.add_argument("--only-batch", action="store_true", help="only the live run and the batched replay (5)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from specmd import native
 
     print(f"engine: {native.summary()}")
@@ -253,7 +253,7 @@ def main():
               f"{n / rwall / 1e6:.3f} M req/s ({wall / rwall:.0f}x faster; cache and timing identical)")
     if args.only_batch:
         batched(trace, args.batch, hw, args.requests)
-        return
+        return 0
     # 2. every policy on the tiled trace
     big = tile_decode(trace, args.requests)
     spec0 = spec_of(eviction="lru", prefetch="none", hardware=hw)
@@ -307,4 +307,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    script.run("benchmarks/replay.py", main)

@@ -18,10 +18,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from specmd.cli import script
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list) -> int:
+    ap = script.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -43,4 +44,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    script.run("benchmarks/startup.py", main)
