@@ -33,6 +33,7 @@ import socket
 from pathlib import Path
 from typing import Optional
 
+from .liveness import hold_sweep, release_sweep, sweep_live, sweep_runner  # noqa: F401 (a sweep's)
 from .signals import SIGNALS, Interrupted, check_interrupt, signals_held, signals_raise  # noqa: F401 (the job's)
 
 STAGES = ("config", "load", "stack", "evaluate", "replay", "write")
@@ -291,6 +292,7 @@ def _sweep_end_callback():
 
                 sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
                 writable_dir(sweep_dir, f"hydra.sweep.dir={sweep_dir}")
+                hold_sweep(sweep_dir)  # status tells its pending jobs from missing ones; a second launch is refused
             OPENED["sweep"] = sweep_dir
 
         def on_multirun_end(self, config, **kwargs) -> None:
@@ -299,6 +301,7 @@ def _sweep_end_callback():
             from .report.collect import load_sweep
             from .report.status import job_state
 
+            release_sweep()  # (before reading the states: a held lock would make pending jobs of them)
             sweep_dir = Path(str(config.hydra.sweep.dir))
             states = [(job_state(j), j) for j in load_sweep(sweep_dir).jobs]
             bad = [(s, j) for s, j in states if s != "done"]

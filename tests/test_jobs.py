@@ -86,6 +86,26 @@ def test_resume_skips_done_jobs_reruns_failed_and_status_lists_them(tmp_path, mi
                         cwd=ROOT, timeout=120)
     assert st.returncode == 1 and "3 jobs: 2 done, 1 failed, 0 running, 0 missing" in st.stdout, st.stdout
     assert "resume: python -m specmd -m" in st.stdout and "[config]" in st.stdout
+    # while a launcher lives (it holds .sweep.lock), a job it has not run is pending, not missing, no resume
+    # command is offered, and a second launch is refused (it would run the pending jobs twice)
+    first_done = next(iter(done))
+    first_done.rename(sweep / "aside.json")  # (renamed back below, its mtime kept)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; from specmd.liveness "
+                               f"import hold_sweep; hold_sweep(Path({str(sweep)!r})); print('held', flush=True); "
+                               "time.sleep(120)"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        st = subprocess.run([sys.executable, "-m", "specmd", "status", str(sweep)], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120)
+        assert "3 jobs: 1 done, 1 failed, 0 running, 1 pending, 0 missing; running: launched by pid " \
+            f"{holder.pid} on " in st.stdout and "resume:" not in st.stdout, st.stdout
+        twice = _launch(args, ROOT, mirror)
+        out, err = twice.communicate(timeout=300)
+        assert twice.returncode == 2 and f"hydra.sweep.dir={sweep} is being run by pid {holder.pid} on " in err, err
+    finally:
+        holder.kill()
+        holder.wait()
+    (sweep / "aside.json").rename(first_done)
     failed_at = (bad / "failed.json").stat().st_mtime_ns
     again = _launch(args, ROOT, mirror)
     out, err = again.communicate(timeout=300)

@@ -16,7 +16,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from .. import CONF_DIR
-from ..jobs import OPENED, SWEEP_EXIT, record_unrecorded, torch_threads
+from ..jobs import OPENED, SWEEP_EXIT, record_unrecorded, release_sweep, torch_threads
 
 RUN = """usage: specmd run [key=value ...] [+key=value] [~key] [--cfg job|hydra|all] [--info]
        specmd [key=value ...]   python -m specmd [key=value ...]   (the same)
@@ -181,6 +181,7 @@ def run(argv: list) -> int:
         raise
     finally:
         OPENED.clear()
+        release_sweep()  # a sweep that failed or was stopped before its end (SweepEnd releases it at the end)
     return SWEEP_EXIT["code"]
 
 

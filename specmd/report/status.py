@@ -1,5 +1,7 @@
-"""``specmd status SWEEP_DIR...``: which jobs of a sweep are done, failed, running or missing, and the
-command that resumes it (a re-launch runs only the jobs that are not done, :mod:`specmd.jobs`).
+"""``specmd status SWEEP_DIR...``: which jobs of a sweep are done, failed, running, pending or missing, and the
+command that resumes it (a re-launch runs only the jobs that are not done, :mod:`specmd.jobs`). While the
+process that launched the sweep lives (it holds ``.sweep.lock``: :func:`specmd.jobs.hold_sweep`) the jobs it has
+not started are *pending*, not missing, and no resume command is offered: it would run them twice.
 
 What it cannot read is named, never a traceback: a job directory without a readable ``.hydra/overrides.yaml``
 or with a ``results.json`` that is no JSON object (``specmd status: <dir>: skipped: ...``; its job counts as
@@ -16,12 +18,19 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ConfigError
+from ..liveness import sweep_live, sweep_runner
 from .collect import Job, load_sweep, sweeps_below
 
 
-def job_state(job: Job) -> str:
-    """``done``, ``failed``, ``running`` (its directory's lock is held) or ``missing`` (never started, or
+def job_state(job: Job, live: bool = False) -> str:
+    """``done``, ``failed``, ``running`` (its directory's lock is held), ``pending`` (not started, or starting,
+    in a sweep whose launcher is ``live``: :func:`specmd.jobs.sweep_live`) or ``missing`` (never started, or
     interrupted without a trace: SIGKILL, a lost node)."""
+    state = _state(job)
+    return "pending" if live and state == "missing" else state
+
+
+def _state(job: Job) -> str:
     if job.status == "ok" and job.results.get("config_hash"):
         return "done"
     if job.status == "ok":  # what a re-launch would not count as done either (specmd.jobs.finished): say so
@@ -97,10 +106,12 @@ def main(argv: Optional[list] = None) -> int:
             for j in sweep.jobs:
                 for key, why in j.problems.items():
                     print(f"specmd status: {j.file}: {key} is {why}", file=sys.stderr)
-            states = [(job_state(j), j) for j in sweep.jobs]
-            counts = {s: sum(st == s for st, _ in states) for s in ("done", "failed", "running", "missing")}
+            live = sweep_live(d)
+            states = [(job_state(j, live), j) for j in sweep.jobs]
+            counts = {s: sum(st == s for st, _ in states) for s in ("done", "failed", "running", "pending", "missing")}
             print(f"{d}  ({sweep.experiment}): {len(states)} jobs: "
-                  + ", ".join(f"{n} {s}" for s, n in counts.items()))
+                  + ", ".join(f"{n} {s}" for s, n in counts.items() if n or s != "pending")
+                  + (f"; running: launched by {sweep_runner(d)}" if live else ""))
             for st, j in states:
                 if st != "done" or args.verbose:
                     why = (f"  [{j.results.get('stage')}] {j.error}" if st == "failed"
@@ -108,7 +119,7 @@ def main(argv: Optional[list] = None) -> int:
                     print(f"  {st:8s} {' '.join(j.overrides) or '(no overrides)'}  {j.dir or ''}{why}")
             if counts["done"] < len(states):
                 complete = False
-                cmd = resume_command(d)
+                cmd = None if live else resume_command(d)  # (a live launcher runs the pending jobs itself)
                 if cmd:
                     print(f"  resume: {cmd}")
     return 0 if complete else 1
