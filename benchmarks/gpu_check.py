@@ -35,7 +35,6 @@ Sections (each reports its own failure and the next one runs):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys

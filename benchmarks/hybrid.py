@@ -15,7 +15,6 @@ hybrid's margin over the better of the other two in both clocks.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch

@@ -228,7 +228,8 @@ def main(argv: list) -> int:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--procs", type=script.whole(1), default=os.cpu_count() or 1, help="processes of the sweep")
     ap.add_argument("--compare-pure", action="store_true", help="also run this benchmark with SPECMD_PURE_PYTHON=1")
-    ap.add_argument("--batch", type=script.whole(0), default=32, help="batched replay at this batch/concurrency (0: skip)")
+    ap.add_argument("--batch", type=script.whole(0), default=32,
+                    help="batched replay at this batch/concurrency (0: skip)")
     ap.add_argument("--only-batch", action="store_true", help="only the live run and the batched replay (5)")
     args = ap.parse_args(argv)
     from specmd import native

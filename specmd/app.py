@@ -504,8 +504,8 @@ def _finish(results: dict, engine, digest: str, run_dir: Path, logger, progress:
         (run_dir / "failed.json").unlink(missing_ok=True)  # an earlier attempt's (the trace cache's run re-run)
         write_json_atomic(run_dir / "results.json", results)
     except OSError as exc:  # a full disk, a directory made read-only: the results are kept elsewhere, and named
-        if exc.filename == str(run_dir / "results.json"):
-            raise  # (write_file kept them and says where)
+        if exc.filename == str(run_dir / "results.json") and getattr(exc, "kept", None) is not None:
+            raise  # (write_file kept them and says where; when it could not, rescue's last resort: stderr)
         kept = rescue(run_dir, "results.json", results)
         raise OSError(exc.errno, f"{exc.strerror}; the run's results are kept in {kept}", exc.filename) from exc
     progress.wrote_results = True

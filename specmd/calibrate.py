@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .errors import FULL_ERRNOS, PATH_ERRNOS
 from .results import writable_dir
 
 # (the small ones pin the latency: an expert of a small model is 49 kB; the large ones its bandwidth at a
@@ -157,8 +158,9 @@ def measure_disk_link(device: torch.device, path: Path, reps: int = 5, report: d
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.is_file() or path.stat().st_size != total:
         # written under a temporary name and renamed: an interrupted write never leaves a short probe behind
-        _write_atomic([(path, os.urandom(total))])  # (fsynced: dirty pages cannot be dropped, the reads below
-        # would hit memory)
+        # (fsynced: dirty pages cannot be dropped, the reads below would hit memory; a probe of random bytes is
+        # not kept elsewhere when the disk is full)
+        _write_atomic([(path, os.urandom(total))], keep=False)
     fd = os.open(path, os.O_RDONLY)
     mover = ThreadMover(None, 0.0)
     points = []
@@ -873,11 +875,13 @@ def _write_fd(fd: int, data: bytes) -> None:
     os.fsync(fd)
 
 
-def _write_atomic(files: list[tuple[Path, str | bytes]]) -> None:
+def _write_atomic(files: list[tuple[Path, str | bytes]], keep: bool = True) -> None:
     """Each ``(path, content)`` written in full to a temporary file in the path's own directory
     (``.<name>.<random>.tmp``: no config group option, no half file under the real name), then all renamed
     into place (os.replace) with signals held: an interrupt (:class:`~specmd.jobs.Interrupted`) or an error
-    at any point leaves every path as it was before (or, once renamed, all complete) and no temporary file."""
+    at any point leaves every path as it was before (or, once renamed, all complete) and no temporary file. A
+    write the disk or a permission refused names the file, and (``keep``) what was not written is kept
+    elsewhere (:func:`_kept_elsewhere`)."""
     import secrets
 
     from .signals import check_interrupt, signals_held
@@ -909,24 +913,25 @@ def _write_atomic(files: list[tuple[Path, str | bytes]]) -> None:
                     except OSError:
                         pass
         unwritten = [f for i, f in enumerate(files) if i >= len(temps) or temps[i][0] is not None]
-        if isinstance(exc, OSError) and unwritten:  # what no path took is kept elsewhere, and named
-            raise _kept_elsewhere(exc, unwritten, path) from exc
+        if keep and isinstance(exc, OSError) and exc.errno in FULL_ERRNOS | PATH_ERRNOS and unwritten:
+            raise _kept_elsewhere(exc, unwritten, path) from exc  # what no path took is kept elsewhere, and named
         raise
+    check_interrupt()  # a signal that arrived while held: raised now, the files complete
 
 
 def _kept_elsewhere(exc: OSError, files: list, path: Path) -> OSError:
     """A write of ``files`` that failed at ``path`` (a full disk, a read-only directory): the error naming it,
     with every file's content kept under ``<tmp>/specmd-rescue/`` (the profile calibrate measured for minutes
     is not lost with the disk) and named."""
-    from .results import keep_elsewhere
+    from .results import keep_elsewhere, rescue_dir
 
     kept = [keep_elsewhere(p, lambda tmp, c=c: Path(tmp).write_bytes(c.encode() if isinstance(c, str) else c))
             for p, c in files]
-    if len(kept) > 1 and all(k.startswith("what it held is kept in ") for k in kept):  # (one rescue directory)
-        kept = [f"what calibrate measured is kept in {Path(kept[0].rsplit(' ', 1)[1]).parent}/ ("
-                f"{', '.join(p.name for p, _ in files)})"]
-    return OSError(exc.errno, f"{exc.strerror or exc}; " + "; ".join(kept), str(path))
-    check_interrupt()  # a signal that arrived while held: raised now, the files complete
+    phrases = [k[1] for k in kept]
+    if len(kept) > 1 and all(k[0] is not None for k in kept) and len({p.parent for p, _ in files}) == 1:
+        phrases = [f"what calibrate measured is kept in {rescue_dir(path.parent)}/ ("
+                   f"{', '.join(p.name for p, _ in files)})"]
+    return OSError(exc.errno, f"{exc.strerror or exc}; " + "; ".join(phrases), str(path))
 
 
 def use_command(name: str, out_root: Path | None) -> str:

@@ -1,5 +1,13 @@
 """Errors specmd raises for bad user input. The CLI prints them without a traceback."""
 
+import errno
+
+# OSErrors that say the user's path cannot be used (exit 2) and those that say the machine ran out (exit 1):
+# specmd.cli.outcome's table, and what specmd.results.write_file keeps elsewhere
+PATH_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, errno.ENOTDIR, errno.EISDIR,
+                         errno.ENAMETOOLONG, errno.ENOENT, errno.ELOOP, errno.EINVAL})
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the value and the valid choices."""

@@ -68,11 +68,12 @@ class HardwareConfig:
     # deep_olmoe, it put 32-layer deep_mixtral's 32-token prefill at 0.6-0.7 of measured
     layer_token_overhead_us: float = _P["layer_token_overhead_us"]
     expert_overhead_us: float = _P["expert_overhead_us"]
-    transfer_issue_us: float = 0.0  # host time to issue one copy job (a layer call's demand fetches, or a prefetch)
+    # host time to issue one copy job (a layer call's demand fetches, or a prefetch)
+    transfer_issue_us: float = _P["transfer_issue_us"]
     # per expert a fetch places in the cache (its slot's allocation and views, the eviction that made room: the
     # executor's bookkeeping, on the compute thread): a prefill at a small capacity places most of its experts
     place_overhead_us: float = _P["place_overhead_us"]
-    predict_overhead_us: float = 0.0  # one prefetch prediction (a later layer's router on this input + policy)
+    predict_overhead_us: float = _P["predict_overhead_us"]  # one prefetch prediction (a later layer's router + policy)
     # one expert run from a stored low-precision copy: unpacking it (HQQ's bit-unpacking and scale/zero
     # arithmetic) before its GEMMs; a fused low-bit kernel on a GPU makes it small, eager PyTorch does not
     unpack_overhead_us: float = _P["unpack_overhead_us"]

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import socket
 from pathlib import Path
 from typing import Optional
@@ -189,10 +190,13 @@ def record_unrecorded(exc: BaseException) -> None:
     with stage ``config`` there, so the directory never reads as a job that is still running or vanished.
     Nothing when the job recorded its own ending (``failed.json`` or ``results.json``) or exited by itself."""
     run_dir = OPENED.pop("dir", None)
-    if run_dir is None or isinstance(exc, SystemExit) or not isinstance(exc, (Exception, Interrupted)):
-        return
-    if not any((run_dir / n).exists() for n in ("failed.json", "results.json")):
-        with signals_held():
+    if run_dir is None or getattr(exc, "specmd_failed", None) or not isinstance(
+            exc, (Exception, Interrupted, KeyboardInterrupt)) or isinstance(exc, SystemExit):
+        return  # (specmd_failed: the job recorded it, perhaps elsewhere than its directory)
+    if isinstance(exc, KeyboardInterrupt):  # a handler not specmd's raised it: a Ctrl-C all the same
+        exc = Interrupted(signal.SIGINT)
+    with signals_held():
+        if not any((run_dir / n).exists() for n in ("failed.json", "results.json")):
             exc.specmd_failed = write_failed(run_dir, "config", exc)
 
 
@@ -252,7 +256,8 @@ def _sweep_end_callback():
             OPENED["dir"] = run_dir  # from now on, however the job ends, the directory says so (failed.json)
 
         def on_job_start(self, config, **kwargs) -> None:
-            """A sweep's job directory, as soon as Hydra has made it (a single run's: on_run_start)."""
+            """A sweep's job directory, once Hydra has made it and saved its config there (a single run's: as soon
+            as it exists, on_run_start), in the process that runs the job (a launcher's worker too)."""
             OPENED["dir"] = Path(str(config.hydra.runtime.output_dir))
 
         def on_job_end(self, config, job_return=None, **kwargs) -> None:
@@ -301,7 +306,7 @@ def _sweep_end_callback():
             from .report.collect import load_sweep
             from .report.status import job_state
 
-            release_sweep()  # (before reading the states: a held lock would make pending jobs of them)
+            release_sweep()  # (the sweep has ended: a status probe from now on finds no launcher)
             sweep_dir = Path(str(config.hydra.sweep.dir))
             states = [(job_state(j), j) for j in load_sweep(sweep_dir).jobs]
             bad = [(s, j) for s, j in states if s != "done"]

@@ -30,7 +30,7 @@ def hold_sweep(sweep_dir: Path) -> None:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(sweep_dir / SWEEP_LOCK))
     try:
-        lock.acquire(timeout=0)
+        lock.acquire(timeout=2)  # (a status probe holds it for an instant)
     except Timeout:
         raise ConfigError(f"hydra.sweep.dir={sweep_dir} is being run by {sweep_runner(sweep_dir)}: wait for it to "
                           f"end (specmd status {sweep_dir}) or stop that process; a second launch would run its "

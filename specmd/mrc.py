@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     try:
         plot(rows, out / "mrc.png")
     except OSError as exc:  # the curves were computed: kept with the figure, not lost with it
-        raise OSError(exc.errno, f"{exc.strerror}; the curves: {keep_elsewhere(out / 'mrc.csv', csv_fill(rows))}",
+        raise OSError(exc.errno, f"{exc.strerror}; the curves: {keep_elsewhere(out / 'mrc.csv', csv_fill(rows))[1]}",
                       exc.filename) from exc
     write_csv(out / "mrc.csv", rows)  # last: the mark of a complete mrc.out (output_dir refuses one holding it)
     print(f"{'policy':<12} {'capacity':>8} {'hit rate':>9} {'collisions':>10}")

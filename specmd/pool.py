@@ -55,11 +55,17 @@ def _worker_init() -> None:
     from .signals import ENDING
 
     torch.set_num_threads(1)  # one process per core: a policy's torch ops must not spawn threads of their own
-    # a worker dies quietly on an ending signal: the parent (which Ctrl-C and a closed terminal reach too) reports
-    # the signal once and terminates the pool; the handler a worker inherited (specmd.jobs.signals_raise) printed
-    # a traceback per worker
+    # the handler a worker inherits from the parent (specmd.signals.signals_raise) printed a traceback per worker.
+    # A worker dies quietly on SIGINT (Ctrl-C reaches the whole process group) and SIGTERM (the pool's terminate):
+    # the parent reports the signal once and terminates the pool. specmd's handler of the other ending signals
+    # becomes "ignore" (a closed terminal's SIGHUP reaches the group too: the parent acts on it); a signal the parent
+    # ignores (nohup) or leaves at its default stays so -- a worker dying of SIGHUP under nohup left Pool.map
+    # waiting forever
     for s in ENDING:
-        signal.signal(s, signal.SIG_DFL)
+        if s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL)
+        elif getattr(signal.getsignal(s), "specmd", False):
+            signal.signal(s, signal.SIG_IGN)
 
 
 def replay_many(trace, specs: list, jobs: Optional[int] = None) -> list[dict]:

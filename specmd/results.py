@@ -133,38 +133,55 @@ def output_dir(path, option: str, holds: str) -> Path:
     return path
 
 
-def write_file(path: Path, fill) -> None:
+def write_file(path: Path, fill, keep: bool = True) -> None:
     """The one way specmd writes a file the user keeps: ``fill(tmp)`` writes the content to a temporary name
-    that becomes ``path`` when complete (:func:`atomic_output`). When the write fails -- a full disk, a quota, a
-    directory made read-only -- the error is an ``OSError`` naming ``path`` (an ``f.write`` error names no
-    file) and what the content was is written again under ``<tmp>/specmd-rescue/`` and named in the message
-    (:func:`keep_elsewhere`): nothing computed is lost, and the command's one line says where it went."""
+    that becomes ``path`` when complete (:func:`atomic_output`). When the write fails for want of room or of
+    permission -- a full disk, a quota, a directory made read-only (the errnos of
+    :data:`specmd.errors.FULL_ERRNOS` and ``PATH_ERRNOS``) -- the error is an ``OSError`` naming ``path``
+    (an ``f.write`` error names no file) and, with ``keep``, the content is written again under
+    ``<tmp>/specmd-rescue/`` and named in the message (:func:`keep_elsewhere`; ``exc.kept``: where, or None):
+    nothing computed is lost, and the command's one line says where it went. Other errors pass unchanged."""
+    from .errors import FULL_ERRNOS, PATH_ERRNOS
+
     try:
         with atomic_output(path) as tmp:
             fill(tmp)
     except OSError as exc:
-        raise OSError(exc.errno, f"{exc.strerror or exc}; {keep_elsewhere(path, fill)}", str(path)) from exc
+        if exc.errno not in FULL_ERRNOS | PATH_ERRNOS or not keep:
+            raise
+        kept = keep_elsewhere(path, fill)
+        error = OSError(exc.errno, f"{exc.strerror or exc}; {kept[1]}", exc.filename)
+        error.kept = kept[0]
+        raise error from exc
+
+
+_RESCUE: dict = {}  # directory -> its rescue directory in this process (one per directory and process)
 
 
 def rescue_dir(directory: Path) -> Path:
-    """Where what ``directory`` could not take is kept: ``<tmp>/specmd-rescue/<its name>-<pid>``, one per
-    directory and process (a run's passes.csv, results.json and failed.json land together)."""
+    """Where what ``directory`` could not take is kept: ``<tmp>/specmd-rescue/<its name>-<pid>-<token>``, one per
+    directory and process (a run's passes.csv, results.json and failed.json land together; the token: a later
+    process with the same pid, as in a container, never writes over it)."""
     import tempfile
 
-    return Path(tempfile.gettempdir()) / "specmd-rescue" / f"{Path(directory).name}-{os.getpid()}"
+    key = str(Path(directory).absolute())
+    if key not in _RESCUE:
+        _RESCUE[key] = Path(tempfile.gettempdir()) / "specmd-rescue" / \
+            f"{Path(directory).name or 'cwd'}-{os.getpid()}-{secrets.token_hex(3)}"
+    return _RESCUE[key]
 
 
-def keep_elsewhere(path: Path, fill, name: Optional[str] = None) -> str:
-    """``fill`` (what would have been ``path``) written to ``<tmp>/specmd-rescue/<its directory>-<token>/<name>``
-    instead; the phrase naming where, for an error message."""
+def keep_elsewhere(path: Path, fill, name: Optional[str] = None) -> tuple:
+    """``fill`` (what would have been ``path``) written to ``<rescue_dir(its directory)>/<name>`` instead:
+    ``(where, the phrase naming it)``, where None when that failed too (the phrase says so)."""
     path = Path(path)
     kept = rescue_dir(path.parent) / (name or path.name)
     try:
         with atomic_output(kept) as tmp:
             fill(tmp)
     except OSError as exc:
-        return f"it could not be kept elsewhere either ({kept.parent}: {exc.strerror or exc})"
-    return f"what it held is kept in {kept}"
+        return None, f"it could not be kept elsewhere either ({kept.parent}: {exc.strerror or exc})"
+    return kept, f"what it held is kept in {kept}"
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

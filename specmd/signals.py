@@ -69,10 +69,10 @@ def signals_held():
 
 
 @contextlib.contextmanager
-def signals_raise():
-    """While a job or a command runs, every signal of :data:`ENDING` raises :class:`Interrupted` in the main thread, so it
-    writes its ``failed.json`` (with the stage it was in) or removes what it had half-written before the
-    process exits; in the CLI's process and in a launcher's worker (joblib, submitit, Ray) alike. Only default
+def signals_raise(after=None):
+    """While a job or a command runs, every signal of :data:`ENDING` raises :class:`Interrupted` in the main
+    thread, so it writes its ``failed.json`` (with the stage it was in) or removes what it had half-written before
+    the process exits; in the CLI's process and in a launcher's worker (joblib, submitit, Ray) alike. Only default
     handlers are replaced (a launcher's own handlers, e.g. submitit's, are left alone), and they are restored
     when the outermost block ends.
 
@@ -80,7 +80,11 @@ def signals_raise():
     is lost -- raised inside a finalizer, which Python discards -- the record stays, the next safe point
     (:func:`check_interrupt`) raises it, and the block's end raises it at the latest. (The handler used to set
     both signals to ignored and then raise: a signal landing in a ``__del__`` was lost, and with it every later
-    one until SIGKILL.) While ``failed.json`` is written (:func:`signals_held`) a signal is only recorded."""
+    one until SIGKILL.) While ``failed.json`` is written (:func:`signals_held`) a signal is only recorded.
+
+    ``after``: the handler the outermost block leaves on the signals it armed, instead of the ones it found --
+    :func:`specmd.cli.outcome.guarded` passes ``SIG_IGN``, so from the instant the command ends until it has
+    reported how (and, in the CLI's process, until the process exits) a second signal changes nothing."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -94,6 +98,8 @@ def signals_raise():
         if not SIGNALS.held:
             raise Interrupted(SIGNALS.pending)
 
+    handler.specmd = True  # (what a forked replay worker recognises as the parent's: specmd.pool)
+
     if SIGNALS.depth == 0:
         SIGNALS.pending = 0  # a signal of an earlier block (landed as it ended) is not this one's
     SIGNALS.depth += 1
@@ -106,6 +112,6 @@ def signals_raise():
     finally:
         SIGNALS.depth -= 1
         for s, h in saved.items():
-            signal.signal(s, h)
+            signal.signal(s, after if after is not None and SIGNALS.depth == 0 and h in defaults else h)
         if SIGNALS.depth == 0:
             SIGNALS.pending = 0  # reported (raised), or the process goes on without the handler: forgotten

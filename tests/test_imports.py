@@ -630,3 +630,17 @@ def test_a_csv_that_is_not_utf8_is_one_error_naming_the_file(tmp_path, encoding,
     with pytest.raises(ConfigError, match=re.escape(f"replay.trace={str(f)!r} with replay.format=llama_csv: not "
                                                     f"UTF-8 text ({words}")):
         load_import(f, "llama_csv", ImportOptions(num_experts=8))
+
+
+def test_a_jsonl_in_utf16_is_named_and_a_utf8_bom_is_read(tmp_path):
+    f = tmp_path / "trace.jsonl"
+    rows = "".join(json.dumps({"seq": 0, "token": t, "layer": 0, "experts": [t, t + 1]}) + "\n" for t in range(3))
+    f.write_bytes(rows.encode("utf-16"))
+    with pytest.raises(ConfigError, match=re.escape("with replay.format=jsonl: not UTF-8 text (it starts with a "
+                                                    "UTF-16 LE byte-order mark; convert it: iconv -f UTF-16")):
+        load_import(f, "jsonl", ImportOptions(num_experts=8))
+    f.write_bytes(b"\xef\xbb\xbf" + rows.encode())  # a UTF-8 byte-order mark (Windows editors write one)
+    assert load_import(f, "jsonl", ImportOptions(num_experts=8)).index.tolist() == [[0, 1], [1, 2], [2, 3]]
+    c = tmp_path / "trace.csv"
+    c.write_bytes(b"\xef\xbb\xbf0,0,1,2\n1,0,3,4\n")
+    assert load_import(c, "llama_csv", ImportOptions(num_experts=8)).index.tolist() == [[1, 2], [3, 4]]

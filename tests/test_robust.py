@@ -17,7 +17,7 @@ import pytest
 from specmd.cli.outcome import classify, guarded, one_line
 from specmd.errors import ConfigError, DataError
 from specmd.jobs import claim_run_dir
-from specmd.signals import SIGNALS, Interrupted, check_interrupt, signals_held, signals_raise
+from specmd.signals import ENDING, SIGNALS, Interrupted, check_interrupt, signals_held, signals_raise
 
 FAST = ["model=tiny", "eval.tasks=[wikitext]", "eval.limit=1", "eval.max_length=128", "logger=none"]
 
@@ -417,9 +417,13 @@ def test_a_run_directory_that_cannot_be_made_is_named(tmp_path, where, why):
 def _multirun_start(launcher: dict, sweep_dir="sweep"):
     from omegaconf import OmegaConf
 
-    from specmd.jobs import SweepEnd
+    from specmd.jobs import OPENED, SweepEnd, release_sweep
 
-    SweepEnd().on_multirun_start(OmegaConf.create({"hydra": {"launcher": launcher, "sweep": {"dir": sweep_dir}}}))
+    try:
+        SweepEnd().on_multirun_start(OmegaConf.create({"hydra": {"launcher": launcher, "sweep": {"dir": sweep_dir}}}))
+    finally:  # (what a sweep's end releases: the launcher's lock)
+        release_sweep()
+        OPENED.pop("sweep", None)
 
 
 @pytest.mark.parametrize("launcher, words", [
@@ -712,7 +716,8 @@ def test_a_failed_write_names_the_file_and_keeps_what_it_held(tmp_path, rescue_h
         write()
     assert e.value.errno == errno.ENOSPC and e.value.filename == str(path)
     kept = Path(e.value.strerror.split("what it held is kept in ")[1])
-    assert kept == rescue_here / f"out-{os.getpid()}" / "x.out" and "1" in kept.read_text()
+    assert kept.parent.parent == rescue_here and kept.parent.name.startswith(f"out-{os.getpid()}-")
+    assert kept.name == "x.out" and "1" in kept.read_text()
     assert list(path.parent.iterdir()) == []  # no temporary left, no half file
     assert classify(e.value)[:2] == (1, f"{path}: No space left on device; what it held is kept in {kept}")
 
@@ -725,8 +730,11 @@ def test_a_run_on_a_full_disk_is_one_line_naming_the_file_with_its_results_kept(
     _full_under(monkeypatch, run)
     with pytest.raises(SystemExit) as e:
         main([*FAST, f"hydra.run.dir={run}"])
+    from specmd.results import rescue_dir
+
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    kept = rescue_here / f"run-{os.getpid()}"
+    kept = rescue_dir(run)
+    assert kept.parent == rescue_here
     assert e.value.code == 1 and err == (f"specmd: error in stage write: {run}/results.json: No space left on device; "
                                          f"what it held is kept in {kept}/results.json (failed.json: "
                                          f"{kept}/failed.json)"), err
@@ -759,21 +767,54 @@ def test_calibrate_keeps_the_profile_a_full_disk_refused(tmp_path, rescue_here, 
     a, b = tmp_path / "hw" / "a.yaml", tmp_path / "hw" / "b.yaml"
     with pytest.raises(OSError) as e:
         cal._write_atomic([(a, "a: 1\n"), (b, "b: 2\n")])
-    kept = rescue_here / f"hw-{os.getpid()}"
-    assert e.value.filename == str(a) and e.value.strerror.endswith(f"what calibrate measured is kept in {kept}/ "
+    from specmd.results import rescue_dir
+
+    kept = rescue_dir(a.parent)
+    assert kept.parent == rescue_here and e.value.filename == str(a) and e.value.strerror.endswith(f"what calibrate measured is kept in {kept}/ "
                                                                 "(a.yaml, b.yaml)")
     assert (kept / "a.yaml").read_text() == "a: 1\n" and (kept / "b.yaml").read_text() == "b: 2\n"
     assert list(a.parent.iterdir()) == []
 
 
+def test_results_nowhere_to_be_kept_are_printed_not_lost(tmp_path, monkeypatch, capsys):
+    """The run directory and the temporary directory both full (often one file system): the results go to
+    stderr, the last resort, and the error says so."""
+    from specmd import app, results
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(results, "rescue_dir", lambda d: tmp_path / "file" / "rescue")  # cannot be made either
+    real = os.replace
+
+    def replace(a, b):
+        if Path(b).parent == tmp_path / "run":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+    class Progress:
+        wrote_results = False
+        stage = "write"
+
+    logger = type("L", (), {"log_run": lambda *a: None})()
+    with pytest.raises(OSError, match=r"the run's results are kept in stderr \(above\)"):
+        app._finish({"cache": {"hits": 5}}, None, "abc", tmp_path / "run", logger, Progress())
+    assert '"cache": {"hits": 5}' in capsys.readouterr().err
+
+
 def test_replay_pool_workers_die_quietly_on_a_signal():
     from specmd import pool
 
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    saved = {s: signal.getsignal(s) for s in ENDING}
     try:
+        signal.signal(signal.SIGQUIT, signal.SIG_IGN)  # as a parent that ignores one (nohup's SIGHUP) passes it on
         with signals_raise():
             pool._worker_init()  # what a forked worker runs first
             assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+            # the parent acts on a closed terminal's SIGHUP (the group gets it): a worker ignores it, and keeps
+            # ignoring what the parent ignored -- a worker dead of SIGHUP left Pool.map waiting forever
+            assert signal.getsignal(signal.SIGHUP) == signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN
     finally:
         for s, h in saved.items():
             signal.signal(s, h)

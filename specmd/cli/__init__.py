@@ -113,10 +113,8 @@ def main(argv: Optional[list] = None) -> None:
               + f"; commands: {', '.join(BY_NAME)}. A run's overrides look like key=value (specmd run --help); "
               "specmd --help lists what each command does", file=sys.stderr)
         sys.exit(2)
-    from .outcome import guarded, ignore_ending_signals
+    from .outcome import guarded
 
     prog = "specmd" if command.module == "specmd.app" else f"specmd {command.name}"  # the run's own voice
-    code = guarded(prog, lambda args: command.function()(args), rest)
-    if from_process:  # (a test calling main(argv) keeps its own handlers)
-        ignore_ending_signals()
-    sys.exit(code)
+    # the console script and python -m specmd end with the command (a test calling main(argv) keeps its handlers)
+    sys.exit(guarded(prog, lambda args: command.function()(args), rest, final=from_process))

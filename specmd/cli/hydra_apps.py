@@ -16,6 +16,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from .. import CONF_DIR
+from ..errors import FULL_ERRNOS, PATH_ERRNOS
 from ..jobs import OPENED, SWEEP_EXIT, record_unrecorded, release_sweep, torch_threads
 
 RUN = """usage: specmd run [key=value ...] [+key=value] [~key] [--cfg job|hydra|all] [--info]
@@ -48,6 +49,16 @@ TRAIN = """usage: specmd train [key=value ...] [--config-name train_deep_olmoe|t
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(cfg: DictConfig):
+    """One job, in the process that runs it (a launcher's worker too): however it ends before
+    :func:`specmd.app.execute` records it (its imports: torch's, a signal meanwhile), its directory says so."""
+    try:
+        return _job(cfg)
+    except BaseException as exc:
+        record_unrecorded(exc)
+        raise
+
+
+def _job(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
     from rich.console import Console
     from rich.markup import escape
@@ -67,6 +78,7 @@ def _hydra_main(cfg: DictConfig):
         results = execute(cfg, run_dir=run_dir, group=group, resume=multirun, overrides=list(hc.overrides.task),
                           threads=torch_threads(None, OmegaConf.to_container(hc.launcher, resolve=True)))
     except JobRunning as exc:
+        OPENED.pop("dir", None)  # another process's job: nothing of this process is ever written there
         err.print(f"[yellow]specmd: skipped:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return None
     except (ConfigError, DataError) as exc:  # failed.json is written; one clear line, no traceback
@@ -160,8 +172,8 @@ def hydra_write_error(exc: OSError) -> OSError:
     """An error of Hydra writing its record of a run (``.hydra/``, the log, ``multirun.yaml``) that names no file
     (a full disk fails the write when the file closes): it names the directory Hydra was writing into."""
     where = OPENED.get("dir") or OPENED.get("sweep")
-    if exc.filename is not None or where is None:
-        return exc
+    if exc.filename is not None or where is None or exc.errno not in FULL_ERRNOS | PATH_ERRNOS:
+        return exc  # (a launcher's own trouble, ENOMEM starting workers, is not Hydra writing)
     error = OSError(exc.errno, f"{exc.strerror or exc} (Hydra writing its record of the run there)",
                     str(where))
     error.__cause__ = exc

@@ -26,17 +26,13 @@ Signals are armed (:func:`specmd.jobs.signals_raise`) around the whole command, 
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import sys
 import time
 from pathlib import Path
 
-# OSErrors that say the user's path cannot be used (exit 2) and those that say the machine ran out (exit 1)
-PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, errno.ENOTDIR, errno.EISDIR,
-               errno.ENAMETOOLONG, errno.ENOENT, errno.ELOOP, errno.EINVAL}
-FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+from ..errors import FULL_ERRNOS, PATH_ERRNOS  # noqa: F401 (the table's; the writers read them there)
 
 
 def one_line(text: str) -> str:
@@ -114,25 +110,26 @@ def traceback_file(prog: str, exc: BaseException) -> Path:
     return path
 
 
-def guarded(prog: str, fn, argv: list) -> int:
+def guarded(prog: str, fn, argv: list, final: bool = False) -> int:
     """``fn(argv)`` (a command's ``main``) with signals armed, every way it can end turned into one line and
-    an exit code (the table above). The command's outcome is reported with signals held: a second signal --
-    of any kind, during the first one's report or an error's -- is recorded, not raised, so it neither cuts the
-    line short nor changes the exit code (the first signal's)."""
-    from ..signals import SIGNALS, Interrupted, signals_held, signals_raise
+    an exit code (the table above). From the instant the command ends, the signals it armed are ignored while
+    it reports how: a second signal -- of any kind, during the first one's report or an error's -- neither
+    cuts the line short nor changes the exit code (the first signal's). ``final`` (the CLI's own process, which
+    exits next): they stay ignored, so a signal while the interpreter joins its threads cannot turn the exit
+    code into its own (a SIGTERM's run then died of the Ctrl-C after it, 130); otherwise they are restored."""
+    from ..signals import ENDING, signals_raise
 
+    saved = {s: signal.getsignal(s) for s in ENDING}
     try:
-        with signals_raise():
-            try:
-                return fn(argv) or 0
-            except BaseException as exc:  # noqa: BLE001 -- the one place every command's error ends
-                with signals_held():
-                    code = report(prog, exc)
-                    SIGNALS.pending = 0  # reported: the block's end does not raise it again
-                return code
-    except (Interrupted, KeyboardInterrupt) as exc:  # the instant the block ends (a signal lost in a finalizer,
-        # raised by check_interrupt), or a handler not ours (a library's KeyboardInterrupt)
-        return report(prog, exc)
+        with signals_raise(after=signal.SIG_IGN):
+            code = fn(argv) or 0
+    except BaseException as exc:  # noqa: BLE001 -- the one place every command's error ends
+        code = report(prog, exc)
+    finally:
+        if not final:
+            for s, h in saved.items():
+                signal.signal(s, h)
+    return code
 
 
 def report(prog: str, exc: BaseException) -> int:
@@ -158,13 +155,3 @@ def report(prog: str, exc: BaseException) -> int:
     else:
         say(prog, message)
     return code
-
-
-def ignore_ending_signals() -> None:
-    """The process has its exit code and is exiting (:func:`specmd.cli.main`): a signal now -- a second Ctrl-C
-    while the interpreter joins its threads -- is ignored, so the code stays the first signal's and no
-    ``KeyboardInterrupt`` traceback is printed from an atexit handler. (SIGKILL still ends a stuck exit.)"""
-    from ..signals import ENDING
-
-    for s in ENDING:
-        signal.signal(s, signal.SIG_IGN)

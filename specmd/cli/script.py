@@ -123,8 +123,6 @@ class Sections:
 
 def run(prog: str, main) -> None:
     """``main(argv) -> int`` as a command runs (:func:`specmd.cli.outcome.guarded`), then exit with its code."""
-    from .outcome import guarded, ignore_ending_signals
+    from .outcome import guarded
 
-    code = guarded(prog, main, sys.argv[1:])
-    ignore_ending_signals()
-    sys.exit(code)
+    sys.exit(guarded(prog, main, sys.argv[1:], final=True))

@@ -466,8 +466,9 @@ def replay(run, run_dir) -> tuple[dict, Engine]:
     run_replay(trace, spec, engine, ptr, experts)
     reasons = exactness(trace, spec)
     config = dict(run.raw)
-    model = trace.meta.source.get("model")
-    config["model"] = model if isinstance(model, dict) else {"name": f"trace:{Path(trace.path).name}",
+    model = trace.meta.source.get("model")  # a live run's model config; a bare name (TraceMeta.model); none
+    config["model"] = model if isinstance(model, dict) else {"name": trace.meta.model or
+                                                              f"trace:{Path(trace.path).name}",
                                                               "source": trace.meta.source}
     from ..provenance import provenance
     from ..results import assemble

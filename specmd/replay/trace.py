@@ -253,14 +253,20 @@ class TraceWriter:
         if got != want:  # every later row would shift: refuse rather than write a wrong trace
             raise RuntimeError(f"trace writer: a {KINDS[self._pass[0]]} pass of {self._pass[1]} tokens recorded {got} "
                                f"rows, expected {want} (tokens x {self.geom.num_layers} MoE layers)")
-        for name, rows in self._rows.items():
+        name = "passes"
+        try:
+            for name, rows in self._rows.items():
+                f = self.files[name]
+                for a in rows:
+                    f.write(np.ascontiguousarray(a).tobytes())
+                f.flush()
+            name = "passes"
             f = self.files[name]
-            for a in rows:
-                f.write(np.ascontiguousarray(a).tobytes())
+            f.write(np.asarray(self._pass, dtype=np.int64).tobytes())
             f.flush()
-        f = self.files["passes"]
-        f.write(np.asarray(self._pass, dtype=np.int64).tobytes())
-        f.flush()
+        except OSError as exc:  # a full disk: the file named (a write names none); the passes before stay readable
+            raise OSError(exc.errno, f"{exc.strerror or exc} (the trace being recorded: its complete passes so far "
+                          "stay readable)", str(self.path / f"{name}.bin")) from exc
         self._pass = None
 
     def close(self) -> None:

@@ -142,12 +142,36 @@ def _json_loads():
         return json.loads
 
 
+BOMS = {b"\xff\xfe\x00\x00": "UTF-32 LE", b"\x00\x00\xfe\xff": "UTF-32 BE", b"\xff\xfe": "UTF-16 LE",
+        b"\xfe\xff": "UTF-16 BE"}
+
+
+def not_utf8(path: Path, e: Optional[UnicodeDecodeError] = None) -> Optional[str]:
+    """Why the text file ``path`` is not UTF-8 (a UTF-16/32 byte-order mark, or the byte ``e`` failed on) and
+    how to convert it; None when it starts as UTF-8 text may. Every text format reads UTF-8 (a UTF-8 BOM is
+    skipped): :func:`~.build.load_import` turns the decode error into one error naming the file."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    for bom, name in BOMS.items():
+        if head.startswith(bom):
+            return f"it starts with a {name} byte-order mark; convert it: iconv -f {name.split()[0]} -t UTF-8 {path} " \
+                   f"> {path}.utf8"
+    if e is None:
+        return None
+    return f"a byte 0x{e.object[e.start]:02x} is not UTF-8; convert it to UTF-8 (iconv -f <its encoding> -t UTF-8)"
+
+
 def json_objects(path: Path):
     """(line number, object) for each non-blank line of a JSON Lines file; a line that is not valid JSON or
-    not an object is a ConfigError naming it."""
+    not an object is a ConfigError naming it (a file in UTF-16 or UTF-32 is a UnicodeDecodeError, named by
+    :func:`~.build.load_import`)."""
+    if not_utf8(path):
+        raise UnicodeDecodeError("utf-8", b"", 0, 1, "a byte-order mark of another encoding")
     loads = _json_loads()
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark (Windows editors)
+                raw = raw[3:]
             if not raw.strip():
                 continue
             try:

@@ -13,7 +13,7 @@ import numpy as np
 from ...errors import ConfigError
 from ...engine.store import StoreSizes
 from ..trace import Trace, TraceMeta, index_dtype
-from .base import FORMATS, ImportOptions, Records
+from .base import FORMATS, ImportOptions, Records, not_utf8
 
 IDENTICAL_ERROR = 16  # tokens all routed identically from which an import is refused
 LIST_SHOWN = 10  # missing cells listed in a note / error
@@ -31,19 +31,9 @@ def load_import(path, fmt: str, opts: Optional[ImportOptions] = None) -> Trace:
     try:
         rec = parse(path, opts, notes)
     except UnicodeDecodeError as e:  # every text format is read as UTF-8: one error for all of them, naming the file
-        raise ConfigError(f"replay.trace={str(path)!r} with replay.format={fmt}: not UTF-8 text ({not_utf8(path, e)})"
-                          ) from None
+        raise ConfigError(f"replay.trace={str(path)!r} with replay.format={fmt}: not UTF-8 text "
+                          f"({not_utf8(path, e)})") from None
     return build_trace(rec, fmt, path, opts, notes)
-
-
-def not_utf8(path: Path, e: UnicodeDecodeError) -> str:
-    """What the bytes of a file that is not UTF-8 look like, and how to convert it."""
-    with open(path, "rb") as f:
-        head = f.read(4)
-    bom = {b"\xff\xfe": "UTF-16 LE", b"\xfe\xff": "UTF-16 BE"}.get(head[:2])
-    if bom:
-        return f"it starts with a {bom} byte-order mark; convert it: iconv -f UTF-16 -t UTF-8 {path} > {path}.utf8"
-    return f"a byte 0x{e.object[e.start]:02x} is not UTF-8; convert it to UTF-8 (iconv -f <its encoding> -t UTF-8)"
 
 
 @dataclass

@@ -62,7 +62,7 @@ def parse(path: Path, opts: ImportOptions, notes: list) -> Records:
 
 
 def _first_line(path: Path) -> str:
-    with open(path, newline="", encoding="utf-8") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:
         for line in f:
             if line.strip():
                 return line
@@ -98,7 +98,7 @@ def _parse_llama_rows(path: Path, notes: list) -> Records:
 def _int_rows(path: Path):
     """(line number, the row's integers) for each non-blank line; every row as wide as the first."""
     ncols = ncols_line = None
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, 1):
             s = line.strip()
             if not s:
@@ -153,7 +153,7 @@ class _Runs:
 # ------------------------------------------------------------------------------------ header-driven CSV
 
 def _parse_header_csv(path: Path) -> Records:
-    with open(path, newline="", encoding="utf-8") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
         header = None
         for row in reader:
