@@ -225,17 +225,21 @@ def claim_run_dir(run_dir: Path, marker: str) -> None:
 
 @contextlib.contextmanager
 def _refusing():
-    """A check in a Hydra callback: its :class:`~specmd.errors.ConfigError` is one line and exit 2 (Hydra turns
-    an exception raised in a callback into a warning and goes on, so the check exits itself)."""
-    from .errors import ConfigError
+    """A check in a Hydra callback: its :class:`~specmd.errors.ConfigError` is one line and exit 2, a file it
+    cannot write (a full disk) one line naming it and the exit code of specmd.cli.outcome's table (Hydra turns an
+    exception raised in a callback into a warning and goes on, so the check exits itself)."""
+    from .errors import FULL_ERRNOS, PATH_ERRNOS, ConfigError, say
 
     try:
         yield
     except ConfigError as exc:
-        from .errors import say
-
         say("specmd", str(exc))
         raise SystemExit(2) from None
+    except OSError as exc:
+        if exc.errno not in FULL_ERRNOS | PATH_ERRNOS:
+            raise
+        say("specmd", f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
+        raise SystemExit(1 if exc.errno in FULL_ERRNOS else 2) from None
 
 
 def _sweep_end_callback():

@@ -39,7 +39,7 @@ def hold_sweep(sweep_dir: Path) -> None:
     import time
 
     write_json_atomic(sweep_dir / SWEEP_RECORD, {"host": socket.gethostname(), "pid": os.getpid(),
-                                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+                                                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}, keep=False)
 
 
 def release_sweep() -> None:

@@ -184,7 +184,7 @@ def keep_elsewhere(path: Path, fill, name: Optional[str] = None) -> tuple:
     return kept, f"what it held is kept in {kept}"
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
+def write_json_atomic(path: Path, data: dict, keep: bool = True) -> None:
     def fill(tmp):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -192,7 +192,7 @@ def write_json_atomic(path: Path, data: dict) -> None:
             f.flush()
             os.fsync(f.fileno())
 
-    write_file(path, fill)
+    write_file(path, fill, keep)
 
 
 def write_passes_csv(path: Path, passes) -> None:

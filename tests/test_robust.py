@@ -757,6 +757,35 @@ def test_hydra_writing_its_record_on_a_full_disk_names_the_directory(tmp_path, m
     assert hydra_write_error(named) is named
 
 
+def test_a_sweep_whose_directory_is_full_is_one_line_not_a_warning(tmp_path, monkeypatch, capsys):
+    """Hydra turns a callback's exception into a warning and goes on: the sweep's own record on a full disk was
+    lost that way, and the sweep then failed naming no file."""
+    import specmd.jobs as jobs
+
+    def full(sweep_dir):
+        raise OSError(errno.ENOSPC, "No space left on device", str(sweep_dir / ".sweep.json"))
+
+    monkeypatch.setattr(jobs, "hold_sweep", full)
+    with pytest.raises(SystemExit) as e:
+        _multirun_start({"_target_": "x.BasicLauncher"}, str(tmp_path / "sweep"))
+    assert e.value.code == 1
+    assert capsys.readouterr().err == f"specmd: error: {tmp_path / 'sweep' / '.sweep.json'}: No space left on device\n"
+
+
+def test_a_trace_recorded_onto_a_full_disk_names_its_file(tmp_path):
+    from specmd.replay.trace import TraceWriter
+
+    class Full:
+        def close(self):
+            raise OSError(errno.ENOSPC, "No space left on device")  # (the last buffer, flushed as it closes)
+
+    writer = TraceWriter.__new__(TraceWriter)
+    writer.path, writer.files = tmp_path / "trace", {"index": Full(), "passes": Full()}
+    with pytest.raises(OSError) as e:
+        writer.close()
+    assert e.value.filename == str(tmp_path / "trace" / "index.bin") and e.value.errno == errno.ENOSPC
+
+
 def test_calibrate_keeps_the_profile_a_full_disk_refused(tmp_path, rescue_here, monkeypatch):
     import specmd.calibrate as cal
 

@@ -270,8 +270,16 @@ class TraceWriter:
         self._pass = None
 
     def close(self) -> None:
-        for f in self.files.values():
-            f.close()
+        """Every file closed (their buffers flushed); the first that could not be -- a full disk -- named."""
+        failed = None
+        for name, f in self.files.items():
+            try:
+                f.close()
+            except OSError as exc:
+                failed = failed or OSError(exc.errno, f"{exc.strerror or exc} (the trace being recorded)",
+                                           str(self.path / f"{name}.bin"))
+        if failed is not None:
+            raise failed
 
 
 def read_trace(path) -> Trace:
