@@ -35,7 +35,6 @@ complete (:func:`_write_atomic`): an interrupted or failed calibrate leaves no h
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -1169,7 +1168,9 @@ def _geometry(model: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="specmd calibrate", description=__doc__.split("\n\n")[0])
+    from .errors import ArgumentParser
+
+    ap = ArgumentParser(prog="specmd calibrate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write DIR/hardware/<name>.yaml (default: the user config directory, on "
                                   "Hydra's search path)")
     ap.add_argument("--name", help="profile name (default: calibrated_<host>)")

@@ -1,5 +1,6 @@
 """Errors specmd raises for bad user input. The CLI prints them without a traceback."""
 
+import argparse
 import errno
 
 # OSErrors that say the user's path cannot be used (exit 2) and those that say the machine ran out (exit 1):
@@ -24,3 +25,14 @@ def say(prog: str, message: str, label: str = "error") -> None:
     from rich.markup import escape
 
     Console(stderr=True).print(f"[bold red]{prog}: {label}:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors (an unknown option, a missing or bad value, a ``type`` check) are a
+    :class:`ConfigError` naming the argument, with the usage on the same line: every command and script prints
+    bad input as one line and exit 2 (:mod:`specmd.cli.outcome`), argparse's own is two to five. ``--help`` is
+    argparse's."""
+
+    def error(self, message: str):
+        usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
+        raise ConfigError(f"{message} (usage: {usage})")

@@ -30,7 +30,6 @@ a path to a profile's yaml; default: calibrate's default name (:func:`specmd.cal
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
@@ -404,7 +403,9 @@ def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="specmd fidelity", description=__doc__.split("\n\n")[0])
+    from .errors import ArgumentParser
+
+    ap = ArgumentParser(prog="specmd fidelity", description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", help="a hardware profile: its name (as hardware=NAME) or a yaml path "
                                       "(default: calibrate's default name)")
     ap.add_argument("--quick", action="store_true", help="the tiny model, capacities 0.05 and 1.0 (~2 min)")

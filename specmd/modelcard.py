@@ -306,8 +306,10 @@ def render(card: dict, summary: dict) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="specmd card", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .errors import ArgumentParser
+
+    ap = ArgumentParser(prog="specmd card", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="specmd:tiny-olmoe")
     ap.add_argument("--mirror", default=None, help="data mirror (default: $SPECMD_DATA_MIRROR)")
     ap.add_argument("--out", default=None)

@@ -168,8 +168,10 @@ def read_traces(args) -> list:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="specmd train-eviction", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .errors import ArgumentParser
+
+    ap = ArgumentParser(prog="specmd train-eviction", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="specmd:<asset>, hub id or local checkpoint to record routing from")
     ap.add_argument("--traces", nargs="*", default=[], help="specmd trace directories (trace.save=true) or import files")
     ap.add_argument("--format", default="specmd", help="replay.format of --traces (specmd or an import format)")

@@ -166,6 +166,9 @@ def parse(argv: list[str]) -> tuple[Options, list[str]]:
     opts, rest = Options(), []
     for arg in argv:
         key, eq, value = arg.partition("=")
+        if key.startswith("-"):  # (Hydra's grammar error for it named no option: LexerNoViableAltException)
+            raise ConfigError(f"{arg!r}: specmd tune takes overrides (key=value), not options; its own are "
+                              "tune.<option>=<value> (specmd tune --help)")
         if not key.startswith("tune."):
             rest.append(arg)
             continue

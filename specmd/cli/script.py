@@ -30,16 +30,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from ..errors import ConfigError
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors (an unknown option, a bad value, a type check below) are a
-    :class:`~specmd.errors.ConfigError` naming the argument, for the one error path; ``--help`` as usual."""
-
-    def error(self, message: str):
-        usage = self.format_usage().strip().removeprefix("usage: ")
-        raise ConfigError(f"{message} (usage: {usage})")
+from ..errors import ArgumentParser, ConfigError  # noqa: F401 (the scripts')
 
 
 def device(value: str) -> str:

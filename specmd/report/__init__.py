@@ -289,8 +289,10 @@ def build(paths: list, out: Optional[str] = None, sweeps: Optional[list] = None,
 
 
 def main(argv: Optional[list] = None) -> int:
-    ap = argparse.ArgumentParser(prog="specmd report", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..errors import ArgumentParser
+
+    ap = ArgumentParser(prog="specmd report", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="*", help="sweep directories, run directories, or parents of them")
     ap.add_argument("--out", help="output directory (default: <path>/report, or ./report for several paths)")
     ap.add_argument("--wandb", metavar="ENTITY/PROJECT", help="log the report to W&B (and read runs from there "

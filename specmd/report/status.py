@@ -11,7 +11,6 @@ directory named on the command line that is no sweep is an error (exit 2)."""
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 from pathlib import Path
@@ -83,7 +82,9 @@ def _sweep_dirs(path: Path) -> tuple[list, bool]:
 def main(argv: Optional[list] = None) -> int:
     """Prints each sweep's counts and its unfinished jobs; exit 0 when every job is done, 1 otherwise (bad input:
     a ConfigError, one line and exit 2 from specmd.cli.outcome)."""
-    ap = argparse.ArgumentParser(prog="specmd status", description=__doc__)
+    from ..errors import ArgumentParser
+
+    ap = ArgumentParser(prog="specmd status", description=__doc__)
     ap.add_argument("paths", nargs="+", help="sweep directories, run directories, or parents of them")
     ap.add_argument("-v", "--verbose", action="store_true", help="list the done jobs too")
     args = ap.parse_args(argv)
