@@ -49,16 +49,17 @@ _absl_never_closes_the_capture()
 
 
 def _sigint_as_python_starts_it():
-    """A background job of a non-interactive shell (``cmd &`` in a script) starts with SIGINT ignored, and
-    Python then leaves it ignored; specmd respects that (only default handlers are replaced: specmd/signals.py),
-    so the tests of Ctrl-C (tests/test_robust.py) would see no signal at all. The tests' process gets Python's
-    own handler, as an interactive start has it."""
+    """A background job of a non-interactive shell (``cmd &`` in a script) starts with SIGINT and SIGQUIT ignored
+    (and ``nohup`` with SIGHUP), and Python then leaves them ignored; specmd respects that (only default handlers
+    are replaced: specmd/signals.py), so the tests of those signals (tests/test_robust.py) would see none at all.
+    The tests' process gets Python's own handlers, as an interactive start has them."""
     import signal
 
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:  # (ignored in a background job as SIGINT is)
-        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+    for s in (signal.SIGQUIT, signal.SIGHUP):  # (ignored in a background job as SIGINT is; SIGHUP under nohup)
+        if signal.getsignal(s) == signal.SIG_IGN:
+            signal.signal(s, signal.SIG_DFL)
 
 
 _sigint_as_python_starts_it()
