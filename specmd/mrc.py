@@ -27,6 +27,14 @@ def split_list(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def list_value(key: str, value: str, notes: list) -> list[str]:
+    """A list option's values (``key=[a,b]`` or ``key=a,b``); a single value, ``key=a``, is the list ``[a]``, and
+    ``notes`` gets a line saying so (the command prints it before any work)."""
+    if not value.strip().startswith("[") and "," not in value:
+        notes.append(f"{key}={value}: one value, taken as the list {key.split('.')[-1]}=[{value.strip()}]")
+    return split_list(value)
+
+
 OPTIONS = ("mrc.capacities", "mrc.out", "mrc.jobs")
 
 
@@ -54,6 +62,7 @@ def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str], int]
     from .pool import check_jobs, default_jobs
 
     policies, caps, out, rest, jobs = ["lru", "lfu", "least_stale", "belady"], DEFAULT_CAPACITIES, None, [], None
+    notes: list = []
     for arg in argv:
         key, _, value = arg.partition("=")
         if key.startswith("-"):
@@ -62,10 +71,10 @@ def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str], int]
         if key.startswith("mrc.") and key not in OPTIONS:
             raise ConfigError(f"{key}: unknown option; valid: {', '.join(OPTIONS)}")
         if key == "eviction":
-            policies = split_list(value)
+            policies = list_value(key, value, notes)
         elif key == "mrc.capacities":
             try:
-                caps = [float(v) for v in split_list(value)]
+                caps = [float(v) for v in list_value(key, value, notes)]
             except ValueError:
                 raise ConfigError(f"mrc.capacities={value!r}: a list of numbers, e.g. [0.01,0.1,0.5]") from None
         elif key == "mrc.out":
@@ -94,6 +103,8 @@ def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str], int]
     if not any(a.startswith("replay.trace=") for a in rest):
         raise ConfigError("specmd mrc needs replay.trace=PATH (a trace from a run with trace.save=true, or an import)")
     out = out or time.strftime("outputs/mrc/%Y-%m-%d/%H-%M-%S-") + unique_suffix()  # as a run's directory
+    for note in notes:  # (the input is valid: how it was read, before any work)
+        print(f"specmd mrc: note: {note}", file=sys.stderr)
     return policies, caps, out, rest, jobs
 
 

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import ConfigError, DataError
-from .mrc import plain_value, split_list
+from .mrc import list_value, plain_value
 
 # group -> choice -> list of parameter overrides (each a tuple of "key=value" strings)
 SPACE = {
@@ -179,13 +179,11 @@ def parse(argv: list[str]) -> tuple[Options, list[str]]:
             raise ConfigError(f"tune.{name}: unknown option; valid: {', '.join(valid)}")
         if not eq:
             raise ConfigError(f"{arg!r}: expected tune.<option>=<value>")
-        if (name in SPACE or name == "capacities") and not value.strip().startswith("[") and "," not in value:
-            opts.notes.append(f"{arg}: one value, taken as the list {name}=[{value.strip()}]")
         try:
             if name in SPACE:
-                opts.choices[name] = split_list(value)
+                opts.choices[name] = list_value(key, value, opts.notes)
             elif name == "capacities":
-                opts.capacities = [float(v) for v in split_list(value)]
+                opts.capacities = [float(v) for v in list_value(key, value, opts.notes)]
             elif name == "out":
                 opts.out = plain_value(key, value)
             elif name in ("objective", "quality_task", "quality_metric"):

@@ -527,6 +527,16 @@ def test_tune_takes_a_single_value_as_a_one_element_list_and_says_so():
                           "tune.eviction=lru: one value, taken as the list eviction=[lru]"]
 
 
+def test_mrc_takes_a_single_value_as_a_one_element_list_and_says_so(capsys):
+    from specmd.mrc import parse
+
+    policies, caps, *_ = parse(["replay.trace=/x", "mrc.capacities=0.05", "eviction=lru"])
+    assert caps == [0.05] and policies == ["lru"]
+    assert capsys.readouterr().err.splitlines() == [
+        "specmd mrc: note: mrc.capacities=0.05: one value, taken as the list capacities=[0.05]",
+        "specmd mrc: note: eviction=lru: one value, taken as the list eviction=[lru]"]
+
+
 def test_tune_replays_a_repeated_capacity_once():
     from specmd.tune import candidates, parse
 
