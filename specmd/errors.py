@@ -10,6 +10,17 @@ PATH_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, e
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
+def file_error(exc: BaseException):
+    """``(exit code, one line naming the path)`` of an ``OSError`` that says the user's path cannot be used (2)
+    or the machine ran out (1); None for any other exception."""
+    if not isinstance(exc, OSError) or exc.errno not in PATH_ERRNOS | FULL_ERRNOS:
+        return None
+    detail = f"{exc.filename}: {exc.strerror}" if exc.filename is not None else str(exc)
+    if exc.filename2 is not None:
+        detail += f" (-> {exc.filename2})"
+    return (1 if exc.errno in FULL_ERRNOS else 2), detail
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the value and the valid choices."""
 

@@ -100,7 +100,7 @@ def job_lock(run_dir: Path):
 
 def rescue(run_dir: Path, name: str, body: dict) -> str:
     """Keep ``body`` (a run's results or failure record) that ``run_dir`` could not take -- a full disk, a
-    directory made read-only mid-run -- in ``<tmp>/specmd-rescue/<run dir's name>-<pid>/<name>``
+    directory made read-only mid-run -- in ``<tmp>/specmd-rescue/<run dir's name>-<pid>-<token>/<name>``
     (:func:`specmd.results.rescue_dir`); when even that fails, print it on stderr. Returns where it went, for the
     message that names it."""
     import sys
@@ -191,7 +191,7 @@ def record_unrecorded(exc: BaseException) -> None:
     Nothing when the job recorded its own ending (``failed.json`` or ``results.json``) or exited by itself."""
     run_dir = OPENED.pop("dir", None)
     if run_dir is None or getattr(exc, "specmd_failed", None) or not isinstance(
-            exc, (Exception, Interrupted, KeyboardInterrupt)) or isinstance(exc, SystemExit):
+            exc, (Exception, Interrupted, KeyboardInterrupt)):  # (SystemExit: the job exited by itself)
         return  # (specmd_failed: the job recorded it, perhaps elsewhere than its directory)
     if isinstance(exc, KeyboardInterrupt):  # a handler not specmd's raised it: a Ctrl-C all the same
         exc = Interrupted(signal.SIGINT)
@@ -228,7 +228,7 @@ def _refusing():
     """A check in a Hydra callback: its :class:`~specmd.errors.ConfigError` is one line and exit 2, a file it
     cannot write (a full disk) one line naming it and the exit code of specmd.cli.outcome's table (Hydra turns an
     exception raised in a callback into a warning and goes on, so the check exits itself)."""
-    from .errors import FULL_ERRNOS, PATH_ERRNOS, ConfigError, say
+    from .errors import ConfigError, file_error, say
 
     try:
         yield
@@ -236,10 +236,11 @@ def _refusing():
         say("specmd", str(exc))
         raise SystemExit(2) from None
     except OSError as exc:
-        if exc.errno not in FULL_ERRNOS | PATH_ERRNOS:
+        known = file_error(exc)
+        if known is None:
             raise
-        say("specmd", f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
-        raise SystemExit(1 if exc.errno in FULL_ERRNOS else 2) from None
+        say("specmd", known[1])
+        raise SystemExit(known[0]) from None
 
 
 def _sweep_end_callback():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from pathlib import Path
 
 SWEEP_LOCK = ".sweep.lock"  # held by the process that launched a sweep, for as long as it runs (SweepEnd)
@@ -36,8 +37,6 @@ def hold_sweep(sweep_dir: Path) -> None:
                           f"end (specmd status {sweep_dir}) or stop that process; a second launch would run its "
                           "pending jobs twice") from None
     HELD["sweep"] = lock
-    import time
-
     write_json_atomic(sweep_dir / SWEEP_RECORD, {"host": socket.gethostname(), "pid": os.getpid(),
                                                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}, keep=False)
 

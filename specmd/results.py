@@ -10,7 +10,6 @@ import math
 import os
 import secrets
 from pathlib import Path
-from typing import Optional
 
 
 def assemble(config: dict, tasks: dict, wall_s: float, provenance: dict, engine=None, executor=None,
@@ -171,11 +170,11 @@ def rescue_dir(directory: Path) -> Path:
     return _RESCUE[key]
 
 
-def keep_elsewhere(path: Path, fill, name: Optional[str] = None) -> tuple:
-    """``fill`` (what would have been ``path``) written to ``<rescue_dir(its directory)>/<name>`` instead:
+def keep_elsewhere(path: Path, fill) -> tuple:
+    """``fill`` (what would have been ``path``) written to ``<rescue_dir(its directory)>/<its name>`` instead:
     ``(where, the phrase naming it)``, where None when that failed too (the phrase says so)."""
     path = Path(path)
-    kept = rescue_dir(path.parent) / (name or path.name)
+    kept = rescue_dir(path.parent) / path.name
     try:
         with atomic_output(kept) as tmp:
             fill(tmp)

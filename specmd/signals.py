@@ -37,8 +37,8 @@ class Interrupted(BaseException):
 
 
 class _Signals:
-    """The signal state of this process: ``pending``, the first signal of :data:`ENDING` received (0: none); ``depth``,
-    how many :func:`signals_raise` blocks are open; ``held``, while ``failed.json`` is written
+    """The signal state of this process: ``pending``, the first signal of :data:`ENDING` received (0: none);
+    ``depth``, how many :func:`signals_raise` blocks are open; ``held``, while ``failed.json`` is written
     (:func:`signals_held`): a signal is recorded, not raised."""
 
     pending = 0

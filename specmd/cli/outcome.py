@@ -32,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import FULL_ERRNOS, PATH_ERRNOS  # noqa: F401 (the table's; the writers read them there)
 
 
 def one_line(text: str) -> str:
@@ -65,7 +64,7 @@ def one_line(text: str) -> str:
 
 def classify(exc: BaseException) -> tuple:
     """``(exit code, message, is a bug)`` for an exception that ended a command."""
-    from ..errors import ConfigError, DataError
+    from ..errors import ConfigError, DataError, file_error
 
     if isinstance(exc, (ConfigError, DataError)):
         return 2, one_line(str(exc)), False
@@ -73,12 +72,9 @@ def classify(exc: BaseException) -> tuple:
         cause = exc.__cause__
         text = str(exc) + (f"\n{cause}" if cause is not None and str(cause) not in str(exc) else "")
         return 2, one_line(text), False
-    if isinstance(exc, OSError) and exc.errno in PATH_ERRNOS | FULL_ERRNOS:
-        where = exc.filename if exc.filename is not None else ""
-        detail = f"{where}: {exc.strerror}" if where else str(exc)
-        if exc.filename2 is not None:
-            detail += f" (-> {exc.filename2})"
-        return (1 if exc.errno in FULL_ERRNOS else 2), detail, False
+    known = file_error(exc)
+    if known is not None:
+        return (*known, False)
     return 1, one_line(f"{type(exc).__name__}: {exc}"), True
 
 
@@ -136,10 +132,11 @@ def report(prog: str, exc: BaseException) -> int:
     """One line for ``exc`` on stderr (a bug's traceback in a file it names); the exit code."""
     from ..signals import Interrupted
 
-    if isinstance(exc, (Interrupted, KeyboardInterrupt)):
-        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-        print(f"{prog}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
-        return 128 + signum
+    if isinstance(exc, KeyboardInterrupt):  # a handler not specmd's raised it: a Ctrl-C all the same
+        exc = Interrupted(signal.SIGINT)
+    if isinstance(exc, Interrupted):
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return exc.exit_code
     if isinstance(exc, SystemExit):  # a command's own exit (argparse's usage error, --help)
         raise exc
     if os.environ.get("HYDRA_FULL_ERROR") == "1" or not isinstance(exc, Exception):
