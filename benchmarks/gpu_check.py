@@ -16,7 +16,7 @@ Sections (each reports its own failure and the next one runs):
 4. **the link**: raw pinned host-to-device bandwidth (the PCIe bound's denominator);
 5. **syncs and launches**: torch.profiler over 8 decode tokens of deep_olmoe at 5% (offload, lru + topk):
    per MoE layer call, kernel launches, ``cudaStreamSynchronize``/``cudaEventSynchronize``/
-   ``cudaDeviceSynchronize`` and device-to-host copies (the CPU proxy, ``specmd.counting``, says 1 sync);
+   ``cudaDeviceSynchronize`` and device-to-host copies (the CPU proxy, ``specmd.gpu_cost``, says 1 sync);
 6. **decode at the link**: deep_olmoe and a Qwen1.5-MoE-A2.7B-shaped random bf16 model (28.6 GB, built in
    memory: ``--quick`` uses 2 layers) offloaded from pinned RAM, throttle off, prefetch topk, at 5% and 25%:
    TTFT, decode tok/s, bytes moved per token, and **% of the PCIe bound** for the bytes moved (link time of
@@ -337,7 +337,7 @@ def calibrate_section(device: str, quick: bool) -> None:
     its profile kept for section 9."""
     import tempfile
 
-    from specmd.calibrate import calibrate
+    from specmd.commands.calibrate import calibrate
 
     t0 = time.perf_counter()
     out = calibrate(tempfile.mkdtemp(), "gpu_check", "deep_olmoe", device, quick, log=lambda m: print(m, flush=True))
@@ -357,7 +357,7 @@ def hybrid_section(name: str, model, device: str, family: str, quick: bool) -> N
     hybrid, throttle off (the real link) -- decode tok/s against the all-fetch bounds (every requested expert
     fetched; at the run's own misses per token), and throttled (the profile's link): measured / simulated TTFT
     and TPOT, the calibrated clock's check on this model."""
-    from specmd.calibrate import measure_host_experts
+    from specmd.commands.calibrate import measure_host_experts
 
     if not CALIBRATED:
         row("hybrid", name, "skipped", "no calibrated profile (the calibrate section failed or was skipped)")
@@ -390,7 +390,7 @@ def fidelity_section(device: str, quick: bool) -> None:
     """``specmd fidelity --quick`` on the calibrated profile (the tiny model's grid: capacity x miss x batch,
     repeats alternated; ``--quick`` here: two cells): the median and p90 |measured / simulated - 1| of TTFT and
     TPOT, the noise, and the ranking of the miss policies."""
-    from specmd.fidelity import QUICK, measure, summarize
+    from specmd.commands.fidelity import QUICK, measure, summarize
 
     if not CALIBRATED:
         row("fidelity", "grid", "skipped", "no calibrated profile (the calibrate section failed or was skipped)")

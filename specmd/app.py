@@ -15,6 +15,7 @@ from .errors import ConfigError
 from .hardware import HardwareConfig
 from .jobs import usable_cores
 from .registry import build_params, check_type
+from .signals import signals_held, signals_raise
 
 log = logging.getLogger("specmd")
 GENERATION_TASKS = ("gsm8k", "nq_open")  # tasks that decode (generate_until); the others only prefill
@@ -311,7 +312,7 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
     progress = _Progress()
     lock = None
     try:
-        with jobs.signals_raise():
+        with signals_raise():
             try:
                 digest = jobs.config_hash(OmegaConf.to_container(cfg, resolve=True))
                 if resume:  # before validation: a job whose config became invalid is not reported done
@@ -339,7 +340,7 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
             except BaseException as exc:
                 exc.specmd_stage = progress.stage  # what the CLI prints, even when failed.json cannot be written
                 if not progress.wrote_results:
-                    with jobs.signals_held():  # a second Ctrl-C cannot cut the record short
+                    with signals_held():  # a second Ctrl-C cannot cut the record short
                         _record_failure(cfg, run_dir, progress, exc)
                 raise
     finally:
@@ -361,14 +362,13 @@ def _record_failure(cfg: DictConfig, run_dir: Path, progress: _Progress, exc: Ba
 
 
 def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progress: _Progress) -> dict:
-    from . import jobs
     from .eval.mirror import mirrored, require_hub_for, resolve_mirror, set_offline
     from .loggers import build_logger
 
     logger = build_logger(run.raw.get("logger"), group)
     if run.replay.trace:
         from .replay.driver import replay
-        from .record import KEYWORD
+        from .recorder import KEYWORD
 
         progress.stage = "replay"
         if run.replay.trace == KEYWORD:
@@ -436,7 +436,7 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
             tasks = evaluate(model, tokenizer, run.eval, device=run.device,
                              live=stack.live if stack is not None else None)
     finally:
-        with jobs.signals_held():  # the hooks removed and the trace closed whole, whatever a second Ctrl-C does
+        with signals_held():  # the hooks removed and the trace closed whole, whatever a second Ctrl-C does
             if stack is not None:
                 stack.remove()
                 if stack.writer is not None:
@@ -458,9 +458,9 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
 
 def recorded_trace(run: Run) -> str:
     """``replay.trace=record``: the trace of ``run``'s model and tasks, recorded live by :func:`execute`
-    unless the trace cache holds it (:mod:`specmd.record` decides the key and the lock; the app
+    unless the trace cache holds it (:mod:`specmd.recorder` decides the key and the lock; the app
     orchestrates record-then-replay)."""
-    from .record import recorded_trace as cached
+    from .recorder import recorded_trace as cached
 
     return cached(run, lambda cfg, out: execute(OmegaConf.create(cfg), run_dir=str(out)))
 

@@ -4,7 +4,7 @@ The engine (:mod:`specmd.engine`) imports nothing above it: it receives a :class
 whose policy classes were looked up here, in the registries, and the timing geometry that
 ``hardware.timing_as`` names, read here from the shipped model configs. :func:`build_spec` is the one
 builder of a spec: ``specmd.app`` (a run, from its validated config), :func:`stack_spec` (config mappings:
-the drivers' callers ``specmd.train_eviction``, ``specmd.calibrate``, benchmarks) and :func:`spec_of` (code
+the drivers' callers ``specmd.commands.train_eviction``, ``specmd.commands.calibrate``, benchmarks) and :func:`spec_of` (code
 and tests) all end there. A family left out takes its default from ``specmd/conf/config.yaml`` (as the
 hardware does, :func:`specmd.hardware.default_profile`): the defaults have one home.
 """

@@ -16,7 +16,7 @@ held skips the job as running elsewhere instead of writing into the same directo
 Failures. Every failure writes ``failed.json`` (:func:`write_failed`): the stage that failed (``config``,
 ``load``, ``stack`` -- which quantizes the experts --, ``evaluate``, ``replay``, ``write``), the error, and
 the signal when one stopped the job (every signal of :data:`specmd.signals.ENDING` is turned into an exception
-by :func:`signals_raise`; a job that ended before it could say so, in the instant between Hydra making its
+by :func:`specmd.signals.signals_raise`; a job that ended before it could say so, in the instant between Hydra making its
 directory and the job starting, gets one from :func:`record_unrecorded`; SIGKILL leaves no ``failed.json``
 and the job counts as interrupted).
 ``results.json`` is written only by a job that succeeded.
@@ -24,45 +24,19 @@ and the job counts as interrupted).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import re
 import signal
-import socket
 from pathlib import Path
 from typing import Optional
 
-from .liveness import hold_sweep, release_sweep, sweep_live, sweep_runner  # noqa: F401 (a sweep's)
-from .signals import SIGNALS, Interrupted, check_interrupt, signals_held, signals_raise  # noqa: F401 (the job's)
+from .signals import Interrupted, signals_held
 
 STAGES = ("config", "load", "stack", "evaluate", "replay", "write")
 # keys that do not change a job's numbers, left out of its config hash (data: where the mirror lies)
 UNHASHED = ("logger", "threads", "data")
-_NAME_CHARS = re.compile(r"[^A-Za-z0-9=,._+-]+")
 
-
-def unique_suffix() -> str:
-    """``<host>-<pid>``: no two processes running at the same time share it, on one machine or several."""
-    return f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
-
-
-def job_dirname(override_dirname: str) -> str:
-    """A sweep job's directory name: its overrides, readable and capped at 80 characters, plus 8 hex digits
-    of their hash (so two jobs that differ only past the cap, or only in characters replaced here, still get
-    their own directory)."""
-    digest = hashlib.sha256(override_dirname.encode()).hexdigest()[:8]
-    readable = _NAME_CHARS.sub("_", override_dirname)[:80] or "job"
-    return f"{readable}-{digest}"
-
-
-def register_resolvers() -> None:
-    from omegaconf import OmegaConf
-
-    # use_cache: one value per config, copied with Hydra's resolver cache into each job's config
-    OmegaConf.register_new_resolver("specmd_unique", unique_suffix, use_cache=True, replace=True)
-    OmegaConf.register_new_resolver("specmd_job", job_dirname, replace=True)
 
 
 def config_hash(resolved: dict) -> str:
@@ -158,28 +132,6 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def torch_threads(requested: Optional[int], launcher: dict) -> Optional[int]:
-    """Intra-op threads for one job: ``threads`` when set; else the cores this process may use divided by
-    the jobs its launcher runs beside it on one machine (joblib's ``n_jobs``), or the task's CPUs (submitit's
-    ``cpus_per_task``, Ray's ``num_cpus``); None (torch's default, every core) for a job running alone. Two
-    jobs each spinning every core of a small machine ran 10-19x slower than with one thread each."""
-    if requested is not None:
-        return requested
-    target = str(launcher.get("_target_", "")).lower()
-    cores = usable_cores()
-    if "joblib" in target:
-        n = launcher.get("n_jobs") or -1
-        n = cores if n < 0 else n
-        return max(1, cores // max(1, n))
-    if "submitit" in target:  # SLURM gives a task one CPU unless cpus_per_task asks for more; submitit's
-        return launcher.get("cpus_per_task") or 1  # local executor runs every task at once
-    if "ray" in target:
-        cpus = ((launcher.get("ray") or {}).get("remote") or {}).get("num_cpus")
-        return int(cpus) if cpus else 1  # Ray's default task reserves one CPU
-    return None
-
-
-SWEEP_EXIT = {"code": 0}  # set by SweepEnd in the process that launched the sweep
 OPENED: dict = {}  # "dir": the run directory Hydra made for the job this process is starting, "sweep": the sweep's
 # directory (SweepEnd sets them)
 
@@ -223,111 +175,3 @@ def claim_run_dir(run_dir: Path, marker: str) -> None:
                           "that directory") from None
 
 
-@contextlib.contextmanager
-def _refusing():
-    """A check in a Hydra callback: its :class:`~specmd.errors.ConfigError` is one line and exit 2, a file it
-    cannot write (a full disk) one line naming it and the exit code of specmd.cli.outcome's table (Hydra turns an
-    exception raised in a callback into a warning and goes on, so the check exits itself)."""
-    from .errors import ConfigError, file_error, say
-
-    try:
-        yield
-    except ConfigError as exc:
-        say("specmd", str(exc))
-        raise SystemExit(2) from None
-    except OSError as exc:
-        known = file_error(exc)
-        if known is None:
-            raise
-        say("specmd", known[1])
-        raise SystemExit(known[0]) from None
-
-
-def _sweep_end_callback():
-    from hydra.experimental.callback import Callback
-
-    from .errors import ConfigError
-
-    class SweepEnd(Callback):
-        """After a multirun, in the launching process, whatever the launcher: reads the sweep directory
-        (``specmd status``) and sets the exit code: 0 when every job is done, 2 when only config or data
-        errors failed jobs (``failed.json``'s ``kind``), 1 otherwise (as a single run exits)."""
-
-        def on_run_start(self, config, **kwargs) -> None:
-            """A single run's directory is claimed for it (:func:`claim_run_dir`) before Hydra writes there."""
-            with _refusing():
-                run_dir = Path(str(config.hydra.run.dir)).absolute()
-                claim_run_dir(run_dir, str(config.hydra.output_subdir or ".specmd-run"))
-            OPENED["dir"] = run_dir  # from now on, however the job ends, the directory says so (failed.json)
-
-        def on_job_start(self, config, **kwargs) -> None:
-            """A sweep's job directory, once Hydra has made it and saved its config there (a single run's: as soon
-            as it exists, on_run_start), in the process that runs the job (a launcher's worker too)."""
-            OPENED["dir"] = Path(str(config.hydra.runtime.output_dir))
-
-        def on_job_end(self, config, job_return=None, **kwargs) -> None:
-            OPENED.pop("dir", None)  # recorded by the job itself (results.json or failed.json)
-
-        def on_multirun_start(self, config, **kwargs) -> None:
-            """The launcher's own settings, before it starts a job: a value it would fail on with a traceback
-            (joblib's ``n_jobs=0``) is one line and exit code 2, like a job's config error."""
-            import shutil
-
-            from omegaconf import OmegaConf
-
-            launcher = OmegaConf.to_container(config.hydra.launcher, resolve=True) or {}
-            target = str(launcher.get("_target_", "")).lower()
-            errors = []
-            if "joblib" in target and launcher.get("n_jobs") == 0:
-                errors.append("hydra.launcher.n_jobs=0 runs no job: set a number of parallel jobs >= 1, or -1 for "
-                              "one per core")
-            for key in ("jobs_per_task", "cpus_per_task", "tasks_per_node", "nodes", "timeout_min",
-                        "array_parallelism"):  # submitit's: a zero ran nothing, or failed "No error stream"
-                v = launcher.get(key)
-                if isinstance(v, int) and not isinstance(v, bool) and v < 1:
-                    errors.append(f"hydra.launcher.{key}={v} must be >= 1")
-            for key in ("mem_gb", "gpus_per_node"):
-                v = launcher.get(key)
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and (v < 0 or key == "mem_gb" and v == 0):
-                    errors.append(f"hydra.launcher.{key}={v} must be " + (">= 0" if key == "gpus_per_node" else
-                                                                           "> 0 (GB per task), or null"))
-            if "slurm" in target and shutil.which("srun") is None:  # submitit's own check is a traceback per job
-                errors.append("hydra/launcher: SLURM's srun is not on this machine's PATH (submitit submits with "
-                              "sbatch and runs with srun): launch from a SLURM login node, or use "
-                              "hydra/launcher=specmd_joblib (this machine's cores) or specmd_submitit_local")
-            with _refusing():
-                if errors:
-                    raise ConfigError("; ".join(errors))
-                from .results import writable_dir  # a sweep directory is reused (resume): writable is enough
-
-                sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
-                writable_dir(sweep_dir, f"hydra.sweep.dir={sweep_dir}")
-                hold_sweep(sweep_dir)  # status tells its pending jobs from missing ones; a second launch is refused
-            OPENED["sweep"] = sweep_dir
-
-        def on_multirun_end(self, config, **kwargs) -> None:
-            import sys
-
-            from .report.collect import load_sweep
-            from .report.status import job_state
-
-            release_sweep()  # (the sweep has ended: a status probe from now on finds no launcher)
-            sweep_dir = Path(str(config.hydra.sweep.dir))
-            states = [(job_state(j), j) for j in load_sweep(sweep_dir).jobs]
-            bad = [(s, j) for s, j in states if s != "done"]
-            print(f"specmd: sweep {sweep_dir}: {len(states) - len(bad)} of {len(states)} jobs done"
-                  + ("; not done: " + ", ".join(f"{' '.join(j.overrides)} ({s})" for s, j in bad) if bad else ""),
-                  file=sys.stderr)
-            if bad:
-                only_input = all(s == "failed" and j.results.get("kind") in ("config", "data") for s, j in bad)
-                SWEEP_EXIT["code"] = 2 if only_input else 1
-                print("specmd: see `specmd status " + str(sweep_dir) + "`; re-launching the same command with "
-                      f"hydra.sweep.dir={sweep_dir} runs only the jobs not done", file=sys.stderr)
-
-    return SweepEnd
-
-
-def __getattr__(name):  # hydra.callbacks' _target_ specmd.jobs.SweepEnd, defined lazily (imports Hydra)
-    if name == "SweepEnd":
-        return _sweep_end_callback()
-    raise AttributeError(name)

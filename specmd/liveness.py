@@ -2,7 +2,7 @@
 ``<sweep dir>/.sweep.lock`` (a ``filelock``: the OS releases a dead process's lock, so a killed launcher never
 leaves a sweep "running") and records itself in ``.sweep.json``; each job holds its directory's ``.lock``
 while it runs (:func:`specmd.jobs.job_lock`). A module of its own, below :mod:`specmd.jobs` and
-:mod:`specmd.report.status`, which both read it. (``status`` 20 s into a 4-job sweep said "0 running, 3
+:mod:`specmd.commands.status`, which both read it. (``status`` 20 s into a 4-job sweep said "0 running, 3
 missing" and offered a resume command that would have run them twice.)"""
 
 from __future__ import annotations

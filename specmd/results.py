@@ -118,6 +118,13 @@ def writable_dir(path, what: str) -> Path:
     return path
 
 
+def unique_suffix() -> str:
+    """``<host>-<pid>``: no two processes running at the same time share it, on one machine or several."""
+    import socket
+
+    return f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
+
+
 def output_dir(path, option: str, holds: str) -> Path:
     """A command's output directory ``option=path``, checked before any work (:func:`writable_dir`) and not
     created until something is written there (an error later leaves no empty directory). One holding

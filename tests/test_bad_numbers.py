@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from specmd.cli.outcome import guarded
+from specmd.outcome import guarded
 from hydra import compose, initialize_config_dir
 
 from specmd import CONF_DIR
@@ -299,7 +299,7 @@ def test_a_figure_that_is_not_finite_fails_the_run_instead_of_writing_null(tmp_p
 
 
 def test_specmd_mrc_rejects_repeated_or_non_finite_points_and_unknown_policies():
-    from specmd.mrc import parse
+    from specmd.commands.mrc import parse
 
     trace = "replay.trace=/nonexistent"  # parse checks the arguments only
     with pytest.raises(ConfigError, match=r"mrc.capacities: \[nan\] must be fractions"):
@@ -313,7 +313,7 @@ def test_specmd_mrc_rejects_repeated_or_non_finite_points_and_unknown_policies()
 
 
 def test_a_sweep_directory_whose_multirun_yaml_is_garbage_is_a_clear_error(tmp_path):
-    from specmd.report.collect import load_sweep
+    from specmd.commands.report.collect import load_sweep
 
     (tmp_path / "multirun.yaml").write_bytes(bytes(range(256)) * 2)
     with pytest.raises(ConfigError, match="its multirun.yaml or .hydra files cannot be read as a Hydra sweep"):
@@ -355,7 +355,7 @@ def test_a_sweep_whose_launcher_would_run_no_job_is_one_line_and_exit_2(tmp_path
 
 
 def test_calibrate_rejects_an_unknown_model_on_stderr_before_measuring(capsys):
-    from specmd.calibrate import main
+    from specmd.commands.calibrate import main
 
     assert guarded("specmd calibrate", main, ["--model", "gpt9", "--quick"]) == 2
     out = capsys.readouterr()

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from specmd.cli.outcome import guarded
+from specmd.outcome import guarded
 import torch
 
 from conftest import ROOT
@@ -50,7 +50,7 @@ def test_out_dir_profile_needs_searchpath(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from specmd import CONF_DIR
-    from specmd.calibrate import _yaml
+    from specmd.commands.calibrate import _yaml
 
     hw = tmp_path / "prof" / "hardware"
     hw.mkdir(parents=True)
@@ -61,7 +61,7 @@ def test_out_dir_profile_needs_searchpath(tmp_path):
 
 
 def test_link_fit_recovers_latency_and_bandwidth():
-    from specmd.calibrate import _fit_link, _nnls
+    from specmd.commands.calibrate import _fit_link, _nnls
 
     pts = [(n, 20e-6 + n / 8e9) for n in (1 << 18, 1 << 20, 1 << 22, 1 << 24)]
     bw, lat = _fit_link(pts)
@@ -157,7 +157,7 @@ def test_policy_decisions_measured_per_layer_call():
     each one a live generation can run, the oracles named with the reason. How large a cost is (score
     prefetch dearer than lru+topk) is a timing, which `specmd calibrate` prints as a figure: asserting it
     here failed on a saturated machine."""
-    from specmd.calibrate import measure_policies
+    from specmd.commands.calibrate import measure_policies
     from specmd.hardware import HardwareConfig
     from specmd.policies import REGISTRIES
 
@@ -185,7 +185,7 @@ def test_overhead_fit_predicts_its_passes():
     """The fitted overheads make the simulated clock predict the offloaded passes they were fitted on: every
     prefill size and the decodes, within a relative RMS error that a bad fit (one term forced to zero or a
     single noisy pass) does not reach on a quiet machine."""
-    from specmd.calibrate import PROMPTS, fit_overheads, measure_compute
+    from specmd.commands.calibrate import PROMPTS, fit_overheads, measure_compute
 
     flops, mem, _ = measure_compute(torch.device("cpu"))
     hw = {"capacity": 0.05, "bandwidth_gbps": 10.0, "latency_us": 5.0, "peak_tflops": flops / 1e12,
@@ -199,7 +199,7 @@ def test_overhead_fit_predicts_its_passes():
 def test_ram_link_is_measured_through_the_offload_tiers_copies():
     """The link measurement copies rows of a RamTier into a slot as a fetch does (it broke silently when the
     tier's layout changed: the quick calibration that would have noticed is a slow test)."""
-    from specmd.calibrate import measure_ram_link
+    from specmd.commands.calibrate import measure_ram_link
 
     bw, lat = measure_ram_link(torch.device("cpu"), reps=2, sizes=(64 << 10, 256 << 10, 1 << 20), source_bytes=4 << 20)
     assert np.isfinite(bw) and bw > 1e8 and 0.0 <= lat < 0.1
@@ -208,7 +208,7 @@ def test_ram_link_is_measured_through_the_offload_tiers_copies():
 def test_host_costs_fitted_from_the_host_banks_of_a_run():
     from types import SimpleNamespace
 
-    from specmd.calibrate import _fit_host
+    from specmd.commands.calibrate import _fit_host
 
     geom = SimpleNamespace(expert_params=1000, expert_bytes=4000)
     hw = {"host_tflops": 1e-6, "host_mem_bandwidth_gbps": 1.0}  # 2 pairs of 1000 params: 4 ms; 4 kB: 4 us
@@ -224,7 +224,7 @@ def test_host_costs_fitted_from_the_host_banks_of_a_run():
 
 
 def test_host_experts_timed_on_the_models_own_experts():
-    from specmd.calibrate import _load, measure_host_experts
+    from specmd.commands.calibrate import _load, measure_host_experts
 
     model, cfg = _load("tiny")
     hw = {"host_tflops": 0.1, "host_mem_bandwidth_gbps": 20.0}
@@ -267,7 +267,7 @@ def test_steady_host_allocator_applies_once():
 @pytest.fixture
 def no_measuring(monkeypatch):
     """Every measurement of calibrate fails the test: what these tests check must be rejected before."""
-    import specmd.calibrate as cal
+    import specmd.commands.calibrate as cal
 
     def measured(*a, **k):
         raise AssertionError("calibrate measured before rejecting its arguments")
@@ -284,7 +284,7 @@ def stub_measuring(monkeypatch, tmp_path):
     it checks and writes, not what it measures)."""
     from types import SimpleNamespace
 
-    import specmd.calibrate as cal
+    import specmd.commands.calibrate as cal
     from specmd.executor import base
 
     # (saved measurements: this test's own, beside its directory, whose every file the tests list)
@@ -323,7 +323,7 @@ def test_bad_profile_names_rejected_before_measuring(tmp_path, capsys, no_measur
     """--name is a file name in DIR/hardware that hardware=<name> selects: no path, no override syntax, not a
     shipped profile (specmd's configs come first on the search path); one line, exit 2, nothing written, and
     the name it suggests is itself valid."""
-    from specmd.calibrate import check_name, main
+    from specmd.commands.calibrate import check_name, main
 
     assert guarded("specmd calibrate", main, ["--out", str(tmp_path / "out"), f"--name={name}", "--quick"]) == 2  # (= : "-x" is no option)
     err = capsys.readouterr().err
@@ -340,7 +340,7 @@ def test_a_shipped_profile_name_would_select_the_shipped_profile(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from specmd import CONF_DIR
-    from specmd.calibrate import _yaml
+    from specmd.commands.calibrate import _yaml
 
     hw = tmp_path / "hardware"
     hw.mkdir()
@@ -351,7 +351,7 @@ def test_a_shipped_profile_name_would_select_the_shipped_profile(tmp_path):
 
 
 def test_default_name_is_a_valid_name(monkeypatch):
-    import specmd.calibrate as cal
+    import specmd.commands.calibrate as cal
 
     for host in ("my-box.lab.example.org", "über box", "", "1", "x" * 300):
         monkeypatch.setattr(cal.platform, "node", lambda host=host: host)
@@ -363,7 +363,7 @@ def test_out_that_is_no_writable_directory_rejected_before_measuring(tmp_path, c
     """--out an existing file, a path under a file, DIR/hardware a file, a profile path that is a directory,
     a directory that cannot be written (simulated: root writes a chmod'ed one): one line naming the path and
     what is wrong, exit 2, before any measurement."""
-    from specmd.calibrate import main
+    from specmd.commands.calibrate import main
 
     f = tmp_path / "afile"
     f.write_text("x")
@@ -398,7 +398,7 @@ def test_a_hub_model_offline_is_a_data_error_before_measuring(tmp_path, monkeypa
     before the minutes of measuring, not a traceback after them; a shipped checkpoint needs no hub."""
     import huggingface_hub
 
-    from specmd.calibrate import check_model, main
+    from specmd.commands.calibrate import check_model, main
     from specmd.errors import DataError
     from specmd.eval import mirror
 
@@ -416,8 +416,8 @@ def _interrupt_mid_write(monkeypatch, after: int = 0):
     """The writer writes half of the (after+1)-th file it is given, then the job is interrupted."""
     import signal
 
-    import specmd.calibrate as cal
-    from specmd.jobs import Interrupted
+    import specmd.commands.calibrate as cal
+    from specmd.signals import Interrupted
 
     real, calls = cal._write_fd, []
 
@@ -436,8 +436,8 @@ def _interrupt_mid_write(monkeypatch, after: int = 0):
 def test_an_interrupted_calibrate_leaves_no_half_profile(tmp_path, monkeypatch, stub_measuring, after):
     """Interrupted while writing the profile (or its _disk twin): no profile under either name, no
     temporary file, and a profile calibrated before is left as it was; uninterrupted, both are written."""
-    from specmd.calibrate import calibrate
-    from specmd.jobs import Interrupted
+    from specmd.commands.calibrate import calibrate
+    from specmd.signals import Interrupted
 
     calls = _interrupt_mid_write(monkeypatch, after)
     with pytest.raises(Interrupted):
@@ -457,7 +457,7 @@ def test_calibrate_writes_both_profiles_whole(tmp_path, stub_measuring):
     from hydra import compose, initialize_config_dir
 
     from specmd import CONF_DIR
-    from specmd.calibrate import calibrate
+    from specmd.commands.calibrate import calibrate
 
     out = tmp_path / "my profiles, v2"  # (a space and a comma: quoted for the shell and for Hydra)
     said = []
@@ -476,8 +476,8 @@ def test_a_real_signal_while_writing_leaves_no_half_profile(tmp_path, monkeypatc
     """SIGTERM arriving mid-write under the dispatcher's handler (signals_raise): Interrupted, nothing left."""
     import signal
 
-    import specmd.calibrate as cal
-    from specmd.jobs import SIGNALS, Interrupted, signals_raise
+    import specmd.commands.calibrate as cal
+    from specmd.signals import SIGNALS, Interrupted, signals_raise
 
     real = cal._write_fd
 
@@ -502,7 +502,7 @@ def test_a_real_signal_while_writing_leaves_no_half_profile(tmp_path, monkeypatc
 def test_write_atomic_failure_leaves_no_temporary(tmp_path, monkeypatch):
     """An error in the write or in a rename (disk full, a race): the temporaries go; the disk probe of the
     link measurement is written the same way (an interrupted probe is never a short file)."""
-    import specmd.calibrate as cal
+    import specmd.commands.calibrate as cal
 
     real = os.replace
     n = []
@@ -519,7 +519,7 @@ def test_write_atomic_failure_leaves_no_temporary(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", real)
     assert _leftovers(tmp_path) == ["a.yaml"] and (tmp_path / "a.yaml").read_text() == "a: 1\n"
     _interrupt_mid_write(monkeypatch)
-    from specmd.jobs import Interrupted
+    from specmd.signals import Interrupted
 
     with pytest.raises(Interrupted):
         cal.measure_disk_link(torch.device("cpu"), tmp_path / "probe" / "disk-probe.bin")
@@ -536,7 +536,7 @@ def test_printed_command_reads_back_the_directory(out):
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from specmd.calibrate import use_command
+    from specmd.commands.calibrate import use_command
 
     assert use_command("box", None) == "hardware=box"
     words = shlex.split(use_command("box", Path(out)))

@@ -114,8 +114,8 @@ def test_failed_run_leaves_no_results_json(tmp_path, mirror):  # test_bad_number
 @pytest.mark.slow  # (23 s: the CLI chain; training from a trace and its held-out replay stay in test_eviction)
 def test_trace_save_feeds_ml_eviction_training(tmp_path, mirror):
     from specmd.replay.trace import read_trace
-    from specmd.train_eviction import layer_steps
-    from specmd.train_eviction import main as train_eviction
+    from specmd.commands.train_eviction import layer_steps
+    from specmd.commands.train_eviction import main as train_eviction
 
     r = specmd(["trace.save=true", "eviction=ml", *FAST], tmp_path, mirror)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from specmd.modelcard import routing_failures
+from specmd.commands.card import routing_failures
 from specmd.models.loader import ASSETS, ModelConfig, load_model
 
 # asset -> (family, size limit in MiB, MoE layers, experts, top-k, ships eviction=ml networks)
@@ -47,7 +47,7 @@ def test_perplexity_matches_model_card(shipped, mirror):
 
 
 def test_routing_is_trained_not_degenerate(shipped, mirror):
-    from specmd.modelcard import routing_stats, wikitext_test_pages
+    from specmd.commands.card import routing_stats, wikitext_test_pages
 
     _, model, tok = shipped
     stats = routing_stats(model, tok, wikitext_test_pages(mirror), max_tokens=8192)
@@ -71,7 +71,7 @@ def test_routing_bounds_name_what_fails():
 
 
 def test_reference_statistics_of_the_real_models(mirror):
-    from specmd.modelcard import reference_layers, reference_stats
+    from specmd.commands.card import reference_layers, reference_stats
 
     olmoe, mixtral = reference_stats(mirror, "olmoe"), reference_stats(mirror, "mixtral")
     assert olmoe["tokens"] == mixtral["tokens"] == 5 * 208_896  # five domains, the provenance's token count

@@ -828,7 +828,7 @@ def test_train_eviction_steps_are_layer_calls_and_holdout_rates_are_a_replays(tm
 
     from specmd.engine.store import StoreSizes
     from specmd.replay.trace import Trace, TraceMeta
-    from specmd.train_eviction import dataset, layer_steps, main
+    from specmd.commands.train_eviction import dataset, layer_steps, main
 
     # Belady labels on a hand trace (E = 3, k = 1): 0, 1, 0, 2 -> at t=0 expert 0 is next used at t=2 (d=2)
     x, y = dataset(np.array([[0], [1], [0], [2]]), 3, cap=4)

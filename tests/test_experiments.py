@@ -10,9 +10,9 @@ from omegaconf import OmegaConf
 from specmd import CONF_DIR
 from specmd import shipped
 from specmd.app import Run
-from specmd.report.collect import expected_jobs
-from specmd.report.figures import KEYS, KINDS
-from specmd.report.verdicts import parse_spec
+from specmd.commands.report.collect import expected_jobs
+from specmd.commands.report.figures import KEYS, KINDS
+from specmd.commands.report.verdicts import parse_spec
 
 CONF = Path(CONF_DIR)
 EXPERIMENTS = shipped.experiments()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import mirror_path
-from specmd.report import build
+from specmd.commands.report import build
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

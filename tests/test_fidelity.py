@@ -102,7 +102,7 @@ def test_the_link_runs_at_the_rate_of_the_models_expert_size(geom_small):
 def test_the_link_fit_finds_a_knee_where_small_copies_run_faster():
     """Copies at 12 GB/s up to 4 MiB and 7.5 beyond, 40 us each: the fit recovers all four figures; an affine
     link (one rate) gets no knee."""
-    from specmd.calibrate import SIZES, _fit_link
+    from specmd.commands.calibrate import SIZES, _fit_link
 
     K = 4 << 20
     rep = {}
@@ -125,7 +125,7 @@ def test_the_kernel_fit_finds_the_one_row_rate():
     """Points made by the clock's own roofline with a GEMV rate (0.15 TFLOP/s -- compute-bound at 128 rows, so
     the peak and the serial share are each identifiable --, 8 GB/s, one row at 16, serial 1, 10 us a call):
     the fit recovers each."""
-    from specmd.calibrate import KERNEL_SHAPES, KERNEL_TOKENS, _fit_kernel
+    from specmd.commands.calibrate import KERNEL_SHAPES, KERNEL_TOKENS, _fit_kernel
 
     pts = []
     for h, f in KERNEL_SHAPES:
@@ -229,7 +229,7 @@ def test_calibrate_reuses_its_measurements_unless_asked(tmp_path, monkeypatch):
     profile; --remeasure measures again; another model is another key."""
     from types import SimpleNamespace
 
-    import specmd.calibrate as cal
+    import specmd.commands.calibrate as cal
     from specmd.executor import base
 
     monkeypatch.setenv("SPECMD_CACHE", str(tmp_path / "cache"))
@@ -269,7 +269,7 @@ def test_calibrate_reuses_its_measurements_unless_asked(tmp_path, monkeypatch):
 def test_drift_is_the_machines_speed_now_against_the_calibrations():
     """Time now / then per probe figure; nothing to compare with for a profile without a probe. The probe
     itself measures positive microseconds of both kinds."""
-    from specmd.calibrate import drift, speed_probe
+    from specmd.commands.calibrate import drift, speed_probe
 
     assert drift({"kernel_us": 100.0, "python_us": 50.0}, {"kernel_us": 125.0, "python_us": 45.0}) == \
         {"kernel_us": 1.25, "python_us": 0.9}
@@ -281,7 +281,7 @@ def test_drift_is_the_machines_speed_now_against_the_calibrations():
 def test_the_written_profile_reads_back_with_its_provenance(tmp_path):
     import yaml
 
-    from specmd.calibrate import _yaml
+    from specmd.commands.calibrate import _yaml
 
     on = {"host": "vm", "device": "cpu", "model": "tiny", "kernel_bytes": [1.0, 2.0], "expert_bytes": 3}
     text = _yaml("p", {"bandwidth_gbps": 3.5, "roofline_serial": 0.5, "calibrated_on": on}, ["test"])
@@ -298,7 +298,7 @@ def _run(wall, sim, waits_w=0.0, waits_s=0.0):
 def test_cell_error_noise_and_components_by_hand():
     """Repeats 1.1, 1.2, 1.5 s walls against 1.0 s simulated: the median 1.2 (+20%), the noise (1.5 - 1.1) /
     1.2 = 33% > 20%: noise-bound; the waits' share (0.3 - 0.1) / 1.0 and compute's the rest."""
-    from specmd.fidelity import cell_report
+    from specmd.commands.fidelity import cell_report
 
     r = cell_report([_run(1.1, 1.0, 0.3, 0.1), _run(1.5, 1.0, 0.3, 0.1), _run(1.2, 1.0, 0.3, 0.1)])["tpot"]
     assert r["err"] == pytest.approx(0.2) and r["noise"] == pytest.approx(0.4 / 1.2) and r["noise_bound"]
@@ -311,7 +311,7 @@ def test_cell_error_noise_and_components_by_hand():
 def test_ranking_counts_ties_inside_the_noise():
     """Group 1: fetch measured faster than hybrid by 50% but simulated slower: disagrees. Group 2: the same
     order flipped by only 5%, inside a 10% noise: a tie, agrees."""
-    from specmd.fidelity import Cell, ranking
+    from specmd.commands.fidelity import Cell, ranking
 
     def tp(wall, sim, noise):
         return {"tpot": {"wall_s": wall, "sim_s": sim, "noise": noise}}
@@ -328,7 +328,7 @@ def test_ranking_counts_ties_inside_the_noise():
 def test_the_table_says_how_far_the_machine_drifted_since_calibration():
     """The drift line: each figure's time now / then at the start and the end; a profile without a probe says
     so instead of a figure."""
-    from specmd.fidelity import Cell, cell_report, summarize, table
+    from specmd.commands.fidelity import Cell, cell_report, summarize, table
 
     run = lambda w: {**_run(w, 1.0), "prefill": _run(w, 1.0)["decode"]}  # noqa: E731
     cells = {"a": cell_report([run(1.1), run(1.2), run(1.3)])}
@@ -342,7 +342,7 @@ def test_the_table_says_how_far_the_machine_drifted_since_calibration():
 def test_fidelity_runs_a_grid_on_the_tiny_model():
     """Two cells of the real thing (tiny, 5%, fetch and hybrid, batch 2): each cell's both figures, a positive
     wall and simulated time, three repeats, components that add up to the error, the grid's summary."""
-    from specmd.fidelity import measure, summarize
+    from specmd.commands.fidelity import measure, summarize
 
     hw = HardwareConfig(name="t").__dict__ | {"bandwidth_gbps": 5.0}
     hw.pop("name")
@@ -366,7 +366,7 @@ def test_fidelity_runs_a_grid_on_the_tiny_model():
     (["--device", "tpu"], "tpu"),
 ])
 def test_bad_fidelity_arguments_refused_before_any_run(argv, match, monkeypatch):
-    import specmd.fidelity as fid
+    import specmd.commands.fidelity as fid
 
     monkeypatch.setattr(fid, "measure", lambda *a, **k: pytest.fail("measured before refusing"))
     with pytest.raises(ConfigError, match=match):

@@ -60,7 +60,7 @@ def test_submitit_local_batched_equals_serial(serial, tmp_path, mirror):
 
 
 def test_torch_threads_share_the_cores():
-    from specmd.jobs import torch_threads
+    from specmd.cli.launch import torch_threads
 
     cores = len(os.sched_getaffinity(0))
     assert torch_threads(3, {"_target_": "x.JoblibLauncher", "n_jobs": 2}) == 3  # asked for: kept

@@ -93,8 +93,65 @@ def test_no_import_circle():
 def test_imports_are_resolved():  # the checks above see real edges (a broken resolver would pass them vacuously)
     assert "specmd.engine.store" in GRAPH["specmd.engine.engine"]
     assert "specmd.compose" in GRAPH["specmd.app"]
-    assert "specmd.replay.driver" in GRAPH["specmd.train_eviction"]
-    assert "specmd.replay.driver" in GRAPH["specmd.pool"] and "specmd.app" in GRAPH["specmd.mrc"]
+    assert "specmd.replay.driver" in GRAPH["specmd.commands.train_eviction"]
+    assert "specmd.replay.driver" in GRAPH["specmd.pool"] and "specmd.app" in GRAPH["specmd.commands.mrc"]
+
+
+# The floors of the house, bottom first (docs/architecture.md "The map"). A module imports only from its own floor
+# or the floors below; a new module is placed on a floor here, or the test names it.
+FLOORS = (
+    ("foundation", ("specmd", "specmd.native", "specmd.errors", "specmd.signals", "specmd.outcome",
+                    "specmd.results", "specmd.liveness", "specmd.registry", "specmd.shipped")),
+    ("engine", ("specmd.engine",)),
+    ("domain", ("specmd.policies", "specmd.quant", "specmd.hardware", "specmd.models", "specmd.eval",
+                "specmd.loggers", "specmd.summary", "specmd.provenance", "specmd.executor", "specmd.gpu_cost")),
+    ("drivers", ("specmd.hook", "specmd.replay")),
+    ("runs", ("specmd.compose", "specmd.app", "specmd.recorder", "specmd.pool", "specmd.jobs")),
+    ("commands", ("specmd.commands",)),
+    ("command line", ("specmd.cli", "specmd.__main__")),
+)
+
+
+def floor_of(module: str) -> int:
+    """The floor of ``module``: its longest-prefix package in :data:`FLOORS` (``specmd`` itself is the package's
+    ``__init__`` only)."""
+    best, at = -1, None
+    for i, (_, homes) in enumerate(FLOORS):
+        for home in homes:
+            if (module == home or (home != "specmd" and module.startswith(home + "."))) and len(home) > best:
+                best, at = len(home), i
+    return at
+
+
+def upward(graph: dict) -> dict:
+    return {m: sorted(d for d in deps if floor_of(d) > floor_of(m)) for m, deps in graph.items()
+            if any(floor_of(d) > floor_of(m) for d in deps)}
+
+
+def test_every_module_has_a_floor():
+    assert sorted(m for m in MODULES if floor_of(m) is None) == []
+
+
+def test_no_import_points_upward():
+    assert upward(GRAPH) == {}
+    # the check itself: the arrows this restructuring removed
+    assert upward({"specmd.jobs": {"specmd.commands.report.status"}, "specmd": {"specmd.jobs"},
+                   "specmd.executor.placement": {"specmd.gpu_cost"}, "specmd.commands.report.status": set()}) == \
+        {"specmd": ["specmd.jobs"], "specmd.jobs": ["specmd.commands.report.status"]}
+    assert upward({"specmd.commands.mrc": {"specmd.cli.outcome"}}) == {"specmd.commands.mrc": ["specmd.cli.outcome"]}
+
+
+def test_commands_live_in_their_package():
+    """Each row of the command table names a module under specmd.commands (its logic); its entry may be the
+    command line's own Hydra app."""
+    from specmd.cli import COMMANDS
+
+    homes = {c.name: c.module for c in COMMANDS if c.module != "specmd.app"}
+    assert {n: m for n, m in homes.items() if not m.startswith("specmd.commands.")} == {}
+    # and no command body is left loose on the top floor: a module right under specmd/ defines no main(argv)
+    loose = [p for p in ROOT.glob("*.py") if p.name != "__main__.py"]
+    assert [p.name for p in loose if re.search(r"(?m)^def main\(", p.read_text())] == []
+    assert len(loose) > 10  # (the glob sees the top floor)
 
 
 # The drivers (DESIGN.md "The engine and its two drivers"): what the app composes and the commands run.
@@ -111,7 +168,7 @@ def above_the_drivers() -> set:
     replay pool)."""
     from specmd.cli import COMMANDS
 
-    homes = {"specmd.app", "specmd.compose", "specmd.cli", "specmd.__main__", "specmd.record", "specmd.pool"}
+    homes = {"specmd.app", "specmd.compose", "specmd.cli", "specmd.__main__", "specmd.recorder", "specmd.pool"}
     for c in COMMANDS:
         homes |= {c.module, (c.entry or c.module).partition(":")[0]}
     return {m for m in MODULES if inside(m, homes)}
@@ -123,8 +180,8 @@ def upward_from_drivers(graph: dict, above: set) -> dict:
 
 def test_the_drivers_import_nothing_of_the_app_or_the_commands():
     above = above_the_drivers()
-    assert {"specmd.app", "specmd.compose", "specmd.mrc", "specmd.tune", "specmd.report.status", "specmd.train",
-            "specmd.cli.hydra_apps", "specmd.record", "specmd.pool"} <= above  # the table is read
+    assert {"specmd.app", "specmd.compose", "specmd.commands.mrc", "specmd.commands.tune", "specmd.commands.status", "specmd.commands.train",
+            "specmd.cli.hydra_apps", "specmd.recorder", "specmd.pool"} <= above  # the table is read
     assert upward_from_drivers(GRAPH, above) == {}
     # the check itself: the import this restructuring removed (replay/mrc.py's ``from ..app import Run``)
     assert upward_from_drivers({**GRAPH, "specmd.replay.mrc": {"specmd.app", "specmd.replay.driver"}}, above) == \
@@ -150,7 +207,7 @@ def where(pattern: str) -> list:
 def test_one_home_for_recording_replaying_and_belady():
     # the live driver is the only code that hooks a model's modules to drive the engine (the GPU-cost proxy
     # hooks the MoE blocks only to know where a layer call starts and ends: it observes)
-    assert where(r"register_forward(_pre)?_hook\(") == ["specmd/counting.py", "specmd/hook/stack.py"]
+    assert where(r"register_forward(_pre)?_hook\(") == ["specmd/gpu_cost.py", "specmd/hook/stack.py"]
     # engines and cache managers are built by the drivers only (no private replay loop)
     assert where(r"\b(Engine|CacheManager)\(") == ["specmd/engine/engine.py", "specmd/hook/stack.py",
                                                     "specmd/replay/driver.py"]

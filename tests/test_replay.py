@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specmd.cli.outcome import guarded
+from specmd.outcome import guarded
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hs
@@ -230,7 +230,7 @@ def test_oracle_and_belady_are_rejected_live_before_the_model_loads():
 def test_miss_ratio_curves(recorded, tmp_path):
     import csv
 
-    from specmd.mrc import main
+    from specmd.commands.mrc import main
 
     family, model, prompts, trace, _ = recorded
     assert main([f"replay.trace={trace.path}", "eviction=[lru,belady]", "mrc.capacities=[0.1,0.5]",
@@ -247,7 +247,7 @@ def test_miss_ratio_curves(recorded, tmp_path):
 def test_mrc_rows_do_not_depend_on_jobs_and_bad_jobs_are_rejected(recorded, tmp_path, capsys):
     """specmd mrc replays its points on mrc.jobs forked processes over one decoded trace: the CSV is the
     same text as the one-process run's (point order included, score's torch ops and belady's future too)."""
-    from specmd.mrc import main
+    from specmd.commands.mrc import main
 
     family, model, prompts, trace, _ = recorded
     common = [f"replay.trace={trace.path}", "eviction=[score,lru,belady]", "mrc.capacities=[0.05,0.1,0.5]",
@@ -403,7 +403,7 @@ def test_recorded_trace_key_changes_with_what_decides_routing_only():
 
     from specmd import CONF_DIR
     from specmd.app import Run
-    from specmd.record import recording_config, trace_key
+    from specmd.recorder import recording_config, trace_key
 
     conf = CONF_DIR
 

@@ -360,7 +360,7 @@ def test_a_replay_run_reports_its_batching(tmp_path):
 
 
 def test_a_composed_recording_is_recorded_at_batch_one():
-    from specmd.record import recording_config
+    from specmd.recorder import recording_config
 
     raw = {"eval": {"batch_size": 8, "tasks": ["gsm8k"]}, "trace": {}, "model": {"name": "tiny"}}
     assert recording_config({**raw, "replay": {"trace": "record", "batch": 4}})["eval"]["batch_size"] == 1

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from specmd.cli.outcome import guarded
+from specmd.outcome import guarded
 import yaml
 
 from specmd.errors import ConfigError
-from specmd.report import build, main
-from specmd.report.collect import expected_jobs, find_sweeps
-from specmd.report.tables import Spec, evaluate
+from specmd.commands.report import build, main
+from specmd.commands.report.collect import expected_jobs, find_sweeps
+from specmd.commands.report.tables import Spec, evaluate
 
 SPEC = {
     "title": "hand sweep", "paper": "LS beats LRU",
@@ -144,7 +144,7 @@ def test_bad_specs_and_paths_are_named(tmp_path):
 def test_report_logs_tables_and_figures_to_an_offline_wandb_run(tmp_path, monkeypatch):
     from wandb_offline import read_offline_run
 
-    from specmd.report.wandb_io import log_report
+    from specmd.commands.report.wandb_io import log_report
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -181,7 +181,7 @@ class FakeApi:
 
 def test_sweeps_read_back_from_wandb_runs(tmp_path):
     from specmd.loggers import flat_summary, flatten
-    from specmd.report.wandb_io import sweeps_from_wandb
+    from specmd.commands.report.wandb_io import sweeps_from_wandb
 
     runs = []
     for i, (ev, hit) in enumerate((("lru", 0.4), ("least_stale", 0.6))):
@@ -213,7 +213,7 @@ def test_sweeps_read_back_from_wandb_runs(tmp_path):
 
 def test_publish_builds_a_wandb_report_with_a_panel_per_table_and_figure(tmp_path, monkeypatch):
     wr = pytest.importorskip("wandb_workspaces.reports.v2")
-    from specmd.report.wandb_io import publish_report
+    from specmd.commands.report.wandb_io import publish_report
 
     saved = []
     monkeypatch.setattr(wr.Report, "save", lambda self, *a, **k: saved.append(self) or self)

@@ -6,9 +6,9 @@ import json
 
 import yaml
 
-from specmd.report import build
-from specmd.report.adhoc import frontier
-from specmd.report.collect import expected_jobs
+from specmd.commands.report import build
+from specmd.commands.report.adhoc import frontier
+from specmd.commands.report.collect import expected_jobs
 
 TWO_AXES = {"eviction": "lru,least_stale", "hardware.capacity": "0.01,0.05,0.25"}
 MIDS = ("hit", "collision", "tpot")
@@ -114,7 +114,7 @@ def test_a_metric_absent_from_every_job_gives_a_note_not_a_figure_and_failed_job
 def test_numeric_axis_is_drawn_in_numeric_order_on_a_log_scale(tmp_path, monkeypatch):
     """Swept as 0.5,0.05,10,2 (string order 0.05 < 0.5 < 10 < 2): drawn at 0.05, 0.5, 2, 10, log x (> 1 decade);
     the categorical axis keeps the sweep's order."""
-    from specmd.report import adhoc
+    from specmd.commands.report import adhoc
 
     drawn = {}
 

@@ -17,7 +17,7 @@ import pytest
 from test_report import SPEC, make_sweep
 from test_report_adhoc import make_adhoc
 
-from specmd.report import build
+from specmd.commands.report import build
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # a pivoted table of 24 columns: far wider than a laptop screen, so it must scroll inside its own box

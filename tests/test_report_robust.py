@@ -8,15 +8,15 @@ import json
 
 import pytest
 
-from specmd.cli.outcome import guarded
+from specmd.outcome import guarded
 import yaml
 
 from specmd.errors import ConfigError
-from specmd.report import build, main
-from specmd.report.collect import Job, expected_jobs, find_sweeps, load_sweep
-from specmd.report.status import main as status_main
-from specmd.report.tables import group_jobs
-from specmd.report.verdicts import FAILS, HOLDS, UNMEASURED, parse_spec
+from specmd.commands.report import build, main
+from specmd.commands.report.collect import Job, expected_jobs, find_sweeps, load_sweep
+from specmd.commands.status import main as status_main
+from specmd.commands.report.tables import group_jobs
+from specmd.commands.report.verdicts import FAILS, HOLDS, UNMEASURED, parse_spec
 
 SPEC = {"rows": ["eviction.name"], "cols": "hardware.capacity", "repeat": ["eval.seed"],
         "metrics": [{"collision %": "cache.collision_rate"}],
@@ -251,7 +251,7 @@ def test_a_parent_of_single_runs_is_read_like_a_parent_of_sweeps(tmp_path, capsy
     (run / ".hydra" / "overrides.yaml").write_text("[]")
     (run / "results.json").write_text(json.dumps({"config": config(), "cache": {"collision_rate": 0.1},
                                                   "config_hash": "0"}))
-    from specmd.report.collect import sweeps_below
+    from specmd.commands.report.collect import sweeps_below
 
     assert sweeps_below(tmp_path / "out") == [s, run]  # a sweep's own job directories are not runs of their own
     assert status_main([str(tmp_path / "out")]) == 0
@@ -295,7 +295,7 @@ def test_a_garbled_sweep_below_a_parent_is_skipped_the_others_reported(tmp_path,
 # --- 4. output paths ---------------------------------------------------------------------------------------------
 
 def test_out_that_cannot_be_a_report_directory_is_an_error_before_any_work(tmp_path, capsys, monkeypatch):
-    from specmd import report
+    from specmd.commands import report
 
     s = make_sweep(tmp_path / "s", {"lru": 0.10, "least_stale": 0.02})
     (tmp_path / "file").write_text("x")
@@ -345,7 +345,7 @@ def test_options_that_would_be_ignored_are_errors(tmp_path, argv, words):
 
 
 def test_a_single_run_of_an_experiment_never_hides_its_sweep_below_a_parent(tmp_path):
-    from specmd.report.collect import find_sweeps
+    from specmd.commands.report.collect import find_sweeps
 
     s = make_sweep(tmp_path / "out" / "multirun" / "s", {"lru": 0.10, "least_stale": 0.02})
     run = tmp_path / "out" / "day" / "run"  # a later debugging run of the same experiment

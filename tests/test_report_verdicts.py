@@ -1,4 +1,4 @@
-"""Computed verdicts of specmd report (``report.checks``, specmd/report/verdicts.py): a check holds, does not hold,
+"""Computed verdicts of specmd report (``report.checks``, specmd/commands/report/verdicts.py): a check holds, does not hold,
 or is not measured (a group missing, failed, or a selector that picks several); checks are validated when the
 spec is parsed; every shipped experiment's checks name its own metrics and axes and pick exactly one group of
 its real sweep; on experiments/README.md's numbers they give the README's verdicts; the markdown and index.html
@@ -9,16 +9,16 @@ import json
 
 import pytest
 
-from specmd.cli.outcome import guarded
+from specmd.outcome import guarded
 import yaml
 from test_report_adhoc import make_adhoc
 
 from specmd.errors import ConfigError
-from specmd.report import build, main
-from specmd.report.collect import Job, expected_jobs
-from specmd.report.tables import Spec, group_jobs
+from specmd.commands.report import build, main
+from specmd.commands.report.collect import Job, expected_jobs
+from specmd.commands.report.tables import Spec, group_jobs
 from specmd.shipped import experiments, load as load_conf
-from specmd.report.verdicts import FAILS, HOLDS, UNMEASURED, parse_spec, summary, verdicts
+from specmd.commands.report.verdicts import FAILS, HOLDS, UNMEASURED, parse_spec, summary, verdicts
 
 BASE = {"rows": ["eviction.name"], "cols": "hardware.capacity", "repeat": ["eval.seed"],
         "metrics": [{"collision %": "cache.collision_rate"}, {"TTFT (ms)": "timing.ttft_s * 1000"},
@@ -352,7 +352,7 @@ def test_markdown_and_html_show_each_check_with_its_mark_words_and_values(tmp_pa
 
 def test_a_published_wandb_report_carries_the_verdict(tmp_path, monkeypatch):
     wr = pytest.importorskip("wandb_workspaces.reports.v2")
-    from specmd.report.wandb_io import publish_report
+    from specmd.commands.report.wandb_io import publish_report
 
     saved = []
     monkeypatch.setattr(wr.Report, "save", lambda self, *a, **k: saved.append(self) or self)

@@ -1,4 +1,4 @@
-"""Every command as hard to break as the main run (issue 38): one error path (specmd/cli/outcome.py), signals
+"""Every command as hard to break as the main run (issue 38): one error path (specmd/outcome.py), signals
 that are never lost (specmd/jobs.py), one run per run directory, checks at config time for what W&B, submitit
 and SLURM would reject, tune's quality measure, outputs that are whole or absent, and what a full disk would
 lose kept elsewhere. Each case here is a user's input or an accident, with the one outcome a correct program
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specmd.cli.outcome import classify, guarded, one_line
+from specmd.outcome import classify, guarded, one_line
 from specmd.errors import ConfigError, DataError
 from specmd.jobs import claim_run_dir
 from specmd.signals import ENDING, SIGNALS, Interrupted, check_interrupt, signals_held, signals_raise
@@ -137,7 +137,7 @@ def test_a_signal_while_the_process_exits_keeps_the_first_signals_exit_code():
 
 
 def test_a_signal_while_an_error_is_reported_is_held(monkeypatch, capsys):
-    import specmd.cli.outcome as outcome
+    import specmd.outcome as outcome
 
     classify = outcome.classify
 
@@ -351,23 +351,23 @@ def test_hydra_lets_a_file_it_cannot_write_reach_the_one_error_path():
 def test_python_m_specmd_report_has_the_one_error_path(tmp_path, monkeypatch, capsys):
     import runpy
 
-    monkeypatch.setattr(sys, "argv", ["specmd.report", str(tmp_path / "nowhere")])
+    monkeypatch.setattr(sys, "argv", ["specmd.commands.report", str(tmp_path / "nowhere")])
     with pytest.raises(SystemExit) as e:
-        runpy.run_module("specmd.report", run_name="__main__")
+        runpy.run_module("specmd.commands.report", run_name="__main__")
     assert e.value.code == 2 and capsys.readouterr().err == f"specmd report: error: {tmp_path / 'nowhere'}: no such directory\n"
 
 
 def test_default_output_directories_are_a_processs_own():
-    from specmd.jobs import unique_suffix
-    from specmd.mrc import parse as mrc_parse
-    from specmd.tune import parse as tune_parse
+    from specmd.results import unique_suffix
+    from specmd.commands.mrc import parse as mrc_parse
+    from specmd.commands.tune import parse as tune_parse
 
     assert tune_parse([])[0].out.endswith(unique_suffix())
     assert mrc_parse(["replay.trace=x"])[2].endswith(unique_suffix())
 
 
 def test_mrc_writes_its_csv_last(tmp_path, monkeypatch):
-    from specmd import mrc
+    from specmd.commands import mrc
 
     monkeypatch.setattr(mrc, "compute", lambda *a: [{"policy": "lru", "capacity": 0.1, "hit_rate": 0.5,
                                                       "collision_rate": 0.0}])
@@ -417,7 +417,9 @@ def test_a_run_directory_that_cannot_be_made_is_named(tmp_path, where, why):
 def _multirun_start(launcher: dict, sweep_dir="sweep"):
     from omegaconf import OmegaConf
 
-    from specmd.jobs import OPENED, SweepEnd, release_sweep
+    from specmd.cli.launch import SweepEnd
+    from specmd.jobs import OPENED
+    from specmd.liveness import release_sweep
 
     try:
         SweepEnd().on_multirun_start(OmegaConf.create({"hydra": {"launcher": launcher, "sweep": {"dir": sweep_dir}}}))
@@ -475,7 +477,7 @@ def test_automatic_wandb_tags_are_cut_to_wandb_length():
 
 # ---- tune: a quality it knows how to judge ----------------------------------------------------------------
 def test_tune_judges_each_task_by_its_papers_metric_and_direction():
-    from specmd.tune import quality_loss, quality_measure
+    from specmd.commands.tune import quality_loss, quality_measure
 
     assert quality_measure("wikitext", "", None) == ("word_perplexity", False)
     assert quality_measure("gsm8k", "", None) == ("exact_match/strict-match", True)
@@ -499,7 +501,7 @@ def test_tune_judges_each_task_by_its_papers_metric_and_direction():
      "tune.quality_higher=false contradicts acc_norm of hellaswag, whose higher"),
 ])
 def test_tune_refuses_a_quality_it_cannot_judge_before_any_work(argv, words):
-    from specmd.tune import parse
+    from specmd.commands.tune import parse
 
     with pytest.raises(ConfigError, match=words):
         parse(argv)
@@ -511,7 +513,7 @@ def test_tune_refuses_a_quality_it_cannot_judge_before_any_work(argv, words):
     ({"sample_len": 1.0}, "tasks.gsm8k has no 'exact_match/strict-match' \\(it has sample_len\\)"),
 ])
 def test_tune_names_the_file_and_key_of_a_score_it_cannot_judge(tmp_path, task, words):
-    from specmd.tune import parse, quality_value
+    from specmd.commands.tune import parse, quality_value
 
     opts, _ = parse(["tune.quality_task=gsm8k"])
     with pytest.raises(DataError, match=f"{tmp_path / 'results.json'}: {words}"):
@@ -519,7 +521,7 @@ def test_tune_names_the_file_and_key_of_a_score_it_cannot_judge(tmp_path, task, 
 
 
 def test_tune_takes_a_single_value_as_a_one_element_list_and_says_so():
-    from specmd.tune import parse
+    from specmd.commands.tune import parse
 
     opts, _ = parse(["tune.capacities=0.05", "tune.eviction=lru", "tune.prefetch=[none]"])
     assert opts.capacities == [0.05] and opts.choices["eviction"] == ["lru"]
@@ -528,7 +530,7 @@ def test_tune_takes_a_single_value_as_a_one_element_list_and_says_so():
 
 
 def test_mrc_takes_a_single_value_as_a_one_element_list_and_says_so(capsys):
-    from specmd.mrc import parse
+    from specmd.commands.mrc import parse
 
     policies, caps, *_ = parse(["replay.trace=/x", "mrc.capacities=0.05", "eviction=lru"])
     assert caps == [0.05] and policies == ["lru"]
@@ -538,7 +540,7 @@ def test_mrc_takes_a_single_value_as_a_one_element_list_and_says_so(capsys):
 
 
 def test_tune_replays_a_repeated_capacity_once():
-    from specmd.tune import candidates, parse
+    from specmd.commands.tune import candidates, parse
 
     opts, _ = parse(["tune.capacities=[0.05,0.05,0.1,0.050]", "tune.eviction=[lru]", "tune.routing=[standard]",
                      "tune.miss=[fetch]", "tune.prefetch=[none]"])
@@ -549,7 +551,7 @@ def test_tune_replays_a_repeated_capacity_once():
 
 @pytest.mark.parametrize("command", ["tune", "mrc"])
 def test_an_output_directory_it_cannot_write_is_refused_before_any_work(tmp_path, command, monkeypatch, capsys):
-    from specmd import mrc, tune
+    from specmd.commands import mrc, tune
     from specmd.cli import main
 
     def no_work(*a, **k):
@@ -574,7 +576,7 @@ def test_tune_refuses_a_trace_of_another_model_than_its_live_runs(tmp_path, reco
 
     from rich.console import Console
 
-    from specmd.tune import parse, tune
+    from specmd.commands.tune import parse, tune
 
     trace = tmp_path / "trace"
     shutil.copytree(Path(__file__).with_name("data") / "embedded_trace", trace)
@@ -595,15 +597,15 @@ def test_tune_refuses_a_trace_of_another_model_than_its_live_runs(tmp_path, reco
 def test_tune_options_bad_values(argv, words):
     import re
 
-    from specmd.tune import parse
+    from specmd.commands.tune import parse
 
     with pytest.raises(ConfigError, match=re.escape(words)):
         parse(argv)
 
 
 def test_an_output_option_reads_quotes_as_hydra_does(tmp_path):
-    from specmd.mrc import plain_value
-    from specmd.tune import parse
+    from specmd.commands.mrc import plain_value
+    from specmd.commands.tune import parse
 
     assert plain_value("mrc.out", f"'{tmp_path}/a b,c=d'") == f"{tmp_path}/a b,c=d"
     assert parse([f'tune.out="{tmp_path}/t 1,x"'])[0].out == f"{tmp_path}/t 1,x"
@@ -618,7 +620,7 @@ def test_an_output_option_reads_quotes_as_hydra_does(tmp_path):
 def test_mrc_options_bad_values(argv, words):
     import re
 
-    from specmd.mrc import parse
+    from specmd.commands.mrc import parse
 
     with pytest.raises(ConfigError, match=re.escape(words)):
         parse(argv)
@@ -637,7 +639,7 @@ def test_an_output_directory_holding_an_earlier_result_is_refused(tmp_path, hold
 @pytest.mark.parametrize("option, value", [("--steps", "0"), ("--cap", "-3"), ("--batch", "-1"), ("--tokens", "0"),
                                            ("--window", "1")])
 def test_train_eviction_refuses_degenerate_numbers_before_any_work(tmp_path, option, value):
-    from specmd.train_eviction import main
+    from specmd.commands.train_eviction import main
 
     with pytest.raises(ConfigError, match=f"{option}={value} must be >= "):
         main(["--traces", str(tmp_path), "--out", str(tmp_path / "w.safetensors"), option, value])
@@ -682,7 +684,7 @@ def test_results_the_run_directory_cannot_take_are_kept_and_named(tmp_path):
         app._finish({"cache": {"hits": 3}}, None, "abc", run_dir, logger, Progress())
     kept = json.loads(Path(str(e.value).split("kept in ")[1].split(":")[0]).read_text())
     assert kept["cache"] == {"hits": 3} and kept["config_hash"] == "abc" and kept["run_dir"] == str(run_dir)
-    assert e.value.errno == errno.ENOTDIR  # one line naming the path, exit 2 (specmd.cli.outcome)
+    assert e.value.errno == errno.ENOTDIR  # one line naming the path, exit 2 (specmd.outcome)
 
 
 @pytest.fixture
@@ -797,7 +799,7 @@ def test_a_trace_recorded_onto_a_full_disk_names_its_file(tmp_path):
 
 
 def test_calibrate_keeps_the_profile_a_full_disk_refused(tmp_path, rescue_here, monkeypatch):
-    import specmd.calibrate as cal
+    import specmd.commands.calibrate as cal
 
     def full(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")

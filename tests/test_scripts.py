@@ -7,7 +7,7 @@ import re
 import pytest
 
 from conftest import ROOT
-from specmd.cli.outcome import guarded
+from specmd.outcome import guarded
 
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
 

@@ -23,7 +23,7 @@ def cfg(tmp, steps, mirror, ckpt_every=1000, stop_after=None, window=1):
 
 
 def test_loss_falls(tmp_path, mirror):
-    from specmd.train import train
+    from specmd.commands.train import train
 
     summary = train(cfg(tmp_path, 40, mirror))
     hist = __import__("json").loads((tmp_path / "history.json").read_text())
@@ -38,7 +38,7 @@ def test_loss_falls(tmp_path, mirror):
 def test_interrupted_run_resumes_exactly(tmp_path, mirror, window):
     from safetensors.torch import load_file
 
-    from specmd.train import train
+    from specmd.commands.train import train
 
     train(cfg(tmp_path / "straight", 8, mirror, window=window))
     assert train(cfg(tmp_path / "split", 8, mirror, ckpt_every=3, stop_after=4, window=window)) == {"stopped_at": 4}
@@ -51,7 +51,7 @@ def test_interrupted_run_resumes_exactly(tmp_path, mirror, window):
 
 
 def test_batches_depend_only_on_seed_and_step():
-    from specmd.train import batch_indices
+    from specmd.commands.train import batch_indices
 
     a = [batch_indices(s, 4, 10, 0).tolist() for s in range(6)]
     assert a == [batch_indices(s, 4, 10, 0).tolist() for s in range(6)]
@@ -61,7 +61,7 @@ def test_batches_depend_only_on_seed_and_step():
 
 
 def test_balance_loss_per_batch_and_over_a_window_by_hand():
-    from specmd.train import balance_loss
+    from specmd.commands.train import balance_loss
 
     # one layer, 4 tokens, 2 experts, top-1: tokens 0-2 pick expert 0, token 3 expert 1 -> f = [3/4, 1/4]
     logits = torch.log(torch.tensor([[0.8, 0.2], [0.6, 0.4], [0.6, 0.4], [0.2, 0.8]]))

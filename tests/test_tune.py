@@ -7,7 +7,7 @@ import pytest
 
 from specmd.engine import GROUPS
 from specmd.errors import ConfigError
-from specmd.tune import SPACE, Options, candidates, draw, lossless, parse, pareto
+from specmd.commands.tune import SPACE, Options, candidates, draw, lossless, parse, pareto
 
 
 def test_pareto_front_hand_worked():
@@ -35,7 +35,7 @@ def test_space_restrictions_and_draws_are_deterministic():
                                          "miss": ["hybrid", "cpu_compute"], "prefetch": ["none"]}), 0.05)
     assert sum(lossless(s) for s in hybrid) == 2 and all(lossless(s) == ("routing=standard" in s) for s in hybrid)
     # a base configuration with hybrid's low-precision option keeps it, and is lossy
-    from specmd.tune import own_stack
+    from specmd.commands.tune import own_stack
 
     raw = {"routing": {"name": "standard"}, "miss": {"name": "hybrid", "low": "int4", "percentile": 60.0},
            "eviction": {"name": "lru"}, "prefetch": {"name": "none"}, "hardware": {"capacity": 0.05}}
@@ -73,7 +73,7 @@ def test_tune_on_the_tiny_model_finds_a_stack_within_budget_that_reruns_live(tmp
 
     from specmd import CONF_DIR
     from specmd.app import execute
-    from specmd.tune import tune
+    from specmd.commands.tune import tune
 
     opts, base = parse(["model=tiny", "threads=1", f"replay.cache={tmp_path / 'traces'}", "tune.trials=8",
                         "tune.finalists=2", "tune.budget=0.01", f"tune.out={tmp_path / 'tune'}",
@@ -101,7 +101,7 @@ def test_tune_on_the_tiny_model_finds_a_stack_within_budget_that_reruns_live(tmp
 def test_tune_refuses_a_fixed_slot_count_before_recording(tmp_path):
     from rich.console import Console
 
-    from specmd.tune import tune
+    from specmd.commands.tune import tune
 
     opts, base = parse(["model=tiny", "hardware.experts_per_layer=4", f"replay.cache={tmp_path / 'traces'}",
                         f"tune.out={tmp_path / 'tune'}"])
@@ -111,7 +111,7 @@ def test_tune_refuses_a_fixed_slot_count_before_recording(tmp_path):
 
 
 def test_finalists_search_prunes_lossier_settings_and_stops_within_budget():
-    from specmd.tune import at_least_as_lossy, lossiness, select_finalists
+    from specmd.commands.tune import at_least_as_lossy, lossiness, select_finalists
 
     def t(obj, *stack, cap=0.05):
         s = (*stack, f"hardware.capacity={cap}")

@@ -24,7 +24,7 @@ The command line, first word first:
 * any other bare word (no ``=``, no leading ``+ ~ -``) is no override Hydra would accept: an unknown
   command, named with the known ones (exit 2).
 
-Every command ends the same way (:mod:`specmd.cli.outcome`): bad input is one line and exit 2, a signal
+Every command ends the same way (:mod:`specmd.outcome`): bad input is one line and exit 2, a signal
 exit 130/143 after the command cleaned up, a bug one line and exit 1 with the traceback in a file. A
 command raises :class:`~specmd.errors.ConfigError` / ``DataError`` for bad input and cleans up what it
 writes in ``finally``; it prints no error itself.
@@ -60,22 +60,22 @@ COMMANDS = (
             "(the default command)", "specmd.cli.hydra_apps:run"),
     Command("sweep", "specmd.app", "a Hydra multirun: one run per combination of the overrides' values "
             "(= specmd -m ...); resumable", "specmd.cli.hydra_apps:sweep"),
-    Command("status", "specmd.report.status", "which jobs of a sweep are done, failed, running or missing, "
+    Command("status", "specmd.commands.status", "which jobs of a sweep are done, failed, running or missing, "
             "and the command that resumes it"),
-    Command("report", "specmd.report", "the tables, figures and verdicts of sweeps, in their papers' layout"),
-    Command("mrc", "specmd.mrc", "miss-ratio curves: hit and collision rate vs capacity, per eviction policy "
+    Command("report", "specmd.commands.report", "the tables, figures and verdicts of sweeps, in their papers' layout"),
+    Command("mrc", "specmd.commands.mrc", "miss-ratio curves: hit and collision rate vs capacity, per eviction policy "
             "and Belady, on one trace"),
-    Command("tune", "specmd.tune", "the best policy stack under a quality budget: searched on replay, "
+    Command("tune", "specmd.commands.tune", "the best policy stack under a quality budget: searched on replay, "
             "finalists measured live"),
-    Command("calibrate", "specmd.calibrate", "measure this machine and write a hardware profile for "
+    Command("calibrate", "specmd.commands.calibrate", "measure this machine and write a hardware profile for "
             "execution=offload"),
-    Command("fidelity", "specmd.fidelity", "how far to trust the simulated clock: offload runs on a grid, "
+    Command("fidelity", "specmd.commands.fidelity", "how far to trust the simulated clock: offload runs on a grid, "
             "wall vs simulated"),
-    Command("train", "specmd.train", "train an embedded MoE model (Hydra overrides; config train.yaml)",
+    Command("train", "specmd.commands.train", "train an embedded MoE model (Hydra overrides; config train.yaml)",
             "specmd.cli.hydra_apps:train"),
-    Command("train-eviction", "specmd.train_eviction", "train the ml eviction networks (eviction=ml) from "
+    Command("train-eviction", "specmd.commands.train_eviction", "train the ml eviction networks (eviction=ml) from "
             "routing traces"),
-    Command("card", "specmd.modelcard", "measure what a model card reports: routing statistics and task scores"),
+    Command("card", "specmd.commands.card", "measure what a model card reports: routing statistics and task scores"),
 )
 BY_NAME = {c.name: c for c in COMMANDS}
 
@@ -113,7 +113,7 @@ def main(argv: Optional[list] = None) -> None:
               + f"; commands: {', '.join(BY_NAME)}. A run's overrides look like key=value (specmd run --help); "
               "specmd --help lists what each command does", file=sys.stderr)
         sys.exit(2)
-    from .outcome import guarded
+    from ..outcome import guarded
 
     prog = "specmd" if command.module == "specmd.app" else f"specmd {command.name}"  # the run's own voice
     # the console script and python -m specmd end with the command (a test calling main(argv) keeps its handlers)

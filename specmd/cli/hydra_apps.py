@@ -1,9 +1,9 @@
 """The commands that are Hydra apps: ``run`` and ``sweep`` (specmd's run, :func:`specmd.app.execute`) and
-``train`` (:mod:`specmd.train`). Hydra reads its command line from ``sys.argv``, so each entry hands it the
+``train`` (:mod:`specmd.commands.train`). Hydra reads its command line from ``sys.argv``, so each entry hands it the
 command's arguments there; ``--help`` prints the command's usage, then Hydra's help of its config.
 
 The run's job name stays ``__main__`` (``hydra.job.name`` in ``conf/config.yaml``): a run directory's log is
-``__main__.log``, as before the commands moved here, and :mod:`specmd.report.collect` reads it.
+``__main__.log``, as before the commands moved here, and :mod:`specmd.commands.report.collect` reads it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from .. import CONF_DIR
 from ..errors import FULL_ERRNOS, PATH_ERRNOS
-from ..jobs import OPENED, SWEEP_EXIT, record_unrecorded, release_sweep, torch_threads
+from ..jobs import OPENED, record_unrecorded
+from ..liveness import release_sweep
+from .launch import SWEEP_EXIT, torch_threads  # (registers the configs' resolvers before Hydra composes)
 
 RUN = """usage: specmd run [key=value ...] [+key=value] [~key] [--cfg job|hydra|all] [--info]
        specmd [key=value ...]   python -m specmd [key=value ...]   (the same)
@@ -43,7 +45,7 @@ The overrides are a run's (below).
 """
 
 TRAIN = """usage: specmd train [key=value ...] [--config-name train_deep_olmoe|train_deep_mixtral]
-       python -m specmd.train [...]   (the same)
+       python -m specmd.commands.train [...]   (the same)
 """
 
 
@@ -89,7 +91,7 @@ def _job(cfg: DictConfig):
     except Exception as exc:  # model load, quantization, evaluation: failed.json names the stage, keeps the traceback
         if os.environ.get("HYDRA_FULL_ERROR") == "1":  # Hydra's own switch for the full trace
             raise
-        from .outcome import classify
+        from ..outcome import classify
 
         stage = getattr(exc, "specmd_stage", "?")  # execute() knows it even when failed.json cannot be written
         where = getattr(exc, "specmd_failed", None) or f"{run_dir}/failed.json"
@@ -129,7 +131,7 @@ def _as_hydra(app, argv: list) -> None:
     sys.argv[1:] = argv
     try:
         # a composition error (an unknown config group option, key or override syntax) reaches the dispatcher,
-        # which prints it as one line with exit 2 (specmd.cli.outcome), not as Hydra's multi-line report, exit 1
+        # which prints it as one line with exit 2 (specmd.outcome), not as Hydra's multi-line report, exit 1
         with mock.patch.object(hydra_utils, "run_and_report", _composition_errors_raise(hydra_utils.run_and_report)):
             app()
     finally:
@@ -187,7 +189,7 @@ def run(argv: list) -> int:
     SWEEP_EXIT["code"] = 0  # (an earlier sweep in this process, as in the tests, does not set this one's)
     OPENED.clear()
     try:
-        _as_hydra(_hydra_main, argv)  # a signal: Interrupted, reported by specmd.cli.outcome (failed.json names it)
+        _as_hydra(_hydra_main, argv)  # a signal: Interrupted, reported by specmd.outcome (failed.json names it)
     except BaseException as exc:
         record_unrecorded(exc)  # ended after its directory existed, before the job could say how
         raise
@@ -206,8 +208,8 @@ def sweep(argv: list) -> int:
 
 
 def train(argv: list) -> int:
-    """``specmd train``: :mod:`specmd.train`'s Hydra app (``python -m specmd.train``)."""
-    from .. import train as module
+    """``specmd train``: :mod:`specmd.commands.train`'s Hydra app (``python -m specmd.commands.train``)."""
+    from ..commands import train as module
 
     if asks_help(argv):
         print(TRAIN + "\n" + (module.__doc__ or "").strip() + "\n")

@@ -216,7 +216,7 @@ def _phase_bar_lm():
                 return super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm or self._rolling,
                                                      override_bs=override_bs)
 
-        # a safe point per batch (specmd.jobs.check_interrupt): a signal whose exception a finalizer swallowed
+        # a safe point per batch (specmd.signals.check_interrupt): a signal whose exception a finalizer swallowed
         # stops the evaluation at its next model call, not after the last document
         def _model_call(self, inps, attn_mask=None, labels=None):
             check_interrupt()

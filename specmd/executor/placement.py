@@ -30,7 +30,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..counting import register_host
+from .host import register_host
 from ..engine.residency import PoolLayout, ResidencyEvents
 from .arena import ByteArena, SlotArena
 from .kernel import Bank

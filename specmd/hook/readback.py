@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..counting import register_host
+from ..executor.host import register_host
 
 
 class Readback:

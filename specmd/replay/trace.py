@@ -150,7 +150,7 @@ class Trace:
 
 def select_passes(trace: Trace, start: int, stop: Optional[int] = None) -> Trace:
     """The passes ``start:stop`` of ``trace`` as a trace of their own (views of its arrays, rows re-based):
-    what a replay of that part alone sees (``specmd.train_eviction``'s held-out passes)."""
+    what a replay of that part alone sees (``specmd.commands.train_eviction``'s held-out passes)."""
     P = len(trace.passes)
     stop = P if stop is None else stop
     if not 0 <= start < stop <= P:

@@ -10,7 +10,7 @@ number of steps since the expert was last routed (1 = routed at this step; never
 ``f / max f`` with ``f`` the number of steps it was routed so far (max over the layer's experts).
 Target: ``min(d, cap) / cap`` with ``d`` the steps until its next use (never again -> 1). Network: 2 -> 128
 -> 128 -> 1, SiLU (FlashMoE Table 1: 3 layers, hidden 128, SiLU, MSE, AdamW lr 1e-3, decay 1e-2).
-Train one with ``python -m specmd.train_eviction`` (from any model's routing or saved run traces).
+Train one with ``specmd train-eviction`` (from any model's routing or saved run traces).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def resolve_weights(spec: str) -> Path:
     if not path.is_file():
         raise ConfigError(f"eviction=ml: weights {spec!r} not found ({path}); eviction.weights defaults to the "
                           f"model's own networks (model.pretrained), which only specmd's embedded models ship; "
-                          f"train some with `python -m specmd.train_eviction --model <model> --out <file>`")
+                          f"train some with `specmd train-eviction --model <model> --out <file>`")
     return path
 
 
@@ -94,14 +94,14 @@ class MLParams:
     def __post_init__(self):  # the file is found before any model work, or the run stops here
         if self.weights is None:
             raise ConfigError("eviction=ml needs trained networks, and this model ships none (its "
-                              "model.pretrained is null): train them with `python -m specmd.train_eviction "
+                              "model.pretrained is null): train them with `specmd train-eviction "
                               "--model <model> --out FILE` and set eviction.weights=FILE")
         resolve_weights(self.weights)
 
 
 class ML(EvictionPolicy):
     """FlashMoE's learned eviction (see module docstring). ``weights``: a ``.safetensors`` file written by
-    ``python -m specmd.train_eviction``, or ``specmd:<asset>`` for one shipped with a model (the embedded
+    ``specmd train-eviction``, or ``specmd:<asset>`` for one shipped with a model (the embedded
     ``specmd:tiny-olmoe``, ``specmd:deep-olmoe`` and ``specmd:deep-mixtral`` have one; the config's default is
     the model's own).
     Its layer count must match the model's MoE layers. Ties: the lower key.
@@ -172,7 +172,7 @@ class ML(EvictionPolicy):
         geom = view.geometry
         if len(nets) != geom.num_layers:
             raise ConfigError(f"eviction=ml: weights {self.params.weights!r} have {len(nets)} layers, the model "
-                              f"has {geom.num_layers} MoE layers; train matching ones with python -m specmd.train_eviction")
+                              f"has {geom.num_layers} MoE layers; train matching ones with specmd train-eviction")
         self._shape(nets, geom.num_experts)
 
     def _layer(self, key: int) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 
 @dataclass
@@ -109,7 +109,7 @@ def non_finite(results: dict) -> dict:
     """Dotted path -> ``NaN`` / ``Infinity`` / ``-Infinity`` of every non-finite number in a results.json
     (its ``config`` and ``provenance`` left out): specmd writes such a value as null, so one is a damaged or
     hand-edited file."""
-    from ..results import non_finite as found
+    from ...results import non_finite as found
 
     body = {k: v for k, v in results.items() if k not in ("config", "provenance")}
     return {at: "NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity" for at, v in found(body).items()}

@@ -1,6 +1,6 @@
 """Measure what a model card reports: routing statistics and task scores.
 
-    specmd card --model specmd:tiny-olmoe --out card.json      # or python -m specmd.modelcard ...
+    specmd card --model specmd:tiny-olmoe --out card.json      # or python -m specmd.commands.card ...
 
 Routing statistics are measured on WikiText-2 *test* text (measurement only; never trained on), per MoE
 layer, from the router's own top-k:
@@ -125,7 +125,7 @@ def reference_stats(mirror, family: str) -> Optional[dict]:
 
 def _reference(family: str):
     """The family's real-model routing reference (its adapter's ``routing_reference``), or None."""
-    from .models.adapters import ADAPTERS
+    from ..models.adapters import ADAPTERS
 
     adapter = ADAPTERS.get(family)
     return adapter.routing_reference if adapter is not None else None
@@ -140,10 +140,10 @@ def reference_layers(family: str, num_layers: int) -> list[int]:
 def routing_stats(model, tokenizer, texts: list[str], window: int = 512, max_tokens: int = 65536) -> dict:
     """The card's routing statistics of ``model`` on ``texts`` (windows of ``window`` tokens, each one
     prefill pass, up to ``max_tokens``), from the trace the one recorder writes
-    (:func:`specmd.record.record_routing`)."""
+    (:func:`specmd.recorder.record_routing`)."""
     import tempfile
 
-    from .record import record_routing
+    from ..record import record_routing
 
     ids = []
     for t in texts:
@@ -203,15 +203,15 @@ def wikitext_test_pages(mirror) -> list[str]:
     """WikiText-2 test articles from the mirror, as lm-eval presents them (detokenized)."""
     from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
 
-    from .eval.mirror import _wikitext
+    from ..eval.mirror import _wikitext
 
     return [wikitext_detokenizer(r) for r in _wikitext(mirror, "wikitext-2-raw-v1")["test"]]
 
 
 def _load(model_path: str, mirror: str):
     """(mirror root, family, model, tokenizer) of the model a card describes, offline, in float32."""
-    from .eval.mirror import resolve_mirror, set_offline
-    from .models.loader import ModelConfig, load_model, resolve_pretrained
+    from ..eval.mirror import resolve_mirror, set_offline
+    from ..models.loader import ModelConfig, load_model, resolve_pretrained
 
     set_offline()
     root = resolve_mirror(mirror)
@@ -225,8 +225,8 @@ def _routing_part(root, family: str, model, tok) -> dict:
 
 
 def measure(model_path: str, mirror: str, limits: dict, max_gen_toks: int = 64) -> dict:
-    from .eval.harness import EvalConfig, evaluate
-    from .eval.mirror import mirrored
+    from ..eval.harness import EvalConfig, evaluate
+    from ..eval.mirror import mirrored
 
     root, family, model, tok = _load(model_path, mirror)
     out = {**_routing_part(root, family, model, tok), "tasks": {}, "limits": limits}
@@ -306,7 +306,7 @@ def render(card: dict, summary: dict) -> str:
 
 
 def main(argv=None):
-    from .errors import ArgumentParser
+    from ..errors import ArgumentParser
 
     ap = ArgumentParser(prog="specmd card", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -314,7 +314,7 @@ def main(argv=None):
     ap.add_argument("--mirror", default=None, help="data mirror (default: $SPECMD_DATA_MIRROR)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--markdown", default=None, help="also write the card's tables (needs --summary)")
-    ap.add_argument("--summary", default=None, help="train_summary.json written by specmd.train")
+    ap.add_argument("--summary", default=None, help="train_summary.json written by specmd.commands.train")
     ap.add_argument("--routing-only", action="store_true",
                     help="re-measure only the routing part of the card --out (keeps its task scores)")
     ap.add_argument("--limits", default='{"wikitext": null, "mmlu": 10, "gsm8k": 50, "truthfulqa": null, "nq_open": 200}',
@@ -322,8 +322,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import os
 
-    from .errors import ConfigError
-    from .results import writable_dir, write_text_atomic
+    from ..errors import ConfigError
+    from ..results import writable_dir, write_text_atomic
 
     try:
         limits = json.loads(args.limits)
@@ -356,9 +356,9 @@ def main(argv=None):
     print(text)
 
 
-if __name__ == "__main__":  # python -m specmd.modelcard: specmd card, with its one error path
+if __name__ == "__main__":  # python -m specmd.commands.card: specmd card, with its one error path
     import sys
 
-    from .cli.outcome import guarded
+    from ..outcome import guarded
 
     sys.exit(guarded("specmd card", main, sys.argv[1:]))

@@ -2,7 +2,7 @@
 the optimum) over one trace -- "is my problem the policy or the working set?".
 
     specmd mrc replay.trace=outputs/.../trace eviction=[lru,lfu,least_stale,belady] [mrc.capacities=[...]]
-    python -m specmd.mrc replay.trace=...                              # the same
+    python -m specmd.commands.mrc replay.trace=...                              # the same
 
 Every other override (prefetch, hardware, ...) applies to every point. Capacities are fractions of the
 model's bytes (``hardware.capacity``); default: 12 points from 1% to 100% on a log scale. Writes
@@ -42,7 +42,7 @@ def plain_value(key: str, value: str) -> str:
     """A string option's value as Hydra's override grammar reads it -- quotes removed, so
     ``tune.out='/data/a b,c'`` names the directory a run's ``hydra.run.dir='/data/a b,c'`` would -- and never
     empty (a :class:`~specmd.errors.ConfigError` naming the option)."""
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     if value[:1] in ("'", '"'):
         from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -57,9 +57,9 @@ def plain_value(key: str, value: str) -> str:
 
 
 def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str], int]:
-    from .errors import ConfigError
-    from .jobs import unique_suffix
-    from .pool import check_jobs, default_jobs
+    from ..errors import ConfigError
+    from ..results import unique_suffix
+    from ..pool import check_jobs, default_jobs
 
     policies, caps, out, rest, jobs = ["lru", "lfu", "least_stale", "belady"], DEFAULT_CAPACITIES, None, [], None
     notes: list = []
@@ -94,7 +94,7 @@ def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str], int]
     bad = [c for c in caps if not (math.isfinite(c) and 0 < c <= 1)]
     if bad:
         raise ConfigError(f"mrc.capacities: {bad} must be fractions of the model's bytes in (0, 1]")
-    from .policies import REGISTRIES
+    from ..policies import REGISTRIES
 
     unknown = [p for p in policies if p not in REGISTRIES["eviction"].names()]
     if unknown:
@@ -114,10 +114,10 @@ def compute(policies: list[str], capacities: list[float], overrides: list[str], 
     every core); the rows do not depend on ``jobs``."""
     from hydra import compose, initialize_config_dir
 
-    from . import CONF_DIR
-    from .app import Run
-    from .replay.driver import open_trace
-    from .pool import replay_many
+    from .. import CONF_DIR
+    from ..app import Run
+    from ..replay.driver import open_trace
+    from ..pool import replay_many
 
     points, specs, trace = [], [], None
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -157,7 +157,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
     a.legend()
     fig.tight_layout()
-    from .results import write_file
+    from ..results import write_file
 
     try:
         write_file(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
@@ -167,8 +167,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     """``specmd mrc``; bad input raises :class:`~specmd.errors.ConfigError` (one line, exit 2: specmd.cli)."""
-    from .errors import ConfigError
-    from .results import csv_fill, keep_elsewhere, output_dir, write_csv
+    from ..errors import ConfigError
+    from ..results import csv_fill, keep_elsewhere, output_dir, write_csv
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:  # its help, not a missing replay.trace (specmd.cli: every command has one)
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m specmd.mrc: specmd mrc, with its one error path
-    from .cli.outcome import guarded
+if __name__ == "__main__":  # python -m specmd.commands.mrc: specmd mrc, with its one error path
+    from ..outcome import guarded
 
     sys.exit(guarded("specmd mrc", main, sys.argv[1:]))

@@ -48,8 +48,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import FULL_ERRNOS, PATH_ERRNOS
-from .results import writable_dir
+from ..errors import FULL_ERRNOS, PATH_ERRNOS
+from ..results import writable_dir
 
 # (the small ones pin the latency: an expert of a small model is 49 kB; the large ones its bandwidth at a
 # Qwen1.5-MoE expert's parameters: 23 MB fused gate and up, 12 MB down)
@@ -123,8 +123,8 @@ def measure_ram_link(device: torch.device, reps: int = 5, sizes=SIZES, source_by
     so a copy reads memory as a fetch of a cold expert does (one source copied over and over measured the
     cache: 50 GB/s on a machine whose memory copies at half that). Each size timed in passes
     (:func:`_in_passes`)."""
-    from .executor.tiers import RamTier
-    from .executor.transfer import CudaMover, ThreadMover
+    from ..executor.tiers import RamTier
+    from ..executor.transfer import CudaMover, ThreadMover
 
     mover = CudaMover(None, 0.0, device) if device.type == "cuda" else ThreadMover(None, 0.0)
     nrows = [max(4, source_bytes // size) for size in sizes]
@@ -151,7 +151,7 @@ def measure_ram_link(device: torch.device, reps: int = 5, sizes=SIZES, source_by
 def measure_disk_link(device: torch.device, path: Path, reps: int = 5, report: dict | None = None
                       ) -> tuple[float, float]:
     """pread into a tensor of the device's (host side) with the page cache dropped before each read."""
-    from .executor.transfer import ThreadMover
+    from ..executor.transfer import ThreadMover
 
     total = 64 << 20
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -315,8 +315,8 @@ def measure_contention(device: torch.device, hw: dict, reps: int = 5) -> tuple[f
     the transfer channel), each alone and then both started together, sized to take about as long as each
     other (where the overlap, and so the contention, is largest). ``(together - max(alone)) / min(alone)``
     clipped to [0, 1], the median of ``reps``; and the report (the three times, ms)."""
-    from .executor.tiers import RamTier
-    from .executor.transfer import CudaMover, ThreadMover
+    from ..executor.tiers import RamTier
+    from ..executor.transfer import CudaMover, ThreadMover
 
     mover = CudaMover(None, 0.0, device) if device.type == "cuda" else ThreadMover(None, 0.0)
     h, f = KERNEL_SHAPES[2]
@@ -371,7 +371,7 @@ def measure_contention(device: torch.device, hw: dict, reps: int = 5) -> tuple[f
 
 def host_roofline(hw: dict):
     """The host's roofline of a profile (``host_tflops``, ``host_mem_bandwidth_gbps``): the clock's own."""
-    from .engine.clock import Roofline
+    from ..engine.clock import Roofline
 
     return Roofline(hw["host_tflops"] * 1e12, hw["host_mem_bandwidth_gbps"] * 1e9, hw.get("host_roofline_serial", 0.0),
                     (hw.get("host_gemv_bandwidth_gbps") or 0.0) * 1e9)
@@ -385,9 +385,9 @@ def measure_host_experts(model, family: str, hw: dict, device: torch.device, rep
     experts of 1 and 8 tokens each, the best of ``reps``; (measured - host roofline) fitted as ``call +
     experts * expert + pairs * token`` (non-negative least squares). Returns ({``host_call_overhead_us``,
     ``host_expert_overhead_us``, ``host_token_overhead_us``}, {case: measured us})."""
-    from .executor.hostwork import HOST_COMPUTE
-    from .executor.kernel import Bank, _remote_bank, expert_tensors
-    from .models.adapters import adapter_for
+    from ..executor.hostwork import HOST_COMPUTE
+    from ..executor.kernel import Bank, _remote_bank, expert_tensors
+    from ..models.adapters import adapter_for
 
     adapter = adapter_for(family)
     mod = adapter.experts(model, adapter.moe_layers(model)[0])
@@ -454,11 +454,11 @@ def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: i
       short decode passes do not outvote the few prefills (TTFT and TPOT are judged by ratios);
     - one generation before the repetitions warms the framework (first calls of kernels, allocator), and one
       at the start of each install, discarded, its first evictions (as ``specmd fidelity``'s cells do)."""
-    from .compose import spec_of
-    from .executor import EXECUTION
-    from .hardware import HardwareConfig
-    from .hook import install
-    from .models.loader import local_checkpoint
+    from ..compose import spec_of
+    from ..executor import EXECUTION
+    from ..hardware import HardwareConfig
+    from ..hook import install
+    from ..models.loader import local_checkpoint
 
     model, mcfg = _load(model_name)
     model.to(device)
@@ -577,7 +577,7 @@ def _fit_host(calls: list, geom, hw: dict) -> dict:
     n = np.array([c[0] for c in calls], dtype=float)
     rows = np.array([c[1] for c in calls], dtype=float)
     t = np.array([c[2] for c in calls])
-    from .engine.clock import one_row
+    from ..engine.clock import one_row
 
     host = host_roofline(hw)
     roof = np.array([host.time(2.0 * r * geom.expert_params, k * geom.expert_bytes, one_row(r, k) * geom.expert_bytes)
@@ -603,11 +603,11 @@ def measure_policies(model_name: str, hw: dict, device: torch.device, new_tokens
     model's compute is not in the timed span), the best of ``reps``, per call. Costs depend on the model's
     geometry (a percentile over E scores, victims scanned over the pool): calibrate with ``--model`` set to
     the geometry you run."""
-    from .compose import spec_of
-    from .errors import ConfigError
-    from .hardware import HardwareConfig
-    from .hook import install
-    from .policies import REGISTRIES
+    from ..compose import spec_of
+    from ..errors import ConfigError
+    from ..hardware import HardwareConfig
+    from ..hook import install
+    from ..policies import REGISTRIES
 
     model, _ = _load(model_name)
     g = torch.Generator().manual_seed(1)
@@ -663,15 +663,15 @@ def measure_policies(model_name: str, hw: dict, device: torch.device, new_tokens
 def _model_config(model_name: str):
     from omegaconf import OmegaConf
 
-    from . import CONF_DIR
-    from .models.loader import ModelConfig
-    from .registry import build_params
+    from .. import CONF_DIR
+    from ..models.loader import ModelConfig
+    from ..registry import build_params
 
     return build_params(ModelConfig, dict(OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "model" / f"{model_name}.yaml"))), "model")
 
 
 def _load(model_name: str):
-    from .models.loader import load_model
+    from ..models.loader import load_model
 
     mcfg = _model_config(model_name)
     return load_model(mcfg)[0], mcfg
@@ -705,11 +705,11 @@ def check_profile(model_name: str, hw: dict, device: torch.device, prompt: int =
     then ``new_tokens`` greedy decodes, after a warm-up generation in the same install (as ``specmd fidelity``
     measures a cell). Returns {stack: {ttft, tpot: measured /
     simulated}}."""
-    from .compose import spec_of
-    from .executor import EXECUTION
-    from .hardware import HardwareConfig
-    from .hook import install
-    from .models.loader import local_checkpoint
+    from ..compose import spec_of
+    from ..executor import EXECUTION
+    from ..hardware import HardwareConfig
+    from ..hook import install
+    from ..models.loader import local_checkpoint
 
     model, mcfg = _load(model_name)
     model.to(device)
@@ -753,7 +753,7 @@ def default_name() -> str:
 
 def _name_problem(name: str) -> str | None:
     """What is wrong with profile name ``name`` (see :func:`check_name`), or None."""
-    from . import shipped
+    from .. import shipped
 
     if not name:
         return "a profile needs a name"
@@ -807,7 +807,7 @@ def check_name(name: str) -> str:
     that same string (not ``null``, ``true``, ``1.5``), and not a shipped profile's name (nor ``<name>_disk``):
     specmd's configs come first on Hydra's search path, so ``hardware=a100_pcie`` would select the shipped
     profile, not the calibrated one. Returns ``name``; a ConfigError names the problem and a name that works."""
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     problem = _name_problem(name)
     if problem:
@@ -820,8 +820,8 @@ def check_output(out: str | None, name: str) -> Path:
     checked before any measurement -- a directory (or one that can be created: no file in its path), writable,
     and ``<name>.yaml`` / ``<name>_disk.yaml`` inside it and not directories. Returns the absolute hardware
     directory (not created)."""
-    from . import user_config_dir
-    from .errors import ConfigError
+    from .. import user_config_dir
+    from ..errors import ConfigError
 
     if out is not None and not out.strip():
         raise ConfigError(f"--out {out!r}: an empty path; name a directory (default: the user config directory)")
@@ -850,16 +850,16 @@ def check_model(model: str) -> None:
     checkpoint, or a hub id the hub (or the local HF cache) answers -- checked before any measurement (offline,
     a hub model used to fail after the link and compute measurements, with a traceback). ConfigError for an
     unknown config or a missing shipped checkpoint, DataError for an unreachable hub."""
-    from . import shipped
-    from .errors import ConfigError
+    from .. import shipped
+    from ..errors import ConfigError
 
     models = shipped.options("model")
     if model not in models:  # --quick never loads it: checked here, not after minutes of fitting
         raise ConfigError(f"--model {model!r}: no such model config; valid choices: {', '.join(models)}")
     mcfg = _model_config(model)
     if mcfg.pretrained:
-        from .eval.mirror import require_hub_for
-        from .models.loader import resolve_pretrained
+        from ..eval.mirror import require_hub_for
+        from ..models.loader import resolve_pretrained
 
         path = resolve_pretrained(mcfg.pretrained)  # (a missing shipped checkpoint: ConfigError)
         if not os.path.isdir(os.path.expanduser(path)):
@@ -877,13 +877,13 @@ def _write_fd(fd: int, data: bytes) -> None:
 def _write_atomic(files: list[tuple[Path, str | bytes]], keep: bool = True) -> None:
     """Each ``(path, content)`` written in full to a temporary file in the path's own directory
     (``.<name>.<random>.tmp``: no config group option, no half file under the real name), then all renamed
-    into place (os.replace) with signals held: an interrupt (:class:`~specmd.jobs.Interrupted`) or an error
+    into place (os.replace) with signals held: an interrupt (:class:`~specmd.signals.Interrupted`) or an error
     at any point leaves every path as it was before (or, once renamed, all complete) and no temporary file. A
     write the disk or a permission refused names the file, and (``keep``) what was not written is kept
     elsewhere (:func:`_kept_elsewhere`)."""
     import secrets
 
-    from .signals import check_interrupt, signals_held
+    from ..signals import check_interrupt, signals_held
 
     temps: list[tuple[Path | None, Path]] = []
     path = files[0][0] if files else Path(".")
@@ -922,7 +922,7 @@ def _kept_elsewhere(exc: OSError, files: list, path: Path) -> OSError:
     """A write of ``files`` that failed at ``path`` (a full disk, a read-only directory): the error naming it,
     with every file's content kept under ``<tmp>/specmd-rescue/`` (the profile calibrate measured for minutes
     is not lost with the disk) and named."""
-    from .results import keep_elsewhere, rescue_dir
+    from ..results import keep_elsewhere, rescue_dir
 
     kept = [keep_elsewhere(p, lambda tmp, c=c: Path(tmp).write_bytes(c.encode() if isinstance(c, str) else c))
             for p, c in files]
@@ -946,7 +946,7 @@ def use_command(name: str, out_root: Path | None) -> str:
 
 
 def _disk_probe() -> Path:
-    from .quant.base import cache_dir
+    from ..quant.base import cache_dir
 
     return cache_dir().parent / "calibrate" / "disk-probe.bin"
 
@@ -956,7 +956,7 @@ def prepare(out: str | None, name: str | None, model: str, device: str) -> tuple
     (:func:`check_name`; default :func:`default_name`), the output directory (:func:`check_output`), the
     disk probe's directory, and the model (:func:`check_model`). Returns (name, hardware directory);
     ConfigError (bad input) or DataError (an unreachable hub) otherwise."""
-    from .app import check_device
+    from ..app import check_device
 
     check_device(device)
     name = check_name(default_name() if name is None else name)
@@ -1011,7 +1011,7 @@ class Measurements:
             self.reused.append(name)
             return self.data[name]
         value = fn()
-        from .results import write_json_atomic
+        from ..results import write_json_atomic
 
         self.data[name] = json.loads(json.dumps(value))  # (as read back: tuples as lists)
         write_json_atomic(self.path, {"key": self.key, "stages": self.data})
@@ -1032,8 +1032,8 @@ def _small(report: dict) -> str:
 
 def _calibrate(hw_dir: Path, name: str, out: bool, model: str, device: str, quick: bool, log,
                remeasure: bool = False) -> dict:
-    from .errors import ConfigError
-    from .executor.base import steady_host_allocator
+    from ..errors import ConfigError
+    from ..executor.base import steady_host_allocator
 
     t_start = time.perf_counter()
     say = log
@@ -1161,14 +1161,14 @@ def _calibrate(hw_dir: Path, name: str, out: bool, model: str, device: str, quic
 
 def _geometry(model: str) -> dict:
     """The model config's dtype and expert bytes (its geometry; no weights loaded)."""
-    from .models.loader import model_geometry
+    from ..models.loader import model_geometry
 
     cfg = _model_config(model)
     return {"dtype": str(cfg.dtype), "expert_bytes": int(model_geometry(cfg).expert_bytes)}
 
 
 def main(argv=None) -> int:
-    from .errors import ArgumentParser
+    from ..errors import ArgumentParser
 
     ap = ArgumentParser(prog="specmd calibrate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write DIR/hardware/<name>.yaml (default: the user config directory, on "
@@ -1182,7 +1182,7 @@ def main(argv=None) -> int:
                                                                "earlier calibrate of this host, device, torch and "
                                                                "model measured)")
     a = ap.parse_args(argv)
-    # before any measurement; bad input (ConfigError, DataError) is one line and exit 2: specmd.cli.outcome
+    # before any measurement; bad input (ConfigError, DataError) is one line and exit 2: specmd.outcome
     name, hw_dir = prepare(a.out, a.name, a.model, a.device)
     _calibrate(hw_dir, name, a.out is not None, a.model, a.device, a.quick, print, a.remeasure)
     return 0

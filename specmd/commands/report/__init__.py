@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .. import CONF_DIR
-from ..errors import ConfigError
-from ..results import writable_dir, write_csv, write_text_atomic
+from ... import CONF_DIR
+from ...errors import ConfigError
+from ...results import writable_dir, write_csv, write_text_atomic
 from .collect import Sweep, find_sweeps, sweep_for_also, unfinished
 from .tables import Spec, cell, config_split, group_jobs, row_axes, split_note, table
 from .verdicts import markdown as verdict_lines
@@ -127,7 +127,7 @@ def sections_of(sweeps: list, notes: Optional[list] = None) -> list:
 
 def default_metrics(jobs: list) -> list:
     """An ad-hoc sweep (no ``report`` spec): the cache, the speed, and each task's headline metric."""
-    from ..eval.harness import QUALITY
+    from ...eval.harness import QUALITY
 
     metrics = [("hit %", "cache.hit_rate"), ("in-cache %", "cache.in_cache_rate"),
                ("collision %", "cache.collision_rate"), ("TTFT (ms)", "timing.ttft_s * 1000"),
@@ -289,7 +289,7 @@ def build(paths: list, out: Optional[str] = None, sweeps: Optional[list] = None,
 
 
 def main(argv: Optional[list] = None) -> int:
-    from ..errors import ArgumentParser
+    from ...errors import ArgumentParser
 
     ap = ArgumentParser(prog="specmd report", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)

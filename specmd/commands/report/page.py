@@ -199,6 +199,6 @@ def write_html(sections: list, notes: list, out: Path) -> None:
     for sec in sections:
         parts += section_html(sec)
     parts.append("</main></body></html>")
-    from ..results import write_text_atomic
+    from ...results import write_text_atomic
 
     write_text_atomic(out / "index.html", "\n".join(parts) + "\n")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .tables import MISSING, Group, job_value, numeric, sort_key, split_prefix, unnamed_axes
 
 KINDS = ("bars", "lines", "scatter")
@@ -126,7 +126,7 @@ def draw(spec, fig_spec: dict, groups: list, path: Path) -> str:
     if handles:
         axs[0][-1].legend(fontsize=7, loc="best")
     fig.tight_layout()
-    from ..results import write_file
+    from ...results import write_file
 
     try:  # an interrupt leaves no half figure; a full disk names the figure and keeps it elsewhere
         write_file(path, lambda tmp: fig.savefig(tmp, dpi=120, format=Path(path).suffix.lstrip(".") or "png"))

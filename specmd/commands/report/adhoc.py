@@ -79,7 +79,7 @@ def _plt():
 
 
 def _save(fig, path: Path) -> None:
-    from ..results import write_file
+    from ...results import write_file
 
     try:  # an interrupt leaves no half figure; a full disk names the figure and keeps it elsewhere
         write_file(path, lambda tmp: fig.savefig(tmp, dpi=DPI, bbox_inches="tight", pad_inches=0.08,
@@ -238,7 +238,7 @@ def pareto_figure(task: str, metric: str, higher: bool, speed: tuple, axes: list
 
 def draw_adhoc(sec, out: Path) -> tuple[list, list]:
     """The figures of an ad-hoc section: ([(file name, caption)], [note])."""
-    from ..eval.harness import QUALITY
+    from ...eval.harness import QUALITY
 
     ok = [g for g in sec.groups if g.ok]
     axes = list(sec.rows)

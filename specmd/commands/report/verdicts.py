@@ -35,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..errors import ConfigError
-from ..loggers import flatten
+from ...errors import ConfigError
+from ...loggers import flatten
 from .tables import (MISSING, NON_FINITE, Spec, axis_value, baseline_of, cell, expression_error, fmt, is_percent,
                      paths_of, split_prefix, unnamed_axes)
 

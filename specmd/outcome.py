@@ -20,7 +20,7 @@ anything else: a bug                        1     one line, and the traceback in
 The main run has the same shape (``failed.json`` is its file). ``HYDRA_FULL_ERROR=1``, Hydra's switch for
 the whole trace, raises instead of printing one line, for every command.
 
-Signals are armed (:func:`specmd.jobs.signals_raise`) around the whole command, so a command only needs
+Signals are armed (:func:`specmd.signals.signals_raise`) around the whole command, so a command only needs
 ``try/finally`` (or ``except BaseException: clean up; raise``) around what it writes.
 """
 
@@ -64,7 +64,7 @@ def one_line(text: str) -> str:
 
 def classify(exc: BaseException) -> tuple:
     """``(exit code, message, is a bug)`` for an exception that ended a command."""
-    from ..errors import ConfigError, DataError, file_error
+    from .errors import ConfigError, DataError, file_error
 
     if isinstance(exc, (ConfigError, DataError)):
         return 2, one_line(str(exc)), False
@@ -113,7 +113,7 @@ def guarded(prog: str, fn, argv: list, final: bool = False) -> int:
     cuts the line short nor changes the exit code (the first signal's). ``final`` (the CLI's own process, which
     exits next): they stay ignored, so a signal while the interpreter joins its threads cannot turn the exit
     code into its own (a SIGTERM's run then died of the Ctrl-C after it, 130); otherwise they are restored."""
-    from ..signals import ENDING, signals_raise
+    from .signals import ENDING, signals_raise
 
     saved = {s: signal.getsignal(s) for s in ENDING}
     try:
@@ -130,7 +130,7 @@ def guarded(prog: str, fn, argv: list, final: bool = False) -> int:
 
 def report(prog: str, exc: BaseException) -> int:
     """One line for ``exc`` on stderr (a bug's traceback in a file it names); the exit code."""
-    from ..signals import Interrupted
+    from .signals import Interrupted
 
     if isinstance(exc, KeyboardInterrupt):  # a handler not specmd's raised it: a Ctrl-C all the same
         exc = Interrupted(signal.SIGINT)
@@ -141,7 +141,7 @@ def report(prog: str, exc: BaseException) -> int:
         raise exc
     if os.environ.get("HYDRA_FULL_ERROR") == "1" or not isinstance(exc, Exception):
         raise exc
-    from ..errors import say
+    from .errors import say
 
     code, message, bug = classify(exc)
     if bug:

@@ -1,6 +1,6 @@
 """``specmd status SWEEP_DIR...``: which jobs of a sweep are done, failed, running, pending or missing, and the
 command that resumes it (a re-launch runs only the jobs that are not done, :mod:`specmd.jobs`). While the
-process that launched the sweep lives (it holds ``.sweep.lock``: :func:`specmd.jobs.hold_sweep`) the jobs it has
+process that launched the sweep lives (it holds ``.sweep.lock``: :func:`specmd.liveness.hold_sweep`) the jobs it has
 not started are *pending*, not missing, and no resume command is offered: it would run them twice.
 
 What it cannot read is named, never a traceback: a job directory without a readable ``.hydra/overrides.yaml``
@@ -18,12 +18,12 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..liveness import sweep_live, sweep_runner
-from .collect import Job, load_sweep, sweeps_below
+from .report.collect import Job, load_sweep, sweeps_below
 
 
 def job_state(job: Job, live: bool = False) -> str:
     """``done``, ``failed``, ``running`` (its directory's lock is held), ``pending`` (not started, or starting,
-    in a sweep whose launcher is ``live``: :func:`specmd.jobs.sweep_live`) or ``missing`` (never started, or
+    in a sweep whose launcher is ``live``: :func:`specmd.liveness.sweep_live`) or ``missing`` (never started, or
     interrupted without a trace: SIGKILL, a lost node)."""
     state = _state(job)
     return "pending" if live and state == "missing" else state
@@ -81,7 +81,7 @@ def _sweep_dirs(path: Path) -> tuple[list, bool]:
 
 def main(argv: Optional[list] = None) -> int:
     """Prints each sweep's counts and its unfinished jobs; exit 0 when every job is done, 1 otherwise (bad input:
-    a ConfigError, one line and exit 2 from specmd.cli.outcome)."""
+    a ConfigError, one line and exit 2 from specmd.outcome)."""
     from ..errors import ArgumentParser
 
     ap = ArgumentParser(prog="specmd status", description=__doc__)

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .errors import ConfigError, DataError
+from ..errors import ConfigError, DataError
 from .mrc import list_value, plain_value
 
 # group -> choice -> list of parameter overrides (each a tuple of "key=value" strings)
@@ -123,7 +123,7 @@ def quality_measure(task: str, metric: str, higher) -> tuple:
     :data:`~specmd.eval.harness.QUALITY` unless ``tune.quality_metric`` names another; the direction from
     ``tune.quality_higher``, else known for the task's own metric or a perplexity. Anything else is a
     :class:`ConfigError` before any work."""
-    from .eval.harness import QUALITY
+    from ..eval.harness import QUALITY
 
     known = ", ".join(f"{t} ({m}, {'higher' if h else 'lower'} is better)" for t, (m, h) in QUALITY.items())
     if not metric:
@@ -147,7 +147,7 @@ def quality_measure(task: str, metric: str, higher) -> tuple:
 def direction(task: str, metric: str):
     """Whether higher values of ``metric`` are better when that is known (the task's own metric in QUALITY, a
     perplexity, an accuracy or match rate), else None."""
-    from .eval.harness import QUALITY
+    from ..eval.harness import QUALITY
 
     if task in QUALITY and QUALITY[task][0] == metric:
         return QUALITY[task][1]
@@ -209,7 +209,7 @@ def parse(argv: list[str]) -> tuple[Options, list[str]]:
         group = arg.partition("=")[0].split(".")[0].lstrip("+")
         if group in SPACE:
             raise ConfigError(f"{arg!r}: tune searches {group}; restrict it with tune.{group}=[...] instead")
-    from .jobs import unique_suffix
+    from ..results import unique_suffix
 
     opts.out = opts.out or time.strftime("outputs/tune/%Y-%m-%d/%H-%M-%S-") + unique_suffix()  # as a run's
     return opts, rest
@@ -333,12 +333,12 @@ def tune(opts: Options, base: list[str], console) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from . import CONF_DIR
-    from .app import Run, execute, recorded_trace
-    from .replay.driver import check, open_trace
-    from .pool import replay_many
+    from .. import CONF_DIR
+    from ..app import Run, execute, recorded_trace
+    from ..replay.driver import check, open_trace
+    from ..pool import replay_many
 
-    from .results import output_dir, write_csv, write_json_atomic
+    from ..results import output_dir, write_csv, write_json_atomic
 
     out = output_dir(opts.out, "tune.out", "tune.json")  # before any work: a path it cannot write loses nothing
     kind, metric, better = OBJECTIVES[opts.objective]

@@ -48,8 +48,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..errors import ConfigError
-from ..loggers import flatten
+from ...errors import ConfigError
+from ...loggers import flatten
 
 DEFAULT_REPEAT = ["eval.seed", "model.seed"]
 PREFIXES = ("rel:", "rel-:", "reduction:", "mean_first_half:", "mean_second_half:")
@@ -361,7 +361,7 @@ def _under(key: str, names) -> bool:
 def _known_config(job) -> dict:
     """The config values of ``job`` that are known to be its own: all of a config it wrote (results.json,
     failed.json); of its sweep's config (a job that never wrote one), the keys its overrides do not set."""
-    from ..jobs import UNHASHED
+    from ...jobs import UNHASHED
 
     flat = {k: v for k, v in _flat_config(job.config).items()
             if k.split(".", 1)[0] not in NO_NUMBERS + tuple(UNHASHED) and not k.startswith("_")}
@@ -545,7 +545,7 @@ def sort_key(value: str):
 
 
 def table(sec) -> tuple[list, list]:
-    """(header, rows) of a report section's table (``specmd.report.Section``): row axes, then each metric (per column value when pivoted)."""
+    """(header, rows) of a report section's table (``specmd.commands.report.Section``): row axes, then each metric (per column value when pivoted)."""
     spec = sec.spec
     cols = list(dict.fromkeys(g.axes[spec.cols] for g in sec.groups)) if spec.cols else [None]  # sweep order
     header = list(sec.rows)

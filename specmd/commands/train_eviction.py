@@ -1,16 +1,16 @@
 """Train FlashMoE's ML eviction networks (``eviction=ml``) from routing traces of any model.
 
     # record a model's routing on WikiText-2 validation text (never an evaluated split) and train:
-    python -m specmd.train_eviction --model specmd:tiny-olmoe --out specmd/assets/tiny-olmoe/ml_eviction.safetensors
+    python -m specmd.commands.train_eviction --model specmd:tiny-olmoe --out specmd/assets/tiny-olmoe/ml_eviction.safetensors
     # or from traces saved by runs (python -m specmd ... trace.save=true writes <run dir>/trace), or imported:
-    python -m specmd.train_eviction --traces outputs/*/*/trace --out my_policy.safetensors
-    python -m specmd.train_eviction --traces routing.jsonl --format jsonl --num-experts 64 --out my_policy.safetensors
+    python -m specmd.commands.train_eviction --traces outputs/*/*/trace --out my_policy.safetensors
+    python -m specmd.commands.train_eviction --traces routing.jsonl --format jsonl --num-experts 64 --out my_policy.safetensors
     # specmd train-eviction ... is the same command
 
 Every number here has one producer, the one a run uses:
 
 1. **record** (``--model``): the live driver with the recording stack and a trace writer
-   (:func:`specmd.record.record_routing`), token by token: each token is a pass of its own, so a
+   (:func:`specmd.recorder.record_routing`), token by token: each token is a pass of its own, so a
    layer's step is one call of that layer, as in generation;
 2. **read** (``--traces``): the trace reader, or an importer (``--format``, :mod:`specmd.replay.formats`);
 3. **label**: Belady's next-use distance along each layer's calls. A step is one call of the layer, the
@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import ConfigError
-from .policies.eviction.ml import features
+from ..errors import ConfigError
+from ..policies.eviction.ml import features
 
 EVALUATED = ("lru", "lfu", "ml", "belady")  # the held-out replay's eviction policies
 
@@ -47,7 +47,7 @@ EVALUATED = ("lru", "lfu", "ml", "belady")  # the held-out replay's eviction pol
 def layer_steps(trace) -> list[list[np.ndarray]]:
     """Per MoE layer, the experts each of its calls requests (ascending), in call order: ``eviction=ml``'s
     steps."""
-    from .replay.driver import requested_per_call
+    from ..replay.driver import requested_per_call
 
     L, E = trace.meta.geometry.num_layers, trace.meta.geometry.num_experts
     ptr, experts = requested_per_call(trace, E)
@@ -108,8 +108,8 @@ def train_layer(x: np.ndarray, y: np.ndarray, steps: int, batch: int, seed: int)
 # ---- the held-out replay ---------------------------------------------------------------------------------------
 def holdout_spec(eviction: str, capacity: int, weights=None):
     """The stack the held-out hit rates are measured with (module docstring, step 5)."""
-    from .compose import spec_of
-    from .hardware import HardwareConfig
+    from ..compose import spec_of
+    from ..hardware import HardwareConfig
 
     cfg = {"name": eviction, **({"weights": str(weights)} if eviction == "ml" else {})}
     return spec_of(eviction=cfg, miss="fetch", prefetch="none",
@@ -119,7 +119,7 @@ def holdout_spec(eviction: str, capacity: int, weights=None):
 def holdout_hit_rates(parts: list, capacity: int, weights) -> dict:
     """Hit rate of each of :data:`EVALUATED` over the held-out ``parts`` (traces), each replayed from an
     empty cache by the replay driver; pooled over the parts (their hits over their requests)."""
-    from .replay.driver import run_replay
+    from ..replay.driver import run_replay
 
     rates = {}
     for name in EVALUATED:
@@ -136,9 +136,9 @@ def holdout_hit_rates(parts: list, capacity: int, weights) -> dict:
 # ---- command line ------------------------------------------------------------------------------------------
 def record_model(args, directory: Path):
     """``--model``'s trace: its routing on WikiText-2 validation, token by token (module docstring, step 1)."""
-    from .eval.mirror import resolve_mirror, set_offline
-    from .models.loader import ModelConfig, load_model, resolve_pretrained
-    from .record import record_routing
+    from ..eval.mirror import resolve_mirror, set_offline
+    from ..models.loader import ModelConfig, load_model, resolve_pretrained
+    from ..record import record_routing
     from .train import wikitext2_valid
 
     cfg_path = Path(resolve_pretrained(args.model)) / "config.json"
@@ -159,8 +159,8 @@ def record_model(args, directory: Path):
 
 
 def read_traces(args) -> list:
-    from .replay.driver import ReplayConfig, open_trace
-    from .registry import build_params
+    from ..replay.driver import ReplayConfig, open_trace
+    from ..registry import build_params
 
     return [open_trace(build_params(ReplayConfig, {"trace": str(p), "format": args.format,
                                                    "num_experts": args.num_experts}, "replay"))
@@ -168,7 +168,7 @@ def read_traces(args) -> list:
 
 
 def main(argv=None):
-    from .errors import ArgumentParser
+    from ..errors import ArgumentParser
 
     ap = ArgumentParser(prog="specmd train-eviction", description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -197,7 +197,7 @@ def main(argv=None):
         v = getattr(args, key)
         if v is not None and v < low:
             raise ConfigError(f"--{key.replace('_', '-')}={v} must be >= {low}")
-    from .results import writable_dir
+    from ..results import writable_dir
 
     out = Path(args.out)
     if out.is_dir() or not out.name:
@@ -215,7 +215,7 @@ def train(args, traces: list) -> dict:
     """Steps 3-5 of the module docstring on ``traces``; writes ``args.out`` and returns its metadata."""
     from safetensors.numpy import save_file
 
-    from .replay.trace import select_passes
+    from ..replay.trace import select_passes
 
     geoms = {(t.meta.geometry.num_layers, t.meta.geometry.num_experts) for t in traces}
     if len(geoms) != 1:
@@ -243,7 +243,7 @@ def train(args, traces: list) -> dict:
     meta = {"num_layers": str(L), "num_experts": str(E), "cap": str(args.cap), "step": "one call of the layer",
             "source": json.dumps(source, default=str), "train_mse": json.dumps(mses),
             "paper": "FlashMoE §3.2 (2 -> 128 -> 128 -> 1, SiLU, MSE, AdamW 1e-3/1e-2)"}
-    from .results import atomic_output
+    from ..results import atomic_output
 
     with atomic_output(out) as tmp:  # an interrupt or an error leaves no weights file, whole or half
         save_file(tensors, str(tmp), metadata=meta)
@@ -258,7 +258,7 @@ def train(args, traces: list) -> dict:
     return meta
 
 
-if __name__ == "__main__":  # python -m specmd.train_eviction: specmd train-eviction, with its one error path
-    from .cli.outcome import guarded
+if __name__ == "__main__":  # python -m specmd.commands.train_eviction: specmd train-eviction, with its one error path
+    from ..outcome import guarded
 
     sys.exit(guarded("specmd train-eviction", main, sys.argv[1:]))

@@ -18,14 +18,14 @@ simulated time (they sum to ``err``): ``compute`` (the device's own work: dense 
 framework's per-layer/token/expert/copy-issue costs) and ``waits`` (what the pass spent beyond it: copies
 waited for, and on a CPU the host's experts, which run inline on the same cores); and two resources timed on
 their own, each as measured / simulated busy time: the ``link`` (the copies) and the ``host`` (the host's
-expert kernel). And the machine's **drift**: :func:`~specmd.calibrate.speed_probe` at the start and the end
+expert kernel). And the machine's **drift**: :func:`~specmd.commands.calibrate.speed_probe` at the start and the end
 against the one calibrate took (``calibrated_on.speed``): a shared machine slower now than when the profile
 was fitted shows as error in every cell, which the repeats, alternated within the run, cannot see. Over the grid: median |err|, p90, the worst cell, and the **ranking**: in each (model,
 capacity, batch) group, whether the simulated order of the miss policies by decode speed is the measured one
 (two policies whose measured TPOTs differ by less than their noise count as a tie either way).
 
 The profile is a name (as ``hardware=NAME`` selects it: the user config directory, then the shipped ones), or
-a path to a profile's yaml; default: calibrate's default name (:func:`specmd.calibrate.default_name`).
+a path to a profile's yaml; default: calibrate's default name (:func:`specmd.commands.calibrate.default_name`).
 """
 
 from __future__ import annotations
@@ -103,11 +103,11 @@ def run_cell(model, ckpt, hw: dict, cell: Cell, ids: torch.Tensor, decodes: int,
     tier's pages, the first calls of its kernels, its first evictions: costs a long run pays once, not per
     prompt), then the measured ones; per pass kind the mean of each side's times over the measured generations'
     passes."""
-    from .compose import spec_of
-    from .executor import EXECUTION
-    from .executor.hostwork import InlineHost
-    from .hardware import HardwareConfig
-    from .hook import install
+    from ..compose import spec_of
+    from ..executor import EXECUTION
+    from ..executor.hostwork import InlineHost
+    from ..hardware import HardwareConfig
+    from ..hook import install
 
     spec = spec_of(hardware=HardwareConfig(**{**hw, "capacity": cell.capacity}), miss=cell.miss)
     spec.execution = EXECUTION.params({"name": "offload", "throttle": True})
@@ -255,9 +255,9 @@ def ranking(cells: dict[str, dict], meta: dict[str, Cell]) -> dict:
 def measure(hw: dict, grid: dict, repeats: int, prompt: int, decodes: int, device: str, log=print) -> dict:
     """Run the grid (see the module's doc); returns {cell key: report} and the cells."""
     from .calibrate import _load
-    from .executor.base import steady_host_allocator
-    from .models.loader import local_checkpoint
-    from .signals import check_interrupt
+    from ..executor.base import steady_host_allocator
+    from ..models.loader import local_checkpoint
+    from ..signals import check_interrupt
 
     steady_host_allocator()
     dev = torch.device(device)
@@ -289,10 +289,10 @@ def resolve_profile(profile: str | None) -> tuple[str, dict]:
     directory's ``hardware/``, then the shipped profiles). ConfigError naming what was looked for."""
     import yaml
 
-    from . import shipped, user_config_dir
+    from .. import shipped, user_config_dir
     from .calibrate import default_name
-    from .errors import ConfigError
-    from .hardware import HardwareConfig
+    from ..errors import ConfigError
+    from ..hardware import HardwareConfig
 
     name = profile or default_name()
     path = Path(name).expanduser()
@@ -365,9 +365,9 @@ def _fmt(v) -> str:
 def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, prompt: int = 32, decodes: int = 16,
              device: str = "cpu", models=None, log=print) -> dict:
     """The whole command (module doc); returns the report written as JSON."""
-    from .app import check_device
+    from ..app import check_device
     from .calibrate import check_model, drift, speed_probe
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     check_device(device)
     for flag, v, lo in (("--repeats", repeats, 3), ("--prompt", prompt, 1), ("--decodes", decodes, 2)):
@@ -403,7 +403,7 @@ def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, 
 
 
 def main(argv=None) -> int:
-    from .errors import ArgumentParser
+    from ..errors import ArgumentParser
 
     ap = ArgumentParser(prog="specmd fidelity", description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", help="a hardware profile: its name (as hardware=NAME) or a yaml path "
@@ -419,8 +419,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = None
     if a.out:  # checked before minutes of runs
-        from .errors import ConfigError
-        from .results import writable_dir
+        from ..errors import ConfigError
+        from ..results import writable_dir
 
         out = Path(a.out).expanduser()
         if out.is_dir():
@@ -429,7 +429,7 @@ def main(argv=None) -> int:
     report = fidelity(a.profile, a.quick, a.repeats, a.prompt, a.decodes, a.device, a.models)
     print(table(report))
     if out is not None:
-        from .results import write_json_atomic
+        from ..results import write_json_atomic
 
         write_json_atomic(out, report)
         print(f"wrote {out}")

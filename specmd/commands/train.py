@@ -1,4 +1,4 @@
-"""Train an embedded model: ``python -m specmd.train [overrides]`` (config: ``specmd/conf/train.yaml``; the deeper
+"""Train an embedded model: ``python -m specmd.commands.train [overrides]`` (config: ``specmd/conf/train.yaml``; the deeper
 models: ``--config-name train_deep_olmoe`` / ``train_deep_mixtral``).
 
 An MoE of one of specmd's families (``architecture``: ``olmoe`` or ``mixtral`` for the embedded models, whose
@@ -21,9 +21,9 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .errors import DataError
+from ..errors import DataError
 
-from . import CONF_DIR
+from .. import CONF_DIR
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 SOURCES = ("wikitext2_valid", "gsm8k_train")
 
@@ -33,7 +33,7 @@ def wikitext2_valid(mirror: Optional[Path]) -> list[str]:
     """WikiText-2 validation articles, detokenized exactly as lm-eval's wikitext task presents text."""
     from lm_eval.tasks.wikitext.preprocess_wikitext import wikitext_detokenizer
 
-    from .eval.mirror import require_hub_for, wikitext_documents
+    from ..eval.mirror import require_hub_for, wikitext_documents
 
     if mirror is not None:
         text = (mirror / "wikitext2" / "tokens" / "wiki.valid.tokens").read_text(encoding="utf-8")
@@ -48,7 +48,7 @@ def wikitext2_valid(mirror: Optional[Path]) -> list[str]:
 
 def gsm8k_train(mirror: Optional[Path]) -> list[str]:
     """GSM8K train problems in lm-eval's gsm8k prompt format ("Question: ...\\nAnswer: ...")."""
-    from .eval.mirror import require_hub_for
+    from ..eval.mirror import require_hub_for
 
     if mirror is not None:
         with open(mirror / "gsm8k" / "train.jsonl", encoding="utf-8") as f:
@@ -63,7 +63,7 @@ def gsm8k_train(mirror: Optional[Path]) -> list[str]:
 
 def load_corpus(cfg) -> tuple[list[str], list[str]]:
     """(train documents, held-out validation documents), deterministic."""
-    from .eval.mirror import resolve_mirror
+    from ..eval.mirror import resolve_mirror
 
     mirror = resolve_mirror(cfg.data.mirror)
     loaders = {"wikitext2_valid": wikitext2_valid, "gsm8k_train": gsm8k_train}
@@ -132,7 +132,7 @@ def build_model(cfg, tokenizer):
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from .models.adapters import families
+    from ..models.adapters import families
 
     arch = cfg.get("architecture", "olmoe")
     if arch not in families():
@@ -208,7 +208,7 @@ def train(cfg: DictConfig) -> dict:
     from tqdm.auto import tqdm
     from transformers import PreTrainedTokenizerFast
 
-    from .eval.mirror import set_offline
+    from ..eval.mirror import set_offline
 
     if cfg.data.mirror:
         set_offline()

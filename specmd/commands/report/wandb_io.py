@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .collect import Job, Sweep, newest_per_experiment
 
 STATES = {"finished": "ok", "failed": "failed", "crashed": "failed", "killed": "failed"}
@@ -117,7 +117,7 @@ def log_report(sections: list, out: Path, path: str, group: Optional[str], mode:
     published Report's URL)."""
     import wandb as _wandb
 
-    from ..loggers import WandbLogger
+    from ...loggers import WandbLogger
     from .tables import table
 
     wandb = wandb_module or _wandb

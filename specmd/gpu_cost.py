@@ -8,7 +8,7 @@ caught up, so nothing queues ahead. Neither needs a GPU to count. :class:`Counti
 under a dispatch mode (every aten op) and a function mode (host reads, and what a factory call asked for),
 tracking which tensors live in *host* memory and which would be on the *device*:
 
-* host: registered host buffers (:func:`register_host`: the routing read-back's, the expert map's pinned
+* host: registered host buffers (:func:`specmd.executor.host.register_host`: the routing read-back's, the expert map's pinned
   ring), what a read from the device returns, a factory op given no ``device`` (on a GPU machine that is
   the host), and whatever is computed from host tensors only;
 * device: everything else -- the model's parameters and activations, what is computed from them, a
@@ -28,32 +28,14 @@ a backend kernel are one op.
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections import Counter
-from typing import Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-_HOST: list = []  # weak references to the registered host buffers (a WeakSet would compare tensors)
-_lock = threading.Lock()
-
-
-_ACTIVE: list = []  # the Counting instances in use
-
-
-def register_host(t: torch.Tensor) -> torch.Tensor:
-    """Declare ``t`` (a buffer allocated once) host memory: reading it is no synchronisation. Returns ``t``."""
-    with _lock:
-        _HOST[:] = [r for r in _HOST if r() is not None]
-        _HOST.append(weakref.ref(t))
-        for c in _ACTIVE:
-            c._host_ptrs.add(_ptr(t))
-    return t
-
+from .executor.host import unwatch_host, watch_host
 
 aten = torch.ops.aten
 SYNC_OPS = {aten.nonzero, aten.argwhere, aten.masked_select, aten.bincount, aten.equal, aten.is_nonzero,
@@ -229,14 +211,15 @@ class Counting:
     def _leave(self, module, args, out):
         self._depth -= 1
 
+    def _registered(self, t: torch.Tensor) -> None:
+        self._host_ptrs.add(_ptr(t))
+
     def per_call(self) -> dict:
         n = max(self.calls, 1)
         return {k: v / n for k, v in self.inside.items()}
 
     def __enter__(self):
-        with _lock:
-            self._host_ptrs = {_ptr(t) for t in (r() for r in _HOST) if t is not None}
-            _ACTIVE.append(self)
+        self._host_ptrs = {_ptr(t) for t in watch_host(self._registered)}
         f, d = _Function(self), _Dispatch(self)
         f.__enter__()
         d.__enter__()
@@ -247,8 +230,7 @@ class Counting:
         f, d = self._modes
         d.__exit__(*exc)
         f.__exit__(*exc)
-        with _lock:
-            _ACTIVE.remove(self)
+        unwatch_host(self._registered)
         for h in self._handles:
             h.remove()
         self._handles = []

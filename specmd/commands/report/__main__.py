@@ -1,0 +1,8 @@
+"""``python -m specmd.commands.report`` (same as ``specmd report``, with its one error path: specmd.outcome)."""
+
+import sys
+
+from ...outcome import guarded
+from . import main
+
+sys.exit(guarded("specmd report", main, sys.argv[1:]))
