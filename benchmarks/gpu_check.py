@@ -357,7 +357,7 @@ def hybrid_section(name: str, model, device: str, family: str, quick: bool) -> N
     hybrid, throttle off (the real link) -- decode tok/s against the all-fetch bounds (every requested expert
     fetched; at the run's own misses per token), and throttled (the profile's link): measured / simulated TTFT
     and TPOT, the calibrated clock's check on this model."""
-    from specmd.commands.calibrate import measure_host_experts
+    from specmd.commands.calibrate.measure import measure_host_experts
 
     if not CALIBRATED:
         row("hybrid", name, "skipped", "no calibrated profile (the calibrate section failed or was skipped)")

@@ -27,16 +27,16 @@ MISSES = ("fetch", "cpu_compute", "hybrid")
 
 def qwen_shaped():
     """The Qwen1.5-MoE-A2.7B shape at 2 layers: the shipped random-weight model config ``qwen2_moe_shaped``."""
-    from specmd.commands.calibrate import _load
+    from specmd.models.loader import load_configured
 
-    return _load("qwen2_moe_shaped")[0], None
+    return load_configured("qwen2_moe_shaped")[0], None
 
 
 def deep_olmoe():
-    from specmd.commands.calibrate import _load
+    from specmd.models.loader import load_configured
     from specmd.models.loader import local_checkpoint
 
-    model, cfg = _load("deep_olmoe")
+    model, cfg = load_configured("deep_olmoe")
     return model, local_checkpoint(cfg.pretrained)
 
 
@@ -87,7 +87,7 @@ def main(argv: list) -> int:
     ap.add_argument("--tokens", type=script.whole(2), default=24)
     ap.add_argument("--out", type=script.out_file, help="write the figures as JSON here")
     a = ap.parse_args(argv)
-    from specmd.commands.calibrate import measure_host_experts
+    from specmd.commands.calibrate.measure import measure_host_experts
     from specmd.executor.base import steady_host_allocator
 
     steady_host_allocator()

@@ -283,7 +283,8 @@ def main(argv: list) -> int:
     if a.device.startswith("cuda"):
         print("note: the CUDA path of execution=offload has not run on a GPU in specmd's CI; these figures are "
               "its first check")
-    from specmd.commands.calibrate import calibrate, measure_ram_link
+    from specmd.commands.calibrate import calibrate
+    from specmd.commands.calibrate.measure import measure_ram_link
 
     if a.profile:
         from omegaconf import OmegaConf

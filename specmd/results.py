@@ -4,7 +4,6 @@ file."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -57,28 +56,6 @@ def _clean(obj):
     if isinstance(obj, (list, tuple)):
         return [_clean(v) for v in obj]
     return obj
-
-
-@contextlib.contextmanager
-def atomic_output(path: Path):
-    """Yield a temporary name beside ``path`` (unique, hidden; created by the caller with mode 0666 less the
-    umask like any file the user writes); when the block ends it is renamed to ``path``, and when the block
-    fails -- an error, a full disk, SIGINT/SIGTERM -- it is removed: a reader never sees a half-written file,
-    and an interrupted command leaves nothing where the next run would find it."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException as exc:
-        from .signals import signals_held
-
-        with signals_held():  # a second Ctrl-C cannot leave the temporary file behind
-            tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and exc.filename in (None, str(tmp), tmp):  # the file the user asked for
-            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
-        raise
 
 
 def writable_dir(path, what: str) -> Path:
@@ -139,26 +116,91 @@ def output_dir(path, option: str, holds: str) -> Path:
     return path
 
 
-def write_file(path: Path, fill, keep: bool = True) -> None:
-    """The one way specmd writes a file the user keeps: ``fill(tmp)`` writes the content to a temporary name
-    that becomes ``path`` when complete (:func:`atomic_output`). When the write fails for want of room or of
-    permission -- a full disk, a quota, a directory made read-only (the errnos of
-    :data:`specmd.errors.FULL_ERRNOS` and ``PATH_ERRNOS``) -- the error is an ``OSError`` naming ``path``
-    (an ``f.write`` error names no file) and, with ``keep``, the content is written again under
-    ``<tmp>/specmd-rescue/`` and named in the message (:func:`keep_elsewhere`; ``exc.kept``: where, or None):
-    nothing computed is lost, and the command's one line says where it went. Other errors pass unchanged."""
-    from .errors import FULL_ERRNOS, PATH_ERRNOS
+def write_files(files: list, keep: bool = True, what: str = "what it held") -> None:
+    """The one way specmd writes files the user keeps, one or several: each ``(path, fill)``'s ``fill(tmp)``
+    writes the content to a temporary name beside ``path`` (hidden, unique: no config group option, no half
+    file under the real name; created by ``fill`` with mode 0666 less the umask, like any file the user
+    writes); when every one is complete they are renamed into place together, with signals held. A failure --
+    an error, a full disk, SIGINT/SIGTERM (:class:`~specmd.signals.Interrupted`) -- at any point removes the
+    temporaries and leaves every path as it was (or, once renamed, complete): a reader never sees a half-written
+    file, and an interrupted command leaves nothing where the next one would look.
 
+    When a write fails for want of room or of permission -- a full disk, a quota, a directory made read-only
+    (the errnos of :data:`specmd.errors.FULL_ERRNOS` and ``PATH_ERRNOS``) -- the error is an ``OSError`` naming
+    the path (an ``f.write`` error names no file) and, with ``keep``, every content not yet in place is
+    written again under ``<tmp>/specmd-rescue/`` (:func:`keep_elsewhere`) and named in the message (several
+    files of one directory: ``<what> is kept in DIR/ (a, b)``); ``exc.kept``: where the first went, or None.
+    Nothing computed is lost, and the command's one line says where it went. Other errors pass unchanged."""
+    from .errors import FULL_ERRNOS, PATH_ERRNOS
+    from .signals import check_interrupt, signals_held
+
+    temps: list = []  # [temporary name, or None once renamed; path]
+    path = Path(files[0][0]) if files else Path(".")
     try:
-        with atomic_output(path) as tmp:
-            fill(tmp)
-    except OSError as exc:
-        if exc.errno not in FULL_ERRNOS | PATH_ERRNOS or not keep:
-            raise
-        kept = keep_elsewhere(path, fill)
-        error = OSError(exc.errno, f"{exc.strerror or exc}; {kept[1]}", exc.filename)
-        error.kept = kept[0]
-        raise error from exc
+        for path, fill in files:
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with signals_held():  # (recorded before it exists: an interrupt cannot strike in between)
+                temps.append([path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}", path])
+            check_interrupt()
+            fill(temps[-1][0])
+        with signals_held():  # all renamed, or (an error) the rest removed as temporaries
+            for t in temps:
+                path = t[1]
+                os.replace(t[0], path)
+                t[0] = None
+    except BaseException as exc:
+        mine = {None} | {str(name) for t in temps for name in t if name is not None}
+        with signals_held():  # a second Ctrl-C cannot leave a temporary file behind
+            for tmp, _ in temps:
+                if tmp is not None:
+                    tmp.unlink(missing_ok=True)
+        if not isinstance(exc, OSError) or (None if exc.filename is None else str(exc.filename)) not in mine:
+            raise  # (not a file the user asked for: an interrupt, another error, another file)
+        unwritten = [f for i, f in enumerate(files) if i >= len(temps) or temps[i][0] is not None]
+        if keep and exc.errno in FULL_ERRNOS | PATH_ERRNOS and unwritten:
+            raise _kept_elsewhere(exc, unwritten, path, what) from exc
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+    check_interrupt()  # a signal that arrived while held: raised now, the files complete
+
+
+def _kept_elsewhere(exc: OSError, files: list, path: Path, what: str) -> OSError:
+    """A write of ``files`` that failed at ``path``: the error naming it, each file's content kept under
+    :func:`rescue_dir` and named."""
+    kept = [keep_elsewhere(p, fill) for p, fill in files]
+    phrases = [k[1] for k in kept]
+    if len(kept) > 1 and all(k[0] is not None for k in kept) and len({Path(p).parent for p, _ in files}) == 1:
+        phrases = [f"{what} is kept in {rescue_dir(path.parent)}/ ({', '.join(Path(p).name for p, _ in files)})"]
+    error = OSError(exc.errno, f"{exc.strerror or exc}; " + "; ".join(phrases), str(path))
+    error.kept = kept[0][0]
+    return error
+
+
+def write_file(path: Path, fill, keep: bool = True) -> None:
+    """One file, written as :func:`write_files` writes several."""
+    write_files([(path, fill)], keep)
+
+
+def _write_fd(fd: int, data: bytes) -> None:
+    """All of ``data`` to ``fd``, then fsync."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.fsync(fd)
+
+
+def content_fill(content):
+    """A ``fill(tmp)`` writing ``content`` (text: UTF-8; or bytes) and syncing it to the disk."""
+    data = content.encode() if isinstance(content, str) else content
+
+    def fill(tmp):
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            _write_fd(fd, data)
+        finally:
+            os.close(fd)
+
+    return fill
 
 
 _RESCUE: dict = {}  # directory -> its rescue directory in this process (one per directory and process)
@@ -183,8 +225,7 @@ def keep_elsewhere(path: Path, fill) -> tuple:
     path = Path(path)
     kept = rescue_dir(path.parent) / path.name
     try:
-        with atomic_output(kept) as tmp:
-            fill(tmp)
+        write_files([(kept, fill)], keep=False)
     except OSError as exc:
         return None, f"it could not be kept elsewhere either ({kept.parent}: {exc.strerror or exc})"
     return kept, f"what it held is kept in {kept}"

@@ -50,27 +50,27 @@ def test_out_dir_profile_needs_searchpath(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from specmd import CONF_DIR
-    from specmd.commands.calibrate import _yaml
+    from specmd.commands.calibrate.profile import profile_yaml
 
     hw = tmp_path / "prof" / "hardware"
     hw.mkdir(parents=True)
-    (hw / "lab.yaml").write_text(_yaml("lab", {"bandwidth_gbps": 3.5, "latency_us": 2.0}, ["test"]))
+    (hw / "lab.yaml").write_text(profile_yaml("lab", {"bandwidth_gbps": 3.5, "latency_us": 2.0}, ["test"]))
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("config", overrides=["hardware=lab", f"hydra.searchpath=[file://{tmp_path / 'prof'}]"])
     assert cfg.hardware.bandwidth_gbps == 3.5 and cfg.hardware.name == "lab"
 
 
 def test_link_fit_recovers_latency_and_bandwidth():
-    from specmd.commands.calibrate import _fit_link, _nnls
+    from specmd.commands.calibrate.fit import fit_link, nnls
 
     pts = [(n, 20e-6 + n / 8e9) for n in (1 << 18, 1 << 20, 1 << 22, 1 << 24)]
-    bw, lat = _fit_link(pts)
+    bw, lat = fit_link(pts)
     assert abs(bw - 8e9) / 8e9 < 1e-6 and abs(lat - 20e-6) < 1e-9
     X = np.array([[1, 1, 8, 0], [1, 40, 64, 30], [1, 1, 8, 5], [1, 90, 64, 60], [1, 1, 9, 2]], dtype=float)
     coef = np.array([5e-3, 1e-4, 2e-5, 3e-5])  # the fit works on any number of columns
-    got = _nnls(X, X @ coef)
+    got = nnls(X, X @ coef)
     assert np.allclose(got, coef, rtol=1e-6)
-    assert (_nnls(X, -(X @ coef)) >= 0).all()  # never a negative cost
+    assert (nnls(X, -(X @ coef)) >= 0).all()  # never a negative cost
 
 
 def test_overheads_charged_exactly():
@@ -157,7 +157,7 @@ def test_policy_decisions_measured_per_layer_call():
     each one a live generation can run, the oracles named with the reason. How large a cost is (score
     prefetch dearer than lru+topk) is a timing, which `specmd calibrate` prints as a figure: asserting it
     here failed on a saturated machine."""
-    from specmd.commands.calibrate import measure_policies
+    from specmd.commands.calibrate.measure import measure_policies
     from specmd.hardware import HardwareConfig
     from specmd.policies import REGISTRIES
 
@@ -185,7 +185,8 @@ def test_overhead_fit_predicts_its_passes():
     """The fitted overheads make the simulated clock predict the offloaded passes they were fitted on: every
     prefill size and the decodes, within a relative RMS error that a bad fit (one term forced to zero or a
     single noisy pass) does not reach on a quiet machine."""
-    from specmd.commands.calibrate import PROMPTS, fit_overheads, measure_compute
+    from specmd.commands.calibrate.fit import PROMPTS, fit_overheads
+    from specmd.commands.calibrate.measure import measure_compute
 
     flops, mem, _ = measure_compute(torch.device("cpu"))
     hw = {"capacity": 0.05, "bandwidth_gbps": 10.0, "latency_us": 5.0, "peak_tflops": flops / 1e12,
@@ -199,7 +200,7 @@ def test_overhead_fit_predicts_its_passes():
 def test_ram_link_is_measured_through_the_offload_tiers_copies():
     """The link measurement copies rows of a RamTier into a slot as a fetch does (it broke silently when the
     tier's layout changed: the quick calibration that would have noticed is a slow test)."""
-    from specmd.commands.calibrate import measure_ram_link
+    from specmd.commands.calibrate.measure import measure_ram_link
 
     bw, lat = measure_ram_link(torch.device("cpu"), reps=2, sizes=(64 << 10, 256 << 10, 1 << 20), source_bytes=4 << 20)
     assert np.isfinite(bw) and bw > 1e8 and 0.0 <= lat < 0.1
@@ -208,7 +209,7 @@ def test_ram_link_is_measured_through_the_offload_tiers_copies():
 def test_host_costs_fitted_from_the_host_banks_of_a_run():
     from types import SimpleNamespace
 
-    from specmd.commands.calibrate import _fit_host
+    from specmd.commands.calibrate.fit import fit_host
 
     geom = SimpleNamespace(expert_params=1000, expert_bytes=4000)
     hw = {"host_tflops": 1e-6, "host_mem_bandwidth_gbps": 1.0}  # 2 pairs of 1000 params: 4 ms; 4 kB: 4 us
@@ -216,17 +217,18 @@ def test_host_costs_fitted_from_the_host_banks_of_a_run():
     for n, rows in ((1, 1), (2, 2), (4, 9), (3, 30), (8, 8), (1, 64)):
         roof = max(2.0 * rows * 1000 / 1e6, n * 4000 / 1e9)
         calls.append((n, rows, roof + 30e-6 + n * 5e-6 + rows * 1e-6))
-    got = _fit_host(calls, geom, hw)
+    got = fit_host(calls, geom, hw)
     assert got["host_call_overhead_us"] == pytest.approx(30.0, rel=1e-6)
     assert got["host_expert_overhead_us"] == pytest.approx(5.0, rel=1e-6)
     assert got["host_token_overhead_us"] == pytest.approx(1.0, rel=1e-6)
-    assert _fit_host([], geom, hw) == {}
+    assert fit_host([], geom, hw) == {}
 
 
 def test_host_experts_timed_on_the_models_own_experts():
-    from specmd.commands.calibrate import _load, measure_host_experts
+    from specmd.models.loader import load_configured
+    from specmd.commands.calibrate.measure import measure_host_experts
 
-    model, cfg = _load("tiny")
+    model, cfg = load_configured("tiny")
     hw = {"host_tflops": 0.1, "host_mem_bandwidth_gbps": 20.0}
     costs, cases = measure_host_experts(model, cfg.family, hw, torch.device("cpu"), reps=2)
     assert set(costs) == {"host_call_overhead_us", "host_expert_overhead_us", "host_token_overhead_us"}
@@ -267,14 +269,14 @@ def test_steady_host_allocator_applies_once():
 @pytest.fixture
 def no_measuring(monkeypatch):
     """Every measurement of calibrate fails the test: what these tests check must be rejected before."""
-    import specmd.commands.calibrate as cal
+    import specmd.commands.calibrate.command as cal
 
     def measured(*a, **k):
         raise AssertionError("calibrate measured before rejecting its arguments")
 
     for f in ("measure_ram_link", "measure_disk_link", "measure_compute", "measure_contention", "measure_host_experts",
               "speed_probe",
-              "measure_policies", "fit_overheads", "check_profile", "_load"):
+              "measure_policies", "fit_overheads", "check_profile", "load_configured"):
         monkeypatch.setattr(cal, f, measured)
 
 
@@ -284,7 +286,7 @@ def stub_measuring(monkeypatch, tmp_path):
     it checks and writes, not what it measures)."""
     from types import SimpleNamespace
 
-    import specmd.commands.calibrate as cal
+    import specmd.commands.calibrate.command as cal
     from specmd.executor import base
 
     # (saved measurements: this test's own, beside its directory, whose every file the tests list)
@@ -300,7 +302,7 @@ def stub_measuring(monkeypatch, tmp_path):
     monkeypatch.setattr(cal, "speed_probe", lambda dev: {"kernel_us": 100.0, "python_us": 50.0})
     monkeypatch.setattr(cal, "measure_contention", lambda dev, hw: (0.25, {"host_ms": 1.0, "link_ms": 1.0,
                                                                             "together_ms": 1.25}))
-    monkeypatch.setattr(cal, "_load", lambda model: (None, SimpleNamespace(family="olmoe")))
+    monkeypatch.setattr(cal, "load_configured", lambda model: (None, SimpleNamespace(family="olmoe")))
     monkeypatch.setattr(cal, "measure_host_experts", lambda *a, **k: (
         {"host_call_overhead_us": 1.0, "host_expert_overhead_us": 2.0, "host_token_overhead_us": 3.0}, {}))
 
@@ -323,7 +325,8 @@ def test_bad_profile_names_rejected_before_measuring(tmp_path, capsys, no_measur
     """--name is a file name in DIR/hardware that hardware=<name> selects: no path, no override syntax, not a
     shipped profile (specmd's configs come first on the search path); one line, exit 2, nothing written, and
     the name it suggests is itself valid."""
-    from specmd.commands.calibrate import check_name, main
+    from specmd.commands.calibrate.profile import check_name
+    from specmd.commands.calibrate import main
 
     assert guarded("specmd calibrate", main, ["--out", str(tmp_path / "out"), f"--name={name}", "--quick"]) == 2  # (= : "-x" is no option)
     err = capsys.readouterr().err
@@ -340,18 +343,18 @@ def test_a_shipped_profile_name_would_select_the_shipped_profile(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from specmd import CONF_DIR
-    from specmd.commands.calibrate import _yaml
+    from specmd.commands.calibrate.profile import profile_yaml
 
     hw = tmp_path / "hardware"
     hw.mkdir()
-    (hw / "a100_pcie.yaml").write_text(_yaml("a100_pcie", {"bandwidth_gbps": 1234.5}, ["test"]))
+    (hw / "a100_pcie.yaml").write_text(profile_yaml("a100_pcie", {"bandwidth_gbps": 1234.5}, ["test"]))
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("config", overrides=["hardware=a100_pcie", f"hydra.searchpath=[file://{tmp_path}]"])
     assert cfg.hardware.bandwidth_gbps != 1234.5
 
 
 def test_default_name_is_a_valid_name(monkeypatch):
-    import specmd.commands.calibrate as cal
+    import specmd.commands.calibrate.profile as cal
 
     for host in ("my-box.lab.example.org", "über box", "", "1", "x" * 300):
         monkeypatch.setattr(cal.platform, "node", lambda host=host: host)
@@ -398,7 +401,9 @@ def test_a_hub_model_offline_is_a_data_error_before_measuring(tmp_path, monkeypa
     before the minutes of measuring, not a traceback after them; a shipped checkpoint needs no hub."""
     import huggingface_hub
 
-    from specmd.commands.calibrate import check_model, main
+    from specmd.commands.calibrate.profile import check_model
+
+    from specmd.commands.calibrate import main
     from specmd.errors import DataError
     from specmd.eval import mirror
 
@@ -416,10 +421,10 @@ def _interrupt_mid_write(monkeypatch, after: int = 0):
     """The writer writes half of the (after+1)-th file it is given, then the job is interrupted."""
     import signal
 
-    import specmd.commands.calibrate as cal
+    from specmd import results
     from specmd.signals import Interrupted
 
-    real, calls = cal._write_fd, []
+    real, calls = results._write_fd, []
 
     def half(fd, data):
         calls.append(fd)
@@ -428,7 +433,7 @@ def _interrupt_mid_write(monkeypatch, after: int = 0):
         os.write(fd, data[: len(data) // 2])
         raise Interrupted(signal.SIGTERM)
 
-    monkeypatch.setattr(cal, "_write_fd", half)
+    monkeypatch.setattr(results, "_write_fd", half)
     return calls
 
 
@@ -477,9 +482,10 @@ def test_a_real_signal_while_writing_leaves_no_half_profile(tmp_path, monkeypatc
     import signal
 
     import specmd.commands.calibrate as cal
+    from specmd import results
     from specmd.signals import SIGNALS, Interrupted, signals_raise
 
-    real = cal._write_fd
+    real = results._write_fd
 
     def killed(fd, data):
         os.write(fd, data[: len(data) // 2])
@@ -488,7 +494,7 @@ def test_a_real_signal_while_writing_leaves_no_half_profile(tmp_path, monkeypatc
             pass
         real(fd, data)
 
-    monkeypatch.setattr(cal, "_write_fd", killed)
+    monkeypatch.setattr(results, "_write_fd", killed)
     try:
         with pytest.raises(Interrupted), signals_raise():
             if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
@@ -502,7 +508,8 @@ def test_a_real_signal_while_writing_leaves_no_half_profile(tmp_path, monkeypatc
 def test_write_atomic_failure_leaves_no_temporary(tmp_path, monkeypatch):
     """An error in the write or in a rename (disk full, a race): the temporaries go; the disk probe of the
     link measurement is written the same way (an interrupted probe is never a short file)."""
-    import specmd.commands.calibrate as cal
+    from specmd import results
+    from specmd.commands.calibrate.measure import measure_disk_link
 
     real = os.replace
     n = []
@@ -515,14 +522,15 @@ def test_write_atomic_failure_leaves_no_temporary(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", second_fails)
     with pytest.raises(OSError, match="No space"):
-        cal._write_atomic([(tmp_path / "a.yaml", "a: 1\n"), (tmp_path / "b.yaml", "b: 2\n")])
+        results.write_files([(tmp_path / "a.yaml", results.content_fill("a: 1\n")),
+                             (tmp_path / "b.yaml", results.content_fill("b: 2\n"))])
     monkeypatch.setattr(os, "replace", real)
     assert _leftovers(tmp_path) == ["a.yaml"] and (tmp_path / "a.yaml").read_text() == "a: 1\n"
     _interrupt_mid_write(monkeypatch)
     from specmd.signals import Interrupted
 
     with pytest.raises(Interrupted):
-        cal.measure_disk_link(torch.device("cpu"), tmp_path / "probe" / "disk-probe.bin")
+        measure_disk_link(torch.device("cpu"), tmp_path / "probe" / "disk-probe.bin")
     assert _leftovers(tmp_path / "probe") == []
 
 
@@ -536,7 +544,7 @@ def test_printed_command_reads_back_the_directory(out):
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from specmd.commands.calibrate import use_command
+    from specmd.commands.calibrate.profile import use_command
 
     assert use_command("box", None) == "hardware=box"
     words = shlex.split(use_command("box", Path(out)))

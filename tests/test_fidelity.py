@@ -102,20 +102,21 @@ def test_the_link_runs_at_the_rate_of_the_models_expert_size(geom_small):
 def test_the_link_fit_finds_a_knee_where_small_copies_run_faster():
     """Copies at 12 GB/s up to 4 MiB and 7.5 beyond, 40 us each: the fit recovers all four figures; an affine
     link (one rate) gets no knee."""
-    from specmd.commands.calibrate import SIZES, _fit_link
+    from specmd.commands.calibrate.measure import SIZES
+    from specmd.commands.calibrate.fit import fit_link
 
     K = 4 << 20
     rep = {}
-    bw, lat = _fit_link([(n, 40e-6 + min(n, K) / 12e9 + max(0, n - K) / 7.5e9) for n in SIZES], rep)
+    bw, lat = fit_link([(n, 40e-6 + min(n, K) / 12e9 + max(0, n - K) / 7.5e9) for n in SIZES], rep)
     assert bw == pytest.approx(7.5e9, rel=1e-6) and lat == pytest.approx(40e-6, rel=1e-6)
     assert rep["small_bw"] == pytest.approx(12e9, rel=1e-6) and rep["small_bytes"] == K
     rep = {}
-    _fit_link([(n, 40e-6 + n / 7.5e9) for n in SIZES], rep)
+    fit_link([(n, 40e-6 + n / 7.5e9) for n in SIZES], rep)
     assert rep["small_bw"] is None and rep["small_bytes"] is None
     # small copies *slower* than large ones (a knee would fit, the wrong way round): one rate, the no-knee fit's
     rep = {}
     pts = [(n, 40e-6 + min(n, K) / 4e9 + max(0, n - K) / 7.5e9) for n in SIZES]
-    bw, lat = _fit_link(pts, rep)
+    bw, lat = fit_link(pts, rep)
     assert rep["small_bw"] is None
     line = np.polyfit([n for n, _ in pts], [t for _, t in pts], 1, w=[1 / t for _, t in pts])
     assert bw == pytest.approx(1 / line[0], rel=1e-3) and lat == pytest.approx(line[1], rel=1e-2)
@@ -125,14 +126,15 @@ def test_the_kernel_fit_finds_the_one_row_rate():
     """Points made by the clock's own roofline with a GEMV rate (0.15 TFLOP/s -- compute-bound at 128 rows, so
     the peak and the serial share are each identifiable --, 8 GB/s, one row at 16, serial 1, 10 us a call):
     the fit recovers each."""
-    from specmd.commands.calibrate import KERNEL_SHAPES, KERNEL_TOKENS, _fit_kernel
+    from specmd.commands.calibrate.measure import KERNEL_SHAPES, KERNEL_TOKENS
+    from specmd.commands.calibrate.fit import fit_kernel
 
     pts = []
     for h, f in KERNEL_SHAPES:
         for t in KERNEL_TOKENS:
             F, B = 2.0 * t * h * f, 4.0 * h * f
             pts.append((F, B, t, 10e-6 + Roofline(1.5e11, 8e9, 1.0, 16e9).time(F, B, B if t == 1 else 0.0)))
-    peak, bw, rep = _fit_kernel(pts)
+    peak, bw, rep = fit_kernel(pts)
     assert peak == pytest.approx(1.5e11, rel=1e-4) and bw == pytest.approx(8e9, rel=1e-4)
     assert rep["gemv_bw"] == pytest.approx(16e9, rel=1e-4) and rep["serial"] == pytest.approx(1.0, rel=1e-4)
     assert rep["max_abs_err"] < 1e-6
@@ -229,7 +231,7 @@ def test_calibrate_reuses_its_measurements_unless_asked(tmp_path, monkeypatch):
     profile; --remeasure measures again; another model is another key."""
     from types import SimpleNamespace
 
-    import specmd.commands.calibrate as cal
+    import specmd.commands.calibrate.command as cal
     from specmd.executor import base
 
     monkeypatch.setenv("SPECMD_CACHE", str(tmp_path / "cache"))
@@ -245,7 +247,7 @@ def test_calibrate_reuses_its_measurements_unless_asked(tmp_path, monkeypatch):
     monkeypatch.setattr(cal, "speed_probe", lambda dev: {"kernel_us": 100.0, "python_us": 50.0})
     monkeypatch.setattr(cal, "measure_contention", lambda dev, hw: (0.5, {"host_ms": 1.0, "link_ms": 1.0,
                                                                            "together_ms": 1.5}))
-    monkeypatch.setattr(cal, "_load", lambda model: (None, SimpleNamespace(family="olmoe")))
+    monkeypatch.setattr(cal, "load_configured", lambda model: (None, SimpleNamespace(family="olmoe")))
     monkeypatch.setattr(cal, "measure_host_experts", lambda *a, **k: (
         {"host_call_overhead_us": 1.0, "host_expert_overhead_us": 2.0, "host_token_overhead_us": 3.0}, {}))
     first = cal.calibrate(str(tmp_path / "a"), "box", "tiny", quick=True, log=lambda m: None)
@@ -269,7 +271,7 @@ def test_calibrate_reuses_its_measurements_unless_asked(tmp_path, monkeypatch):
 def test_drift_is_the_machines_speed_now_against_the_calibrations():
     """Time now / then per probe figure; nothing to compare with for a profile without a probe. The probe
     itself measures positive microseconds of both kinds."""
-    from specmd.commands.calibrate import drift, speed_probe
+    from specmd.commands.calibrate.measure import drift, speed_probe
 
     assert drift({"kernel_us": 100.0, "python_us": 50.0}, {"kernel_us": 125.0, "python_us": 45.0}) == \
         {"kernel_us": 1.25, "python_us": 0.9}
@@ -281,10 +283,10 @@ def test_drift_is_the_machines_speed_now_against_the_calibrations():
 def test_the_written_profile_reads_back_with_its_provenance(tmp_path):
     import yaml
 
-    from specmd.commands.calibrate import _yaml
+    from specmd.commands.calibrate.profile import profile_yaml
 
     on = {"host": "vm", "device": "cpu", "model": "tiny", "kernel_bytes": [1.0, 2.0], "expert_bytes": 3}
-    text = _yaml("p", {"bandwidth_gbps": 3.5, "roofline_serial": 0.5, "calibrated_on": on}, ["test"])
+    text = profile_yaml("p", {"bandwidth_gbps": 3.5, "roofline_serial": 0.5, "calibrated_on": on}, ["test"])
     back = yaml.safe_load(text)
     assert back["calibrated_on"] == on and HardwareConfig(**{k: v for k, v in back.items()}).roofline_serial == 0.5
 

@@ -314,7 +314,7 @@ def test_a_signal_of_an_earlier_block_does_not_stop_the_next():
 
 
 def test_a_second_signal_during_cleanup_cannot_leave_a_temporary_file(tmp_path, monkeypatch):
-    from specmd.results import atomic_output
+    from specmd.results import write_file
 
     unlink = Path.unlink
 
@@ -322,12 +322,16 @@ def test_a_second_signal_during_cleanup_cannot_leave_a_temporary_file(tmp_path, 
         os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C, as the temporary file is removed
         unlink(self, missing_ok=missing_ok)
 
+    def half(tmp):
+        tmp.write_text("half")
+        monkeypatch.setattr(Path, "unlink", interrupted_unlink)
+        os.kill(os.getpid(), signal.SIGINT)  # the first
+        for _ in range(1000):  # (the handler runs between bytecodes, here)
+            pass
+
     with pytest.raises(Interrupted):
         with signals_raise():
-            with atomic_output(tmp_path / "out.csv") as tmp:
-                tmp.write_text("half")
-                monkeypatch.setattr(Path, "unlink", interrupted_unlink)
-                os.kill(os.getpid(), signal.SIGINT)  # the first
+            write_file(tmp_path / "out.csv", half)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -647,12 +651,14 @@ def test_train_eviction_refuses_degenerate_numbers_before_any_work(tmp_path, opt
 
 # ---- outputs whole or absent; nothing computed lost -----------------------------------------------------------
 def test_an_output_interrupted_while_written_leaves_nothing(tmp_path):
-    from specmd.results import atomic_output, write_csv
+    from specmd.results import write_csv, write_file
+
+    def half(tmp):
+        tmp.write_text("half a ta")
+        raise Interrupted(signal.SIGINT)
 
     with pytest.raises(Interrupted):
-        with atomic_output(tmp_path / "mrc.csv") as tmp:
-            tmp.write_text("half a ta")
-            raise Interrupted(signal.SIGINT)
+        write_file(tmp_path / "mrc.csv", half)
     assert list(tmp_path.iterdir()) == []
     write_csv(tmp_path / "a.csv", [{"x": 1}, {"x": 2}])
     assert (tmp_path / "a.csv").read_text().split() == ["x", "1", "2"] and len(list(tmp_path.iterdir())) == 1
@@ -799,15 +805,16 @@ def test_a_trace_recorded_onto_a_full_disk_names_its_file(tmp_path):
 
 
 def test_calibrate_keeps_the_profile_a_full_disk_refused(tmp_path, rescue_here, monkeypatch):
-    import specmd.commands.calibrate as cal
+    from specmd import results
 
     def full(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(cal, "_write_fd", full)
+    monkeypatch.setattr(results, "_write_fd", full)
     a, b = tmp_path / "hw" / "a.yaml", tmp_path / "hw" / "b.yaml"
     with pytest.raises(OSError) as e:
-        cal._write_atomic([(a, "a: 1\n"), (b, "b: 2\n")])
+        results.write_files([(a, results.content_fill("a: 1\n")), (b, results.content_fill("b: 2\n"))],
+                            what="what calibrate measured")
     from specmd.results import rescue_dir
 
     kept = rescue_dir(a.parent)

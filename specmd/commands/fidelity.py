@@ -254,7 +254,7 @@ def ranking(cells: dict[str, dict], meta: dict[str, Cell]) -> dict:
 
 def measure(hw: dict, grid: dict, repeats: int, prompt: int, decodes: int, device: str, log=print) -> dict:
     """Run the grid (see the module's doc); returns {cell key: report} and the cells."""
-    from .calibrate import _load
+    from ..models.loader import load_configured
     from ..executor.base import steady_host_allocator
     from ..models.loader import local_checkpoint
     from ..signals import check_interrupt
@@ -265,7 +265,7 @@ def measure(hw: dict, grid: dict, repeats: int, prompt: int, decodes: int, devic
     runs: dict[str, list] = {c.key: [] for c in cells}
     t0 = time.perf_counter()
     for name in grid["models"]:
-        model, mcfg = _load(name)
+        model, mcfg = load_configured(name)
         model.to(dev)
         ckpt = local_checkpoint(mcfg.pretrained) if mcfg.pretrained else None
         vocab = model.config.vocab_size
@@ -290,7 +290,7 @@ def resolve_profile(profile: str | None) -> tuple[str, dict]:
     import yaml
 
     from .. import shipped, user_config_dir
-    from .calibrate import default_name
+    from .calibrate.profile import default_name
     from ..errors import ConfigError
     from ..hardware import HardwareConfig
 
@@ -366,7 +366,8 @@ def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, 
              device: str = "cpu", models=None, log=print) -> dict:
     """The whole command (module doc); returns the report written as JSON."""
     from ..app import check_device
-    from .calibrate import check_model, drift, speed_probe
+    from .calibrate.profile import check_model
+    from .calibrate.measure import drift, speed_probe
     from ..errors import ConfigError
 
     check_device(device)

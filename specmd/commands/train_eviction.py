@@ -243,16 +243,20 @@ def train(args, traces: list) -> dict:
     meta = {"num_layers": str(L), "num_experts": str(E), "cap": str(args.cap), "step": "one call of the layer",
             "source": json.dumps(source, default=str), "train_mse": json.dumps(mses),
             "paper": "FlashMoE §3.2 (2 -> 128 -> 128 -> 1, SiLU, MSE, AdamW 1e-3/1e-2)"}
-    from ..results import atomic_output
+    from ..results import write_file
 
-    with atomic_output(out) as tmp:  # an interrupt or an error leaves no weights file, whole or half
+    held = [select_passes(t, cut) for t, cut in zip(traces, cuts)]
+    rates: dict = {}
+
+    def fill(tmp):  # the weights, then their held-out hit rates measured from that file, into its metadata
         save_file(tensors, str(tmp), metadata=meta)
-        held = [select_passes(t, cut) for t, cut in zip(traces, cuts)]
-        rates = holdout_hit_rates(held, args.eval_capacity, tmp)
+        rates.update(holdout_hit_rates(held, args.eval_capacity, tmp))
         meta["holdout_hit_rate"] = json.dumps({
             "capacity_per_layer": args.eval_capacity, "passes": [[cut, len(t.passes)] for t, cut in zip(traces, cuts)],
             "layer_calls": sum(len(h.calls) for h in held), **rates})
         save_file(tensors, str(tmp), metadata=meta)
+
+    write_file(out, fill)  # an interrupt or an error leaves no weights file, whole or half; a full disk keeps them
     print(f"held-out replay ({sum(len(h.passes) for h in held)} passes, {args.eval_capacity} experts/layer): {rates}")
     print(f"wrote {out}")
     return meta

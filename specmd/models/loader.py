@@ -167,6 +167,24 @@ def _meta_geometry(config, family: str, dtype: str, trust_remote_code: bool = Fa
 SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "assets" / "configs"
 
 
+def configured_model(name: str) -> "ModelConfig":
+    """The model config ``specmd/conf/model/<name>.yaml`` (``model=<name>``), validated: what a command given
+    ``--model <name>`` loads (calibrate, fidelity, the benchmarks)."""
+    from omegaconf import OmegaConf
+
+    from .. import CONF_DIR
+    from ..registry import build_params
+
+    raw = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "model" / f"{name}.yaml"))
+    return build_params(ModelConfig, dict(raw), "model")
+
+
+def load_configured(name: str):
+    """``(model, its ModelConfig)`` of :func:`configured_model` ``name``, loaded."""
+    cfg = configured_model(name)
+    return load_model(cfg)[0], cfg
+
+
 def shipped_geometry(name: str, dtype: str = "bfloat16"):
     """The geometry of a real model from the architecture fields of its config.json shipped in
     ``specmd/assets/configs/<name>.json`` (built on the meta device: no weights, no hub), at ``dtype``."""

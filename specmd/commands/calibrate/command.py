@@ -1,0 +1,258 @@
+"""``specmd calibrate``: its arguments checked (:func:`prepare`), then the stages of the module's doc in order
+(:func:`run_stages`), each stage's measurement saved as it completes (:class:`~.measure.Measurements`), and the
+two profiles written together (:func:`write_profiles`)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import time
+from pathlib import Path
+
+import torch
+
+from ...models.loader import load_configured
+from ...results import content_fill, writable_dir, write_files
+from .fit import check_profile, fit_overheads
+from .measure import (Measurements, disk_probe_path, measure_compute, measure_contention, measure_disk_link,
+                      measure_host_experts, measure_policies, measure_ram_link, measurement_key, speed_probe)
+from .profile import (check_model, check_name, check_output, default_name, inside, profile_yaml,
+                      small_copy_fields, use_command)
+
+
+def prepare(out: str | None, name: str | None, model: str, device: str) -> tuple[str, Path]:
+    """Everything calibrate checks before it measures (minutes of it): the device, the profile name
+    (:func:`~.profile.check_name`; default :func:`~.profile.default_name`), the output directory
+    (:func:`~.profile.check_output`), the disk probe's directory, and the model (:func:`~.profile.check_model`).
+    Returns (name, hardware directory); ConfigError (bad input) or DataError (an unreachable hub) otherwise."""
+    from ...app import check_device
+
+    check_device(device)
+    name = check_name(default_name() if name is None else name)
+    hw_dir = check_output(out, name)
+    writable_dir(disk_probe_path().parent, "the disk probe's directory ($SPECMD_CACHE)")
+    check_model(model)
+    return name, hw_dir
+
+
+def calibrate(out: str | None = None, name: str | None = None, model: str = "deep_olmoe", device: str = "cpu",
+              quick: bool = False, log=print, remeasure: bool = False) -> dict:
+    """Measure this machine and write ``<out or the user config directory>/hardware/<name>.yaml`` (and
+    ``<name>_disk.yaml``); see the package's doc. Its arguments are checked first (:func:`prepare`)."""
+    name, hw_dir = prepare(out, name, model, device)
+    return run_stages(hw_dir, name, out is not None, model, device, quick, log, remeasure)
+
+
+def run_stages(hw_dir: Path, name: str, out: bool, model: str, device: str, quick: bool, log,
+               remeasure: bool = False) -> dict:
+    """The measurements of the package's doc, 1 to 4, then the profiles written and (not ``quick``) checked."""
+    from ...executor.base import steady_host_allocator
+
+    t_start = time.perf_counter()
+    log = _timed(log, t_start)
+    steady_host_allocator()  # as execution=offload measures: the fit and the runs it predicts see the same heap
+    dev = torch.device(device)
+    ms = Measurements(measurement_key(model, device), remeasure)
+    log(f"specmd calibrate: measuring {platform.node()} ({dev}) ..."
+        + (f" (reusing measurements of an earlier calibrate: {ms.path}; --remeasure measures anew)" if ms.data else ""))
+    ln, dk, cp = measure_machine(ms, dev, log)
+    hw = base_profile(ln, cp, dev)
+    cont = measure_host_side(ms, model, hw, dev, log)
+    fit = {} if quick else measure_overheads(ms, model, hw, dev, log)
+    if quick:
+        log("  --quick: skipped the policies' decision costs, the overhead fit and the check (the simulated clock "
+            "then leaves out the framework's per-layer, per-token and per-expert costs)")
+    if ms.reused:
+        log(f"  reused from an earlier calibrate: {', '.join(ms.reused)}")
+    hw["calibrated_on"] = calibrated_on(model, dev, cp["kernel"])
+    path, path_disk = write_profiles(hw_dir, name, hw, dk, _note(model, dev, fit))
+    check = {}
+    if not quick:
+        check = check_profile(model, hw, dev)
+        log("  check (measured / simulated with this profile, 5%, lru + topk, 256-token prompt + 12 decodes): "
+            + "; ".join(f"miss={k}: TTFT {v['ttft']:.2f}, TPOT {v['tpot']:.2f}" for k, v in check.items()))
+    use = use_command(name, hw_dir.parent if out else None)
+    log(f"wrote {path} and {path_disk} in {time.perf_counter() - t_start:.0f} s\n"
+        f"how far to trust it: specmd fidelity --profile {shlex.quote(str(path))}\n"
+        f"use: python -m specmd execution=offload {use}")
+    components = {"link": ln["report"], "disk": dk["report"], "kernel": cp["kernel"], "host_kernel": cp["host_kernel"],
+                  "contention": cont[1]}
+    return {"path": str(path), "path_disk": str(path_disk), "hardware": hw, "fit": fit, "name": name, "check": check,
+            "components": components, "reused": ms.reused}
+
+
+def _timed(log, t_start: float):
+    """``log`` with each line followed by the seconds since ``t_start`` (each stage's time)."""
+    return lambda m: log(f"{m}  [{time.perf_counter() - t_start:.0f} s]")
+
+
+def measure_machine(ms: Measurements, dev: torch.device, log) -> tuple[dict, dict, dict]:
+    """1 and 2 of the package's doc: the link from host memory and from the disk, and the compute roofline
+    (the device's and the host's), each a saved stage."""
+    def link():
+        rep = {}
+        bw, lat = measure_ram_link(dev, report=rep)
+        return {"bw": bw, "lat": lat, "report": rep}
+
+    def disk():
+        rep = {}
+        bw, lat = measure_disk_link(dev, disk_probe_path(), report=rep)
+        return {"bw": bw, "lat": lat, "report": rep}
+
+    def compute():
+        flops, mem, kern = measure_compute(dev)
+        hflops, hmem, hkern = (flops, mem, kern) if dev.type == "cpu" else measure_compute(torch.device("cpu"))
+        return {"flops": flops, "mem": mem, "kernel": kern, "hflops": hflops, "hmem": hmem, "host_kernel": hkern}
+
+    ln, dk, cp = ms.stage("link", link), ms.stage("disk", disk), ms.stage("compute", compute)
+    log(f"  link (host memory -> {dev}): {ln['bw'] / 1e9:.3g} GB/s{_small(ln['report'])}, latency {ln['lat'] * 1e6:.3g} "
+        f"us (fit: median error {ln['report']['median_abs_err']:.1%}, worst {ln['report']['max_abs_err']:.1%})")
+    log(f"  link (disk, page cache dropped -> host): {dk['bw'] / 1e9:.3g} GB/s{_small(dk['report'])}, latency "
+        f"{dk['lat'] * 1e6:.3g} us")
+    kern = cp["kernel"]
+    log(f"  compute (the experts' kernel, {len(kern['points'])} shapes): {cp['flops'] / 1e12:.3g} TFLOP/s, weights "
+        f"read at {cp['mem'] / 1e9:.3g} GB/s (one row: {kern['gemv_bw'] / 1e9:.3g}), serial {kern['serial']:.2f} "
+        f"(fit: median error "
+        f"{kern['median_abs_err']:.1%}, worst {kern['max_abs_err']:.1%})"
+        + (f"; host {cp['hflops'] / 1e12:.3g} TFLOP/s, {cp['hmem'] / 1e9:.3g} GB/s" if dev.type != "cpu" else ""))
+    return ln, dk, cp
+
+
+def base_profile(ln: dict, cp: dict, dev: torch.device) -> dict:
+    """The profile's fields from the link and the roofline (the host-memory link's: the disk twin replaces
+    them, :func:`write_profiles`)."""
+    kern = cp["kernel"]
+    return {"capacity": 0.05, "experts_per_layer": None, "scope": "global", "bandwidth_gbps": ln["bw"] / 1e9,
+            "latency_us": ln["lat"] * 1e6, "peak_tflops": cp["flops"] / 1e12, "mem_bandwidth_gbps": cp["mem"] / 1e9,
+            "host_tflops": cp["hflops"] / 1e12, "host_mem_bandwidth_gbps": cp["hmem"] / 1e9,
+            "roofline_serial": kern["serial"], "host_roofline_serial": cp["host_kernel"]["serial"],
+            "gemv_bandwidth_gbps": kern["gemv_bw"] / 1e9,
+            "host_gemv_bandwidth_gbps": cp["host_kernel"]["gemv_bw"] / 1e9,
+            **small_copy_fields(ln["report"]), "timing_as": None,
+            # a GPU queues kernels ahead of the device: the host's overheads overlap its compute (SimClock)
+            "host_overlap": dev.type == "cuda"}
+
+
+def measure_host_side(ms: Measurements, model: str, hw: dict, dev: torch.device, log) -> tuple:
+    """2 of the package's doc, continued: the host and the link at once, and the host's experts; into ``hw``.
+    Returns the contention stage (its fraction and report)."""
+    cont = ms.stage("contention", lambda: measure_contention(dev, hw))
+    hw["host_link_contention"] = cont[0]
+    log(f"  contention (host experts and copies at once): {cont[0]:.2f} of the overlap (host alone "
+        f"{cont[1]['host_ms']:.2f} ms, copies alone {cont[1]['link_ms']:.2f} ms, together {cont[1]['together_ms']:.2f} ms)")
+
+    def host_experts():
+        loaded, mcfg = load_configured(model)
+        return measure_host_experts(loaded, mcfg.family, hw, dev)
+
+    host, cases = ms.stage("host_experts", host_experts)
+    hw.update(host)
+    log(f"  host experts ({model}, {'on the host worker' if dev.type == 'cuda' else 'inline'}): "
+        f"{host['host_call_overhead_us']:.3g} us per batch + {host['host_expert_overhead_us']:.3g} us per expert + "
+        f"{host['host_token_overhead_us']:.3g} us per token beyond the roofline (measured: "
+        + ", ".join(f"{k} {v:.0f} us" for k, v in cases.items()) + ")")
+    return cont
+
+
+def measure_overheads(ms: Measurements, model: str, hw: dict, dev: torch.device, log) -> dict:
+    """3 and 4 of the package's doc, into ``hw``: the policies' decision costs first (the fit's low-precision
+    stack, ``miss=fetch_priority``, is then simulated with its decision cost, and the unpack term is what is
+    left), then the overheads fitted on the model's runs. Returns the fit's report."""
+    costs, skipped = ms.stage("policies", lambda: measure_policies(model, hw, dev, log=log))
+    hw["policy_overhead_us"] = costs
+    # (fitted as costs that add to compute; on a GPU the clock overlaps them with the device's compute per
+    # segment between synchronisations: the tiny fit model's device time is ~0, where the two agree)
+    over, fit = ms.stage("overheads", lambda: fit_overheads(model, dict(hw, host_overlap=False), dev))
+    fit["policies_not_measured"] = skipped
+    hw.update(over)
+    if "host_call_overhead_us" in over:
+        log(f"  host experts in the model's runs (miss=hybrid): {over['host_call_overhead_us']:.3g} us per batch + "
+            f"{over['host_expert_overhead_us']:.3g} us per expert + {over['host_token_overhead_us']:.3g} us per "
+            f"token (these replace the ones above)")
+    log(f"  overheads ({model}, {fit['passes']} passes): decoder layer {over['layer_overhead_us']:.4g} us, token "
+        f"x layer {over['layer_token_overhead_us']:.4g} us, expert {over['expert_overhead_us']:.4g} us, transfer issue "
+        f"{over['transfer_issue_us']:.4g} us, expert placed {over['place_overhead_us']:.4g} us, prediction "
+        f"{over['predict_overhead_us']:.4g} us, unpacking a "
+        f"low-precision expert {over['unpack_overhead_us']:.4g} us")
+    log(f"  fit: residual rms {fit['native_residual_rms_us']:.3g} us of a {fit['native_mean_pass_us']:.4g} us mean "
+        f"pass ({fit['native_residual_rms_us'] / fit['native_mean_pass_us']:.1%}) on the native stacks, "
+        f"{fit['low_residual_rms_us']:.3g} us on the low-precision ones (all: "
+        f"{fit['residual_rms_us'] / fit['mean_pass_us']:.1%}), relative rms {fit['relative_rms']:.1%}; mean "
+        f"relative error " + ", ".join(f"{k} {v:+.1%}" for k, v in fit["relative_by_pass"].items()))
+    return fit
+
+
+def calibrated_on(model: str, dev: torch.device, kern: dict) -> dict:
+    """The profile's ``calibrated_on``: this host, device, torch, the model's dtype and expert bytes, the kernel
+    sizes fitted on, and the machine's speed as the profile was fitted (not saved with the measurements: a
+    reused stage was measured then, the probe says now)."""
+    geom = _geometry(model)
+    return {"host": platform.node(), "device": str(dev), "torch": torch.__version__,
+            "dtype": geom["dtype"], "model": model, "expert_bytes": geom["expert_bytes"],
+            "kernel_bytes": [min(p["bytes"] for p in kern["points"]), max(p["bytes"] for p in kern["points"])],
+            "speed": speed_probe(dev)}
+
+
+def _note(model: str, dev: torch.device, fit: dict) -> list:
+    """The profile's comment lines: when, where and how it was calibrated."""
+    stamp = datetime.datetime.now().isoformat(timespec="seconds")
+    note = [f"specmd calibrate, {stamp}, on {platform.node()} ({platform.processor() or platform.machine()}, "
+            f"{os.cpu_count()} cores), device {dev}, torch {torch.__version__}",
+            f"overheads fitted on model={model}" if fit else "overheads not fitted (--quick)"]
+    return note + [f"policy_overhead_us: {k} not measured ({why})"
+                   for k, why in fit.get("policies_not_measured", {}).items()]
+
+
+def write_profiles(hw_dir: Path, name: str, hw: dict, dk: dict, note: list) -> tuple[Path, Path]:
+    """``<name>.yaml`` (the host-memory link) and ``<name>_disk.yaml`` (the disk's), both complete or neither
+    (:func:`specmd.results.write_files`): an interrupted calibrate leaves no half profile for
+    ``hardware=<name>`` to find, and a full disk keeps what calibrate measured elsewhere, named."""
+    from ...errors import ConfigError
+
+    path, path_disk = hw_dir / f"{name}.yaml", hw_dir / f"{name}_disk.yaml"
+    for p in (path, path_disk):  # (checked before measuring; asserted again where it is written)
+        if not inside(p, hw_dir):
+            raise ConfigError(f"--name {name!r}: {p} is not inside {hw_dir}")
+    disk = dict(hw, bandwidth_gbps=dk["bw"] / 1e9, latency_us=dk["lat"] * 1e6, **small_copy_fields(dk["report"]))
+    write_files([(path, content_fill(profile_yaml(name, hw, note + ["link: host memory (execution.host=ram)"]))),
+                 (path_disk, content_fill(profile_yaml(f"{name}_disk", disk, note + [
+                     "link: the disk, page cache dropped (execution.host=disk)"])))],
+                what="what calibrate measured")
+    return path, path_disk
+
+
+def main(argv=None) -> int:
+    from ...errors import ArgumentParser
+    from . import __doc__ as about
+
+    ap = ArgumentParser(prog="specmd calibrate", description=about.split("\n\n")[0])
+    ap.add_argument("--out", help="write DIR/hardware/<name>.yaml (default: the user config directory, on "
+                                  "Hydra's search path)")
+    ap.add_argument("--name", help="profile name (default: calibrated_<host>)")
+    ap.add_argument("--model", default="deep_olmoe", help="model config the overheads are fitted on")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--quick", action="store_true", help="link, compute and host experts only (no policy costs, "
+                                                           "overhead fit or check)")
+    ap.add_argument("--remeasure", action="store_true", help="measure everything anew (default: reuse what an "
+                                                               "earlier calibrate of this host, device, torch and "
+                                                               "model measured)")
+    a = ap.parse_args(argv)
+    # before any measurement; bad input (ConfigError, DataError) is one line and exit 2: specmd.outcome
+    name, hw_dir = prepare(a.out, a.name, a.model, a.device)
+    run_stages(hw_dir, name, a.out is not None, a.model, a.device, a.quick, print, a.remeasure)
+    return 0
+
+
+def _small(report: dict) -> str:
+    f = small_copy_fields(report)
+    return f" ({f['small_copy_gbps']:.3g} GB/s up to {f['small_copy_mb']:.3g} MB)" if f["small_copy_gbps"] else ""
+
+
+def _geometry(model: str) -> dict:
+    """The model config's dtype and expert bytes (its geometry; no weights loaded)."""
+    from ...models.loader import configured_model, model_geometry
+
+    cfg = configured_model(model)
+    return {"dtype": str(cfg.dtype), "expert_bytes": int(model_geometry(cfg).expert_bytes)}
