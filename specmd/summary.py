@@ -43,6 +43,72 @@ def _wall_rows(t: Table, timing: dict, wall, memory) -> None:
                             f"peak RSS {memory.get('host_peak_rss_bytes', 0) / 1e9:.3g} GB")
 
 
+def _hit_rate_rows(t: Table, cfg: dict, cache: dict) -> None:
+    """The hit-rate rows: overall (in-cache and arrived when prefetches run late), by pass kind, the oracle's."""
+    if cache.get("prefetch_late"):  # cache content first (SpecMD counts membership), then transfer timing
+        t.add_row("in-cache rate", f"{cache['in_cache_rate']:.4f}  (resident or in flight when requested)")
+        t.add_row("hit rate (arrived)", f"{cache['hit_rate']:.4f}  ({cache['hits']}/{cache['requests']} requests; "
+                                        f"{cache['prefetch_late']} still in flight)")
+    else:
+        t.add_row("hit rate", f"{cache['hit_rate']:.4f}  ({cache['hits']}/{cache['requests']} requests)")
+    measure = (cfg.get("stack") or {}).get("measure", "all")
+    split = [f"{k} {cache[f'{k}_hit_rate']:.4f}" + ("" if measure in ("all", k) else " (not counted above)")
+             for k in ("prefill", "decode") if cache.get(f"{k}_hit_rate") is not None]
+    if split:
+        t.add_row("  by pass kind", ", ".join(split))
+    oracle = cache.get("oracle")
+    if oracle and oracle.get("hit_rate") is not None:
+        t.add_row("  oracle (Belady)", f"{oracle['hit_rate']:.4f}  (same requests, capacity and batch"
+                                       f"{'' if oracle.get('exact', True) else '; of the replayed requests'})")
+
+
+def _union_row(t: Table, cache: dict) -> None:
+    """The row of the first pass kind (decode, else prefill) with a union of the experts it routed to."""
+    union = cache.get("union") or {}
+    for kind in ("decode", "prefill"):
+        u = union.get(kind)
+        if u:
+            d = u["distinct_per_layer"]
+            t.add_row(f"{kind} union", f"{d['mean']:.1f} experts/layer/step (p95 {d['p95']:.1f}, "
+                      f"{u['fraction']:.0%} of the layer) at {u['tokens_per_step']:.1f} tokens/step; independent "
+                      f"routing {u['independent_per_layer']:.1f}; {u['loads_per_token']:.2f} loads/token")
+            return
+
+
+def _cache_event_rows(t: Table, cache: dict) -> None:
+    """The counts of what the cache did (evictions, prefetches, streamed misses), its warnings and miss outcomes."""
+    t.add_row("collision misses", str(cache["collision_misses"]))
+    t.add_row("evictions", str(cache["evictions"]))
+    t.add_row("prefetch issued / used", f"{cache['prefetch_issued']} / {cache['prefetch_used']}")
+    # misses that no cache policy could have turned into hits: they explain a low hit rate
+    if cache.get("streamed"):
+        t.add_row("  streamed (not cached)",
+                  f"{cache['streamed']} misses ran without a cache slot (the layer's own experts filled it)")
+    if cache.get("layer_streams"):
+        t.add_row("layer streams", f"{cache['layer_streams']} layer calls streamed (hardware.stream_layers): "
+                  f"{cache['stream_served']} misses served from the staging area, "
+                  f"{cache['bytes_stream'] / 1e6:.3g} MB staged")
+    if cache.get("prefetch_skipped"):
+        t.add_row("  prefetch skipped", f"{cache['prefetch_skipped']} predictions not fetched (no evictable slot)")
+    late = cache.get("prefetch_lateness")
+    if late and late["structural"]:
+        t.add_row("[yellow]warning[/yellow]",
+                  f"[yellow]every decode prefetch is late by construction: one expert transfer takes "
+                  f"{late['transfer_s'] * 1e6:.3g} µs, a decode layer computes in "
+                  f"{late['decode_window_s'] * 1e6:.3g} µs; "
+                  f"prefetch hit rates measure the link, not the predictor: compare in_cache_rate"
+                  + ("" if cache.get("timing_geometry", "model") != "model" else
+                     ", or time the routing as a real model (hardware.timing_as=olmoe)") + "[/yellow]")
+    if cache.get("timing_geometry", "model") != "model":
+        t.add_row("timing geometry", f"{cache['timing_geometry']} (sizes and compute; routing from the model)")
+    if cache.get("prefetch_precision") is not None:
+        t.add_row("prediction precision / recall",
+                  f"{cache['prefetch_precision']:.3f} / {cache['prefetch_recall']:.3f}")
+    outcomes = {k: v for k, v in (cache.get("miss_outcomes") or {}).items() if v}
+    if set(outcomes) - {"fetched_native"}:
+        t.add_row("miss outcomes", ", ".join(f"{k}={v}" for k, v in outcomes.items()))
+
+
 def print_summary(results: dict, run_dir: str, console: Console | None = None) -> None:
     from .engine import GROUPS
 
@@ -58,59 +124,9 @@ def print_summary(results: dict, run_dir: str, console: Console | None = None) -
     if cache is None:
         t.add_row("stack", "disabled (unhooked baseline)")
     else:
-        if cache.get("prefetch_late"):  # cache content first (SpecMD counts membership), then transfer timing
-            t.add_row("in-cache rate", f"{cache['in_cache_rate']:.4f}  (resident or in flight when requested)")
-            t.add_row("hit rate (arrived)", f"{cache['hit_rate']:.4f}  ({cache['hits']}/{cache['requests']} requests; "
-                                            f"{cache['prefetch_late']} still in flight)")
-        else:
-            t.add_row("hit rate", f"{cache['hit_rate']:.4f}  ({cache['hits']}/{cache['requests']} requests)")
-        measure = (cfg.get("stack") or {}).get("measure", "all")
-        split = [f"{k} {cache[f'{k}_hit_rate']:.4f}" + ("" if measure in ("all", k) else " (not counted above)")
-                 for k in ("prefill", "decode") if cache.get(f"{k}_hit_rate") is not None]
-        if split:
-            t.add_row("  by pass kind", ", ".join(split))
-        oracle = cache.get("oracle")
-        if oracle and oracle.get("hit_rate") is not None:
-            t.add_row("  oracle (Belady)", f"{oracle['hit_rate']:.4f}  (same requests, capacity and batch"
-                                           f"{'' if oracle.get('exact', True) else '; of the replayed requests'})")
-        union = cache.get("union") or {}
-        for kind in ("decode", "prefill"):
-            u = union.get(kind)
-            if u:
-                d = u["distinct_per_layer"]
-                t.add_row(f"{kind} union", f"{d['mean']:.1f} experts/layer/step (p95 {d['p95']:.1f}, "
-                          f"{u['fraction']:.0%} of the layer) at {u['tokens_per_step']:.1f} tokens/step; independent "
-                          f"routing {u['independent_per_layer']:.1f}; {u['loads_per_token']:.2f} loads/token")
-                break
-        t.add_row("collision misses", str(cache["collision_misses"]))
-        t.add_row("evictions", str(cache["evictions"]))
-        t.add_row("prefetch issued / used", f"{cache['prefetch_issued']} / {cache['prefetch_used']}")
-        # misses that no cache policy could have turned into hits: they explain a low hit rate
-        if cache.get("streamed"):
-            t.add_row("  streamed (not cached)",
-                      f"{cache['streamed']} misses ran without a cache slot (the layer's own experts filled it)")
-        if cache.get("layer_streams"):
-            t.add_row("layer streams", f"{cache['layer_streams']} layer calls streamed (hardware.stream_layers): "
-                      f"{cache['stream_served']} misses served from the staging area, "
-                      f"{cache['bytes_stream'] / 1e6:.3g} MB staged")
-        if cache.get("prefetch_skipped"):
-            t.add_row("  prefetch skipped", f"{cache['prefetch_skipped']} predictions not fetched (no evictable slot)")
-        late = cache.get("prefetch_lateness")
-        if late and late["structural"]:
-            t.add_row("[yellow]warning[/yellow]",
-                      f"[yellow]every decode prefetch is late by construction: one expert transfer takes "
-                      f"{late['transfer_s'] * 1e6:.3g} µs, a decode layer computes in {late['decode_window_s'] * 1e6:.3g} µs; "
-                      f"prefetch hit rates measure the link, not the predictor: compare in_cache_rate"
-                      + ("" if cache.get("timing_geometry", "model") != "model" else
-                         ", or time the routing as a real model (hardware.timing_as=olmoe)") + "[/yellow]")
-        if cache.get("timing_geometry", "model") != "model":
-            t.add_row("timing geometry", f"{cache['timing_geometry']} (sizes and compute; routing from the model)")
-        if cache.get("prefetch_precision") is not None:
-            t.add_row("prediction precision / recall",
-                      f"{cache['prefetch_precision']:.3f} / {cache['prefetch_recall']:.3f}")
-        outcomes = {k: v for k, v in (cache.get("miss_outcomes") or {}).items() if v}
-        if set(outcomes) - {"fetched_native"}:
-            t.add_row("miss outcomes", ", ".join(f"{k}={v}" for k, v in outcomes.items()))
+        _hit_rate_rows(t, cfg, cache)
+        _union_row(t, cache)
+        _cache_event_rows(t, cache)
         t.add_row("stall", _fmt(timing["stall_s"], " ms", 1e3))
         t.add_row("TTFT", _fmt(timing["ttft_s"], " ms", 1e3))
         t.add_row("TPOT", _fmt(timing["tpot_s"], " ms", 1e3))
