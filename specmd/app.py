@@ -161,11 +161,11 @@ class Run:
                 checks.fail(f"{g}.J={pol[1].J} must be >= 0 (ranks always kept, at most the model's top-k)")
 
     def _replay_and_execution(self, c: dict, checks: Checks) -> None:
-        from .executor import EXECUTION
+        from .executor.base import default_execution
         from .replay.driver import ReplayConfig
 
         self.replay = checks.run(build_params, ReplayConfig, dict(c.get("replay") or {}), "replay")
-        self.execution = checks.run(EXECUTION.params, c.get("execution") or {"name": "simulated"})
+        self.execution = checks.run(default_execution, c.get("execution"))
 
     # ---- 2. across sections -----------------------------------------------------------------------------
     def _precisions(self, c: dict) -> None:
@@ -362,85 +362,34 @@ def _record_failure(cfg: DictConfig, run_dir: Path, progress: _Progress, exc: Ba
 
 
 def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progress: _Progress) -> dict:
-    from .eval.mirror import mirrored, require_hub_for, resolve_mirror, set_offline
+    """The job's stages: a replay of a trace, or 1. the model loaded and 2. the stack built (``load``,
+    ``stack``), 3. the tasks evaluated through it (``evaluate``), 4. results collected and written."""
     from .loggers import build_logger
 
     logger = build_logger(run.raw.get("logger"), group)
     if run.replay.trace:
-        from .replay.driver import replay
-        from .recorder import KEYWORD
-
-        progress.stage = "replay"
-        if run.replay.trace == KEYWORD:
-            run.replay.trace = recorded_trace(run)
-
-        results, engine = replay(run, run_dir)
-        progress.stage = "write"
-        return _finish(results, engine, digest, run_dir, logger, progress)
-    root = resolve_mirror(run.mirror)
-    if root is not None:
-        set_offline()
-    elif run.eval.tasks:
-        require_hub_for(f"eval.tasks={run.eval.tasks} without a data mirror")
-
+        return _replay_job(run, digest, run_dir, logger, progress)
+    root = _data_mirror(run)
     import torch
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(run.model.seed)
-    from .eval.harness import evaluate
-    from .models.loader import load_model
+    from .eval import harness  # noqa: F401 (imported before the clock starts: lm-eval's import is no stage's)
+    from .models import loader  # noqa: F401
 
     t0 = time.perf_counter()
-    progress.stage = "load"
-    on_device = run.device_experts
-    ecls, eparams = run.execution
-    # an executor that reads experts from the checkpoint itself: they are never materialised (meta)
-    model, tokenizer = load_model(run.model, experts_on_meta=ecls.experts_on_meta(eparams))
-    if on_device:
-        model.to(run.device)
-    t_load = time.perf_counter()
-    # an executor that keeps the experts in a host tier builds it with the stack (for a checkpoint on disk, its
-    # expert index): part of loading the model, so its errors are load errors
-    progress.stage = "stack" if on_device else "load"
-    stack = run.build_stack(model) if run.enabled else None
-    progress.stage = "stack"
-    if not on_device:  # the experts stay in their host tier: only the dense weights go to the device
-        model.to(run.device)
+    model, tokenizer, t_load = _load_model(run, progress)
+    stack = _build_stack(run, model, progress)
     engine = stack.engine if stack is not None else None
     executor = stack.executor if stack is not None else None
-    if stack is not None:  # a calibrated profile used elsewhere than where it was fitted: said, once
-        import platform
-
-        from .hardware import profile_mismatch
-
-        for line in profile_mismatch(run.hardware, {"host": platform.node(), "device": str(run.device),
-                                                    "torch": torch.__version__, "dtype": run.model.dtype,
-                                                    "model": run.model.name, "expert_bytes": stack.geom.expert_bytes}):
-            log.warning("%s", line)
     tasks: dict = {}
     progress.partial = lambda: collect(run, engine, tasks, time.perf_counter() - t0, executor)
     if stack is not None and run.save_trace:
-        from .replay.driver import changes_computation
-        from .replay.trace import TraceWriter
-
-        exact = not changes_computation(run.spec)
-        stack.writer = TraceWriter(run_dir / "trace", stack.geom, stack.scoring, stack.store, run.trace_depth,
-                                   run.trace_logits, {"model": run.raw.get("model"), "run_dir": str(run_dir),
-                                                      "device": run.device, "stack": run.spec.names(),
-                                                      "exact": exact})
+        stack.writer = _trace_writer(run, stack, run_dir)
     t_stack = time.perf_counter()
     progress.stage = "evaluate"
-    try:
-        with mirrored(root):
-            tasks = evaluate(model, tokenizer, run.eval, device=run.device,
-                             live=stack.live if stack is not None else None)
-    finally:
-        with signals_held():  # the hooks removed and the trace closed whole, whatever a second Ctrl-C does
-            if stack is not None:
-                stack.remove()
-                if stack.writer is not None:
-                    stack.writer.close()
+    tasks.update(_evaluate(run, model, tokenizer, stack, root))
     progress.stage = "write"
     t_end = time.perf_counter()
     results = collect(run, engine, tasks, t_end - t0, executor)
@@ -454,6 +403,99 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
     # wall seconds of each stage of this process (start-up = the process's wall time - evaluate)
     results["wall_stages_s"] = {"load": t_load - t0, "stack": t_stack - t_load, "evaluate": t_end - t_stack}
     return _finish(results, engine, digest, run_dir, logger, progress)
+
+
+def _replay_job(run: Run, digest: str, run_dir: Path, logger, progress: _Progress) -> dict:
+    """A run of a recorded (or, ``replay.trace=record``, recorded now) trace: no model."""
+    from .recorder import KEYWORD
+    from .replay.driver import replay
+
+    progress.stage = "replay"
+    if run.replay.trace == KEYWORD:
+        run.replay.trace = recorded_trace(run)
+    results, engine = replay(run, run_dir)
+    progress.stage = "write"
+    return _finish(results, engine, digest, run_dir, logger, progress)
+
+
+def _data_mirror(run: Run):
+    """The data mirror's root (the hub is then never asked), or None: tasks then need the hub."""
+    from .eval.mirror import require_hub_for, resolve_mirror, set_offline
+
+    root = resolve_mirror(run.mirror)
+    if root is not None:
+        set_offline()
+    elif run.eval.tasks:
+        require_hub_for(f"eval.tasks={run.eval.tasks} without a data mirror")
+    return root
+
+
+def _load_model(run: Run, progress: _Progress) -> tuple:
+    """Stage ``load``: ``(model, tokenizer, the time it was loaded)``; on the device unless the executor keeps
+    the experts in a host tier (then the stack moves the dense weights, :func:`_build_stack`)."""
+    from .models.loader import load_model
+
+    progress.stage = "load"
+    ecls, eparams = run.execution
+    # an executor that reads experts from the checkpoint itself: they are never materialised (meta)
+    model, tokenizer = load_model(run.model, experts_on_meta=ecls.experts_on_meta(eparams))
+    if run.device_experts:
+        model.to(run.device)
+    return model, tokenizer, time.perf_counter()
+
+
+def _build_stack(run: Run, model, progress: _Progress):
+    """Stage ``stack``: the policy stack installed on ``model`` (None: an unhooked run), and a calibrated profile
+    used elsewhere than where it was fitted said, once."""
+    on_device = run.device_experts
+    # an executor that keeps the experts in a host tier builds it with the stack (for a checkpoint on disk, its
+    # expert index): part of loading the model, so its errors are load errors
+    progress.stage = "stack" if on_device else "load"
+    stack = run.build_stack(model) if run.enabled else None
+    progress.stage = "stack"
+    if not on_device:  # the experts stay in their host tier: only the dense weights go to the device
+        model.to(run.device)
+    if stack is not None:
+        import platform
+
+        import torch
+
+        from .hardware import profile_mismatch
+
+        for line in profile_mismatch(run.hardware, {"host": platform.node(), "device": str(run.device),
+                                                    "torch": torch.__version__, "dtype": run.model.dtype,
+                                                    "model": run.model.name, "expert_bytes": stack.geom.expert_bytes}):
+            log.warning("%s", line)
+    return stack
+
+
+def _trace_writer(run: Run, stack, run_dir: Path):
+    """The writer of the run's trace (``trace.save``), into ``<run dir>/trace``."""
+    from .replay.driver import changes_computation
+    from .replay.trace import TraceWriter
+
+    exact = not changes_computation(run.spec)
+    return TraceWriter(run_dir / "trace", stack.geom, stack.scoring, stack.store, run.trace_depth,
+                       run.trace_logits, {"model": run.raw.get("model"), "run_dir": str(run_dir),
+                                          "device": run.device, "stack": run.spec.names(), "exact": exact})
+
+
+def _evaluate(run: Run, model, tokenizer, stack, root) -> dict:
+    """Stage ``evaluate``: the tasks' scores; however it ends, the hooks are removed and the trace closed whole,
+    whatever a second Ctrl-C does."""
+    from .eval.harness import evaluate
+    from .eval.mirror import mirrored
+
+    try:
+        with mirrored(root):
+            return evaluate(model, tokenizer, run.eval, device=run.device,
+                            live=stack.live if stack is not None else None)
+    finally:
+        with signals_held():
+            if stack is not None:
+                stack.remove()
+                if stack.writer is not None:
+                    stack.writer.close()
 
 
 def recorded_trace(run: Run) -> str:

@@ -299,10 +299,10 @@ class _View:  # the read-only cache view, for policies tested without a cache ma
 
 
 def test_score_policy_mean_over_last_n():
-    from specmd.policies.eviction.score import Score
+    from specmd.policies.eviction.score import ScoreEviction
 
     for n, expect in ((1, 1), (2, 3), (8, 3)):
-        pol = Score(Score.Params(n=n))
+        pol = ScoreEviction(ScoreEviction.Params(n=n))
         pol.attach(_View(), 4)
         for k in range(4):
             pol.on_insert(k, False)
@@ -323,13 +323,13 @@ def test_score_policy_unit_readings(unit, n, after_prefill, after_decode):
     # of three tokens [.2167,.2833,.3333,.2] -> 3; call n=2 the mean of two steps [.175,.3,.35,.2] -> 0.
     import torch
 
-    from specmd.policies.eviction.score import Score
+    from specmd.policies.eviction.score import ScoreEviction
 
     class Rec(_Rec):
         def __init__(self, rows):
             self.probs = torch.tensor(rows, dtype=torch.float64)
 
-    pol = Score(Score.Params(n=n, unit=unit))
+    pol = ScoreEviction(ScoreEviction.Params(n=n, unit=unit))
     pol.attach(_View(), 4)
     for k in range(4):
         pol.on_insert(k, False)
@@ -358,9 +358,9 @@ def test_score_policy_end_to_end_uses_router_probabilities():
 def test_score_policy_start_readings(start, victim):
     # Experts 0, 1, 2 resident when layer 0 scores [.1, .4, .3, .2]; then 3 joins. ``mean`` (the default):
     # 3 starts at its layer's window mean 0.2, so 0 (0.1) goes; ``zero``: 3 starts at 0 and goes first.
-    from specmd.policies.eviction.score import Score
+    from specmd.policies.eviction.score import ScoreEviction
 
-    pol = Score(Score.Params(start=start) if start else None)
+    pol = ScoreEviction(ScoreEviction.Params(start=start) if start else None)
     pol.attach(_View(), 4)
     for k in range(3):
         pol.on_insert(k, False)
@@ -401,7 +401,7 @@ def test_score_window_means_and_ranks_are_numpys(n, value):
     import numpy as np
     import torch
 
-    from specmd.policies.eviction.score import Score
+    from specmd.policies.eviction.score import ScoreEviction
 
     class Rec(_Rec):
         def __init__(self, rows):
@@ -409,7 +409,7 @@ def test_score_window_means_and_ranks_are_numpys(n, value):
 
     rng = np.random.default_rng(n)
     E = 6
-    pol = Score(Score.Params(n=n, value=value))
+    pol = ScoreEviction(ScoreEviction.Params(n=n, value=value))
     pol.attach(_View(experts=E), E)
     for k in range(E):
         pol.on_insert(k, False)

@@ -243,3 +243,47 @@ def test_executors_plug_into_the_declared_seam_only():
     app = (ROOT / "app.py").read_text()
     assert not re.search(r"(?i)offload", app)
     assert "def config_errors" in (ROOT / "executor" / "offload.py").read_text()
+
+
+def test_policy_params_in_the_recipe_style():
+    """Every policy declares its parameters as docs/architecture.md's recipe teaches: a module-level ``<Class>Params``
+    dataclass, ``Params = <Class>Params`` in the class body (an extension type's body may hold no nested class)."""
+    def nested(source: str) -> list:
+        return [f"{c.name}.{n.name}" for c in ast.walk(ast.parse(source)) if isinstance(c, ast.ClassDef)
+                for n in c.body if isinstance(n, ast.ClassDef)]
+
+    assert {m: nested(p.read_text()) for m, p in MODULES.items()
+            if m.startswith("specmd.policies.") and nested(p.read_text())} == {}
+    assert nested("class A:\n    class Params:\n        x = 1\n") == ["A.Params"]  # the check itself
+
+
+def unmapped(text: str) -> list:
+    """The modules under specmd/ that docs/architecture.md's "Where things are" does not name: by their path
+    (``engine/cache.py``), or by their file name where the entry names their directory (``executor/`` ...
+    ``placement.py``). A package's ``__init__`` is named by its directory; a policy or an import format, one
+    module per registered name, by its family's directory (the registries and docs/policies.md list them)."""
+    from specmd.engine import GROUPS
+
+    text = text.replace("policies/<family>/", " ".join(f"policies/{g}/" for g in GROUPS))  # (the map's wildcard)
+    out = []
+    for name, path in MODULES.items():
+        rel = path.relative_to(ROOT).as_posix()
+        parent = rel.rpartition("/")[0] + "/" if "/" in rel else ""
+        if path.name == "__main__.py":
+            continue
+        if path.name == "__init__.py":
+            ok = not parent or parent in text
+        elif re.fullmatch(r"policies/(eviction|miss|prefetch|routing)/\w+\.py|replay/formats/\w+\.py", rel):
+            ok = parent in text
+        else:
+            ok = rel in text or (parent != "" and parent in text and re.search(rf"\b{re.escape(path.name)}", text))
+        if not ok:
+            out.append(rel)
+    return sorted(out)
+
+
+def test_the_map_names_every_module():
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text()
+    where = doc.split("## Where things are", 1)[1].split("\n## ", 1)[0]
+    assert unmapped(where) == []
+    assert "hardware.py" in unmapped(where.replace("hardware.py", "hw.py"))  # the check itself

@@ -17,14 +17,15 @@ SOFTMAX = Scoring(False, False, 1.0)
 
 
 class FakeCache:
-    """What routing/miss policies read from the cache manager."""
+    """What routing/miss policies read from the cache view (and its clock view)."""
 
     def __init__(self, present=(), resident=None, host=1.0, transfer=1.0):
+        from types import SimpleNamespace
+
         self._present = list(present)
         self._resident = list(present if resident is None else resident)
-        self.host_time = lambda slots, experts: host * slots
-        self.fetch_transfer = transfer
-        self.transfer_time = lambda precision=None: transfer
+        self.clock = SimpleNamespace(host_time=lambda slots, experts: host * slots,
+                                     transfer_time=lambda precision=None: transfer)
 
     def present(self, layer):
         return self._present
@@ -201,11 +202,12 @@ class HybridView(FakeCache):
 
     def __init__(self, host=1.0, transfer=1.0, low=None, device=0.0, link_backlog=0.0, host_backlog=0.0, beside=True):
         super().__init__(host=host, transfer=transfer)
-        self.host_beside_device = lambda: beside
-        self.transfer_time = lambda precision=None: low if precision not in (None, "native") else transfer
-        self.device_time = lambda slots, experts: device * slots
-        self.link_backlog = lambda: link_backlog
-        self.host_backlog = lambda: host_backlog
+        c = self.clock
+        c.host_beside_device = lambda: beside
+        c.transfer_time = lambda precision=None: low if precision not in (None, "native") else transfer
+        c.device_time = lambda slots, experts: device * slots
+        c.link_backlog = lambda: link_backlog
+        c.host_backlog = lambda: host_backlog
 
 
 class _Hybrid:

@@ -70,13 +70,13 @@ def test_score_quantile_is_torch_quantile_bit_for_bit(percentile):
     ``torch.quantile`` of the window bit for bit, for windows of every size around the vector widths."""
     from types import SimpleNamespace
 
-    from specmd.policies.prefetch.score import Score
+    from specmd.policies.prefetch.score import ScorePrefetch
 
     q = percentile / 100.0
     g = torch.Generator().manual_seed(int(percentile * 10))
     for n in (1, 2, 3, 7, 64, 4096, 4097, 3071):
         x = torch.rand(n, generator=g) ** 3
-        pol = Score(Score.Params(percentile=percentile, window=1))
+        pol = ScorePrefetch(ScorePrefetch.Params(percentile=percentile, window=1))
         pol.setup(SimpleNamespace(num_layers=2))
         pol._push(1, x.numpy().reshape(1, n))
         assert torch.equal(pol.threshold(1), torch.quantile(x, q)), n
@@ -90,9 +90,9 @@ def test_score_window_ring_is_the_last_rows():
 
     import numpy as np
 
-    from specmd.policies.prefetch.score import Score
+    from specmd.policies.prefetch.score import ScorePrefetch
 
-    pol = Score(Score.Params(window=8))
+    pol = ScorePrefetch(ScorePrefetch.Params(window=8))
     pol.setup(SimpleNamespace(num_layers=2))
     g = torch.Generator().manual_seed(3)
     hist = None
@@ -117,10 +117,10 @@ def test_score_selection_equals_the_torch_reference(percentile, window, E):
 
     from specmd.engine.record import LiveRecord, Scoring
     from specmd.policies.prefetch.base import union_by_score
-    from specmd.policies.prefetch.score import Score
+    from specmd.policies.prefetch.score import ScorePrefetch
 
     view = SimpleNamespace(num_layers=2, next_layer=lambda l: 1 if l == 0 else None)
-    pol = Score(Score.Params(percentile=percentile, window=window))
+    pol = ScorePrefetch(ScorePrefetch.Params(percentile=percentile, window=window))
     pol.setup(view)
     g = torch.Generator().manual_seed(int(percentile) + window + E)
     hist = None
@@ -149,7 +149,7 @@ def test_score_threshold_that_rounds_to_the_lower_statistic():
 
     import numpy as np
 
-    from specmd.policies.prefetch.score import Score
+    from specmd.policies.prefetch.score import ScorePrefetch
 
     view = SimpleNamespace(num_layers=2, next_layer=lambda l: 1 if l == 0 else None)
     a = np.float32(0.5)
@@ -157,7 +157,7 @@ def test_score_threshold_that_rounds_to_the_lower_statistic():
     for row, want in (([0.1, 0.2, a, b], [3, 2]),  # q * (n - 1) = 2.4: t = a + 0.4 ulp = a
                       ([0.1, a, b], [2])):  # 1.6: t = b - 0.4 ulp = b
         probs = torch.tensor([row], dtype=torch.float32)
-        pol = Score(Score.Params(percentile=80.0, window=1))
+        pol = ScorePrefetch(ScorePrefetch.Params(percentile=80.0, window=1))
         pol.setup(view)
         rec = SimpleNamespace(layer=0, predict=lambda target, p=probs: (p, None))
         got = pol.predict(rec, view)

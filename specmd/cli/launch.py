@@ -18,6 +18,8 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from hydra.experimental.callback import Callback
+
 from ..jobs import OPENED, claim_run_dir, usable_cores
 from ..liveness import hold_sweep, release_sweep
 from ..results import unique_suffix
@@ -113,74 +115,71 @@ def launcher_errors(launcher: dict) -> list:
     return errors
 
 
-def _sweep_end_callback():
-    from hydra.experimental.callback import Callback
+class SweepEnd(Callback):
+    """Hydra's callback (``hydra.callbacks`` in ``conf/config.yaml``): a single run's directory claimed before
+    Hydra writes there; a job's directory remembered while it runs (however it ends, it says so); a sweep's
+    launcher settings checked and its directory held while it runs; and after a multirun, in the launching
+    process, whatever the launcher, the sweep directory read (``specmd status``) for the exit code: 0 when every
+    job is done, 2 when only config or data errors failed jobs (``failed.json``'s ``kind``), 1 otherwise (as a
+    single run exits)."""
 
-    from ..errors import ConfigError
+    def on_run_start(self, config, **kwargs) -> None:
+        """A single run's directory is claimed for it (:func:`~specmd.jobs.claim_run_dir`) before Hydra writes
+        there."""
+        with _refusing():
+            run_dir = Path(str(config.hydra.run.dir)).absolute()
+            claim_run_dir(run_dir, str(config.hydra.output_subdir or ".specmd-run"))
+        OPENED["dir"] = run_dir  # from now on, however the job ends, the directory says so (failed.json)
 
-    class SweepEnd(Callback):
-        """After a multirun, in the launching process, whatever the launcher: reads the sweep directory
-        (``specmd status``) and sets the exit code: 0 when every job is done, 2 when only config or data
-        errors failed jobs (``failed.json``'s ``kind``), 1 otherwise (as a single run exits)."""
+    def on_job_start(self, config, **kwargs) -> None:
+        """A sweep's job directory, once Hydra has made it and saved its config there (a single run's: as soon
+        as it exists, on_run_start), in the process that runs the job (a launcher's worker too)."""
+        OPENED["dir"] = Path(str(config.hydra.runtime.output_dir))
 
-        def on_run_start(self, config, **kwargs) -> None:
-            """A single run's directory is claimed for it (:func:`claim_run_dir`) before Hydra writes there."""
-            with _refusing():
-                run_dir = Path(str(config.hydra.run.dir)).absolute()
-                claim_run_dir(run_dir, str(config.hydra.output_subdir or ".specmd-run"))
-            OPENED["dir"] = run_dir  # from now on, however the job ends, the directory says so (failed.json)
+    def on_job_end(self, config, job_return=None, **kwargs) -> None:
+        OPENED.pop("dir", None)  # recorded by the job itself (results.json or failed.json)
 
-        def on_job_start(self, config, **kwargs) -> None:
-            """A sweep's job directory, once Hydra has made it and saved its config there (a single run's: as soon
-            as it exists, on_run_start), in the process that runs the job (a launcher's worker too)."""
-            OPENED["dir"] = Path(str(config.hydra.runtime.output_dir))
+    def on_multirun_start(self, config, **kwargs) -> None:
+        """The launcher's own settings, before it starts a job: a value it would fail on with a traceback
+        (joblib's ``n_jobs=0``) is one line and exit code 2, like a job's config error; then the sweep's
+        directory is held (status tells its pending jobs from missing ones; a second launch is refused)."""
+        from omegaconf import OmegaConf
 
-        def on_job_end(self, config, job_return=None, **kwargs) -> None:
-            OPENED.pop("dir", None)  # recorded by the job itself (results.json or failed.json)
+        from ..errors import ConfigError
+        from ..results import writable_dir
 
-        def on_multirun_start(self, config, **kwargs) -> None:
-            """The launcher's own settings, before it starts a job: a value it would fail on with a traceback
-            (joblib's ``n_jobs=0``) is one line and exit code 2, like a job's config error."""
-            from omegaconf import OmegaConf
+        errors = launcher_errors(OmegaConf.to_container(config.hydra.launcher, resolve=True) or {})
+        with _refusing():
+            if errors:
+                raise ConfigError("; ".join(errors))
+            sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
+            writable_dir(sweep_dir, f"hydra.sweep.dir={sweep_dir}")  # (reused to resume: writable is enough)
+            hold_sweep(sweep_dir)
+        OPENED["sweep"] = sweep_dir
 
-            launcher = OmegaConf.to_container(config.hydra.launcher, resolve=True) or {}
-            errors = launcher_errors(launcher)
-            with _refusing():
-                if errors:
-                    raise ConfigError("; ".join(errors))
-                from ..results import writable_dir  # a sweep directory is reused (resume): writable is enough
-
-                sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
-                writable_dir(sweep_dir, f"hydra.sweep.dir={sweep_dir}")
-                hold_sweep(sweep_dir)  # status tells its pending jobs from missing ones; a second launch is refused
-            OPENED["sweep"] = sweep_dir
-
-        def on_multirun_end(self, config, **kwargs) -> None:
-            import sys
-
-            from ..commands.report.collect import load_sweep
-            from ..commands.status import job_state
-
-            release_sweep()  # (the sweep has ended: a status probe from now on finds no launcher)
-            sweep_dir = Path(str(config.hydra.sweep.dir))
-            states = [(job_state(j), j) for j in load_sweep(sweep_dir).jobs]
-            bad = [(s, j) for s, j in states if s != "done"]
-            print(f"specmd: sweep {sweep_dir}: {len(states) - len(bad)} of {len(states)} jobs done"
-                  + ("; not done: " + ", ".join(f"{' '.join(j.overrides)} ({s})" for s, j in bad) if bad else ""),
-                  file=sys.stderr)
-            if bad:
-                only_input = all(s == "failed" and j.results.get("kind") in ("config", "data") for s, j in bad)
-                SWEEP_EXIT["code"] = 2 if only_input else 1
-                print("specmd: see `specmd status " + str(sweep_dir) + "`; re-launching the same command with "
-                      f"hydra.sweep.dir={sweep_dir} runs only the jobs not done", file=sys.stderr)
-
-    return SweepEnd
+    def on_multirun_end(self, config, **kwargs) -> None:
+        release_sweep()  # (the sweep has ended: a status probe from now on finds no launcher)
+        SWEEP_EXIT["code"] = sweep_exit(Path(str(config.hydra.sweep.dir)))
 
 
-def __getattr__(name):  # hydra.callbacks' _target_ specmd.cli.launch.SweepEnd, defined lazily (imports Hydra)
-    if name == "SweepEnd":
-        return _sweep_end_callback()
-    raise AttributeError(name)
+def sweep_exit(sweep_dir: Path) -> int:
+    """The exit code of the sweep in ``sweep_dir``, its jobs read as ``specmd status`` reads them (0 all done, 2
+    only input errors failed, 1 otherwise); what is not done is said on stderr."""
+    import sys
+
+    from ..commands.report.collect import load_sweep
+    from ..commands.status import job_state
+
+    states = [(job_state(j), j) for j in load_sweep(sweep_dir).jobs]
+    bad = [(s, j) for s, j in states if s != "done"]
+    print(f"specmd: sweep {sweep_dir}: {len(states) - len(bad)} of {len(states)} jobs done"
+          + ("; not done: " + ", ".join(f"{' '.join(j.overrides)} ({s})" for s, j in bad) if bad else ""),
+          file=sys.stderr)
+    if not bad:
+        return 0
+    print("specmd: see `specmd status " + str(sweep_dir) + "`; re-launching the same command with "
+          f"hydra.sweep.dir={sweep_dir} runs only the jobs not done", file=sys.stderr)
+    return 2 if all(s == "failed" and j.results.get("kind") in ("config", "data") for s, j in bad) else 1
 
 
 register_resolvers()  # (imported by the Hydra apps before Hydra composes)

@@ -35,10 +35,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..models.adapters import measured_locality
+
 CHECK_LIMIT = 2
-# real per-token locality (mean over layers, lowest layer) by (experts, top-k), with where it was measured
-REAL_LOCALITY = {(8, 2): {"model": "Mixtral-8x7B-Instruct", "mean": 0.376, "min": 0.259,
-                          "source": "vLLM decode routing capture, 577 tokens x 32 layers (issue 18)"}}
 LOCALITY_MEAN_TOL = 0.06
 LOCALITY_FLOOR = 0.25
 REFERENCE_LAYERS = (0, 7, 15)
@@ -55,7 +54,7 @@ def routing_failures(stats: dict) -> list[str]:
         if stats["dead_fraction"][i] > 0:
             out.append(f"layer {layer}: {stats['dead_fraction'][i]:.1%} of experts never selected")
     overlap = stats["temporal_overlap"]
-    real = REAL_LOCALITY.get((E, k))
+    real = measured_locality(E, k)
     if real is None:
         floor = 1.5 * stats["random_overlap"]
         out += [f"layer {layer}: locality {o:.3f} <= 1.5 x random ({floor:.4f})"
@@ -98,7 +97,7 @@ def reference_stats(mirror, family: str) -> Optional[dict]:
     ref = _reference(family)
     if ref is None or mirror is None:
         return None
-    root = Path(mirror) / "routing_stats" / "olmoe_paper" / ref[0]
+    root = Path(mirror) / "routing_stats" / "olmoe_paper" / ref.mirror_dir
     if not root.is_dir():
         return None
     counts, pairs = None, None
@@ -116,7 +115,7 @@ def reference_stats(mirror, family: str) -> Optional[dict]:
             for ab, n in c.items():
                 a, b = ab.split(",")
                 pairs[i, int(a), int(b)] += n
-    _, model, _, top_k = ref
+    model, top_k = ref.model, ref.top_k
     return {"model": model, "layers": per["layers"], "tokens": int(counts[0].sum()) // top_k,
             "domains": list(DOMAINS),
             "skew": [_skew(c) for c in counts], "layer_pairs": cross["layer_pairs"],
@@ -134,7 +133,7 @@ def _reference(family: str):
 def reference_layers(family: str, num_layers: int) -> list[int]:
     """This model's layers at the real model's relative depths (layers 0/7/15 of 16 or of 32)."""
     ref = _reference(family)
-    real = ref[2] if ref is not None else 16
+    real = ref.layers if ref is not None else 16
     return sorted({min(num_layers - 1, round(x * num_layers / real)) for x in REFERENCE_LAYERS})
 
 def routing_stats(model, tokenizer, texts: list[str], window: int = 512, max_tokens: int = 65536) -> dict:
@@ -143,7 +142,7 @@ def routing_stats(model, tokenizer, texts: list[str], window: int = 512, max_tok
     (:func:`specmd.recorder.record_routing`)."""
     import tempfile
 
-    from ..record import record_routing
+    from ..recorder import record_routing
 
     ids = []
     for t in texts:
@@ -249,7 +248,7 @@ def render_compare(card: dict) -> list[str]:
     """This model's routing beside the real model's of its family (popularity skew, co-selection, locality)."""
     r, ref = card["routing"], card.get("reference")
     lines = []
-    real = REAL_LOCALITY.get((r["num_experts"], r["top_k"]))
+    real = measured_locality(r["num_experts"], r["top_k"])
     mean = sum(r["temporal_overlap"]) / len(r["temporal_overlap"])
     if real:
         lines += ["| token-to-token locality | this model | " + real["model"] + " |", "|---|---|---|",

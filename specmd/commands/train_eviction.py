@@ -138,7 +138,7 @@ def record_model(args, directory: Path):
     """``--model``'s trace: its routing on WikiText-2 validation, token by token (module docstring, step 1)."""
     from ..eval.mirror import resolve_mirror, set_offline
     from ..models.loader import ModelConfig, load_model, resolve_pretrained
-    from ..record import record_routing
+    from ..recorder import record_routing
     from .train import wikitext2_valid
 
     cfg_path = Path(resolve_pretrained(args.model)) / "config.json"

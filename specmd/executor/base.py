@@ -192,6 +192,19 @@ def device_peak_bytes(device: torch.device) -> Optional[int]:
 
 
 EXECUTION: Registry[Executor] = Registry("execution", "specmd.executor")
+_DEFAULT: list = []  # (the default's name, read once)
+
+
+def default_execution(config: Optional[dict] = None) -> tuple:
+    """``(executor class, params)`` of ``config`` (an ``execution`` section), or when it is empty of the
+    executor ``conf/config.yaml`` composes when the user names none: the default has that one home."""
+    if not config:
+        if not _DEFAULT:
+            from .. import shipped
+
+            _DEFAULT.append(shipped.defaults()["execution"])
+        config = {"name": _DEFAULT[0]}
+    return EXECUTION.params(config)
 
 
 STEADY_HEAP_BYTES = 256 << 20

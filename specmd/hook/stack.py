@@ -134,9 +134,9 @@ class PolicyStack:
         self.store = quant.build([adapter.experts(model, i) for i in self.moe_ids], self.geom.num_experts, tag)
         self.engine = Engine(self.geom, spec, self.store)
         self.cache = self.engine.cache
-        from ..executor import EXECUTION
+        from ..executor.base import default_execution
 
-        ecls, eparams = spec.execution or EXECUTION.params({"name": "simulated"})
+        ecls, eparams = spec.execution or default_execution()
         self.executor = ecls(eparams)
         self.executor.attach(self)
         self.records: list[Optional[LiveRecord]] = [None] * self.geom.num_layers

@@ -38,6 +38,27 @@ The package: :mod:`.measure` (stages 1-3), :mod:`.fit` (the fits, 4, and the pro
 order, the writing).
 """
 
-from .command import calibrate, main, prepare
+from .command import calibrate, prepare, run_stages
 
 __all__ = ["calibrate", "main", "prepare"]
+
+
+def main(argv=None) -> int:
+    from ...errors import ArgumentParser
+
+    ap = ArgumentParser(prog="specmd calibrate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="write DIR/hardware/<name>.yaml (default: the user config directory, on "
+                                  "Hydra's search path)")
+    ap.add_argument("--name", help="profile name (default: calibrated_<host>)")
+    ap.add_argument("--model", default="deep_olmoe", help="model config the overheads are fitted on")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--quick", action="store_true", help="link, compute and host experts only (no policy costs, "
+                                                           "overhead fit or check)")
+    ap.add_argument("--remeasure", action="store_true", help="measure everything anew (default: reuse what an "
+                                                               "earlier calibrate of this host, device, torch and "
+                                                               "model measured)")
+    a = ap.parse_args(argv)
+    # before any measurement; bad input (ConfigError, DataError) is one line and exit 2: specmd.outcome
+    name, hw_dir = prepare(a.out, a.name, a.model, a.device)
+    run_stages(hw_dir, name, a.out is not None, a.model, a.device, a.quick, print, a.remeasure)
+    return 0

@@ -4,7 +4,7 @@ cimport cython
 from specmd.policies.eviction.base cimport EvictionPolicy
 from specmd.policies.eviction.structures cimport KeyHeap
 
-cdef class Score(EvictionPolicy):
+cdef class ScoreEviction(EvictionPolicy):
     cdef public long n
     cdef public long E
     cdef public bint _token

@@ -26,7 +26,7 @@ class ScoreParams:
         check_choice("value", self.value, ("probs", "logits"))
 
 
-class Score(EvictionPolicy):
+class ScoreEviction(EvictionPolicy):
     """Score-based eviction (Zhu et al. 2025; SpecMD App. B): evicts the resident expert with the lowest
     mean gate score over a window of recent steps of its layer. Zhu et al. define it for decoding: "for an
     expert i, its score at the j-th token generation during decoding is denoted as S_{i,j}", and the victim
@@ -223,4 +223,4 @@ class Score(EvictionPolicy):
         return self._heap.first(evictable)
 
 
-EVICTION.register(Score)
+EVICTION.register(ScoreEviction)

@@ -2,8 +2,9 @@
 
 ``handle(layer, missing, record, cache)`` gets all misses of one layer call at once (some policies, e.g.
 Zhu's two-pointer schedule, need the whole set), the layer's :class:`~specmd.engine.record.GateRecord` and
-the read-only :class:`~specmd.engine.view.CacheView`, and returns one outcome per missing expert, in the
-same order (``None`` means "fetch every miss at ``self.fetch_precision``").
+the read-only :class:`~specmd.engine.view.CacheView` (what is cached; its ``clock``, a
+:class:`~specmd.engine.view.ClockView`: what a transfer or the host's compute costs, when the link is free),
+and returns one outcome per missing expert, in the same order (``None`` means "fetch every miss at ``self.fetch_precision``").
 
 Outcomes (:mod:`specmd.engine.outcomes`, each one class that accounts for itself and says how the layer
 executes): ``Fetched(precision)`` (blocking transfer at a stored precision; ``None`` = the policy's

@@ -24,7 +24,7 @@ class CPUCompute(MissPolicy):
     def handle(self, layer, missing, record, cache):
         scores = expert_scores(record, missing)
         order = sorted(range(len(missing)), key=lambda i: (-float(scores[i]), missing[i]))
-        c_load = cache.transfer_time(self.fetch_precision)
+        c_load = cache.clock.transfer_time(self.fetch_precision)
         counts = [int((record.index == missing[i]).sum()) for i in order]
         t_load = t_cpu = 0.0
         lo, hi = 0, len(order) - 1
@@ -34,7 +34,7 @@ class CPUCompute(MissPolicy):
                 t_load += c_load
                 lo += 1
             else:
-                t_cpu += cache.host_time(counts[hi], 1)
+                t_cpu += cache.clock.host_time(counts[hi], 1)
                 host.add(order[hi])
                 hi -= 1
         fetch, on_host = Fetched(), HostComputed()

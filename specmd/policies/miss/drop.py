@@ -3,6 +3,15 @@ from dataclasses import dataclass
 from .base import MISS, Dropped, Fetched, MissPolicy, best_ranks
 
 
+@dataclass
+class DropParams:
+    J: int = 2
+
+    def __post_init__(self):
+        if self.J < 0:
+            raise ValueError(f"J={self.J} must be >= 0")
+
+
 class Drop(MissPolicy):
     """Drop low-ranked misses (Skliar et al. 2025; SpecMD §3.1.2): a missing expert is fetched if some token
     ranks it among its top ``J`` (0-based rank < J), otherwise it does not run for this call (its weight is
@@ -10,13 +19,7 @@ class Drop(MissPolicy):
 
     name = "drop"
 
-    @dataclass
-    class Params:
-        J: int = 2
-
-        def __post_init__(self):
-            if self.J < 0:
-                raise ValueError(f"J={self.J} must be >= 0")
+    Params = DropParams
 
     def handle(self, layer, missing, record, cache):
         ranks = best_ranks(record, missing)

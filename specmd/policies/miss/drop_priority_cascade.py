@@ -3,6 +3,11 @@ from dataclasses import dataclass
 from .base import MISS, CascadeMissPolicy, CascadeParams, Dropped, Fetched, best_ranks, expert_scores, percentile_bands
 
 
+@dataclass
+class DropPriorityCascadeParams(CascadeParams):
+    J: int = 1
+
+
 class DropPriorityCascade(CascadeMissPolicy):
     """Drop Priority Cascade (SpecMD §5.4): a miss ranked in some token's top ``J`` is fetched at the highest
     precision of ``precisions``; the others are banded by gate score among this layer call's requested
@@ -11,9 +16,7 @@ class DropPriorityCascade(CascadeMissPolicy):
 
     name = "drop_priority_cascade"
 
-    @dataclass
-    class Params(CascadeParams):
-        J: int = 1
+    Params = DropPriorityCascadeParams
 
     def handle(self, layer, missing, record, cache):
         requested = record.index.unique().tolist()

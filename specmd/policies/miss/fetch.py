@@ -3,6 +3,17 @@ from dataclasses import dataclass
 from .base import MISS, MissPolicy
 
 
+@dataclass
+class FetchParams:
+    precision: str = "native"
+
+    def __post_init__(self):
+        from ...engine.store import BITS
+
+        if self.precision != "native" and self.precision not in BITS:
+            raise ValueError(f"precision={self.precision!r}; valid: native, {', '.join(BITS)}")
+
+
 class Fetch(MissPolicy):
     """Blocking fetch of every miss at ``precision`` (default ``native``: the stored full precision, 100%
     fidelity). ``precision=int4`` with ``quant=hqq`` is SpecMD's "all experts at 4 bit" setting."""
@@ -11,15 +22,7 @@ class Fetch(MissPolicy):
 
     reads_logits = False  # (Policy.reads_logits)
 
-    @dataclass
-    class Params:
-        precision: str = "native"
-
-        def __post_init__(self):
-            from ...engine.store import BITS
-
-            if self.precision != "native" and self.precision not in BITS:
-                raise ValueError(f"precision={self.precision!r}; valid: native, {', '.join(BITS)}")
+    Params = FetchParams
 
     @classmethod
     def lossless(cls, params):

@@ -3,6 +3,14 @@ from dataclasses import dataclass
 from .base import MISS, MissPolicy, parse_cascade
 
 
+@dataclass
+class FetchLowestBitParams:
+    precisions: str = "int8:4:2"
+
+    def __post_init__(self):
+        self.cascade = parse_cascade(self.precisions)
+
+
 class FetchLowestBit(MissPolicy):
     """Fetch Lowest Bit (SpecMD §5.4): experts are stored at the cascade ``precisions`` and every miss (and
     every prefetch) is fetched at its lowest one (``int8:4:2`` -> int2)."""
@@ -11,12 +19,7 @@ class FetchLowestBit(MissPolicy):
 
     reads_logits = False  # (Policy.reads_logits)
 
-    @dataclass
-    class Params:
-        precisions: str = "int8:4:2"
-
-        def __post_init__(self):
-            self.cascade = parse_cascade(self.precisions)
+    Params = FetchLowestBitParams
 
     @classmethod
     def required_precisions(cls, params):

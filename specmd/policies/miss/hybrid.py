@@ -4,6 +4,20 @@ from typing import Optional
 from .base import MISS, Fetched, HostComputed, MissPolicy, percentile_bands
 
 
+@dataclass
+class HybridParams:
+    low: Optional[str] = None  # a stored precision fetched for low-scored misses (null: lossless)
+    percentile: float = 60.0  # misses scored below this percentile of the call's experts may take ``low``
+
+    def __post_init__(self):
+        from ...engine.store import BITS
+
+        if self.low is not None and self.low not in BITS:
+            raise ValueError(f"low={self.low!r}; valid: null, {', '.join(BITS)}")
+        if not 0.0 <= self.percentile <= 100.0:
+            raise ValueError(f"percentile={self.percentile} must be in [0, 100]")
+
+
 class Hybrid(MissPolicy):
     """Hybrid misses: each missed expert is fetched over the link or computed on the host from the host tier,
     whichever the costs say lets the layer finish first given what the link and the host already have queued,
@@ -13,7 +27,7 @@ class Hybrid(MissPolicy):
     ``low`` copy is a third option for the misses scored below the ``percentile``-th percentile of the call
     (lossy, as ``fetch_priority`` degrades them).
 
-    The costs are the clock's, through the cache view: ``transfer_time`` (one expert on the link),
+    The costs are the clock's, through the cache view's ``clock``: ``transfer_time`` (one expert on the link),
     ``host_time`` (the host's batch of experts: the profile's host roofline plus its per-call, per-expert and
     per-token costs, which ``specmd calibrate`` measures on the model's own experts; a miss added to the
     host's batch costs the difference) and
@@ -41,18 +55,7 @@ class Hybrid(MissPolicy):
 
     reads_logits = False  # (Policy.reads_logits: the routing weights suffice)
 
-    @dataclass
-    class Params:
-        low: Optional[str] = None  # a stored precision fetched for low-scored misses (null: lossless)
-        percentile: float = 60.0  # misses scored below this percentile of the call's experts may take ``low``
-
-        def __post_init__(self):
-            from ...engine.store import BITS
-
-            if self.low is not None and self.low not in BITS:
-                raise ValueError(f"low={self.low!r}; valid: null, {', '.join(BITS)}")
-            if not 0.0 <= self.percentile <= 100.0:
-                raise ValueError(f"percentile={self.percentile} must be in [0, 100]")
+    Params = HybridParams
 
     @classmethod
     def lossless(cls, params):
@@ -77,27 +80,27 @@ class Hybrid(MissPolicy):
         counts = dict(zip(missing, per_expert[missing].tolist()))  # the misses' tokens
         hit_n = int(np.count_nonzero(per_expert)) - len(missing)
         hit_slots = index.numel() - sum(counts.values())
-        device = cache.device_time(hit_slots, hit_n) if hit_n else 0.0  # the device's compute: the hits first
+        device = cache.clock.device_time(hit_slots, hit_n) if hit_n else 0.0  # the device's compute: the hits first
         link = None  # when the last fetch lands (seconds from now); None: no fetch, the device waits for none
-        backlog = cache.link_backlog()
-        host_free = cache.host_backlog()
+        backlog = cache.clock.link_backlog()
+        host_free = cache.clock.host_backlog()
         host, hs, hn = host_free, 0, 0  # when the host's share ends; its slots and experts so far
-        c_fetch = cache.transfer_time("native")
+        c_fetch = cache.clock.transfer_time("native")
         low = self._degraded(record, missing) if self.params.low else ()
-        c_low = cache.transfer_time(self.params.low) if low else 0.0
+        c_low = cache.clock.transfer_time(self.params.low) if low else 0.0
         fetch, fetch_low, on_host = self._fetch, self._fetch_low, self._on_host
         out = [fetch] * len(missing)
-        end = _beside if cache.host_beside_device() else _before
+        end = _beside if cache.clock.host_beside_device() else _before
         for i in sorted(range(len(missing)), key=lambda i: (-counts[missing[i]], missing[i])):
             c = counts[missing[i]]
-            d = cache.device_time(c, 1)
+            d = cache.clock.device_time(c, 1)
             start = backlog if link is None else link
             best, choice = end(start + c_fetch, device + d, host), (start + c_fetch, device + d, host, fetch)
             if i in low:
                 t = end(start + c_low, device + d, host)
                 if t < best:
                     best, choice = t, (start + c_low, device + d, host, fetch_low)
-            h = host_free + cache.host_time(hs + c, hn + 1)  # (one batch: the host's per-call cost once)
+            h = host_free + cache.clock.host_time(hs + c, hn + 1)  # (one batch: the host's per-call cost once)
             t = end(0.0 if link is None else link, device, h)
             if t < best:
                 best, choice = t, (link, device, h, on_host)

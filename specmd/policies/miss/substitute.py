@@ -5,6 +5,15 @@ import torch
 from .base import MISS, Fetched, MissPolicy, Substituted
 
 
+@dataclass
+class SubstituteParams:
+    alpha: float = 0.5
+
+    def __post_init__(self):
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha={self.alpha} must be in [0, 1]")
+
+
 class Substitute(MissPolicy):
     """Expert substitution (Zhu et al. 2025, Algorithm 1 "expert-cache router"; SpecMD §3.1.2). For each
     token, ``S_{k+1}`` is its (k+1)-th highest score. A selected expert is *low-score* for the token if
@@ -18,13 +27,7 @@ class Substitute(MissPolicy):
 
     name = "substitute"
 
-    @dataclass
-    class Params:
-        alpha: float = 0.5
-
-        def __post_init__(self):
-            if not 0.0 <= self.alpha <= 1.0:
-                raise ValueError(f"alpha={self.alpha} must be in [0, 1]")
+    Params = SubstituteParams
 
     def handle(self, layer, missing, record, cache):
         probs = record.probs

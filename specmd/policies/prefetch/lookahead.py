@@ -3,6 +3,18 @@ from dataclasses import dataclass
 from .base import PREFETCH, PrefetchPolicy, overfetch_count, overfetch_errors, topk_prediction
 
 
+@dataclass
+class LookaheadParams:
+    depth: int = 2
+    overfetch: float = 1.0
+
+    def __post_init__(self):
+        if self.depth < 1:
+            raise ValueError(f"depth={self.depth} must be >= 1")
+        if self.overfetch <= 0:
+            raise ValueError(f"overfetch={self.overfetch} must be > 0")
+
+
 class Lookahead(PrefetchPolicy):
     """Multi-layer lookahead (HOBBIT, Tang et al. 2024): gating inputs of adjacent layers are similar, so
     the routers of layers l+1 ... l+``depth`` are all applied to layer l's router input and each token's top
@@ -12,16 +24,7 @@ class Lookahead(PrefetchPolicy):
 
     name = "lookahead"
 
-    @dataclass
-    class Params:
-        depth: int = 2
-        overfetch: float = 1.0
-
-        def __post_init__(self):
-            if self.depth < 1:
-                raise ValueError(f"depth={self.depth} must be >= 1")
-            if self.overfetch <= 0:
-                raise ValueError(f"overfetch={self.overfetch} must be > 0")
+    Params = LookaheadParams
 
     @classmethod
     def signal_depth(cls, params):

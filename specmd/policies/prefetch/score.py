@@ -10,7 +10,21 @@ from ..base import check_choice, memory_errors
 from .base import PREFETCH, PrefetchPolicy, union_by_score
 
 
-class Score(PrefetchPolicy):
+@dataclass
+class ScorePrefetchParams:
+    percentile: float = 80.0
+    window: int = 64
+    basis: str = "window"
+
+    def __post_init__(self):
+        if not 0.0 <= self.percentile < 100.0:
+            raise ValueError(f"percentile={self.percentile} must be in [0, 100)")
+        if self.window < 1:
+            raise ValueError(f"window={self.window} must be >= 1")
+        check_choice("basis", self.basis, ("window", "token"))
+
+
+class ScorePrefetch(PrefetchPolicy):
     """Score-based prefetch (Zhu et al. 2025; SpecMD §3.1.4): the next layer's router is applied to the
     current router input and every expert whose predicted probability is at or above the ``percentile``-th
     percentile is prefetched. SpecMD: it "filters experts by softmax score rather than fixed top-k count
@@ -28,18 +42,7 @@ class Score(PrefetchPolicy):
 
     name = "score"
 
-    @dataclass
-    class Params:
-        percentile: float = 80.0
-        window: int = 64
-        basis: str = "window"
-
-        def __post_init__(self):
-            if not 0.0 <= self.percentile < 100.0:
-                raise ValueError(f"percentile={self.percentile} must be in [0, 100)")
-            if self.window < 1:
-                raise ValueError(f"window={self.window} must be >= 1")
-            check_choice("basis", self.basis, ("window", "token"))
+    Params = ScorePrefetchParams
 
     @classmethod
     def model_errors(cls, params, model):
@@ -224,4 +227,4 @@ def _lerp(a, b, w) -> torch.Tensor:
                       torch.tensor([w], dtype=torch.float32)).reshape(())
 
 
-PREFETCH.register(Score)
+PREFETCH.register(ScorePrefetch)

@@ -3,6 +3,15 @@ from dataclasses import dataclass
 from .base import PREFETCH, PrefetchPolicy, overfetch_count, overfetch_errors, topk_prediction
 
 
+@dataclass
+class TopKParams:
+    overfetch: float = 1.0
+
+    def __post_init__(self):
+        if self.overfetch <= 0:
+            raise ValueError(f"overfetch={self.overfetch} must be > 0")
+
+
 class TopK(PrefetchPolicy):
     """Speculative next-layer prefetch (Eliseev & Mazur; SpecMD §3.1.4).
 
@@ -15,13 +24,7 @@ class TopK(PrefetchPolicy):
 
     name = "topk"
 
-    @dataclass
-    class Params:
-        overfetch: float = 1.0
-
-        def __post_init__(self):
-            if self.overfetch <= 0:
-                raise ValueError(f"overfetch={self.overfetch} must be > 0")
+    Params = TopKParams
 
     @classmethod
     def model_errors(cls, params, model):

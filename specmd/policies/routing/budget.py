@@ -19,6 +19,27 @@ def budget_of(params, num_experts: int) -> int:
     return math.floor(params.max_fraction * num_experts + 1e-9)
 
 
+@dataclass
+class BudgetParams:
+    max_experts: Optional[int] = None
+    max_fraction: Optional[float] = 0.25
+    by: str = "mass"
+    overflow: str = "substitute"
+    passes: str = "decode"  # decode | all: the passes it caps (a prefill needs most of the layer)
+
+    def __post_init__(self):
+        if (self.max_experts is None) == (self.max_fraction is None):
+            raise ValueError(f"max_experts={self.max_experts} and max_fraction={self.max_fraction}: set exactly "
+                             f"one of them (the other null)")
+        if self.max_experts is not None and self.max_experts < 1:
+            raise ValueError(f"max_experts={self.max_experts} must be >= 1 (distinct experts per layer call)")
+        if self.max_fraction is not None and not 0.0 < self.max_fraction <= 1.0:
+            raise ValueError(f"max_fraction={self.max_fraction} must be in (0, 1] (a share of the layer's experts)")
+        check_choice("by", self.by, BY)
+        check_choice("overflow", self.overflow, OVERFLOW)
+        check_choice("passes", self.passes, PASSES)
+
+
 class Budget(RoutingPolicy):
     """An expert budget per layer call: at most ``max_experts`` distinct experts (or ``max_fraction`` of the
     layer's experts, rounded down; exactly one of the two is set) run for the call's live tokens. A call whose
@@ -62,25 +83,7 @@ class Budget(RoutingPolicy):
     name = "budget"
     reads_logits = True  # (Policy.reads_logits): the budget's order and the substitutes read the probabilities
 
-    @dataclass
-    class Params:
-        max_experts: Optional[int] = None
-        max_fraction: Optional[float] = 0.25
-        by: str = "mass"
-        overflow: str = "substitute"
-        passes: str = "decode"  # decode | all: the passes it caps (a prefill needs most of the layer)
-
-        def __post_init__(self):
-            if (self.max_experts is None) == (self.max_fraction is None):
-                raise ValueError(f"max_experts={self.max_experts} and max_fraction={self.max_fraction}: set exactly "
-                                 f"one of them (the other null)")
-            if self.max_experts is not None and self.max_experts < 1:
-                raise ValueError(f"max_experts={self.max_experts} must be >= 1 (distinct experts per layer call)")
-            if self.max_fraction is not None and not 0.0 < self.max_fraction <= 1.0:
-                raise ValueError(f"max_fraction={self.max_fraction} must be in (0, 1] (a share of the layer's experts)")
-            check_choice("by", self.by, BY)
-            check_choice("overflow", self.overflow, OVERFLOW)
-            check_choice("passes", self.passes, PASSES)
+    Params = BudgetParams
 
     def __init__(self, params=None):
         super().__init__(params)

@@ -5,6 +5,16 @@ import torch
 from .base import ROUTING, RoutingPolicy, cache_mask
 
 
+@dataclass
+class CachePriorParams:
+    lambda_: float = 0.3
+    J: int = 2
+
+    def __post_init__(self):
+        if not 0.0 <= self.lambda_ <= 1.0:
+            raise ValueError(f"lambda={self.lambda_} must be in [0, 1]")
+
+
 class CachePrior(RoutingPolicy):
     """Cache-Prior (Cache-Conditional Experts, Eq. 9): ``z' = z + lambda * Delta_avg * m~``, where ``m~``
     marks the cached experts plus each token's top-``J`` and ``Delta_avg`` is this layer's running average
@@ -14,14 +24,7 @@ class CachePrior(RoutingPolicy):
 
     name = "cache_prior"
 
-    @dataclass
-    class Params:
-        lambda_: float = 0.3
-        J: int = 2
-
-        def __post_init__(self):
-            if not 0.0 <= self.lambda_ <= 1.0:
-                raise ValueError(f"lambda={self.lambda_} must be in [0, 1]")
+    Params = CachePriorParams
 
     def setup(self, model):
         self.range_sum = [0.0] * model.num_layers

@@ -5,6 +5,16 @@ import torch
 from .base import ROUTING, RoutingPolicy, cache_mask, promote_select
 
 
+@dataclass
+class CumsumParams:
+    p: float = 0.5
+    J: int = 1
+
+    def __post_init__(self):
+        if not 0.0 <= self.p <= 1.0:
+            raise ValueError(f"p={self.p} must be in [0, 1]")
+
+
 class Cumsum(RoutingPolicy):
     """Cumulative-sum threshold (Cache-Conditional Experts, Algorithm 2): per token, ``M`` is the number of
     top-ranked experts whose router probabilities first reach ``p`` (``M = 0`` for ``p = 0``), then Max-Rank
@@ -12,14 +22,7 @@ class Cumsum(RoutingPolicy):
 
     name = "cumsum"
 
-    @dataclass
-    class Params:
-        p: float = 0.5
-        J: int = 1
-
-        def __post_init__(self):
-            if not 0.0 <= self.p <= 1.0:
-                raise ValueError(f"p={self.p} must be in [0, 1]")
+    Params = CumsumParams
 
     def apply(self, record, cache):
         probs = record.probs

@@ -5,6 +5,16 @@ import torch
 from .base import ROUTING, RoutingPolicy, cache_mask, promote_select
 
 
+@dataclass
+class MaxRankParams:
+    M: int = 16
+    J: int = 1
+
+    def __post_init__(self):
+        if self.M < 0 or self.J < 0:
+            raise ValueError(f"M={self.M} and J={self.J} must be >= 0")
+
+
 class MaxRank(RoutingPolicy):
     """Max-Rank (Cache-Conditional Experts, Algorithm 1): cached experts within the router's top ``M`` are
     promoted ahead of uncached ones, the router's top ``J`` always stay first; the new top-k runs, weighted
@@ -14,14 +24,7 @@ class MaxRank(RoutingPolicy):
 
     name = "max_rank"
 
-    @dataclass
-    class Params:
-        M: int = 16
-        J: int = 1
-
-        def __post_init__(self):
-            if self.M < 0 or self.J < 0:
-                raise ValueError(f"M={self.M} and J={self.J} must be >= 0")
+    Params = MaxRankParams
 
     def apply(self, record, cache):
         ranking = torch.argsort(record.logits, dim=-1, descending=True, stable=True)

@@ -6,6 +6,17 @@ from ..base import check_choice, ranked_by_score
 from .base import PASSES, ROUTING, RoutingPolicy, acts_on, weigh_kept
 
 
+@dataclass
+class PiggybackParams:
+    k0: int = 3
+    passes: str = "decode"  # decode | all: the passes it acts on (the paper: decode only)
+
+    def __post_init__(self):
+        if self.k0 < 1:
+            raise ValueError(f"k0={self.k0} must be >= 1 (the top-k0 experts every token keeps)")
+        check_choice("passes", self.passes, PASSES)
+
+
 class Piggyback(RoutingPolicy):
     """Opportunistic Expert Activation (OEA; Oncescu, Wu, Chung, Wu, Gopal, Wang, Dao, Athiwaratkun,
     arXiv 2511.02237, "Batch-Aware Expert Routing for Faster Decode Without Retraining"), its simplified
@@ -59,15 +70,7 @@ class Piggyback(RoutingPolicy):
     name = "piggyback"
     reads_logits = True  # (Policy.reads_logits): ranks every expert by the router's probabilities
 
-    @dataclass
-    class Params:
-        k0: int = 3
-        passes: str = "decode"  # decode | all: the passes it acts on (the paper: decode only)
-
-        def __post_init__(self):
-            if self.k0 < 1:
-                raise ValueError(f"k0={self.k0} must be >= 1 (the top-k0 experts every token keeps)")
-            check_choice("passes", self.passes, PASSES)
+    Params = PiggybackParams
 
     def __init__(self, params=None):
         super().__init__(params)

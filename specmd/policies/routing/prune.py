@@ -6,6 +6,24 @@ from ..base import ranked_by_score
 from .base import ROUTING, RoutingPolicy
 
 
+@dataclass
+class PruneParams:
+    """``h``: the experts kept per token (ranks ``0..h-1``). The paper sweeps it ("Pruning and Max-Rank
+    use 0, 1, ..., K") and names no default, only its range: "experts ranked >= h (with 1 < h <= k) are
+    discarded" (§4.1). Default 2, the one value its measurements support on all four of its models:
+    h = 1 is what they rule out ("Removing the second highest ranked expert leads to a performance drop
+    across all four models", Fig. 2 left), while "models with more active experts, like Qwen and
+    DeepSeek, recover quickly" once the top two are kept (Fig. 2; likewise its top-J of 2 for them).
+    h = 4 breaks the paper's own range on Mixtral and Phi-MoE (k = 2: 4 > k; rejected by
+    :meth:`model_errors`); h = 2 is their router's own choice there and prunes the granular models."""
+
+    h: int = 2
+
+    def __post_init__(self):
+        if self.h < 1:
+            raise ValueError(f"h={self.h} must be >= 1")
+
+
 class Prune(RoutingPolicy):
     """Pruning baseline (Cache-Conditional Experts §4.1): experts the router ranks ``>= h`` (0-based) are not
     run; the kept ``h`` keep their probabilities, renormalised over the kept set exactly when the family
@@ -16,22 +34,7 @@ class Prune(RoutingPolicy):
 
     name = "prune"
 
-    @dataclass
-    class Params:
-        """``h``: the experts kept per token (ranks ``0..h-1``). The paper sweeps it ("Pruning and Max-Rank
-        use 0, 1, ..., K") and names no default, only its range: "experts ranked >= h (with 1 < h <= k) are
-        discarded" (§4.1). Default 2, the one value its measurements support on all four of its models:
-        h = 1 is what they rule out ("Removing the second highest ranked expert leads to a performance drop
-        across all four models", Fig. 2 left), while "models with more active experts, like Qwen and
-        DeepSeek, recover quickly" once the top two are kept (Fig. 2; likewise its top-J of 2 for them).
-        h = 4 breaks the paper's own range on Mixtral and Phi-MoE (k = 2: 4 > k; rejected by
-        :meth:`model_errors`); h = 2 is their router's own choice there and prunes the granular models."""
-
-        h: int = 2
-
-        def __post_init__(self):
-            if self.h < 1:
-                raise ValueError(f"h={self.h} must be >= 1")
+    Params = PruneParams
 
     @classmethod
     def model_errors(cls, params, model):

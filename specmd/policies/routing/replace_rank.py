@@ -6,6 +6,16 @@ from ..base import ranked_by_score
 from .base import ROUTING, RoutingPolicy
 
 
+@dataclass
+class ReplaceRankParams:
+    rank: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.rank < 0:
+            raise ValueError(f"rank={self.rank} must be >= 0 (0 = the top-1 expert)")
+
+
 class ReplaceRank(RoutingPolicy):
     """Expert sensitivity by rank (Cache-Conditional Experts §3, Fig. 2 right): "we replaced the expert ranked
     k with a randomly selected expert" -- every token's expert at ``rank`` (0-based, 0 = the top-1) is swapped
@@ -20,14 +30,7 @@ class ReplaceRank(RoutingPolicy):
 
     name = "replace_rank"
 
-    @dataclass
-    class Params:
-        rank: int = 0
-        seed: int = 0
-
-        def __post_init__(self):
-            if self.rank < 0:
-                raise ValueError(f"rank={self.rank} must be >= 0 (0 = the top-1 expert)")
+    Params = ReplaceRankParams
 
     def __init__(self, params=None):
         super().__init__(params)
