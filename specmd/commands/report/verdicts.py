@@ -118,6 +118,95 @@ def parse_spec(raw: Any, experiment: str):
     return spec
 
 
+def _check_direction(c: Any, bad) -> str:
+    """Check one entry's shape (a mapping of known keys with a claim); its direction: "lower" or "higher"."""
+    if not isinstance(c, dict):
+        raise bad(f"a mapping with keys {', '.join(KEYS)}, not {c!r}")
+    unknown = sorted(set(c) - set(KEYS))
+    if unknown:
+        raise bad(f"unknown key(s) {unknown}; valid: {', '.join(KEYS)}")
+    if not isinstance(c.get("claim"), str) or not c["claim"].strip():
+        raise bad("needs claim: the paper's claim in words")
+    sides = [d for d in ("lower", "higher") if c.get(d) is not None]
+    if len(sides) != 1:
+        raise bad("needs exactly one of lower: or higher: (the group the paper claims lower or higher), "
+                  f"got {' and '.join(sides) or 'neither'}")
+    return sides[0]
+
+
+def _check_metric(c: dict, key: str, labels: dict, bad) -> tuple[str, str]:
+    """The (label, expression) that ``c[key]`` names: a label of report.metrics, or an expression as its own label."""
+    m = c.get(key)
+    if not isinstance(m, str) or not m.strip():
+        raise bad(f"needs {key}: a label of report.metrics ({', '.join(labels) or 'none'}) or an expression")
+    if m in labels:
+        return m, labels[m]
+    why = expression_error(m)
+    if why:
+        raise bad(f"{key} {m!r} is neither a label of report.metrics ({', '.join(labels) or 'none'}) "
+                  f"nor an expression: {why}")
+    return m, m
+
+
+def _selector(s: Any, where: str, spec, axes: list, each: Optional[str], bad) -> dict:
+    """A selector -> {axis: value}: one value for each row or column axis it names, never the each: axis."""
+    if not isinstance(s, dict):
+        raise bad(f"{where} must map axes to values ({{eviction.name: lru}}), not {s!r}")
+    sel = {}
+    for k, v in flatten(s).items():  # a spec read back from W&B may arrive nested: {eviction: {name: lru}}
+        a = _axis(spec, str(k))
+        if a is None:
+            raise bad(f"{where} names {k!r}, not a row or column axis of the spec "
+                      f"({', '.join(axes) or 'none'})")
+        if isinstance(v, (list, dict)) or v is None:
+            raise bad(f"{where}: {k} must be one value, not {v!r}")
+        if a == each:
+            raise bad(f"{where} names {k!r}, the each: axis (the check runs at each of its values)")
+        sel[a] = v
+    return sel
+
+
+def _each_axis(c: dict, spec, axes: list, bad) -> Optional[str]:
+    """The row or column axis that ``each:`` names (None without ``each:``)."""
+    each = None
+    if c.get("each") is not None:
+        each = _axis(spec, str(c["each"]))
+        if each is None:
+            raise bad(f"each: {c['each']!r} is not a row or column axis of the spec ({', '.join(axes) or 'none'})")
+    return each
+
+
+def _than(c: dict, subject: dict, spec, axes: list, each: Optional[str], bad) -> list:
+    """The groups compared with: ``than``'s selector(s), or the subject itself when only ``than_metric`` is given."""
+    raw_than = c.get("than")
+    if raw_than is None:
+        if c.get("than_metric") is None:
+            raise bad("needs than: the group(s) compared with (or than_metric: to compare two metrics of one "
+                      "group)")
+        return [dict(subject)]
+    items = raw_than if isinstance(raw_than, list) else [raw_than]
+    if not items:
+        raise bad("than: an empty list")
+    return [_selector(s, f"than[{j}]" if isinstance(raw_than, list) else "than", spec, axes, each, bad)
+            for j, s in enumerate(items)]
+
+
+def _parse_check(c: Any, name: str, spec, labels: dict, axes: list) -> Check:
+    """One entry of ``report.checks`` -> a Check; a ConfigError starting with ``name`` for anything wrong."""
+
+    def bad(why: str):
+        return ConfigError(f"{name}: {why}")
+
+    direction = _check_direction(c, bad)
+    label, expr = _check_metric(c, "metric", labels, bad)
+    each = _each_axis(c, spec, axes, bad)
+    subject = _selector(c[direction], direction, spec, axes, each, bad)
+    than_label, than_expr = (_check_metric(c, "than_metric", labels, bad) if c.get("than_metric") is not None
+                             else (label, expr))
+    than = _than(c, subject, spec, axes, each, bad)
+    return Check(c["claim"].strip(), label, expr, direction, subject, than, than_label, than_expr, each)
+
+
 def parse_checks(raw: Any, spec, experiment: str) -> list:
     """``report.checks`` -> [Check]; a ConfigError naming the experiment and the check for anything wrong."""
     if not isinstance(raw, list):
@@ -128,71 +217,7 @@ def parse_checks(raw: Any, spec, experiment: str) -> list:
     for i, c in enumerate(raw):
         name = f"report.checks[{i}] of {experiment}" + (f" ({c.get('claim')!r})" if isinstance(c, dict) and
                                                         c.get("claim") else "")
-
-        def bad(why: str):
-            return ConfigError(f"{name}: {why}")
-
-        if not isinstance(c, dict):
-            raise bad(f"a mapping with keys {', '.join(KEYS)}, not {c!r}")
-        unknown = sorted(set(c) - set(KEYS))
-        if unknown:
-            raise bad(f"unknown key(s) {unknown}; valid: {', '.join(KEYS)}")
-        if not isinstance(c.get("claim"), str) or not c["claim"].strip():
-            raise bad("needs claim: the paper's claim in words")
-        sides = [d for d in ("lower", "higher") if c.get(d) is not None]
-        if len(sides) != 1:
-            raise bad("needs exactly one of lower: or higher: (the group the paper claims lower or higher), "
-                      f"got {' and '.join(sides) or 'neither'}")
-
-        def metric(key: str) -> tuple[str, str]:
-            m = c.get(key)
-            if not isinstance(m, str) or not m.strip():
-                raise bad(f"needs {key}: a label of report.metrics ({', '.join(labels) or 'none'}) or an expression")
-            if m in labels:
-                return m, labels[m]
-            why = expression_error(m)
-            if why:
-                raise bad(f"{key} {m!r} is neither a label of report.metrics ({', '.join(labels) or 'none'}) "
-                          f"nor an expression: {why}")
-            return m, m
-
-        def selector(s: Any, where: str) -> dict:
-            if not isinstance(s, dict):
-                raise bad(f"{where} must map axes to values ({{eviction.name: lru}}), not {s!r}")
-            sel = {}
-            for k, v in flatten(s).items():  # a spec read back from W&B may arrive nested: {eviction: {name: lru}}
-                a = _axis(spec, str(k))
-                if a is None:
-                    raise bad(f"{where} names {k!r}, not a row or column axis of the spec "
-                              f"({', '.join(axes) or 'none'})")
-                if isinstance(v, (list, dict)) or v is None:
-                    raise bad(f"{where}: {k} must be one value, not {v!r}")
-                if a == each:
-                    raise bad(f"{where} names {k!r}, the each: axis (the check runs at each of its values)")
-                sel[a] = v
-            return sel
-
-        label, expr = metric("metric")
-        each = None
-        if c.get("each") is not None:
-            each = _axis(spec, str(c["each"]))
-            if each is None:
-                raise bad(f"each: {c['each']!r} is not a row or column axis of the spec ({', '.join(axes) or 'none'})")
-        direction = sides[0]
-        subject = selector(c[direction], direction)
-        than_label, than_expr = metric("than_metric") if c.get("than_metric") is not None else (label, expr)
-        raw_than = c.get("than")
-        if raw_than is None:
-            if c.get("than_metric") is None:
-                raise bad("needs than: the group(s) compared with (or than_metric: to compare two metrics of one "
-                          "group)")
-            than = [dict(subject)]
-        else:
-            items = raw_than if isinstance(raw_than, list) else [raw_than]
-            if not items:
-                raise bad("than: an empty list")
-            than = [selector(s, f"than[{j}]" if isinstance(raw_than, list) else "than") for j, s in enumerate(items)]
-        out.append(Check(c["claim"].strip(), label, expr, direction, subject, than, than_label, than_expr, each))
+        out.append(_parse_check(c, name, spec, labels, axes))
     return out
 
 
