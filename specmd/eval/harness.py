@@ -170,33 +170,51 @@ def _finished_tracker(live, stops, eos, batch: int):
     return Finished()
 
 
+class _RowLengths:
+    """The true lengths of a right-padded scoring batch's rows, noted as lm-eval pads it, and which positions
+    of the batch are therefore requests (a mixin of PhaseBarLM: it needs no lm-eval import)."""
+
+    _lengths = None  # the true lengths of the rows of the scoring batch about to be called
+
+    def _record_lengths(self, max_length, tensors, padding_side="right"):
+        """lm-eval's ``pad_and_concat``, noting each row's own length (its right padding is no request)."""
+        self._lengths = [int(t.shape[-1]) for t in tensors] if padding_side == "right" else None
+        return self._pad_and_concat(max_length, tensors, padding_side=padding_side)
+
+    def _live_positions(self, inps):
+        """[B, S] bool of a right-padded scoring batch, or None when no row is padded."""
+        import torch
+
+        lengths, self._lengths = self._lengths, None
+        if lengths is None or len(lengths) != inps.shape[0] or min(lengths) >= inps.shape[1]:
+            return None
+        return torch.arange(inps.shape[1]).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+
+
+def _tracking_criteria(original, live, eos):
+    """lm-eval's ``stop_sequences_criteria`` (``original``) with a :func:`_finished_tracker` appended to its stops."""
+
+    def criteria(tokenizer, stop_sequences, initial_length, batch_size):
+        stops = original(tokenizer, stop_sequences, initial_length, batch_size)
+        stops.append(_finished_tracker(live, list(stops), eos, batch_size))
+        return stops
+
+    return criteria
+
+
 def _phase_bar_lm():
     import lm_eval.models.huggingface as hf
-    import torch
     from lm_eval.models.huggingface import HFLM
 
     from ..signals import check_interrupt
 
-    class PhaseBarLM(HFLM):
+    class PhaseBarLM(_RowLengths, HFLM):
         """HFLM with one progress bar per request type. lm-eval 0.4.13's ``loglikelihood_rolling`` shows its
         own bar over the documents and then opens another one for every batch of windows it scores
         (``disable_tqdm=False`` hard-coded): a WikiText run printed a bar per document."""
 
         _rolling = False
         live = None  # the stack's LiveTokens (specmd.hook.live): which positions of a batch are requests
-        _lengths = None  # the true lengths of the rows of the scoring batch about to be called
-
-        def _record_lengths(self, max_length, tensors, padding_side="right"):
-            """lm-eval's ``pad_and_concat``, noting each row's own length (its right padding is no request)."""
-            self._lengths = [int(t.shape[-1]) for t in tensors] if padding_side == "right" else None
-            return self._pad_and_concat(max_length, tensors, padding_side=padding_side)
-
-        def _live_positions(self, inps):
-            """[B, S] bool of a right-padded scoring batch, or None when no row is padded."""
-            lengths, self._lengths = self._lengths, None
-            if lengths is None or len(lengths) != inps.shape[0] or min(lengths) >= inps.shape[1]:
-                return None
-            return torch.arange(inps.shape[1]).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
             self._rolling = True
@@ -231,13 +249,7 @@ def _phase_bar_lm():
             if self.live is None or context.shape[0] == 1:  # one sequence: its stop ends the generation
                 return super()._model_generate(context, max_length, stop, **generation_kwargs)
             live, eos = self.live, self.model.generation_config.eos_token_id
-            original = hf.stop_sequences_criteria
-
-            def criteria(tokenizer, stop_sequences, initial_length, batch_size):
-                stops = original(tokenizer, stop_sequences, initial_length, batch_size)
-                stops.append(_finished_tracker(live, list(stops), eos, batch_size))
-                return stops
-
+            criteria = _tracking_criteria(hf.stop_sequences_criteria, live, eos)
             with _Patched(hf, "stop_sequences_criteria", criteria):
                 return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
