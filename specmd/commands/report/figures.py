@@ -63,13 +63,8 @@ def _value(spec, group: Group, groups: list, expr: str):
     return sum(nums) / len(nums) if nums else None
 
 
-def draw(spec, fig_spec: dict, groups: list, path: Path) -> str:
-    """Render one figure into ``path`` (png); returns a one-line caption."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _figure_kind(spec, fig_spec: dict) -> str:
+    """Check a figure entry's keys and the axes its kind needs; its kind."""
     bad = sorted(set(fig_spec) - KEYS)
     kind = fig_spec.get("kind")
     if bad or kind not in KINDS:
@@ -79,6 +74,46 @@ def draw(spec, fig_spec: dict, groups: list, path: Path) -> str:
     missing = [k for k in need if not fig_spec.get(k)]
     if missing:
         raise ConfigError(f"report.figures of {spec.id}: kind={kind} needs {' and '.join(missing)}")
+    return kind
+
+
+def _baseline_value(spec, fig_spec: dict, groups: list, ok: list):
+    """The y of the report's baseline group for ``hline: baseline`` (None without one, or when it is a curve)."""
+    base = None
+    if fig_spec.get("hline") == "baseline" and spec.baseline:
+        from .tables import baseline_of
+
+        ref = baseline_of(spec, Group({}), [g for g in ok])
+        base = _value(spec, ref, groups, fig_spec["y"]) if ref is not None else None
+        base = base if isinstance(base, (int, float)) else None  # a curve has no single baseline value
+    return base
+
+
+def _dress_panel(ax, fig_spec: dict, panel_axis, panel, base, py: float) -> None:
+    """A drawn panel's title, log scales, baseline and zero lines, x label and grid."""
+    if panel_axis:
+        ax.set_title(f"{panel_axis} = {panel}", fontsize=9)
+    if fig_spec.get("logx"):
+        ax.set_xscale("log")
+    if fig_spec.get("logy"):
+        ax.set_yscale("log")
+    if fig_spec.get("hline") == "baseline" and base is not None:
+        ax.axhline(base * py, color="0.3", ls="--", lw=1, label="baseline")
+    if fig_spec.get("zero_lines"):
+        ax.axhline(0, color="0.6", lw=0.8)
+        ax.axvline(0, color="0.6", lw=0.8)
+    ax.set_xlabel(fig_spec.get("xlabel") or fig_spec.get("x") or "index")
+    ax.grid(alpha=0.3)
+
+
+def draw(spec, fig_spec: dict, groups: list, path: Path) -> str:
+    """Render one figure into ``path`` (png); returns a one-line caption."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kind = _figure_kind(spec, fig_spec)
     ok = [g for g in groups if g.ok]
     panel_axis = fig_spec.get("panels")
     panels = sorted({_name(g, g.ok[0], [panel_axis]) for g in ok}, key=sort_key) if panel_axis else ["all"]
@@ -90,13 +125,7 @@ def draw(spec, fig_spec: dict, groups: list, path: Path) -> str:
     extra = [a for a in unnamed_axes(spec, groups) if a not in series_axes + [panel_axis, fig_spec.get("x")]]
     series_axes = series_axes + extra
     py = 100.0 if fig_spec.get("percent") else 1.0
-    base = None
-    if fig_spec.get("hline") == "baseline" and spec.baseline:
-        from .tables import baseline_of
-
-        ref = baseline_of(spec, Group({}), [g for g in ok])
-        base = _value(spec, ref, groups, fig_spec["y"]) if ref is not None else None
-        base = base if isinstance(base, (int, float)) else None  # a curve has no single baseline value
+    base = _baseline_value(spec, fig_spec, groups, ok)
     px = 100.0 if fig_spec.get("percent_x") else 1.0
     for ax, panel in zip(axs[0], panels):
         members = [g for g in ok if not panel_axis or _name(g, g.ok[0], [panel_axis]) == panel]
@@ -104,19 +133,7 @@ def draw(spec, fig_spec: dict, groups: list, path: Path) -> str:
             _bars(spec, fig_spec, members, groups, ax, py, extra)
         else:
             _lines(spec, fig_spec, members, groups, ax, series_axes, kind, px, py)
-        if panel_axis:
-            ax.set_title(f"{panel_axis} = {panel}", fontsize=9)
-        if fig_spec.get("logx"):
-            ax.set_xscale("log")
-        if fig_spec.get("logy"):
-            ax.set_yscale("log")
-        if fig_spec.get("hline") == "baseline" and base is not None:
-            ax.axhline(base * py, color="0.3", ls="--", lw=1, label="baseline")
-        if fig_spec.get("zero_lines"):
-            ax.axhline(0, color="0.6", lw=0.8)
-            ax.axvline(0, color="0.6", lw=0.8)
-        ax.set_xlabel(fig_spec.get("xlabel") or fig_spec.get("x") or "index")
-        ax.grid(alpha=0.3)
+        _dress_panel(ax, fig_spec, panel_axis, panel, base, py)
     axs[0][0].set_ylabel(fig_spec.get("ylabel") or fig_spec.get("y"))
     title = fig_spec.get("title") or spec.title
     import textwrap
