@@ -124,67 +124,87 @@ class HardwareConfig:
         for f in fields(self):  # also when built in code, not from a config (whose floats check_type checked)
             if isinstance(getattr(self, f.name), float):
                 check_finite(getattr(self, f.name), f"hardware.{f.name}")
-        if not (0.0 < self.capacity <= 1.0):
-            raise ConfigError(f"hardware.capacity={self.capacity} must be in (0, 1] (a fraction of model bytes)")
-        epl = self.experts_per_layer
-        if epl is not None and not (0 < epl < 1 or (epl >= 1 and float(epl).is_integer())):
-            raise ConfigError(f"hardware.experts_per_layer={epl} must be a whole number of slots >= 1, a fraction "
-                              f"in (0, 1) of each layer's experts, or null")
-        sl = self.stream_layers
-        if sl is not None and (isinstance(sl, bool) or not isinstance(sl, (int, float)) or not 0.0 < sl <= 1.0):
-            raise ConfigError(f"hardware.stream_layers={sl!r} must be a fraction in (0, 1] of a layer's experts "
-                              f"(a call requesting at least that many streams its layer), or null (never)")
-        if self.scope not in SCOPES:
-            raise ConfigError(f"hardware.scope={self.scope!r}; valid choices: {', '.join(SCOPES)}")
-        for key in RATES:
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"hardware.{key}={getattr(self, key)} must be positive")
-        if self.latency_us < 0:
-            raise ConfigError(f"hardware.latency_us={self.latency_us} must be >= 0")
-        for key in TIMES[1:]:
-            v = getattr(self, key)
-            if not v >= 0:
-                raise ConfigError(f"hardware.{key}={v} must be a finite number >= 0")
-        for keys, (lo, hi) in ((RATES, RATE_RANGE), (TIMES, TIME_RANGE)):
-            for key in keys:
-                if not lo <= getattr(self, key) <= hi:
-                    unit = "GB/s" if key.endswith("gbps") else "TFLOP/s" if key.endswith("tflops") else "us"
-                    raise ConfigError(f"hardware.{key}={getattr(self, key):g} is outside [{lo:g}, {hi:g}] {unit}, "
-                                      f"beyond any device (an exponent typo?): the simulated times would overflow "
-                                      f"or vanish")
-        for key in OPTIONAL_RATES:
-            v = getattr(self, key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                  or not RATE_RANGE[0] <= v <= RATE_RANGE[1]):
-                raise ConfigError(f"hardware.{key}={v!r} must be a rate in [{RATE_RANGE[0]:g}, {RATE_RANGE[1]:g}] "
-                                  f"GB/s, or null (the rate beside it serves)")
-        mb = self.small_copy_mb
-        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0.0 < mb <= 1e12):
-            raise ConfigError(f"hardware.small_copy_mb={mb!r} must be a size in (0, 1e12] MB, or null")
-        if (mb is None) != (self.small_copy_gbps is None):
-            raise ConfigError(f"hardware.small_copy_gbps={self.small_copy_gbps!r} and small_copy_mb={mb!r}: give "
-                              f"both (a copy's first small_copy_mb MB at small_copy_gbps) or neither")
-        for key in FRACTIONS:
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
-                raise ConfigError(f"hardware.{key}={v!r} must be a fraction in [0, 1]")
+        _check_cache(self)
+        _check_rates_and_times(self)
+        _check_optional_figures(self)
         if not hasattr(self.calibrated_on if self.calibrated_on is not None else {}, "items"):
             raise ConfigError(f"hardware.calibrated_on={self.calibrated_on!r} must be a mapping (what calibrate "
                               f"fitted the profile on)")
         self.calibrated_on = dict(self.calibrated_on or {})
-        from .engine import GROUPS  # the policy families: the groups of policy_overhead_us's keys
+        self.policy_overhead_us = _policy_overheads(self.policy_overhead_us)
 
-        table = self.policy_overhead_us if self.policy_overhead_us is not None else {}
-        if not hasattr(table, "items"):
-            raise ConfigError(f"hardware.policy_overhead_us={table!r} must be a mapping '<group>/<policy>': us")
-        for key, v in table.items():
-            if key.count("/") != 1 or key.split("/")[0] not in GROUPS:
-                raise ConfigError(f"hardware.policy_overhead_us: key {key!r} must be '<group>/<policy>' with group "
-                                  f"one of {', '.join(GROUPS)}, e.g. 'prefetch/score'")
-            if isinstance(v, bool) or not (isinstance(v, (int, float)) and TIME_RANGE[0] <= v <= TIME_RANGE[1]):
-                raise ConfigError(f"hardware.policy_overhead_us[{key!r}]={v} must be a finite number in "
-                                  f"[{TIME_RANGE[0]:g}, {TIME_RANGE[1]:g}] us")
-        self.policy_overhead_us = {str(k): float(v) for k, v in table.items()}  # plain (a profile gives a DictConfig)
+
+def _check_cache(hw: HardwareConfig) -> None:
+    """Check the cache's size and layout: capacity, experts_per_layer, stream_layers and scope."""
+    if not (0.0 < hw.capacity <= 1.0):
+        raise ConfigError(f"hardware.capacity={hw.capacity} must be in (0, 1] (a fraction of model bytes)")
+    epl = hw.experts_per_layer
+    if epl is not None and not (0 < epl < 1 or (epl >= 1 and float(epl).is_integer())):
+        raise ConfigError(f"hardware.experts_per_layer={epl} must be a whole number of slots >= 1, a fraction "
+                          f"in (0, 1) of each layer's experts, or null")
+    sl = hw.stream_layers
+    if sl is not None and (isinstance(sl, bool) or not isinstance(sl, (int, float)) or not 0.0 < sl <= 1.0):
+        raise ConfigError(f"hardware.stream_layers={sl!r} must be a fraction in (0, 1] of a layer's experts "
+                          f"(a call requesting at least that many streams its layer), or null (never)")
+    if hw.scope not in SCOPES:
+        raise ConfigError(f"hardware.scope={hw.scope!r}; valid choices: {', '.join(SCOPES)}")
+
+
+def _check_rates_and_times(hw: HardwareConfig) -> None:
+    """Check the rates (positive) and times (>= 0), and that each lies within any device's range."""
+    for key in RATES:
+        if not getattr(hw, key) > 0:
+            raise ConfigError(f"hardware.{key}={getattr(hw, key)} must be positive")
+    if hw.latency_us < 0:
+        raise ConfigError(f"hardware.latency_us={hw.latency_us} must be >= 0")
+    for key in TIMES[1:]:
+        v = getattr(hw, key)
+        if not v >= 0:
+            raise ConfigError(f"hardware.{key}={v} must be a finite number >= 0")
+    for keys, (lo, hi) in ((RATES, RATE_RANGE), (TIMES, TIME_RANGE)):
+        for key in keys:
+            if not lo <= getattr(hw, key) <= hi:
+                unit = "GB/s" if key.endswith("gbps") else "TFLOP/s" if key.endswith("tflops") else "us"
+                raise ConfigError(f"hardware.{key}={getattr(hw, key):g} is outside [{lo:g}, {hi:g}] {unit}, "
+                                  f"beyond any device (an exponent typo?): the simulated times would overflow "
+                                  f"or vanish")
+
+
+def _check_optional_figures(hw: HardwareConfig) -> None:
+    """Check the rates a profile may leave out, the small-copy pair (both or neither) and the fractions."""
+    for key in OPTIONAL_RATES:
+        v = getattr(hw, key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not RATE_RANGE[0] <= v <= RATE_RANGE[1]):
+            raise ConfigError(f"hardware.{key}={v!r} must be a rate in [{RATE_RANGE[0]:g}, {RATE_RANGE[1]:g}] "
+                              f"GB/s, or null (the rate beside it serves)")
+    mb = hw.small_copy_mb
+    if mb is not None and (isinstance(mb, bool) or not isinstance(mb, (int, float)) or not 0.0 < mb <= 1e12):
+        raise ConfigError(f"hardware.small_copy_mb={mb!r} must be a size in (0, 1e12] MB, or null")
+    if (mb is None) != (hw.small_copy_gbps is None):
+        raise ConfigError(f"hardware.small_copy_gbps={hw.small_copy_gbps!r} and small_copy_mb={mb!r}: give "
+                          f"both (a copy's first small_copy_mb MB at small_copy_gbps) or neither")
+    for key in FRACTIONS:
+        v = getattr(hw, key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+            raise ConfigError(f"hardware.{key}={v!r} must be a fraction in [0, 1]")
+
+
+def _policy_overheads(raw) -> dict:
+    """``hardware.policy_overhead_us`` checked (keys '<group>/<policy>', times in range), as a plain dict."""
+    from .engine import GROUPS  # the policy families: the groups of policy_overhead_us's keys
+
+    table = raw if raw is not None else {}
+    if not hasattr(table, "items"):
+        raise ConfigError(f"hardware.policy_overhead_us={table!r} must be a mapping '<group>/<policy>': us")
+    for key, v in table.items():
+        if key.count("/") != 1 or key.split("/")[0] not in GROUPS:
+            raise ConfigError(f"hardware.policy_overhead_us: key {key!r} must be '<group>/<policy>' with group "
+                              f"one of {', '.join(GROUPS)}, e.g. 'prefetch/score'")
+        if isinstance(v, bool) or not (isinstance(v, (int, float)) and TIME_RANGE[0] <= v <= TIME_RANGE[1]):
+            raise ConfigError(f"hardware.policy_overhead_us[{key!r}]={v} must be a finite number in "
+                              f"[{TIME_RANGE[0]:g}, {TIME_RANGE[1]:g}] us")
+    return {str(k): float(v) for k, v in table.items()}  # plain (a profile gives a DictConfig)
 
 
 def profile_mismatch(hw: HardwareConfig, facts: dict) -> list[str]:
