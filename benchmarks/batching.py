@@ -75,6 +75,15 @@ def main(argv: list) -> int:
 
     one = run(tmp / "live-b1", *common, "eval.batch_size=1", "trace.save=true")
     trace = tmp / "live-b1" / "trace"
+    live_against_composed(a, common, tmp, one, trace)
+    streaming(a, common, tmp, trace)
+    if not a.skip_policies:
+        batch_aware_routing(a, tmp)
+    return 0
+
+
+def live_against_composed(a, common: list, tmp: Path, one: dict, trace: Path) -> None:
+    """1. Live batches beside batch-1 requests composed into batches (replay.batch)."""
     print("\n1. live batches against batch-1 requests composed (replay.batch): decode union % of the layer, "
           "decode hit %")
     print(f"{'B':>3} | {'union live':>10} {'composed':>9} {'diff':>6} | {'hit live':>8} {'composed':>9} {'diff':>6}"
@@ -92,6 +101,9 @@ def main(argv: list) -> int:
         print(f"{b:>3} | {pct(ul):>10} {pct(uc):>9} {pct(du) if du is not None else '':>6} | {pct(hl):>8} "
               f"{pct(hc):>9} {pct(dh) if dh is not None else '':>6} | {pct(ol):>11} {pct(oc):>9}", flush=True)
 
+
+def streaming(a, common: list, tmp: Path, trace: Path) -> None:
+    """2. Layer streaming replayed from the batch-1 trace at each batch size."""
     print(f"\n2. layer streaming (hardware.stream_layers={a.stream}) replayed from the batch-1 trace at each B")
     print(f"{'B':>3} {'stream':>7} | {'TTFT ms':>8} {'decode tok/s':>12} {'decode hit %':>12} {'MB/token':>9} "
           f"{'streamed calls':>14}")
@@ -104,8 +116,9 @@ def main(argv: list) -> int:
                   f"{pct(c['decode_hit_rate']):>12} {(c['union']['bytes_per_token'] or 0) / 1e6:9.3f} "
                   f"{c['layer_streams']:>14}", flush=True)
 
-    if a.skip_policies:
-        return 0
+
+def batch_aware_routing(a, tmp: Path) -> None:
+    """3. Batch-aware routing at B=16, live."""
     print(f"\n3. batch-aware routing at B=16 live: WikiText ({a.policy_docs} documents) scored one token per pass")
     print(f"{'routing':>10} | {'word ppl':>9} {'fidelity':>8} {'union % (decode)':>16} {'decode tok/s':>12} "
           f"{'decode hit %':>12}")
@@ -118,7 +131,6 @@ def main(argv: list) -> int:
               f"{res['routing']['fidelity']:8.4f} {pct(union(res)):>16} "
               f"{res['timing']['decode_tokens_per_s'] or 0:12.1f} {pct(res['cache']['decode_hit_rate']):>12}",
               flush=True)
-    return 0
 
 
 if __name__ == "__main__":

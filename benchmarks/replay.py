@@ -219,7 +219,7 @@ def sweep(trace: Trace, policies: list[str], capacities: list[float], procs: int
     return time.perf_counter() - t0, [(p, c, r["cache"]["hit_rate"]) for (p, c), r in zip(configs, res)]
 
 
-def main(argv: list) -> int:
+def parse(argv: list):
     ap = script.ArgumentParser()
     ap.add_argument("--requests", type=script.whole(1), default=1_000_000)
     ap.add_argument("--capacity", type=float, default=0.1)
@@ -231,16 +231,45 @@ def main(argv: list) -> int:
     ap.add_argument("--batch", type=script.whole(0), default=32,
                     help="batched replay at this batch/concurrency (0: skip)")
     ap.add_argument("--only-batch", action="store_true", help="only the live run and the batched replay (5)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list) -> int:
+    args = parse(argv)
     from specmd import native
 
     print(f"engine: {native.summary()}")
     torch.manual_seed(0)
     model, _ = load_model(ModelConfig(family="olmoe", pretrained="specmd:tiny-olmoe"))
     hw = HardwareConfig(capacity=args.capacity)
+    trace, live_rate = live_and_replayed(model, hw, args)  # 1.
+    if args.only_batch:
+        batched(trace, args.batch, hw, args.requests)
+        return 0
+    big = tile_decode(trace, args.requests)
+    speed, slots, n = every_policy(big, hw, args.policies)  # 2.
+    beside_libcachesim(big, hw, speed, slots, n, live_rate)  # 3.
+    if not args.no_sweep:  # 4. the sweep
+        pols = [p for p in EVICTION.names() if p not in ("ml", "user_lru")]
+        caps = [round(0.05 * i, 2) for i in range(1, 11)]
+        dt, res = sweep(big, pols, caps, args.procs)
+        print(f"sweep: {len(res)} configurations ({len(pols)} evictions x {len(caps)} capacities) over "
+              f"{n} requests on {args.procs} processes: {dt:.1f} s")
+    if args.batch > 0:  # 5. batched and continuous-batching replay composed from the batch-1 requests
+        batched(trace, args.batch, hw, args.requests)
+    if args.compare_pure:
+        import subprocess
+        import sys
+
+        argv = [a for a in sys.argv[1:] if a != "--compare-pure"]
+        print("\n--- the same, SPECMD_PURE_PYTHON=1 ---", flush=True)
+        subprocess.run([sys.executable, __file__, *argv], env={**os.environ, "SPECMD_PURE_PYTHON": "1"}, check=True)
+
+
+def live_and_replayed(model, hw, args) -> tuple:
+    """1. The live run and the replay of its trace (checked equal): ``(trace, live requests per second)``."""
     ids = torch.randint(0, 4000, (1, 32), generator=torch.Generator().manual_seed(0))
     with tempfile.TemporaryDirectory() as d:
-        # 1. live run, and the replay of its trace
         spec = spec_of(prefetch="none", hardware=hw)
         live, wall = live_run(model, spec, ids, args.decode, Path(d) / "trace")
         trace = read_trace(Path(d) / "trace")
@@ -252,20 +281,20 @@ def main(argv: list) -> int:
         print(f"live run (embedded model, lru, prefetch=none, capacity {args.capacity}): {n} requests, "
               f"{wall:.2f} s = {n / wall / 1e3:.1f} k req/s; replay of its trace {rwall * 1e3:.1f} ms = "
               f"{n / rwall / 1e6:.3f} M req/s ({wall / rwall:.0f}x faster; cache and timing identical)")
-    if args.only_batch:
-        batched(trace, args.batch, hw, args.requests)
-        return 0
-    # 2. every policy on the tiled trace
-    big = tile_decode(trace, args.requests)
+    return trace, n / wall
+
+
+def every_policy(big, hw, policies) -> tuple:
+    """2. Every eviction policy (and a user's policy file) on the tiled trace: ``(requests per second by policy,
+    the capacity in experts, the requests)``."""
     spec0 = spec_of(eviction="lru", prefetch="none", hardware=hw)
     engine, ptr, experts = build_engine(big, spec0)
     slots = engine.cache.pools[0].capacity // big.meta.geometry.expert_bytes
     print(f"tiled trace: {len(big.passes)} decode passes, {len(experts)} requests; capacity {slots} experts")
     print(f"{'policy':<12} {'M req/s':>8} {'seconds':>8} {'hit rate':>9}")
     speed = {}
-    user_dir = tempfile.mkdtemp()
-    load_user_policy(user_dir)
-    for name in (args.policies or [p for p in EVICTION.names() if p != "user_lru"]) + ["user_lru"]:
+    load_user_policy(tempfile.mkdtemp())
+    for name in (policies or [p for p in EVICTION.names() if p != "user_lru"]) + ["user_lru"]:
         spec_p = spec_of(eviction=name, prefetch="none", hardware=hw)
         engine, ptr, experts = build_engine(big, spec_p)
         t0 = time.perf_counter()
@@ -273,38 +302,26 @@ def main(argv: list) -> int:
         dt = time.perf_counter() - t0
         speed[name] = len(experts) / dt
         print(f"{name:<12} {speed[name] / 1e6:>8.3f} {dt:>8.2f} {res['cache']['hit_rate']:>9.4f}")
-    # 3. libCacheSim's LRU on the sequence specmd's LRU served
-    keys, hr_specmd = served_keys(big, spec0)
-    assert len(keys) == len(experts), (len(keys), len(experts))
+    return speed, slots, len(experts)
+
+
+def beside_libcachesim(big, hw, speed: dict, slots: int, n: int, live_rate: float) -> None:
+    """3. libCacheSim's LRU on the sequence specmd's LRU served (their hit rates checked equal), each policy's
+    speed as a fraction of its."""
+    keys, hr_specmd = served_keys(big, spec_of(eviction="lru", prefetch="none", hardware=hw))
+    assert len(keys) == n, (len(keys), n)
     try:
         dt, hr = lcs_lru(keys, slots)
     except ImportError:
         print("libCacheSim not installed (pip install libcachesim==0.3.5)")
-    else:
-        lcs_speed = len(keys) / dt
-        same = abs(hr - hr_specmd) < 5e-5
-        print(f"{'libCacheSim LRU (C loop)':<24} {lcs_speed / 1e6:>8.3f} M req/s  hit rate {hr:.4f} "
-              f"(specmd lru {hr_specmd:.4f}: {'equal' if same else 'DIFFERENT, the ratio is meaningless'})")
-        for name, v in speed.items():
-            print(f"  {name:<12} {v / lcs_speed:>7.3f} of libCacheSim's speed (1/{lcs_speed / v:.0f})")
-        print(f"  replay vs live, same configuration: {speed.get('lru', 0) / (n / wall):.0f}x (lru on the tiled trace)")
-    # 4. the sweep
-    if not args.no_sweep:
-        pols = [p for p in EVICTION.names() if p not in ("ml", "user_lru")]
-        caps = [round(0.05 * i, 2) for i in range(1, 11)]
-        dt, res = sweep(big, pols, caps, args.procs)
-        print(f"sweep: {len(res)} configurations ({len(pols)} evictions x {len(caps)} capacities) over "
-              f"{len(experts)} requests on {args.procs} processes: {dt:.1f} s")
-    # 5. batched and continuous-batching replay composed from the batch-1 requests
-    if args.batch > 0:
-        batched(trace, args.batch, hw, args.requests)
-    if args.compare_pure:
-        import subprocess
-        import sys
-
-        argv = [a for a in sys.argv[1:] if a != "--compare-pure"]
-        print("\n--- the same, SPECMD_PURE_PYTHON=1 ---", flush=True)
-        subprocess.run([sys.executable, __file__, *argv], env={**os.environ, "SPECMD_PURE_PYTHON": "1"}, check=True)
+        return
+    lcs_speed = len(keys) / dt
+    same = abs(hr - hr_specmd) < 5e-5
+    print(f"{'libCacheSim LRU (C loop)':<24} {lcs_speed / 1e6:>8.3f} M req/s  hit rate {hr:.4f} "
+          f"(specmd lru {hr_specmd:.4f}: {'equal' if same else 'DIFFERENT, the ratio is meaningless'})")
+    for name, v in speed.items():
+        print(f"  {name:<12} {v / lcs_speed:>7.3f} of libCacheSim's speed (1/{lcs_speed / v:.0f})")
+    print(f"  replay vs live, same configuration: {speed.get('lru', 0) / live_rate:.0f}x (lru on the tiled trace)")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,15 @@ CONF_DIR = str(Path(__file__).resolve().parent / "conf")
 ASSETS = Path(__file__).resolve().parent / "assets"
 
 
+def _register_resolvers() -> None:
+    from . import shipped  # ${specmd_unique:} and ${specmd_job:...}, used by the configs' directories
+
+    shipped.register_resolvers()
+
+
+_register_resolvers()
+
+
 def user_config_dir() -> str:
     """The user's specmd config directory, on Hydra's search path (``specmd calibrate`` writes hardware
     profiles to ``<it>/hardware/``): ``$SPECMD_CONFIG``, else ``$XDG_CONFIG_HOME/specmd``, else

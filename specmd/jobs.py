@@ -2,7 +2,7 @@
 
 Job directories. A single run writes to ``outputs/<date>/<time>-<host>-<pid>``: two runs started in the
 same second, on one machine or on several sharing a filesystem, never share a directory. A job of a sweep
-writes to ``<sweep dir>/<overrides>-<hash>`` (:func:`job_dirname`, the ``specmd_job`` resolver): the same
+writes to ``<sweep dir>/<overrides>-<hash>`` (:func:`specmd.shipped.job_dirname`, the ``specmd_job`` resolver): the same
 job of a re-launched sweep lands in the same directory whatever its number or launcher, and two different
 jobs never do.
 

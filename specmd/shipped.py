@@ -5,7 +5,8 @@ that ``conf/`` holds. Code and tests derive theirs from here rather than repeat 
   families, the hardware profile, quantization, execution...);
 * :func:`options` / :func:`option` -- a group's options (its ``<name>.yaml`` files) and one option's fields;
 * :func:`experiments` / :func:`experiment` -- the experiments (``conf/experiment/*.yaml``) and one
-  experiment's fields, merged over the experiments it extends (``specmd_fig5`` extends ``specmd_fig4``).
+  experiment's fields, merged over the experiments it extends (``specmd_fig5`` extends ``specmd_fig4``);
+* :func:`register_resolvers` -- the resolvers the configs' directories use (registered on ``import specmd``).
 
 A value read here is the file's own: interpolations (``${model.pretrained}``) stay strings, and what a Hydra
 composition adds on top (``override /group`` entries, ``/system`` presets, the command line) is Hydra's.
@@ -13,6 +14,8 @@ composition adds on top (``override /group`` entries, ``/system`` presets, the c
 
 from __future__ import annotations
 
+import hashlib
+import re
 from pathlib import Path
 
 CONF = Path(__file__).resolve().parent / "conf"
@@ -91,3 +94,27 @@ def replayed_experiments() -> list[str]:
     """The experiments that record their model's routing once and replay every job on it
     (``replay.trace: record``); the others run the model live in every job."""
     return [n for n in experiments() if experiment_field(n, "replay.trace") == "record"]
+
+_NAME_CHARS = re.compile(r"[^A-Za-z0-9=,._+-]+")
+
+
+def job_dirname(override_dirname: str) -> str:
+    """A sweep job's directory name: its overrides, readable and capped at 80 characters, plus 8 hex digits
+    of their hash (so two jobs that differ only past the cap, or only in characters replaced here, still get
+    their own directory)."""
+    digest = hashlib.sha256(override_dirname.encode()).hexdigest()[:8]
+    readable = _NAME_CHARS.sub("_", override_dirname)[:80] or "job"
+    return f"{readable}-{digest}"
+
+
+def register_resolvers() -> None:
+    """The configs' own resolvers, registered when the package is imported (every composition of these configs,
+    the Hydra apps', a notebook's ``hydra.compose``, finds them): ``${specmd_unique:}`` (a single run's
+    directory: :func:`specmd.results.unique_suffix`) and ``${specmd_job:...}`` (a sweep job's: :func:`job_dirname`)."""
+    from omegaconf import OmegaConf
+
+    from .results import unique_suffix
+
+    # use_cache: one value per config, copied with Hydra's resolver cache into each job's config
+    OmegaConf.register_new_resolver("specmd_unique", unique_suffix, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("specmd_job", job_dirname, replace=True)

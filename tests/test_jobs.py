@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from specmd.cli.launch import job_dirname
+from specmd.shipped import job_dirname
 from specmd.jobs import config_hash, finished
 
 FAST = ["model=tiny", "eval.tasks=[wikitext]", "eval.limit=1", "eval.max_length=128", "logger=none"]

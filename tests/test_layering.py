@@ -287,3 +287,25 @@ def test_the_map_names_every_module():
     where = doc.split("## Where things are", 1)[1].split("\n## ", 1)[0]
     assert unmapped(where) == []
     assert "hardware.py" in unmapped(where.replace("hardware.py", "hw.py"))  # the check itself
+
+
+FUNCTION_MAX, CLASS_MAX = 60, 300  # lines, docstrings, comments and decorators included
+
+
+def too_long(source: str) -> list:
+    """``name lines`` of each function longer than :data:`FUNCTION_MAX` and class longer than :data:`CLASS_MAX`."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            lines = node.end_lineno - min([node.lineno] + [d.lineno for d in node.decorator_list]) + 1
+            if lines > (CLASS_MAX if isinstance(node, ast.ClassDef) else FUNCTION_MAX):
+                out.append(f"{node.name} {lines}")
+    return out
+
+
+def test_functions_and_classes_stay_short():
+    """No function of the package or the benchmarks longer than 60 lines, no class longer than 300: cut where
+    the steps are, each named for what it does."""
+    files = [*ROOT.rglob("*.py"), *(ROOT.parent / "benchmarks").glob("*.py")]
+    assert {str(p.relative_to(ROOT.parent)): too_long(p.read_text()) for p in files if too_long(p.read_text())} == {}
+    assert too_long("def f():\n" + "    x = 1\n" * 60) == ["f 61"]  # the check itself

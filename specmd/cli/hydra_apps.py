@@ -19,7 +19,7 @@ from .. import CONF_DIR
 from ..errors import FULL_ERRNOS, PATH_ERRNOS
 from ..jobs import OPENED, record_unrecorded
 from ..liveness import release_sweep
-from .launch import SWEEP_EXIT, torch_threads  # (registers the configs' resolvers before Hydra composes)
+from .launch import SWEEP_EXIT, torch_threads
 
 RUN = """usage: specmd run [key=value ...] [+key=value] [~key] [--cfg job|hydra|all] [--info]
        specmd [key=value ...]   python -m specmd [key=value ...]   (the same)

@@ -1,9 +1,5 @@
 """Hydra's side of specmd: what its configs and launchers need that Hydra does not know.
 
-* the resolvers of the configs' directories, registered when this module is imported (by the Hydra apps,
-  :mod:`specmd.cli.hydra_apps`, before Hydra composes): ``${specmd_unique:}`` (:func:`specmd.results.unique_suffix`,
-  a single run's directory) and ``${specmd_job:...}`` (:func:`job_dirname`, a sweep job's). Code composing
-  specmd's configs through Hydra's compose API with ``return_hydra_config=True`` imports this module first;
 * the launchers: each job's torch threads (:func:`torch_threads`) and the launcher settings a launcher would
   fail on with a traceback (:func:`launcher_errors`), one line and exit code 2 instead;
 * the :class:`SweepEnd` callback (``hydra.callbacks`` in ``conf/config.yaml``): a single run's directory claimed
@@ -13,8 +9,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import re
 from pathlib import Path
 from typing import Optional
 
@@ -22,26 +16,6 @@ from hydra.experimental.callback import Callback
 
 from ..jobs import OPENED, claim_run_dir, usable_cores
 from ..liveness import hold_sweep, release_sweep
-from ..results import unique_suffix
-
-_NAME_CHARS = re.compile(r"[^A-Za-z0-9=,._+-]+")
-
-
-def job_dirname(override_dirname: str) -> str:
-    """A sweep job's directory name: its overrides, readable and capped at 80 characters, plus 8 hex digits
-    of their hash (so two jobs that differ only past the cap, or only in characters replaced here, still get
-    their own directory)."""
-    digest = hashlib.sha256(override_dirname.encode()).hexdigest()[:8]
-    readable = _NAME_CHARS.sub("_", override_dirname)[:80] or "job"
-    return f"{readable}-{digest}"
-
-
-def register_resolvers() -> None:
-    from omegaconf import OmegaConf
-
-    # use_cache: one value per config, copied with Hydra's resolver cache into each job's config
-    OmegaConf.register_new_resolver("specmd_unique", unique_suffix, use_cache=True, replace=True)
-    OmegaConf.register_new_resolver("specmd_job", job_dirname, replace=True)
 
 
 def torch_threads(requested: Optional[int], launcher: dict) -> Optional[int]:
@@ -181,5 +155,3 @@ def sweep_exit(sweep_dir: Path) -> int:
           f"hydra.sweep.dir={sweep_dir} runs only the jobs not done", file=sys.stderr)
     return 2 if all(s == "failed" and j.results.get("kind") in ("config", "data") for s, j in bad) else 1
 
-
-register_resolvers()  # (imported by the Hydra apps before Hydra composes)

@@ -12,7 +12,9 @@ from specmd.engine.hooks cimport EvictionHooks, Evictable
 from specmd.engine.stats cimport CacheStats
 
 
+cdef class Residency  # (declared below; _Evictable refers to it)
 cdef class CacheManager  # (declared below; LayerCall refers to it)
+cdef class LayerStreaming  # (declared below)
 
 
 @cython.locals(t="long long", i=Py_ssize_t)
@@ -64,20 +66,16 @@ cdef class LayerCall:
 
 
 cdef class _Evictable(Evictable):
-    cdef CacheManager _m
-    @cython.locals(m=CacheManager)
+    cdef Residency _m
+    @cython.locals(m=Residency)
     cpdef bint ok(self, long long key)
 
 
-cdef class CacheManager:
+cdef class Residency:
     cdef public object geom
     cdef public object precisions
-    cdef public object miss
-    cdef public object fetch_precision
     cdef public Clock clock
     cdef public CacheStats stats
-    cdef public object measure
-    cdef public object _uncounted
     cdef public list pools
     cdef public list _pool_of_layer
     cdef public object events
@@ -93,26 +91,41 @@ cdef class CacheManager:
     cdef list _precs
     cdef dict _prec_id
     cdef int _native
-    cdef bint _miss_passive
-    cdef bint _fetch_native
     cdef long long[:] _pin
     cdef long long _stamp
     cdef long long[:] _evicted_at
     cdef dict _bytes_of
     cdef dict _bits_of
     cdef public long long pass_index
+    cdef long long _E
+    cdef _Evictable _evictable
+    cpdef pin(self, long long key)
+    cpdef bint evictable(self, long long key)
+    cpdef bint make_room(self, Pool pool, long long nbytes)
+    @cython.locals(here="signed char[:]", prefetched="signed char[:]", used="signed char[:]", key=Py_ssize_t)
+    cdef _uncount_prefetches(self)
+    cpdef bint has(self, long long key)
+    cpdef precision_of(self, long long key)
+    cpdef transfer_of(self, long long key)
+    cdef _insert(self, long long key, long layer, long long nbytes, Pool pool, transfer, bint prefetched, int prec, bint used)
+    cpdef evict(self, key)
+    @cython.locals(k="long long", here="signed char[:]", layer=long, nbytes="long long", pool=Pool, st=CacheStats)
+    cdef _evict(self, key)
+
+
+cdef class CacheManager(Residency):
+    cdef public object miss
+    cdef public object fetch_precision
+    cdef public object measure
+    cdef public object _uncounted
+    cdef bint _miss_passive
+    cdef bint _fetch_native
     cdef public object current_pass
     cdef public list predicted
     cdef public LayerCall _call
     cdef public object view
     cdef public object _default_fetch
-    cdef long long _E
-    cdef _Evictable _evictable
-    cdef public long long _stream_at
-    cdef public long _staged_layer
-    cdef public object _staged
-    cdef public object _stage_handle
-    cdef public bint _ahead
+    cdef public LayerStreaming streaming
     @cython.locals(pool=Pool, s=CacheStats)
     cpdef begin_pass(self, kind, tokens, context)
     @cython.locals(clock=Clock, s=CacheStats)
@@ -132,12 +145,6 @@ cdef class CacheManager:
     @cython.locals(layer=long, base="long long", st=CacheStats, evicted_at="long long[:]", now="long long",
                    e="long long", collisions=long)
     cdef _count_misses(self, LayerCall call, missing)
-    @cython.locals(layer=long, st=CacheStats, e="long long", late=long, nbytes="long long", native=bint,
-                   needs_stage=bint)
-    cdef _serve_streamed(self, LayerCall call, experts)
-    @cython.locals(layer=long, E="long long", base="long long", here="signed char[:]", e="long long",
-                   nbytes="long long", st=CacheStats)
-    cpdef stage_ahead(self)
     @cython.locals(clock=Clock)
     cpdef _stall(self, LayerCall call)
     @cython.locals(call=LayerCall)
@@ -145,15 +152,19 @@ cdef class CacheManager:
     @cython.locals(E="long long", base="long long", pool=Pool, nbytes="long long", pid=int, key="long long",
                    e="long long", st=CacheStats)
     cpdef prefetch(self, layer, experts)
-    cpdef pin(self, long long key)
-    cpdef bint evictable(self, long long key)
-    cpdef bint make_room(self, Pool pool, long long nbytes)
-    @cython.locals(here="signed char[:]", prefetched="signed char[:]", used="signed char[:]", key=Py_ssize_t)
-    cdef _uncount_prefetches(self)
-    cpdef bint has(self, long long key)
-    cpdef precision_of(self, long long key)
-    cpdef transfer_of(self, long long key)
-    cdef _insert(self, long long key, long layer, long long nbytes, Pool pool, transfer, bint prefetched, int prec, bint used)
-    cpdef evict(self, key)
-    @cython.locals(k="long long", here="signed char[:]", layer=long, nbytes="long long", pool=Pool, st=CacheStats)
-    cdef _evict(self, key)
+
+
+cdef class LayerStreaming:
+    cdef public CacheManager _m
+    cdef public long long at
+    cdef public long layer
+    cdef public object experts
+    cdef public object handle
+    cdef public bint ahead
+    cpdef drop(self)
+    @cython.locals(m=CacheManager, layer=long, st=CacheStats, e="long long", late=long, nbytes="long long",
+                   native=bint, needs_stage=bint)
+    cdef serve(self, LayerCall call, experts)
+    @cython.locals(m=CacheManager, layer=long, E="long long", base="long long", here="signed char[:]",
+                   e="long long", nbytes="long long", st=CacheStats)
+    cpdef stage_ahead(self)

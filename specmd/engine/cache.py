@@ -217,28 +217,19 @@ class _Evictable(Evictable):
         return tr is None or m.clock.done(tr)
 
 
-class CacheManager:
-    """Residency and accounting of every request. (Fields: ``cache.pxd``.)"""
+class Residency:
+    """What the cache holds: per key, resident or arriving, its bytes, precision, pending transfer, pin and
+    history; per pool, its policy and bytes used. It inserts and evicts (telling the pool's policy and the
+    residency subscriber, counting evictions and wasted prefetches) and answers what is cached; deciding what
+    to insert is :class:`CacheManager`'s. (Fields: ``cache.pxd``.)"""
 
-    def __init__(self, geom: Geometry, capacities: list[int], evictions: list, miss, clock: Clock, store=None,
-                 measure: str = "all", stream_at: int = 0):
+    def __init__(self, geom: Geometry, capacities: list[int], evictions: list, clock: Clock, store=None):
         """``evictions``: one eviction policy instance per pool (see ``pool_capacities``); ``store``: an
-        :class:`~specmd.engine.store.StoreSizes` (its ``bytes_of`` / ``bits_of``; default native only);
-        ``measure``: which passes the counters keep (``all``, or ``decode``: a prefill pass runs and warms
-        the cache, then its counts are rolled back; its pass record stays for the timing section);
-        ``stream_at``: the requested experts at which a layer call is streamed (0: never; module docstring)."""
+        :class:`~specmd.engine.store.StoreSizes` (its ``bytes_of`` / ``bits_of``; default native only)."""
         self.geom = geom
         self.precisions = store or StoreSizes.native_only(geom)
-        self.miss = miss
-        self._miss_passive = miss.passive()
-        self.fetch_precision = getattr(miss, "fetch_precision", NATIVE)
-        self._fetch_native = self.fetch_precision == NATIVE
         self.clock = clock
         self.stats = CacheStats(geom.num_layers, list(self.precisions.bytes_of))
-        if measure not in MEASURES:
-            raise ValueError(f"measure={measure!r}; valid: {', '.join(MEASURES)}")
-        self.measure = measure
-        self._uncounted: Optional[dict] = None  # the counters before a pass that does not count
         self.pools = [Pool(c, p) for c, p in zip(capacities, evictions)]
         self._pool_of_layer = self.pools * geom.num_layers if len(self.pools) == 1 else list(self.pools)
         # who materialises residency (a :class:`~specmd.engine.residency.ResidencyEvents`: ``subscribe``), or
@@ -266,12 +257,6 @@ class CacheManager:
         self._stamp = 0
         self._evicted_at = array("q", [-(1 << 62)]) * nkeys
         self.pass_index = -1
-        # the ongoing forward pass: [kind, tokens, context, then its start figures], None outside one
-        self.current_pass: Optional[list] = None
-        self.predicted: list[Optional[set]] = [None] * geom.num_layers  # prefetch predictions per target layer
-        self._call = LayerCall(self)
-        self.view = CacheView(self)
-        self._default_fetch = Fetched(None)
         self._E = geom.num_experts
         self._bytes_of = self.precisions.bytes_of  # (the store's own dicts, typed for the request path)
         self._bits_of = self.precisions.bits_of
@@ -279,17 +264,6 @@ class CacheManager:
         self._prec_id = {p: i for i, p in enumerate(self._precs)}
         self._native = self._prec_id.get(NATIVE, -1)
         self._evictable = _Evictable(self)  # what policies' ``victim`` asks, made once
-        if isinstance(stream_at, bool) or not isinstance(stream_at, int) or stream_at < 0:
-            raise ValueError(f"stream_at={stream_at!r}: a whole number of experts >= 0 (0: no layer streaming)")
-        self._stream_at = stream_at
-        # layer streaming's staging: the layer staged ahead (-1: none), the experts it lacked then, the
-        # clock's handle of their transfer; ``_ahead``: the call being served stages the next layer
-        self._staged_layer = -1
-        self._staged = None
-        self._stage_handle = None
-        self._ahead = False
-        for pool in self.pools:
-            pool.policy.attach(self.view, pool.capacity)
 
     # ---- the executor's seam (specmd.engine.residency) -----------------------------------------------
     def layout(self) -> PoolLayout:
@@ -306,6 +280,177 @@ class CacheManager:
             raise RuntimeError("subscribe before the first request: the subscriber would miss resident copies")
         self.events = events
 
+    # ---- residency ------------------------------------------------------------------------------
+    @property
+    def entries(self) -> dict:
+        """The resident (or arriving) entries by key, ascending, as :class:`Entry` snapshots: a new dict per
+        read (for checks, tests and results; the request path reads the per-key arrays)."""
+        return {k: self.entry(k) for k in range(self._nkeys) if self._here[k]}
+
+    def entry(self, key: int) -> Optional[Entry]:
+        """A snapshot of ``key``'s entry, or None when it is not in the cache (or not a key of this model)."""
+        if not self.has(key):
+            return None
+        prec = self._precs[self._prec[key]]
+        return Entry(key, key // self._E, self._nbytes[key], prec, self._bits_of[prec], self._transfer[key],
+                     bool(self._prefetched[key]), bool(self._used[key]), self._since[key])
+
+    def has(self, key: int) -> bool:
+        """``key`` is in the cache, arrived or arriving (False for a key outside the model)."""
+        return 0 <= key < self._nkeys and self._here[key] != 0
+
+    def precision_of(self, key: int):
+        """The stored precision of ``key``'s copy, or None when it is not in the cache."""
+        return self._precs[self._prec[key]] if self.has(key) else None
+
+    def transfer_of(self, key: int):
+        """The clock's handle of ``key``'s pending prefetch, or None (arrived, fetched, or not in the cache)."""
+        return self._transfer[key] if self.has(key) else None
+
+    def pin(self, key: int):
+        """``key`` stays resident until the running layer call finishes."""
+        if not 0 <= key < self._nkeys:  # (an IndexError, never a stray write: compiled, written unchecked)
+            raise IndexError(f"key {key} of {self._nkeys}")
+        self._pin[key] = self._stamp
+
+    def evictable(self, key: int) -> bool:
+        """Whether ``key`` may be evicted now (what a policy's ``victim`` asks: :class:`_Evictable`)."""
+        return self._evictable.ok(key)
+
+    def make_room(self, pool: Pool, nbytes: int) -> bool:
+        if nbytes > pool.capacity:
+            return False
+        evictable = self._evictable
+        while pool.capacity - pool.used < nbytes:
+            # the pool's policy's victim: in C when it compiles it, else its bound Python method
+            victim = pool.hooks.victim(evictable) if pool.native else pool.victim(evictable)
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
+
+    def insert(self, key: int, layer: int, nbytes: int, pool: Pool, transfer, prefetched: bool, precision=NATIVE,
+               used: bool = False) -> None:
+        """``key`` enters ``pool`` (which must have room): ``transfer`` its pending prefetch's handle or None,
+        ``precision`` one of the store's, ``used`` already requested (a demand fetch)."""
+        if not 0 <= key < self._nkeys or layer != key // self._E or pool is not self._pool_of_layer[layer]:
+            raise IndexError(f"key {key} (layer {layer}): not a key of this model, or not of that layer and its pool")
+        self._insert(key, layer, nbytes, pool, transfer, prefetched, self._prec_id[precision], used)
+
+    def _insert(self, key: int, layer: int, nbytes: int, pool: Pool, transfer, prefetched: bool, prec: int,
+                used: bool):
+        """:meth:`insert` with the precision's index in ``_precs`` (the request path's C call)."""
+        if key < 0 or key >= self._nkeys:  # (a negative key would wrap to the model's last ones)
+            raise IndexError(f"key {key} of {self._nkeys}")
+        self._here[key] = 1
+        self._nbytes[key] = nbytes
+        self._prec[key] = prec
+        self._since[key] = self.pass_index
+        self._prefetched[key] = prefetched
+        self._used[key] = used
+        self._transfer[key] = transfer
+        pool.used += nbytes
+        self.used_bytes += nbytes
+        if pool.native:
+            pool.hooks.on_insert(key, prefetched)
+        else:
+            pool.on_insert(key, prefetched)
+        if self.events is not None:
+            self.events.inserted(key, layer, self._precs[prec], prefetched)
+        if self.used_bytes > self.stats.peak_bytes:
+            self.stats.peak_bytes = self.used_bytes
+
+    def evict(self, key):
+        self._evict(key)
+
+    def _evict(self, key):
+        """:meth:`evict` (a C call from :meth:`make_room`); ``key`` an int (a policy's victim), else a TypeError."""
+        k = key
+        here = self._here
+        if not (0 <= k < self._nkeys and here[k]):  # not in the cache (bounds-safe: no key wraps to another)
+            raise KeyError(key)
+        layer = k // self._E
+        nbytes = self._nbytes[k]
+        here[k] = 0
+        self._transfer[k] = None
+        pool = self._pool_of_layer[layer]
+        pool.used -= nbytes
+        self.used_bytes -= nbytes
+        if pool.native:
+            pool.hooks.on_remove(k)
+        else:
+            pool.on_remove(k)
+        if self.events is not None:
+            self.events.evicted(k)
+        self._evicted_at[k] = self.pass_index
+        st = self.stats
+        st.evictions[layer] += 1
+        st.lifetime_sum += self.pass_index - self._since[k]
+        st.lifetime_n += 1
+        if self._prefetched[k] and not self._used[k]:
+            st.prefetch_wasted[layer] += 1
+
+    def _uncount_prefetches(self):
+        """The prefetches of a pass that did not count were not issued: nor used nor wasted later."""
+        here = self._here
+        prefetched = self._prefetched
+        used = self._used
+        for key in range(self._nkeys):
+            if here[key] and prefetched[key] and not used[key]:
+                prefetched[key] = 0
+
+    # ---- end of run and checks ------------------------------------------------------------------
+    def finalize(self) -> None:
+        """At the end of a run, prefetched experts never used count as wasted."""
+        for key in range(self._nkeys):
+            if self._here[key] and self._prefetched[key] and not self._used[key]:
+                self.stats.prefetch_wasted[key // self._E] += 1
+                self._used[key] = 1
+
+    def check_invariants(self) -> None:
+        for pool in self.pools:
+            assert 0 <= pool.used <= pool.capacity, (pool.used, pool.capacity)
+        assert sum(p.used for p in self.pools) == self.used_bytes == sum(e.nbytes for e in self.entries.values())
+        for key in range(self._nkeys):
+            assert self._here[key] or self._transfer[key] is None, key  # no handle outlives its entry
+        st = self.stats
+        for l in range(self.geom.num_layers):
+            assert st.hits[l] + st.misses[l] == st.requests[l]
+
+
+class CacheManager(Residency):
+    """Serves every request: each MoE layer call's hits, misses (the miss policy's outcomes), streaming and
+    stall, prefetches, and the forward passes' accounting, over the :class:`Residency` it extends.
+    (Fields: ``cache.pxd``.)"""
+
+    def __init__(self, geom: Geometry, capacities: list[int], evictions: list, miss, clock: Clock, store=None,
+                 measure: str = "all", stream_at: int = 0):
+        """``evictions``, ``store``: :class:`Residency`'s; ``measure``: which passes the counters keep (``all``,
+        or ``decode``: a prefill pass runs and warms the cache, then its counts are rolled back; its pass record
+        stays for the timing section); ``stream_at``: the requested experts at which a layer call is streamed
+        (0: never; module docstring)."""
+        Residency.__init__(self, geom, capacities, evictions, clock, store)
+        self.miss = miss
+        self._miss_passive = miss.passive()
+        self.fetch_precision = getattr(miss, "fetch_precision", NATIVE)
+        self._fetch_native = self.fetch_precision == NATIVE
+        if measure not in MEASURES:
+            raise ValueError(f"measure={measure!r}; valid: {', '.join(MEASURES)}")
+        self.measure = measure
+        self._uncounted: Optional[dict] = None  # the counters before a pass that does not count
+        # the ongoing forward pass: [kind, tokens, context, then its start figures], None outside one
+        self.current_pass: Optional[list] = None
+        self.predicted: list[Optional[set]] = [None] * geom.num_layers  # prefetch predictions per target layer
+        self._call = LayerCall(self)
+        self.view = CacheView(self)
+        self._default_fetch = Fetched(None)
+        self.streaming = LayerStreaming(self, stream_at)
+        for pool in self.pools:
+            pool.policy.attach(self.view, pool.capacity)
+
+
+
+
     # ---- forward passes -------------------------------------------------------------------------
     def begin_pass(self, kind, tokens, context):
         self.pass_index += 1
@@ -315,8 +460,7 @@ class CacheManager:
         s = self.stats
         if self.measure != "all" and kind != self.measure:
             self._uncounted = s.snapshot()
-        self._staged_layer = -1  # (a pass never inherits a stage: every pass runs every layer)
-        self._staged = self._stage_handle = None
+        self.streaming.drop()  # (a pass never inherits a stage: every pass runs every layer)
         self.current_pass = [kind, tokens, context, self.clock.mark(),
                              _total(s.requests), _total(s.hits), _total(s.misses), _total(s.collision_misses)]
 
@@ -338,14 +482,6 @@ class CacheManager:
             self._uncounted = None
             self._uncount_prefetches()
 
-    def _uncount_prefetches(self):
-        """The prefetches of a pass that did not count were not issued: nor used nor wasted later."""
-        here = self._here
-        prefetched = self._prefetched
-        used = self._used
-        for key in range(self._nkeys):
-            if here[key] and prefetched[key] and not used[key]:
-                prefetched[key] = 0
 
     # ---- one MoE layer call: named steps --------------------------------------------------------
     def serve(self, layer: int, experts, record=None, index=None, weights=None) -> LayerCall:
@@ -354,8 +490,9 @@ class CacheManager:
         device (the lossless fast path), else the plan the outcomes built. ``index``/``weights`` are the
         selection the layer runs (None: the record's, read only if an outcome needs it)."""
         call = self._open(layer, experts, record, index, weights)
-        if self._stream_at and (layer == self._staged_layer or len(experts) >= self._stream_at):
-            self._serve_streamed(call, experts)
+        streaming = self.streaming
+        if streaming.at and (layer == streaming.layer or len(experts) >= streaming.at):
+            streaming.serve(call, experts)
         else:
             missing = self._serve_hits(call, experts)
             if missing:
@@ -488,81 +625,6 @@ class CacheManager:
             for x in missing:
                 on_miss(base + x)
 
-    def _serve_streamed(self, call: LayerCall, experts):
-        """Steps 2-3 of a streamed call (module docstring): hits as always; the misses from the staging area,
-        what was staged ahead waited for, the rest moved now as one copy job. Nothing enters or leaves a pool."""
-        layer = call.layer
-        st = self.stats
-        st.layer_streams[layer] += 1
-        self._ahead = len(experts) >= self._stream_at  # (a staged call below the threshold ends the run ahead)
-        missing = self._serve_hits(call, experts)
-        staged = None
-        stage = None
-        if layer == self._staged_layer:
-            staged = self._staged
-            stage = self._stage_handle
-            self._staged_layer = -1
-            self._staged = self._stage_handle = None
-        if not missing:
-            return  # (every request a hit: the stage's bytes are not waited for)
-        st.stream_served[layer] += len(missing)
-        self._count_misses(call, missing)
-        prec = self.fetch_precision
-        late = 0  # misses the stage ahead did not carry (none, or a layer not staged): moved now
-        needs_stage = False
-        for e in missing:
-            if staged is None or e not in staged:
-                late += 1
-            else:
-                needs_stage = True
-        if needs_stage and stage is not None and not self.clock.done(stage):  # only for a miss it carries
-            call.waits.append(self.clock.promote(stage))
-        if late:
-            nbytes = late * self._bytes_of[prec]
-            handle = self.clock.demand(nbytes, late)  # (each into a staging row)
-            if handle is not None:
-                call.waits.append(handle)
-            call.demanded += late
-            st.bytes_stream[layer] += nbytes
-            st.count(self._prec_id[prec], nbytes, 0)
-        native = prec == NATIVE
-        events = self.events
-        for e in missing:
-            if not native:
-                call.plan().precisions[e] = prec
-            if events is not None:  # the executor stages its bytes for this call only
-                events.streamed(layer, e, prec)
-
-    def stage_ahead(self) -> None:
-        """After a streamed call that reached the threshold, as its experts start computing: the next MoE
-        layer's experts not in the cache start moving into the staging area's other buffer (one copy job,
-        queued on the link behind demand: it overlaps this layer's compute), and that layer's call is
-        streamed. The routing of the next layer is not known yet, so the stage carries every expert it lacks."""
-        if not self._ahead:
-            return
-        self._ahead = False
-        layer = self._call.layer + 1
-        if layer >= len(self._pool_of_layer):
-            return
-        E = self._E
-        base = layer * E
-        here = self._here
-        staged = set()
-        for e in range(E):
-            if not here[base + e]:
-                staged.add(e)
-        prec = self.fetch_precision
-        nbytes = len(staged) * self._bytes_of[prec]
-        st = self.stats
-        st.bytes_stream[layer] += nbytes
-        st.count(self._prec_id[prec], nbytes, 0)
-        self._staged_layer = layer
-        self._staged = staged
-        # (every staged expert placed now, as this clock stages them ahead; the offload executor stages a
-        # streamed call's misses at the call -- docs/semantics.md "Layer streaming" -- so with streaming on the
-        # per-placement cost counts the staged layer, not only the call's misses)
-        self._stage_handle = self.clock.prefetch(nbytes, len(staged)) if nbytes else None
-
     def _stall(self, call: LayerCall):
         """Step 4: the host's work is issued: it runs beside the transfers, and beside the device's compute
         when the host is a processor of its own (:meth:`Clock.host_beside_device`: the output waits for it in
@@ -621,130 +683,101 @@ class CacheManager:
             st.bytes_prefetch[layer] += nbytes
             st.count(pid, nbytes, 0)
 
-    # ---- residency ------------------------------------------------------------------------------
-    @property
-    def entries(self) -> dict:
-        """The resident (or arriving) entries by key, ascending, as :class:`Entry` snapshots: a new dict per
-        read (for checks, tests and results; the request path reads the per-key arrays)."""
-        return {k: self.entry(k) for k in range(self._nkeys) if self._here[k]}
 
-    def entry(self, key: int) -> Optional[Entry]:
-        """A snapshot of ``key``'s entry, or None when it is not in the cache (or not a key of this model)."""
-        if not self.has(key):
-            return None
-        prec = self._precs[self._prec[key]]
-        return Entry(key, key // self._E, self._nbytes[key], prec, self._bits_of[prec], self._transfer[key],
-                     bool(self._prefetched[key]), bool(self._used[key]), self._since[key])
+class LayerStreaming:
+    """Layer streaming (module docstring): a call of at least ``at`` requested experts (0: never) takes its
+    misses from a staging area, for this call only, and stages the next layer's ahead. The manager's part
+    for it, beside :class:`CacheManager` (which serves every other call). (Fields: ``cache.pxd``.)"""
 
-    def has(self, key: int) -> bool:
-        """``key`` is in the cache, arrived or arriving (False for a key outside the model)."""
-        return 0 <= key < self._nkeys and self._here[key] != 0
+    def __init__(self, manager, at: int):
+        if isinstance(at, bool) or not isinstance(at, int) or at < 0:
+            raise ValueError(f"stream_at={at!r}: a whole number of experts >= 0 (0: no layer streaming)")
+        self._m = manager
+        self.at = at
+        # the layer staged ahead (-1: none), the experts it lacked then, the clock's handle of their transfer;
+        # ``ahead``: the call being served stages the next layer
+        self.layer = -1
+        self.experts = None
+        self.handle = None
+        self.ahead = False
 
-    def precision_of(self, key: int):
-        """The stored precision of ``key``'s copy, or None when it is not in the cache."""
-        return self._precs[self._prec[key]] if self.has(key) else None
+    def drop(self) -> None:
+        """No layer staged any more (taken by its call, or a new pass)."""
+        self.layer = -1
+        self.experts = self.handle = None
 
-    def transfer_of(self, key: int):
-        """The clock's handle of ``key``'s pending prefetch, or None (arrived, fetched, or not in the cache)."""
-        return self._transfer[key] if self.has(key) else None
+    def serve(self, call: LayerCall, experts):
+        """Steps 2-3 of a streamed call (module docstring): hits as always; the misses from the staging area,
+        what was staged ahead waited for, the rest moved now as one copy job. Nothing enters or leaves a pool."""
+        m = self._m
+        layer = call.layer
+        st = m.stats
+        st.layer_streams[layer] += 1
+        self.ahead = len(experts) >= self.at  # (a staged call below the threshold ends the run ahead)
+        missing = m._serve_hits(call, experts)
+        staged = None
+        stage = None
+        if layer == self.layer:
+            staged = self.experts
+            stage = self.handle
+            self.drop()
+        if not missing:
+            return  # (every request a hit: the stage's bytes are not waited for)
+        st.stream_served[layer] += len(missing)
+        m._count_misses(call, missing)
+        prec = m.fetch_precision
+        late = 0  # misses the stage ahead did not carry (none, or a layer not staged): moved now
+        needs_stage = False
+        for e in missing:
+            if staged is None or e not in staged:
+                late += 1
+            else:
+                needs_stage = True
+        if needs_stage and stage is not None and not m.clock.done(stage):  # only for a miss it carries
+            call.waits.append(m.clock.promote(stage))
+        if late:
+            nbytes = late * m._bytes_of[prec]
+            handle = m.clock.demand(nbytes, late)  # (each into a staging row)
+            if handle is not None:
+                call.waits.append(handle)
+            call.demanded += late
+            st.bytes_stream[layer] += nbytes
+            st.count(m._prec_id[prec], nbytes, 0)
+        native = prec == NATIVE
+        events = m.events
+        for e in missing:
+            if not native:
+                call.plan().precisions[e] = prec
+            if events is not None:  # the executor stages its bytes for this call only
+                events.streamed(layer, e, prec)
 
-    def pin(self, key: int):
-        """``key`` stays resident until the running layer call finishes."""
-        if not 0 <= key < self._nkeys:  # (an IndexError, never a stray write: compiled, written unchecked)
-            raise IndexError(f"key {key} of {self._nkeys}")
-        self._pin[key] = self._stamp
-
-    def evictable(self, key: int) -> bool:
-        """Whether ``key`` may be evicted now (what a policy's ``victim`` asks: :class:`_Evictable`)."""
-        return self._evictable.ok(key)
-
-    def make_room(self, pool: Pool, nbytes: int) -> bool:
-        if nbytes > pool.capacity:
-            return False
-        evictable = self._evictable
-        while pool.capacity - pool.used < nbytes:
-            # the pool's policy's victim: in C when it compiles it, else its bound Python method
-            victim = pool.hooks.victim(evictable) if pool.native else pool.victim(evictable)
-            if victim is None:
-                return False
-            self._evict(victim)
-        return True
-
-    def insert(self, key: int, layer: int, nbytes: int, pool: Pool, transfer, prefetched: bool, precision=NATIVE,
-               used: bool = False) -> None:
-        """``key`` enters ``pool`` (which must have room): ``transfer`` its pending prefetch's handle or None,
-        ``precision`` one of the store's, ``used`` already requested (a demand fetch)."""
-        if not 0 <= key < self._nkeys or layer != key // self._E or pool is not self._pool_of_layer[layer]:
-            raise IndexError(f"key {key} (layer {layer}): not a key of this model, or not of that layer and its pool")
-        self._insert(key, layer, nbytes, pool, transfer, prefetched, self._prec_id[precision], used)
-
-    def _insert(self, key: int, layer: int, nbytes: int, pool: Pool, transfer, prefetched: bool, prec: int,
-                used: bool):
-        """:meth:`insert` with the precision's index in ``_precs`` (the request path's C call)."""
-        if key < 0 or key >= self._nkeys:  # (a negative key would wrap to the model's last ones)
-            raise IndexError(f"key {key} of {self._nkeys}")
-        self._here[key] = 1
-        self._nbytes[key] = nbytes
-        self._prec[key] = prec
-        self._since[key] = self.pass_index
-        self._prefetched[key] = prefetched
-        self._used[key] = used
-        self._transfer[key] = transfer
-        pool.used += nbytes
-        self.used_bytes += nbytes
-        if pool.native:
-            pool.hooks.on_insert(key, prefetched)
-        else:
-            pool.on_insert(key, prefetched)
-        if self.events is not None:
-            self.events.inserted(key, layer, self._precs[prec], prefetched)
-        if self.used_bytes > self.stats.peak_bytes:
-            self.stats.peak_bytes = self.used_bytes
-
-    def evict(self, key):
-        self._evict(key)
-
-    def _evict(self, key):
-        """:meth:`evict` (a C call from :meth:`make_room`); ``key`` an int (a policy's victim), else a TypeError."""
-        k = key
-        here = self._here
-        if not (0 <= k < self._nkeys and here[k]):  # not in the cache (bounds-safe: no key wraps to another)
-            raise KeyError(key)
-        layer = k // self._E
-        nbytes = self._nbytes[k]
-        here[k] = 0
-        self._transfer[k] = None
-        pool = self._pool_of_layer[layer]
-        pool.used -= nbytes
-        self.used_bytes -= nbytes
-        if pool.native:
-            pool.hooks.on_remove(k)
-        else:
-            pool.on_remove(k)
-        if self.events is not None:
-            self.events.evicted(k)
-        self._evicted_at[k] = self.pass_index
-        st = self.stats
-        st.evictions[layer] += 1
-        st.lifetime_sum += self.pass_index - self._since[k]
-        st.lifetime_n += 1
-        if self._prefetched[k] and not self._used[k]:
-            st.prefetch_wasted[layer] += 1
-
-    # ---- end of run and checks ------------------------------------------------------------------
-    def finalize(self) -> None:
-        """At the end of a run, prefetched experts never used count as wasted."""
-        for key in range(self._nkeys):
-            if self._here[key] and self._prefetched[key] and not self._used[key]:
-                self.stats.prefetch_wasted[key // self._E] += 1
-                self._used[key] = 1
-
-    def check_invariants(self) -> None:
-        for pool in self.pools:
-            assert 0 <= pool.used <= pool.capacity, (pool.used, pool.capacity)
-        assert sum(p.used for p in self.pools) == self.used_bytes == sum(e.nbytes for e in self.entries.values())
-        for key in range(self._nkeys):
-            assert self._here[key] or self._transfer[key] is None, key  # no handle outlives its entry
-        st = self.stats
-        for l in range(self.geom.num_layers):
-            assert st.hits[l] + st.misses[l] == st.requests[l]
+    def stage_ahead(self) -> None:
+        """After a streamed call that reached the threshold, as its experts start computing: the next MoE
+        layer's experts not in the cache start moving into the staging area's other buffer (one copy job,
+        queued on the link behind demand: it overlaps this layer's compute), and that layer's call is
+        streamed. The routing of the next layer is not known yet, so the stage carries every expert it lacks."""
+        if not self.ahead:
+            return
+        self.ahead = False
+        m = self._m
+        layer = m._call.layer + 1
+        if layer >= len(m._pool_of_layer):
+            return
+        E = m._E
+        base = layer * E
+        here = m._here
+        staged = set()
+        for e in range(E):
+            if not here[base + e]:
+                staged.add(e)
+        prec = m.fetch_precision
+        nbytes = len(staged) * m._bytes_of[prec]
+        st = m.stats
+        st.bytes_stream[layer] += nbytes
+        st.count(m._prec_id[prec], nbytes, 0)
+        self.layer = layer
+        self.experts = staged
+        # (every staged expert placed now, as this clock stages them ahead; the offload executor stages a
+        # streamed call's misses at the call -- docs/semantics.md "Layer streaming" -- so with streaming on the
+        # per-placement cost counts the staged layer, not only the call's misses)
+        self.handle = m.clock.prefetch(nbytes, len(staged)) if nbytes else None

@@ -5,7 +5,8 @@ The cache manager never reads or computes a time. Time is a **handle**: ``demand
 ``wait(handles)`` (stall compute until all have; returns the stall added), and ``mark``/``since`` give a
 forward pass its duration and stall for the pass record. The engine charges compute through the clock
 (``dense``, ``experts``, ``tail``). Policies read time only through the cache view (``transfer_time``,
-``host_time``, ``device_time``, ``link_backlog``, ``host_backlog``, ``host_beside_device``).
+``host_time``, ``device_time``, ``link_backlog``, ``host_backlog``, ``host_beside_device``: the cache view's
+clock, :class:`~specmd.engine.view.ClockView`).
 
 :class:`Clock` is the interface. :class:`SimClock` is the deterministic simulated clock (one
 non-preemptive transfer channel, demand before queued prefetches; roofline compute): its handles are
@@ -15,6 +16,32 @@ clock deciding (so residency, victims and outputs are those of ``execution=simul
 CUDA device but for experts a miss policy sends to the host, which the CPU computes with its own bits) and
 measures the same passes on the wall (the executor's pass timer and transfer tickets): a clock on real
 time would make the decisions depend on the machine's timing.
+
+**The host beside the device** (:class:`SimClock`'s ``overlap``, ``contention`` and ``host``).
+
+``overlap`` (``hardware.host_overlap``): whether the host is a processor of its own. False (a CPU, where
+the host *is* the device): every overhead adds to the device's compute, in order, and experts computed
+on the host run on the same cores -- beside the link, but before the device's experts. True (a GPU): the host
+queues kernels ahead of the device, so between two synchronisations the host's overheads (per decoder
+layer, per expert, per copy job issued, per prediction, per token) and the device's compute run side
+by side and the segment takes the longer of the two; the model synchronises once per MoE layer call
+(the read-back of its routing, :mod:`specmd.hook.readback`: the cache needs the selection on the
+host), once per pass (the logits) and wherever compute waits for a transfer or the host. The
+policies' decisions (``decision``) run after the read-back with the device idle: serial either way.
+
+``contention`` (``hardware.host_link_contention``): host work and the link's copies running at once
+share host memory (and on a CPU its cores): the overlapped span costs this fraction of itself more,
+charged to whichever of the two ends last (0: each runs as if alone; 1: they take turns). Host work
+is what the host computes (``host``) and, without ``overlap`` (a CPU device), all compute. ``specmd
+calibrate`` measures a kernel and copies alone and together.
+
+The host is a resource of its own beside the link (``host``): work a miss policy sends there starts
+when the host is free and runs beside the link; with ``overlap`` also beside the device's compute of
+the layer's other experts, and the layer's output waits for it after the device's experts: Zhu et al.'s SMoE pipeline
+(importance-driven scheduling, Fig. 9) runs "CPU expert computation: CPU computes the parameters of
+experts from layer X not in GPU" beside "Direct expert computation: ... experts that are already in
+the GPU", and "while the CPU computes one expert (E2), another (E0) can be simultaneously loaded into
+GPU memory via PCIe" (§II).
 """
 
 from __future__ import annotations
@@ -298,29 +325,7 @@ class SimClock(Clock):
         beyond its roofline (``hardware.host_call_overhead_us``, ``host_expert_overhead_us``,
         ``host_token_overhead_us``: ``specmd calibrate`` times the model's own experts on the host worker).
 
-        ``overlap`` (``hardware.host_overlap``): whether the host is a processor of its own. False (a CPU, where
-        the host *is* the device): every overhead adds to the device's compute, in order, and experts computed
-        on the host run on the same cores -- beside the link, but before the device's experts. True (a GPU): the host
-        queues kernels ahead of the device, so between two synchronisations the host's overheads (per decoder
-        layer, per expert, per copy job issued, per prediction, per token) and the device's compute run side
-        by side and the segment takes the longer of the two; the model synchronises once per MoE layer call
-        (the read-back of its routing, :mod:`specmd.hook.readback`: the cache needs the selection on the
-        host), once per pass (the logits) and wherever compute waits for a transfer or the host. The
-        policies' decisions (``decision``) run after the read-back with the device idle: serial either way.
-
-        ``contention`` (``hardware.host_link_contention``): host work and the link's copies running at once
-        share host memory (and on a CPU its cores): the overlapped span costs this fraction of itself more,
-        charged to whichever of the two ends last (0: each runs as if alone; 1: they take turns). Host work
-        is what the host computes (``host``) and, without ``overlap`` (a CPU device), all compute. ``specmd
-        calibrate`` measures a kernel and copies alone and together.
-
-        The host is a resource of its own beside the link (``host``): work a miss policy sends there starts
-        when the host is free and runs beside the link; with ``overlap`` also beside the device's compute of
-        the layer's other experts, and the layer's output waits for it after the device's experts: Zhu et al.'s SMoE pipeline
-        (importance-driven scheduling, Fig. 9) runs "CPU expert computation: CPU computes the parameters of
-        experts from layer X not in GPU" beside "Direct expert computation: ... experts that are already in
-        the GPU", and "while the CPU computes one expert (E2), another (E0) can be simultaneously loaded into
-        GPU memory via PCIe" (§II)."""
+        ``overlap``, ``contention`` and the host as a resource: the module's "The host beside the device"."""
         self.geom = geom
         self.channel = channel
         self.roofline = roofline
@@ -360,22 +365,7 @@ class SimClock(Clock):
     def from_hardware(cls, geom, hw, policies: dict | None = None):
         """``policies``: the stack's ``{group: name}``, whose ``hardware.policy_overhead_us`` entries are
         charged per layer call."""
-        table = getattr(hw, "policy_overhead_us", None) or {}
-        decision = sum(table.get(f"{g}/{n}", 0.0) for g, n in (policies or {}).items()) * 1e-6
-        return cls(geom, TransferChannel(link_rate(hw, geom.expert_bytes), hw.latency_us * 1e-6),
-                   Roofline(hw.peak_tflops * 1e12, hw.mem_bandwidth_gbps * 1e9, getattr(hw, "roofline_serial", 0.0),
-                            (getattr(hw, "gemv_bandwidth_gbps", None) or 0.0) * 1e9),
-                   Roofline(hw.host_tflops * 1e12, hw.host_mem_bandwidth_gbps * 1e9,
-                            getattr(hw, "host_roofline_serial", 0.0),
-                            (getattr(hw, "host_gemv_bandwidth_gbps", None) or 0.0) * 1e9),
-                   (getattr(hw, "layer_overhead_us", 0.0) * 1e-6, getattr(hw, "token_overhead_us", 0.0) * 1e-6,
-                    getattr(hw, "expert_overhead_us", 0.0) * 1e-6, getattr(hw, "transfer_issue_us", 0.0) * 1e-6,
-                    getattr(hw, "predict_overhead_us", 0.0) * 1e-6, getattr(hw, "unpack_overhead_us", 0.0) * 1e-6,
-                    getattr(hw, "layer_token_overhead_us", 0.0) * 1e-6, getattr(hw, "place_overhead_us", 0.0) * 1e-6),
-                   decision, (getattr(hw, "host_call_overhead_us", 0.0) * 1e-6,
-                              getattr(hw, "host_expert_overhead_us", 0.0) * 1e-6,
-                              getattr(hw, "host_token_overhead_us", 0.0) * 1e-6), bool(getattr(hw, "host_overlap", False)),
-                   getattr(hw, "host_link_contention", 0.0))
+        return cls(geom, *_profile_terms(geom, hw, policies))
 
     # -- transfers --------------------------------------------------------------------------------
     def begin_layer(self):
@@ -602,3 +592,25 @@ class SimClock(Clock):
             self._compute(d, self._dense_device(self._tail_params, self._tail_attn_layers, tokens, context))
         else:
             self.now += d
+
+
+def _profile_terms(geom, hw, policies: dict | None) -> tuple:
+    """:class:`SimClock`'s arguments after ``geom`` from a hardware profile ``hw`` (its fields in the units the
+    profile states them) and the stack's ``{group: name}`` (their ``policy_overhead_us`` entries)."""
+    def us(field: str) -> float:
+        return getattr(hw, field, 0.0) * 1e-6
+
+    table = getattr(hw, "policy_overhead_us", None) or {}
+    decision = sum(table.get(f"{g}/{n}", 0.0) for g, n in (policies or {}).items()) * 1e-6
+    device = Roofline(hw.peak_tflops * 1e12, hw.mem_bandwidth_gbps * 1e9, getattr(hw, "roofline_serial", 0.0),
+                      (getattr(hw, "gemv_bandwidth_gbps", None) or 0.0) * 1e9)
+    host = Roofline(hw.host_tflops * 1e12, hw.host_mem_bandwidth_gbps * 1e9, getattr(hw, "host_roofline_serial", 0.0),
+                    (getattr(hw, "host_gemv_bandwidth_gbps", None) or 0.0) * 1e9)
+    overheads = tuple(us(f) for f in ("layer_overhead_us", "token_overhead_us", "expert_overhead_us",
+                                      "transfer_issue_us", "predict_overhead_us", "unpack_overhead_us",
+                                      "layer_token_overhead_us", "place_overhead_us"))
+    host_overheads = tuple(us(f) for f in ("host_call_overhead_us", "host_expert_overhead_us",
+                                           "host_token_overhead_us"))
+    return (TransferChannel(link_rate(hw, geom.expert_bytes), hw.latency_us * 1e-6), device, host, overheads,
+            decision, host_overheads, bool(getattr(hw, "host_overlap", False)),
+            getattr(hw, "host_link_contention", 0.0))

@@ -165,7 +165,7 @@ class Engine:
         self.clock = clock or SimClock.from_hardware(geom, hw, spec.names())
         self.cache = CacheManager(geom, caps, evictions, self.miss, self.clock, self.store, spec.measure,
                                   stream_at(getattr(hw, "stream_layers", None), geom.num_experts))
-        self._streams = self.cache._stream_at > 0
+        self._streams = self.cache.streaming.at > 0
         self.view = self.cache.view
         # a passive routing or prefetch policy (its hook always answers "no change": RoutingPolicy.passive) is
         # not called per layer call
@@ -228,7 +228,7 @@ class Engine:
                 self.predictions += 1
                 cache.prefetch(target, predicted)
         if self._streams:
-            cache.stage_ahead()
+            cache.streaming.stage_ahead()
         clock.experts(self._run_slots, self._run_n, len(plan.precisions) if plan is not None else 0)  # 6
         cache.finish_layer()
         return plan
