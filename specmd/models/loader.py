@@ -264,25 +264,14 @@ def load_model(cfg: ModelConfig, experts_on_meta: bool = False):
     return model, tok
 
 
-def load_dense(path: str, cfg: ModelConfig):
-    """The model of the checkpoint in ``path`` with its dense weights loaded and its routed experts left on
-    the meta device (no bytes): the experts class's ``__init__`` runs under ``torch.device("meta")`` while the
-    model is built, then every non-expert tensor of the checkpoint's safetensors files is loaded (names as
-    transformers uses them, or the hub's renamed by the adapter's :meth:`~.adapters.HubLayout.from_hub`). A dense weight the
-    checkpoint lacks is a DataError naming it."""
+def _build_experts_on_meta(config, cfg: ModelConfig, adapter):
+    """The model of ``config`` built with its experts class's ``__init__`` under ``torch.device("meta")``."""
     import contextlib
 
     import torch
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    from ..errors import DataError
-
-    config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-    if config.model_type != cfg.family:
-        raise ConfigError(f"model.pretrained={cfg.pretrained} is a {config.model_type!r} model but model.family={cfg.family!r}")
-    adapter = adapter_for(cfg.family)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.dtype),
                                                     trust_remote_code=cfg.trust_remote_code)
@@ -301,6 +290,25 @@ def load_dense(path: str, cfg: ModelConfig):
                                                      trust_remote_code=cfg.trust_remote_code)
     finally:
         experts_cls.__init__ = original
+    return model
+
+
+def load_dense(path: str, cfg: ModelConfig):
+    """The model of the checkpoint in ``path`` with its dense weights loaded and its routed experts left on
+    the meta device (no bytes): the experts class's ``__init__`` runs under ``torch.device("meta")`` while the
+    model is built, then every non-expert tensor of the checkpoint's safetensors files is loaded (names as
+    transformers uses them, or the hub's renamed by the adapter's :meth:`~.adapters.HubLayout.from_hub`). A dense weight the
+    checkpoint lacks is a DataError naming it."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from ..errors import DataError
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    if config.model_type != cfg.family:
+        raise ConfigError(f"model.pretrained={cfg.pretrained} is a {config.model_type!r} model but model.family={cfg.family!r}")
+    adapter = adapter_for(cfg.family)
+    model = _build_experts_on_meta(config, cfg, adapter)
     wanted = {n for n, p in model.named_parameters() if not p.is_meta}
     wanted |= {n for n, b in model.named_buffers() if not b.is_meta and n in model.state_dict()}
     files = sorted(Path(path).glob("*.safetensors"))

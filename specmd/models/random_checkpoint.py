@@ -317,6 +317,72 @@ def _clean_stale(out: Path) -> None:
 
 # ---- the writer --------------------------------------------------------------------------------------------
 
+def _plan_checkpoint(fields: dict, dtype: str, layout: str, shard_bytes: int):
+    """The checkpoint's config, its tensors' entries and their shards, learnt from the model built on the meta
+    device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    family = fields["model_type"]
+    kwargs = {k: v for k, v in fields.items() if k != "model_type"}
+    config = AutoConfig.for_model(family, **kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+    tensors = _state_entries(model)
+    config.architectures = [type(model).__name__]
+    config.dtype = dtype
+    del model
+    entries = _plan(tensors, layout, family, config.hidden_size)
+    shards = _shards(entries, shard_bytes)
+    return config, entries, shards
+
+
+def _write_shards(tmp: Path, name: str, shards: list, seed: int, workers: int) -> tuple[dict, int]:
+    """Draw and write the shards' safetensors files into ``tmp``; (tensor name -> file name, total bytes)."""
+    from safetensors.torch import save_file
+
+    n = len(shards)
+    arena = torch.empty(max(sum(_aligned(e.nbytes) for e in shard) for shard in shards), dtype=torch.uint8)
+    weight_map, total = {}, 0
+    torch.set_num_threads(1)  # the parallelism is the pool's: one piece per thread
+    with ThreadPoolExecutor(workers, thread_name_prefix="specmd-random") as pool:
+        local = threading.local()
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+            data = _shard_tensors(shard, arena, seed, pool, local)
+            save_file(data, str(tmp / fname), metadata={"format": "pt"})
+            os.chmod(tmp / fname, 0o666 & ~_UMASK)  # safetensors creates its files 0600
+            del data
+            for e in shard:
+                weight_map[e.name] = fname
+                total += e.nbytes
+            log.info("random checkpoint %s: wrote %s (%d tensors)", name, fname, len(shard))
+    del arena
+    return weight_map, total
+
+
+def _write_index_and_marker(tmp: Path, entries: list, weight_map: dict, total: int, spec: dict, shard_bytes: int,
+                            n: int) -> None:
+    """Write the sharded checkpoint's index and specmd's marker (what was written, and how) into ``tmp``."""
+    params = sum(e.nbytes // e.dtype.itemsize for e in entries)
+    (tmp / INDEX).write_text(json.dumps(
+        {"metadata": {"total_size": total, "total_parameters": params},
+         "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+    (tmp / MARKER).write_text(json.dumps(
+        {"spec": spec, "shard_bytes": shard_bytes, "shards": n, "tensors": len(entries),
+         "total_size": total, "total_parameters": params}, indent=2, sort_keys=True) + "\n")
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the written checkpoint ``tmp`` to ``out``, swapping out a stale one there."""
+    if out.exists():  # a stale checkpoint of ours (other spec, or incomplete): swap it out
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
 def write_random_checkpoint(name_or_config: Union[str, dict], out_dir, dtype: str = "bfloat16", seed: int = 0,
                             shard_bytes: int = 2 * 1024 ** 3, layout: str = "hub") -> Path:
     """Write a random-weight checkpoint of the model ``name_or_config`` into ``out_dir`` and return its path.
@@ -332,9 +398,6 @@ def write_random_checkpoint(name_or_config: Union[str, dict], out_dir, dtype: st
     and layout (its ``specmd-random.json`` says so) nothing is written. A ``out_dir`` that holds anything else
     than one of these checkpoints is left alone (FileExistsError).
     """
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     fields = _config_fields(name_or_config)
@@ -349,16 +412,7 @@ def write_random_checkpoint(name_or_config: Union[str, dict], out_dir, dtype: st
         raise FileExistsError(f"{out} exists and is not a random checkpoint written by specmd "
                               f"(no {MARKER}); not overwriting it")
 
-    kwargs = {k: v for k, v in fields.items() if k != "model_type"}
-    config = AutoConfig.for_model(family, **kwargs)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
-    tensors = _state_entries(model)
-    config.architectures = [type(model).__name__]
-    config.dtype = dtype
-    del model
-    entries = _plan(tensors, layout, family, config.hidden_size)
-    shards = _shards(entries, shard_bytes)
+    config, entries, shards = _plan_checkpoint(fields, dtype, layout, shard_bytes)
     n = len(shards)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -370,36 +424,9 @@ def write_random_checkpoint(name_or_config: Union[str, dict], out_dir, dtype: st
     workers = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
     try:
         config.save_pretrained(tmp)
-        arena = torch.empty(max(sum(_aligned(e.nbytes) for e in shard) for shard in shards), dtype=torch.uint8)
-        weight_map, total = {}, 0
-        torch.set_num_threads(1)  # the parallelism is the pool's: one piece per thread
-        with ThreadPoolExecutor(workers, thread_name_prefix="specmd-random") as pool:
-            local = threading.local()
-            for i, shard in enumerate(shards, 1):
-                fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-                data = _shard_tensors(shard, arena, seed, pool, local)
-                save_file(data, str(tmp / fname), metadata={"format": "pt"})
-                os.chmod(tmp / fname, 0o666 & ~_UMASK)  # safetensors creates its files 0600
-                del data
-                for e in shard:
-                    weight_map[e.name] = fname
-                    total += e.nbytes
-                log.info("random checkpoint %s: wrote %s (%d tensors)", out.name, fname, len(shard))
-        del arena
-        params = sum(e.nbytes // e.dtype.itemsize for e in entries)
-        (tmp / INDEX).write_text(json.dumps(
-            {"metadata": {"total_size": total, "total_parameters": params},
-             "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
-        (tmp / MARKER).write_text(json.dumps(
-            {"spec": spec, "shard_bytes": shard_bytes, "shards": n, "tensors": len(entries),
-             "total_size": total, "total_parameters": params}, indent=2, sort_keys=True) + "\n")
-        if out.exists():  # a stale checkpoint of ours (other spec, or incomplete): swap it out
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        weight_map, total = _write_shards(tmp, out.name, shards, seed, workers)
+        _write_index_and_marker(tmp, entries, weight_map, total, spec, shard_bytes, n)
+        _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
