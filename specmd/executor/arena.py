@@ -1,4 +1,5 @@
-"""The expert arena of ``execution=offload``: one pool's device memory of exactly its capacity in bytes.
+"""The expert arena of ``execution=offload``: one pool's device memory of exactly its capacity in bytes (and,
+beside it, the :class:`Staging` banks a layer call's streamed or unpacked experts go to).
 
 Two layouts, chosen once per run:
 
@@ -9,13 +10,13 @@ Two layouts, chosen once per run:
   ``expert_map``; :func:`~.kernel.grouped_experts`). A free list of slot numbers makes ``alloc``/``release``
   O(1) with no allocation (Fiddler's and MoE-PolicyLang's pre-allocated slots);
 * **mixed** (stored low-precision copies may be fetched: ``miss=fetch_lowest_bit``, ``fetch_priority``, ...),
-  :class:`Arena`: one byte buffer,
-  copies of several sizes share the pool, so ranges are allocated first-fit from a sorted list of free
-  extents (native copies from the front, smaller ones from the back), merged on release. The engine admits
-  a copy when the pool's *bytes* allow it, not its largest hole; when no hole fits, the cheapest run of
-  holes that together hold it is **compacted** (the live copies between them slid down, in offset order,
-  leaving one hole) -- so the arena always holds what the engine admitted, in exactly the configured
-  capacity. Compaction needs fragmentation and a full pool; its time is measured, never simulated.
+  :class:`ByteArena`: one byte buffer, copies of several sizes share the pool, so ranges are allocated
+  first-fit from a sorted list of free extents (native copies from the front, smaller ones from the back),
+  merged on release. The engine admits a copy when the pool's *bytes* allow it, not its largest hole; when
+  no hole fits, the cheapest run of holes that together hold it is **compacted** (the live copies between
+  them slid down, in offset order, leaving one hole) -- so the arena always holds what the engine admitted,
+  in exactly the configured capacity. Compaction needs fragmentation and a full pool; its time is measured,
+  never simulated.
 """
 
 from __future__ import annotations
@@ -195,3 +196,68 @@ class ByteArena:
     def holes(self) -> list[tuple[int, int]]:
         """Free (offset, size) ranges, for checks."""
         return list(self._free)
+
+
+class Staging:
+    """A growing bank of fused ``[rows, ...]`` tensors (one expert per row) on the device: a layer call's
+    streamed experts, or the experts it puts into place to run. Grows geometrically, never shrinks; the
+    largest it grew to is reported (``memory.staging_peak_bytes``)."""
+
+    def __init__(self, shapes: dict, dtype: torch.dtype, device):
+        self.shapes, self.dtype, self.device = shapes, dtype, device
+        self.tensors: dict = {}
+        self.cap = 0
+        self._views: list = []
+        self.row_bytes = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize
+
+    def ensure(self, rows: int, keep: int = 0) -> None:
+        """Room for ``rows`` rows; the first ``keep`` rows' contents survive a growth."""
+        if rows <= self.cap:
+            return
+        cap = max(rows, 2 * self.cap, 1)
+        new = {n: torch.zeros((cap, *s), dtype=self.dtype, device=self.device) for n, s in self.shapes.items()}
+        if keep:
+            for n, t in self.tensors.items():
+                new[n][:keep].copy_(t[:keep])
+        self.tensors, self.cap = new, cap
+        self._views = [{n: t[r] for n, t in new.items()} for r in range(cap)]
+
+    def views(self, row: int) -> dict:
+        return self._views[row]
+
+    @property
+    def bytes(self) -> int:
+        return self.cap * self.row_bytes
+
+
+class RawViews:
+    """Views of one copy's tensors at a byte offset of a 1-D byte buffer (a mixed arena, a stream row), as
+    ``native`` (``[(name, dtype, shape, bytes)]``, the family's layout) or as ``raw_layout[layer, precision]``
+    (a stored copy's raw tensors). Remembered per (buffer, offset, layout): making them is up to 18 tensor
+    calls, and copies keep landing at the same offsets (sizes repeat). At most :attr:`KEPT` remembered (then
+    forgotten at once)."""
+
+    KEPT = 8192
+
+    def __init__(self, native: list, raw_layout: dict):
+        self.native = native
+        self.raw_layout = raw_layout
+        self._kept: dict = {}
+
+    def at(self, buf: torch.Tensor, offset: int, layer: int, precision: str) -> dict:
+        layout = self.native if precision == "native" else self.raw_layout[layer, precision]
+        ck = (buf.data_ptr(), offset, id(layout))
+        out = self._kept.get(ck)
+        if out is None:
+            if len(self._kept) >= self.KEPT:
+                self._kept.clear()
+            out, o = {}, offset
+            for n, dtype, shape, nbytes in layout:
+                out[n] = buf[o:o + nbytes].view(dtype).view(shape)
+                o += nbytes
+            self._kept[ck] = out
+        return out
+
+    def clear(self) -> None:
+        """Forget every view (the buffer they view was replaced: a stream bank grew)."""
+        self._kept.clear()

@@ -71,8 +71,6 @@ def grouped_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weig
     call ~1 us, it is the faster (on deep_olmoe at capacity 1.0 the grouped call was 3.8x simulated over the
     whole 1,024-slot arena, 1.9x spanning only the slots read; looped 1.01-1.05x); ``rows`` is then
     required. Returns [T, H]."""
-    up, down, up_b, down_b = layout.names
-    transposed, gated = layout.transposed, layout.gated
     k = index.size(-1)
     T, H = hidden.shape
     S = T * k
@@ -87,12 +85,37 @@ def grouped_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weig
         offs = group_ends(slots_g, total)  # [total] end row of each slot's group
         parts = _parts(offs, banks, rows)  # [(bank, first row, rows, its group ends)]
     else:  # the looped variant: the groups, from the host
-        parts, r0 = [], 0
-        for b, n in zip(banks, rows):
-            if n:
-                parts.append((b, r0, n, groups[len(parts)]))
-                r0 += n
-    names = (up, down, up_b, down_b)
+        parts = _looped_parts(banks, rows, groups)  # [(bank, first row, rows, its (end rows, slots))]
+    outs = _run_parts(mod, layout, parts, x_g, slots_g, ready)  # [n, H] per part
+    done = parts[-1][1] + parts[-1][2] if parts and parts[-1][2] >= 0 else (S if parts else 0)
+    if done < S:  # sentinel rows: nothing runs here, their contribution is zero
+        outs.append(hidden.new_zeros(S - done, H, dtype=outs[0].dtype if outs else hidden.dtype))
+    proj = outs[0] if len(outs) == 1 else torch.cat(outs)  # [S, H]
+    if layout.post_norm:
+        proj = mod.post_expert_norm(proj)
+    weighted = proj * w_g.unsqueeze(-1)  # [S, H]
+    inv = torch.empty_like(perm)  # [S]
+    inv[perm] = torch.arange(S, device=perm.device)
+    weighted = weighted[inv]  # [S, H] back in (token, rank) order
+    return weighted.view(T, k, H).sum(dim=1).to(hidden.dtype)  # [T, H]
+
+
+def _looped_parts(banks: Sequence[Bank], rows: Sequence[int], groups: Sequence) -> list:
+    """:func:`_parts` of the looped variant: each bank that has rows this call, with its groups from the host."""
+    parts, r0 = [], 0
+    for b, n in zip(banks, rows):
+        if n:
+            parts.append((b, r0, n, groups[len(parts)]))
+            r0 += n
+    return parts
+
+
+def _run_parts(mod, layout, parts: list, x_g: torch.Tensor, slots_g: torch.Tensor, ready: Optional[Callable]) -> list:
+    """Each part's rows (``x_g`` [S, H], sorted by slot ``slots_g`` [S]) through its bank: ``[n, H]`` per part,
+    in order. A bank another runner computes (the host tier's) is started first, beside the rest; each other
+    bank is ``ready`` just before its weights are read."""
+    names = layout.names
+    transposed, gated, up_b = layout.transposed, layout.gated, names[2]
     rows_of = [(x_g if n < 0 else x_g[r0:r0 + n],  # [n, H] each bank's rows, and their slots [n] (biases only)
                 None if up_b is None else slots_g if n < 0 else slots_g[r0:r0 + n]) for _, r0, n, _ in parts]
     outs: list = [None] * len(parts)
@@ -115,17 +138,7 @@ def grouped_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weig
             _join([outs[j] for j in remote if outs[j] is not None])
     for j in remote:
         outs[j] = outs[j].result()  # [n, H] the host's rows, joined before the top-k sum (raises the worker's error)
-    done = parts[-1][1] + parts[-1][2] if parts and parts[-1][2] >= 0 else (S if parts else 0)
-    if done < S:  # sentinel rows: nothing runs here, their contribution is zero
-        outs.append(hidden.new_zeros(S - done, H, dtype=outs[0].dtype if outs else hidden.dtype))
-    proj = outs[0] if len(outs) == 1 else torch.cat(outs)  # [S, H]
-    if layout.post_norm:
-        proj = mod.post_expert_norm(proj)
-    weighted = proj * w_g.unsqueeze(-1)  # [S, H]
-    inv = torch.empty_like(perm)  # [S]
-    inv[perm] = torch.arange(S, device=perm.device)
-    weighted = weighted[inv]  # [S, H] back in (token, rank) order
-    return weighted.view(T, k, H).sum(dim=1).to(hidden.dtype)  # [T, H]
+    return outs
 
 
 def _join(futures: list) -> None:

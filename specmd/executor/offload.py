@@ -8,8 +8,10 @@ The executor is composed of named parts, each in its own module, and adds only t
 * the **host tier** (:mod:`.tiers`): ``ram`` (pinned on CUDA) or ``disk`` (the checkpoint, read per expert);
 * the **mover** (:mod:`.transfer`): one channel of copy jobs, demand before prefetch, paced to the profile's
   link (a transfer thread on the CPU; a side stream and events on CUDA);
-* the **placement** (:mod:`.placement`): the engine's residency events carried out in the arena (slots,
-  copies, staging), and per layer call the *prepare* and *finalize* around the experts;
+* the **residency** (:mod:`.residency`): the engine's residency events carried out in the arena (slots,
+  tickets, compaction, stream staging rows, copy jobs), and the **placement** (:mod:`.placement`), which
+  extends it with each layer call's layout: the *prepare* (:meth:`~.placement.Placement.plan_call`) and
+  *finalize* around the experts;
 * the **kernel** (:mod:`.kernel`): the layer call's experts as one grouped GEMM per projection over the
   arena's ``[slots, ...]`` tensors, expert ids mapped to slot ids.
 
@@ -17,9 +19,9 @@ Per MoE layer call (:meth:`Offload.run`):
 
 1. the experts that run on the device, those computed from the host tier and those at a stored precision
    come from the engine's plan (lossless calls: the experts the selection requests, read on the host once);
-2. **prepare**: staged and unpacked copies are put in place, the expert map is uploaded, and each bank
-   (the arena, the two stream banks of the double buffer, the work bank, the host tier) learns which
-   copies it waits for;
+2. **prepare** (``plan_call``): staged and unpacked copies are put in place, the expert map is uploaded,
+   and each bank (the arena, the two stream banks of the double buffer, the work bank, the host tier)
+   learns which copies it waits for;
 3. **experts**: :func:`~.kernel.grouped_experts` over the banks, each bank's copies acquired just before
    it computes (a queued prefetch is promoted: the late prefetch), so the arena's experts compute while
    streamed ones are still arriving and nothing waits for what it does not need;
@@ -120,82 +122,44 @@ class Offload(Executor):
 
     # ---- set-up: tier, mover, placement ---------------------------------------------------------------
     def attach(self, stack) -> None:
+        """Wire the named parts (module docstring) over the installed stack. Every check that needs no loaded
+        model is :meth:`config_errors`' (before any model work); what is refused here needs the model's
+        experts: their bytes against the engine's, and the stored copies' raw bytes (:func:`_low_tiers`,
+        :func:`_alignment`)."""
         super().attach(stack)
         self.pad_host_runs = 0  # experts computed from the host tier for a batch's pad rows only (_pad_only)
         steady_host_allocator()  # what it measures is the steady state, not a fresh process's page faults
         p = self.params
-        geom, cache, store = stack.geom, stack.cache, stack.store
-        E, L = geom.num_experts, geom.num_layers
-        self.E = E
+        geom, store = stack.geom, stack.store
+        self.E = E = geom.num_experts
         self._device = dev = stack.device
         tensors = [expert_tensors(m, E) for m in stack.expert_modules]
-        names = list(tensors[0])
         shapes = {n: tuple(t.shape[1:]) for n, t in tensors[0].items()}
-        dtype = tensors[0][names[0]].dtype
-        slot_bytes = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize
-        if slot_bytes != store.bytes_of["native"]:
-            raise ConfigError(f"execution=offload: one expert is {slot_bytes} bytes in its tensors but the "
-                              f"engine counts {store.bytes_of['native']} (hardware.timing_as cannot be offloaded)")
-        low = [q for q in store.precisions if q != "native"]
-        from .tiers import DiskTier, RamTier
-
-        if p.host == "ram":
-            tier = RamTier(tensors, pin=dev.type == "cuda")
-        else:
-            if not stack.checkpoint:
-                raise ConfigError("execution.host=disk reads experts from a local checkpoint directory: set "
-                                  "model.pretrained to one (or use execution.host=ram)")
-            tier = DiskTier(stack.checkpoint, list(geom.layer_ids), shapes, dtype, E, stack.adapter.hub, p.page_cache,
-                            dev)
-        self.tier = tier
-        tiers = {"native": tier}
-        raw_layout: dict = {}  # (layer, precision) -> [(name, dtype, shape, bytes)]; equal ones shared
-        if low:  # stored low-precision copies: their raw bytes, per layer as [E, ...] tensors in host memory
-            if not store.packable:
-                raise ConfigError(f"execution=offload: the store's {', '.join(low)} copies have no raw bytes to move "
-                                  f"(quant method without ExpertStore.raw)")
-            for q in low:
-                rows = []
-                for layer in range(L):
-                    raws = [store.raw(layer, e, q) for e in range(E)]
-                    lay = [(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in raws[0].items()]
-                    raw_layout[layer, q] = next((v for v in raw_layout.values() if v == lay), lay)
-                    rows.append({n: torch.stack([r[n] for r in raws]) for n in raws[0]})
-                tiers[q] = RamTier(rows, pin=dev.type == "cuda")
-                if set(tiers[q].row_bytes) != {store.bytes_of[q]}:
-                    raise RuntimeError(f"execution=offload: {q} copies pack to {sorted(set(tiers[q].row_bytes))} "
-                                       f"bytes, the engine counts {store.bytes_of[q]}")
-        align = max([dtype.itemsize] + [d.itemsize for lay in raw_layout.values() for _, d, _, _ in lay])
-        if low:  # copies of several sizes share a byte arena: every size must keep the next copy aligned
-            for q, n in store.bytes_of.items():
-                if n % align:
-                    raise ConfigError(f"execution=offload: a {q} copy is {n} bytes, not a multiple of {align} (the "
-                                      f"widest element its arena neighbours hold), so copies of several precisions "
-                                      f"cannot share a pool; fetch one precision, or use execution=simulated")
-            for (layer, q), lay in raw_layout.items():
-                o = 0
-                for n, d, _, nb in lay:
-                    if o % d.itemsize:
-                        raise ConfigError(f"execution=offload: {q} copy's {n} starts at byte {o}, not aligned to its {d}")
-                    o += nb
-        hw = stack.spec.hardware
-        bw = link_rate(hw, geom.expert_bytes) if p.throttle else None  # (the simulated clock's channel's)
-        lat = hw.latency_us * 1e-6 if p.throttle else 0.0
-        if dev.type == "cuda":
-            import logging
-
-            logging.getLogger("specmd").warning(
-                "execution=offload on CUDA: this version's path (experts as grouped GEMMs from the arena, one read-"
-                "back per layer call, event-ordered copies) has not run on a GPU yet (docs/offload.md, 'On a GPU'); "
-                "check it with `python benchmarks/gpu_check.py` and report what it prints")
-        self.mover = CudaMover(bw, lat, dev) if dev.type == "cuda" else ThreadMover(bw, lat)
+        dtype = next(iter(tensors[0].values())).dtype
+        _check_native_bytes(shapes, dtype, store)
+        self.tier = self._host_tier(stack, tensors, shapes, dtype)
+        low_tiers, raw_layout = _low_tiers(store, geom.num_layers, E, dev.type == "cuda")
+        tiers = {"native": self.tier, **low_tiers}
+        align = _alignment(dtype, store, raw_layout)
+        self.mover = _mover(stack.spec.hardware, geom.expert_bytes, p.throttle, dev)
         how = p.host_compute if p.host_compute != "auto" else "thread" if dev.type == "cuda" else "inline"
         self.host_worker = HOST_COMPUTE[how]()
-        self.placement = Placement(cache.layout(), shapes, dtype, dev, tiers, self.mover, dict(store.bytes_of), store,
-                                   self._name, mixed=bool(low), raw_layout=raw_layout, align=align,
-                                   looped=p.kernel == "looped" or p.kernel == "auto" and not (
-                                       dev.type == "cuda" and dtype == torch.bfloat16), host_worker=self.host_worker)
-        cache.subscribe(self.placement)
+        looped = p.kernel == "looped" or p.kernel == "auto" and not (dev.type == "cuda" and dtype == torch.bfloat16)
+        self.placement = Placement(stack.cache.layout(), shapes, dtype, dev, tiers, self.mover, dict(store.bytes_of),
+                                   store, self._name, mixed=len(tiers) > 1, raw_layout=raw_layout, align=align,
+                                   looped=looped, host_worker=self.host_worker)
+        stack.cache.subscribe(self.placement)
+
+    def _host_tier(self, stack, tensors: list, shapes: dict, dtype: torch.dtype):
+        """The native copies' host tier: the experts' own tensors in host memory (``ram``, pinned on CUDA), or
+        the checkpoint's safetensors read per expert (``disk``: config_errors made sure there is one)."""
+        from .tiers import DiskTier, RamTier
+
+        dev = stack.device
+        if self.params.host == "ram":
+            return RamTier(tensors, pin=dev.type == "cuda")
+        return DiskTier(stack.checkpoint, list(stack.geom.layer_ids), shapes, dtype, stack.geom.num_experts,
+                        stack.adapter.hub, self.params.page_cache, dev)
 
     def _name(self, layer: int, expert: int) -> str:
         return f"model.layers.{self.stack.moe_ids[layer]} expert {expert}"
@@ -224,12 +188,12 @@ class Offload(Executor):
         pads = self._pad_only(rec, sel, running, host) if rec is not None and rec.live is not None else ()
         if pads:  # pad rows' experts that run for no live row: from the host tier, as the model computes them
             host = (*host, *pads)
-        slot_of, banks, rows, groups = place.prepare(mod.layer, running, host, low, sel, all_run)  # 2
+        call = place.plan_call(mod.layer, running, host, low, sel, all_run)  # 2
         place.host_runs -= len(pads)  # (not the engine's host computes)
         self.pad_host_runs += len(pads)
-        if banks and (groups is None or groups):
-            out = grouped_experts(mod.inner, self.stack.adapter.experts_layout, hidden, index, weights, slot_of, banks,
-                                  rows, place.ready, groups)  # 3
+        if call.banks and (call.groups is None or call.groups):
+            out = grouped_experts(mod.inner, self.stack.adapter.experts_layout, hidden, index, weights, call.slot_of,
+                                  call.banks, call.rows, place.ready, call.groups)  # 3
         else:  # nothing runs here (every expert dropped)
             out = torch.zeros_like(hidden)
         place.finalize()  # 4
@@ -257,9 +221,10 @@ class Offload(Executor):
 
     # ---- checks and results -------------------------------------------------------------------------------
     def check_residency(self, contents: bool = True) -> None:
-        """The arena holds exactly the engine's resident set, byte for byte (:meth:`Placement.check`)."""
-        cache = self.stack.cache
-        self.placement.check(cache.entries, cache.pools, contents)
+        """The arena holds exactly the engine's resident set, byte for byte (:meth:`~.residency.ArenaResidency.
+        check`): the cache manager read as the seam's :class:`~specmd.engine.residency.ResidentSet`, its only
+        read of the manager beside the pool layout and the events."""
+        self.placement.check(self.stack.cache, contents)
 
     def stalled(self) -> float:
         return self.placement.stall_s
@@ -305,6 +270,77 @@ class Offload(Executor):
         tier = getattr(self, "tier", None)
         if tier is not None:
             tier.close()
+
+
+def _check_native_bytes(shapes: dict, dtype: torch.dtype, store) -> None:
+    """One expert's bytes in the model's tensors are the engine's (they differ only for another model's sizes,
+    which config_errors refused first: hardware.timing_as)."""
+    slot_bytes = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize
+    if slot_bytes != store.bytes_of["native"]:
+        raise ConfigError(f"execution=offload: one expert is {slot_bytes} bytes in its tensors but the "
+                          f"engine counts {store.bytes_of['native']} (hardware.timing_as cannot be offloaded)")
+
+
+def _low_tiers(store, num_layers: int, num_experts: int, pin: bool) -> tuple[dict, dict]:
+    """The stored low-precision copies' host tiers (precision -> tier: their raw bytes, per layer as ``[E, ...]``
+    tensors in host memory) and their raw layouts ((layer, precision) -> ``[(name, dtype, shape, bytes)]``,
+    equal ones shared); none without stored copies."""
+    tiers: dict = {}
+    raw_layout: dict = {}
+    low = [q for q in store.precisions if q != "native"]
+    if low and not store.packable:
+        raise ConfigError(f"execution=offload: the store's {', '.join(low)} copies have no raw bytes to move "
+                          f"(quant method without ExpertStore.raw)")
+    from .tiers import RamTier
+
+    for q in low:
+        rows = []
+        for layer in range(num_layers):
+            raws = [store.raw(layer, e, q) for e in range(num_experts)]
+            lay = [(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in raws[0].items()]
+            raw_layout[layer, q] = next((v for v in raw_layout.values() if v == lay), lay)
+            rows.append({n: torch.stack([r[n] for r in raws]) for n in raws[0]})
+        tiers[q] = RamTier(rows, pin=pin)
+        if set(tiers[q].row_bytes) != {store.bytes_of[q]}:
+            raise RuntimeError(f"execution=offload: {q} copies pack to {sorted(set(tiers[q].row_bytes))} "
+                               f"bytes, the engine counts {store.bytes_of[q]}")
+    return tiers, raw_layout
+
+
+def _alignment(dtype: torch.dtype, store, raw_layout: dict) -> int:
+    """The byte alignment of a mixed arena's copies: the widest element any copy holds. Copies of several
+    sizes share a byte arena, so every size must keep the next copy aligned, and every raw tensor its own."""
+    align = max([dtype.itemsize] + [d.itemsize for lay in raw_layout.values() for _, d, _, _ in lay])
+    if not raw_layout:  # no stored copies: one size, native, nothing shares
+        return align
+    for q, n in store.bytes_of.items():
+        if n % align:
+            raise ConfigError(f"execution=offload: a {q} copy is {n} bytes, not a multiple of {align} (the "
+                              f"widest element its arena neighbours hold), so copies of several precisions "
+                              f"cannot share a pool; fetch one precision, or use execution=simulated")
+    for (layer, q), lay in raw_layout.items():
+        o = 0
+        for n, d, _, nb in lay:
+            if o % d.itemsize:
+                raise ConfigError(f"execution=offload: {q} copy's {n} starts at byte {o}, not aligned to its {d}")
+            o += nb
+    return align
+
+
+def _mover(hw, expert_bytes: int, throttle: bool, dev: torch.device):
+    """The channel of copy jobs, paced to the profile's link at the model's expert size (the simulated clock's
+    channel's) plus its latency, or unpaced (``throttle`` false): a side stream and events on CUDA, a
+    transfer thread elsewhere."""
+    bw = link_rate(hw, expert_bytes) if throttle else None
+    lat = hw.latency_us * 1e-6 if throttle else 0.0
+    if dev.type == "cuda":
+        import logging
+
+        logging.getLogger("specmd").warning(
+            "execution=offload on CUDA: this version's path (experts as grouped GEMMs from the arena, one read-"
+            "back per layer call, event-ordered copies) has not run on a GPU yet (docs/offload.md, 'On a GPU'); "
+            "check it with `python benchmarks/gpu_check.py` and report what it prints")
+    return CudaMover(bw, lat, dev) if dev.type == "cuda" else ThreadMover(bw, lat)
 
 
 EXECUTION.register(Offload)

@@ -1,293 +1,137 @@
-"""Where every copy the engine keeps resident lives on the device, and the copies that put it there: the
-"prepare / finalize" half of ``execution=offload`` (vLLM's split of a fused-MoE call into prepare, experts,
-finalize; the experts half is :mod:`.kernel`).
+"""Each layer call's layout around its experts: the "prepare / finalize" half of ``execution=offload`` (vLLM's
+split of a fused-MoE call into prepare, experts, finalize; the experts half is :mod:`.kernel`).
 
-:class:`Placement` is the engine's :class:`~specmd.engine.residency.ResidencyEvents` subscriber. It follows
-the manager's events one for one and decides nothing:
-
-1. **inserted** (a demand fetch or an admitted prefetch): a free slot of the layer's pool
-   (:class:`~.arena.SlotArena`, or a byte range of a mixed :class:`~.arena.ByteArena`) is taken and the
-   copy from the host tier is handed to the mover (:mod:`.transfer`). A layer call's demand copies go as
-   **one job** for the arena and one per stream bank, submitted when the call's decisions are made (before
-   its first prefetch, or when it runs); a prefetch is its own job, queued behind demand jobs;
-2. **evicted**: the slot is freed (a copy still queued into it is cancelled; one under way lands first);
-3. **streamed** (a demand miss no pool could hold): the bytes go to a row of a *stream* staging bank, for
-   this call only (two banks: a double buffer, :meth:`streamed`).
-
-Per layer call, :meth:`prepare` puts what does not run from a slot into place (stored low-precision copies
+:class:`Placement` extends the engine's residency carried out in the arena (:class:`~.residency.
+ArenaResidency`: slots, tickets, compaction, stream staging rows, copy jobs) with the layer call. Per call,
+:meth:`~Placement.plan_call` puts what does not run from a slot into place (stored low-precision copies
 unpacked, a mixed arena's native copies, host-computed experts off a CPU) in the *work* staging bank, and
-returns the layer call's expert map (expert id -> global slot id, uploaded once) and the banks
-:func:`~.kernel.grouped_experts` runs, each with the copies it waits for; :meth:`ready` acquires them just
-before that bank computes (a prefetch still queued is promoted: the simulated clock's late prefetch);
-:meth:`finalize` releases the call's staging rows.
+returns the call's :class:`CallPlan`: the expert map (expert id -> global slot id, uploaded once) and the
+banks :func:`~.kernel.grouped_experts` runs, each with the copies it waits for; :meth:`~Placement.ready`
+acquires them just before that bank computes (a prefetch still queued is promoted: the simulated clock's
+late prefetch); :meth:`~Placement.finalize` releases the call's staging rows.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import numpy as np
 import torch
 
+from .arena import Staging
 from .host import register_host
-from ..engine.residency import PoolLayout, ResidencyEvents
-from .arena import ByteArena, SlotArena
 from .kernel import Bank
+from .residency import ArenaResidency, StagedCopy
 
 
-DOUBLE_BUFFER_AFTER = 4  # streamed experts of a call that share one bank before the two banks alternate
 SPAN_MIN_SKIP = 64  # empty groups a bank's grouped GEMM must leave out before it spans only the slots read
-RAW = "__raw__"  # a mixed stream bank's one tensor: [rows, slot bytes] uint8
 
 
-class Staging:
-    """A growing bank of fused ``[rows, ...]`` tensors (one expert per row) on the device: a layer call's
-    streamed experts, or the experts it puts into place to run. Grows geometrically, never shrinks; the
-    largest it grew to is reported (``memory.staging_peak_bytes``)."""
+class CallPlan:
+    """One layer call's arguments to :func:`~.kernel.grouped_experts`, from :meth:`Placement.plan_call`:
+    ``slot_of`` [E] long on the device (the expert map), ``banks``, ``rows`` (token-expert rows of each bank,
+    host ints; None: one bank, every row runs) and ``groups`` (the looped variant's groups of each bank with
+    rows; None: grouped). One per placement, re-pointed every call: ``slot_of`` and ``banks`` are always the
+    same objects, refilled."""
 
-    def __init__(self, shapes: dict, dtype: torch.dtype, device):
-        self.shapes, self.dtype, self.device = shapes, dtype, device
-        self.tensors: dict = {}
-        self.cap = 0
-        self._views: list = []
-        self.row_bytes = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize
+    __slots__ = ("slot_of", "banks", "rows", "groups")
 
-    def ensure(self, rows: int, keep: int = 0) -> None:
-        """Room for ``rows`` rows; the first ``keep`` rows' contents survive a growth."""
-        if rows <= self.cap:
-            return
-        cap = max(rows, 2 * self.cap, 1)
-        new = {n: torch.zeros((cap, *s), dtype=self.dtype, device=self.device) for n, s in self.shapes.items()}
-        if keep:
-            for n, t in self.tensors.items():
-                new[n][:keep].copy_(t[:keep])
-        self.tensors, self.cap = new, cap
-        self._views = [{n: t[r] for n, t in new.items()} for r in range(cap)]
-
-    def views(self, row: int) -> dict:
-        return self._views[row]
-
-    @property
-    def bytes(self) -> int:
-        return self.cap * self.row_bytes
+    def __init__(self, slot_of: torch.Tensor, banks: list):
+        self.slot_of, self.banks = slot_of, banks
+        self.rows: Optional[list] = None
+        self.groups: Optional[list] = None
 
 
-class Placement(ResidencyEvents):
-    """The device side of the engine's residency (module docstring)."""
+class Placement(ArenaResidency):
+    """The device side of the engine's residency (:class:`~.residency.ArenaResidency`) and each layer call's
+    layout around its experts (module docstring)."""
 
-    def __init__(self, layout: PoolLayout, shapes: dict, dtype: torch.dtype, device: torch.device, tiers: dict,
-                 mover, bytes_of: dict, store, name, mixed: bool = False, raw_layout: Optional[dict] = None,
-                 align: int = 1, looped: bool = False, host_worker=None):
-        """``shapes``: one expert's shape per fused parameter (the family's layout) at ``dtype``; ``tiers``:
-        the host tier per stored precision ("native" always); ``bytes_of``: the engine's bytes per copy of each
-        precision; ``store``: the quantized store (``unpack``); ``name(layer, expert)``: how errors name an
-        expert; ``mixed``: copies of several precisions share the pools (byte arenas), whose raw tensors
-        ``raw_layout[layer, precision]`` lists as ``[(name, dtype, shape, bytes)]``; ``looped``: the kernel runs
+    def __init__(self, layout, shapes: dict, dtype: torch.dtype, device: torch.device, tiers: dict, mover,
+                 bytes_of: dict, store, name, mixed: bool = False, raw_layout: Optional[dict] = None, align: int = 1,
+                 looped: bool = False, host_worker=None):
+        """The residency's arguments (:class:`~.residency.ArenaResidency`), and: ``looped``: the kernel runs
         one GEMM per group (:func:`~.kernel.grouped_experts`'s ``groups``, made here from the host's routing);
         ``host_worker``: computes the host tier's bank (:mod:`.hostwork`: a worker thread beside the device, or
         inline first in the call)."""
-        E, L = layout.num_experts, layout.num_layers
-        self.E = E
-        self.device = device
-        self.tiers, self.tier = tiers, tiers["native"]
-        self.mover = mover
-        self.bytes_of = bytes_of
-        self.store = store
-        self.name = name
-        self.mixed = mixed
+        super().__init__(layout, shapes, dtype, device, tiers, mover, bytes_of, store, name, mixed, raw_layout, align)
         self.looped = looped
-        self.names = list(shapes)
-        self.slot_bytes = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize
-        self.pool_of_layer = list(layout.pool_of_layer)
-        if mixed:
-            self.pools = [ByteArena(c, self.slot_bytes, device, align) for c in layout.capacities]
-        else:
-            self.pools = [SlotArena(c, shapes, dtype, device) for c in layout.capacities]
-        self.capacity_bytes = sum(a.capacity for a in self.pools)
-        self._native_layout = [(n, dtype, s, math.prod(s) * dtype.itemsize) for n, s in shapes.items()]
-        self._raw_layout = raw_layout or {}
-        self._raw_cache: dict = {}
-        # streamed experts (this call only): raw bytes of any precision (mixed), or native copies as fused rows in
-        # two banks, a double buffer (streamed): each bank is copied as its own job, and the kernel computes one
-        # bank's experts while the next bank's copies are still landing
-        self.streams = [Staging({RAW: (self.slot_bytes,)}, torch.uint8, device)] if mixed else \
-            [Staging(shapes, dtype, device), Staging(shapes, dtype, device)]
+        self.host_runs = self.low_runs = 0
         self.stream_banks = [Bank({}, 0, 0) for _ in self.streams]
-        self._stream_n = [0, 0]  # rows of each stream bank taken this call
-        self._after = None  # the compute work a new copy waits for (Mover.mark at the last finalize)
         self.work = Staging(shapes, dtype, device)  # experts put into place to run (unpacked, moved, host's)
         # host-computed experts run where they are, the host tier's bank, computed by ``host_worker``
         # (:mod:`.hostwork`); a tier without one (disk) copies them into the work bank
         self.host_in_place = hasattr(self.tier, "host_bank")
-        self.at = [-1] * (L * E)  # the slot (uniform) or byte offset (mixed) of each resident copy
-        self.prec_of: list = [None] * (L * E)
-        self.tickets: list = [None] * (L * E)
-        # this call's streamed experts: [layer, expert, ticket (None until submitted), precision, stream bank, row]
-        self._staged: list = []
-        self._batch: list = []  # demand copies not yet submitted: (layer, expert, views or stream row, precision)
-        self._batch_keys: list = []  # their cache keys (-1: streamed)
-        self.used_bytes = self.peak_bytes = 0
-        self.copies = self.host_runs = self.low_runs = 0
-        self.jobs = 0  # copy jobs handed to the mover (a call's demand batch: one; each prefetch: one)
-        self.bytes_submitted = 0  # bytes handed to the mover (demand batches and prefetches)
-        self.stall_s = 0.0
         # the layer call's expert map: filled on the host in a ring of pinned rows and uploaded once per call.
         # Two rows would do: a row is rewritten two calls later, after the next call's routing read-back,
         # which waits for everything issued before it (the upload included); four leave a margin.
         pin = device.type == "cuda"
-        self._ring = register_host(torch.empty(4, E, dtype=torch.int64, pin_memory=pin))
+        self._ring = register_host(torch.empty(4, self.E, dtype=torch.int64, pin_memory=pin))
         self._ring_np = self._ring.numpy()
         self._ring_i = 0
-        self._slot_of = torch.empty(E, dtype=torch.int64, device=device)
+        self._slot_of = torch.empty(self.E, dtype=torch.int64, device=device)
         # the banks a layer call hands the kernel, made once and re-pointed per call
         self._banks: list = []
         self._arena_bank, self._work_bank, self._host_bank = Bank({}, 0, 0), Bank({}, 0, 0), Bank({}, 0, 0, host_worker)
+        self._plan = CallPlan(self._slot_of, self._banks)
 
-    # ---- events from the cache manager ------------------------------------------------------------------
-    def inserted(self, key: int, layer: int, precision: str, prefetched: bool) -> None:
-        pi = self.pool_of_layer[layer]
-        arena = self.pools[pi]
-        e = key - layer * self.E
-        size = self.bytes_of[precision]
-        off = arena.alloc(key, size)
-        if off is None and self.mixed:  # bytes enough, no hole large enough: compact, then it fits
-            self._compact(pi, size)
-            off = arena.alloc(key, size)
-        if off is None:
-            raise RuntimeError(f"execution=offload: pool {pi} has no room for {self.name(layer, e)} ({size} bytes, "
-                               f"{arena.used} of {arena.capacity} used), but the engine admitted it (the arena and "
-                               f"the engine disagree)")
-        self.at[key] = off
-        self.prec_of[key] = precision
-        views = self._views_of(key, layer, off, precision)
-        self.used_bytes += size
-        if self.used_bytes > self.peak_bytes:
-            self.peak_bytes = self.used_bytes
-        self.copies += 1
-        if not prefetched:  # a demand fetch: batched with the call's others
-            self._batch.append((layer, e, views, precision))
-            self._batch_keys.append(key)
-            return
-        self.flush()  # the call's demand copies go first, as the engine issued them
-        tier = self.tiers[precision]
-        self.bytes_submitted += size
-        self.jobs += 1
-        self.tickets[key] = self.mover.submit(lambda: tier.copy_into(layer, e, views), size, False, self.name(layer, e),
-                                              after=self._after)
-
-    def evicted(self, key: int) -> None:
-        t = self.tickets[key]
-        if t is None and key in self._batch_keys:  # demanded this call, not submitted yet: never copied
-            i = self._batch_keys.index(key)
-            del self._batch_keys[i], self._batch[i]
-        elif t is not None and (t.done() or t.count > 1 or not self.mover.cancel(t)):
-            # a copy into the slot is under way, batched, or issued (on CUDA done = issued): it lands before
-            # anything the compute stream writes there later (a mixed arena's compaction)
-            self.stall_s += self.mover.acquire(t)
-        self.tickets[key] = None
-        self.used_bytes -= self.bytes_of[self.prec_of[key]]
-        self.pools[self.pool_of_layer[key // self.E]].release(key)
-        self.at[key] = -1
-        self.prec_of[key] = None
-
-    def streamed(self, layer: int, expert: int, precision: str) -> None:
-        i = len(self._staged)
-        # the first DOUBLE_BUFFER_AFTER go to bank 0 (a decode's few: one bank, no extra launches), then the
-        # two banks alternate (a prefill's many: one bank computes while the other's copies land)
-        j = 0 if len(self.streams) == 1 or i < DOUBLE_BUFFER_AFTER else (i - DOUBLE_BUFFER_AFTER + 1) % 2
-        row = self._stream_n[j]
-        self._stream_n[j] += 1
-        bank = self.streams[j]
-        if row >= bank.cap:  # grows to the most experts one call streamed (memory.staging_peak_bytes)
-            self._settle_stream()
-            bank.ensure(row + 1, keep=row)
-            self._raw_cache.clear()  # views of the old rows
-        self._batch.append((layer, expert, i, precision))  # a stream row, resolved when the batch is submitted
-        self._batch_keys.append(-1)
-        self._staged.append([layer, expert, None, precision, j, row])  # its ticket: its bank's job's, at submission
-        self.copies += 1
-
-    def _stream_views(self, i: int, layer: int, precision: str) -> dict:
-        j, row = self._staged[i][4:6]
-        bank = self.streams[j]
-        if not self.mixed:
-            return bank.views(row)
-        return self._raw_at(bank.tensors[RAW][row], 0, layer, precision)
-
-    def _settle_stream(self) -> None:
-        """Before the stream bank grows: this call's copies already submitted into it have landed (its rows are
-        copied into the grown bank on the compute stream)."""
-        self._acquire([s[2] for s in self._staged])
-
-    def flush(self) -> None:
-        """Submit the layer call's pending demand copies: the copies into the arena as one channel job (paced
-        as that many transfers), then each stream bank's copies as one job (the double buffer)."""
-        items = self._batch
-        if not items:
-            return
-        jobs: list = [[] for _ in range(1 + len(self.streams))]  # [arena, stream bank 0, stream bank 1]
-        for layer, e, dst, prec in items:
-            if isinstance(dst, int):
-                jobs[1 + self._staged[dst][4]].append((layer, e, self._stream_views(dst, layer, prec), prec, dst))
-            else:
-                jobs[0].append((layer, e, dst, prec, None))
-        tickets = self.tickets
-        keys = iter(k for k in self._batch_keys if k >= 0)
-        for j, job in enumerate(jobs):
-            if not job:
-                continue
-            t = self._submit(job)
-            if j == 0:
-                for _ in job:
-                    tickets[next(keys)] = t
-            else:
-                for *_, i in job:
-                    self._staged[i][2] = t
-        self._batch, self._batch_keys = [], []
-
-    def _submit(self, items: list):
-        """One demand job copying ``items`` ``(layer, expert, destination views, precision, _)`` in order."""
-        groups: dict[str, list] = {}
-        for layer, e, dst, prec, _ in items:
-            groups.setdefault(prec, []).append((layer, e, dst))
-        nbytes = sum(self.bytes_of[it[3]] for it in items)
-        self.bytes_submitted += nbytes
-        self.jobs += 1
-        jobs = [(self.tiers[q], g) for q, g in groups.items()]
-        name = self.name
-
-        def job():
-            for tier, g in jobs:
-                tier.copy_many(g, name)
-
-        first = name(items[0][0], items[0][1])
-        return self.mover.submit(job, nbytes, True, first + (f" and {len(items) - 1} more" if len(items) > 1 else ""),
-                                 len(items), after=self._after)
-
-    # ---- one layer call: prepare, then (the kernel), then finalize ----------------------------------------
-    def prepare(self, layer: int, running, host=(), low=None, index=None, all_run: bool = True):
-        """Say where the running experts' weights are, and what each bank waits for: ``(slot_of [E] on the
-        device, banks, rows)`` for :func:`~.kernel.grouped_experts`, whose ``ready(bank)`` is :meth:`ready`.
+    # ---- one layer call: plan_call, then (the kernel), then finalize ---------------------------------------
+    def plan_call(self, layer: int, running, host=(), low=None, index=None, all_run: bool = True) -> CallPlan:
+        """Say where the running experts' weights are, and what each bank waits for: the call's
+        :class:`CallPlan` for :func:`~.kernel.grouped_experts`, whose ``ready(bank)`` is :meth:`ready`.
         ``running``: the experts that run on the device this call (host ints); ``host``: experts computed from
         the host tier; ``low``: expert -> stored precision it runs at; ``index``: the call's selection on the
         host (``[T, k]``), for the rows of a call whose experts are in several banks or do not all run here
-        (``all_run`` false: some may be dropped). Nothing waits here for a copy a bank does not need."""
-        self.flush()
-        E, base = self.E, layer * self.E
-        tickets = self.tickets
-        mixed = self.mixed
-        pool = self.pools[self.pool_of_layer[layer]]
-        staged_at = {s[1]: i for i, s in enumerate(self._staged) if s[0] == layer}
-        if mixed:  # everything runs from the work bank, filled now: its sources must have landed
-            self._acquire([s[2] for s in self._staged] + [tickets[base + e] for e in running])
-        self.work.ensure((len(running) if mixed else 0) + (0 if self.host_in_place else len(host)))
+        (``all_run`` false: some may be dropped). Nothing waits here for a copy a bank does not need.
+
+        1. the call's demand copies are submitted (:meth:`flush`); a mixed arena runs everything from the work
+           bank, filled now, so the copies it is filled from are acquired;
+        2. the banks are re-pointed at this call's tensors, each stream bank waiting for its job
+           (:meth:`_point_banks`);
+        3. the expert map: each running expert's global slot (:meth:`_map_running`), each host expert's
+           (:meth:`_map_host`), then the host tier's bank; an expert that does not run here maps to the
+           sentinel;
+        4. each bank spans only the slots it reads, where that leaves out many (:meth:`_span_banks`);
+        5. the rows of each bank (and the looped variant's groups) from the host's selection;
+        6. the expert map is uploaded (one copy from the pinned ring)."""
+        self.flush()  # 1
+        staged_at = {s.expert: s for s in self._staged if s.layer == layer}
+        if self.mixed:  # everything runs from the work bank, filled now: its sources must have landed
+            self._acquire([s.ticket for s in self._staged] + [self.tickets[layer * self.E + e] for e in running])
+        self.work.ensure((len(running) if self.mixed else 0) + (0 if self.host_in_place else len(host)))
+        first_work = self._point_banks(layer)  # 2
+        first_host = first_work + self.work.cap
+        sentinel = first_host + (self.E if self.host_in_place and host else 0)
+        m = self._ring_np[self._ring_i]  # 3
+        m.fill(sentinel)
+        w = self._map_running(layer, running, low, staged_at, m, first_work)
+        if host:
+            self._map_host(layer, host, m, first_work, first_host, w)
+        banks = self._banks
+        if sentinel > first_host:
+            hb = self._host_bank
+            hb.tensors, hb.first, hb.n = self.tier.host_bank(layer), first_host, self.E
+            banks.append(hb)
+        self._span_banks(m, sentinel)  # 4
+        plan = self._plan  # 5
+        if self.looped:
+            plan.rows, plan.groups = self._groups(m, banks, index)
+        else:
+            plan.rows, plan.groups = self._rows(m, banks, index) if len(banks) > 1 or not all_run else None, None
+        self._slot_of.copy_(self._ring[self._ring_i], non_blocking=True)  # 6
+        self._ring_i = (self._ring_i + 1) % len(self._ring)
+        return plan
+
+    def _point_banks(self, layer: int) -> int:
+        """Step 2 of :meth:`plan_call`: the call's banks, in global slot order -- the arena (uniform only), each
+        stream bank grown so far, the work bank if any -- re-pointed at their tensors, the stream banks' tickets
+        their jobs' (one per flush). Returns the work bank's first global slot."""
         banks = self._banks
         banks.clear()
         first = 0
         arena = self._arena_bank
         arena.tickets.clear()
-        if not mixed:
+        if not self.mixed:
+            pool = self.pools[self.pool_of_layer[layer]]
             arena.tensors, arena.first, arena.n = pool.tensors, 0, pool.n
             banks.append(arena)
             first = pool.n
@@ -297,19 +141,22 @@ class Placement(ResidencyEvents):
                     bank.tensors, bank.first, bank.n = st.tensors, first, st.cap
                     banks.append(bank)
                     for s in self._staged:  # (its streamed experts' job: one ticket each flush)
-                        if s[4] == j and (not bank.tickets or bank.tickets[-1] is not s[2]):
-                            bank.tickets.append(s[2])
+                        if s.bank == j and (not bank.tickets or bank.tickets[-1] is not s.ticket):
+                            bank.tickets.append(s.ticket)
                 first += st.cap
         work = self._work_bank
         if self.work.cap:
             work.tensors, work.first, work.n = self.work.tensors, first, self.work.cap
             banks.append(work)
-        first_work = first
-        first_host = first + self.work.cap
-        sentinel = first_host + (E if self.host_in_place and host else 0)
-        m = self._ring_np[self._ring_i]
-        m.fill(sentinel)
-        at = self.at
+        return first
+
+    def _map_running(self, layer: int, running, low, staged_at: dict, m: np.ndarray, first_work: int) -> int:
+        """Step 3 of :meth:`plan_call` for the experts that run on the device: ``m[e]``, each one's global slot
+        (its arena slot, its stream row, or -- mixed -- the work row it is put into now), and the arena bank
+        waits for its copy. Returns the work rows taken."""
+        base = layer * self.E
+        tickets, at = self.tickets, self.at
+        arena, mixed = self._arena_bank, self.mixed
         w = 0
         for e in running:
             key = base + e
@@ -317,19 +164,24 @@ class Placement(ResidencyEvents):
             if t is not None:  # the arena bank waits for it (a prefetch still queued is promoted then: late)
                 arena.tickets.append(t)
                 tickets[key] = None
-            i = staged_at.get(e)
+            staged = staged_at.get(e)
             if mixed:  # into the work bank: unpacked from its stored copy, or moved out of the byte arena
-                self._put(layer, e, low.get(e, "native") if low else "native", i, w)
+                self._put(layer, e, low.get(e, "native") if low else "native", staged, w)
                 m[e] = first_work + w
                 w += 1
-            elif i is not None:
-                m[e] = self.stream_banks[self._staged[i][4]].first + self._staged[i][5]
+            elif staged is not None:
+                m[e] = self.stream_banks[staged.bank].first + staged.row
             elif at[key] >= 0:
                 m[e] = at[key]
             else:
                 raise RuntimeError(f"execution=offload: {self.name(layer, e)} runs but is neither in the arena nor "
                                    f"staged (the arena and the engine disagree)")
-        for e in host:  # miss=cpu_compute: from the host tier, where it is (a CPU device) or copied to the device
+        return w
+
+    def _map_host(self, layer: int, host, m: np.ndarray, first_work: int, first_host: int, w: int) -> None:
+        """Step 3 of :meth:`plan_call` for the experts computed from the host tier (miss=cpu_compute): in place
+        (the host tier's bank, from ``first_host``) or copied to the device into work rows from ``w``."""
+        for e in host:
             if self.host_in_place:
                 m[e] = first_host + e
             else:
@@ -337,24 +189,16 @@ class Placement(ResidencyEvents):
                 m[e] = first_work + w
                 w += 1
             self.host_runs += 1
-        if sentinel > first_host:
-            hb = self._host_bank
-            hb.tensors, hb.first, hb.n = self.tier.host_bank(layer), first_host, E
-            banks.append(hb)
+
+    def _span_banks(self, m: np.ndarray, sentinel: int) -> None:
+        """Step 4 of :meth:`plan_call`: a bank's grouped GEMM spans only the slots it reads (``[lo, hi)``), where
+        that leaves out many (a slice costs views; a few empty groups cost less)."""
         used = m[m < sentinel]  # the slots this call reads
-        for b in banks:  # a bank's grouped GEMM spans only the slots it reads, where that leaves out many
+        for b in self._banks:
             mine = used[(used >= b.first) & (used < b.first + b.n)]
             b.lo, b.hi = (int(mine.min()), int(mine.max()) + 1) if mine.size else (b.first, b.first)
-            if b.n - (b.hi - b.lo) < SPAN_MIN_SKIP:  # (a slice costs views; a few empty groups cost less)
+            if b.n - (b.hi - b.lo) < SPAN_MIN_SKIP:
                 b.lo, b.hi = b.first, b.first + b.n
-        groups = None
-        if self.looped:
-            rows, groups = self._groups(m, banks, index)
-        else:
-            rows = self._rows(m, banks, index) if len(banks) > 1 or not all_run else None
-        self._slot_of.copy_(self._ring[self._ring_i], non_blocking=True)
-        self._ring_i = (self._ring_i + 1) % len(self._ring)
-        return self._slot_of, banks, rows, groups
 
     def ready(self, bank: Bank) -> None:
         """The kernel is about to read ``bank``: the copies into it are acquired (promoted if queued, waited for;
@@ -363,29 +207,20 @@ class Placement(ResidencyEvents):
             self._acquire(bank.tickets)
             bank.tickets.clear()
 
-    def _acquire(self, tickets) -> None:
-        """Acquire ``tickets`` (a batch job's ticket, standing for several experts, once in a row; acquiring a
-        done one again costs nothing)."""
-        last = None
-        for t in tickets:
-            if t is not None and t is not last:
-                self.stall_s += self.mover.acquire(t)
-                last = t
-
-    def _put(self, layer: int, e: int, prec: str, staged: Optional[int], row: int) -> None:
+    def _put(self, layer: int, e: int, prec: str, staged: Optional[StagedCopy], row: int) -> None:
         """Expert ``e`` into work row ``row`` from a mixed arena or the stream's raw rows: its stored ``prec``
         copy unpacked (the store's own function: the simulated run's numbers), or its native copy moved."""
         key = layer * self.E + e
         if staged is not None:
-            if self._staged[staged][3] != prec:
+            if staged.precision != prec:
                 raise RuntimeError(f"execution=offload: {self.name(layer, e)} runs at {prec} but was streamed at "
-                                   f"{self._staged[staged][3]} (the executor and the engine disagree)")
-            raw = self._stream_views(staged, layer, prec)
+                                   f"{staged.precision} (the executor and the engine disagree)")
+            raw = self._stream_views(staged)
         else:
             if self.prec_of[key] != prec:
                 raise RuntimeError(f"execution=offload: {self.name(layer, e)} runs at {prec} but the arena holds "
                                    f"{self.prec_of[key]} (the arena and the engine disagree)")
-            raw = self._raw_at(self.pools[self.pool_of_layer[layer]].buf, self.at[key], layer, prec)
+            raw = self.raw_views.at(self.pools[self.pool_of_layer[layer]].buf, self.at[key], layer, prec)
         dst = self.work.views(row)
         w = raw if prec == "native" else self.store.unpack(layer, prec, raw, self.device)
         for n in self.names:
@@ -437,94 +272,7 @@ class Placement(ResidencyEvents):
         self._staged.clear()
         self._stream_n[0] = self._stream_n[1] = 0
 
-    # ---- views into the arena ---------------------------------------------------------------------------
-    def _views_of(self, key: int, layer: int, off: int, precision: str) -> dict:
-        if not self.mixed:
-            return self.pools[self.pool_of_layer[layer]].views(off)
-        return self._raw_at(self.pools[self.pool_of_layer[layer]].buf, off, layer, precision)
-
-    def _raw_at(self, buf: torch.Tensor, offset: int, layer: int, precision: str) -> dict:
-        """Views of one copy's tensors at byte ``offset`` of a 1-D byte buffer (a mixed arena, a stream row),
-        remembered per (buffer, offset, layout): making them is up to 18 tensor calls, and copies keep landing
-        at the same offsets (sizes repeat). At most 8192 remembered (then forgotten at once)."""
-        layout = self._native_layout if precision == "native" else self._raw_layout[layer, precision]
-        ck = (buf.data_ptr(), offset, id(layout))
-        out = self._raw_cache.get(ck)
-        if out is None:
-            if len(self._raw_cache) >= 8192:
-                self._raw_cache.clear()
-            out, o = {}, offset
-            for n, dtype, shape, nbytes in layout:
-                out[n] = buf[o:o + nbytes].view(dtype).view(shape)
-                o += nbytes
-            self._raw_cache[ck] = out
-        return out
-
-    def _compact(self, pi: int, need: int) -> None:
-        """Defragment mixed pool ``pi`` until ``need`` bytes are one hole: the copies in the range to slide
-        must have landed (those still in flight are promoted and waited for), then they move down. Copies
-        outside the range are not waited for."""
-        self.flush()
-        arena = self.pools[pi]
-        span = arena.window(need)
-        self._acquire([self.tickets[key] for key in arena.inside(*span)])
-        for key, off in arena.compact(span=span).items():  # views re-made when the copy next runs
-            self.at[key] = off
-
-    # ---- checks -------------------------------------------------------------------------------------------
-    def check(self, entries: dict, pools: list, contents: bool = True) -> None:
-        """The arena holds exactly the engine's resident set (``entries``: key -> entry with ``precision``;
-        ``pools``: each pool's ``capacity`` and ``used``): every entry has its bytes at its precision, no range
-        is held for an expert the engine does not have, used bytes equal each pool's; with ``contents``, each
-        arrived copy's bytes are its expert's (compared with the host tier)."""
-        held = {k for k, o in enumerate(self.at) if o >= 0}
-        keys = set(entries)
-        if held != keys:
-            raise AssertionError(f"arena holds {sorted(held - keys)[:8]} the engine does not; engine holds "
-                                 f"{sorted(keys - held)[:8]} the arena does not")
-        for key in held:
-            if self.prec_of[key] != entries[key].precision:
-                raise AssertionError(f"key {key}: the arena holds {self.prec_of[key]}, the engine "
-                                     f"{entries[key].precision}")
-        for pi, pool in enumerate(pools):
-            arena = self.pools[pi]
-            if arena.used > pool.capacity:
-                raise AssertionError(f"pool {pi}: {arena.used} bytes exceed {pool.capacity}")
-            if arena.used != pool.used:
-                raise AssertionError(f"pool {pi}: arena uses {arena.used} bytes, engine {pool.used}")
-            if self.mixed:
-                spans = sorted(list(arena.live.values()) + arena.holes())
-                if any(a[0] + a[1] > b[0] for a, b in zip(spans, spans[1:])):
-                    raise AssertionError(f"pool {pi}: overlapping ranges {spans[:8]}")
-            elif sorted(list(arena.live.values()) + arena.holes()) != list(range(arena.n)):
-                raise AssertionError(f"pool {pi}: held and free slots do not partition its {arena.n} slots")
-        if not contents:
-            return
-        self.mover.sync()  # (on CUDA a done copy was issued, maybe not landed)
-        for key in held:
-            t = self.tickets[key]
-            if t is not None and not t.done():
-                continue
-            layer, e = divmod(key, self.E)
-            prec = self.prec_of[key]
-            views = self._views_of(key, layer, self.at[key], prec)
-            if prec == "native":
-                want = {n: torch.empty(s, dtype=d) for n, d, s, _ in self._native_layout}
-                self.tier.copy_into(layer, e, want)
-            else:
-                want = self.store.raw(layer, e, prec)
-            for n in want:
-                if n in views and not torch.equal(views[n].cpu(), want[n]):
-                    raise AssertionError(f"slot of layer {layer} expert {e} does not hold its bytes ({n})")
-
     def memory(self) -> dict:
-        return {
-            "arena_capacity_bytes": self.capacity_bytes,
-            "arena_slots": sum(a.capacity // self.slot_bytes for a in self.pools),  # native one-expert slots
-            "arena_layout": "mixed" if self.mixed else "uniform",
-            "arena_compactions": sum(a.compactions for a in self.pools),
-            "arena_bytes_compacted": sum(a.bytes_compacted for a in self.pools),
-            "slot_bytes": self.slot_bytes,
-            "arena_peak_bytes": self.peak_bytes,
-            "staging_peak_bytes": sum(st.bytes for st in self.streams) + self.work.bytes,
-        }
+        out = super().memory()
+        out["staging_peak_bytes"] += self.work.bytes  # the stream banks' and the work bank's
+        return out
