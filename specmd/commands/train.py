@@ -203,64 +203,64 @@ def _save_atomic(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def train(cfg: DictConfig) -> dict:
-    """Run (or resume) the recipe; returns the summary that the model card reports."""
-    from tqdm.auto import tqdm
+def _tokenizer(cfg, out: Path, train_docs: list[str]):
+    """The run's tokenizer: the one saved in ``out`` when resuming, else one trained on the train documents (saved
+    there)."""
     from transformers import PreTrainedTokenizerFast
 
-    from ..eval.mirror import set_offline
-
-    if cfg.data.mirror:
-        set_offline()
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    train_docs, valid_docs = load_corpus(cfg)
     tok_path = out / "tokenizer.json"
     if cfg.resume and tok_path.exists():
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tok_path), bos_token=EOS, eos_token=EOS,
-                                            pad_token=PAD, model_max_length=1 << 30)
-    else:
-        tokenizer = train_tokenizer(train_docs, cfg.tokenizer.vocab_size)
-        tokenizer.backend_tokenizer.save(str(tok_path))
-    train_blocks = pack(tokenizer, train_docs, cfg.seq_len)
-    valid_blocks = pack(tokenizer, valid_docs, cfg.seq_len)
-    model = build_model(cfg, tokenizer)
-    model.train()
-    o = cfg.optim
+        return PreTrainedTokenizerFast(tokenizer_file=str(tok_path), bos_token=EOS, eos_token=EOS,
+                                       pad_token=PAD, model_max_length=1 << 30)
+    tokenizer = train_tokenizer(train_docs, cfg.tokenizer.vocab_size)
+    tokenizer.backend_tokenizer.save(str(tok_path))
+    return tokenizer
+
+
+def _optimizer(model, o):
+    """AdamW over the model's parameters, with weight decay on its matrices only."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=o.lr, betas=tuple(o.betas))
-    ckpt = out / "checkpoint.pt"
-    step, history = 0, []
-    window = int(cfg.get("balance_window") or 1)
-    if window < 1:
-        raise ValueError(f"balance_window={window}: must be a number of steps >= 1 (1 = per-batch balance)")
-    usage: list[torch.Tensor] = []  # balance_window's running f_e per MoE layer (filled on the first step)
-    if cfg.resume and ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
-        step, history = state["step"], state["history"]
-        torch.set_rng_state(state["rng"])
-        usage = state.get("usage", usage)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=o.lr, betas=tuple(o.betas))
+
+
+def _resume(ckpt: Path, model, opt, usage: list) -> tuple[int, list, list]:
+    """Restore the model, optimizer and RNG from ``ckpt``; (its step, its history, its balance usage)."""
+    state = torch.load(ckpt, weights_only=False)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    step, history = state["step"], state["history"]
+    torch.set_rng_state(state["rng"])
+    return step, history, state.get("usage", usage)
+
+
+def _train_step(cfg, model, opt, train_blocks: torch.Tensor, step: int, usage: list, window: int):
+    """One optimisation step on step ``step``'s batch; (its LM loss, its balance loss)."""
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, cfg)
+    b = train_blocks[batch_indices(step, cfg.batch_size, len(train_blocks), cfg.seed)]
+    outp = model(input_ids=b[:, :-1], labels=b[:, 1:].contiguous())
+    lm = _lm_loss(outp.logits, b[:, 1:])
+    bal = balance_loss(outp.router_logits, model.config.num_experts_per_tok, usage, window)
+    loss = lm + cfg.balance_coef * bal
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+    opt.step()
+    return lm, bal
+
+
+def _train_loop(cfg, model, opt, train_blocks: torch.Tensor, valid_blocks: torch.Tensor, ckpt: Path, step: int,
+                history: list, usage: list, window: int) -> int:
+    """Train from ``step`` to the last step (or ``stop_after``), recording ``history`` and checkpointing;
+    the step reached."""
+    from tqdm.auto import tqdm
+
     bar = tqdm(total=cfg.steps, initial=step, desc="train", dynamic_ncols=True)
-    t0 = time.time()
     stop = min(cfg.steps, cfg.stop_after) if cfg.get("stop_after") else cfg.steps
     while step < stop:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        b = train_blocks[batch_indices(step, cfg.batch_size, len(train_blocks), cfg.seed)]
-        outp = model(input_ids=b[:, :-1], labels=b[:, 1:].contiguous())
-        lm = _lm_loss(outp.logits, b[:, 1:])
-        bal = balance_loss(outp.router_logits, model.config.num_experts_per_tok, usage, window)
-        loss = lm + cfg.balance_coef * bal
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-        opt.step()
+        lm, bal = _train_step(cfg, model, opt, train_blocks, step, usage, window)
         step += 1
         rec = {"step": step, "loss": lm.item(), "aux": bal.item(), "lr": lr_at(step - 1, cfg)}
         if step % cfg.eval_every == 0 or step == cfg.steps:
@@ -273,14 +273,49 @@ def train(cfg: DictConfig) -> dict:
             _save_atomic({"model": model.state_dict(), "optim": opt.state_dict(), "step": step,
                           "history": history, "rng": torch.get_rng_state(), "usage": usage}, ckpt)
     bar.close()
-    if step < cfg.steps:  # stopped early on purpose (stop_after): resume later from the checkpoint
-        return {"stopped_at": step}
+    return step
+
+
+def _save_model(cfg, model, tokenizer, out: Path) -> None:
+    """Save the trained model (at ``save_dtype``, without router logits) and its tokenizer into ``out/model``."""
     model.eval()
     final_dir = out / "model"
     model.config.output_router_logits = False
     model.to(getattr(torch, cfg.save_dtype)).save_pretrained(final_dir, safe_serialization=True)
     model.float()
     tokenizer.save_pretrained(final_dir)
+
+
+def train(cfg: DictConfig) -> dict:
+    """Run (or resume) the recipe; returns the summary that the model card reports."""
+    from ..eval.mirror import set_offline
+
+    if cfg.data.mirror:
+        set_offline()
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    train_docs, valid_docs = load_corpus(cfg)
+    tokenizer = _tokenizer(cfg, out, train_docs)
+    train_blocks = pack(tokenizer, train_docs, cfg.seq_len)
+    valid_blocks = pack(tokenizer, valid_docs, cfg.seq_len)
+    model = build_model(cfg, tokenizer)
+    model.train()
+    opt = _optimizer(model, cfg.optim)
+    ckpt = out / "checkpoint.pt"
+    step, history = 0, []
+    window = int(cfg.get("balance_window") or 1)
+    if window < 1:
+        raise ValueError(f"balance_window={window}: must be a number of steps >= 1 (1 = per-batch balance)")
+    usage: list[torch.Tensor] = []  # balance_window's running f_e per MoE layer (filled on the first step)
+    if cfg.resume and ckpt.exists():
+        step, history, usage = _resume(ckpt, model, opt, usage)
+    t0 = time.time()
+    step = _train_loop(cfg, model, opt, train_blocks, valid_blocks, ckpt, step, history, usage, window)
+    if step < cfg.steps:  # stopped early on purpose (stop_after): resume later from the checkpoint
+        return {"stopped_at": step}
+    _save_model(cfg, model, tokenizer, out)
     summary = {
         "steps": step, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
         "train_tokens_seen": step * cfg.batch_size * cfg.seq_len,
