@@ -329,19 +329,104 @@ def main(argv=None) -> int:
     return 0 if result["winner"] else 1
 
 
+def _record(base: list[str], raw: dict) -> tuple:
+    """Step 1: record the base configuration's routing once (or take the trace given) and open it for replay;
+    (its path, the replay runs' overrides, the trace)."""
+    from hydra import compose
+
+    from ..app import Run, recorded_trace
+    from ..replay.driver import open_trace
+
+    given = any(a.startswith("replay.trace=") and a.split("=", 1)[1] not in ("null", "record") for a in base)
+    base_run = Run(compose(config_name="config", overrides=[*base, *([] if given else ["replay.trace=record"])]))
+    trace_path = base_run.replay.trace if given else recorded_trace(base_run)
+    replay_over = [*(a for a in base if not a.startswith("replay.trace=")), f"replay.trace={trace_path}"]
+    trace = open_trace(Run(compose(config_name="config", overrides=replay_over)).replay)
+    recorded = trace.meta.model  # a live run's model (an import's: none)
+    if given and recorded and recorded != raw["model"]["name"]:  # the finalists run live on the base's model
+        raise ConfigError(f"replay.trace={trace_path} was recorded on model={recorded}, but the live runs of the "
+                          f"finalists would run model={raw['model']['name']}: add model={recorded}")
+    return trace_path, replay_over, trace
+
+
+def _search(opts: Options, out: Path, trace, trace_path, replay_over: list[str], space: list, own: tuple) -> tuple:
+    """Step 2: replay the drawn stacks and score them by the objective, written to trials.csv (and the stacks
+    the trace cannot replay to skipped.json); (trials, skipped)."""
+    from hydra import compose
+
+    from ..app import Run
+    from ..pool import replay_many
+    from ..replay.driver import check
+    from ..results import write_csv, write_json_atomic
+
+    kind, metric, _ = OBJECTIVES[opts.objective]
+    trials, skipped, stacks, specs = [], [], [], []
+    for stack in draw(opts, space, own):
+        run = Run(compose(config_name="config", overrides=[*replay_over, *stack]))
+        try:
+            check(trace, run.spec)
+        except ConfigError as exc:
+            skipped.append({"stack": " ".join(stack), "why": str(exc)})
+            continue
+        stacks.append(stack)
+        specs.append(run.spec)
+    for stack, res in zip(stacks, replay_many(trace, specs)):  # every core, one decoded trace
+        trials.append({"stack": stack, "objective": res[kind][metric], "hit_rate": res["cache"]["hit_rate"],
+                       "tpot_s": res["timing"]["tpot_s"], "lossless": lossless(stack)})
+    if not trials:
+        raise ConfigError(f"no stack of the space replays on {trace_path}: {skipped[0]['why']}")
+    if any(t["objective"] is None for t in trials):  # tpot of a trace without decode steps
+        raise ConfigError(f"tune.objective={opts.objective}: the trace {trace_path} gives no {metric} (it has no "
+                          f"decode passes: record a generation task, or use tune.objective=hit_rate)")
+    write_csv(out / "trials.csv", [{**t, "stack": " ".join(t["stack"])} for t in trials])
+    if skipped:
+        write_json_atomic(out / "skipped.json", skipped)
+    return trials, skipped
+
+
+def _finalists(opts: Options, out: Path, live: list[str], quality: list[str], trials: list) -> tuple:
+    """Steps 3-4: the unhooked model's quality, then the finalists measured live in order of the objective
+    (see select_finalists), written to finalists.csv; (the unhooked quality, the finalists' rows)."""
+    from hydra import compose
+
+    from ..app import execute
+    from ..results import write_csv
+
+    better = OBJECTIVES[opts.objective][2]
+    scores = {}
+
+    def score(over: list[str], name: str) -> float:
+        run_dir = out / "finalists" / name
+        res = execute(compose(config_name="config", overrides=[*live, *quality, *over]), run_dir=str(run_dir))
+        scores[name] = value = quality_value(res, opts, run_dir / "results.json")
+        return value
+
+    ref = score(["stack.enabled=false"], "unhooked")
+    if ref == 0:
+        raise DataError(f"the unhooked model scores {opts.quality_metric}=0 on {opts.quality_task} "
+                        f"({out / 'finalists' / 'unhooked' / 'results.json'}): there is no quality to lose, so "
+                        f"the budget judges nothing; use a task the model scores on, or more documents "
+                        f"(tune.quality_limit)")
+    ranked = sorted(trials, key=lambda t: t["objective"], reverse=better is max)
+    rows = select_finalists(ranked, lambda t, i: quality_loss(score(list(t["stack"]), str(i)), ref,
+                                                              opts.quality_higher), opts)
+    for i, r in enumerate(rows):
+        r["quality"] = scores[str(i)]
+    write_csv(out / "finalists.csv", rows)
+    return ref, rows
+
+
 def tune(opts: Options, base: list[str], console) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     from .. import CONF_DIR
-    from ..app import Run, execute, recorded_trace
-    from ..replay.driver import check, open_trace
-    from ..pool import replay_many
+    from ..app import Run
 
-    from ..results import output_dir, write_csv, write_json_atomic
+    from ..results import output_dir, write_json_atomic
 
     out = output_dir(opts.out, "tune.out", "tune.json")  # before any work: a path it cannot write loses nothing
-    kind, metric, better = OBJECTIVES[opts.objective]
+    better = OBJECTIVES[opts.objective][2]
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         raw = OmegaConf.to_container(compose(config_name="config", overrides=base), resolve=False)
         if raw["hardware"].get("experts_per_layer") is not None:
@@ -352,62 +437,15 @@ def tune(opts: Options, base: list[str], console) -> dict:
         live = [a for a in base if not a.startswith(("replay.", "eval.tasks=", "eval.limit="))]
         Run(compose(config_name="config", overrides=[*live, *quality]))  # the live runs' config, checked now
         # 1. record the routing once (or take the trace given)
-        given = any(a.startswith("replay.trace=") and a.split("=", 1)[1] not in ("null", "record") for a in base)
-        base_run = Run(compose(config_name="config", overrides=[*base, *([] if given else ["replay.trace=record"])]))
-        trace_path = base_run.replay.trace if given else recorded_trace(base_run)
-        replay_over = [*(a for a in base if not a.startswith("replay.trace=")), f"replay.trace={trace_path}"]
-        trace = open_trace(Run(compose(config_name="config", overrides=replay_over)).replay)
-        recorded = trace.meta.model  # a live run's model (an import's: none)
-        if given and recorded and recorded != raw["model"]["name"]:  # the finalists run live on the base's model
-            raise ConfigError(f"replay.trace={trace_path} was recorded on model={recorded}, but the live runs of the "
-                              f"finalists would run model={raw['model']['name']}: add model={recorded}")
+        trace_path, replay_over, trace = _record(base, raw)
         own = own_stack(raw)
         space = candidates(opts, float(raw["hardware"]["capacity"]))
 
         # 2. search on replay
-        trials, skipped, stacks, specs = [], [], [], []
-        for stack in draw(opts, space, own):
-            run = Run(compose(config_name="config", overrides=[*replay_over, *stack]))
-            try:
-                check(trace, run.spec)
-            except ConfigError as exc:
-                skipped.append({"stack": " ".join(stack), "why": str(exc)})
-                continue
-            stacks.append(stack)
-            specs.append(run.spec)
-        for stack, res in zip(stacks, replay_many(trace, specs)):  # every core, one decoded trace
-            trials.append({"stack": stack, "objective": res[kind][metric], "hit_rate": res["cache"]["hit_rate"],
-                           "tpot_s": res["timing"]["tpot_s"], "lossless": lossless(stack)})
-        if not trials:
-            raise ConfigError(f"no stack of the space replays on {trace_path}: {skipped[0]['why']}")
-        if any(t["objective"] is None for t in trials):  # tpot of a trace without decode steps
-            raise ConfigError(f"tune.objective={opts.objective}: the trace {trace_path} gives no {metric} (it has no "
-                              f"decode passes: record a generation task, or use tune.objective=hit_rate)")
-        write_csv(out / "trials.csv", [{**t, "stack": " ".join(t["stack"])} for t in trials])
-        if skipped:
-            write_json_atomic(out / "skipped.json", skipped)
+        trials, skipped = _search(opts, out, trace, trace_path, replay_over, space, own)
 
         # 3.-4. finalists, measured live in order of the objective (see select_finalists)
-        scores = {}
-
-        def score(over: list[str], name: str) -> float:
-            run_dir = out / "finalists" / name
-            res = execute(compose(config_name="config", overrides=[*live, *quality, *over]), run_dir=str(run_dir))
-            scores[name] = value = quality_value(res, opts, run_dir / "results.json")
-            return value
-
-        ref = score(["stack.enabled=false"], "unhooked")
-        if ref == 0:
-            raise DataError(f"the unhooked model scores {opts.quality_metric}=0 on {opts.quality_task} "
-                            f"({out / 'finalists' / 'unhooked' / 'results.json'}): there is no quality to lose, so "
-                            f"the budget judges nothing; use a task the model scores on, or more documents "
-                            f"(tune.quality_limit)")
-        ranked = sorted(trials, key=lambda t: t["objective"], reverse=better is max)
-        rows = select_finalists(ranked, lambda t, i: quality_loss(score(list(t["stack"]), str(i)), ref,
-                                                                  opts.quality_higher), opts)
-        for i, r in enumerate(rows):
-            r["quality"] = scores[str(i)]
-        write_csv(out / "finalists.csv", rows)
+        ref, rows = _finalists(opts, out, live, quality, trials)
 
     # 5. the Pareto front and the winner
     front = sorted(pareto(rows, better), key=lambda r: r["objective"], reverse=better is max)
