@@ -77,7 +77,7 @@ class InlineHost:
 
 
 def _done(host, args: tuple, seconds: float) -> None:
-    """Account one bank computed: ``args`` are :func:`~.kernel._remote_bank`'s (rows ``x``, groups ``ends``)."""
+    """Account one bank computed: ``args`` are :func:`~.kernel.bank_where_it_is`'s (rows ``x``, groups ``ends``)."""
     host.busy_s += seconds
     host.runs += 1
     if host.calls is not None:

@@ -123,7 +123,7 @@ def _run_parts(mod, layout, parts: list, x_g: torch.Tensor, slots_g: torch.Tenso
     try:
         for j in remote:  # started first, beside the rest
             b, (x, sl) = parts[j][0], rows_of[j]
-            outs[j] = b.runner.submit(_remote_bank, mod, x, sl, b, parts[j][3], names, transposed, gated)
+            outs[j] = b.runner.submit(bank_where_it_is, mod, x, sl, b, parts[j][3], names, transposed, gated)
         for j, (b, _, _, ends) in enumerate(parts):
             if outs[j] is not None:
                 continue
@@ -160,8 +160,8 @@ def _bank(mod, x: torch.Tensor, sl: Optional[torch.Tensor], b: Bank, ends, names
     return _linear(h, sl, b, ends, down, down_b, transposed)  # [n, H]
 
 
-def _remote_bank(mod, x: torch.Tensor, sl: Optional[torch.Tensor], b: Bank, ends, names: tuple, transposed: bool,
-                 gated: bool) -> torch.Tensor:
+def bank_where_it_is(mod, x: torch.Tensor, sl: Optional[torch.Tensor], b: Bank, ends, names: tuple,
+                     transposed: bool, gated: bool) -> torch.Tensor:
     """:func:`_bank` where the bank's weights are (the host tier, on the worker's thread): the rows go there and
     the result comes back to ``x``'s device."""
     where = next(iter(b.tensors.values())).device

@@ -158,6 +158,9 @@ class Offload(Executor):
         dev = stack.device
         if self.params.host == "ram":
             return RamTier(tensors, pin=dev.type == "cuda")
+        if stack.checkpoint is None:  # (a stack installed directly, without the run's config_errors)
+            raise ConfigError("execution.host=disk reads experts from a local checkpoint's safetensors: install the "
+                              "stack with checkpoint=<its directory>, or use execution.host=ram")
         return DiskTier(stack.checkpoint, list(stack.geom.layer_ids), shapes, dtype, stack.geom.num_experts,
                         stack.adapter.hub, self.params.page_cache, dev)
 

@@ -279,7 +279,7 @@ def measure_host_experts(model, family: str, hw: dict, device: torch.device, rep
     experts * expert + pairs * token`` (non-negative least squares). Returns ({``host_call_overhead_us``,
     ``host_expert_overhead_us``, ``host_token_overhead_us``}, {case: measured us})."""
     from ...executor.hostwork import HOST_COMPUTE
-    from ...executor.kernel import Bank, _remote_bank, expert_tensors
+    from ...executor.kernel import Bank, bank_where_it_is, expert_tensors
     from ...models.adapters import adapter_for
 
     adapter = adapter_for(family)
@@ -303,7 +303,7 @@ def measure_host_experts(model, family: str, hw: dict, device: torch.device, rep
                     best = float("inf")
                     for _ in range(reps):
                         t0 = time.perf_counter()
-                        worker.submit(_remote_bank, mod, x, None, bank, groups, names, transposed, gated).result()
+                        worker.submit(bank_where_it_is, mod, x, None, bank, groups, names, transposed, gated).result()
                         if device.type == "cuda":
                             torch.cuda.synchronize(device)
                         best = min(best, time.perf_counter() - t0)
