@@ -245,15 +245,16 @@ def test_executors_plug_into_the_declared_seam_only():
     assert "def config_errors" in (ROOT / "executor" / "offload.py").read_text()
 
 
-def test_policy_params_in_the_recipe_style():
-    """Every policy declares its parameters as docs/architecture.md's recipe teaches: a module-level ``<Class>Params``
-    dataclass, ``Params = <Class>Params`` in the class body (an extension type's body may hold no nested class)."""
+def test_params_in_the_recipe_style():
+    """Every policy, executor and quantization method declares its parameters as docs/architecture.md's recipe
+    teaches: a module-level ``<Class>Params`` dataclass, ``Params = <Class>Params`` in the class body (an extension
+    type's body may hold no nested class)."""
     def nested(source: str) -> list:
         return [f"{c.name}.{n.name}" for c in ast.walk(ast.parse(source)) if isinstance(c, ast.ClassDef)
                 for n in c.body if isinstance(n, ast.ClassDef)]
 
     assert {m: nested(p.read_text()) for m, p in MODULES.items()
-            if m.startswith("specmd.policies.") and nested(p.read_text())} == {}
+            if m.startswith(("specmd.policies.", "specmd.executor.", "specmd.quant.")) and nested(p.read_text())} == {}
     assert nested("class A:\n    class Params:\n        x = 1\n") == ["A.Params"]  # the check itself
 
 

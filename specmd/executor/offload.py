@@ -54,38 +54,41 @@ PAGE_CACHE = ("drop", "keep")
 KERNELS = ("auto", "grouped", "looped")
 
 
+@dataclass
+class OffloadParams:
+    host: str = "ram"  # ram: experts in host memory (pinned on CUDA); disk: read per expert from the checkpoint
+    throttle: bool = True  # pace transfers to the profile's link (its rate at the model's expert size: the clock's) + latency_us (false: the machine's speed)
+    page_cache: str = "drop"  # disk: drop each read's pages from the page cache (every fetch reads the disk) | keep
+    check: bool = False  # after every layer call, assert the arena equals the engine's resident set (tests)
+    # how a bank's experts run: grouped (one grouped GEMM per projection: a GPU, where launches and the
+    # host's work cost) | looped (one GEMM per group: a CPU, where an empty group of a grouped call costs and
+    # a launch does not) | auto (grouped on CUDA with bf16 experts, looped elsewhere: torch's CUDA
+    # grouped_mm is native for bf16 only, and for other dtypes loops with a read of the offsets to the host,
+    # two synchronisations per bank and call). Same bits either way (tests).
+    kernel: str = "auto"
+    # where experts the miss policy sends to the host run (cpu_compute, hybrid): thread (a worker thread
+    # beside the device: a GPU's host CPU) | inline (the compute thread, first in the layer call while its
+    # copies land: a CPU device, whose host is the device) | auto (thread on CUDA, inline elsewhere).
+    # Same bits either way on a CPU (tests)
+    host_compute: str = "auto"
+
+    def __post_init__(self):
+        if self.host not in HOSTS:
+            raise ValueError(f"host={self.host!r}; valid choices: {', '.join(HOSTS)}")
+        if self.page_cache not in PAGE_CACHE:
+            raise ValueError(f"page_cache={self.page_cache!r}; valid choices: {', '.join(PAGE_CACHE)}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel={self.kernel!r}; valid choices: {', '.join(KERNELS)}")
+        if self.host_compute not in ("auto", *HOST_COMPUTE):
+            raise ValueError(f"host_compute={self.host_compute!r}; valid choices: auto, {', '.join(HOST_COMPUTE)}")
+
+
 class Offload(Executor):
     name = "offload"
 
     device_experts = False
 
-    @dataclass
-    class Params:
-        host: str = "ram"  # ram: experts in host memory (pinned on CUDA); disk: read per expert from the checkpoint
-        throttle: bool = True  # pace transfers to the profile's link (its rate at the model's expert size: the clock's) + latency_us (false: the machine's speed)
-        page_cache: str = "drop"  # disk: drop each read's pages from the page cache (every fetch reads the disk) | keep
-        check: bool = False  # after every layer call, assert the arena equals the engine's resident set (tests)
-        # how a bank's experts run: grouped (one grouped GEMM per projection: a GPU, where launches and the
-        # host's work cost) | looped (one GEMM per group: a CPU, where an empty group of a grouped call costs and
-        # a launch does not) | auto (grouped on CUDA with bf16 experts, looped elsewhere: torch's CUDA
-        # grouped_mm is native for bf16 only, and for other dtypes loops with a read of the offsets to the host,
-        # two synchronisations per bank and call). Same bits either way (tests).
-        kernel: str = "auto"
-        # where experts the miss policy sends to the host run (cpu_compute, hybrid): thread (a worker thread
-        # beside the device: a GPU's host CPU) | inline (the compute thread, first in the layer call while its
-        # copies land: a CPU device, whose host is the device) | auto (thread on CUDA, inline elsewhere).
-        # Same bits either way on a CPU (tests)
-        host_compute: str = "auto"
-
-        def __post_init__(self):
-            if self.host not in HOSTS:
-                raise ValueError(f"host={self.host!r}; valid choices: {', '.join(HOSTS)}")
-            if self.page_cache not in PAGE_CACHE:
-                raise ValueError(f"page_cache={self.page_cache!r}; valid choices: {', '.join(PAGE_CACHE)}")
-            if self.kernel not in KERNELS:
-                raise ValueError(f"kernel={self.kernel!r}; valid choices: {', '.join(KERNELS)}")
-            if self.host_compute not in ("auto", *HOST_COMPUTE):
-                raise ValueError(f"host_compute={self.host_compute!r}; valid choices: auto, {', '.join(HOST_COMPUTE)}")
+    Params = OffloadParams
 
     # ---- before any model work: what this executor cannot carry out, and how the model must load --------
     @classmethod

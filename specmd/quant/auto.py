@@ -5,6 +5,12 @@ from .base import NATIVE, QUANT
 from .hqq import HQQ
 
 
+@dataclass
+class AutoParams(HQQ.Params):
+    precisions: list = field(default_factory=list)  # filled from the miss policy (resolve)
+    chosen: ClassVar[bool] = False
+
+
 class Auto(HQQ):
     """The default: experts at native precision plus exactly the precisions the miss policy asks for
     (``miss=fetch_priority`` -> int8, int4, int2 copies from HQQ; ``miss=fetch`` -> nothing extra, no
@@ -12,10 +18,7 @@ class Auto(HQQ):
 
     name = "auto"
 
-    @dataclass
-    class Params(HQQ.Params):
-        precisions: list = field(default_factory=list)  # filled from the miss policy (resolve)
-        chosen: ClassVar[bool] = False
+    Params = AutoParams
 
     @classmethod
     def resolve(cls, params, needed):

@@ -34,6 +34,29 @@ def dequantize(wq: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, meta: 
     return Quantizer.dequantize(wq.to(device), m)
 
 
+@dataclass
+class HQQParams:
+    precisions: list = field(default_factory=lambda: ["int8", "int4", "int2"])
+    group_size: int = 64
+    optimize: bool = True
+    cache_experts: int = 1024
+    chosen: ClassVar[bool] = True  # the list is the user's (quant=auto fills it from the miss policy)
+
+    def __post_init__(self):
+        self.precisions = [str(p) for p in self.precisions]
+        if not self.precisions and self.chosen:
+            raise ValueError("precisions=[] stores no quantized copy: list at least one (e.g. [int8, int4]) or "
+                             "use quant=none")
+        twice = sorted({p for p in self.precisions if self.precisions.count(p) > 1})
+        if twice:
+            raise ValueError(f"precisions={self.precisions} lists {twice} twice")
+        for p in self.precisions:
+            if p not in BITS or p == "fp32":
+                raise ValueError(f"precision {p!r}; valid choices: bf16, fp16, {', '.join(INT)}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size={self.group_size} must be >= 1")
+
+
 class HQQ(QuantMethod):
     """Every expert is stored at ``native`` plus each of ``precisions`` (any of bf16, fp16, int8, int4,
     int3, int2). Integer copies come from ``hqq`` (asymmetric, ``group_size`` weights per scale/zero along
@@ -59,27 +82,7 @@ class HQQ(QuantMethod):
 
     name = "hqq"
 
-    @dataclass
-    class Params:
-        precisions: list = field(default_factory=lambda: ["int8", "int4", "int2"])
-        group_size: int = 64
-        optimize: bool = True
-        cache_experts: int = 1024
-        chosen: ClassVar[bool] = True  # the list is the user's (quant=auto fills it from the miss policy)
-
-        def __post_init__(self):
-            self.precisions = [str(p) for p in self.precisions]
-            if not self.precisions and self.chosen:
-                raise ValueError("precisions=[] stores no quantized copy: list at least one (e.g. [int8, int4]) or "
-                                 "use quant=none")
-            twice = sorted({p for p in self.precisions if self.precisions.count(p) > 1})
-            if twice:
-                raise ValueError(f"precisions={self.precisions} lists {twice} twice")
-            for p in self.precisions:
-                if p not in BITS or p == "fp32":
-                    raise ValueError(f"precision {p!r}; valid choices: bf16, fp16, {', '.join(INT)}")
-            if self.group_size < 1:
-                raise ValueError(f"group_size={self.group_size} must be >= 1")
+    Params = HQQParams
 
     def build(self, experts, num_experts, tag):
         native_dtype = next(experts[0].parameters()).dtype
