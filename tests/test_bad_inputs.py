@@ -77,7 +77,7 @@ CASES = [
     (["eviction=belady"], ["belady", "trace"], "config"),
     (["prefetch=oracle"], ["oracle", "trace"], "config"),
     (["eviction=ml", "eviction.weights=/nonexistent/ml.safetensors"], ["/nonexistent/ml.safetensors"], "config"),
-    (["model=tiny_mixtral", "eviction=ml"], ["eviction=ml", "ships none", "train_eviction"], "config"),
+    (["model=tiny_mixtral", "eviction=ml"], ["eviction=ml", "ships none", "specmd train-eviction"], "config"),
     (["model=olmoe", "eviction=ml"], ["allenai/OLMoE-1B-7B-0924", "not found"], "config"),
     (["eviction=score", "eviction.n=0"], ["n=0"], "config"),
     (["eviction=score", "eviction.unit=fortnight"], ["fortnight"], "config"),

@@ -778,12 +778,12 @@ def test_hydra_writing_its_record_on_a_full_disk_names_the_directory(tmp_path, m
 def test_a_sweep_whose_directory_is_full_is_one_line_not_a_warning(tmp_path, monkeypatch, capsys):
     """Hydra turns a callback's exception into a warning and goes on: the sweep's own record on a full disk was
     lost that way, and the sweep then failed naming no file."""
-    import specmd.jobs as jobs
+    import specmd.cli.launch as launch
 
     def full(sweep_dir):
         raise OSError(errno.ENOSPC, "No space left on device", str(sweep_dir / ".sweep.json"))
 
-    monkeypatch.setattr(jobs, "hold_sweep", full)
+    monkeypatch.setattr(launch, "hold_sweep", full)
     with pytest.raises(SystemExit) as e:
         _multirun_start({"_target_": "x.BasicLauncher"}, str(tmp_path / "sweep"))
     assert e.value.code == 1
@@ -807,8 +807,14 @@ def test_a_trace_recorded_onto_a_full_disk_names_its_file(tmp_path):
 def test_calibrate_keeps_the_profile_a_full_disk_refused(tmp_path, rescue_here, monkeypatch):
     from specmd import results
 
-    def full(fd, data):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    written = results._write_fd
+    calls = []
+
+    def full(fd, data):  # the profiles' disk is full; the temporary directory's is not
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written(fd, data)
 
     monkeypatch.setattr(results, "_write_fd", full)
     a, b = tmp_path / "hw" / "a.yaml", tmp_path / "hw" / "b.yaml"
