@@ -226,7 +226,7 @@ PURE_SUITE = ["test_semantics.py", "test_cache_manager.py", "test_clock.py", "te
 
 # Tests of a process's behaviour, not of the compiled modules' arithmetic (two processes quantizing under one
 # lock, a CLI run failing at load, a run's peak RSS): the same Python runs either way, so the pure run leaves
-# them out (17 s of its 166). And the two that take the pure run's most time for no path of their own: the
+# them out (17 s of its 166). And those that take the pure run's most time for no path of their own: the
 # perplexity through lm-eval (126 s of 645 on a loaded machine; the hook's pure path is the hooked-logits
 # tests', the scoring is lm-eval's) and LRU's monotone hit rate over capacities (54 s; the pure engine's
 # every eviction decision is compared with the compiled one's on generated traces below).
@@ -234,7 +234,11 @@ PURE_SKIP = ["tests/test_quant_cache.py::test_concurrent_processes_quantize_once
              "tests/test_offload.py::test_truncated_checkpoint_fails_the_cli_run_at_load",
              "tests/test_offload.py::test_peak_rss_is_the_runs_own_not_its_launchers",
              "tests/test_lossless.py::test_perplexity_equal_through_lm_eval",
-             "tests/test_capacity.py::test_lru_hit_rate_non_decreasing_in_capacity"]
+             "tests/test_capacity.py::test_lru_hit_rate_non_decreasing_in_capacity",
+             # replay == live per stack, both sides pure (25 s): the pure replay is compared with the compiled one on
+             # these very stacks (test_compiled_equals_pure_on_every_replay_equality_stack) and the compiled replay
+             # with the compiled live run (the main run); the pure live driver keeps the lossless tests
+             "tests/test_replay.py::test_replay_equals_live"]
 
 
 @pytest.mark.skipif(FORCED, reason="this is the pure run")
