@@ -178,3 +178,29 @@ def test_capacity_and_experts_per_layer_are_mutually_exclusive(tmp_path, mirror,
     with pytest.raises(ConfigError, match="mutually exclusive"):
         execute(cfg, run_dir=str(tmp_path / "run"), overrides=ov)
     assert json.loads((tmp_path / "run" / "failed.json").read_text())["stage"] == "config"
+
+
+def test_a_misspelt_task_is_refused_from_the_recorded_index(tmp_path, monkeypatch):
+    """A task outside specmd's five needs lm-eval's full index (12 s); once a run has built it, its names are on
+    record and a misspelt task is refused without building it again."""
+    import json
+
+    import lm_eval.tasks
+
+    from specmd.errors import ConfigError
+    from specmd.eval import harness
+
+    monkeypatch.setenv("SPECMD_CACHE", str(tmp_path))
+    monkeypatch.setattr(harness, "_INDEX", {})
+    path = harness._names_file()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(["gsm8k", "hellaswag"]))
+
+    def no_index(*args, **kwargs):
+        raise AssertionError("built the full index to refuse a name the record does not have")
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", no_index)
+    with pytest.raises(ConfigError, match=r"unknown eval task\(s\) \['wikitxt'\]; specmd's tasks: wikitext"):
+        harness.task_index(["wikitxt"])
+    with pytest.raises(AssertionError, match="built the full index"):  # a recorded name: the index, to run it
+        harness.task_index(["hellaswag"])

@@ -91,9 +91,11 @@ _INDEX: dict = {}
 
 def task_index(tasks):
     """lm-eval's ``TaskManager`` for ``tasks``. For specmd's own tasks it indexes only their five folders
-    of lm-eval's task tree (0.2 s) instead of all 14,683 task files (6-8 s, most of a small run's start-up);
+    of lm-eval's task tree (0.2 s) instead of all 14,683 task files (6-12 s, most of a small run's start-up);
     a task outside them gets the full index. Task names are checked here, so an unknown one is reported
-    before the model loads (``Run`` calls this), with the valid choices."""
+    before the model loads (``Run`` calls this), with the valid choices -- at once when an earlier full index
+    of this lm-eval's task tree is on record (:func:`_recorded_names`): a misspelt task is an error in a
+    second, not after the 12 s index that would only say so."""
     import os
 
     import lm_eval.tasks
@@ -103,16 +105,59 @@ def task_index(tasks):
     tm = _INDEX.get(full)
     if tm is None:
         if full:
+            _refuse_unknown(tasks, _recorded_names())
             tm = TaskManager()
+            _record_names(tm.all_tasks)
         else:
             root = os.path.dirname(lm_eval.tasks.__file__)
             tm = TaskManager(include_defaults=False, include_path=[os.path.join(root, t) for t in SUPPORTED])
         _INDEX[full] = tm
-    unknown = [t for t in tasks if lm_eval_name(t) not in tm.all_tasks]
+    _refuse_unknown(tasks, tm.all_tasks)
+    return tm
+
+
+def _refuse_unknown(tasks, names) -> None:
+    """ConfigError naming the tasks that are not in ``names`` (None: no record, nothing refused)."""
+    unknown = [t for t in tasks if names is not None and lm_eval_name(t) not in names]
     if unknown:
         raise ConfigError(f"unknown eval task(s) {unknown}; specmd's tasks: {', '.join(SUPPORTED)} "
                           "(any lm-eval task name also works when its data is reachable)")
-    return tm
+
+
+def _names_file():
+    """Where the full index's task names are recorded: one file per lm-eval version and state of its task tree
+    (the tree's time changes when a task folder is added), under ``$SPECMD_CACHE``."""
+    import os
+
+    import lm_eval
+    import lm_eval.tasks
+
+    from ..quant.base import cache_dir
+
+    tree = os.path.dirname(lm_eval.tasks.__file__)
+    return cache_dir().parent / "lm_eval" / f"tasks-{lm_eval.__version__}-{os.stat(tree).st_mtime_ns}.json"
+
+
+def _recorded_names():
+    """The task names the last full index of this task tree found, or None."""
+    import json
+
+    try:
+        return set(json.loads(_names_file().read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def _record_names(names) -> None:
+    """Record the full index's task names for the next run (best effort: a run never fails on it)."""
+    import json
+
+    from ..results import content_fill, write_file
+
+    try:
+        write_file(_names_file(), content_fill(json.dumps(sorted(names))), keep=False)
+    except OSError:
+        pass
 
 
 def _flatten(metrics: dict) -> dict:
