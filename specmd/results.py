@@ -140,8 +140,8 @@ def write_files(files: list, keep: bool = True, what: str = "what it held") -> N
         for path, fill in files:
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            with signals_held():  # (recorded before it exists: an interrupt cannot strike in between)
-                temps.append([path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}", path])
+            # recorded before ``fill`` creates it: however the fill ends, the cleanup below knows its name
+            temps.append([path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}", path])
             check_interrupt()
             fill(temps[-1][0])
         with signals_held():  # all renamed, or (an error) the rest removed as temporaries
