@@ -242,7 +242,15 @@ PURE_SKIP = ["tests/test_quant_cache.py::test_concurrent_processes_quantize_once
              # replay == live per stack, both sides pure (25 s): the pure replay is compared with the compiled one on
              # these very stacks (test_compiled_equals_pure_on_every_replay_equality_stack) and the compiled replay
              # with the compiled live run (the main run); the pure live driver keeps the lossless tests
-             "tests/test_replay.py::test_replay_equals_live"]
+             "tests/test_replay.py::test_replay_equals_live",
+             # orchestration over replays whose every decision the compiled == pure tests compare (40 s pure): the
+             # pool's and specmd mrc's jobs (forked workers, the same Python either way), eviction=ml's training (a
+             # second process replaying its held-out routing), and the Belady bound over every policy (the pure
+             # policies' decisions equal the compiled ones' on 120 generated traces, which the main run bounds)
+             "tests/test_replay.py::test_replay_many_equals_one_by_one_replays",
+             "tests/test_replay.py::test_mrc_rows_do_not_depend_on_jobs_and_bad_jobs_are_rejected",
+             "tests/test_replay.py::test_no_policy_beats_belady",
+             "tests/test_eviction.py::test_train_eviction_steps_are_layer_calls_and_holdout_rates_are_a_replays"]
 
 
 @pytest.mark.skipif(FORCED, reason="this is the pure run")
@@ -251,7 +259,7 @@ def test_engine_policy_and_replay_tests_pass_on_the_pure_sources():
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                           *(f"tests/{t}" for t in PURE_SUITE), *(f"--deselect={t}" for t in PURE_SKIP)], cwd=ROOT,
                          env=env, capture_output=True, text=True,
-                         timeout=3600)  # 166 s here: 20x, for a loaded machine
+                         timeout=3600)  # 42 s here: 80x, for a loaded machine
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " passed" in out.stdout.splitlines()[-1] and "RuntimeWarning" not in out.stdout, out.stdout[-2000:]
 
