@@ -73,20 +73,34 @@ def test_two_runs_started_in_the_same_second_keep_both(tmp_path, mirror):
     assert sorted(json.loads(p.read_text())["config"]["eviction"]["name"] for p in found) == ["fifo", "lru"]
 
 
-def test_resume_skips_done_jobs_reruns_failed_and_status_lists_them(tmp_path, mirror):
+def _status(sweep, capsys) -> tuple[int, str]:
+    """``specmd status <sweep>``'s exit code and output (in this process: the command's own function)."""
+    from specmd.commands.status import main
+
+    capsys.readouterr()
+    code = main([str(sweep)])
+    return code, capsys.readouterr().out
+
+
+def test_resume_skips_done_jobs_reruns_failed_and_status_lists_them(tmp_path, mirror, capsys):
+    """A multirun with a config error in one job: that job writes failed.json (stage config, the error), the
+    others run and write one results.json each, the error goes to stderr and the sweep exits 2 at the end;
+    status lists the jobs and the resume command; a relaunch skips the done jobs and reruns the failed one."""
     sweep = tmp_path / "sweep"
     args = ["-m", *FAST, "hardware.capacity=0.05,0.25,1.5", f"hydra.sweep.dir={sweep}"]
     first = _launch(args, ROOT, mirror)
     out, err = first.communicate(timeout=300)
     assert first.returncode == 2, err[-2000:]
+    assert "hardware.capacity=1.5" in err and "2 of 3 jobs done" in err, err[-2000:]
     done = {p: p.stat().st_mtime_ns for p in sweep.glob("*/results.json")}
-    assert len(done) == 2
-    (bad,) = sweep.glob("*capacity=1.5*")
-    assert json.loads((bad / "failed.json").read_text())["stage"] == "config"
-    st = subprocess.run([sys.executable, "-m", "specmd", "status", str(sweep)], capture_output=True, text=True,
-                        cwd=ROOT, timeout=120)
-    assert st.returncode == 1 and "3 jobs: 2 done, 1 failed, 0 running, 0 missing" in st.stdout, st.stdout
-    assert "resume: python -m specmd -m" in st.stdout and "[config]" in st.stdout
+    assert sorted(json.loads(p.read_text())["config"]["hardware"]["capacity"] for p in done) == [0.05, 0.25]
+    (bad,) = sweep.glob("*capacity=1.5*")  # job dirs are named by their overrides
+    failed = json.loads((bad / "failed.json").read_text())
+    assert failed["stage"] == "config" and "hardware.capacity=1.5" in failed["error"]
+    assert not (bad / "results.json").exists()
+    code, st = _status(sweep, capsys)
+    assert code == 1 and "3 jobs: 2 done, 1 failed, 0 running, 0 missing" in st, st
+    assert "resume: python -m specmd -m" in st and "[config]" in st
     # while a launcher lives (it holds .sweep.lock), a job it has not run is pending, not missing, no resume
     # command is offered, and a second launch is refused (it would run the pending jobs twice)
     first_done = next(iter(done))
@@ -96,10 +110,9 @@ def test_resume_skips_done_jobs_reruns_failed_and_status_lists_them(tmp_path, mi
                                "time.sleep(120)"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
-        st = subprocess.run([sys.executable, "-m", "specmd", "status", str(sweep)], capture_output=True, text=True,
-                            cwd=ROOT, timeout=120)
+        _, st = _status(sweep, capsys)
         assert "3 jobs: 1 done, 1 failed, 0 running, 1 pending, 0 missing; running: launched by pid " \
-            f"{holder.pid} on " in st.stdout and "resume:" not in st.stdout, st.stdout
+            f"{holder.pid} on " in st and "resume:" not in st, st
         twice = _launch(args, ROOT, mirror)
         out, err = twice.communicate(timeout=300)
         assert twice.returncode == 2 and f"hydra.sweep.dir={sweep} is being run by pid {holder.pid} on " in err, err
