@@ -202,8 +202,9 @@ def profile(device: str, quick: bool) -> None:
             nxt = ids[:, -1:]
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
             calls0 = st.engine.calls
+            steps = 2 if quick else 8
             with prof(activities=activities) as p:
-                for _ in range(8):
+                for _ in range(steps):
                     out = model(nxt, past_key_values=past, use_cache=True)
                     past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
                 sync(device)
@@ -218,7 +219,7 @@ def profile(device: str, quick: bool) -> None:
     d2h = counts.get("cudaMemcpyAsync", 0)
     per = {k: v / max(calls, 1) for k, v in syncs.items()}
     row("syncs", "per MoE layer call", ", ".join(f"{k} {v:.2f}" for k, v in per.items()) or "(no CUDA)",
-        f"{calls} layer calls (8 decode tokens at 5%, offload, lru + topk); the 2 per pass of the wall clock included")
+        f"{calls} layer calls ({steps} decode tokens at 5%, offload, lru + topk); the 2 per pass of the wall clock included")
     row("syncs", "kernel launches per MoE layer call", f"{launches / max(calls, 1):.1f}",
         f"cudaMemcpyAsync {d2h / max(calls, 1):.1f} per call; aten::mm {counts.get('aten::mm', 0) / max(calls, 1):.1f}, "
         f"grouped {counts.get('aten::_grouped_mm', 0) / max(calls, 1):.1f}")
@@ -296,7 +297,7 @@ def timed_generation(model, spec, device, prompt: int, tokens: int):
 
 
 def at_the_link(name: str, model, device: str, gbps: float, quick: bool) -> None:
-    tokens = 6 if quick else 16
+    tokens = 3 if quick else 16
     for cap in (0.05, 0.25):
         spec = spec_for({}, cap, {"name": "offload", "throttle": False})
         ttft, tpot, res = timed_generation(model, spec, device, 16, tokens)
@@ -316,7 +317,7 @@ def at_the_link(name: str, model, device: str, gbps: float, quick: bool) -> None
 
 
 def ratios(name: str, model, device: str, quick: bool) -> None:
-    tokens = 6 if quick else 16
+    tokens = 3 if quick else 16
     _, base, _ = timed_generation(model, None, device, 16, tokens)
     _, hooked, _ = timed_generation(model, spec_for({"prefetch": "none"}, 1.0, {"name": "simulated"}), device, 16,
                                     tokens)
@@ -364,7 +365,7 @@ def hybrid_section(name: str, model, device: str, family: str, quick: bool) -> N
         return
     host, _ = measure_host_experts(model, family, CALIBRATED, torch.device(device))
     hw = {**CALIBRATED, **host}
-    tokens = 6 if quick else 16
+    tokens = 3 if quick else 16
     for miss in ("fetch", "cpu_compute", "hybrid"):
         stack = {"miss": miss}
         ttft, tpot, res = timed_generation(model, spec_for(stack, 0.05, {"name": "offload", "throttle": False}, hw),
