@@ -217,3 +217,33 @@ def test_concurrent_processes_quantize_once(cache, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECMD_CACHE", str(tmp_path / "fresh"))
     _, store = _build(["int4"])
     assert _same(_dequant(store, "int4"), res[0]["w"])
+
+
+def test_a_cached_copy_is_three_tensors_per_layer_weight_and_each_expert_is_its_own_quantization():
+    """The file holds each layer's weight as ``wq``/``scale``/``zero`` ``[E, ...]`` tensors, not three per expert
+    (torch.load spends ~15 us a tensor: the tiny model's 1,536 per-expert tensors loaded slower than they
+    quantize); row ``e`` is expert ``e``'s copy, equal to HQQ quantizing that expert alone (optimize off)."""
+    from hqq.core.quantize import Quantizer
+
+    from specmd.quant.base import expert_params
+    from specmd.quant.hqq import dequantize
+
+    experts, E = _experts()
+    q = QUANT.build({"name": "hqq", "precisions": ["int4"], "optimize": False})
+    store = q.build(experts, E, TAG)
+    fp = model_fingerprint(experts, E, TAG)
+    layers = read_cache_file(q.cache_path("int4", fp), q.cache_key("int4", fp))
+    assert len(layers) == len(experts)
+    for layer in layers:
+        for w in layer.values():
+            assert sorted(w) == ["meta", "scale", "wq", "zero"] and all(w[k].shape[0] == E for k in ("wq", "scale", "zero"))
+    name, p = expert_params(experts[1], E)[0]
+    for e in (0, 5, E - 1):
+        wq, meta = Quantizer.quantize(p[e].detach().float(), nbits=4, group_size=64, optimize=False, axis=1,
+                                      compute_dtype=torch.float32, device="cpu")
+        meta["scale"], meta["zero"] = meta["scale"].half().float(), meta["zero"].half().float()  # stored as fp16
+        alone = Quantizer.dequantize(wq, meta).reshape(p.shape[1:])
+        w = layers[1][name]
+        assert torch.equal(dequantize(w["wq"][e], w["scale"][e], w["zero"][e], w["meta"], "cpu").reshape(p.shape[1:]),
+                           alone)
+        assert torch.equal(store.weights(1, e, "int4")[name].float(), alone.to(p.dtype).float())
