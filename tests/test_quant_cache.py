@@ -228,11 +228,9 @@ def test_a_cached_copy_is_three_tensors_per_layer_weight_and_each_expert_is_its_
     from specmd.quant.base import expert_params
     from specmd.quant.hqq import dequantize
 
+    q, store = _build(["int4"])
+    layers = read_cache_file(*_path(q, "int4"))
     experts, E = _experts()
-    q = QUANT.build({"name": "hqq", "precisions": ["int4"], "optimize": False})
-    store = q.build(experts, E, TAG)
-    fp = model_fingerprint(experts, E, TAG)
-    layers = read_cache_file(q.cache_path("int4", fp), q.cache_key("int4", fp))
     assert len(layers) == len(experts)
     for layer in layers:
         for w in layer.values():
