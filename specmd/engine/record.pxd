@@ -10,6 +10,7 @@ cdef class GateRecord:
     cdef public object _index
     cdef public object _weights
     cdef public object _probs
+    cdef public object _scores
     cdef public object _requested
     cdef public object _signal
     cpdef requested(self, long num_experts)

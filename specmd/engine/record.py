@@ -3,6 +3,7 @@ or which driver (live hook or trace replay) made the record."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -10,15 +11,63 @@ import torch
 from ..errors import ConfigError
 
 
+GROUP_SCORES = ("top2", "max")  # how a group-limited router scores a group of experts (see Scoring)
+
+
 class Scoring:
-    """How a family turns router logits into probabilities and top-k weights (from its adapter)."""
+    """A family's routing rule, as the engine and the policies use it (built by its adapter from the loaded
+    model, stored in a trace's ``meta.json``): how router logits become **router probabilities** and top-k
+    **weights** (what the model weighs experts' outputs by), and how it **selects** its top-k (the
+    **selection score**, which every policy that ranks experts ranks by).
 
-    __slots__ = ("sigmoid", "renorm", "scale")
+    * ``sigmoid``: probabilities are ``sigmoid(logits)`` (DeepSeek-V3 and its kind), else ``softmax``;
+    * ``renorm`` / ``scale``: the top-k weights are the selected probabilities, renormalised to sum 1 when
+      ``renorm``, times ``scale`` (``routed_scaling_factor``);
+    * ``bias``: ``[L, E]`` float32 or None, a per-MoE-layer **selection bias** added to the probabilities
+      for choosing, never for weighing (DeepSeek-V3's ``e_score_correction_bias``: "the bias term is only used
+      for routing", DeepSeek-V3 report §2.1.2);
+    * ``groups`` / ``topk_group`` / ``group_score``: group-limited top-k (DeepSeek-V2's device-limited
+      routing, V3's node-limited routing): the E experts form ``groups`` equal groups, each token keeps the
+      ``topk_group`` best groups -- a group scored by the sum of its two best selection scores (``top2``,
+      DeepSeek-V3's router) or its best one (``max``, DeepSeek-V2's ``group_limited_greedy``) -- and selects
+      its top-k among their experts. ``groups = 1`` (or ``topk_group >= groups``): no limit.
 
-    def __init__(self, sigmoid: bool, renorm: bool, scale: float):
+    :meth:`selection` is exactly the family's own router computation (transformers'
+    ``DeepseekV3TopkRouter.forward``: ``sigmoid(logits) + bias``, the groups outside the token's best set to
+    ``-inf``), so the top-k of the selection score *is* the router's choice (``tests/test_selection.py``
+    checks it on every family, biased and group-limited). A rule with neither bias nor groups is ``plain``:
+    the selection score is the probabilities themselves, and a ranking reads the logits (the same order).
+    """
+
+    __slots__ = ("sigmoid", "renorm", "scale", "bias", "groups", "topk_group", "group_score", "plain")
+
+    def __init__(self, sigmoid: bool, renorm: bool, scale: float, bias: Optional[torch.Tensor] = None,
+                 groups: int = 1, topk_group: int = 1, group_score: str = "top2"):
+        """Errors: ValueError for a ``group_score`` outside :data:`GROUP_SCORES`, groups that do not divide
+        the experts, a ``topk_group`` outside 1..groups, a bias that is not ``[L, E]`` or not finite."""
         self.sigmoid = sigmoid
         self.renorm = renorm
         self.scale = scale
+        if group_score not in GROUP_SCORES:
+            raise ValueError(f"group_score={group_score!r}; valid: {', '.join(GROUP_SCORES)}")
+        groups, topk_group = int(groups), int(topk_group)
+        if groups < 1 or not 1 <= topk_group <= groups:
+            raise ValueError(f"groups={groups}, topk_group={topk_group}: a router keeps 1..groups of its >= 1 groups")
+        if bias is not None:
+            bias = torch.as_tensor(bias, dtype=torch.float32).detach().cpu()
+            if bias.dim() != 2:
+                raise ValueError(f"a selection bias is [MoE layers, experts], got shape {tuple(bias.shape)}")
+            if not bool(torch.isfinite(bias).all()):
+                raise ValueError("the selection bias has non-finite values")
+            if not bool(bias.any()):
+                bias = None  # all zero: the probabilities rank exactly as they are
+        if groups > 1 and bias is not None and bias.shape[1] % groups:
+            raise ValueError(f"groups={groups} does not divide the {bias.shape[1]} experts")
+        self.bias = bias
+        self.groups = groups if topk_group < groups else 1
+        self.topk_group = topk_group if topk_group < groups else 1
+        self.group_score = group_score
+        self.plain = self.bias is None and self.groups == 1
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
@@ -32,8 +81,64 @@ class Scoring:
             w = w * self.scale
         return w
 
+    def selection(self, probs: torch.Tensor, layer: int) -> torch.Tensor:
+        """``[T, E]`` float32: MoE layer ``layer``'s selection score of every expert for every token, from its
+        router probabilities ``probs`` [T, E]: ``probs + bias[layer]``, ``-inf`` outside the token's
+        ``topk_group`` best groups. ``probs`` itself (no copy) for a plain rule: never write the result."""
+        if self.plain:
+            return probs
+        s = probs.float()
+        if self.bias is not None:
+            s = s + self.bias[layer].to(s.device)
+        g = self.groups
+        if g > 1:
+            T, E = s.shape
+            grouped = s.view(T, g, E // g)
+            if self.group_score == "top2":
+                group = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, g]
+            else:
+                group = grouped.max(dim=-1).values
+            best = torch.topk(group, k=self.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+            keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, best, True)
+            s = s.masked_fill(~keep.unsqueeze(-1).expand(T, g, E // g).reshape(T, E), float("-inf"))
+        return s
+
+    def select(self, logits: torch.Tensor, layer: int, k: int) -> torch.Tensor:
+        """``[T, k]``: the top-k the family's router selects from ``logits`` [T, E] at MoE layer ``layer``
+        (for a policy that changes the logits, Cache-Prior's ``z'``). A plain rule takes the top-k of the
+        logits (softmax and sigmoid keep their order)."""
+        if self.plain:
+            return torch.topk(logits, k, dim=-1).indices
+        return torch.topk(self.selection(self.probs(logits), layer), k, dim=-1).indices
+
     def to_dict(self) -> dict:
-        return {"sigmoid": self.sigmoid, "renorm": self.renorm, "scale": self.scale}
+        out = {"sigmoid": self.sigmoid, "renorm": self.renorm, "scale": self.scale}
+        if self.bias is not None:
+            out["bias"] = self.bias.tolist()
+        if self.groups > 1:
+            out.update(groups=self.groups, topk_group=self.topk_group, group_score=self.group_score)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict, layers: Optional[int] = None, experts: Optional[int] = None) -> "Scoring":
+        """The inverse of :meth:`to_dict` (a trace's ``meta.json``: an older one has no rule, which reads as
+        none). ``layers`` / ``experts``: the bias's expected shape. Errors: ValueError naming the field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"scoring is a mapping, got {type(d).__name__}")
+        bias = d.get("bias")
+        if bias is not None:
+            try:
+                bias = torch.tensor(bias, dtype=torch.float32)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"scoring.bias is not a [layers, experts] table of numbers ({e})") from None
+            if layers is not None and tuple(bias.shape) != (layers, experts):
+                raise ValueError(f"scoring.bias has shape {tuple(bias.shape)}; the geometry has {layers} MoE layers "
+                                 f"of {experts} experts")
+        for key in ("scale",):
+            if not math.isfinite(float(d.get(key, 1.0))):
+                raise ValueError(f"scoring.{key}={d.get(key)!r} is not finite")
+        return cls(bool(d.get("sigmoid", False)), bool(d.get("renorm", True)), float(d.get("scale", 1.0)), bias,
+                   int(d.get("groups", 1)), int(d.get("topk_group", 1)), str(d.get("group_score", "top2")))
 
 
 class NoLogits(ConfigError):
@@ -54,7 +159,8 @@ class GateRecord:
     Here: ``index`` [T, k] / ``weights`` [T, k], what will run (the router's own until a routing policy
     replaces them: :meth:`Engine.route <specmd.engine.Engine.route>` assigns them); ``void`` [T, k] bool or
     None, slots the routing policy declared empty (:meth:`RoutingPolicy.empties`: not run, not faithful);
-    ``probs`` [T, E], derived from the logits on first use; ``call``, the position of this call in the run's
+    ``probs`` [T, E], derived from the logits on first use (what weights are made of); ``scores`` [T, E], the
+    family's selection score (what policies rank by: :meth:`Scoring.selection`); ``call``, the position of this call in the run's
     stream of layer calls (the engine numbers them); ``predict(target)``, the prefetch signal as
     ``(probs, index)``.
     (A compiled extension type: ``record.pxd`` declares these fields, so the engine reads them in C.)
@@ -93,6 +199,15 @@ class GateRecord:
         if self._probs is None:
             self._probs = self.scoring.probs(self.logits)
         return self._probs
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """``[T, E]``: the family's **selection score** (:meth:`Scoring.selection`: the probabilities plus the
+        layer's selection bias, ``-inf`` outside the token's groups), what every policy that ranks experts
+        ranks by; the router's own top-k is its top-k. ``probs`` itself for a plain rule. Read, never write."""
+        if self._scores is None:
+            self._scores = self.scoring.selection(self.probs, self.layer)
+        return self._scores
 
     def probs_rows(self):
         """``probs`` as a float32 numpy array [T, E] on the host, for a policy that reads probabilities in
@@ -139,7 +254,7 @@ def fill(rec: GateRecord, layer: int, scoring, signal, requested) -> GateRecord:
     rec.scoring = scoring
     rec.void = None
     rec._slots = -1
-    rec._index = rec._weights = rec._probs = None
+    rec._index = rec._weights = rec._probs = rec._scores = None
     rec._requested = requested
     rec._signal = signal
     return rec

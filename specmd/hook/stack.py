@@ -114,8 +114,8 @@ class PolicyStack:
         self.spec = spec
         self.geom = adapter.geometry(model)
         self.moe_ids = list(self.geom.layer_ids)
-        self.scoring = adapter.scoring(model.config)
         self.routers = [adapter.router(model, i) for i in self.moe_ids]
+        self.scoring = adapter.scoring(model.config, self.routers)
         self.expert_modules = [adapter.experts(model, i) for i in self.moe_ids]
         self.device = torch.device(device) if device is not None else next(
             p.device for p in model.parameters() if not p.is_meta)

@@ -118,6 +118,14 @@ class Adapter:
     experts_layout: ExpertsLayout = ExpertsLayout()
     # The real model whose routing a model of this family is compared with (specmd card).
     routing_reference: Optional[RoutingReference] = None
+    # The selection rule beyond the score function (Scoring): the router's buffer holding a per-expert
+    # selection bias, read from the loaded model wherever the router has it (absent or all zero: none); and
+    # group-limited top-k -- how a group is scored ("top2": the sum of its two best scores, "max": its best),
+    # with E split into config.n_group groups of which config.topk_group are kept -- or None (no groups), and
+    # the (config field, value) under which the groups apply (DeepSeek-V2: topk_method=group_limited_greedy).
+    bias_attr: str = "e_score_correction_bias"
+    group_score: Optional[str] = None
+    groups_if: Optional[tuple] = None
 
     # ---- model structure (nothing outside this module knows where a family keeps its parts) ----------
     def num_experts(self, config) -> int:
@@ -147,8 +155,39 @@ class Adapter:
         """The module whose forward is one forward pass (its pre/post hooks mark passes)."""
         return model.model
 
-    def scoring(self, config):
-        return Scoring(self.score == "sigmoid", self.renormalises(config), self.scale(config))
+    def scoring(self, config, routers=()):
+        """The family's :class:`~specmd.engine.record.Scoring` for ``config``; ``routers``: the loaded model's
+        routers, one per MoE layer, whose selection bias (``bias_attr``) it reads (none given: no bias)."""
+        groups, topk_group = self.group_limit(config)
+        return Scoring(self.score == "sigmoid", self.renormalises(config), self.scale(config),
+                       self.selection_bias(routers), groups, topk_group, self.group_score or "top2")
+
+    def group_limit(self, config) -> tuple[int, int]:
+        """``(groups, kept groups)`` of the family's group-limited top-k under ``config``; (1, 1): none.
+        Errors: ConfigError when the groups do not divide the experts or keep fewer experts than top-k."""
+        if self.group_score is None:
+            return 1, 1
+        if self.groups_if is not None and getattr(config, self.groups_if[0], None) != self.groups_if[1]:
+            return 1, 1
+        groups, kept = int(getattr(config, "n_group", 1) or 1), int(getattr(config, "topk_group", 1) or 1)
+        if groups <= 1 or kept >= groups:
+            return 1, 1
+        E, k = self.num_experts(config), int(config.num_experts_per_tok)
+        if E % groups or kept * (E // groups) < k or kept < 1:
+            raise ConfigError(f"model {config.model_type}: n_group={groups}, topk_group={kept} with {E} experts and "
+                              f"top-k {k}: the groups must divide the experts and the kept groups hold >= top-k of them")
+        return groups, kept
+
+    def selection_bias(self, routers):
+        """``[L, E]`` float32 on the host: each router's selection bias (``bias_attr``), or None when no
+        router has one."""
+        import torch
+
+        rows = [getattr(r, self.bias_attr, None) for r in routers]
+        if not rows or all(b is None for b in rows):
+            return None
+        E = next(b for b in rows if b is not None).numel()
+        return torch.stack([torch.zeros(E) if b is None else b.detach().float().cpu().reshape(-1) for b in rows])
 
     def geometry(self, model):
         """The :class:`~specmd.engine.geometry.Geometry` of a loaded model (parameters at their dtype)."""
@@ -225,6 +264,7 @@ ADAPTERS: dict[str, Adapter] = {
                              "threshold of it; reweigh() uses the renormalised full softmax instead"),
         # DeepSeek-V2-Lite: 64 experts, top-6, 2 shared experts, first layer dense, softmax, scaled.
         Adapter("deepseek_v2", renorm=False, scale_attr="routed_scaling_factor", experts_attr="n_routed_experts",
+                group_score="max", groups_if=("topk_method", "group_limited_greedy"),
                 tiny=dict(_COMMON, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=64,
                           num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1,
                           topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0,
@@ -232,7 +272,7 @@ ADAPTERS: dict[str, Adapter] = {
                           v_head_dim=16, num_key_value_heads=4)),
         # DeepSeek-V3: 256 experts, top-8, 1 shared, group-limited sigmoid routing, renormalised, scaled.
         Adapter("deepseek_v3", score="sigmoid", renorm="norm_topk_prob", scale_attr="routed_scaling_factor",
-                experts_attr="n_routed_experts",
+                experts_attr="n_routed_experts", group_score="top2",
                 tiny=dict(_COMMON, intermediate_size=128, moe_intermediate_size=16, n_routed_experts=256,
                           num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1, n_group=8,
                           topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, kv_lora_rank=32,

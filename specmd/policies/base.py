@@ -53,8 +53,9 @@ def check_choice(name: str, value: Any, choices) -> None:
 
 
 def ranked_by_score(probs: Any, index: Any) -> Any:
-    """``[T, k]``: ``index`` (experts selected per token) ordered by descending router probability, ties in
-    their selection order (rank 0 = the top-1). Some routers return their top-k unsorted (DeepSeek-V2/V3:
+    """``[T, k]``: ``index`` (experts selected per token) ordered by descending ``probs`` [T, E] -- pass the
+    record's selection scores (``record.scores``) for the router's ranks -- ties in their selection order
+    (rank 0 = the top-1). Some routers return their top-k unsorted (DeepSeek-V2/V3:
     ``topk(sorted=False)``), so code that acts on a rank must not read the index's column order."""
     import torch
 

@@ -2,7 +2,8 @@
 
 A trace is a directory::
 
-    meta.json          format "specmd-trace", version 1, geometry, scoring, expert bytes per stored
+    meta.json          format "specmd-trace", version 1, geometry, scoring (with the selection rule: bias
+                       [L, E], groups), expert bytes per stored
                        precision, signal depth, dtypes, the model and run it came from
     passes.bin         int64 [P, 3]: kind (0 prefill, 1 decode), tokens, context, one row per complete pass
     index.bin          [R, k]    the router's own top-k per (pass, MoE layer, token) row (uint8/int16/int32)
@@ -48,7 +49,8 @@ class TraceMeta:
     ``geometry`` (the engine's :class:`~specmd.engine.geometry.Geometry`: layers, experts, bytes, roofline
     parameters), ``store`` (:class:`~specmd.engine.store.StoreSizes`: an expert's bytes per stored
     precision), ``scoring`` (:class:`~specmd.engine.record.Scoring`: probabilities and weights from the
-    logits), ``depth`` (layers of prefetch signal per row), ``logits`` (``fp32`` | ``fp16`` | ``none``),
+    logits, and the family's selection rule -- its per-layer selection bias and group limit -- so a replay's
+    policies rank as the live run's did), ``depth`` (layers of prefetch signal per row), ``logits`` (``fp32`` | ``fp16`` | ``none``),
     ``index_dtype``, and ``source``: what produced it -- a live run's model config, run directory, stack,
     device and ``exact`` (its stack computed what the unhooked model computes), or an importer's
     ``format``, file and counts. On disk it is JSON (:meth:`to_dict` / :meth:`from_dict`)."""
@@ -98,10 +100,9 @@ class TraceMeta:
             g = meta["geometry"]
             for key in ("num_layers", "num_experts", "top_k"):
                 g[key]
-            sc = meta.get("scoring") or {}
-            out = cls(geometry=Geometry.from_dict(g), store=StoreSizes.from_meta(meta["store"]),
-                      scoring=Scoring(bool(sc.get("sigmoid", False)), bool(sc.get("renorm", True)),
-                                      float(sc.get("scale", 1.0))),
+            geometry = Geometry.from_dict(g)
+            out = cls(geometry=geometry, store=StoreSizes.from_meta(meta["store"]),
+                      scoring=Scoring.from_dict(meta.get("scoring") or {}, geometry.num_layers, geometry.num_experts),
                       depth=int(meta["depth"]), logits=meta["logits"], index_dtype=meta["index_dtype"],
                       source=meta.get("source") or {})
             np.dtype(out.index_dtype)

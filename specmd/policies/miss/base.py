@@ -84,20 +84,21 @@ class CascadeMissPolicy(MissPolicy):
 
 
 def expert_scores(record: Any, experts: list[int]):
-    """Importance of each listed expert in this layer call: its highest router probability over the
-    tokens that selected it (0 if none did). Returns a float tensor [len(experts)]."""
+    """Importance of each listed expert in this layer call: its highest selection score (``record.scores``:
+    the router probability plus the family's selection bias) over the tokens that selected it (``-inf`` if
+    none did). Returns a float tensor [len(experts)]."""
     import torch
 
-    probs = record.probs
-    idx = probs.new_tensor(experts, dtype=torch.long)
+    scores = record.scores
+    idx = scores.new_tensor(experts, dtype=torch.long)
     selected = (record.index.unsqueeze(-1) == idx).any(1)  # [T, n]
-    return torch.where(selected, probs[:, idx], probs.new_zeros(())).amax(0).float().cpu()
+    return torch.where(selected, scores[:, idx], scores.new_full((), float("-inf"))).amax(0).float().cpu()
 
 
 def best_ranks(record: Any, experts: list[int]) -> list[int]:
     """Each listed expert's best (lowest, 0-based) rank among the tokens that selected it, ranks being
-    positions in the token's selection by descending probability (k if no token selected it)."""
-    ranked = ranked_by_score(record.probs, record.index)  # [T, k] by descending probability
+    positions in the token's selection by descending selection score (k if no token selected it)."""
+    ranked = ranked_by_score(record.scores, record.index)  # [T, k] by descending selection score
     k = ranked.shape[-1]
     out = []
     for e in experts:

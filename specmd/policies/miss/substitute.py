@@ -22,15 +22,18 @@ class Substitute(MissPolicy):
     used as a substitute for that token). It keeps the missing expert's weight.
 
     A missing expert is substituted when every token that selected it can be served this way; otherwise
-    it is fetched (one transfer serves all its tokens, and the other tokens then stay exact). Scores are
-    router probabilities (softmax, or sigmoid scores for DeepSeek-V3-style routers)."""
+    it is fetched (one transfer serves all its tokens, and the other tokens then stay exact). Scores are the
+    family's selection scores (``record.scores``: router probabilities, softmax or sigmoid, plus a selection
+    bias; an expert outside the token's groups is never a substitute), so ``alpha = 0`` substitutes nothing.
+    Zhu et al.'s window is multiplicative, made for positive probabilities: where a selection bias makes
+    ``S_{k+1} <= 0`` the window is empty and the miss is fetched."""
 
     name = "substitute"
 
     Params = SubstituteParams
 
     def handle(self, layer, missing, record, cache):
-        probs = record.probs
+        probs = record.scores  # the family's selection score (-inf outside a token's groups: never eligible)
         k = record.top_k
         if k >= probs.shape[-1]:
             return None

@@ -1,7 +1,11 @@
 """Routing policies (Cache-Conditional Experts §3, SpecMD §3.1.1) modify which experts a token selects.
 
 ``apply`` sees the layer's :class:`~specmd.engine.record.GateRecord` (original logits, router
-probabilities, the router's own selection) and the read-only cache view. It returns a new ``[T, k]`` index
+probabilities, the family's selection scores, the router's own selection) and the read-only cache view. A
+policy that ranks experts ranks them by the **selection score** (``record.scores``, :func:`selection_ranking`:
+the family's rule -- DeepSeek-V3's selection bias, its group-limited top-k), never by the plain logits or
+probabilities, so that with no adjustment it returns the router's own choice on every family
+(``tests/test_selection.py``). It returns a new ``[T, k]`` index
 of selected experts, or ``None`` to keep the router's selection untouched (the lossless fast path). The
 engine (``Engine.route``) applies *dual-logit semantics*: the new selection is weighted by the original router probabilities,
 renormalised the way the model family does (see ``GateRecord.reweigh``).
@@ -59,12 +63,25 @@ def weigh_kept(record: Any, index: torch.Tensor, void: Any) -> torch.Tensor:
     return record.scoring.weigh(padded, index.masked_fill(void, probs.shape[-1]))
 
 
-def cache_mask(record: Any, cache: Any) -> torch.Tensor:
-    """``[E]`` bool: experts of the record's layer that are in the cache (arrived or on their way)."""
+def selection_ranking(record: Any) -> torch.Tensor:
+    """``[T, E]``: every expert by descending selection score (``record.scores``: the family's rule, its
+    selection bias and group limit; experts outside a token's groups last), ties by expert id; the first k
+    are the router's own top-k. A plain rule ranks the logits (the same order as its probabilities)."""
+    if record.scoring.plain:
+        return torch.argsort(record.logits, dim=-1, descending=True, stable=True)
+    return torch.argsort(record.scores, dim=-1, descending=True, stable=True)
+
+
+def cache_mask(record: Any, cache: Any, within_groups: bool = True) -> torch.Tensor:
+    """``[E]`` bool: experts of the record's layer that are in the cache (arrived or on their way); ``[T, E]``
+    where the family's top-k is group-limited and ``within_groups``: the cached experts within each token's
+    groups (those its router could select), so a promotion never crosses the group limit."""
     mask = record.logits.new_zeros(record.logits.shape[-1], dtype=torch.bool)
     resident = cache.present(record.layer)
     if resident:
         mask[resident] = True
+    if within_groups and record.scoring.groups > 1:
+        mask = mask & torch.isfinite(record.scores)
     return mask
 
 
@@ -72,12 +89,12 @@ def promote_select(ranking: torch.Tensor, cached: torch.Tensor, max_rank: torch.
     """Cache-Conditional Experts' promote() (Algorithms 1 and 2) for every token at once:
     ``r' = promote(r[:J]; promote(r[:M] ∩ C; r))`` and the new selection is ``r'[:k]``.
 
-    ``ranking`` [T, E]: experts by descending router probability; ``cached`` [E] bool; ``max_rank`` [T]
-    (M per token). Each expert gets the key (group, rank) with group 0 = top-J, 1 = in the top-M and
-    cached, 2 = the rest; sorting by it is exactly the two promotions (order kept within groups)."""
+    ``ranking`` [T, E]: experts by descending selection score; ``cached`` [E] bool, or [T, E] per token;
+    ``max_rank`` [T] (M per token). Each expert gets the key (group, rank) with group 0 = top-J, 1 = in the
+    top-M and cached, 2 = the rest; sorting by it is exactly the two promotions (order kept within groups)."""
     num = ranking.shape[-1]
     rank = ranking.new_tensor(range(num)).expand_as(ranking)
-    in_cache = cached[ranking]
+    in_cache = cached[ranking] if cached.dim() == 1 else cached.gather(-1, ranking)
     group = torch.where(rank < top_j, 0, torch.where(in_cache & (rank < max_rank.unsqueeze(-1)), 1, 2))
     order = torch.argsort(group * num + rank, dim=-1)
     return ranking.gather(-1, order[:, :k])

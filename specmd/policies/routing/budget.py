@@ -54,14 +54,14 @@ class Budget(RoutingPolicy):
     these experts are dropped". The readings, each a parameter:
 
     * ``by`` -- which experts make the budget. ``mass`` (default): the largest total router probability of
-      the selections, ``sum_t p[t, e]`` over the tokens that selected ``e``; ``count``: the most token
-      selections (ties: by mass, then the lower expert id). Lynx argues against counting: "Naive voting
+      the selections, ``sum_t p[t, e]`` over the tokens that selected ``e`` (router probabilities: a selection
+      bias balances load and says nothing of a token's preference); ``count``: the most token selections (ties: by mass, then the lower expert id). Lynx argues against counting: "Naive voting
       schemes that tally top-k selections across the batch treat all selections as equally weighted: a
       weakly preferred expert of an indifferent token receives the same vote as the decisive top choice of a
       high-conviction token." Both pick from the router's union (subtractive): no expert the router did not
       ask for is loaded, so the budget's experts are all requests the router made.
-    * ``overflow`` -- a selection outside the budget. ``substitute`` (default): the token's highest-probability
-      in-budget expert it has not selected takes the slot (none left, e.g. a budget below top-k: the slot is
+    * ``overflow`` -- a selection outside the budget. ``substitute`` (default): the token's best in-budget
+      expert by the family's selection score (within its groups) that it has not selected takes the slot (none left, e.g. a budget below top-k: the slot is
       empty); ``drop``: the slot is empty (:meth:`empties`, as ``prune`` declares: weight 0, no request, not
       faithful). Substitution is Lynx's: its remapper "redirects low-confidence token-to-expert assignments
       to experts within that set" and "preserves the top-k activation semantics of the underlying model:
@@ -120,7 +120,8 @@ class Budget(RoutingPolicy):
         order = order[torch.argsort(first[order], descending=True, stable=True)]
         kept_set = torch.zeros(E, dtype=torch.bool, device=probs.device)
         kept_set[order[:b]] = True  # (the union has more than b experts, all ranked before the rest)
-        ranked = ranked_by_score(probs, original)  # [T, k], rank 0 first
+        scores = record.scores  # the family's selection score: -inf outside a token's groups
+        ranked = ranked_by_score(scores, original)  # [T, k], rank 0 first
         keep = kept_set[ranked]
         n_keep = keep.sum(1, keepdim=True)
         ranked = ranked.gather(1, torch.argsort((~keep).to(torch.int8), dim=1, stable=True))  # kept first
@@ -128,7 +129,7 @@ class Budget(RoutingPolicy):
         valid = slot < n_keep
         index = ranked
         if self.params.overflow == "substitute":
-            score = probs.float().masked_fill(chosen | ~kept_set, float("-inf"))  # in budget, not the token's own
+            score = scores.float().masked_fill(chosen | ~kept_set, float("-inf"))  # in budget, not the token's own
             value, subs = torch.sort(score, dim=-1, descending=True, stable=True)
             nth = (slot - n_keep).clamp(min=0)  # the n-th substitute fills the n-th slot after the kept ones
             index = torch.where(valid, ranked, subs.gather(1, nth))

@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import ROUTING, RoutingPolicy, cache_mask, promote_select
+from .base import ROUTING, RoutingPolicy, cache_mask, promote_select, selection_ranking
 
 
 @dataclass
@@ -18,7 +18,8 @@ class CumsumParams:
 class Cumsum(RoutingPolicy):
     """Cumulative-sum threshold (Cache-Conditional Experts, Algorithm 2): per token, ``M`` is the number of
     top-ranked experts whose router probabilities first reach ``p`` (``M = 0`` for ``p = 0``), then Max-Rank
-    with that ``M`` and top-``J`` kept. Probabilities are the family's (softmax, or sigmoid scores)."""
+    with that ``M`` and top-``J`` kept. Probabilities are the family's (softmax, or sigmoid scores); the ranks
+    are its selection score's (a selection bias, a group limit), so ``p = 0`` is the router's own choice."""
 
     name = "cumsum"
 
@@ -26,7 +27,11 @@ class Cumsum(RoutingPolicy):
 
     def apply(self, record, cache):
         probs = record.probs
-        sorted_p, ranking = torch.sort(probs, dim=-1, descending=True, stable=True)
+        if record.scoring.plain:
+            sorted_p, ranking = torch.sort(probs, dim=-1, descending=True, stable=True)
+        else:  # ranked by the family's selection score, the probabilities summed in that order
+            ranking = selection_ranking(record)
+            sorted_p = probs.gather(-1, ranking)
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # p_cum before adding the M-th expert
         m = (before < self.params.p).sum(-1)
         if self.params.p <= 0:

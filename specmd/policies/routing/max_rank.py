@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import ROUTING, RoutingPolicy, cache_mask, promote_select
+from .base import ROUTING, RoutingPolicy, cache_mask, promote_select, selection_ranking
 
 
 @dataclass
@@ -18,7 +18,8 @@ class MaxRankParams:
 class MaxRank(RoutingPolicy):
     """Max-Rank (Cache-Conditional Experts, Algorithm 1): cached experts within the router's top ``M`` are
     promoted ahead of uncached ones, the router's top ``J`` always stay first; the new top-k runs, weighted
-    by the original probabilities. ``M <= k`` leaves the selection unchanged (up to order); ``M >= E``
+    by the original probabilities. Ranks are the family's (its selection score: selection bias, group limit),
+    so ``M <= k`` leaves the selection unchanged (up to order) on every family; ``M >= E``
     searches every rank (the default 16 on Mixtral's 8 experts): a search depth, not a count of experts, so it
     is not bounded by the model, unlike ``J`` (checked against the top-k by the engine)."""
 
@@ -27,7 +28,7 @@ class MaxRank(RoutingPolicy):
     Params = MaxRankParams
 
     def apply(self, record, cache):
-        ranking = torch.argsort(record.logits, dim=-1, descending=True, stable=True)
+        ranking = selection_ranking(record)  # [T, E], by the family's selection score
         m = ranking.new_full((ranking.shape[0],), self.params.M)
         return promote_select(ranking, cache_mask(record, cache), m, self.params.J, record.top_k)
 

@@ -64,8 +64,9 @@ class Piggyback(RoutingPolicy):
     ("we use it only during decode, not prefill"): ``passes: decode`` (the default) leaves prefill calls as
     routed; ``passes: all`` piggybacks there too (a prefill's many tokens make ``S^base`` nearly every
     expert, and few tokens change).
-    Ranks are by router probability (``ranked_by_score``); family selection rules (DeepSeek group limits)
-    do not apply to the piggybacked experts."""
+    Ranks are by the family's selection score (``record.scores``: router probability plus a selection bias,
+    within the token's groups where top-k is group-limited), so a token piggybacks only on experts its own
+    router could have selected (an expert outside its groups scores ``-inf`` and is no candidate)."""
 
     name = "piggyback"
     reads_logits = True  # (Policy.reads_logits): ranks every expert by the router's probabilities
@@ -89,12 +90,12 @@ class Piggyback(RoutingPolicy):
         the token's top-1."""
         k = record.top_k
         k0 = self.params.k0
-        probs = record.probs
-        base = ranked_by_score(probs, record.original)[:, :k0]  # [T, k0], rank 0 first
-        union = torch.zeros(probs.shape[-1], dtype=torch.bool, device=probs.device)
+        scores = record.scores  # the family's selection score: -inf outside a token's groups
+        base = ranked_by_score(scores, record.original)[:, :k0]  # [T, k0], rank 0 first
+        union = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
         union[base.reshape(-1)] = True
-        own = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, base, True)
-        score = probs.float().masked_fill(own | ~union, float("-inf"))  # candidates: in S^base, not the token's own
+        own = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, base, True)
+        score = scores.float().masked_fill(own | ~union, float("-inf"))  # candidates: in S^base, not the token's own
         value, order = torch.sort(score, dim=-1, descending=True, stable=True)
         extra, ok = order[:, : k - k0], value[:, : k - k0] > float("-inf")
         index = torch.cat([base, torch.where(ok, extra, base[:, :1])], dim=1)

@@ -25,7 +25,8 @@ class PruneParams:
 
 
 class Prune(RoutingPolicy):
-    """Pruning baseline (Cache-Conditional Experts §4.1): experts the router ranks ``>= h`` (0-based) are not
+    """Pruning baseline (Cache-Conditional Experts §4.1): experts the router ranks ``>= h`` (0-based, by the
+    family's selection score) are not
     run; the kept ``h`` keep their probabilities, renormalised over the kept set exactly when the family
     renormalises its top-k (Mixtral, Qwen3: yes; OLMoE: no). ``h = k`` is the router's own choice. Pruned
     slots point at the token's top-1 expert with weight 0 (no request, no contribution), so every family's
@@ -48,7 +49,7 @@ class Prune(RoutingPolicy):
         h = self.params.h
         if h >= k:
             return None
-        index = ranked_by_score(record.probs, record.original)  # [T, k], rank 0 first
+        index = ranked_by_score(record.scores, record.original)  # [T, k], rank 0 first
         index[:, h:] = index[:, :1]
         return index
 

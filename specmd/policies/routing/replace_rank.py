@@ -46,7 +46,7 @@ class ReplaceRank(RoutingPolicy):
     def apply(self, record, cache):
         if self.params.rank >= record.top_k:
             return None  # the router selects no expert at this rank: nothing to replace
-        index = ranked_by_score(record.probs, record.original)  # [T, k], rank 0 first
+        index = ranked_by_score(record.scores, record.original)  # [T, k], rank 0 first
         noise = torch.rand(index.shape[0], record.probs.shape[-1], generator=self.gen)  # [T, E]
         noise.scatter_(1, index.cpu(), -1.0)  # never draw an expert the token already selected
         index[:, self.params.rank] = noise.argmax(dim=1).to(index.device)

@@ -1,0 +1,235 @@
+"""The family's selection rule is what every policy sees (issue 55): a selection bias (DeepSeek-V3's
+``e_score_correction_bias``) and a group-limited top-k (DeepSeek-V2's ``group_limited_greedy``, V3's node
+limit) decide the router's top-k, so a policy that ranks experts ranks by the selection score
+(``GateRecord.scores``), and with no adjustment returns the router's own choice -- on every family, every
+routing policy of the registry, and in a replay of a recorded trace as live."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import FAMILIES, sample_ids
+from specmd.compose import spec_of
+from specmd.engine.record import LiveRecord, Scoring
+from specmd.hardware import HardwareConfig
+from specmd.hook import install
+from specmd.models.adapters import adapter_for
+from specmd.models.loader import build_tiny
+from specmd.policies.miss import MISS
+from specmd.policies.routing import ROUTING
+
+# every family, plus DeepSeek-V2 in its group-limited reading (V2-Lite, the tiny default, is greedy)
+VARIANTS = {f: (f, None) for f in FAMILIES}
+VARIANTS["deepseek_v2_grouped"] = ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=8, topk_group=3))
+
+# each routing policy with the parameters that adjust nothing: the router's own choice, exactly. A policy
+# that has none says why (the registry test below fails on a policy in neither table).
+NEUTRAL = {
+    "standard": {},
+    "max_rank": {"M": "k", "J": 0},
+    "cumsum": {"p": 0.0, "J": 0},
+    "cache_prior": {"lambda_": 1e-7, "J": 0},
+    "prune": {"h": "k"},
+    "piggyback": {"k0": "k", "passes": "all"},
+    "budget": {"max_fraction": 1.0, "passes": "all"},
+}
+NO_NEUTRAL = {"replace_rank": "every setting replaces one rank of every token by a random expert"}
+# miss policies that read scores, set to change nothing (every miss fetched)
+MISS_NEUTRAL = {"drop": {"J": "k"}, "substitute": {"alpha": 0.0}}
+
+_BUILT = {}
+
+
+def biased(variant):
+    """The variant's tiny model with a random selection bias on every router that holds one (seeded; large
+    enough to decide most selections, as a trained DeepSeek-V3's does); cached, never hooked by a test."""
+    if variant not in _BUILT:
+        family, overrides = VARIANTS[variant]
+        model = build_tiny(family, overrides)
+        adapter = adapter_for(family)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for i in adapter.moe_layers(model):
+                bias = getattr(adapter.router(model, i), adapter.bias_attr, None)
+                if bias is not None:
+                    bias.copy_(torch.rand(bias.shape, generator=g) * 0.5)
+            model(sample_ids(batch=1, seq=8))  # (warm-up: see conftest.tiny)
+        _BUILT[variant] = model
+    return _BUILT[variant]
+
+
+def routed(variant, ids):
+    """Per MoE layer: (router logits [T, E], the router's own index [T, k]) on the model's forward of ``ids``."""
+    family, _ = VARIANTS[variant]
+    model, adapter = biased(variant), adapter_for(family)
+    out, handles = [], []
+    for i in adapter.moe_layers(model):
+        handles.append(adapter.router(model, i).register_forward_hook(lambda m, a, o: out.append((o[0], o[2]))))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+def neutral(params, k):
+    return {key: (k if value == "k" else value) for key, value in params.items()}
+
+
+def as_sets(index):
+    return [set(row) for row in index.tolist()]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_selection_scores_top_k_is_the_routers_own_choice(variant):
+    family, _ = VARIANTS[variant]
+    model, adapter = biased(variant), adapter_for(family)
+    routers = [adapter.router(model, i) for i in adapter.moe_layers(model)]
+    scoring = adapter.scoring(model.config, routers)
+    k = int(model.config.num_experts_per_tok)
+    differs = 0
+    for layer, (logits, index) in enumerate(routed(variant, sample_ids(batch=2, seq=16))):
+        scores = scoring.selection(scoring.probs(logits), layer)
+        assert as_sets(torch.topk(scores, k, dim=-1).indices) == as_sets(index)
+        assert as_sets(scoring.select(logits, layer, k)) == as_sets(index)
+        differs += sum(a != b for a, b in zip(as_sets(torch.topk(logits, k, dim=-1).indices), as_sets(index)))
+    if family == "deepseek_v3" or variant == "deepseek_v2_grouped":  # the rule decides: plain logits rank otherwise
+        assert not scoring.plain and differs > 0
+    elif family != "phimoe":  # (sparsemixer's own rule, recorded as its reweigh_note)
+        assert scoring.plain
+
+
+def test_every_routing_policy_has_a_neutral_setting_or_says_why_not():
+    assert set(NEUTRAL) | set(NO_NEUTRAL) == set(ROUTING.names())
+    assert not set(NEUTRAL) & set(NO_NEUTRAL)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_policy_with_no_adjustment_runs_the_routers_own_choice(variant):
+    """Registry x families: each routing policy at its neutral setting (and the score-reading miss policies)
+    keeps routing fidelity 1.0 on a biased / group-limited router, with a cache that holds experts (so a
+    promotion could happen). Before issue 55 max_rank M = k gave 0.2 on the biased DeepSeek-V3."""
+    family, _ = VARIANTS[variant]
+    if family == "phimoe":
+        pytest.skip("sparsemixer selects by its own jittered rule, which no selection score models (reweigh_note)")
+    model = biased(variant)
+    k = int(model.config.num_experts_per_tok)
+    ids = sample_ids(batch=2, seq=12, seed=3)
+    cases = [dict(routing={"name": n, **neutral(p, k)}) for n, p in NEUTRAL.items()]
+    cases += [dict(miss={"name": n, **neutral(p, k)}) for n, p in MISS_NEUTRAL.items()]
+    for case in cases:
+        spec = spec_of(hardware=HardwareConfig(capacity=0.3), prefetch="none", **case)
+        with install(model, spec, adapter_for(family)) as stack, torch.no_grad():
+            model(ids)
+            model(ids[:, :1])  # (a second pass: the cache now holds the first's experts)
+        assert stack.cache.stats.fidelity() == 1.0, (variant, case)
+
+
+def record(probs, bias=None, k=1, **groups):
+    """A hand-made layer call of one token: softmax probabilities ``probs`` (their logs as logits), a
+    selection bias, group limits; its index the rule's own top-k."""
+    probs = torch.tensor([probs])
+    scoring = Scoring(False, False, 1.0, None if bias is None else torch.tensor([bias]), **groups)
+    index = torch.topk(scoring.selection(probs, 0), k, dim=-1).indices
+    return LiveRecord(0, probs.log(), scoring.weigh(probs, index), index, scoring)
+
+
+class Cache:
+    def __init__(self, present):
+        self._present = list(present)
+
+    def present(self, layer):
+        return self._present
+
+    resident = present
+
+
+def test_max_rank_promotes_within_the_selection_ranks_hand_worked():
+    # probs rank 0 > 1 > 2 > 3; the bias lifts expert 2 to the top: the router selects 2 (k = 1)
+    rec = record([0.4, 0.3, 0.2, 0.1], bias=[0.0, 0.0, 0.5, 0.0])
+    assert rec.index.tolist() == [[2]] and rec.scores[0].tolist() == pytest.approx([0.4, 0.3, 0.7, 0.1])
+    pol = ROUTING.build({"name": "max_rank", "M": 2, "J": 0})
+    # selection ranks [2, 0, 1, 3]: the top 2 are {2, 0}; cached 1 is rank 2, outside M -> unchanged
+    assert pol.apply(rec, Cache([1])).tolist() == [[2]]  # (ranking the logits promoted 1: rank 1 of [0, 1, 2, 3])
+    assert pol.apply(rec, Cache([0])).tolist() == [[0]]  # cached 0 at selection rank 1 < M: promoted
+
+
+def test_a_group_limit_is_never_crossed_hand_worked():
+    # groups {0, 1} and {2, 3}, one kept, a group scored by its best: group 0 (0.35) beats group 1 (0.3)
+    rec = record([0.35, 0.05, 0.3, 0.3], k=2, groups=2, topk_group=1, group_score="max")
+    assert as_sets(rec.index) == [{0, 1}]
+    assert rec.scores[0, 2:].tolist() == [float("-inf")] * 2
+    # max_rank searching every rank: cached 2 is outside the token's groups, so never promoted
+    assert as_sets(ROUTING.build({"name": "max_rank", "M": 4, "J": 0}).apply(rec, Cache([2]))) == [{0, 1}]
+    # cache_prior: the boost competes for the group, the limit holds (one group's experts)
+    prior = ROUTING.build({"name": "cache_prior", "lambda_": 1.0, "J": 0})
+    prior.setup(SimpleNamespace(num_layers=1))
+    out = prior.apply(rec, Cache([2, 3]))
+    assert as_sets(out) in ([{0, 1}], [{2, 3}])
+    assert as_sets(out) == [{2, 3}]  # lambda 1: the cached pair's boosted group wins
+
+
+def test_miss_policies_rank_misses_by_the_selection_score_hand_worked():
+    # the bias makes expert 3 the top-1 although its probability is the lowest of the selected
+    rec = record([0.4, 0.3, 0.2, 0.1], bias=[0.0, 0.0, 0.0, 0.6], k=2)
+    assert as_sets(rec.index) == [{3, 0}]
+    drop = MISS.build({"name": "drop", "J": 1})
+    out = drop.handle(0, [0, 3], rec, Cache([]))
+    assert [type(o).__name__ for o in out] == ["Dropped", "Fetched"]  # 3 is rank 0, 0 is rank 1
+    from specmd.policies.miss.base import expert_scores
+
+    assert expert_scores(rec, [0, 3]).tolist() == pytest.approx([0.4, 0.7])
+
+
+def test_the_rule_round_trips_through_a_trace_meta_and_bad_rules_are_refused():
+    bias = torch.tensor([[0.1, -0.2, 0.3, 0.0], [0.0, 0.0, 0.0, 0.5]])
+    s = Scoring(True, True, 2.5, bias, groups=2, topk_group=1)
+    back = Scoring.from_dict(s.to_dict(), 2, 4)
+    assert torch.equal(back.bias, bias) and (back.groups, back.topk_group, back.group_score) == (2, 1, "top2")
+    assert back.sigmoid and back.renorm and back.scale == 2.5
+    old = Scoring.from_dict({"sigmoid": True, "renorm": True, "scale": 1.0})  # a trace from before the rule
+    assert old.plain and old.bias is None
+    with pytest.raises(ValueError, match="shape"):
+        Scoring.from_dict(s.to_dict(), 3, 4)
+    with pytest.raises(ValueError, match="non-finite"):
+        Scoring(True, True, 1.0, torch.tensor([[float("nan"), 0.0]]))
+    with pytest.raises(ValueError, match="group_score='sum'"):
+        Scoring(True, True, 1.0, None, 2, 1, "sum")
+    with pytest.raises(ValueError, match="topk_group=3"):
+        Scoring(True, True, 1.0, None, 2, 3)
+    assert Scoring(True, True, 1.0, torch.zeros(2, 4)).plain  # an all-zero bias selects as none
+
+
+def test_replay_of_a_cache_aware_stack_on_a_biased_router_equals_live(tmp_path):
+    """The trace stores the selection rule, so replay ranks as live did (exact where the stack is:
+    max_rank's promotions read only the cache and the selection scores)."""
+    from specmd.replay.driver import run_replay
+    from specmd.replay.trace import TraceWriter, read_trace
+
+    family = "deepseek_v3"
+    model = biased(family)
+    prompts = [sample_ids(batch=1, seq=10, seed=s) for s in (0, 1)]
+
+    def live(spec, trace_dir=None):
+        stack = install(model, spec, adapter_for(family))
+        if trace_dir is not None:
+            stack.writer = TraceWriter(trace_dir, stack.geom, stack.scoring, stack.store, 1)
+        with torch.no_grad(), stack:
+            for ids in prompts:
+                model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        if stack.writer is not None:
+            stack.writer.close()
+        return stack.engine.results()
+
+    base = dict(hardware=HardwareConfig(capacity=0.3), prefetch="none")
+    live(spec_of(**base), tmp_path / "trace")
+    trace = read_trace(tmp_path / "trace")
+    assert trace.meta.scoring.bias is not None and trace.meta.scoring.groups == 8
+    spec = spec_of(routing={"name": "max_rank", "M": 16, "J": 1}, **base)
+    want = live(spec)
+    got = run_replay(trace, spec).results()
+    assert want["routing"]["fidelity"] < 1.0  # promotions happened
+    assert got["cache"] == want["cache"] and got["routing"] == want["routing"]
