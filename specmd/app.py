@@ -90,11 +90,14 @@ class Run:
 
     # ---- 1. sections ----------------------------------------------------------------------------------
     def _model(self, c: dict, checks: Checks) -> None:
-        from .models.loader import ModelConfig, check_checkpoint, check_tiny
+        from .models.loader import ModelConfig, check_checkpoint, check_tiny, resolve_family
 
         self.model = checks.run(build_params, ModelConfig, dict(c["model"]), "model")
         if self.model is not None and self.model.pretrained:
+            before = len(checks.errors)
             checks.run(check_checkpoint, self.model.pretrained)
+            if len(checks.errors) == before:  # a readable config.json: the family it names, before any weight loads
+                checks.run(resolve_family, self.model)
         if self.model is not None:
             checks.run(check_tiny, self.model)
         self.mirror = (c.get("data") or {}).get("mirror")

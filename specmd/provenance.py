@@ -77,8 +77,9 @@ def model_identity(model_cfg) -> dict:
     if model_cfg.pretrained is None:
         return {"weights": f"seeded random ({model_cfg.family}, seed {model_cfg.seed})"}
     local = resolve_pretrained(model_cfg.pretrained)
-    return {"pretrained": model_cfg.pretrained, "revision": getattr(model_cfg, "revision", None),
-            "fingerprint": files_fingerprint(local)}
+    # the family its config.json names (model.family=auto resolves to it before loading)
+    return {"pretrained": model_cfg.pretrained, "family": model_cfg.family,
+            "revision": getattr(model_cfg, "revision", None), "fingerprint": files_fingerprint(local)}
 
 
 def provenance(model_cfg=None, trace_path=None) -> dict:

@@ -9,9 +9,10 @@ from typing import Optional
 
 from .. import ASSETS  # specmd:<name> resolves here (re-exported)
 from ..errors import ConfigError
-from .adapters import adapter_for
+from .adapters import adapter_for, families
 
 DTYPES = ("float32", "bfloat16", "float16")
+AUTO = "auto"  # model.family: the family the checkpoint's config.json names (model=hf)
 
 
 @dataclass
@@ -30,7 +31,13 @@ class ModelConfig:
     trust_remote_code: bool = False
 
     def __post_init__(self):
-        adapter_for(self.family)  # validates the family
+        if self.family == AUTO:
+            if not self.pretrained:
+                raise ConfigError(f"model.family={AUTO} reads the family from a checkpoint's config.json, and "
+                                  f"model.pretrained is null: set model.pretrained=DIR_OR_HUB_ID, or name a family "
+                                  f"for a random model ({', '.join(families())})")
+        else:
+            adapter_for(self.family)  # validates the family
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype={self.dtype!r}; valid choices: {', '.join(DTYPES)}")
 
@@ -130,6 +137,62 @@ def check_checkpoint(pretrained: str) -> None:
         raise ConfigError(f"model.pretrained={pretrained}: {cfg} is not valid JSON ({exc})") from None
 
 
+def checkpoint_config(pretrained: str, revision: Optional[str] = None, hub: bool = False) -> Optional[dict]:
+    """The ``config.json`` of checkpoint ``pretrained`` as a mapping, read alone -- no weight is touched: a
+    local directory's file, the shipped copy of a hub checkpoint's (``specmd/assets/configs``), the copy in
+    the local Hugging Face cache, or (``hub``) the hub's file. None where none of them is at hand."""
+    import json
+
+    path = resolve_pretrained(pretrained)
+    local = os.path.expanduser(path)
+    if os.path.isdir(local):
+        return json.loads((Path(local) / "config.json").read_text())  # (check_checkpoint: it is readable JSON)
+    if revision is None:
+        shipped = shipped_config_of(path)
+        if shipped is not None:
+            return json.loads((SHIPPED_CONFIGS / f"{shipped}.json").read_text())
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(path, "config.json", revision=revision)
+    except Exception:  # noqa: BLE001 -- not a repo id the cache knows: the hub, or nothing
+        cached = None
+    if isinstance(cached, str):
+        return json.loads(Path(cached).read_text())
+    if not hub:
+        return None
+    from transformers import PretrainedConfig
+
+    from ..eval.mirror import require_hub_for
+
+    require_hub_for(f"the config.json of model.pretrained={path}", path)
+    return PretrainedConfig.get_config_dict(path, revision=revision)[0]
+
+
+def resolve_family(cfg: ModelConfig) -> None:
+    """Before any weight loads: the family of ``cfg``'s checkpoint from its ``config.json`` (``model_type``)
+    -- ``model.family=auto`` takes it, a named family must match it -- and a family specmd does not run is
+    refused here, in a second, naming the family and the ones that run (a 106 B checkpoint used to load
+    fully before a one-line refusal). A hub checkpoint with a named family is checked where its config is at
+    hand without the hub (shipped, cached), else when it loads. Errors: ConfigError."""
+    if not cfg.pretrained:
+        return
+    config = checkpoint_config(cfg.pretrained, cfg.revision, hub=cfg.family == AUTO)
+    if config is None:
+        return
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    where = f"model.pretrained={cfg.pretrained}"
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError(f"{where}: its config.json names no model_type, so its family is unknown")
+    if model_type not in families():
+        raise ConfigError(f"{where} is a {model_type!r} model, a family specmd does not run (no adapter describes "
+                          f"its MoE layers); families that run: {', '.join(families())}")
+    if cfg.family not in (AUTO, model_type):
+        raise ConfigError(f"{where} is a {model_type!r} model (its config.json) but model.family={cfg.family!r}: "
+                          f"set model.family={model_type}, or use model=hf to take the checkpoint's own family")
+    cfg.family = model_type
+
+
 def _is_local(path: str) -> bool:
     return os.path.isdir(os.path.expanduser(path))
 
@@ -139,6 +202,8 @@ def model_geometry(cfg: ModelConfig):
     device from its config): what an imported routing trace lacks (expert bytes, roofline parameters)."""
     from transformers import AutoConfig
 
+    if cfg.family == AUTO:  # (a config built outside a run: the run's checks resolved it already)
+        resolve_family(cfg)
     if cfg.pretrained is None:
         config = tiny_config(cfg.family, dict(cfg.tiny))
     else:
@@ -227,6 +292,8 @@ def load_model(cfg: ModelConfig, experts_on_meta: bool = False):
 
     from .tokenizer import byte_tokenizer
 
+    if cfg.family == AUTO:  # (a config built outside a run: the run's checks resolved it already)
+        resolve_family(cfg)
     if experts_on_meta:
         path = local_checkpoint(cfg.pretrained) if cfg.pretrained else None
         if path is None:
