@@ -14,13 +14,14 @@ from specmd.compose import spec_of
 from specmd.engine.record import LiveRecord, Scoring
 from specmd.hardware import HardwareConfig
 from specmd.hook import install
-from specmd.models.adapters import adapter_for
+from specmd.models.adapters import adapter_for, derived_families
 from specmd.models.loader import build_tiny
 from specmd.policies.miss import MISS
 from specmd.policies.routing import ROUTING
 
-# every family, plus DeepSeek-V2 in its group-limited reading (V2-Lite, the tiny default, is greedy)
-VARIANTS = {f: (f, None) for f in FAMILIES}
+# every family (with a record, or derived from transformers), plus DeepSeek-V2 in its group-limited reading
+# (V2-Lite, the tiny default, is greedy)
+VARIANTS = {f: (f, None) for f in FAMILIES + derived_families()}
 VARIANTS["deepseek_v2_grouped"] = ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=8, topk_group=3))
 
 # each routing policy with the parameters that adjust nothing: the router's own choice, exactly. A policy
@@ -46,8 +47,8 @@ def biased(variant):
     enough to decide most selections, as a trained DeepSeek-V3's does); cached, never hooked by a test."""
     if variant not in _BUILT:
         family, overrides = VARIANTS[variant]
-        model = build_tiny(family, overrides)
         adapter = adapter_for(family)
+        model = build_tiny(family, overrides)
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():
             for i in adapter.moe_layers(model):
@@ -60,12 +61,13 @@ def biased(variant):
 
 
 def routed(variant, ids):
-    """Per MoE layer: (router logits [T, E], the router's own index [T, k]) on the model's forward of ``ids``."""
+    """Per MoE layer: (router logits [T, E], the router's own index [T, k], its weights [T, k]) on the model's
+    forward of ``ids``."""
     family, _ = VARIANTS[variant]
     model, adapter = biased(variant), adapter_for(family)
     out, handles = [], []
     for i in adapter.moe_layers(model):
-        handles.append(adapter.router(model, i).register_forward_hook(lambda m, a, o: out.append((o[0], o[2]))))
+        handles.append(adapter.router(model, i).register_forward_hook(lambda m, a, o: out.append((o[0], o[2], o[1]))))
     try:
         with torch.no_grad():
             model(ids)
@@ -91,15 +93,18 @@ def test_the_selection_scores_top_k_is_the_routers_own_choice(variant):
     scoring = adapter.scoring(model.config, routers)
     k = int(model.config.num_experts_per_tok)
     differs = 0
-    for layer, (logits, index) in enumerate(routed(variant, sample_ids(batch=2, seq=16))):
+    for layer, (logits, index, weights) in enumerate(routed(variant, sample_ids(batch=2, seq=16))):
+        if family != "phimoe":  # the weights are the family's (dual-logit reweighing is exact)
+            assert torch.allclose(scoring.weigh(scoring.probs(logits), index), weights.float(), rtol=1e-5, atol=1e-6)
         scores = scoring.selection(scoring.probs(logits), layer)
         assert as_sets(torch.topk(scores, k, dim=-1).indices) == as_sets(index)
         assert as_sets(scoring.select(logits, layer, k)) == as_sets(index)
         differs += sum(a != b for a, b in zip(as_sets(torch.topk(logits, k, dim=-1).indices), as_sets(index)))
-    if family == "deepseek_v3" or variant == "deepseek_v2_grouped":  # the rule decides: plain logits rank otherwise
-        assert not scoring.plain and differs > 0
-    elif family != "phimoe":  # (sparsemixer's own rule, recorded as its reweigh_note)
-        assert scoring.plain
+    if not scoring.plain:  # the rule decides: the plain logits rank otherwise
+        assert differs > 0
+    assert scoring.plain == (getattr(routers[0], adapter.bias_attr, None) is None and scoring.groups == 1)
+    if family == "deepseek_v3" or variant == "deepseek_v2_grouped":
+        assert not scoring.plain
 
 
 def test_every_routing_policy_has_a_neutral_setting_or_says_why_not():

@@ -289,14 +289,31 @@ ADAPTERS: dict[str, Adapter] = {
 
 
 def families() -> list[str]:
-    """Every family specmd runs, in :data:`ADAPTERS`' order (what training and the tests enumerate)."""
+    """The families with a record, in :data:`ADAPTERS`' order (what training and the tests enumerate);
+    :func:`derived_families` are the others the installed transformers ships that run."""
     return list(ADAPTERS)
 
 
+def derived_families() -> list[str]:
+    """The MoE families of the installed transformers that run without a record, derived from their own
+    classes (:mod:`specmd.models.derive`; ~0.1 s a family, once per process)."""
+    from .derive import derive, moe_families
+
+    return [f for f in moe_families() if f not in ADAPTERS and derive(f).adapter is not None]
+
+
 def adapter_for(family: str) -> Adapter:
-    if family not in ADAPTERS:
-        raise ConfigError(f"unknown model family {family!r}; valid choices: {', '.join(sorted(ADAPTERS))}")
-    return ADAPTERS[family]
+    """``family``'s record, or its record derived from transformers' own classes. Errors: ConfigError
+    naming the family, why it does not run, and the families with a record."""
+    if family in ADAPTERS:
+        return ADAPTERS[family]
+    from .derive import derive
+
+    derived = derive(family)
+    if derived.adapter is None:
+        raise ConfigError(f"model family {family!r} does not run: {derived.reason}; families with a record: "
+                          f"{', '.join(ADAPTERS)} (and those derived from the installed transformers)")
+    return derived.adapter
 
 
 def measured_locality(num_experts: int, top_k: int) -> Optional[dict]:

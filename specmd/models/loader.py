@@ -184,9 +184,10 @@ def resolve_family(cfg: ModelConfig) -> None:
     where = f"model.pretrained={cfg.pretrained}"
     if not isinstance(model_type, str) or not model_type:
         raise ConfigError(f"{where}: its config.json names no model_type, so its family is unknown")
-    if model_type not in families():
-        raise ConfigError(f"{where} is a {model_type!r} model, a family specmd does not run (no adapter describes "
-                          f"its MoE layers); families that run: {', '.join(families())}")
+    try:
+        adapter_for(model_type)  # a record, or one derived from transformers' own classes
+    except ConfigError as exc:
+        raise ConfigError(f"{where} is a {model_type!r} model: {exc}") from None
     if cfg.family not in (AUTO, model_type):
         raise ConfigError(f"{where} is a {model_type!r} model (its config.json) but model.family={cfg.family!r}: "
                           f"set model.family={model_type}, or use model=hf to take the checkpoint's own family")

@@ -1,0 +1,99 @@
+"""Families derived from transformers' own classes (issue 55, :mod:`specmd.models.derive`): every MoE family
+of the installed transformers that follows its MoE contract runs without a record -- hooked lossless ==
+unhooked (prefill of a batch, greedy generation), execution=offload == simulated, replay == live -- and
+every other one is refused with the reason, before any weight loads."""
+
+import pytest
+import torch
+
+from conftest import sample_ids, tiny
+from specmd.models.adapters import ADAPTERS, adapter_for, derived_families
+from specmd.models.derive import derive, moe_families
+
+DERIVED = derived_families()
+# the 2026 models of issue 55 whose families follow the contract: each must derive (GLM-4.5/4.7, GLM-5 (DSA),
+# DeepSeek-V3.2, Qwen3-Next, Qwen3.5-MoE, MiniMax-Text, ERNIE-4.5, Hunyuan, Kimi-Linear, MiMo-V2, Solar-Open)
+MUST_RUN = {"glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32", "qwen3_next", "qwen3_5_moe_text", "minimax",
+            "ernie4_5_moe", "hunyuan_v1_moe", "kimi_linear", "mimo_v2_flash", "solar_open"}
+
+
+def test_the_families_that_run_are_computed_from_the_installed_transformers():
+    every = moe_families()
+    assert set(ADAPTERS) <= set(every) | {"phimoe"} and set(DERIVED) <= set(every)
+    assert MUST_RUN <= set(DERIVED), sorted(MUST_RUN - set(DERIVED))
+    assert len(set(DERIVED) | set(ADAPTERS)) >= 33
+    for family in set(every) - set(DERIVED) - set(ADAPTERS):  # each refusal says what the family lacks
+        reason = derive(family).reason
+        assert reason and reason.startswith("its "), (family, reason)
+
+
+def test_a_derived_record_is_what_the_family_declares_where_a_record_exists():
+    """Derivation read off transformers agrees with the hand-written records it replaces (where the tiny
+    config has what the probe needs: top-k, a softmax/sigmoid router)."""
+    for family in ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"):
+        mine, theirs = derive(family).adapter, ADAPTERS[family]
+        assert mine is not None, derive(family).reason
+        assert (mine.router_attr, mine.score, mine.renorm, mine.scale_attr, mine.experts_layout, mine.group_score) == (
+            theirs.router_attr, theirs.score, theirs.renorm, theirs.scale_attr, theirs.experts_layout,
+            theirs.group_score), family
+
+
+@pytest.mark.parametrize("family", DERIVED)
+def test_a_derived_family_runs_lossless_offloaded_and_replayed(family, tmp_path):
+    from specmd.compose import spec_of
+    from specmd.executor import EXECUTION
+    from specmd.hardware import HardwareConfig
+    from specmd.hook import install
+    from specmd.replay.driver import run_replay
+    from specmd.replay.trace import TraceWriter, read_trace
+
+    model, adapter = tiny(family), adapter_for(family)
+    ids = sample_ids(batch=2, seq=12)
+    prompt = sample_ids(batch=1, seq=8, seed=1)
+    with torch.no_grad():
+        ref = model(ids).logits
+        ref_tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
+
+    def run(execution, trace=None):
+        spec = spec_of(eviction="lru", prefetch="topk", hardware=HardwareConfig(capacity=0.3))
+        spec.execution = EXECUTION.params(execution)
+        stack = install(model, spec, adapter)
+        if trace is not None:
+            stack.writer = TraceWriter(trace, stack.geom, stack.scoring, stack.store, 1)
+        try:
+            with torch.no_grad():
+                logits = model(ids).logits
+                tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
+        finally:
+            stack.remove()
+            if stack.writer is not None:
+                stack.writer.close()
+        return logits, tokens, stack.engine.results()
+
+    sim = run({"name": "simulated"}, tmp_path / "trace")
+    assert torch.equal(sim[0], ref) and torch.equal(sim[1], ref_tokens)  # lossless == unhooked
+    assert sim[2]["routing"]["fidelity"] == 1.0 and sim[2]["cache"]["requests"] > 0
+    off = run({"name": "offload", "check": True})
+    assert torch.equal(off[0], sim[0]) and torch.equal(off[1], sim[1]) and off[2] == sim[2]  # offload == simulated
+    trace = read_trace(tmp_path / "trace")
+    got = run_replay(trace, spec_of(eviction="lru", prefetch="topk", hardware=HardwareConfig(capacity=0.3))).results()
+    assert got["cache"] == sim[2]["cache"] and got["timing"] == sim[2]["timing"]  # replay == live
+
+
+def test_a_derived_checkpoint_runs_by_path_and_a_refused_family_is_refused_before_loading(tmp_path):
+    from specmd.errors import ConfigError
+    from specmd.models.loader import ModelConfig, load_model, resolve_family
+    from specmd.models.tokenizer import byte_tokenizer
+
+    tiny("glm4_moe").save_pretrained(tmp_path / "glm")
+    byte_tokenizer().save_pretrained(tmp_path / "glm")
+    cfg = ModelConfig(name="hf", family="auto", pretrained=str(tmp_path / "glm"), dtype="float32")
+    model, _ = load_model(cfg)
+    assert cfg.family == "glm4_moe" and model.config.model_type == "glm4_moe"
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("jamba").save_pretrained(tmp_path / "jamba")
+    (tmp_path / "jamba" / "model.safetensors").write_bytes(b"\0garbage")  # never read
+    with pytest.raises(ConfigError, match="'jamba' model: model family 'jamba' does not run: its MoE block is "
+                                          "layer.feed_forward, not layer.mlp"):
+        resolve_family(ModelConfig(name="hf", family="auto", pretrained=str(tmp_path / "jamba")))
