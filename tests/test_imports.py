@@ -644,3 +644,119 @@ def test_a_jsonl_in_utf16_is_named_and_a_utf8_bom_is_read(tmp_path):
     c = tmp_path / "trace.csv"
     c.write_bytes(b"\xef\xbb\xbf0,0,1,2\n1,0,3,4\n")
     assert load_import(c, "llama_csv", ImportOptions(num_experts=8)).index.tolist() == [[1, 2], [3, 4]]
+
+
+# ---- dense-layer placeholders, SGLang's routed_experts, llama.cpp's long CSV (issue 55) ---------------------
+
+def _with_dense_layer(rng, tokens):
+    """A [tokens, 4 decoder layers, k=2] capture of a model whose layer 0 is dense (zeros, as vLLM and SGLang
+    leave it) and layers 1..3 MoE."""
+    a = _vllm_arrays(rng, tokens, layers=4)
+    a[:, 0] = 0
+    return a
+
+
+def test_vllm_dense_layer_placeholders_are_dropped_and_moe_layer_ids_kept(tmp_path):
+    rng = np.random.default_rng(3)
+    prompt, gen = _with_dense_layer(rng, 4), _with_dense_layer(rng, 2)
+    f = tmp_path / "routes.npz"
+    np.savez(f, prompt_routed_experts=prompt, routed_experts=gen)
+    tr = load_import(f, "vllm", ImportOptions(num_experts=8))  # (was: "expert id 0 appears twice in one record")
+    assert tr.meta.geometry.num_layers == 3 and tr.meta.geometry.layer_ids == [1, 2, 3]
+    assert tr.index[0:4].tolist() == prompt[:, 1].tolist() and tr.index[8:12].tolist() == prompt[:, 3].tolist()
+    assert any("layer(s) [0]" in n and "dense" in n for n in tr.notes)
+
+
+def test_sglang_base64_routed_experts_with_the_models_shape(tmp_path):
+    import base64
+
+    rng = np.random.default_rng(4)
+    a, b = _with_dense_layer(rng, 5), _with_dense_layer(rng, 3)
+    lines = [{"text": "x", "meta_info": {"id": "r1", "prompt_tokens": 3, "completion_tokens": 3,
+                                         "routed_experts": base64.b64encode(a.astype("<i4").tobytes()).decode()}},
+             {"meta_info": {"id": "r2", "prompt_tokens": 2,
+                            "routed_experts": base64.b64encode(b.astype("<i4").tobytes()).decode()}}]
+    f = write_jsonl(tmp_path / "sglang.jsonl", lines)
+    with pytest.raises(ConfigError, match="replay.model"):  # a flat array: its shape comes from the model
+        load_import(f, "sglang", ImportOptions(num_experts=8))
+    tr = load_import(f, "sglang", ImportOptions(num_experts=8, layers=4, top_k=2))
+    # r1: a prefill of its 3 prompt tokens, then 2 decode passes; r2: a prefill of 2, then 1 decode pass
+    assert tr.passes.tolist() == [[0, 3, 3], [1, 1, 4], [1, 1, 5], [0, 2, 2], [1, 1, 3]]
+    assert tr.meta.geometry.layer_ids == [1, 2, 3]
+    assert tr.index[0:3].tolist() == a[:3, 1].tolist() and tr.index[-1].tolist() == b[2, 3].tolist()
+    # the same routing as vLLM's nested lists in the same response shape reads alike
+    lines[0]["meta_info"]["routed_experts"] = a.tolist()
+    lines[1]["meta_info"]["routed_experts"] = b.tolist()
+    tr2 = load_import(write_jsonl(tmp_path / "lists.jsonl", lines), "sglang", ImportOptions(num_experts=8))
+    assert tr2.index.tolist() == tr.index.tolist() and tr2.passes.tolist() == tr.passes.tolist()
+    # what vllm said of it before: "got shape ()"; now it names the format that reads it
+    f3 = write_jsonl(tmp_path / "as_vllm.jsonl", [{"routed_experts": "AAAA"}])
+    with pytest.raises(ConfigError, match="replay.format=sglang"):
+        load_import(f3, "vllm", ImportOptions(num_experts=8))
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"meta_info": {"routed_experts": "AAAAAA=="}}])
+    with pytest.raises(ConfigError, match=r"line 1: routed_experts of response 0 holds 4 bytes, not whole tokens"):
+        load_import(bad, "sglang", ImportOptions(num_experts=8, layers=4, top_k=2))
+
+
+def test_llama_long_csv_one_row_per_rank(tmp_path):
+    rows = ["phase,token,layer,rank,expert"]
+    want = {}
+    rng = np.random.default_rng(5)
+    for phase, toks in (("prefill", range(3)), ("decode", range(2))):  # decode steps numbered from 0 again
+        for t in toks:
+            for layer in (0, 1):
+                ex = rng.choice(8, 2, replace=False).tolist()
+                want[phase, t, layer] = ex
+                rows += [f"{phase},{t},{layer},{r},{e}" for r, e in reversed(list(enumerate(ex)))]  # ranks unordered
+    f = tmp_path / "moe.csv"
+    f.write_text("\n".join(rows) + "\n")
+    tr = load_import(f, "llama_csv", ImportOptions(num_experts=8))  # (was: "the header names no experts column")
+    assert tr.passes.tolist() == [[0, 3, 3], [1, 1, 4], [1, 1, 5]]  # the prefill is one pass, then each decode step
+    order = [("prefill", t, la) for la in (0, 1) for t in range(3)] + [("decode", t, la) for t in range(2)
+                                                                        for la in (0, 1)]
+    assert tr.index.tolist() == [want[c] for c in order]
+    f.write_text("\n".join(rows[:-1]) + "\n")  # the last cell lacks its rank 0
+    with pytest.raises(ConfigError, match=r"token 1 layer 1 has ranks \[1\]; each \(token, layer\) needs ranks 0..1"):
+        load_import(f, "llama_csv", ImportOptions(num_experts=8))
+
+
+def test_the_docs_import_commands_run_as_written_on_the_default_stack(tmp_path, mirror, monkeypatch):
+    """docs/replay.md's commands on a hand-built file: the default prefetcher (topk) reads a signal no import
+    has, so it falls back to prefetch=none with a note; a prefetcher the user names is refused as before."""
+    from hydra import compose, initialize_config_dir
+
+    from specmd import CONF_DIR
+    from specmd.app import execute
+
+    monkeypatch.setenv("SPECMD_DATA_MIRROR", str(mirror))
+    rng = np.random.default_rng(6)
+    recs = [{"seq": 0, "token": t, "layer": la, "experts": rng.choice(64, 8, replace=False).tolist()}
+            for t in range(12) for la in range(4)]
+    f = write_jsonl(tmp_path / "routes.jsonl", recs)
+    doc = (ROOT / "docs" / "replay.md").read_text()
+    assert "python -m specmd replay.trace=routes.jsonl replay.format=jsonl replay.num_experts=64 eviction=belady" in doc
+    for extra, ok in (([], True), (["prefetch=topk"], False)):
+        ov = [f"replay.trace={f}", "replay.format=jsonl", "replay.num_experts=64", "eviction=belady", *extra]
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose(config_name="config", overrides=ov)
+        run_dir = tmp_path / f"run{len(extra)}"
+        if ok:
+            res = execute(cfg, run_dir=str(run_dir), overrides=ov)
+            assert res["config"]["prefetch"] == {"name": "none"}
+            assert any("replayed with prefetch=none" in n for n in res["replay"]["notes"])
+            assert res["cache"]["requests"] > 0
+        else:
+            with pytest.raises(ConfigError, match="prefetch=topk reads the prefetch signal"):
+                execute(cfg, run_dir=str(run_dir), overrides=ov)
+    # SGLang's own capture of Mixtral (32 layers, top-2 of 8), shaped by replay.model as the docs show it
+    import base64
+
+    assert "replay.trace=responses.jsonl replay.format=sglang replay.model=mixtral" in doc
+    ids = np.stack([np.stack([rng.choice(8, 2, replace=False) for _ in range(32)]) for _ in range(6)])
+    g = write_jsonl(tmp_path / "responses.jsonl", [{"meta_info": {"prompt_tokens": 4, "routed_experts":
+                                                                  base64.b64encode(ids.astype("<i4").tobytes()).decode()}}])
+    ov = [f"replay.trace={g}", "replay.format=sglang", "replay.model=mixtral"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=ov)
+    res = execute(cfg, run_dir=str(tmp_path / "sglang_run"), overrides=ov)
+    assert res["replay"]["passes"] == 3 and res["cache"]["requests"] > 0  # a prefill of 4, then 2 decode steps

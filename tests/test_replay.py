@@ -313,8 +313,9 @@ def test_imported_jsonl_replays_with_every_eviction_policy(tmp_path):
             assert res["replay"]["format"] == "jsonl" and res["replay"]["exact"] is False
             assert res["replay"]["passes"] == 36 and res["cache"]["requests"] == 36 * 4 * 2
             hits[name] = res["cache"]["hits"]
+        named = [*base, "prefetch=topk"]  # a prefetcher the user names (the CLI passes its overrides): refused
         with pytest.raises(ConfigError, match="prefetch=topk.*records 0"):
-            execute(compose(config_name="config", overrides=[*base, "prefetch=topk"]), run_dir=tmp_path / "topk")
+            execute(compose(config_name="config", overrides=named), run_dir=tmp_path / "topk", overrides=named)
     assert all(h <= hits["belady"] for h in hits.values()), hits
     assert hits["belady"] > hits["fifo"]
 

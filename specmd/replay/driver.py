@@ -144,7 +144,8 @@ def _open(rc: ReplayConfig) -> Trace:
     geom = model_geometry(rc.model) if rc.model else None
     trace = load_import(rc.trace, rc.format, ImportOptions(
         num_experts=rc.num_experts or (geom.num_experts if geom else None), expert_bytes=rc.expert_bytes,
-        model_bytes=rc.model_bytes))
+        model_bytes=rc.model_bytes, top_k=geom.top_k if geom else None,
+        layers=(sum(geom.attn_layers) + geom.tail_attn_layers) if geom else None))
     if geom is not None:
         g = trace.meta.geometry
         have = (g.num_layers, g.num_experts, g.top_k)
@@ -368,6 +369,27 @@ def exactness(trace: Trace, spec) -> list[str]:
     return reasons
 
 
+def signal_fallback(trace: Trace, spec, set_by_user=()):
+    """``spec``, or a copy with ``prefetch=none`` where it is the *default* prefetcher and reads a prefetch signal
+    an imported trace cannot have (no engine's capture records later layers' routers on this layer's input):
+    the default stack then replays an import as written in the docs, with a note. A prefetcher the user named
+    (``prefetch=...`` on the command line or in a sweep) is never replaced: :func:`check` refuses it, naming
+    the ones that run; so is an experiment's (its stack is one choice)."""
+    pcls, pparams = spec.prefetch
+    if not trace.meta.imported or pcls.signal_depth(pparams) <= trace.depth:
+        return spec
+    if any(key == "prefetch" or key.startswith("prefetch.") for key in set_by_user):
+        return spec
+    import dataclasses
+
+    from ..policies.prefetch import PREFETCH
+
+    trace.notes.append(f"prefetch={pcls.name} (the default) reads a prefetch signal this imported trace does not "
+                       f"have (no capture records later layers' routers on a layer's input): replayed with "
+                       f"prefetch=none (name prefetch=oracle for the upper bound)")
+    return dataclasses.replace(spec, prefetch=PREFETCH.params({"name": "none"}))
+
+
 def check(trace: Trace, spec) -> None:
     """Config errors a replay can find before it starts."""
     pcls, pparams = spec.prefetch
@@ -460,12 +482,17 @@ def replay(run, run_dir) -> tuple[dict, Engine]:
     """One replay run (from :func:`specmd.app.execute`): results.json's dict."""
     t0 = time.perf_counter()
     trace = open_trace(run.replay)
-    spec = run.spec
+    chosen = set(getattr(run, "set_by_user", ()))
+    if (run.raw or {}).get("experiment"):  # an experiment's stack is chosen as a whole: never replaced
+        chosen.add("prefetch")
+    spec = signal_fallback(trace, run.spec, chosen)
     check(trace, spec)
     engine, ptr, experts = build_engine(trace, spec)
     run_replay(trace, spec, engine, ptr, experts)
     reasons = exactness(trace, spec)
     config = dict(run.raw)
+    if spec is not run.spec:  # the prefetcher replayed is not the one composed: say so where the config is read
+        config["prefetch"] = {"name": spec.prefetch[0].name}
     model = trace.meta.source.get("model")  # a live run's model config; a bare name (TraceMeta.model); none
     config["model"] = model if isinstance(model, dict) else {"name": trace.meta.model or
                                                               f"trace:{Path(trace.path).name}",

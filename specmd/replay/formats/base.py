@@ -28,7 +28,8 @@ class ImportOptions:
     num_experts: Optional[int] = None
     expert_bytes: Optional[int] = None
     model_bytes: Optional[int] = None
-    top_k: Optional[int] = None  # only used when the file cannot tell (logits without expert lists)
+    top_k: Optional[int] = None  # only used when the file cannot tell (logits without expert lists, SGLang's flat ids)
+    layers: Optional[int] = None  # the model's decoder layers, dense ones too (SGLang's flat ids)
     max_missing: float = 0.01  # fraction of (token, layer) cells that may be missing (skipped, with a note)
 
 
@@ -293,6 +294,26 @@ class Columns:
             weights=self.weights.array() if has_w else None, logits=logits, loc=lines_loc(self.lines),
             path=str(self.path), **{"seq_names": list(self.seq_ids), **more},
         )
+
+
+def drop_dense_layers(tokens: np.ndarray, notes: list, what: str) -> tuple:
+    """``(tokens [T, L', k], model layer ids [L'])``: a serving engine's per-layer array ``tokens`` [T, L, k]
+    (every decoder layer, MoE or not) without the rows of dense layers. vLLM's and SGLang's routing capture
+    allocate ``[tokens, num_hidden_layers, top_k]`` and write only the MoE layers, so a dense layer
+    (DeepSeek's and GLM's ``first_k_dense_replace``, Qwen's ``mlp_only_layers``) is all zeros: a layer whose
+    every row is ``[0] * k`` (k > 1; a real router never selects one expert twice) is such a placeholder,
+    dropped with a note naming it; the MoE layers keep their model layer ids."""
+    T, L, k = tokens.shape
+    ids = np.arange(L, dtype=np.int64)
+    if k < 2 or T == 0:
+        return tokens, ids
+    dense = ~tokens.reshape(T, L, k).any(axis=(0, 2))  # [L]: every row of the layer all zeros
+    if not dense.any() or dense.all():
+        return tokens, ids
+    gone = ids[dense].tolist()
+    notes.append(f"{what}: layer(s) {gone} hold only zeros in every token (dense layers, which the engine's capture "
+                 f"fills with placeholders): dropped; the {int((~dense).sum())} MoE layers keep their layer ids")
+    return tokens[:, ~dense, :], ids[~dense]
 
 
 def topk_of_logits(logits: np.ndarray, k: int) -> np.ndarray:

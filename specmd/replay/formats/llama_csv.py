@@ -25,6 +25,18 @@ are ignored) or indexed columns ``expert_0..expert_{k-1}`` (also ``expert0``, ``
 ``topk_id_0``, ``expert_id_0``); weights likewise (``weights``/``topk_weights`` or ``weight_0..``,
 ``topk_weight_0..``, ``score_0..``) and logits (``logits``/``router_logits`` or ``logit_0..``). In this
 layout tokens are ordered by their numeric position, as in JSONL.
+
+A header with a ``rank`` column and one expert per row (``expert``, ``expert_id`` or ``id``) is the **long**
+layout llama.cpp's expert-cache tooling writes, one row per (token, layer, rank)::
+
+    phase,token,layer,rank,expert
+
+Rows of one (sequence, phase, token, layer) form that token's top-k, ordered by ``rank`` (0 = the top-1; the
+ranks of a cell must be 0..k-1, each once). ``phase`` (optional) says ``prefill``/``prompt``/``pp`` or
+``decode``/``gen``/``tg``: a sequence's prefill tokens form **one prefill pass** (as vLLM's prompt), its decode
+tokens one pass each, and tokens are ordered prefill first, then by ``token`` within each phase (so a tool that
+numbers decode steps from 0 again is read right). Without ``phase`` every token is a one-token pass. An
+optional ``seq`` column (or its aliases) separates sequences; ``weight``/``score`` a weight per row.
 """
 
 from __future__ import annotations
@@ -58,7 +70,7 @@ def parse(path: Path, opts: ImportOptions, notes: list) -> Records:
         headerless = True
     except ValueError:
         headerless = False
-    return _parse_llama_rows(path, notes) if headerless else _parse_header_csv(path)
+    return _parse_llama_rows(path, notes) if headerless else _parse_header_csv(path, notes)
 
 
 def _first_line(path: Path) -> str:
@@ -150,9 +162,92 @@ class _Runs:
         return self.seq, t
 
 
+# ------------------------------------------------------------------------------------ long CSV (one row a rank)
+
+LONG_EXPERT = ("expert", "expert_id", "id")
+LONG_WEIGHT = ("weight", "score", "topk_weight")
+PHASES = {"prefill": 0, "prompt": 0, "pp": 0, "decode": 1, "gen": 1, "generate": 1, "tg": 1}
+PHASE_KEY = 1 << 40  # decode tokens sort after every prefill token of their sequence
+
+
+def _parse_long(path: Path, header: list, reader, notes: list) -> Records:
+    """One row per (token, layer, rank): cells grouped, each cell's experts ordered by rank."""
+    col = {name: next((header.index(a) for a in aliases if a in header), None) for name, aliases in (
+        ("seq", SEQ_KEYS), ("phase", ("phase", "stage")), ("tok", TOKEN_KEYS), ("layer", LAYER_KEYS),
+        ("rank", ("rank",)), ("exp", LONG_EXPERT), ("w", LONG_WEIGHT))}
+    for need, what in (("tok", "token"), ("layer", "layer")):
+        if col[need] is None:
+            raise ConfigError(f"{path}, line {reader.line_num}: the header names no {what} column; header: "
+                              f"{','.join(header)}")
+    cells: dict = {}  # (seq id, tok key, layer) -> {rank: (expert, weight)}, in first appearance
+    first_line: dict = {}
+    seq_ids: dict = {}
+    prefill: dict = {}  # seq ordinal -> its prefill tokens
+    for row in reader:
+        if not any(x.strip() for x in row):
+            continue
+        n = reader.line_num
+        if len(row) != len(header):
+            raise ConfigError(f"{path}, line {n}: {len(row)} columns, the header has {len(header)}")
+        s = row[col["seq"]].strip() if col["seq"] is not None else 0
+        so = seq_ids.setdefault(s, len(seq_ids))
+        phase = 1
+        if col["phase"] is not None:
+            p = row[col["phase"]].strip().lower()
+            if p not in PHASES:
+                raise ConfigError(f"{path}, line {n}: phase {p!r}; valid: {', '.join(PHASES)}")
+            phase = PHASES[p]
+        t, lay, rank, e = (_cell_int(path, n, row[col[c]], what) for c, what in (
+            ("tok", "token"), ("layer", "layer"), ("rank", "rank"), ("exp", "expert id")))
+        w = _cell_float(path, n, row[col["w"]]) if col["w"] is not None else None
+        key = (so, phase * PHASE_KEY + t if col["phase"] is not None else t, lay)
+        cell = cells.setdefault(key, {})
+        first_line.setdefault(key, n)
+        if rank in cell:
+            raise ConfigError(f"{path}, line {n}: rank {rank} of token {t} layer {lay} given twice")
+        cell[rank] = (e, w)
+        if col["phase"] is not None and phase == 0:
+            prefill.setdefault(so, set()).add(t)
+    if not cells:
+        raise ConfigError(f"{path}: empty file, no routing records (only a header)")
+    k = len(next(iter(cells.values())))
+    cols = Columns(path)
+    cols.seq_ids = seq_ids
+    for key, cell in cells.items():
+        n = first_line[key]
+        if sorted(cell) != list(range(k)):
+            raise ConfigError(f"{path}, line {n}: token {key[1] % PHASE_KEY} layer {key[2]} has ranks {sorted(cell)}; "
+                              f"each (token, layer) needs ranks 0..{k - 1} (top-{k}) once")
+        cols.lines.append(n)
+        cols.experts.append([cell[r][0] for r in range(k)])
+        if col["w"] is not None:
+            cols.weights.append([cell[r][1] for r in range(k)])
+        cols.add(n, key[0], key[1], key[2])
+    prompt_len = None
+    if col["phase"] is not None:
+        prompt_len = np.asarray([len(prefill.get(q, ())) for q in range(len(seq_ids))], dtype=np.int64)
+        notes.append(f"long CSV (one row per rank): {len(cells)} (token, layer) cells of top-{k}; each sequence's "
+                     f"prefill tokens are one prefill pass")
+    return cols.records(col["w"] is not None, False, prompt_len=prompt_len)
+
+
+def _cell_int(path: Path, lineno: int, cell: str, what: str) -> int:
+    try:
+        return int(cell)
+    except ValueError:
+        raise ConfigError(f"{path}, line {lineno}: {what} {cell!r} is not an integer") from None
+
+
+def _cell_float(path: Path, lineno: int, cell: str) -> float:
+    try:
+        return float(cell)
+    except ValueError:
+        raise ConfigError(f"{path}, line {lineno}: weight {cell!r} is not a number") from None
+
+
 # ------------------------------------------------------------------------------------ header-driven CSV
 
-def _parse_header_csv(path: Path) -> Records:
+def _parse_header_csv(path: Path, notes: list) -> Records:
     with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
         header = None
@@ -160,6 +255,8 @@ def _parse_header_csv(path: Path) -> Records:
             if any(c.strip() for c in row):
                 header = [c.strip().lower() for c in row]
                 break
+        if header is not None and "rank" in header and any(c in header for c in LONG_EXPERT):
+            return _parse_long(path, header, reader, notes)
         layout = _Layout(path, header, reader.line_num)
         return _HeaderRows(path, layout).read(reader)
 

@@ -5,7 +5,9 @@ model ran), each an integer array ``[tokens, MoE layers, top_k]`` (int16 in vLLM
 holding ``prompt_routed_experts`` / ``routed_experts`` for one request, or ``<request>/prompt_routed_experts``
 and ``<request>/routed_experts`` for several (``np.savez(f, **arrays)``); or JSON Lines, one object per request
 with ``request_id`` (optional) and the two fields as nested lists (``.tolist()`` of the arrays). Either field
-may be absent (a prompt-only or decode-only capture), not both. Unlike the per-token formats the prompt is
+may be absent (a prompt-only or decode-only capture), not both. A dense layer's rows are zeros (vLLM writes
+the MoE layers of its ``[tokens, num_hidden_layers, top_k]`` buffer only): such layers are dropped with a
+note, the MoE layers keep their ids (:func:`~.base.drop_dense_layers`). Unlike the per-token formats the prompt is
 **one prefill pass** of its tokens, as vLLM ran it (a chunked prefill is still replayed as one pass),
 followed by one decode pass per generated token; context counts the prompt.
 
@@ -27,7 +29,7 @@ from typing import Optional
 import numpy as np
 
 from ...errors import ConfigError
-from .base import ImportOptions, Records, json_objects, register_format
+from .base import ImportOptions, Records, drop_dense_layers, json_objects, register_format
 
 VLLM_FIELDS = ("prompt_routed_experts", "routed_experts")
 ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first bytes (the second: an empty one), as np.load tells it
@@ -56,7 +58,8 @@ def parse(path: Path, opts: ImportOptions, notes: list) -> Records:
              for _, prompt, gen, _ in requests]
     names = [name for name, *_ in requests]
     locs = [where for *_, where in requests]
-    tokens = np.concatenate(parts)  # [T, L, k]
+    tokens, layer_ids = drop_dense_layers(np.concatenate(parts), notes, "vllm routed_experts")  # [T, L, k]
+    L = len(layer_ids)
     seq_of_token = np.concatenate([np.full(len(p), i, dtype=np.int64) for i, p in enumerate(parts)])
     first = np.concatenate(([0], np.cumsum([len(x) for x in parts])))[:-1]
     tok = np.arange(len(tokens), dtype=np.int64) - first[seq_of_token]
@@ -64,13 +67,14 @@ def parse(path: Path, opts: ImportOptions, notes: list) -> Records:
 
     def loc(r: int) -> str:
         t, layer = divmod(r, L)
+        layer = int(layer_ids[layer])
         q = int(seq_of_token[t])
         pos = int(tok[t])
         part = "prompt" if pos < pl[q] else "generated"
         return f"{locs[q]}: request {names[q]!r} token {pos} ({part}) layer {layer}"
 
     return Records(
-        seq=np.repeat(seq_of_token, L), tok=np.repeat(tok, L), layer=np.tile(np.arange(L, dtype=np.int64), len(tokens)),
+        seq=np.repeat(seq_of_token, L), tok=np.repeat(tok, L), layer=np.tile(layer_ids, len(tokens)),
         experts=tokens.reshape(-1, k), weights=None, logits=None, loc=loc, path=str(path), seq_names=names,
         prompt_len=pl,
     )
@@ -98,6 +102,9 @@ def _array(path: Path, where: str, name, field: str, value) -> Optional[np.ndarr
     """One request's field as an integer array [tokens, layers, k] (None when absent or empty)."""
     if value is None:
         return None
+    if isinstance(value, str):
+        raise ConfigError(f"{path}, {where}: {field} of request {name!r} is a string (SGLang's base64 of int32, "
+                          f"not vLLM's nested lists): read it with replay.format=sglang")
     try:
         a = np.asarray(value)
     except ValueError as e:  # ragged nested lists
