@@ -76,6 +76,8 @@ COMMANDS = (
     Command("train-eviction", "specmd.commands.train_eviction", "train the ml eviction networks (eviction=ml) from "
             "routing traces"),
     Command("card", "specmd.commands.card", "measure what a model card reports: routing statistics and task scores"),
+    Command("models", "specmd.commands.models", "every MoE family of the installed transformers: runs (record or "
+            "derived) or refused, and why"),
 )
 BY_NAME = {c.name: c for c in COMMANDS}
 

@@ -2,7 +2,7 @@
 record in :data:`~specmd.models.adapters.ADAPTERS` describes, is read off a tiny random instance of its own
 config class -- where its MoE blocks are, which module routes, how the router's weights follow from its
 logits, what selection rule picks its top-k, what its fused experts compute -- and runs with the
-:class:`~specmd.models.adapters.Adapter` so derived, or is refused with the reason.
+:class:`~specmd.models.family.Adapter` so derived, or is refused with the reason.
 
 A family that follows transformers 5's MoE contract needs no record at all: decoder layers at
 ``model.model.layers``, the block at ``layer.mlp`` with a router (``gate`` or ``router``) whose
@@ -63,6 +63,7 @@ class Derived:
     family: str
     adapter: Optional[object] = None
     reason: Optional[str] = None
+    bias: bool = False  # its routers hold a selection bias (adapter.bias_attr)
 
 
 @functools.lru_cache(maxsize=None)
@@ -214,7 +215,7 @@ def _fit(logits, weights, index):
 def _derive(family: str) -> Derived:
     import torch
 
-    from .adapters import Adapter, ExpertsLayout
+    from .family import Adapter, ExpertsLayout
 
     over = tiny_overrides(family)
     model = _build(family, over)
@@ -262,7 +263,22 @@ def _derive(family: str) -> Derived:
     adapter = _selection(adapter, model, moe, hidden)
     if family in NOT_YET:
         raise _Refuse(NOT_YET[family])
-    return Derived(family, adapter=adapter)
+    return Derived(family, adapter=adapter, bias=isinstance(getattr(router, adapter.bias_attr, None), torch.Tensor))
+
+
+def real_model(family: str) -> Optional[str]:
+    """The hub checkpoint whose configuration transformers' config class of ``family`` instantiates by
+    default (the first ``huggingface.co/<org>/<name>`` its docstring links), or None."""
+    import re
+
+    from transformers import AutoConfig
+
+    try:
+        doc = type(AutoConfig.for_model(family)).__doc__ or ""
+    except Exception:  # noqa: BLE001 -- a config class that does not build with its defaults
+        return None
+    m = re.search(r"huggingface\.co/([\w.-]+/[\w.-]+)", doc)
+    return m.group(1).rstrip(".") if m else None
 
 
 def _selection(adapter, model, moe, hidden):

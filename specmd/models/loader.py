@@ -253,18 +253,38 @@ def load_configured(name: str):
 
 def shipped_geometry(name: str, dtype: str = "bfloat16"):
     """The geometry of a real model from the architecture fields of its config.json shipped in
-    ``specmd/assets/configs/<name>.json`` (built on the meta device: no weights, no hub), at ``dtype``."""
+    ``specmd/assets/configs/<name>.json`` (built on the meta device: no weights, no hub), at ``dtype``; or,
+    for ``name`` a family specmd runs, of its transformers config class's defaults -- the real model that
+    class documents (``specmd models`` names it: GLM-4.5-Air for ``glm4_moe``, Qwen3-Next-80B-A3B for
+    ``qwen3_next``)."""
     import json
 
     from transformers import AutoConfig
 
     path = SHIPPED_CONFIGS / f"{name}.json"
     if not path.is_file():
+        family = _runnable(name)
+        if family is not None:  # the defaults of transformers' config class: the real model they instantiate
+            return _meta_geometry(AutoConfig.for_model(family), family, dtype)
         names = sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.json"))
-        raise ConfigError(f"{name!r}: no shipped model config; valid choices: {', '.join(names)}")
+        raise ConfigError(f"{name!r}: no shipped model config; valid choices: {', '.join(names)}, or a family "
+                          f"that runs (its transformers config class's defaults: specmd models)")
     fields = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
     family = fields.pop("model_type")
     return _meta_geometry(AutoConfig.for_model(family, **fields), family, dtype)
+
+
+def _runnable(name: str) -> Optional[str]:
+    """``name`` when it is a model family specmd runs (a record, or derived), else None."""
+    from .derive import moe_families
+
+    if name not in families() and name not in moe_families():
+        return None
+    try:
+        adapter_for(name)
+    except ConfigError:
+        return None
+    return name
 
 
 def shipped_config_of(repo: str) -> Optional[str]:

@@ -1,0 +1,126 @@
+"""``specmd models [--json]``: every MoE model family of the installed transformers, and whether specmd runs it.
+
+One row a family (a causal-LM class whose config names experts, :func:`specmd.models.derive.moe_families`,
+plus the families with a record): ``runs`` -- through its record (``record``) or its structure derived from
+transformers' own classes (``derived``) -- or ``refused`` with the reason (the step of the derivation it
+fails: a block at ``layer.feed_forward``, a router that takes more than the hidden states, ...). Beside it:
+the real model its transformers config class instantiates by default (the checkpoint its docstring links),
+that configuration's MoE layers, experts and top-k, the selection rule every policy ranks by (the score
+function, a selection bias, a group limit, renormalisation, a scale field), and whether a real-sized
+configuration is at hand for ``hardware.timing_as=<family>`` (every family that runs: its config class's
+defaults, built on the meta device) and for the random checkpoint writer (a record's hub layout).
+
+``--json`` prints the rows as a JSON list (for scripts); the table is the same rows. Deriving the families
+takes ~0.1 s each (a tiny random instance of each, on the CPU): ~10 s for the whole table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from typing import Optional
+
+from ..errors import ArgumentParser, ConfigError
+
+
+def rows() -> list[dict]:
+    """The table's rows, families sorted by name."""
+    from ..models.adapters import ADAPTERS
+    from ..models.derive import derive, moe_families
+
+    out = []
+    for family in sorted(set(moe_families()) | set(ADAPTERS)):
+        adapter, reason, source, bias = ADAPTERS.get(family), None, "record", None
+        if adapter is None:
+            d = derive(family)
+            adapter, reason, source, bias = d.adapter, d.reason, "derived", d.bias
+        out.append(_row(family, adapter, reason, source if adapter is not None else None, bias))
+    return out
+
+
+def _row(family: str, adapter, reason: Optional[str], source: Optional[str], bias: Optional[bool]) -> dict:
+    from ..models.derive import real_model
+
+    row = {"family": family, "runs": adapter is not None, "through": source, "refused_because": reason,
+           "real_model": real_model(family), "moe_layers": None, "experts": None, "top_k": None,
+           "selection": None, "timing_as": adapter is not None, "random_checkpoint": bool(adapter and adapter.hub)}
+    if adapter is None:
+        return row
+    geometry = _real_geometry(family)
+    if geometry is not None:
+        row.update(moe_layers=geometry.num_layers, experts=geometry.num_experts, top_k=geometry.top_k)
+    if bias is None:  # a record: the bias is whatever its loaded routers hold (DeepSeek-V3's do)
+        bias = _router_has(family)
+    rule = [adapter.score]
+    if bias:
+        rule.append("selection bias")
+    if adapter.group_score:
+        rule.append(f"group-limited ({adapter.group_score})" + (f" if {adapter.groups_if[0]}={adapter.groups_if[1]}"
+                                                                 if adapter.groups_if else ""))
+    rule.append(f"renorm={adapter.renorm}")
+    if adapter.scale_attr:
+        rule.append(f"scale={adapter.scale_attr}")
+    if adapter.reweigh_note:
+        rule.append("own rule (reweigh_note)")
+    row["selection"] = ", ".join(rule)
+    return row
+
+
+@functools.lru_cache(maxsize=None)
+def _real_geometry(family: str):
+    """The geometry of the family's config class defaults (meta device), or None where they do not build."""
+    from ..models.loader import shipped_geometry
+
+    try:
+        return shipped_geometry(family)
+    except Exception:  # noqa: BLE001 -- defaults that do not build a model: the row says nothing of its size
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _router_has(family: str) -> bool:
+    """Whether the family's router holds a selection bias (its tiny instance's)."""
+    from ..models.adapters import adapter_for
+    from ..models.loader import build_tiny
+
+    adapter = adapter_for(family)
+    model = build_tiny(family)
+    return getattr(adapter.router(model, adapter.moe_layers(model)[0]), adapter.bias_attr, None) is not None
+
+
+def table(rs: list[dict]) -> str:
+    runs = sum(r["runs"] for r in rs)
+    head = f"{runs} of {len(rs)} MoE families of the installed transformers run"
+    lines = [head, ""]
+    w = max(len(r["family"]) for r in rs)
+    for r in rs:
+        if r["runs"]:
+            size = f"{r['moe_layers']}x{r['experts']} top-{r['top_k']}" if r["experts"] else "?"
+            lines.append(f"{r['family']:<{w}}  runs ({r['through']:<7})  {size:<16} {r['real_model'] or '-'}  "
+                         f"[{r['selection']}]")
+        else:
+            lines.append(f"{r['family']:<{w}}  refused          {r['refused_because']}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = ArgumentParser(prog="specmd models", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="the rows as JSON (for scripts)")
+    args = parser.parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    rs = rows()
+    if not rs:
+        raise ConfigError("the installed transformers has no MoE family")
+    print(json.dumps(rs, indent=1) if args.json else table(rs), file=sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":  # python -m specmd.commands.models: specmd models, with its one error path
+    from ..outcome import guarded
+
+    sys.exit(guarded("specmd models", main, sys.argv[1:]))

@@ -1,0 +1,222 @@
+"""What a model family is to specmd: the :class:`Adapter` record -- where a family keeps its MoE parts, how its
+router scores and selects, its tiny configuration -- with its parts :class:`HubLayout` (how its hub checkpoints
+name their tensors), :class:`ExpertsLayout` (what its fused experts compute beyond their weights) and
+:class:`RoutingReference` (the real model ``specmd card`` compares with). The records themselves are in
+:mod:`specmd.models.adapters` (written) and :mod:`specmd.models.derive` (read off transformers' classes)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..engine.geometry import Geometry
+from ..engine.record import Scoring
+from ..errors import ConfigError
+
+_BLOCK = re.compile(r"^(?P<pre>.*\.layers\.\d+)\.mlp\.(?P<rest>.*)$")  # a decoder layer's MoE block
+
+
+@dataclass(frozen=True)
+class HubLayout:
+    """How a family's Hugging Face hub checkpoints name what transformers renames and fuses on load (and
+    ``save_pretrained`` converts back): the MoE block (``mlp`` in transformers), the router when the hub
+    calls it ``gate``, and the per-expert projections that transformers fuses into ``gate_up_proj``
+    [E, 2I, H] (gate rows first) and ``down_proj`` [E, H, I]. One record serves both directions, so what the
+    random checkpoint writer names (:meth:`to_hub`) is what loading (:meth:`from_hub`) and the disk tier
+    (:meth:`expert_parts`) read."""
+
+    block: str = "mlp"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    router: Optional[str] = None  # transformers' router module, when the hub calls it ``gate``
+
+    def to_hub(self, name: str) -> str:
+        """A transformers tensor name (not a fused expert tensor) under the hub's name."""
+        m = _BLOCK.match(name)
+        if m is None:
+            return name
+        rest = m["rest"]
+        if self.router and rest.startswith(self.router + "."):
+            rest = "gate." + rest[len(self.router) + 1:]
+        return f"{m['pre']}.{self.block}.{rest}"
+
+    def from_hub(self, name: str) -> str:
+        """A hub tensor name (not a per-expert tensor) under transformers' name: the inverse of :meth:`to_hub`."""
+        if self.block == "mlp":
+            return name
+        if self.router:
+            name = name.replace(f".{self.block}.gate.", f".mlp.{self.router}.")
+        return name.replace(f".{self.block}.", ".mlp.")
+
+    def expert_parts(self, fused: str) -> tuple[str, ...]:
+        """The hub's per-expert tensors (after ``experts.{e}.``) whose rows, concatenated in order, are expert
+        ``e`` of transformers' fused parameter ``fused``; () when the hub keeps it fused too."""
+        parts = {"gate_up_proj": (self.gate, self.up), "down_proj": (self.down,), "up_proj": (self.up,)}
+        return tuple(f"{p}.weight" for p in parts.get(fused, ()))
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """What the experts kernels (:mod:`specmd.executor.kernel`) need of a family's fused experts module beyond
+    its ``[E, ...]`` weights: the flags transformers' ``use_experts_implementation`` sets on the class,
+    declared here so the kernels never probe a module (``tests/test_adapters.py`` checks each record against
+    its family's module)."""
+
+    gated: bool = True  # ``gate_up_proj`` through ``_apply_gate``; False: ``up_proj`` through ``act_fn``
+    transposed: bool = False  # weights [E, in, out] (GPT-OSS), else [E, out, in]
+    bias: bool = False  # per-expert biases ``<up>_bias`` [E, out] and ``down_proj_bias``
+    post_norm: bool = False  # ``post_expert_norm`` applied to each expert's output
+
+    @property
+    def names(self) -> tuple[str, str, Optional[str], Optional[str]]:
+        """(up weight, down weight, up bias, down bias) parameter names of the fused experts module."""
+        up = "gate_up_proj" if self.gated else "up_proj"
+        return up, "down_proj", (up + "_bias") if self.bias else None, "down_proj_bias" if self.bias else None
+
+
+
+@dataclass(frozen=True)
+class RoutingReference:
+    """A real model whose routing ``specmd card`` compares a model of its family with: the statistics the data
+    mirror holds (``routing_stats/olmoe_paper/<mirror_dir>``: its MoE ``layers``, ``top_k``), and, where it was
+    measured, its per-token locality (``locality``: ``mean`` over layers, ``min`` of a layer, the ``model``
+    measured and the ``source``), the bound a shipped model of its shape (``num_experts``, ``top_k``) meets."""
+
+    mirror_dir: str
+    model: str
+    layers: int
+    top_k: int
+    num_experts: int
+    locality: Optional[dict] = None
+
+@dataclass(frozen=True)
+class Adapter:
+    family: str  # transformers model_type
+    router_attr: str = "gate"
+    score: str = "softmax"  # router probabilities: "softmax" or "sigmoid" over the logits
+    # top-k weights renormalised to sum 1: True / False / name of a bool config field
+    renorm: object = True
+    scale_attr: Optional[str] = None  # config field multiplying the top-k weights
+    experts_attr: str = "num_experts"
+    # A small random config shaped like the family (experts dominate bytes; real E, k, shared experts).
+    tiny: dict = field(default_factory=dict)
+    # Weight semantics that reweigh() cannot reproduce exactly (documented deviation), else None.
+    reweigh_note: Optional[str] = None
+    # How its hub checkpoints name the tensors (loading them without transformers' loader, the disk tier, the
+    # random checkpoint writer); None: not mapped (such checkpoints load only through transformers).
+    hub: Optional[HubLayout] = HubLayout()
+    # What its fused experts module computes beyond its weights (read by the experts kernels).
+    experts_layout: ExpertsLayout = ExpertsLayout()
+    # The real model whose routing a model of this family is compared with (specmd card).
+    routing_reference: Optional[RoutingReference] = None
+    # The selection rule beyond the score function (Scoring): the router's buffer holding a per-expert
+    # selection bias, read from the loaded model wherever the router has it (absent or all zero: none); and
+    # group-limited top-k -- how a group is scored ("top2": the sum of its two best scores, "max": its best),
+    # with E split into config.n_group groups of which config.topk_group are kept -- or None (no groups), and
+    # the (config field, value) under which the groups apply (DeepSeek-V2: topk_method=group_limited_greedy).
+    bias_attr: str = "e_score_correction_bias"
+    group_score: Optional[str] = None
+    groups_if: Optional[tuple] = None
+
+    # ---- model structure (nothing outside this module knows where a family keeps its parts) ----------
+    def num_experts(self, config) -> int:
+        return int(getattr(config, self.experts_attr))
+
+    def moe_layers(self, model) -> list[int]:
+        """Decoder-layer indices whose MLP is a routed MoE block."""
+        ids = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+        if not ids:
+            raise ConfigError(f"no MoE layers found in {type(model).__name__} ({len(model.model.layers)} decoder "
+                              f"layers): specmd caches the experts of an MoE model")
+        return ids
+
+    def block(self, model, layer_id: int):
+        return model.model.layers[layer_id].mlp
+
+    def router(self, model, layer_id: int):
+        return getattr(self.block(model, layer_id), self.router_attr)
+
+    def experts(self, model, layer_id: int):
+        return self.block(model, layer_id).experts
+
+    def set_experts(self, model, layer_id: int, module) -> None:
+        self.block(model, layer_id).experts = module
+
+    def decoder(self, model):
+        """The module whose forward is one forward pass (its pre/post hooks mark passes)."""
+        return model.model
+
+    def scoring(self, config, routers=()):
+        """The family's :class:`~specmd.engine.record.Scoring` for ``config``; ``routers``: the loaded model's
+        routers, one per MoE layer, whose selection bias (``bias_attr``) it reads (none given: no bias)."""
+        groups, topk_group = self.group_limit(config)
+        return Scoring(self.score == "sigmoid", self.renormalises(config), self.scale(config),
+                       self.selection_bias(routers), groups, topk_group, self.group_score or "top2")
+
+    def group_limit(self, config) -> tuple[int, int]:
+        """``(groups, kept groups)`` of the family's group-limited top-k under ``config``; (1, 1): none.
+        Errors: ConfigError when the groups do not divide the experts or keep fewer experts than top-k."""
+        if self.group_score is None:
+            return 1, 1
+        if self.groups_if is not None and getattr(config, self.groups_if[0], None) != self.groups_if[1]:
+            return 1, 1
+        groups, kept = int(getattr(config, "n_group", 1) or 1), int(getattr(config, "topk_group", 1) or 1)
+        if groups <= 1 or kept >= groups:
+            return 1, 1
+        E, k = self.num_experts(config), int(config.num_experts_per_tok)
+        if E % groups or kept * (E // groups) < k or kept < 1:
+            raise ConfigError(f"model {config.model_type}: n_group={groups}, topk_group={kept} with {E} experts and "
+                              f"top-k {k}: the groups must divide the experts and the kept groups hold >= top-k of them")
+        return groups, kept
+
+    def selection_bias(self, routers):
+        """``[L, E]`` float32 on the host: each router's selection bias (``bias_attr``), or None when no
+        router has one."""
+        import torch
+
+        rows = [getattr(r, self.bias_attr, None) for r in routers]
+        if not rows or all(b is None for b in rows):
+            return None
+        E = next(b for b in rows if b is not None).numel()
+        return torch.stack([torch.zeros(E) if b is None else b.detach().float().cpu().reshape(-1) for b in rows])
+
+    def geometry(self, model):
+        """The :class:`~specmd.engine.geometry.Geometry` of a loaded model (parameters at their dtype)."""
+        config = model.config
+        layers = model.model.layers
+        moe_ids = self.moe_layers(model)
+        num_experts = self.num_experts(config)
+        if num_experts < 1:  # a model.tiny override can build one (num_experts=0)
+            raise ConfigError(f"model {config.model_type} has {num_experts} experts per MoE layer: specmd caches the "
+                              f"experts of an MoE model (check model.tiny)")
+        experts0 = self.experts(model, moe_ids[0])
+        expert_params = sum(p.numel() for p in experts0.parameters()) // num_experts
+        expert_bytes = sum(p.numel() * p.element_size() for p in experts0.parameters()) // num_experts
+        dtype_bytes = next(experts0.parameters()).element_size()
+        total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+        def dense_params(i):
+            n = sum(p.numel() for p in layers[i].parameters())
+            return n - (sum(p.numel() for p in self.experts(model, i).parameters()) if i in moe_ids else 0)
+
+        dense, attn, prev = [], [], -1
+        for i in moe_ids:
+            dense.append(sum(dense_params(j) for j in range(prev + 1, i + 1)))
+            attn.append(i - prev)
+            prev = i
+        tail = sum(dense_params(j) for j in range(prev + 1, len(layers)))
+        tail += sum(p.numel() for p in model.model.norm.parameters()) + model.lm_head.weight.numel()
+        return Geometry(
+            num_layers=len(moe_ids), num_experts=num_experts, top_k=int(config.num_experts_per_tok),
+            expert_bytes=expert_bytes, total_bytes=total_bytes, hidden_size=int(config.hidden_size),
+            dtype_bytes=dtype_bytes, dense_params=dense, attn_layers=attn, tail_params=tail,
+            tail_attn_layers=len(layers) - 1 - prev, expert_params=expert_params, layer_ids=moe_ids,
+        )
+
+    def renormalises(self, config) -> bool:
+        return bool(getattr(config, self.renorm)) if isinstance(self.renorm, str) else bool(self.renorm)
+
+    def scale(self, config) -> float:
+        return float(getattr(config, self.scale_attr)) if self.scale_attr else 1.0

@@ -1,0 +1,46 @@
+"""``specmd models``: the table of every MoE family of the installed transformers -- runs (record or derived)
+or refused, why -- agrees with what loading does, and names the real model, size and selection rule."""
+
+import json
+
+from specmd.commands.models import main, rows, table
+from specmd.models.adapters import ADAPTERS, adapter_for, derived_families
+from specmd.models.derive import moe_families
+
+
+def test_the_table_is_every_moe_family_and_says_what_loading_does(capsys):
+    rs = rows()
+    by = {r["family"]: r for r in rs}
+    assert set(by) == set(moe_families()) | set(ADAPTERS)
+    for family, r in by.items():
+        assert r["runs"] == (family in ADAPTERS or family in derived_families()), family
+        assert r["through"] == ("record" if family in ADAPTERS else "derived" if r["runs"] else None)
+        if r["runs"]:
+            adapter_for(family)  # what the table says runs, loads
+            assert r["selection"].startswith(adapter_for(family).score) and r["timing_as"]
+        else:
+            assert r["refused_because"].startswith("its ") and not r["timing_as"]
+    # the 2026 models of issue 55, at their real sizes (transformers' config class defaults)
+    assert (by["glm4_moe"]["real_model"], by["glm4_moe"]["experts"], by["glm4_moe"]["top_k"]) == ("zai-org/GLM-4.5",
+                                                                                               128, 8)
+    assert by["qwen3_next"]["experts"] == 512 and by["qwen3_next"]["top_k"] == 10
+    assert "selection bias" in by["deepseek_v3"]["selection"] and "group-limited (top2)" in by["deepseek_v3"]["selection"]
+    assert "selection bias" not in by["mixtral"]["selection"]
+    assert by["mixtral"]["random_checkpoint"] and not by["glm4_moe"]["random_checkpoint"]
+    assert "layer.feed_forward, not layer.mlp" in by["jamba"]["refused_because"]
+    text = table(rs)
+    assert text.splitlines()[0] == f"{sum(r['runs'] for r in rs)} of {len(rs)} MoE families of the installed transformers run"
+    assert main(["--json"]) == 0 and json.loads(capsys.readouterr().out) == rs
+
+
+def test_timing_as_takes_any_family_that_runs_at_its_real_size():
+    from specmd.compose import timing_of
+    from specmd.errors import ConfigError
+    from specmd.hardware import HardwareConfig
+
+    name, geom = timing_of(HardwareConfig(timing_as="glm4_moe"))  # GLM-4.5-Air: 46 layers, the first dense
+    assert (geom.num_layers, geom.num_experts, geom.top_k, geom.layer_ids[0]) == (45, 128, 8, 1)
+    import pytest
+
+    with pytest.raises(ConfigError, match="hardware.timing_as='jamba'.*a family that runs"):
+        timing_of(HardwareConfig(timing_as="jamba"))
