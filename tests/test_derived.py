@@ -47,12 +47,15 @@ def test_a_derived_family_runs_lossless_offloaded_and_replayed(family, tmp_path)
     from specmd.replay.driver import run_replay
     from specmd.replay.trace import TraceWriter, read_trace
 
+    from test_batch import left_padded
+
     model, adapter = tiny(family), adapter_for(family)
     ids = sample_ids(batch=2, seq=12)
-    prompt = sample_ids(batch=1, seq=8, seed=1)
+    prompt, mask = left_padded([6, 3, 5, 2], seed=4)  # B = 4 with left padding: the hook serves the live rows
+    gen = dict(attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         ref = model(ids).logits
-        ref_tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
+        ref_tokens = model.generate(prompt, **gen)
 
     def run(execution, trace=None):
         spec = spec_of(eviction="lru", prefetch="topk", hardware=HardwareConfig(capacity=0.3))
@@ -63,7 +66,7 @@ def test_a_derived_family_runs_lossless_offloaded_and_replayed(family, tmp_path)
         try:
             with torch.no_grad():
                 logits = model(ids).logits
-                tokens = model.generate(prompt, max_new_tokens=4, do_sample=False)
+                tokens = model.generate(prompt, **gen)
         finally:
             stack.remove()
             if stack.writer is not None:
@@ -73,6 +76,7 @@ def test_a_derived_family_runs_lossless_offloaded_and_replayed(family, tmp_path)
     sim = run({"name": "simulated"}, tmp_path / "trace")
     assert torch.equal(sim[0], ref) and torch.equal(sim[1], ref_tokens)  # lossless == unhooked
     assert sim[2]["routing"]["fidelity"] == 1.0 and sim[2]["cache"]["requests"] > 0
+    assert sim[2]["timing"]["decode_passes"] == 2
     off = run({"name": "offload", "check": True})
     assert torch.equal(off[0], sim[0]) and torch.equal(off[1], sim[1]) and off[2] == sim[2]  # offload == simulated
     trace = read_trace(tmp_path / "trace")
