@@ -212,29 +212,17 @@ def test_replay_of_a_cache_aware_stack_on_a_biased_router_equals_live(tmp_path):
     """The trace stores the selection rule, so replay ranks as live did (exact where the stack is:
     max_rank's promotions read only the cache and the selection scores)."""
     from specmd.replay.driver import run_replay
-    from specmd.replay.trace import TraceWriter, read_trace
+    from specmd.replay.trace import read_trace
+    from test_replay import live
 
-    family = "deepseek_v3"
-    model = biased(family)
+    model = biased("deepseek_v3")
     prompts = [sample_ids(batch=1, seq=10, seed=s) for s in (0, 1)]
-
-    def live(spec, trace_dir=None):
-        stack = install(model, spec, adapter_for(family))
-        if trace_dir is not None:
-            stack.writer = TraceWriter(trace_dir, stack.geom, stack.scoring, stack.store, 1)
-        with torch.no_grad(), stack:
-            for ids in prompts:
-                model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
-        if stack.writer is not None:
-            stack.writer.close()
-        return stack.engine.results()
-
     base = dict(hardware=HardwareConfig(capacity=0.3), prefetch="none")
-    live(spec_of(**base), tmp_path / "trace")
+    live(model, spec_of(**base), prompts, tmp_path / "trace", depth=1)
     trace = read_trace(tmp_path / "trace")
     assert trace.meta.scoring.bias is not None and trace.meta.scoring.groups == 8
     spec = spec_of(routing={"name": "max_rank", "M": 16, "J": 1}, **base)
-    want = live(spec)
+    want = live(model, spec, prompts)
     got = run_replay(trace, spec).results()
     assert want["routing"]["fidelity"] < 1.0  # promotions happened
     assert got["cache"] == want["cache"] and got["routing"] == want["routing"]
