@@ -52,7 +52,7 @@ def biased(variant):
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():
             for i in adapter.moe_layers(model):
-                bias = getattr(adapter.router(model, i), adapter.bias_attr, None)
+                bias = getattr(adapter.bias_holder(model, i), adapter.bias_attr, None)
                 if bias is not None:
                     bias.copy_(torch.rand(bias.shape, generator=g) * 0.5)
             model(sample_ids(batch=1, seq=8))  # (warm-up: see conftest.tiny)
@@ -89,7 +89,7 @@ def as_sets(index):
 def test_the_selection_scores_top_k_is_the_routers_own_choice(variant):
     family, _ = VARIANTS[variant]
     model, adapter = biased(variant), adapter_for(family)
-    routers = [adapter.router(model, i) for i in adapter.moe_layers(model)]
+    routers = [adapter.bias_holder(model, i) for i in adapter.moe_layers(model)]
     scoring = adapter.scoring(model.config, routers)
     k = int(model.config.num_experts_per_tok)
     differs = 0

@@ -87,7 +87,7 @@ def _router_has(family: str) -> bool:
 
     adapter = adapter_for(family)
     model = build_tiny(family)
-    return getattr(adapter.router(model, adapter.moe_layers(model)[0]), adapter.bias_attr, None) is not None
+    return getattr(adapter.bias_holder(model, adapter.moe_layers(model)[0]), adapter.bias_attr, None) is not None
 
 
 def table(rs: list[dict]) -> str:

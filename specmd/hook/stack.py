@@ -54,7 +54,8 @@ class LiveSignal:
     __slots__ = ("routers", "hidden", "out", "rows")
 
     def __init__(self, routers, hidden: torch.Tensor, out: Optional[dict], rows=None):
-        """``rows``: the call's live rows (host long), or None: every row is live."""
+        """``routers``: each MoE layer's router call (``Adapter.router_call``: hooks bypassed); ``rows``: the
+        call's live rows (host long), or None: every row is live."""
         self.routers = routers
         self.hidden = hidden
         self.out = out
@@ -66,7 +67,7 @@ class LiveSignal:
         host."""
         got = self.out.get(target) if self.out is not None else None
         if got is None:
-            logits, _, index = self.routers[target].forward(self.hidden)
+            logits, _, index = self.routers[target](self.hidden)
             got = (to_host(logits), to_host(index))
             if self.rows is not None:
                 got = (got[0][self.rows], got[1][self.rows])
@@ -115,7 +116,8 @@ class PolicyStack:
         self.geom = adapter.geometry(model)
         self.moe_ids = list(self.geom.layer_ids)
         self.routers = [adapter.router(model, i) for i in self.moe_ids]
-        self.scoring = adapter.scoring(model.config, self.routers)
+        self.calls = [adapter.router_call(model, i) for i in self.moe_ids]  # each router as its block calls it
+        self.scoring = adapter.scoring(model.config, [adapter.bias_holder(model, i) for i in self.moe_ids])
         self.expert_modules = [adapter.experts(model, i) for i in self.moe_ids]
         self.device = torch.device(device) if device is not None else next(
             p.device for p in model.parameters() if not p.is_meta)
@@ -232,7 +234,7 @@ class PolicyStack:
             self.writer.end_pass()
 
     def _router_hook(self, layer: int):
-        records, engine, scoring, routers = self.records, self.engine, self.scoring, self.routers
+        records, engine, scoring, routers = self.records, self.engine, self.scoring, self.calls
         readback, device = self.readback, self.device
 
         def hook(module, args, output):
@@ -245,7 +247,7 @@ class PolicyStack:
             want = [index, weights, logits] if read_logits else [index, weights]
             targets = self.targets[layer]
             for t in targets:  # the later routers on this input (hooks bypassed), read back with the routing
-                t_logits, _, t_index = routers[t].forward(hidden)
+                t_logits, _, t_index = routers[t](hidden)
                 want += (t_logits, t_index)
             host = readback(layer, want)  # the layer call's one synchronisation
             n = len(want) - 2 * len(targets)

@@ -13,8 +13,10 @@ family is refused, one line naming what it lacks):
 
 1. the family has a causal-LM class, and its config class builds shrunk (:data:`SHRINK`; lists per layer cut
    to the shrunk depth, a dense-layer layout kept: ``first_k_dense_replace`` 1);
-2. its MoE blocks, router and experts are where the contract puts them; E is a config field equal to the
-   experts module's first dimension, top-k is ``config.num_experts_per_tok``;
+2. its MoE blocks, router and experts are where the contract puts them (a router that takes attributes of
+   its block after the hidden states -- MiniMax-M2's selection bias -- is called with them:
+   ``Adapter.router_args``); E is a config field equal to the experts module's first dimension, top-k is
+   ``config.num_experts_per_tok``;
 3. the router's weights are ``Scoring.weigh`` of its logits: softmax or sigmoid, renormalised or not (a
    ``norm_topk_prob`` field decides it when flipping it flips the fit), times a scale a config field holds
    (set to 2.5 in the probe so that it shows);
@@ -181,7 +183,26 @@ def _structure(model):
     return moe, attr, experts
 
 
+def _router_args(router, block) -> tuple:
+    """The block attributes the router's forward takes after the hidden states (``Adapter.router_args``):
+    each further parameter of its signature that the block holds as a tensor; () when it takes the hidden
+    states alone. A parameter the block does not hold is refused."""
+    import inspect
+
+    import torch
+
+    params = list(inspect.signature(router.forward).parameters.values())[1:]
+    names = tuple(p.name for p in params if p.default is inspect.Parameter.empty
+                  and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    lacking = [n for n in names if not isinstance(getattr(block, n, None), torch.Tensor)]
+    if lacking:
+        raise _Refuse(f"its router needs more than the hidden states ({', '.join(lacking)}, which its MoE block does "
+                      f"not hold)")
+    return names
+
+
 def _route(router, hidden):
+    """``router(hidden)`` (a module's forward, or an ``Adapter.router_call``): (logits, weights, index)."""
     import torch
 
     try:
@@ -236,8 +257,10 @@ def _derive(family: str) -> Derived:
     if not isinstance(getattr(config, "num_experts_per_tok", None), int):
         raise _Refuse("its config has no num_experts_per_tok (top-k)")
     hidden = torch.randn(48, int(config.hidden_size), generator=torch.Generator().manual_seed(0))
-    router = getattr(model.model.layers[moe[0]].mlp, router_attr)
-    logits, weights, index = _route(router, hidden)
+    block = model.model.layers[moe[0]].mlp
+    router = getattr(block, router_attr)
+    probe = Adapter(family, router_attr=router_attr, router_args=_router_args(router, block))
+    logits, weights, index = _route(probe.router_call(model, moe[0]), hidden)
     fit = _fit(logits, weights, index)
     if fit is None:
         raise _Refuse("its router's weights are no softmax or sigmoid of its logits, renormalised or scaled")
@@ -249,12 +272,13 @@ def _derive(family: str) -> Derived:
             raise _Refuse(f"its router scales the weights by {c:.4g}, which no config field holds")
     if isinstance(getattr(config, "norm_topk_prob", None), bool):  # does the field decide the renormalisation?
         flipped = _build(family, dict(over, norm_topk_prob=not config.norm_topk_prob))
-        fit2 = _fit(*_route(getattr(flipped.model.layers[moe[0]].mlp, router_attr), hidden))
+        fit2 = _fit(*_route(probe.router_call(flipped, moe[0]), hidden))
         if fit2 is not None and fit2[1] != renorm:
             renorm = "norm_topk_prob" if renorm == config.norm_topk_prob else None
             if renorm is None:
                 raise _Refuse("its renormalisation is the opposite of its norm_topk_prob field")
-    adapter = Adapter(family, router_attr=router_attr, score="sigmoid" if sigmoid else "softmax", renorm=renorm,
+    adapter = Adapter(family, router_attr=router_attr, router_args=probe.router_args,
+                      score="sigmoid" if sigmoid else "softmax", renorm=renorm,
                       scale_attr=scale_attr, experts_attr=experts_attr, tiny=over, hub=None,
                       experts_layout=ExpertsLayout(gated=getattr(experts, "has_gate", True),
                                                    transposed=getattr(experts, "is_transposed", False),
@@ -263,7 +287,8 @@ def _derive(family: str) -> Derived:
     adapter = _selection(adapter, model, moe, hidden)
     if family in NOT_YET:
         raise _Refuse(NOT_YET[family])
-    return Derived(family, adapter=adapter, bias=isinstance(getattr(router, adapter.bias_attr, None), torch.Tensor))
+    holder = adapter.bias_holder(model, moe[0])
+    return Derived(family, adapter=adapter, bias=isinstance(getattr(holder, adapter.bias_attr, None), torch.Tensor))
 
 
 def real_model(family: str) -> Optional[str]:
@@ -288,19 +313,19 @@ def _selection(adapter, model, moe, hidden):
 
     import torch
 
-    routers = [adapter.router(model, i) for i in moe]
+    holders = [adapter.bias_holder(model, i) for i in moe]
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for r in routers:
-            bias = getattr(r, adapter.bias_attr, None)
+        for h in holders:
+            bias = getattr(h, adapter.bias_attr, None)
             if isinstance(bias, torch.Tensor):
                 bias.copy_(torch.rand(bias.shape, generator=g) * 0.5)
-    routed = [_route(r, hidden) for r in routers]
+    routed = [_route(adapter.router_call(model, i), hidden) for i in moe]
     grouped = (getattr(model.config, "n_group", 1) or 1) > 1
     for group_score in (GROUP_SCORES if grouped else (None,)):
         candidate = dataclasses.replace(adapter, group_score=group_score)
         try:
-            scoring = candidate.scoring(model.config, routers)
+            scoring = candidate.scoring(model.config, holders)
         except (ConfigError, ValueError) as exc:
             raise _Refuse(f"its group limit does not fit ({exc})") from None
         k = routed[0][2].shape[-1]

@@ -77,6 +77,22 @@ class ExpertsLayout:
 
 
 
+class RouterCall:
+    """A router whose block passes it some of its own attributes after the hidden states
+    (:attr:`Adapter.router_args`), read from the block at each call (a ``model.to(device)`` replaces them)."""
+
+    __slots__ = ("router", "block", "args")
+
+    def __init__(self, router, block, args: tuple):
+        self.router, self.block, self.args = router, block, args
+
+    def __call__(self, hidden):
+        block = self.block
+        if len(self.args) == 1:
+            return self.router.forward(hidden, getattr(block, self.args[0]))
+        return self.router.forward(hidden, *[getattr(block, a) for a in self.args])
+
+
 @dataclass(frozen=True)
 class RoutingReference:
     """A real model whose routing ``specmd card`` compares a model of its family with: the statistics the data
@@ -119,6 +135,9 @@ class Adapter:
     bias_attr: str = "e_score_correction_bias"
     group_score: Optional[str] = None
     groups_if: Optional[tuple] = None
+    # Attributes of the MoE block the router takes after the hidden states (MiniMax-M2, Hy3: the selection
+    # bias lives on the block, ``gate(hidden, self.e_score_correction_bias)``); () for ``router(hidden)``.
+    router_args: tuple = ()
 
     # ---- model structure (nothing outside this module knows where a family keeps its parts) ----------
     def num_experts(self, config) -> int:
@@ -138,6 +157,20 @@ class Adapter:
     def router(self, model, layer_id: int):
         return getattr(self.block(model, layer_id), self.router_attr)
 
+    def bias_holder(self, model, layer_id: int):
+        """The module holding the layer's selection bias (``bias_attr``): its router, or the block where the
+        block passes it to the router (``router_args``)."""
+        router = self.router(model, layer_id)
+        return router if hasattr(router, self.bias_attr) else self.block(model, layer_id)
+
+    def router_call(self, model, layer_id: int):
+        """``call(hidden [T, H]) -> (logits, weights, index)``: the layer's router as its block calls it, for
+        running it on another layer's input (the prefetch signal); its forward hooks are bypassed."""
+        router = self.router(model, layer_id)
+        if not self.router_args:
+            return router.forward
+        return RouterCall(router, self.block(model, layer_id), self.router_args)
+
     def experts(self, model, layer_id: int):
         return self.block(model, layer_id).experts
 
@@ -149,8 +182,9 @@ class Adapter:
         return model.model
 
     def scoring(self, config, routers=()):
-        """The family's :class:`~specmd.engine.record.Scoring` for ``config``; ``routers``: the loaded model's
-        routers, one per MoE layer, whose selection bias (``bias_attr``) it reads (none given: no bias)."""
+        """The family's :class:`~specmd.engine.record.Scoring` for ``config``; ``routers``: the modules holding
+        the loaded model's selection bias (``bias_attr``), one per MoE layer (:meth:`bias_holder`: the router,
+        or its block), which it reads (none given: no bias)."""
         groups, topk_group = self.group_limit(config)
         return Scoring(self.score == "sigmoid", self.renormalises(config), self.scale(config),
                        self.selection_bias(routers), groups, topk_group, self.group_score or "top2")
