@@ -69,6 +69,7 @@ class Run:
         3. the :class:`~specmd.engine.StackSpec` the drivers hand the engine."""
         c = self.raw = OmegaConf.to_container(cfg, resolve=True)
         self.set_by_user = {o.split("=", 1)[0].lstrip("+~") for o in overrides or ()}
+        self.overrides_known = overrides is not None  # (None: a caller that did not say what the user set)
         checks = Checks()
         from .shipped import top_keys
 

@@ -693,6 +693,10 @@ def test_sglang_base64_routed_experts_with_the_models_shape(tmp_path):
     f3 = write_jsonl(tmp_path / "as_vllm.jsonl", [{"routed_experts": "AAAA"}])
     with pytest.raises(ConfigError, match="replay.format=sglang"):
         load_import(f3, "vllm", ImportOptions(num_experts=8))
+    pretty = tmp_path / "one.json"  # one response, pretty-printed (json.dump(..., indent=2))
+    pretty.write_text(json.dumps(lines[0], indent=2))
+    tr3 = load_import(pretty, "sglang", ImportOptions(num_experts=8))
+    assert tr3.passes.tolist() == [[0, 3, 3], [1, 1, 4], [1, 1, 5]]
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"meta_info": {"routed_experts": "AAAAAA=="}}])
     with pytest.raises(ConfigError, match=r"line 1: routed_experts of response 0 holds 4 bytes, not whole tokens"):
         load_import(bad, "sglang", ImportOptions(num_experts=8, layers=4, top_k=2))
@@ -715,6 +719,12 @@ def test_llama_long_csv_one_row_per_rank(tmp_path):
     order = [("prefill", t, la) for la in (0, 1) for t in range(3)] + [("decode", t, la) for t in range(2)
                                                                         for la in (0, 1)]
     assert tr.index.tolist() == [want[c] for c in order]
+    assert not any("other than" in n for n in tr.notes)  # tokens are numbered per sequence, prefill first
+    gone = [r for r in rows if not r.startswith("decode,1,1,")]  # the last decode cell missing: named by the file's own token
+    f.write_text("\n".join(gone) + "\n")
+    with pytest.raises(ConfigError) as exc:
+        load_import(f, "llama_csv", ImportOptions(num_experts=8))
+    assert "1099511627" not in str(exc.value) and "layer 1" in str(exc.value)
     f.write_text("\n".join(rows[:-1]) + "\n")  # the last cell lacks its rank 0
     with pytest.raises(ConfigError, match=r"token 1 layer 1 has ranks \[1\]; each \(token, layer\) needs ranks 0..1"):
         load_import(f, "llama_csv", ImportOptions(num_experts=8))

@@ -17,7 +17,8 @@ def test_the_table_is_every_moe_family_and_says_what_loading_does(capsys):
         assert r["through"] == ("record" if family in ADAPTERS else "derived" if r["runs"] else None)
         if r["runs"]:
             adapter_for(family)  # what the table says runs, loads
-            assert r["selection"].startswith(adapter_for(family).score) and r["timing_as"]
+            assert r["selection"].startswith(adapter_for(family).score)
+            assert r["timing_as"] == (r["experts"] is not None)  # sizes known: timing_as=<family> works
         else:
             assert r["refused_because"].startswith("its ") and not r["timing_as"]
     # the 2026 models of issue 55, at their real sizes (transformers' config class defaults)
@@ -44,3 +45,6 @@ def test_timing_as_takes_any_family_that_runs_at_its_real_size():
 
     with pytest.raises(ConfigError, match="hardware.timing_as='jamba'.*a family that runs"):
         timing_of(HardwareConfig(timing_as="jamba"))
+    with pytest.raises(ConfigError, match="hardware.timing_as='deepseek_v2': the defaults of transformers' "
+                                          "deepseek_v2 config class do not build"):
+        timing_of(HardwareConfig(timing_as="deepseek_v2"))  # (it runs; its class defaults build no model)

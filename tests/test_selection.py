@@ -54,7 +54,7 @@ def biased(variant):
             for i in adapter.moe_layers(model):
                 bias = getattr(adapter.bias_holder(model, i), adapter.bias_attr, None)
                 if bias is not None:
-                    bias.copy_(torch.rand(bias.shape, generator=g) * 0.5)
+                    bias.copy_(torch.rand(bias.shape, generator=g) - 0.6)  # (scores of both signs)
             model(sample_ids(batch=1, seq=8))  # (warm-up: see conftest.tiny)
         _BUILT[variant] = model
     return _BUILT[variant]

@@ -4,14 +4,16 @@ One row a family (a causal-LM class whose config names experts, :func:`specmd.mo
 plus the families with a record): ``runs`` -- through its record (``record``) or its structure derived from
 transformers' own classes (``derived``) -- or ``refused`` with the reason (the step of the derivation it
 fails: a block at ``layer.feed_forward``, a router that takes more than the hidden states, ...). Beside it:
-the real model its transformers config class instantiates by default (the checkpoint its docstring links),
-that configuration's MoE layers, experts and top-k, the selection rule every policy ranks by (the score
+the checkpoint its transformers config class's docstring links (usually the real model whose configuration
+the class defaults are; now and then a test checkpoint: check the size columns), the MoE layers, experts and
+top-k of those defaults, the selection rule every policy ranks by (the score
 function, a selection bias, a group limit, renormalisation, a scale field), and whether a real-sized
-configuration is at hand for ``hardware.timing_as=<family>`` (every family that runs: its config class's
-defaults, built on the meta device) and for the random checkpoint writer (a record's hub layout).
+configuration is at hand for ``hardware.timing_as=<family>`` (a family that runs and whose config class's
+defaults build a model on the meta device) and for the random checkpoint writer (a record's hub layout).
 
 ``--json`` prints the rows as a JSON list (for scripts); the table is the same rows. Deriving the families
-takes ~0.1 s each (a tiny random instance of each, on the CPU): ~10 s for the whole table.
+takes ~0.1 s each (a tiny random instance of each, on the CPU) and the sizes a meta-device build each:
+~10 s for the whole table on an idle 2-core machine.
 """
 
 from __future__ import annotations
@@ -45,12 +47,12 @@ def _row(family: str, adapter, reason: Optional[str], source: Optional[str], bia
 
     row = {"family": family, "runs": adapter is not None, "through": source, "refused_because": reason,
            "real_model": real_model(family), "moe_layers": None, "experts": None, "top_k": None,
-           "selection": None, "timing_as": adapter is not None, "random_checkpoint": bool(adapter and adapter.hub)}
+           "selection": None, "timing_as": False, "random_checkpoint": bool(adapter and adapter.hub)}
     if adapter is None:
         return row
     geometry = _real_geometry(family)
-    if geometry is not None:
-        row.update(moe_layers=geometry.num_layers, experts=geometry.num_experts, top_k=geometry.top_k)
+    if geometry is not None:  # (what hardware.timing_as=<family> times with)
+        row.update(moe_layers=geometry.num_layers, experts=geometry.num_experts, top_k=geometry.top_k, timing_as=True)
     if bias is None:  # a record: the bias is whatever its loaded routers hold (DeepSeek-V3's do)
         bias = _router_has(family)
     rule = [adapter.score]
@@ -75,7 +77,7 @@ def _real_geometry(family: str):
 
     try:
         return shipped_geometry(family)
-    except Exception:  # noqa: BLE001 -- defaults that do not build a model: the row says nothing of its size
+    except ConfigError:  # defaults that do not build a model: the row says nothing of its size
         return None
 
 

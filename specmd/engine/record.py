@@ -61,8 +61,8 @@ class Scoring:
                 raise ValueError("the selection bias has non-finite values")
             if not bool(bias.any()):
                 bias = None  # all zero: the probabilities rank exactly as they are
-        if groups > 1 and bias is not None and bias.shape[1] % groups:
-            raise ValueError(f"groups={groups} does not divide the {bias.shape[1]} experts")
+        if bias is not None:
+            group_errors(groups if topk_group < groups else 1, group_score, bias.shape[1])
         self.bias = bias
         self.groups = groups if topk_group < groups else 1
         self.topk_group = topk_group if topk_group < groups else 1
@@ -137,8 +137,18 @@ class Scoring:
         for key in ("scale",):
             if not math.isfinite(float(d.get(key, 1.0))):
                 raise ValueError(f"scoring.{key}={d.get(key)!r} is not finite")
+        if experts is not None and int(d.get("topk_group", 1)) < int(d.get("groups", 1)):
+            group_errors(int(d.get("groups", 1)), str(d.get("group_score", "top2")), experts)
         return cls(bool(d.get("sigmoid", False)), bool(d.get("renorm", True)), float(d.get("scale", 1.0)), bias,
                    int(d.get("groups", 1)), int(d.get("topk_group", 1)), str(d.get("group_score", "top2")))
+
+
+def group_errors(groups: int, group_score: str, experts: int) -> None:
+    """A group limit ``experts`` can hold: ``groups`` divides them, and a ``top2`` group has two. Errors:
+    ValueError naming the values."""
+    if groups > 1 and (experts % groups or (group_score == "top2" and experts // groups < 2)):
+        raise ValueError(f"groups={groups} with group_score={group_score!r}: {experts} experts do not form {groups} "
+                         f"equal groups{' of at least 2' if group_score == 'top2' else ''}")
 
 
 class NoLogits(ConfigError):

@@ -113,8 +113,9 @@ def tiny_overrides(model_type: str) -> dict:
             over[f] = EXPERTS
     if isinstance(fields.get("num_experts_per_tok"), int):
         over["num_experts_per_tok"] = TOP_K
-    if (fields.get("n_group") or 1) > 1:
-        over.update(n_group=4, topk_group=2)
+    group = next((f for f in ("n_group", "num_expert_group") if f in fields), None)
+    if group is not None and "topk_group" in fields:  # probed group-limited whatever its default (often 1 or None:
+        over.update({group: 4, "topk_group": 2})     # a checkpoint's config.json sets them), so the fit sees it
     for f in SCALE_FIELDS:
         if isinstance(fields.get(f), (int, float)):
             over[f] = PROBE_SCALE
@@ -148,8 +149,9 @@ def _build(family: str, over: dict):
         if size > 5e7:
             raise _Refuse(f"its tiny instance still has {size / 1e6:.0f}M parameters (a layout the probe does not "
                           f"shrink)")
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.random.fork_rng(devices=[]):  # (the caller's random state is left as it was)
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     except _Refuse:
         raise
     except Exception as exc:  # noqa: BLE001 -- transformers' own validation of the shrunk config
@@ -318,11 +320,11 @@ def _selection(adapter, model, moe, hidden):
     with torch.no_grad():
         for h in holders:
             bias = getattr(h, adapter.bias_attr, None)
-            if isinstance(bias, torch.Tensor):
-                bias.copy_(torch.rand(bias.shape, generator=g) * 0.5)
+            if isinstance(bias, torch.Tensor):  # scores mostly negative: a router that fills the groups it leaves
+                bias.copy_(torch.rand(bias.shape, generator=g) * 0.5 - 1.0)  # out with 0.0, not -inf, disagrees
     routed = [_route(adapter.router_call(model, i), hidden) for i in moe]
     grouped = (getattr(model.config, "n_group", 1) or 1) > 1
-    for group_score in (GROUP_SCORES if grouped else (None,)):
+    for group_score in (GROUP_SCORES + (None,) if grouped else (None,)):  # (a router may ignore the groups)
         candidate = dataclasses.replace(adapter, group_score=group_score)
         try:
             scoring = candidate.scoring(model.config, holders)
@@ -332,7 +334,8 @@ def _selection(adapter, model, moe, hidden):
         if all(_same_sets(torch.topk(scoring.selection(scoring.probs(lg), l), k, dim=-1).indices, idx)
                for l, (lg, _, idx) in enumerate(routed)):
             return candidate
-    raise _Refuse("its top-k is not the top-k of its probabilities plus a selection bias within a group limit")
+    raise _Refuse("its top-k is not the top-k of its probabilities plus a selection bias within a group limit "
+                  "(left-out groups masked with -inf)")
 
 
 def _same_sets(a, b) -> bool:

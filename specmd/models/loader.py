@@ -265,7 +265,14 @@ def shipped_geometry(name: str, dtype: str = "bfloat16"):
     if not path.is_file():
         family = _runnable(name)
         if family is not None:  # the defaults of transformers' config class: the real model they instantiate
-            return _meta_geometry(AutoConfig.for_model(family), family, dtype)
+            try:
+                return _meta_geometry(AutoConfig.for_model(family), family, dtype)
+            except ConfigError:
+                raise
+            except Exception as exc:  # noqa: BLE001 -- defaults that build no model specmd can measure
+                raise ConfigError(f"{name!r}: the defaults of transformers' {family} config class do not build a "
+                                  f"model to take sizes from ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})") \
+                    from None
         names = sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.json"))
         raise ConfigError(f"{name!r}: no shipped model config; valid choices: {', '.join(names)}, or a family "
                           f"that runs (its transformers config class's defaults: specmd models)")

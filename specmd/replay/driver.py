@@ -374,7 +374,8 @@ def signal_fallback(trace: Trace, spec, set_by_user=()):
     an imported trace cannot have (no engine's capture records later layers' routers on this layer's input):
     the default stack then replays an import as written in the docs, with a note. A prefetcher the user named
     (``prefetch=...`` on the command line or in a sweep) is never replaced: :func:`check` refuses it, naming
-    the ones that run; so is an experiment's (its stack is one choice)."""
+    the ones that run; so is an experiment's (its stack is one choice), and any prefetcher of a run whose
+    caller did not pass the command line's overrides (``execute(cfg)`` from Python: what was named is unknown)."""
     pcls, pparams = spec.prefetch
     if not trace.meta.imported or pcls.signal_depth(pparams) <= trace.depth:
         return spec
@@ -483,8 +484,8 @@ def replay(run, run_dir) -> tuple[dict, Engine]:
     t0 = time.perf_counter()
     trace = open_trace(run.replay)
     chosen = set(getattr(run, "set_by_user", ()))
-    if (run.raw or {}).get("experiment"):  # an experiment's stack is chosen as a whole: never replaced
-        chosen.add("prefetch")
+    if (run.raw or {}).get("experiment") or not getattr(run, "overrides_known", False):
+        chosen.add("prefetch")  # an experiment's stack is chosen as a whole; unknown overrides: as if named
     spec = signal_fallback(trace, run.spec, chosen)
     check(trace, spec)
     engine, ptr, experts = build_engine(trace, spec)

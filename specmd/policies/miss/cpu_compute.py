@@ -3,7 +3,7 @@ from .base import MISS, Fetched, HostComputed, MissPolicy, expert_scores
 
 class CPUCompute(MissPolicy):
     """CPU-assisted computing (Zhu et al. 2025, Algorithm 2; Fiddler-style): the misses of a layer call,
-    sorted by gate score (highest first), are split with a two-pointer sweep between transfers to the device
+    sorted by gate score (the family's selection score, ``expert_scores``; highest first), are split with a two-pointer sweep between transfers to the device
     (from the front: high-score experts are loaded, they are more likely to be reused) and computation on
     the host (from the back), always extending whichever side has the smaller accumulated time (ties: load), which balances
     ``max(T_load, T_cpu)``. This greedy does not minimise it in every case: with ``C_load = 1`` and one

@@ -6,7 +6,9 @@ class FetchPriority(CascadeMissPolicy):
     ``percentile``-th percentile of this layer call's requested experts are fetched at the first (highest)
     precision of ``precisions``; those below are degraded, split evenly by score rank over the remaining
     precisions (``int8:4:2``: upper half of the degraded -> int4, lower half -> int2). A score is the
-    expert's highest router probability over the tokens that selected it. Prefetches use the highest."""
+    expert's highest selection score over the tokens that selected it (``expert_scores``: its router
+    probability, plus the family's selection bias where the router has one, so the bands follow the router's
+    own ranking). Prefetches use the highest."""
 
     name = "fetch_priority"
 

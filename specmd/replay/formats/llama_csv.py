@@ -200,7 +200,7 @@ def _parse_long(path: Path, header: list, reader, notes: list) -> Records:
         t, lay, rank, e = (_cell_int(path, n, row[col[c]], what) for c, what in (
             ("tok", "token"), ("layer", "layer"), ("rank", "rank"), ("exp", "expert id")))
         w = _cell_float(path, n, row[col["w"]]) if col["w"] is not None else None
-        key = (so, phase * PHASE_KEY + t if col["phase"] is not None else t, lay)
+        key = (so, phase * PHASE_KEY + t if col["phase"] is not None else t, lay)  # (prefill first, then decode)
         cell = cells.setdefault(key, {})
         first_line.setdefault(key, n)
         if rank in cell:
@@ -211,24 +211,32 @@ def _parse_long(path: Path, header: list, reader, notes: list) -> Records:
     if not cells:
         raise ConfigError(f"{path}: empty file, no routing records (only a header)")
     k = len(next(iter(cells.values())))
+    # each sequence's tokens numbered 0, 1, ... in (phase, token) order; messages name the file's own numbers
+    order = {}
+    for so, key_t, _ in sorted(cells):
+        order.setdefault(so, {}).setdefault(key_t, len(order[so]))
     cols = Columns(path)
     cols.seq_ids = seq_ids
+    raw = ints()
     for key, cell in cells.items():
         n = first_line[key]
+        t = key[1] % PHASE_KEY
         if sorted(cell) != list(range(k)):
-            raise ConfigError(f"{path}, line {n}: token {key[1] % PHASE_KEY} layer {key[2]} has ranks {sorted(cell)}; "
+            raise ConfigError(f"{path}, line {n}: token {t} layer {key[2]} has ranks {sorted(cell)}; "
                               f"each (token, layer) needs ranks 0..{k - 1} (top-{k}) once")
         cols.lines.append(n)
         cols.experts.append([cell[r][0] for r in range(k)])
         if col["w"] is not None:
             cols.weights.append([cell[r][1] for r in range(k)])
-        cols.add(n, key[0], key[1], key[2])
+        cols.add(n, key[0], order[key[0]][key[1]], key[2])
+        raw.append(t)
+    tok_names = np.asarray(raw, dtype=np.int64)
     prompt_len = None
     if col["phase"] is not None:
         prompt_len = np.asarray([len(prefill.get(q, ())) for q in range(len(seq_ids))], dtype=np.int64)
         notes.append(f"long CSV (one row per rank): {len(cells)} (token, layer) cells of top-{k}; each sequence's "
                      f"prefill tokens are one prefill pass")
-    return cols.records(col["w"] is not None, False, prompt_len=prompt_len)
+    return cols.records(col["w"] is not None, False, prompt_len=prompt_len, tok_names=tok_names)
 
 
 def _cell_int(path: Path, lineno: int, cell: str, what: str) -> int:

@@ -90,7 +90,17 @@ def _responses(path: Path):
                 raise ConfigError(f"{path}, item {i}: expected a JSON object, got {type(obj).__name__}")
             yield f"item {i}", obj
         return
-    for lineno, obj in json_objects(path):
+    try:
+        objects = list(json_objects(path))
+    except ConfigError:  # one response pretty-printed over several lines (json.dump(..., indent=2)): the whole file
+        try:
+            whole = json.loads(path.read_text(encoding="utf-8-sig"))
+        except ValueError:
+            raise ConfigError(f"{path}: neither JSON Lines (one response a line) nor one JSON object or array") from None
+        if not isinstance(whole, dict):
+            raise ConfigError(f"{path}: expected JSON objects (responses), got {type(whole).__name__}")
+        objects = [(1, whole)]
+    for lineno, obj in objects:
         yield f"line {lineno}", obj
 
 
