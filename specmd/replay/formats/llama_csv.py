@@ -171,7 +171,7 @@ PHASE_KEY = 1 << 40  # decode tokens sort after every prefill token of their seq
 
 
 def _parse_long(path: Path, header: list, reader, notes: list) -> Records:
-    """One row per (token, layer, rank): cells grouped, each cell's experts ordered by rank."""
+    """One row per (token, layer, rank): cells grouped (:func:`_long_cells`), each cell's experts ordered by rank."""
     col = {name: next((header.index(a) for a in aliases if a in header), None) for name, aliases in (
         ("seq", SEQ_KEYS), ("phase", ("phase", "stage")), ("tok", TOKEN_KEYS), ("layer", LAYER_KEYS),
         ("rank", ("rank",)), ("exp", LONG_EXPERT), ("w", LONG_WEIGHT))}
@@ -179,48 +179,17 @@ def _parse_long(path: Path, header: list, reader, notes: list) -> Records:
         if col[need] is None:
             raise ConfigError(f"{path}, line {reader.line_num}: the header names no {what} column; header: "
                               f"{','.join(header)}")
-    cells: dict = {}  # (seq id, tok key, layer) -> {rank: (expert, weight)}, in first appearance
-    first_line: dict = {}
-    seq_ids: dict = {}
-    prefill: dict = {}  # seq ordinal -> its prefill tokens
-    for row in reader:
-        if not any(x.strip() for x in row):
-            continue
-        n = reader.line_num
-        if len(row) != len(header):
-            raise ConfigError(f"{path}, line {n}: {len(row)} columns, the header has {len(header)}")
-        s = row[col["seq"]].strip() if col["seq"] is not None else 0
-        so = seq_ids.setdefault(s, len(seq_ids))
-        phase = 1
-        if col["phase"] is not None:
-            p = row[col["phase"]].strip().lower()
-            if p not in PHASES:
-                raise ConfigError(f"{path}, line {n}: phase {p!r}; valid: {', '.join(PHASES)}")
-            phase = PHASES[p]
-        t, lay, rank, e = (_cell_int(path, n, row[col[c]], what) for c, what in (
-            ("tok", "token"), ("layer", "layer"), ("rank", "rank"), ("exp", "expert id")))
-        w = _cell_float(path, n, row[col["w"]]) if col["w"] is not None else None
-        key = (so, phase * PHASE_KEY + t if col["phase"] is not None else t, lay)  # (prefill first, then decode)
-        cell = cells.setdefault(key, {})
-        first_line.setdefault(key, n)
-        if rank in cell:
-            raise ConfigError(f"{path}, line {n}: rank {rank} of token {t} layer {lay} given twice")
-        cell[rank] = (e, w)
-        if col["phase"] is not None and phase == 0:
-            prefill.setdefault(so, set()).add(t)
-    if not cells:
-        raise ConfigError(f"{path}: empty file, no routing records (only a header)")
+    cells, first_line, seq_ids, prefill = _long_cells(path, header, reader, col)
     k = len(next(iter(cells.values())))
     # each sequence's tokens numbered 0, 1, ... in (phase, token) order; messages name the file's own numbers
-    order = {}
+    order: dict = {}
     for so, key_t, _ in sorted(cells):
         order.setdefault(so, {}).setdefault(key_t, len(order[so]))
     cols = Columns(path)
     cols.seq_ids = seq_ids
     raw = ints()
     for key, cell in cells.items():
-        n = first_line[key]
-        t = key[1] % PHASE_KEY
+        n, t = first_line[key], key[1] % PHASE_KEY
         if sorted(cell) != list(range(k)):
             raise ConfigError(f"{path}, line {n}: token {t} layer {key[2]} has ranks {sorted(cell)}; "
                               f"each (token, layer) needs ranks 0..{k - 1} (top-{k}) once")
@@ -230,13 +199,49 @@ def _parse_long(path: Path, header: list, reader, notes: list) -> Records:
             cols.weights.append([cell[r][1] for r in range(k)])
         cols.add(n, key[0], order[key[0]][key[1]], key[2])
         raw.append(t)
-    tok_names = np.asarray(raw, dtype=np.int64)
     prompt_len = None
     if col["phase"] is not None:
         prompt_len = np.asarray([len(prefill.get(q, ())) for q in range(len(seq_ids))], dtype=np.int64)
         notes.append(f"long CSV (one row per rank): {len(cells)} (token, layer) cells of top-{k}; each sequence's "
                      f"prefill tokens are one prefill pass")
-    return cols.records(col["w"] is not None, False, prompt_len=prompt_len, tok_names=tok_names)
+    return cols.records(col["w"] is not None, False, prompt_len=prompt_len,
+                        tok_names=np.asarray(raw, dtype=np.int64))
+
+
+def _long_cells(path: Path, header: list, reader, col: dict) -> tuple:
+    """``(cells, first line, sequence ids, prefill tokens)``: ``cells[(seq, token key, layer)] = {rank: (expert,
+    weight)}`` in first appearance, the token key ordering a sequence's prefill before its decode."""
+    cells: dict = {}
+    first_line: dict = {}
+    seq_ids: dict = {}
+    prefill: dict = {}  # seq ordinal -> its prefill tokens
+    for row in reader:
+        if not any(x.strip() for x in row):
+            continue
+        n = reader.line_num
+        if len(row) != len(header):
+            raise ConfigError(f"{path}, line {n}: {len(row)} columns, the header has {len(header)}")
+        so = seq_ids.setdefault(row[col["seq"]].strip() if col["seq"] is not None else 0, len(seq_ids))
+        phase = 1
+        if col["phase"] is not None:
+            p = row[col["phase"]].strip().lower()
+            if p not in PHASES:
+                raise ConfigError(f"{path}, line {n}: phase {p!r}; valid: {', '.join(PHASES)}")
+            phase = PHASES[p]
+        t, lay, rank, e = (_cell_int(path, n, row[col[c]], what) for c, what in (
+            ("tok", "token"), ("layer", "layer"), ("rank", "rank"), ("exp", "expert id")))
+        w = _cell_float(path, n, row[col["w"]]) if col["w"] is not None else None
+        key = (so, phase * PHASE_KEY + t if col["phase"] is not None else t, lay)
+        cell = cells.setdefault(key, {})
+        first_line.setdefault(key, n)
+        if rank in cell:
+            raise ConfigError(f"{path}, line {n}: rank {rank} of token {t} layer {lay} given twice")
+        cell[rank] = (e, w)
+        if col["phase"] is not None and phase == 0:
+            prefill.setdefault(so, set()).add(t)
+    if not cells:
+        raise ConfigError(f"{path}: empty file, no routing records (only a header)")
+    return cells, first_line, seq_ids, prefill
 
 
 def _cell_int(path: Path, lineno: int, cell: str, what: str) -> int:
