@@ -16,6 +16,10 @@ class FakeView:
         return layer + 1 if layer + 1 < self.num_layers else None
 
 class Rec:  # a gate record whose prefetch signal is the view's hand-made router output
+    from specmd.engine.record import Scoring
+
+    scoring = Scoring(False, False, 1.0)  # (a plain rule: probabilities rank as they are)
+
     def __init__(self, layer, view):
         self.layer, self.view = layer, view
 

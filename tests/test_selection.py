@@ -226,3 +226,21 @@ def test_replay_of_a_cache_aware_stack_on_a_biased_router_equals_live(tmp_path):
     got = run_replay(trace, spec).results()
     assert want["routing"]["fidelity"] < 1.0  # promotions happened
     assert got["cache"] == want["cache"] and got["routing"] == want["routing"]
+
+
+def test_an_overfetch_holds_the_routers_own_choice_on_a_biased_router():
+    """prefetch=topk with overfetch > 1 on a biased router: the predicted experts of the target layer contain
+    the target router's own top-k (ranked by probability alone, the bias's choices fell out)."""
+    from specmd.policies.prefetch.base import topk_prediction
+
+    model, adapter = biased("deepseek_v3"), adapter_for("deepseek_v3")
+    moe = adapter.moe_layers(model)
+    routers = [adapter.bias_holder(model, i) for i in moe]
+    scoring = adapter.scoring(model.config, routers)
+    hidden = torch.randn(1, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits, _, own = adapter.router(model, moe[1])(hidden)
+    rec = LiveRecord(0, logits, None, own, scoring, signal=lambda target: (logits, own))
+    k = own.shape[-1]
+    predicted = topk_prediction(rec, 1, k + 4)  # overfetch 1.5
+    assert set(own[0].tolist()) <= set(predicted) and len(predicted) == k + 4

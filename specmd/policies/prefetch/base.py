@@ -75,10 +75,15 @@ def overfetch_errors(overfetch: float, model: Any) -> list[str]:
 
 def topk_prediction(record: Any, target: int, count: int) -> list[int]:
     """Layer ``target``'s router on this call's input: each token's top ``count`` experts (for ``count == k``
-    the router's own selection, family rules included), united by :func:`union_by_score`."""
+    the router's own selection; otherwise the top ``count`` by the family's selection score at ``target`` --
+    its selection bias and group limit --, so an overfetch holds the router's own choice), united by
+    :func:`union_by_score` in the order of their router probabilities."""
     probs, index = record.predict(target)
     if count == index.shape[-1]:
         values = probs.gather(-1, index)
-    else:
+    elif record.scoring.plain:
         values, index = probs.topk(count, dim=-1)
+    else:
+        index = record.scoring.selection(probs, target).topk(count, dim=-1).indices
+        values = probs.gather(-1, index)
     return union_by_score(probs, index, values)
