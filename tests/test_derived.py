@@ -103,8 +103,8 @@ def test_a_derived_checkpoint_runs_by_path_and_a_refused_family_is_refused_befor
     assert cfg.family == "glm4_moe" and model.config.model_type == "glm4_moe"
     from transformers import AutoConfig
 
-    AutoConfig.for_model("jamba").save_pretrained(tmp_path / "jamba")
-    (tmp_path / "jamba" / "model.safetensors").write_bytes(b"\0garbage")  # never read
-    with pytest.raises(ConfigError, match="'jamba' model: model family 'jamba' does not run: its MoE block is "
-                                          "layer.feed_forward, not layer.mlp"):
-        resolve_family(ModelConfig(name="hf", family="auto", pretrained=str(tmp_path / "jamba")))
+    AutoConfig.for_model("llama4_text").save_pretrained(tmp_path / "llama4")
+    (tmp_path / "llama4" / "model.safetensors").write_bytes(b"\0garbage")  # never read
+    with pytest.raises(ConfigError, match=r"'llama4_text' model: model family 'llama4_text' does not run: its router "
+                                          r"returns 2 value\(s\), not \(logits, weights, index\)"):
+        resolve_family(ModelConfig(name="hf", family="auto", pretrained=str(tmp_path / "llama4")))

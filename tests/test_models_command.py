@@ -28,7 +28,8 @@ def test_the_table_is_every_moe_family_and_says_what_loading_does(capsys):
     assert "selection bias" in by["deepseek_v3"]["selection"] and "group-limited (top2)" in by["deepseek_v3"]["selection"]
     assert "selection bias" not in by["mixtral"]["selection"]
     assert by["mixtral"]["random_checkpoint"] and not by["glm4_moe"]["random_checkpoint"]
-    assert "layer.feed_forward, not layer.mlp" in by["jamba"]["refused_because"]
+    assert "returns 2 value(s)" in by["llama4_text"]["refused_because"]
+    assert by["jamba"]["runs"] and by["jamba"]["through"] == "derived"  # its block is layer.feed_forward
     text = table(rs)
     assert text.splitlines()[0] == f"{sum(r['runs'] for r in rs)} of {len(rs)} MoE families of the installed transformers run"
     assert main(["--json"]) == 0 and json.loads(capsys.readouterr().out) == rs
@@ -43,8 +44,8 @@ def test_timing_as_takes_any_family_that_runs_at_its_real_size():
     assert (geom.num_layers, geom.num_experts, geom.top_k, geom.layer_ids[0]) == (45, 128, 8, 1)
     import pytest
 
-    with pytest.raises(ConfigError, match="hardware.timing_as='jamba'.*a family that runs"):
-        timing_of(HardwareConfig(timing_as="jamba"))
+    with pytest.raises(ConfigError, match="hardware.timing_as='llama4_text'.*a family that runs"):
+        timing_of(HardwareConfig(timing_as="llama4_text"))
     with pytest.raises(ConfigError, match="hardware.timing_as='deepseek_v2': the defaults of transformers' "
                                           "deepseek_v2 config class do not build"):
         timing_of(HardwareConfig(timing_as="deepseek_v2"))  # (it runs; its class defaults build no model)

@@ -5,11 +5,12 @@ logits, what selection rule picks its top-k, what its fused experts compute -- a
 :class:`~specmd.models.family.Adapter` so derived, or is refused with the reason.
 
 A family that follows transformers 5's MoE contract needs no record at all: decoder layers at
-``model.model.layers``, the block at ``layer.mlp`` with a router (``gate`` or ``router``) whose
+``model.model.layers``, the block one attribute of a layer (``mlp``; ``block_sparse_moe``, ``feed_forward``,
+``mixer`` elsewhere: ``Adapter.block_attr``) with a router (``gate`` or ``router``) whose
 ``forward(hidden [T, H])`` returns ``(logits [T, E], weights [T, k], index [T, k])`` and fused experts
 (``experts(hidden, index, weights)``, ``[E, ...]`` parameters, the flags ``use_experts_implementation`` sets),
-the final norm at ``model.model.norm``. What the probe reads, in order (each step's failure is the reason a
-family is refused, one line naming what it lacks):
+and an ``lm_head`` (the final norm wherever the decoder keeps it). What the probe reads, in order (each step's
+failure is the reason a family is refused, one line naming what it lacks):
 
 1. the family has a causal-LM class, and its config class builds shrunk (:data:`SHRINK`; lists per layer cut
    to the shrunk depth, a dense-layer layout kept: ``first_k_dense_replace`` 1);
@@ -45,7 +46,9 @@ SHRINK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n
               pad_token_id=258, first_k_dense_replace=1,
               # linear-attention and delta-net layers of the hybrids (Kimi-Linear, Qwen3-Next, Qwen3.5)
               linear_num_heads=4, linear_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-              linear_key_head_dim=16, linear_value_head_dim=16)
+              linear_key_head_dim=16, linear_value_head_dim=16,
+              # Jamba's periodic layout at 4 layers: attention and experts on layers 1 and 3
+              attn_layer_period=2, attn_layer_offset=1)
 LAYERS = 4
 EXPERTS, TOP_K = 16, 4
 E_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # where configs keep E
@@ -161,28 +164,31 @@ def _build(family: str, over: dict):
 
 
 def _structure(model):
-    """(MoE layer ids, block, router attribute, experts module) where the contract puts them."""
+    """(MoE layer ids, the layer attribute holding the block, router attribute, experts module)."""
     import torch
 
     decoder = getattr(model, "model", None)
     layers = getattr(decoder, "layers", None)
     if layers is None:
         raise _Refuse("its decoder layers are not at model.model.layers (a wrapped or nested decoder)")
-    moe = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, "mlp", None), "experts")]
-    if not moe:
-        other = sorted({n for layer in layers for n, m in layer.named_children() if hasattr(m, "experts")})
-        where = f"layer.{other[0]}" if other else "no module of a decoder layer"
-        raise _Refuse(f"its MoE block is {where}, not layer.mlp")
-    if not hasattr(decoder, "norm") or not hasattr(model, "lm_head"):
-        raise _Refuse("its final norm is not at model.model.norm")
-    block = layers[moe[0]].mlp
+    found = sorted({n for layer in layers for n, m in layer.named_children() if hasattr(m, "experts")},
+                   key=lambda n: n != "mlp")  # the layer attribute holding its MoE block (mlp first)
+    if not found:
+        raise _Refuse("its MoE block is no module of a decoder layer")
+    if len(found) > 1:
+        raise _Refuse(f"its decoder layers hold experts in several places ({', '.join(found)})")
+    block_attr = found[0]
+    moe = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, block_attr, None), "experts")]
+    if not hasattr(model, "lm_head"):
+        raise _Refuse("it has no lm_head")
+    block = getattr(layers[moe[0]], block_attr)
     attr = next((a for a in ("gate", "router") if isinstance(getattr(block, a, None), torch.nn.Module)), None)
     if attr is None:
         raise _Refuse("its MoE block has no router module (.gate or .router)")
     experts = block.experts
     if not any(isinstance(getattr(experts, n, None), torch.nn.Parameter) for n in ("gate_up_proj", "up_proj")):
         raise _Refuse("its experts are not transformers' fused [E, ...] experts (gate_up_proj / up_proj)")
-    return moe, attr, experts
+    return moe, block_attr, attr, experts
 
 
 def _router_args(router, block) -> tuple:
@@ -242,7 +248,7 @@ def _derive(family: str) -> Derived:
 
     over = tiny_overrides(family)
     model = _build(family, over)
-    moe, router_attr, experts = _structure(model)
+    moe, block_attr, router_attr, experts = _structure(model)
     try:
         with torch.no_grad():  # a prefill and a decode step through its cache (what a run does)
             ids = torch.arange(8).reshape(1, 8) + 1
@@ -259,9 +265,9 @@ def _derive(family: str) -> Derived:
     if not isinstance(getattr(config, "num_experts_per_tok", None), int):
         raise _Refuse("its config has no num_experts_per_tok (top-k)")
     hidden = torch.randn(48, int(config.hidden_size), generator=torch.Generator().manual_seed(0))
-    block = model.model.layers[moe[0]].mlp
+    block = getattr(model.model.layers[moe[0]], block_attr)
     router = getattr(block, router_attr)
-    probe = Adapter(family, router_attr=router_attr, router_args=_router_args(router, block))
+    probe = Adapter(family, block_attr=block_attr, router_attr=router_attr, router_args=_router_args(router, block))
     logits, weights, index = _route(probe.router_call(model, moe[0]), hidden)
     fit = _fit(logits, weights, index)
     if fit is None:
@@ -279,7 +285,7 @@ def _derive(family: str) -> Derived:
             renorm = "norm_topk_prob" if renorm == config.norm_topk_prob else None
             if renorm is None:
                 raise _Refuse("its renormalisation is the opposite of its norm_topk_prob field")
-    adapter = Adapter(family, router_attr=router_attr, router_args=probe.router_args,
+    adapter = Adapter(family, block_attr=block_attr, router_attr=router_attr, router_args=probe.router_args,
                       score="sigmoid" if sigmoid else "softmax", renorm=renorm,
                       scale_attr=scale_attr, experts_attr=experts_attr, tiny=over, hub=None,
                       experts_layout=ExpertsLayout(gated=getattr(experts, "has_gate", True),

@@ -138,6 +138,9 @@ class Adapter:
     # Attributes of the MoE block the router takes after the hidden states (MiniMax-M2, Hy3: the selection
     # bias lives on the block, ``gate(hidden, self.e_score_correction_bias)``); () for ``router(hidden)``.
     router_args: tuple = ()
+    # The decoder layer's attribute holding its MoE block (``mlp``; Granite's ``block_sparse_moe``, Jamba's
+    # ``feed_forward``, Nemotron-H's ``mixer``); a layer whose block has no ``experts`` is dense.
+    block_attr: str = "mlp"
 
     # ---- model structure (nothing outside this module knows where a family keeps its parts) ----------
     def num_experts(self, config) -> int:
@@ -145,14 +148,15 @@ class Adapter:
 
     def moe_layers(self, model) -> list[int]:
         """Decoder-layer indices whose MLP is a routed MoE block."""
-        ids = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+        attr = self.block_attr
+        ids = [i for i, layer in enumerate(model.model.layers) if hasattr(getattr(layer, attr, None), "experts")]
         if not ids:
             raise ConfigError(f"no MoE layers found in {type(model).__name__} ({len(model.model.layers)} decoder "
                               f"layers): specmd caches the experts of an MoE model")
         return ids
 
     def block(self, model, layer_id: int):
-        return model.model.layers[layer_id].mlp
+        return getattr(model.model.layers[layer_id], self.block_attr)
 
     def router(self, model, layer_id: int):
         return getattr(self.block(model, layer_id), self.router_attr)
@@ -241,13 +245,23 @@ class Adapter:
             attn.append(i - prev)
             prev = i
         tail = sum(dense_params(j) for j in range(prev + 1, len(layers)))
-        tail += sum(p.numel() for p in model.model.norm.parameters()) + model.lm_head.weight.numel()
+        tail += self._final_params(model) + model.lm_head.weight.numel()
         return Geometry(
             num_layers=len(moe_ids), num_experts=num_experts, top_k=int(config.num_experts_per_tok),
             expert_bytes=expert_bytes, total_bytes=total_bytes, hidden_size=int(config.hidden_size),
             dtype_bytes=dtype_bytes, dense_params=dense, attn_layers=attn, tail_params=tail,
             tail_attn_layers=len(layers) - 1 - prev, expert_params=expert_params, layer_ids=moe_ids,
         )
+
+    @staticmethod
+    def _final_params(model) -> int:
+        """Parameters of the decoder after its layers: the final norm (``model.model.norm``, or whatever the
+        decoder holds besides its embeddings and layers: Jamba's ``final_layernorm``, Nemotron-H's ``norm_f``)."""
+        decoder = model.model
+        if hasattr(decoder, "norm"):
+            return sum(p.numel() for p in decoder.norm.parameters())
+        return sum(p.numel() for n, p in decoder.named_parameters()
+                   if not n.startswith(("layers.", "embed_tokens.", "embeddings.")))
 
     def renormalises(self, config) -> bool:
         return bool(getattr(config, self.renorm)) if isinstance(self.renorm, str) else bool(self.renorm)
