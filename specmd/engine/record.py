@@ -53,6 +53,8 @@ class Scoring:
         groups, topk_group = int(groups), int(topk_group)
         if groups < 1 or not 1 <= topk_group <= groups:
             raise ValueError(f"groups={groups}, topk_group={topk_group}: a router keeps 1..groups of its >= 1 groups")
+        if topk_group == groups:  # every group kept: no limit
+            groups = topk_group = 1
         if bias is not None:
             bias = torch.as_tensor(bias, dtype=torch.float32).detach().cpu()
             if bias.dim() != 2:
@@ -62,10 +64,10 @@ class Scoring:
             if not bool(bias.any()):
                 bias = None  # all zero: the probabilities rank exactly as they are
         if bias is not None:
-            group_errors(groups if topk_group < groups else 1, group_score, bias.shape[1])
+            group_errors(groups, group_score, bias.shape[1])
         self.bias = bias
-        self.groups = groups if topk_group < groups else 1
-        self.topk_group = topk_group if topk_group < groups else 1
+        self.groups = groups
+        self.topk_group = topk_group
         self.group_score = group_score
         self.plain = self.bias is None and self.groups == 1
 
@@ -170,8 +172,8 @@ class GateRecord:
     replaces them: :meth:`Engine.route <specmd.engine.Engine.route>` assigns them); ``void`` [T, k] bool or
     None, slots the routing policy declared empty (:meth:`RoutingPolicy.empties`: not run, not faithful);
     ``probs`` [T, E], derived from the logits on first use (what weights are made of); ``scores`` [T, E], the
-    family's selection score (what policies rank by: :meth:`Scoring.selection`); ``call``, the position of this call in the run's
-    stream of layer calls (the engine numbers them); ``predict(target)``, the prefetch signal as
+    family's selection score (what policies rank by: :meth:`Scoring.selection`); ``call``, the position of this
+    call in the run's stream of layer calls (the engine numbers them); ``predict(target)``, the prefetch signal as
     ``(probs, index)``.
     (A compiled extension type: ``record.pxd`` declares these fields, so the engine reads them in C.)
     """

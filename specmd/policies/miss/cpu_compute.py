@@ -3,8 +3,8 @@ from .base import MISS, Fetched, HostComputed, MissPolicy, expert_scores
 
 class CPUCompute(MissPolicy):
     """CPU-assisted computing (Zhu et al. 2025, Algorithm 2; Fiddler-style): the misses of a layer call,
-    sorted by gate score (the family's selection score, ``expert_scores``; highest first), are split with a two-pointer sweep between transfers to the device
-    (from the front: high-score experts are loaded, they are more likely to be reused) and computation on
+    sorted by gate score (the family's selection score, ``expert_scores``; highest first), are split with a
+    two-pointer sweep between transfers to the device (from the front: high-score experts are loaded, they are more likely to be reused) and computation on
     the host (from the back), always extending whichever side has the smaller accumulated time (ties: load), which balances
     ``max(T_load, T_cpu)``. This greedy does not minimise it in every case: with ``C_load = 1`` and one
     expert's ``C_cpu = 5`` it still sends the lowest-scored miss to the host (max 5) where loading all four

@@ -10,8 +10,8 @@ class DropPriorityCascadeParams(CascadeParams):
 
 class DropPriorityCascade(CascadeMissPolicy):
     """Drop Priority Cascade (SpecMD §5.4): a miss ranked in some token's top ``J`` is fetched at the highest
-    precision of ``precisions``; the others are banded by gate score (the selection score, ``expert_scores``) among this layer call's requested
-    experts: at or above the ``percentile``-th percentile -> highest precision, below it split evenly over
+    precision of ``precisions``; the others are banded by gate score (the selection score, ``expert_scores``)
+    among this layer call's requested experts: at or above the ``percentile``-th percentile -> highest precision, below it split evenly over
     the lower precisions and one final band that is dropped (``int8:4:2``: int4, int2, drop)."""
 
     name = "drop_priority_cascade"

@@ -55,14 +55,14 @@ class Budget(RoutingPolicy):
 
     * ``by`` -- which experts make the budget. ``mass`` (default): the largest total router probability of
       the selections, ``sum_t p[t, e]`` over the tokens that selected ``e`` (router probabilities: a selection
-      bias balances load and says nothing of a token's preference); ``count``: the most token selections (ties: by mass, then the lower expert id). Lynx argues against counting: "Naive voting
-      schemes that tally top-k selections across the batch treat all selections as equally weighted: a
+      bias balances load and says nothing of a token's preference); ``count``: the most token selections
+      (ties: by mass, then the lower expert id). Lynx argues against counting: "Naive voting schemes that tally top-k selections across the batch treat all selections as equally weighted: a
       weakly preferred expert of an indifferent token receives the same vote as the decisive top choice of a
       high-conviction token." Both pick from the router's union (subtractive): no expert the router did not
       ask for is loaded, so the budget's experts are all requests the router made.
     * ``overflow`` -- a selection outside the budget. ``substitute`` (default): the token's best in-budget
-      expert by the family's selection score (within its groups) that it has not selected takes the slot (none left, e.g. a budget below top-k: the slot is
-      empty); ``drop``: the slot is empty (:meth:`empties`, as ``prune`` declares: weight 0, no request, not
+      expert by the family's selection score (within its groups) that it has not selected takes the slot
+      (none left, e.g. a budget below top-k: the slot is empty); ``drop``: the slot is empty (:meth:`empties`, as ``prune`` declares: weight 0, no request, not
       faithful). Substitution is Lynx's: its remapper "redirects low-confidence token-to-expert assignments
       to experts within that set" and "preserves the top-k activation semantics of the underlying model:
       every token still activates exactly k experts". OEA measures what filling slots from the experts the

@@ -316,5 +316,27 @@ def drop_dense_layers(tokens: np.ndarray, notes: list, what: str) -> tuple:
     return tokens[:, ~dense, :], ids[~dense]
 
 
+def routing_array(path: Path, where: str, name, field: str, value) -> Optional[np.ndarray]:
+    """One request's routing field (``vllm``'s ``routed_experts``, ``sglang``'s nested lists) as an integer array
+    [tokens, layers, k]; None when absent or empty. A string is SGLang's base64: named as such."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        raise ConfigError(f"{path}, {where}: {field} of request {name!r} is a string (SGLang's base64 of int32, "
+                          f"not vLLM's nested lists): read it with replay.format=sglang")
+    try:
+        a = np.asarray(value)
+    except ValueError as e:  # ragged nested lists
+        raise ConfigError(f"{path}, {where}: {field} of request {name!r} is not a [tokens, layers, top_k] array ({e})") from None
+    if a.size == 0:
+        return None
+    if a.ndim != 3:
+        raise ConfigError(f"{path}, {where}: {field} of request {name!r} must be [tokens, layers, top_k], got shape "
+                          f"{a.shape}")
+    if a.dtype.kind not in "iu":
+        raise ConfigError(f"{path}, {where}: {field} of request {name!r} must hold integer expert ids, got dtype {a.dtype}")
+    return a
+
+
 def topk_of_logits(logits: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-logits, axis=1, kind="stable")[:, :k].astype(np.int64)

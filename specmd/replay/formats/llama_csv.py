@@ -348,8 +348,8 @@ class _HeaderRows:
             c.lines.append(lineno)
             if len(row) != width:
                 raise ConfigError(f"{self.path}, line {lineno}: {len(row)} columns, the header has {width}")
-            t = self._int(lineno, row[c_tok], "token position")
-            lay = self._int(lineno, row[c_lay], "layer")
+            t = _cell_int(self.path, lineno, row[c_tok], "token position")
+            lay = _cell_int(self.path, lineno, row[c_lay], "layer")
             s = row[c_seq].strip() if c_seq is not None else 0
             if isinstance(s, str) and _INT.fullmatch(s):
                 s = int(s)
@@ -359,12 +359,6 @@ class _HeaderRows:
             c.experts.append(self.routing(lineno, row))
             c.add(lineno, so, t, lay)
         return c.records(layout.has_w, layout.has_l, empty="empty file, no routing records (only a header)")
-
-    def _int(self, lineno: int, cell: str, what: str) -> int:
-        try:
-            return int(cell)
-        except ValueError:
-            raise ConfigError(f"{self.path}, line {lineno}: {what} {cell!r} is not an integer") from None
 
     def routing(self, lineno: int, row: list) -> list:
         """The row's expert ids; keeps its weights and logits."""

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import ConfigError
-from .base import ImportOptions, Records, drop_dense_layers, json_objects, not_utf8, register_format
+from .base import ImportOptions, Records, drop_dense_layers, json_objects, not_utf8, register_format, routing_array
 
 FIELD = "routed_experts"
 
@@ -106,18 +106,9 @@ def _responses(path: Path):
 
 def _array(path: Path, where: str, name, value, opts: ImportOptions) -> np.ndarray:
     """A response's routing as int64 ``[tokens, layers, top_k]``."""
-    if isinstance(value, list):
-        try:
-            a = np.asarray(value)
-        except ValueError as e:
-            raise ConfigError(f"{path}, {where}: {FIELD} of response {name!r} is not a [tokens, layers, top_k] "
-                              f"array ({e})") from None
-        if a.size == 0:
-            return np.zeros((0, 1, 1), dtype=np.int64)
-        if a.ndim != 3 or a.dtype.kind not in "iu":
-            raise ConfigError(f"{path}, {where}: {FIELD} of response {name!r} must be integer [tokens, layers, "
-                              f"top_k], got shape {a.shape} dtype {a.dtype}")
-        return a
+    if isinstance(value, list):  # nested lists, checked as vllm's are
+        a = routing_array(path, where, name, FIELD, value)
+        return np.zeros((0, 1, 1), dtype=np.int64) if a is None else a
     if not isinstance(value, str):
         raise ConfigError(f"{path}, {where}: {FIELD} of response {name!r} is a {type(value).__name__}, not SGLang's "
                           f"base64 string")

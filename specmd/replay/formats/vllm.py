@@ -24,12 +24,11 @@ an internal error.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
 from ...errors import ConfigError
-from .base import ImportOptions, Records, drop_dense_layers, json_objects, register_format
+from .base import ImportOptions, Records, drop_dense_layers, json_objects, register_format, routing_array
 
 VLLM_FIELDS = ("prompt_routed_experts", "routed_experts")
 ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first bytes (the second: an empty one), as np.load tells it
@@ -98,27 +97,6 @@ def _shape(path: Path, requests: list) -> tuple:
     return shape
 
 
-def _array(path: Path, where: str, name, field: str, value) -> Optional[np.ndarray]:
-    """One request's field as an integer array [tokens, layers, k] (None when absent or empty)."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        raise ConfigError(f"{path}, {where}: {field} of request {name!r} is a string (SGLang's base64 of int32, "
-                          f"not vLLM's nested lists): read it with replay.format=sglang")
-    try:
-        a = np.asarray(value)
-    except ValueError as e:  # ragged nested lists
-        raise ConfigError(f"{path}, {where}: {field} of request {name!r} is not a [tokens, layers, top_k] array ({e})") from None
-    if a.size == 0:
-        return None
-    if a.ndim != 3:
-        raise ConfigError(f"{path}, {where}: {field} of request {name!r} must be [tokens, layers, top_k], got shape "
-                          f"{a.shape}")
-    if a.dtype.kind not in "iu":
-        raise ConfigError(f"{path}, {where}: {field} of request {name!r} must hold integer expert ids, got dtype {a.dtype}")
-    return a
-
-
 def _npz_requests(path: Path) -> list:
     """[(request name, prompt array or None, generated array or None, where)] of a .npz, in archive order."""
     try:
@@ -145,7 +123,7 @@ def _npz_requests(path: Path) -> list:
     out = []
     for req, g in groups.items():
         where = f"arrays {req + '/' if req else ''}*"
-        out.append((req or 0, *(_array(path, where, req or 0, f, g.get(f)) for f in VLLM_FIELDS), where))
+        out.append((req or 0, *(routing_array(path, where, req or 0, f, g.get(f)) for f in VLLM_FIELDS), where))
     return out
 
 
@@ -155,5 +133,5 @@ def _jsonl_requests(path: Path) -> list:
     for n, d in json_objects(path):
         name = d.get("request_id", len(out))
         where = f"line {n}"
-        out.append((name, *(_array(path, where, name, f, d.get(f)) for f in VLLM_FIELDS), where))
+        out.append((name, *(routing_array(path, where, name, f, d.get(f)) for f in VLLM_FIELDS), where))
     return out
