@@ -15,7 +15,9 @@ DERIVED = derived_families()
 # DeepSeek-V3.2, Qwen3-Next, Qwen3.5-MoE, MiniMax-Text and MiniMax-M2 (a router given its block's selection bias),
 # Hy3, ERNIE-4.5, Hunyuan, Kimi-Linear, MiMo-V2, Solar-Open)
 MUST_RUN = {"glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32", "qwen3_next", "qwen3_5_moe_text", "minimax",
-            "minimax_m2", "hy_v3", "ernie4_5_moe", "hunyuan_v1_moe", "kimi_linear", "mimo_v2_flash", "solar_open"}
+            "minimax_m2", "hy_v3", "ernie4_5_moe", "hunyuan_v1_moe", "kimi_linear", "mimo_v2_flash", "solar_open",
+            # vision-language wrappers, run through their text decoder (Kimi-K2.5, Qwen3-VL-MoE, Mistral-4, Aria)
+            "kimi_k25", "qwen3_vl_moe", "mistral4", "aria"}
 
 
 def test_the_families_that_run_are_computed_from_the_installed_transformers():
@@ -29,7 +31,15 @@ def test_the_families_that_run_are_computed_from_the_installed_transformers():
     # ... and a router that masks the groups it leaves out with 0.0, not -inf, is refused: a negative selection
     # bias makes those experts win there, which no selection score of specmd reproduces
     assert "masked with -inf" in derive("axk2").reason
-    for family in set(every) - set(DERIVED) - set(ADAPTERS):  # each refusal says what the family lacks
+    # a wrapper whose causal-LM class is its text model runs as that (its checkpoints load the text weights) ...
+    assert derive("qwen3_5_moe").runs_as == "qwen3_5_moe_text" and derive("qwen3_5_moe").adapter is not None
+    # ... and one whose text decoder has no causal-LM class runs inside the wrapper, found where its layers are
+    assert (adapter_for("kimi_k25").decoder_path, adapter_for("kimi_k25").head_path) == ("model.language_model",
+                                                                                          "lm_head")
+    assert adapter_for("nemotron_h_omni").head_path == "language_model.lm_head"
+    assert adapter_for("aria").topk_attr == "moe_topk"  # (top-k under another name)
+    wrappers = {f for f in every if derive(f).runs_as}
+    for family in set(every) - set(DERIVED) - set(ADAPTERS) - wrappers:  # each refusal says what the family lacks
         reason = derive(family).reason
         assert reason and reason.startswith("its "), (family, reason)
 
@@ -108,3 +118,37 @@ def test_a_derived_checkpoint_runs_by_path_and_a_refused_family_is_refused_befor
     with pytest.raises(ConfigError, match=r"'llama4_text' model: model family 'llama4_text' does not run: its router "
                                           r"returns 2 value\(s\), not \(logits, weights, index\)"):
         resolve_family(ModelConfig(name="hf", family="auto", pretrained=str(tmp_path / "llama4")))
+
+
+def test_a_vision_language_checkpoint_runs_its_text_decoder_by_path(tmp_path):
+    """Qwen3.5-MoE's hub checkpoints are the wrapper (``qwen3_5_moe``, the text weights under
+    ``model.language_model``): ``model=hf`` runs them as the text model transformers' causal LM loads, weights
+    equal to the wrapper's; Kimi-K2.5's text decoder has no causal-LM class, so it runs inside the wrapper."""
+    from transformers import AutoModelForImageTextToText
+
+    from specmd.hook import install
+    from specmd.compose import spec_of
+    from specmd.models.derive import build_config, tiny_overrides
+    from specmd.models.loader import ModelConfig, load_model
+
+    torch.manual_seed(0)
+    vlm = AutoModelForImageTextToText.from_config(build_config("qwen3_5_moe", tiny_overrides("qwen3_5_moe"))).eval()
+    vlm.save_pretrained(tmp_path / "qwen35")
+    cfg = ModelConfig(name="hf", family="auto", pretrained=str(tmp_path / "qwen35"), tokenizer="specmd:tiny-olmoe")
+    model, _ = load_model(cfg)
+    assert cfg.family == "qwen3_5_moe_text" and type(model).__name__ == "Qwen3_5MoeForCausalLM"
+    ids = sample_ids(batch=1, seq=10)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, vlm(input_ids=ids).logits)  # the text weights, all of them
+        stack = install(model, spec_of())
+        try:
+            hooked = model(ids).logits
+        finally:
+            stack.remove()
+    assert torch.equal(hooked, vlm(input_ids=ids).logits)
+    assert ModelConfig(name="x", family="qwen3_5_moe").family == "qwen3_5_moe_text"  # a family named as the wrapper
+
+    model = tiny("kimi_k25")
+    adapter = adapter_for("kimi_k25")
+    assert type(model).__name__ == "Kimi_K25ForConditionalGeneration" and adapter.moe_layers(model)
+    assert adapter.layers(model) is model.model.language_model.layers

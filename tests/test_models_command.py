@@ -5,7 +5,7 @@ import json
 
 from specmd.commands.models import main, rows, table
 from specmd.models.adapters import ADAPTERS, adapter_for, derived_families
-from specmd.models.derive import moe_families
+from specmd.models.derive import derive, moe_families
 
 
 def test_the_table_is_every_moe_family_and_says_what_loading_does(capsys):
@@ -13,8 +13,12 @@ def test_the_table_is_every_moe_family_and_says_what_loading_does(capsys):
     by = {r["family"]: r for r in rs}
     assert set(by) == set(moe_families()) | set(ADAPTERS)
     for family, r in by.items():
-        assert r["runs"] == (family in ADAPTERS or family in derived_families()), family
-        assert r["through"] == ("record" if family in ADAPTERS else "derived" if r["runs"] else None)
+        runs_as = derive(family).runs_as  # (a wrapper whose checkpoints load its text model)
+        assert r["runs"] == (family in ADAPTERS or family in derived_families() or bool(runs_as and r["runs"])), family
+        assert r["through"] == ("record" if family in ADAPTERS else f"as {runs_as}" if runs_as and r["runs"]
+                                else "derived" if r["runs"] else None)
+        if runs_as:
+            assert r["runs"] == by[runs_as]["runs"]
         if r["runs"]:
             adapter_for(family)  # what the table says runs, loads
             assert r["selection"].startswith(adapter_for(family).score)
@@ -30,6 +34,8 @@ def test_the_table_is_every_moe_family_and_says_what_loading_does(capsys):
     assert by["mixtral"]["random_checkpoint"] and not by["glm4_moe"]["random_checkpoint"]
     assert "returns 2 value(s)" in by["llama4_text"]["refused_because"]
     assert by["jamba"]["runs"] and by["jamba"]["through"] == "derived"  # its block is layer.feed_forward
+    assert by["qwen3_5_moe"]["through"] == "as qwen3_5_moe_text"  # Qwen3.5-MoE's hub checkpoints name the wrapper
+    assert by["kimi_k25"]["runs"] and by["kimi_k25"]["experts"] == 256  # Kimi-K2.5: its text decoder (V3 defaults)
     text = table(rs)
     assert text.splitlines()[0] == f"{sum(r['runs'] for r in rs)} of {len(rs)} MoE families of the installed transformers run"
     assert main(["--json"]) == 0 and json.loads(capsys.readouterr().out) == rs

@@ -37,7 +37,7 @@ def rows() -> list[dict]:
         adapter, reason, source, bias = ADAPTERS.get(family), None, "record", None
         if adapter is None:
             d = derive(family)
-            adapter, reason, source, bias = d.adapter, d.reason, "derived", d.bias
+            adapter, reason, source, bias = d.adapter, d.reason, f"as {d.runs_as}" if d.runs_as else "derived", d.bias
         out.append(_row(family, adapter, reason, source if adapter is not None else None, bias))
     return out
 

@@ -85,10 +85,11 @@ def families() -> list[str]:
 
 def derived_families() -> list[str]:
     """The MoE families of the installed transformers that run without a record, derived from their own
-    classes (:mod:`specmd.models.derive`; ~0.1 s a family, once per process)."""
+    classes (:mod:`specmd.models.derive`; ~0.1 s a family, once per process); a wrapper whose checkpoints run
+    as its text model (``qwen3_5_moe`` as ``qwen3_5_moe_text``) is not listed again."""
     from .derive import derive, moe_families
 
-    return [f for f in moe_families() if f not in ADAPTERS and derive(f).adapter is not None]
+    return [f for f in moe_families() if f not in ADAPTERS and derive(f).adapter is not None and not derive(f).runs_as]
 
 
 def adapter_for(family: str) -> Adapter:

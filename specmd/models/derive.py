@@ -31,6 +31,7 @@ a family that derives but does not pass them is refused by name in :data:`NOT_YE
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -49,7 +50,22 @@ SHRINK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n
               linear_key_head_dim=16, linear_value_head_dim=16,
               # Jamba's periodic layout at 4 layers: attention and experts on layers 1 and 3
               attn_layer_period=2, attn_layer_offset=1)
+# a wrapper's vision / audio towers (set only where the tower's config has the field; its output width the text's)
+SHRINK_TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=1, num_attention_heads=2,
+                    num_heads=2, num_key_value_heads=2, head_dim=16, encoder_layers=1, d_model=32,
+                    encoder_attention_heads=2, encoder_ffn_dim=64, num_layers=1)
+TOWER_OUT = ("out_hidden_size", "text_hidden_size", "projection_dim", "output_dim")
 LAYERS = 4
+SHRINK_WINDOW = 64  # a sliding window its config class leaves None
+MAX_LAYERS = 8  # a tiny instance keeps one layer of each kind, up to this many
+TOPK_FIELDS = ("num_experts_per_tok", "moe_topk", "moe_k")  # where configs keep top-k (Aria: moe_topk, ERNIE-VL: moe_k)
+# what a family's config class leaves None and its model needs (a checkpoint's config.json sets it), declared as
+# data: the layout of its real model at toy sizes
+TINY_FIXES = {
+    "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv", "full_attention"]),  # LFM2-8B-A1B's mix
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                           indexer_compress_ratio=4),
+}
 EXPERTS, TOP_K = 16, 4
 E_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # where configs keep E
 SCALE_FIELDS = ("routed_scaling_factor", "route_scale", "router_scaling_factor", "moe_routed_scaling_factor",
@@ -69,60 +85,153 @@ class Derived:
     adapter: Optional[object] = None
     reason: Optional[str] = None
     bias: bool = False  # its routers hold a selection bias (adapter.bias_attr)
+    runs_as: Optional[str] = None  # the text family a wrapper's checkpoint runs as (:func:`text_family`)
 
 
 @functools.lru_cache(maxsize=None)
 def moe_families() -> tuple[str, ...]:
-    """Every model_type of the installed transformers with a causal-LM class whose config names experts
-    (a field of :data:`E_FIELDS` or ``num_experts_per_tok``), sorted: what :func:`derive` is asked about."""
+    """Every model_type of the installed transformers with a causal-LM or an image-text-to-text class whose
+    (text decoder's) config names experts (a field of :data:`E_FIELDS` or :data:`TOPK_FIELDS`), sorted:
+    what :func:`derive` is asked about. Vision-language and omni wrappers count (Qwen3.5-MoE's hub checkpoints
+    are ``qwen3_5_moe``, Kimi-K2.5's ``kimi_k25``): a checkpoint names the wrapper."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     out = []
-    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+    for model_type in sorted(set(_causal_lm()) | set(_image_text())):
         try:
-            fields = AutoConfig.for_model(model_type).to_dict()
+            config = AutoConfig.for_model(model_type)
+            fields = config.get_text_config(decoder=True).to_dict()
         except Exception:  # noqa: BLE001 -- a config class that does not build with its defaults
             continue
-        if any(f in fields for f in E_FIELDS + ("num_experts_per_tok",)):
+        if any(f in fields for f in E_FIELDS + TOPK_FIELDS):
             out.append(model_type)
     return tuple(out)
 
 
+def _causal_lm() -> dict:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def _image_text() -> dict:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+@functools.lru_cache(maxsize=None)
+def text_family(model_type: str) -> str:
+    """The family a checkpoint of ``model_type`` runs as: the text model's ``model_type`` where transformers'
+    causal-LM class for it is the text model alone (``AutoModelForCausalLM`` on a Qwen3.5-MoE or Llama-4
+    checkpoint builds ``Qwen3_5MoeForCausalLM`` / ``Llama4ForCausalLM``, configs ``qwen3_5_moe_text`` /
+    ``llama4_text``, and loads the text weights), else ``model_type`` itself. Read off the class transformers
+    maps it to (its ``config_class``), not listed."""
+    import transformers
+
+    name = _causal_lm().get(model_type)
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    text = getattr(getattr(cls, "config_class", None), "model_type", None)
+    return text if isinstance(text, str) and text and text != model_type and text in _causal_lm() else model_type
+
+
 def tiny_overrides(model_type: str) -> dict:
-    """The config overrides of ``model_type``'s tiny random instance (the derived record's ``tiny``)."""
+    """The config overrides of ``model_type``'s tiny random instance (the derived record's ``tiny``); a wrapper's
+    (a ``text_config``) nest its text decoder's and shrink its other towers (:data:`SHRINK_TOWER`)."""
     from transformers import AutoConfig
 
-    fields = AutoConfig.for_model(model_type).to_dict()
+    config = AutoConfig.for_model(model_type)
+    text = config.get_text_config(decoder=True)
+    if text is config:
+        return _text_overrides(config.to_dict())
+    field = next(k for k, v in vars(config).items() if v is text)  # (text_config, in every wrapper transformers has)
+    over = {field: _text_overrides(text.to_dict())}
+    width = over[field].get("hidden_size", SHRINK["hidden_size"])
+    for name, sub in config.to_dict().items():  # the vision / audio towers at toy sizes, projected to the text width
+        if name.endswith("_config") and name != field and isinstance(sub, dict):
+            tower = _tower_overrides(sub, width)
+            if tower:
+                over[name] = tower
+    return over
+
+
+def _text_overrides(fields: dict) -> dict:
     over = {k: v for k, v in SHRINK.items() if k in fields}
-    if "kv_lora_rank" in fields:  # multi-head latent attention: a key/value head per query head
-        over.update(num_key_value_heads=SHRINK["num_attention_heads"], head_dim=SHRINK["qk_rope_head_dim"])
+    for k, v in list(over.items()):  # a size per expert set (ERNIE-4.5-VL: text and vision experts)
+        if isinstance(fields[k], list) and not isinstance(v, list):
+            over[k] = [v] * len(fields[k])
+    if "sliding_window" in fields and fields["sliding_window"] is None:  # (Step-3.5 reads it whatever its layers)
+        over["sliding_window"] = SHRINK_WINDOW
+    if "kv_lora_rank" in fields:  # multi-head latent attention: a key/value head per query head, the rope part of
+        rope, default_rope = SHRINK["qk_rope_head_dim"], fields.get("qk_rope_head_dim") or 1  # the head in the
+        over.update(num_key_value_heads=SHRINK["num_attention_heads"],       # default's proportion (Mistral-4:
+                    head_dim=rope * max(1, int(fields.get("head_dim") or default_rope) // default_rope))  # half)
         if "qk_head_dim" in fields:
             over["qk_head_dim"] = SHRINK["qk_rope_head_dim"] + SHRINK["qk_nope_head_dim"]
     for k, v in (("index_head_dim", 16), ("index_n_heads", 4), ("index_topk", 8)):  # a sparse-attention indexer
         if k in fields:
             over[k] = v
-    depth = fields.get("num_hidden_layers")
-    over["num_hidden_layers"] = LAYERS
-    for k, v in fields.items():  # per-layer lists (layer_types, mlp_layer_types, ...) cut to the depth,
-        if isinstance(v, list) and depth and len(v) == depth:  # every kind of layer kept (the last ones replaced)
-            cut = list(v[:LAYERS])
-            lost = [x for x in dict.fromkeys(map(repr, v)) if x not in map(repr, cut)]
-            for j, x in enumerate(lost[:LAYERS - 1]):
-                cut[LAYERS - 1 - j] = next(y for y in v if repr(y) == x)
-            over[k] = cut
-    for f in E_FIELDS:
+    if isinstance(fields.get("index_kpool"), int):  # (GLM-5-Next: its top-k pools whole blocks)
+        over["index_topk"] = fields["index_kpool"]
+    over.update(_layers(fields))
+    ints = [f for f in E_FIELDS if isinstance(fields.get(f), int)]
+    for f in ints or [f for f in E_FIELDS if f in fields][:1]:  # (dots1 defaults its E to None)
+        over[f] = EXPERTS
+    for f in TOPK_FIELDS:
         if isinstance(fields.get(f), int):
-            over[f] = EXPERTS
-    if isinstance(fields.get("num_experts_per_tok"), int):
-        over["num_experts_per_tok"] = TOP_K
+            over[f] = TOP_K
     group = next((f for f in ("n_group", "num_expert_group") if f in fields), None)
     if group is not None and "topk_group" in fields:  # probed group-limited whatever its default (often 1 or None:
         over.update({group: 4, "topk_group": 2})     # a checkpoint's config.json sets them), so the fit sees it
     for f in SCALE_FIELDS:
         if isinstance(fields.get(f), (int, float)):
             over[f] = PROBE_SCALE
+    over.update(TINY_FIXES.get(fields.get("model_type"), {}))
     return over
+
+
+def _layers(fields: dict, keep: int = LAYERS) -> dict:
+    """The depth and per-layer fields of a tiny instance: one layer of every kind the real model has (a kind: a
+    layer's entries in every per-layer list -- ``layer_types``, ``mlp_layer_types``, ... -- and in
+    ``per_layer_config``), at its first occurrence, with the first layers up to ``keep`` (a dense first layer
+    stays first): at most :data:`MAX_LAYERS`. A list of layer indices (``kv_source_layers``: each layer its own)
+    is renumbered."""
+    name = next((k for k in ("num_hidden_layers", "num_layers") if isinstance(fields.get(k), int)), None)
+    depth = fields.get(name)
+    if name is None or depth <= 0:
+        return {"num_hidden_layers": keep}
+    lists = {k: v for k, v in fields.items() if isinstance(v, list) and len(v) == depth}
+    per = fields.get("per_layer_config") if isinstance(fields.get("per_layer_config"), dict) else {}
+    per_layer = {int(k): repr(v) for k, v in per.items() if str(k).isdigit()}
+    kinds = {}
+    for i in range(depth):
+        kinds.setdefault(tuple(repr(v[i]) for v in lists.values() if v != list(range(depth))) + (per_layer.get(i),), i)
+    src = sorted(kinds.values())[:MAX_LAYERS]
+    fill = [i for i in range(depth) if i not in src][:max(0, min(keep, depth) - len(src))]
+    src = sorted(src + fill)
+    out = {name: len(src)}
+    for k, v in lists.items():
+        out[k] = list(range(len(src))) if v == list(range(depth)) else [v[i] for i in src]
+    if per:
+        width = max(len(str(k)) for k in per)
+        out["per_layer_config"] = {str(j).zfill(width): per[next(k for k in per if int(k) == i)]
+                                   for j, i in enumerate(src) if i in per_layer}
+    return out
+
+
+def _tower_overrides(sub: dict, width: int) -> dict:
+    """A vision / audio tower's config at toy sizes (:data:`SHRINK_TOWER`; its output width ``width``, the text
+    decoder's), its per-layer lists cut to its one layer, its own sub-towers (SAM's, an encoder's) likewise."""
+    tower = {k: v for k, v in SHRINK_TOWER.items() if k in sub}
+    tower.update({k: width for k in TOWER_OUT if k in sub})
+    depth = next((sub[k] for k in ("num_hidden_layers", "depth", "num_layers", "encoder_layers")
+                  if isinstance(sub.get(k), int)), None)
+    if depth:
+        tower.update({k: v[:1] for k, v in sub.items() if isinstance(v, list) and len(v) == depth and depth > 1})
+    for name, inner in sub.items():
+        if name.endswith("_config") and isinstance(inner, dict):
+            tower[name] = _tower_overrides(inner, width)
+    return tower
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,23 +247,36 @@ class _Refuse(Exception):
     pass
 
 
+def build_config(model_type: str, over: dict):
+    """``model_type``'s config class with ``over`` set; a sub-config given as a mapping (a wrapper's
+    ``text_config``, ``vision_config``) is merged over the wrapper's own default for it, not over its class's."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    config = AutoConfig.for_model(model_type)
+    merged = {k: dict(getattr(config, k).to_dict(), **v)
+              if isinstance(v, dict) and isinstance(getattr(config, k, None), PretrainedConfig) else v
+              for k, v in over.items()}
+    return AutoConfig.for_model(model_type, **merged)
+
+
 def _build(family: str, over: dict):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise _Refuse("transformers has no causal-LM class for it")
+    from .family import Adapter
+
+    if family not in _causal_lm() and family not in _image_text():
+        raise _Refuse("transformers has no causal-LM or image-text-to-text class for it")
+    auto = Adapter(family).auto_class()
     try:
-        config = AutoConfig.for_model(family, **over)
+        config = build_config(family, over)
         with torch.device("meta"):
-            size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+            size = sum(p.numel() for p in auto.from_config(config).parameters())
         if size > 5e7:
             raise _Refuse(f"its tiny instance still has {size / 1e6:.0f}M parameters (a layout the probe does not "
                           f"shrink)")
         with torch.random.fork_rng(devices=[]):  # (the caller's random state is left as it was)
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = auto.from_config(config, dtype=torch.float32)
     except _Refuse:
         raise
     except Exception as exc:  # noqa: BLE001 -- transformers' own validation of the shrunk config
@@ -163,24 +285,30 @@ def _build(family: str, over: dict):
     return model.eval()
 
 
-def _structure(model):
-    """(MoE layer ids, the layer attribute holding the block, router attribute, experts module)."""
+def _structure(model) -> dict:
+    """Where the family keeps its parts: ``decoder_path``, ``head_path``, ``block_attr``, ``router_attr`` (the
+    :class:`~specmd.models.family.Adapter` fields), with the MoE layer ids (``moe``) and the first block's
+    ``experts`` module."""
     import torch
 
-    decoder = getattr(model, "model", None)
-    layers = getattr(decoder, "layers", None)
-    if layers is None:
-        raise _Refuse("its decoder layers are not at model.model.layers (a wrapped or nested decoder)")
+    decoders = [name for name, m in model.named_modules()  # the module whose layers hold the experts
+                if isinstance(getattr(m, "layers", None), torch.nn.ModuleList)
+                and any(hasattr(c, "experts") for layer in m.layers for c in layer.children())]
+    if not decoders:
+        raise _Refuse("its MoE block is no module of a decoder layer")
+    if len(decoders) > 1:
+        raise _Refuse(f"it has several MoE decoders ({', '.join(decoders)})")
+    decoder_path = decoders[0]
+    layers = model.get_submodule(decoder_path).layers
     found = sorted({n for layer in layers for n, m in layer.named_children() if hasattr(m, "experts")},
                    key=lambda n: n != "mlp")  # the layer attribute holding its MoE block (mlp first)
-    if not found:
-        raise _Refuse("its MoE block is no module of a decoder layer")
     if len(found) > 1:
         raise _Refuse(f"its decoder layers hold experts in several places ({', '.join(found)})")
     block_attr = found[0]
     moe = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, block_attr, None), "experts")]
-    if not hasattr(model, "lm_head"):
-        raise _Refuse("it has no lm_head")
+    heads = [name for name, _ in model.named_modules() if name.split(".")[-1] == "lm_head"]
+    if len(heads) != 1:
+        raise _Refuse("it has no lm_head" if not heads else f"it has several LM heads ({', '.join(heads)})")
     block = getattr(layers[moe[0]], block_attr)
     attr = next((a for a in ("gate", "router") if isinstance(getattr(block, a, None), torch.nn.Module)), None)
     if attr is None:
@@ -188,7 +316,8 @@ def _structure(model):
     experts = block.experts
     if not any(isinstance(getattr(experts, n, None), torch.nn.Parameter) for n in ("gate_up_proj", "up_proj")):
         raise _Refuse("its experts are not transformers' fused [E, ...] experts (gate_up_proj / up_proj)")
-    return moe, block_attr, attr, experts
+    return dict(decoder_path=decoder_path, head_path=heads[0], block_attr=block_attr, router_attr=attr, moe=moe,
+                experts=experts)
 
 
 def _router_args(router, block) -> tuple:
@@ -246,28 +375,35 @@ def _derive(family: str) -> Derived:
 
     from .family import Adapter, ExpertsLayout
 
+    runs_as = text_family(family)
+    if runs_as != family:  # transformers' causal LM of a wrapper is its text model: the checkpoint runs as that
+        d = derive(runs_as)
+        return Derived(family, adapter=d.adapter, reason=d.reason, bias=d.bias, runs_as=runs_as)
     over = tiny_overrides(family)
     model = _build(family, over)
-    moe, block_attr, router_attr, experts = _structure(model)
+    parts = _structure(model)
+    moe, experts = parts.pop("moe"), parts.pop("experts")
     try:
-        with torch.no_grad():  # a prefill and a decode step through its cache (what a run does)
+        with torch.no_grad():  # a prefill and a decode step through its cache, and greedy generation (what a run does)
             ids = torch.arange(8).reshape(1, 8) + 1
             out = model(ids, use_cache=True)
             model(ids[:, -1:] + 1, past_key_values=out.past_key_values, use_cache=True)
+            model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
     except Exception as exc:  # noqa: BLE001 -- the shrunk layout does not run
         raise _Refuse(f"its tiny instance does not run ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})") \
             from None
-    config = model.config
+    config = Adapter.text(model.config)
     E = next((int(p.shape[0]) for n in ("gate_up_proj", "up_proj") if (p := getattr(experts, n, None)) is not None))
     experts_attr = next((f for f in E_FIELDS if getattr(config, f, None) == E), None)
     if experts_attr is None:
         raise _Refuse(f"no config field of {', '.join(E_FIELDS)} holds its {E} experts")
-    if not isinstance(getattr(config, "num_experts_per_tok", None), int):
-        raise _Refuse("its config has no num_experts_per_tok (top-k)")
+    topk_attr = next((f for f in TOPK_FIELDS if isinstance(getattr(config, f, None), int)), None)
+    if topk_attr is None:
+        raise _Refuse(f"its config has no top-k field ({', '.join(TOPK_FIELDS)})")
     hidden = torch.randn(48, int(config.hidden_size), generator=torch.Generator().manual_seed(0))
-    block = getattr(model.model.layers[moe[0]], block_attr)
-    router = getattr(block, router_attr)
-    probe = Adapter(family, block_attr=block_attr, router_attr=router_attr, router_args=_router_args(router, block))
+    probe = Adapter(family, **parts)
+    block = probe.block(model, moe[0])
+    probe = Adapter(family, **parts, router_args=_router_args(getattr(block, probe.router_attr), block))
     logits, weights, index = _route(probe.router_call(model, moe[0]), hidden)
     fit = _fit(logits, weights, index)
     if fit is None:
@@ -279,24 +415,47 @@ def _derive(family: str) -> Derived:
         if scale_attr is None:
             raise _Refuse(f"its router scales the weights by {c:.4g}, which no config field holds")
     if isinstance(getattr(config, "norm_topk_prob", None), bool):  # does the field decide the renormalisation?
-        flipped = _build(family, dict(over, norm_topk_prob=not config.norm_topk_prob))
+        flip = {"norm_topk_prob": not config.norm_topk_prob}
+        field = next((k for k, v in over.items() if isinstance(v, dict) and "num_hidden_layers" in v), None)
+        flipped = _build(family, dict(over, **{field: dict(over[field], **flip)}) if field else dict(over, **flip))
         fit2 = _fit(*_route(probe.router_call(flipped, moe[0]), hidden))
         if fit2 is not None and fit2[1] != renorm:
             renorm = "norm_topk_prob" if renorm == config.norm_topk_prob else None
             if renorm is None:
                 raise _Refuse("its renormalisation is the opposite of its norm_topk_prob field")
-    adapter = Adapter(family, block_attr=block_attr, router_attr=router_attr, router_args=probe.router_args,
-                      score="sigmoid" if sigmoid else "softmax", renorm=renorm,
-                      scale_attr=scale_attr, experts_attr=experts_attr, tiny=over, hub=None,
-                      experts_layout=ExpertsLayout(gated=getattr(experts, "has_gate", True),
-                                                   transposed=getattr(experts, "is_transposed", False),
-                                                   bias=getattr(experts, "has_bias", False),
-                                                   post_norm=getattr(experts, "has_post_expert_norm", False)))
+    adapter = dataclasses.replace(
+        probe, score="sigmoid" if sigmoid else "softmax", renorm=renorm, scale_attr=scale_attr,
+        experts_attr=experts_attr, topk_attr=topk_attr, tiny=over, hub=None,
+        experts_layout=ExpertsLayout(gated=getattr(experts, "has_gate", True),
+                                     transposed=getattr(experts, "is_transposed", False),
+                                     bias=getattr(experts, "has_bias", False),
+                                     post_norm=getattr(experts, "has_post_expert_norm", False)))
+    _kernel_agrees(experts, adapter.experts_layout, E, hidden)
     adapter = _selection(adapter, model, moe, hidden)
     if family in NOT_YET:
         raise _Refuse(NOT_YET[family])
     holder = adapter.bias_holder(model, moe[0])
     return Derived(family, adapter=adapter, bias=isinstance(getattr(holder, adapter.bias_attr, None), torch.Tensor))
+
+
+def _kernel_agrees(experts, layout, E: int, hidden) -> None:
+    """The experts module computes what specmd's experts kernel (:func:`~specmd.executor.kernel.run_experts`,
+    the offload executor's) computes from its weights, bit for bit -- transformers' fused experts do, through
+    ``use_experts_implementation`` -- or the family is refused: offloaded would not equal simulated (Step-3.5's
+    experts loop over experts in their own forward and sum in another order)."""
+    import torch
+
+    from ..executor.kernel import expert_tensors, run_experts, views_of
+
+    g = torch.Generator().manual_seed(2)
+    index = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(hidden.shape[0])])  # [T, k]
+    weights = torch.rand(index.shape, generator=g)
+    with torch.no_grad():
+        own = experts(hidden, index, weights)
+        mine = run_experts(experts, layout, hidden, index, weights, views_of(expert_tensors(experts, E), E))
+    if not torch.equal(own, mine):
+        raise _Refuse("its experts module computes other than transformers' fused experts kernel (its own forward; "
+                      f"max difference {float((own - mine).abs().max()):.2g}): offloaded would not equal simulated")
 
 
 def real_model(family: str) -> Optional[str]:
@@ -317,8 +476,6 @@ def real_model(family: str) -> Optional[str]:
 def _selection(adapter, model, moe, hidden):
     """``adapter`` with the group rule whose selection reproduces every router's top-k under a random
     selection bias (on each router that holds one)."""
-    import dataclasses
-
     import torch
 
     holders = [adapter.bias_holder(model, i) for i in moe]
@@ -329,7 +486,7 @@ def _selection(adapter, model, moe, hidden):
             if isinstance(bias, torch.Tensor):  # scores mostly negative: a router that fills the groups it leaves
                 bias.copy_(torch.rand(bias.shape, generator=g) * 0.5 - 1.0)  # out with 0.0, not -inf, disagrees
     routed = [_route(adapter.router_call(model, i), hidden) for i in moe]
-    grouped = (getattr(model.config, "n_group", 1) or 1) > 1
+    grouped = (getattr(adapter.text(model.config), "n_group", 1) or 1) > 1
     for group_score in (GROUP_SCORES + (None,) if grouped else (None,)):  # (a router may ignore the groups)
         candidate = dataclasses.replace(adapter, group_score=group_score)
         try:

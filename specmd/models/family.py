@@ -116,6 +116,7 @@ class Adapter:
     renorm: object = True
     scale_attr: Optional[str] = None  # config field multiplying the top-k weights
     experts_attr: str = "num_experts"
+    topk_attr: str = "num_experts_per_tok"  # config field holding top-k (Aria's ``moe_topk``)
     # A small random config shaped like the family (experts dominate bytes; real E, k, shared experts).
     tiny: dict = field(default_factory=dict)
     # Weight semantics that reweigh() cannot reproduce exactly (documented deviation), else None.
@@ -141,22 +142,59 @@ class Adapter:
     # The decoder layer's attribute holding its MoE block (``mlp``; Granite's ``block_sparse_moe``, Jamba's
     # ``feed_forward``, Nemotron-H's ``mixer``); a layer whose block has no ``experts`` is dense.
     block_attr: str = "mlp"
+    # Where the decoder (its ``layers``, embeddings and final norm) and the LM head sit in the model the family's
+    # Auto class builds (:meth:`auto_class`): ``model`` and ``lm_head`` for a causal LM; a vision-language
+    # wrapper's text decoder at ``model.language_model`` (Qwen3-VL-MoE, GLM-4.5V, Kimi-K2.5), Nemotron-H-Omni's at
+    # ``language_model.model`` with its head at ``language_model.lm_head``.
+    decoder_path: str = "model"
+    head_path: str = "lm_head"
 
     # ---- model structure (nothing outside this module knows where a family keeps its parts) ----------
     def num_experts(self, config) -> int:
-        return int(getattr(config, self.experts_attr))
+        return int(getattr(self.text(config), self.experts_attr))
+
+    def top_k(self, config) -> int:
+        return int(getattr(self.text(config), self.topk_attr))
+
+    def auto_class(self):
+        """The transformers Auto class that builds the family from its config: ``AutoModelForCausalLM`` where
+        transformers maps the family to a causal LM (a wrapper it maps there, Qwen3.5-MoE's or Llama-4's, builds
+        its text model), else ``AutoModelForImageTextToText`` (a vision-language wrapper whose text decoder has
+        no causal-LM class of its own: Qwen3-VL-MoE, GLM-4.5V, Kimi-K2.5)."""
+        import transformers
+        from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                            MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+        if self.family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and self.family in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+            return transformers.AutoModelForImageTextToText
+        return transformers.AutoModelForCausalLM
+
+    @staticmethod
+    def text(config):
+        """The text decoder's config of ``config`` (its ``text_config`` in a wrapper; itself otherwise): where E,
+        top-k, the hidden size and the routing fields are read."""
+        get = getattr(config, "get_text_config", None)
+        return get(decoder=True) if get is not None else config
+
+    def layers(self, model):
+        """The decoder's layers (``ModuleList``)."""
+        return self.decoder(model).layers
+
+    def head(self, model):
+        """The LM head (``[V, H]`` linear)."""
+        return model.get_submodule(self.head_path)
 
     def moe_layers(self, model) -> list[int]:
         """Decoder-layer indices whose MLP is a routed MoE block."""
-        attr = self.block_attr
-        ids = [i for i, layer in enumerate(model.model.layers) if hasattr(getattr(layer, attr, None), "experts")]
+        attr, layers = self.block_attr, self.layers(model)
+        ids = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, attr, None), "experts")]
         if not ids:
-            raise ConfigError(f"no MoE layers found in {type(model).__name__} ({len(model.model.layers)} decoder "
+            raise ConfigError(f"no MoE layers found in {type(model).__name__} ({len(layers)} decoder "
                               f"layers): specmd caches the experts of an MoE model")
         return ids
 
     def block(self, model, layer_id: int):
-        return getattr(model.model.layers[layer_id], self.block_attr)
+        return getattr(self.layers(model)[layer_id], self.block_attr)
 
     def router(self, model, layer_id: int):
         return getattr(self.block(model, layer_id), self.router_attr)
@@ -182,13 +220,14 @@ class Adapter:
         self.block(model, layer_id).experts = module
 
     def decoder(self, model):
-        """The module whose forward is one forward pass (its pre/post hooks mark passes)."""
-        return model.model
+        """The module whose forward is one forward pass (its pre/post hooks mark passes): the text decoder."""
+        return model.get_submodule(self.decoder_path)
 
     def scoring(self, config, routers=()):
         """The family's :class:`~specmd.engine.record.Scoring` for ``config``; ``routers``: the modules holding
         the loaded model's selection bias (``bias_attr``), one per MoE layer (:meth:`bias_holder`: the router,
         or its block), which it reads (none given: no bias)."""
+        config = self.text(config)
         groups, topk_group = self.group_limit(config)
         return Scoring(self.score == "sigmoid", self.renormalises(config), self.scale(config),
                        self.selection_bias(routers), groups, topk_group, self.group_score or "top2")
@@ -198,12 +237,13 @@ class Adapter:
         Errors: ConfigError when the groups do not divide the experts or keep fewer experts than top-k."""
         if self.group_score is None:
             return 1, 1
+        config = self.text(config)
         if self.groups_if is not None and getattr(config, self.groups_if[0], None) != self.groups_if[1]:
             return 1, 1
         groups, kept = int(getattr(config, "n_group", 1) or 1), int(getattr(config, "topk_group", 1) or 1)
         if groups <= 1 or kept >= groups:
             return 1, 1
-        E, k = self.num_experts(config), int(config.num_experts_per_tok)
+        E, k = self.num_experts(config), self.top_k(config)
         if E % groups or kept * (E // groups) < k or kept < 1:
             raise ConfigError(f"model {config.model_type}: n_group={groups}, topk_group={kept} with {E} experts and "
                               f"top-k {k}: the groups must divide the experts and the kept groups hold >= top-k of them")
@@ -222,8 +262,8 @@ class Adapter:
 
     def geometry(self, model):
         """The :class:`~specmd.engine.geometry.Geometry` of a loaded model (parameters at their dtype)."""
-        config = model.config
-        layers = model.model.layers
+        config = self.text(model.config)
+        layers = self.layers(model)
         moe_ids = self.moe_layers(model)
         num_experts = self.num_experts(config)
         if num_experts < 1:  # a model.tiny override can build one (num_experts=0)
@@ -245,26 +285,25 @@ class Adapter:
             attn.append(i - prev)
             prev = i
         tail = sum(dense_params(j) for j in range(prev + 1, len(layers)))
-        tail += self._final_params(model) + model.lm_head.weight.numel()
+        tail += self._final_params(model) + self.head(model).weight.numel()
         return Geometry(
-            num_layers=len(moe_ids), num_experts=num_experts, top_k=int(config.num_experts_per_tok),
+            num_layers=len(moe_ids), num_experts=num_experts, top_k=self.top_k(config),
             expert_bytes=expert_bytes, total_bytes=total_bytes, hidden_size=int(config.hidden_size),
             dtype_bytes=dtype_bytes, dense_params=dense, attn_layers=attn, tail_params=tail,
             tail_attn_layers=len(layers) - 1 - prev, expert_params=expert_params, layer_ids=moe_ids,
         )
 
-    @staticmethod
-    def _final_params(model) -> int:
+    def _final_params(self, model) -> int:
         """Parameters of the decoder after its layers: the final norm (``model.model.norm``, or whatever the
         decoder holds besides its embeddings and layers: Jamba's ``final_layernorm``, Nemotron-H's ``norm_f``)."""
-        decoder = model.model
+        decoder = self.decoder(model)
         if hasattr(decoder, "norm"):
             return sum(p.numel() for p in decoder.norm.parameters())
         return sum(p.numel() for n, p in decoder.named_parameters()
                    if not n.startswith(("layers.", "embed_tokens.", "embeddings.")))
 
     def renormalises(self, config) -> bool:
-        return bool(getattr(config, self.renorm)) if isinstance(self.renorm, str) else bool(self.renorm)
+        return bool(getattr(self.text(config), self.renorm)) if isinstance(self.renorm, str) else bool(self.renorm)
 
     def scale(self, config) -> float:
-        return float(getattr(config, self.scale_attr)) if self.scale_attr else 1.0
+        return float(getattr(self.text(config), self.scale_attr)) if self.scale_attr else 1.0

@@ -37,28 +37,32 @@ class ModelConfig:
                                   f"model.pretrained is null: set model.pretrained=DIR_OR_HUB_ID, or name a family "
                                   f"for a random model ({', '.join(families())})")
         else:
+            from .derive import text_family
+
+            self.family = text_family(self.family)  # (a wrapper whose causal LM is its text model runs as that)
             adapter_for(self.family)  # validates the family
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype={self.dtype!r}; valid choices: {', '.join(DTYPES)}")
 
 
 def tiny_config(family: str, overrides: Optional[dict] = None):
-    from transformers import AutoConfig
+    """``family``'s tiny config: its record's ``tiny`` with ``overrides`` set (a wrapper's sub-config given as a
+    mapping, ``text_config``, merged key by key)."""
+    from .derive import build_config
 
-    adapter = adapter_for(family)
-    kwargs = dict(adapter.tiny)
-    kwargs.update(overrides or {})
-    return AutoConfig.for_model(family, **kwargs)
+    kwargs = dict(adapter_for(family).tiny)
+    for k, v in (overrides or {}).items():
+        kwargs[k] = dict(kwargs[k], **v) if isinstance(v, dict) and isinstance(kwargs.get(k), dict) else v
+    return build_config(family, kwargs)
 
 
 def build_tiny(family: str, overrides: Optional[dict] = None, seed: int = 0, dtype: str = "float32"):
     """A seeded random model shaped like ``family`` (transformers' own initialisation, seeded)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(family, overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    model = adapter_for(family).auto_class().from_config(cfg, dtype=getattr(torch, dtype))
     model.eval()
     return model
 
@@ -184,10 +188,13 @@ def resolve_family(cfg: ModelConfig) -> None:
     where = f"model.pretrained={cfg.pretrained}"
     if not isinstance(model_type, str) or not model_type:
         raise ConfigError(f"{where}: its config.json names no model_type, so its family is unknown")
+    from .derive import text_family
+
+    named, model_type = model_type, text_family(model_type)  # Qwen3.5-MoE's checkpoints run as its text model
     try:
         adapter_for(model_type)  # a record, or one derived from transformers' own classes
     except ConfigError as exc:
-        raise ConfigError(f"{where} is a {model_type!r} model: {exc}") from None
+        raise ConfigError(f"{where} is a {named!r} model: {exc}") from None
     if cfg.family not in (AUTO, model_type):
         raise ConfigError(f"{where} is a {model_type!r} model (its config.json) but model.family={cfg.family!r}: "
                           f"set model.family={model_type}, or use model=hf to take the checkpoint's own family")
@@ -223,11 +230,11 @@ def model_geometry(cfg: ModelConfig):
 def _meta_geometry(config, family: str, dtype: str, trust_remote_code: bool = False):
     """The adapter's geometry of ``config``'s model built on the meta device (no weights are allocated)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
+    adapter = adapter_for(family)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
-    return adapter_for(family).geometry(model)
+        model = adapter.auto_class().from_config(config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
+    return adapter.geometry(model)
 
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "assets" / "configs"
@@ -316,7 +323,7 @@ def load_model(cfg: ModelConfig, experts_on_meta: bool = False):
     (they stay on the meta device; ``execution=offload execution.host=disk`` reads them from the checkpoint
     per expert), only the dense weights load -- how a model larger than host memory runs."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from .tokenizer import byte_tokenizer
 
@@ -338,7 +345,7 @@ def load_model(cfg: ModelConfig, experts_on_meta: bool = False):
     if not local:
         require_hub_for(f"model.pretrained={path}", path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = adapter_for(cfg.family).auto_class().from_pretrained(
             path, revision=cfg.revision, dtype=getattr(torch, cfg.dtype),
             trust_remote_code=cfg.trust_remote_code,
         )
@@ -364,11 +371,11 @@ def _build_experts_on_meta(config, cfg: ModelConfig, adapter):
     import contextlib
 
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
+    auto = adapter.auto_class()
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.dtype),
+        skeleton = auto.from_config(config, dtype=getattr(torch, cfg.dtype),
                                                     trust_remote_code=cfg.trust_remote_code)
     experts_cls = type(adapter.experts(skeleton, adapter.moe_layers(skeleton)[0]))
     del skeleton
@@ -381,8 +388,7 @@ def _build_experts_on_meta(config, cfg: ModelConfig, adapter):
     experts_cls.__init__ = meta_init
     try:
         with no_init_weights() if callable(no_init_weights) else contextlib.nullcontext():
-            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, cfg.dtype),
-                                                     trust_remote_code=cfg.trust_remote_code)
+            model = auto.from_config(config, dtype=getattr(torch, cfg.dtype), trust_remote_code=cfg.trust_remote_code)
     finally:
         experts_cls.__init__ = original
     return model
@@ -399,8 +405,10 @@ def load_dense(path: str, cfg: ModelConfig):
 
     from ..errors import DataError
 
+    from .derive import text_family
+
     config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-    if config.model_type != cfg.family:
+    if text_family(config.model_type) != cfg.family:
         raise ConfigError(f"model.pretrained={cfg.pretrained} is a {config.model_type!r} model but model.family={cfg.family!r}")
     adapter = adapter_for(cfg.family)
     model = _build_experts_on_meta(config, cfg, adapter)
