@@ -28,9 +28,13 @@ def test_the_families_that_run_are_computed_from_the_installed_transformers():
     # group limits are probed whatever the class default (GLM's is 1, a checkpoint's config.json sets more) ...
     assert {"glm4_moe", "solar_open", "kimi_linear", "mimo_v2_flash"} <= {f for f in DERIVED
                                                                           if adapter_for(f).group_score == "top2"}
-    # ... and a router that masks the groups it leaves out with 0.0, not -inf, is refused: a negative selection
-    # bias makes those experts win there, which no selection score of specmd reproduces
-    assert "masked with -inf" in derive("axk2").reason
+    # ... and a router that scores the groups it leaves out 0.0, not -inf, runs with that rule (A.X-K2: with a
+    # negative selection bias those experts win, as its code has it), one that adds the bias to its logits does not
+    assert adapter_for("axk2").group_fill == 0.0 and adapter_for("glm4_moe").group_fill == float("-inf")
+    assert "scored -inf or 0.0" in derive("kolibri1").reason
+    # Gemma-4: the decoder layer is the block, the router returns probabilities, weights carry a learned scale
+    gemma = adapter_for("gemma4_text")
+    assert (gemma.block_attr, gemma.score, gemma.weight_scale_attr) == ("", "probabilities", "per_expert_scale")
     # a wrapper whose causal-LM class is its text model runs as that (its checkpoints load the text weights) ...
     assert derive("qwen3_5_moe").runs_as == "qwen3_5_moe_text" and derive("qwen3_5_moe").adapter is not None
     # ... and one whose text decoder has no causal-LM class runs inside the wrapper, found where its layers are

@@ -91,7 +91,7 @@ def test_the_selection_scores_top_k_is_the_routers_own_choice(variant):
     model, adapter = biased(variant), adapter_for(family)
     routers = [adapter.bias_holder(model, i) for i in adapter.moe_layers(model)]
     scoring = adapter.scoring(model.config, routers)
-    k = int(model.config.num_experts_per_tok)
+    k = adapter.top_k(model.config)
     differs = 0
     for layer, (logits, index, weights) in enumerate(routed(variant, sample_ids(batch=2, seq=16))):
         if family != "phimoe":  # the weights are the family's (dual-logit reweighing is exact)
@@ -121,7 +121,7 @@ def test_every_policy_with_no_adjustment_runs_the_routers_own_choice(variant):
     if family == "phimoe":
         pytest.skip("sparsemixer selects by its own jittered rule, which no selection score models (reweigh_note)")
     model = biased(variant)
-    k = int(model.config.num_experts_per_tok)
+    k = adapter_for(family).top_k(model.config)
     ids = sample_ids(batch=2, seq=12, seed=3)
     cases = [dict(routing={"name": n, **neutral(p, k)}) for n, p in NEUTRAL.items()]
     cases += [dict(miss={"name": n, **neutral(p, k)}) for n, p in MISS_NEUTRAL.items()]
@@ -244,3 +244,37 @@ def test_an_overfetch_holds_the_routers_own_choice_on_a_biased_router():
     k = own.shape[-1]
     predicted = topk_prediction(rec, 1, k + 4)  # overfetch 1.5
     assert set(own[0].tolist()) <= set(predicted) and len(predicted) == k + 4
+
+
+def test_a_left_out_group_scores_what_the_family_fills_hand_worked():
+    # groups {0, 1} and {2, 3}, one kept, scored by the best: group 1 (-0.1) beats group 0 (-0.2); every score
+    # negative. transformers' DeepSeek-V3 router fills group 0 with -inf: top-2 = {2, 3}. A.X-K2's fills 0.0,
+    # above every kept score: its top-2 is group 0's experts, the group it left out -- reproduced, not corrected
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.2]])
+    bias = torch.tensor([[-0.3, -0.4, -0.4, -0.45]])
+    for fill, want in ((float("-inf"), {2, 3}), (0.0, {0, 1})):
+        s = Scoring(True, False, 1.0, bias, groups=2, topk_group=1, group_score="max", group_fill=fill)
+        assert set(torch.topk(s.selection(probs, 0), 2).indices[0].tolist()) == want
+    assert s.selection(probs, 0)[0, :2].tolist() == [0.0, 0.0]
+
+
+def test_probabilities_given_and_a_per_expert_weight_scale_hand_worked():
+    # Gemma-4: the router's first output is its softmax; weights renormalised, then times per_expert_scale
+    probs = torch.tensor([[0.5, 0.3, 0.2]])
+    scale = torch.tensor([[1.0, 2.0, 4.0], [3.0, 3.0, 3.0]])
+    s = Scoring(False, True, 1.0, given=True, expert_scale=scale)
+    assert torch.equal(s.probs(probs), probs)  # taken as it is, not softmaxed again
+    index = torch.tensor([[0, 2]])
+    assert s.weigh(probs, index, 0)[0].tolist() == pytest.approx([0.5 / 0.7 * 1.0, 0.2 / 0.7 * 4.0])
+    assert s.weigh(probs, index, 1)[0].tolist() == pytest.approx([0.5 / 0.7 * 3.0, 0.2 / 0.7 * 3.0])
+    assert s.plain and torch.equal(s.selection(probs, 0), probs)  # the scale weighs, never selects
+    back = Scoring.from_dict(s.to_dict(), 2, 3)  # (a trace's meta.json)
+    assert back.given and torch.equal(back.expert_scale, scale) and back.group_fill == float("-inf")
+    fill = Scoring.from_dict(Scoring(True, True, 1.0, None, 2, 1, group_fill=0.0).to_dict(), 1, 4)
+    assert fill.group_fill == 0.0
+    with pytest.raises(ValueError, match="scoring.expert_scale has shape"):
+        Scoring.from_dict(s.to_dict(), 3, 3)
+    with pytest.raises(ValueError, match="per-expert weight scale has non-finite"):
+        Scoring(False, True, 1.0, expert_scale=torch.tensor([[float("inf"), 1.0]]))
+    with pytest.raises(ValueError, match="group_fill=nan"):
+        Scoring(False, True, 1.0, group_fill=float("nan"))

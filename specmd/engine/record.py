@@ -32,6 +32,15 @@ class Scoring:
       DeepSeek-V3's router) or its best one (``max``, DeepSeek-V2's ``group_limited_greedy``) -- and selects
       its top-k among their experts. ``groups = 1`` (or ``topk_group >= groups``): no limit.
 
+    * ``given``: the router's first output already *is* its probabilities (Gemma-4's router returns its
+      softmax, not its logits): probabilities are that output as it is, and a trace's ``logits`` hold them;
+    * ``expert_scale``: ``[L, E]`` float32 or None, a learned per-expert factor on the top-k weights after
+      renormalisation (Gemma-4's ``per_expert_scale``: "apply per-expert scale directly to the weights", its
+      router's code), never on the selection;
+    * ``group_fill``: what the groups a token leaves out score (``-inf``: transformers' DeepSeek-V3 router,
+      never chosen; ``0.0``: A.X-K2's and Kolibri's routers, which choose there when every kept score is
+      negative -- their code, reproduced, not corrected).
+
     :meth:`selection` is exactly the family's own router computation (transformers'
     ``DeepseekV3TopkRouter.forward``: ``sigmoid(logits) + bias``, the groups outside the token's best set to
     ``-inf``), so the top-k of the selection score *is* the router's choice (``tests/test_selection.py``
@@ -39,13 +48,22 @@ class Scoring:
     the selection score is the probabilities themselves, and a ranking reads the logits (the same order).
     """
 
-    __slots__ = ("sigmoid", "renorm", "scale", "bias", "groups", "topk_group", "group_score", "plain")
+    __slots__ = ("sigmoid", "renorm", "scale", "bias", "groups", "topk_group", "group_score", "plain", "given",
+                 "expert_scale", "group_fill")
 
     def __init__(self, sigmoid: bool, renorm: bool, scale: float, bias: Optional[torch.Tensor] = None,
-                 groups: int = 1, topk_group: int = 1, group_score: str = "top2"):
+                 groups: int = 1, topk_group: int = 1, group_score: str = "top2", given: bool = False,
+                 expert_scale: Optional[torch.Tensor] = None, group_fill: float = float("-inf")):
         """Errors: ValueError for a ``group_score`` outside :data:`GROUP_SCORES`, groups that do not divide
-        the experts, a ``topk_group`` outside 1..groups, a bias that is not ``[L, E]`` or not finite."""
+        the experts, a ``topk_group`` outside 1..groups, a bias or expert scale that is not ``[L, E]`` or not
+        finite, a ``group_fill`` other than ``-inf`` or a finite number."""
         self.sigmoid = sigmoid
+        self.given = bool(given)
+        self.expert_scale = _layer_table(expert_scale, "per-expert weight scale")
+        group_fill = float(group_fill)
+        if math.isnan(group_fill) or group_fill == float("inf"):
+            raise ValueError(f"group_fill={group_fill}: -inf or a finite score")
+        self.group_fill = group_fill
         self.renorm = renorm
         self.scale = scale
         if group_score not in GROUP_SCORES:
@@ -55,14 +73,9 @@ class Scoring:
             raise ValueError(f"groups={groups}, topk_group={topk_group}: a router keeps 1..groups of its >= 1 groups")
         if topk_group == groups:  # every group kept: no limit
             groups = topk_group = 1
-        if bias is not None:
-            bias = torch.as_tensor(bias, dtype=torch.float32).detach().cpu()
-            if bias.dim() != 2:
-                raise ValueError(f"a selection bias is [MoE layers, experts], got shape {tuple(bias.shape)}")
-            if not bool(torch.isfinite(bias).all()):
-                raise ValueError("the selection bias has non-finite values")
-            if not bool(bias.any()):
-                bias = None  # all zero: the probabilities rank exactly as they are
+        bias = _layer_table(bias, "selection bias")
+        if bias is not None and not bool(bias.any()):
+            bias = None  # all zero: the probabilities rank exactly as they are
         if bias is not None:
             group_errors(groups, group_score, bias.shape[1])
         self.bias = bias
@@ -73,14 +86,20 @@ class Scoring:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
+        if self.given:
+            return logits
         return logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
 
-    def weigh(self, probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def weigh(self, probs: torch.Tensor, index: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """``[T, k]``: the weights of experts ``index`` [T, k] from the probabilities ``probs`` [T, E] at MoE
+        layer ``layer`` (whose per-expert scale applies)."""
         w = probs.gather(-1, index)
         if self.renorm:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         if self.scale != 1.0:
             w = w * self.scale
+        if self.expert_scale is not None:
+            w = w * self.expert_scale[layer].to(w.device)[index.clamp_max(self.expert_scale.shape[1] - 1)]
         return w
 
     def selection(self, probs: torch.Tensor, layer: int) -> torch.Tensor:
@@ -102,7 +121,7 @@ class Scoring:
                 group = grouped.max(dim=-1).values
             best = torch.topk(group, k=self.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
             keep = torch.zeros_like(group, dtype=torch.bool).scatter_(1, best, True)
-            s = s.masked_fill(~keep.unsqueeze(-1).expand(T, g, E // g).reshape(T, E), float("-inf"))
+            s = s.masked_fill(~keep.unsqueeze(-1).expand(T, g, E // g).reshape(T, E), self.group_fill)
         return s
 
     def select(self, logits: torch.Tensor, layer: int, k: int) -> torch.Tensor:
@@ -119,6 +138,12 @@ class Scoring:
             out["bias"] = self.bias.tolist()
         if self.groups > 1:
             out.update(groups=self.groups, topk_group=self.topk_group, group_score=self.group_score)
+            if self.group_fill != float("-inf"):
+                out["group_fill"] = self.group_fill
+        if self.given:
+            out["given"] = True
+        if self.expert_scale is not None:
+            out["expert_scale"] = self.expert_scale.tolist()
         return out
 
     @classmethod
@@ -127,22 +152,42 @@ class Scoring:
         none). ``layers`` / ``experts``: the bias's expected shape. Errors: ValueError naming the field."""
         if not isinstance(d, dict):
             raise ValueError(f"scoring is a mapping, got {type(d).__name__}")
-        bias = d.get("bias")
-        if bias is not None:
-            try:
-                bias = torch.tensor(bias, dtype=torch.float32)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"scoring.bias is not a [layers, experts] table of numbers ({e})") from None
-            if layers is not None and tuple(bias.shape) != (layers, experts):
-                raise ValueError(f"scoring.bias has shape {tuple(bias.shape)}; the geometry has {layers} MoE layers "
-                                 f"of {experts} experts")
+        bias, expert_scale = (_table_of(d, key, layers, experts) for key in ("bias", "expert_scale"))
         for key in ("scale",):
             if not math.isfinite(float(d.get(key, 1.0))):
                 raise ValueError(f"scoring.{key}={d.get(key)!r} is not finite")
         if experts is not None and int(d.get("topk_group", 1)) < int(d.get("groups", 1)):
             group_errors(int(d.get("groups", 1)), str(d.get("group_score", "top2")), experts)
         return cls(bool(d.get("sigmoid", False)), bool(d.get("renorm", True)), float(d.get("scale", 1.0)), bias,
-                   int(d.get("groups", 1)), int(d.get("topk_group", 1)), str(d.get("group_score", "top2")))
+                   int(d.get("groups", 1)), int(d.get("topk_group", 1)), str(d.get("group_score", "top2")),
+                   bool(d.get("given", False)), expert_scale, float(d.get("group_fill", float("-inf"))))
+
+
+def _layer_table(t, what: str) -> Optional[torch.Tensor]:
+    """``t`` as a ``[L, E]`` float32 host tensor (None stays None). Errors: ValueError naming ``what``."""
+    if t is None:
+        return None
+    t = torch.as_tensor(t, dtype=torch.float32).detach().cpu()
+    if t.dim() != 2:
+        raise ValueError(f"a {what} is [MoE layers, experts], got shape {tuple(t.shape)}")
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"the {what} has non-finite values")
+    return t
+
+
+def _table_of(d: dict, key: str, layers: Optional[int], experts: Optional[int]) -> Optional[torch.Tensor]:
+    """A trace's ``scoring.<key>`` table as a tensor, checked against the geometry (``layers`` x ``experts``)."""
+    table = d.get(key)
+    if table is None:
+        return None
+    try:
+        table = torch.tensor(table, dtype=torch.float32)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"scoring.{key} is not a [layers, experts] table of numbers ({e})") from None
+    if layers is not None and tuple(table.shape) != (layers, experts):
+        raise ValueError(f"scoring.{key} has shape {tuple(table.shape)}; the geometry has {layers} MoE layers "
+                         f"of {experts} experts")
+    return table
 
 
 def group_errors(groups: int, group_score: str, experts: int) -> None:
@@ -255,7 +300,7 @@ class GateRecord:
 
     def reweigh(self, index: torch.Tensor) -> torch.Tensor:
         """Dual-logit semantics: weights of a (modified) selection from the *original* probabilities."""
-        return self.scoring.weigh(self.probs, index).to(self.weights.dtype)
+        return self.scoring.weigh(self.probs, index, self.layer).to(self.weights.dtype)
 
 
 def fill(rec: GateRecord, layer: int, scoring, signal, requested) -> GateRecord:

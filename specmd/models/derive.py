@@ -49,7 +49,9 @@ SHRINK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n
               linear_num_heads=4, linear_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
               linear_key_head_dim=16, linear_value_head_dim=16,
               # Jamba's periodic layout at 4 layers: attention and experts on layers 1 and 3
-              attn_layer_period=2, attn_layer_offset=1)
+              attn_layer_period=2, attn_layer_offset=1,
+              # Gemma-4's per-layer input embeddings, LongCat-Flash's expert width
+              vocab_size_per_layer_input=260, hidden_size_per_layer_input=16, expert_ffn_hidden_size=32)
 # a wrapper's vision / audio towers (set only where the tower's config has the field; its output width the text's)
 SHRINK_TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=1, num_attention_heads=2,
                     num_heads=2, num_key_value_heads=2, head_dim=16, encoder_layers=1, d_model=32,
@@ -58,11 +60,19 @@ TOWER_OUT = ("out_hidden_size", "text_hidden_size", "projection_dim", "output_di
 LAYERS = 4
 SHRINK_WINDOW = 64  # a sliding window its config class leaves None
 MAX_LAYERS = 8  # a tiny instance keeps one layer of each kind, up to this many
-TOPK_FIELDS = ("num_experts_per_tok", "moe_topk", "moe_k")  # where configs keep top-k (Aria: moe_topk, ERNIE-VL: moe_k)
+# where configs keep top-k (Aria: moe_topk, ERNIE-VL: moe_k, Gemma-4: top_k_experts)
+TOPK_FIELDS = ("num_experts_per_tok", "moe_topk", "moe_k", "top_k_experts")
 # what a family's config class leaves None and its model needs (a checkpoint's config.json sets it), declared as
 # data: the layout of its real model at toy sizes
 TINY_FIXES = {
+    "gemma4_text": dict(enable_moe_block=True),  # Gemma-4's MoE variant (26B-A4B): its dense default has none
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv", "full_attention"]),  # LFM2-8B-A1B's mix
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"] * 2),  # Granite-4.0-H: Mamba-2 and
+    # attention layers (its class default is Mamba-2 alone, no KV cache to run)
+    "dots1": dict(n_shared_experts=2),  # dots.llm1: 2 shared experts (its class default None builds none)
+    "zaya": dict(num_experts_per_tok=1),  # ZAYA1 routes top-1 (its validator refuses any other)
+    "glm4v_moe_text": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                                mrope_section=[2, 1, 1])),  # GLM-4.5V's [8, 12, 12] at the toy head
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
                            indexer_compress_ratio=4),
 }
@@ -72,6 +82,8 @@ SCALE_FIELDS = ("routed_scaling_factor", "route_scale", "router_scaling_factor",
                 "moe_router_scaling_factor")
 PROBE_SCALE = 2.5
 GROUP_SCORES = ("top2", "max")
+GROUP_FILLS = (float("-inf"), 0.0)  # what a left-out group scores (transformers' DeepSeek-V3; A.X-K2, Kolibri)
+SCORES = ("softmax", "sigmoid", "probabilities")  # Adapter.score: what the router's first output is taken through
 
 # families whose derived record the hook tests do not pass yet: family -> what is missing
 NOT_YET: dict[str, str] = {}
@@ -152,6 +164,9 @@ def tiny_overrides(model_type: str) -> dict:
             tower = _tower_overrides(sub, width)
             if tower:
                 over[name] = tower
+    top = config.to_dict()  # the projector between them (MuSe-Spark's), at the wrapper's level
+    over.update({k: width for k in TOWER_OUT if isinstance(top.get(k), int)})
+    over.update({k: SHRINK_TOWER["intermediate_size"] for k in ("projector_hidden_size",) if isinstance(top.get(k), int)})
     return over
 
 
@@ -177,9 +192,9 @@ def _text_overrides(fields: dict) -> dict:
     ints = [f for f in E_FIELDS if isinstance(fields.get(f), int)]
     for f in ints or [f for f in E_FIELDS if f in fields][:1]:  # (dots1 defaults its E to None)
         over[f] = EXPERTS
-    for f in TOPK_FIELDS:
-        if isinstance(fields.get(f), int):
-            over[f] = TOP_K
+    ints = [f for f in TOPK_FIELDS if isinstance(fields.get(f), int)]
+    for f in ints or [f for f in TOPK_FIELDS if f in fields][:1]:  # (Gemma-4 defaults its top-k to None)
+        over[f] = TOP_K
     group = next((f for f in ("n_group", "num_expert_group") if f in fields), None)
     if group is not None and "topk_group" in fields:  # probed group-limited whatever its default (often 1 or None:
         over.update({group: 4, "topk_group": 2})     # a checkpoint's config.json sets them), so the fit sees it
@@ -293,23 +308,26 @@ def _structure(model) -> dict:
 
     decoders = [name for name, m in model.named_modules()  # the module whose layers hold the experts
                 if isinstance(getattr(m, "layers", None), torch.nn.ModuleList)
-                and any(hasattr(c, "experts") for layer in m.layers for c in layer.children())]
+                and any(hasattr(c, "experts") for layer in m.layers for c in (layer, *layer.children()))]
     if not decoders:
         raise _Refuse("its MoE block is no module of a decoder layer")
     if len(decoders) > 1:
-        raise _Refuse(f"it has several MoE decoders ({', '.join(decoders)})")
+        raise _Refuse(f"its MoE layers are in several decoders ({', '.join(decoders)})")
     decoder_path = decoders[0]
     layers = model.get_submodule(decoder_path).layers
     found = sorted({n for layer in layers for n, m in layer.named_children() if hasattr(m, "experts")},
                    key=lambda n: n != "mlp")  # the layer attribute holding its MoE block (mlp first)
+    if not found:  # the layer is the block (Gemma-4: router and experts beside the dense MLP)
+        found = [""]
     if len(found) > 1:
         raise _Refuse(f"its decoder layers hold experts in several places ({', '.join(found)})")
     block_attr = found[0]
-    moe = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, block_attr, None), "experts")]
+    moe = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, block_attr, None) if block_attr else layer,
+                                                          "experts")]
     heads = [name for name, _ in model.named_modules() if name.split(".")[-1] == "lm_head"]
     if len(heads) != 1:
-        raise _Refuse("it has no lm_head" if not heads else f"it has several LM heads ({', '.join(heads)})")
-    block = getattr(layers[moe[0]], block_attr)
+        raise _Refuse("its model has no lm_head" if not heads else f"its model has several LM heads ({', '.join(heads)})")
+    block = getattr(layers[moe[0]], block_attr) if block_attr else layers[moe[0]]
     attr = next((a for a in ("gate", "router") if isinstance(getattr(block, a, None), torch.nn.Module)), None)
     if attr is None:
         raise _Refuse("its MoE block has no router module (.gate or .router)")
@@ -328,10 +346,16 @@ def _router_args(router, block) -> tuple:
 
     import torch
 
-    params = list(inspect.signature(router.forward).parameters.values())[1:]
-    names = tuple(p.name for p in params if p.default is inspect.Parameter.empty
-                  and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-    lacking = [n for n in names if not isinstance(getattr(block, n, None), torch.Tensor)]
+    params = [p for p in list(inspect.signature(router.forward).parameters.values())[1:]
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def held(name):
+        return isinstance(getattr(block, name, None), torch.Tensor)
+
+    # the required ones, and an optional one the block holds (LFM2-MoE: gate(hidden, expert_bias) where it has one)
+    last = max((i + 1 for i, p in enumerate(params) if held(p.name) or p.default is inspect.Parameter.empty), default=0)
+    names = tuple(p.name for p in params[:last])
+    lacking = [n for n in names if not held(n)]
     if lacking:
         raise _Refuse(f"its router needs more than the hidden states ({', '.join(lacking)}, which its MoE block does "
                       f"not hold)")
@@ -354,20 +378,39 @@ def _route(router, hidden):
     return out
 
 
-def _fit(logits, weights, index):
-    """(sigmoid, renorm, scale) whose ``Scoring.weigh`` gives the router's weights, or None."""
+def _fit(logits, weights, index, expert_scale=None):
+    """(score, renorm, scale) whose ``Scoring.weigh`` gives the router's weights, or None: ``score`` "softmax"
+    or "sigmoid" of its first output, or "probabilities" (the output is its probabilities: Gemma-4);
+    ``expert_scale`` [E]: a per-expert factor the weights carry besides (divided out first)."""
     import torch
 
     from ..engine.record import Scoring
 
-    for sigmoid in (False, True):
+    if expert_scale is not None:
+        weights = weights.float() / expert_scale.detach().float()[index]
+    for score in SCORES:
         for renorm in (True, False):
-            s = Scoring(sigmoid, renorm, 1.0)
+            s = Scoring(score == "sigmoid", renorm, 1.0, given=score == "probabilities")
             ratio = weights.float() / s.weigh(s.probs(logits), index).clamp_min(1e-30)
             c = float(ratio.mean())
             if math.isfinite(c) and torch.allclose(ratio, torch.full_like(ratio, c), rtol=1e-4, atol=1e-6):
-                return sigmoid, renorm, c
+                return score, renorm, c
     return None
+
+
+def _weight_scales(router, E: int, bias_attr: str) -> list:
+    """The router's ``[E]`` float parameters other than a selection bias: candidates for a learned per-expert
+    weight scale (Gemma-4's ``per_expert_scale``), set to random values in the probe so that one shows."""
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    found = []
+    for name, p in router.named_parameters(recurse=False):
+        if p.dim() == 1 and p.numel() == E and p.is_floating_point() and name != bias_attr:
+            with torch.no_grad():
+                p.copy_(torch.rand(E, generator=g) + 0.5)
+            found.append(name)
+    return found
 
 
 def _derive(family: str) -> Derived:
@@ -379,12 +422,49 @@ def _derive(family: str) -> Derived:
     if runs_as != family:  # transformers' causal LM of a wrapper is its text model: the checkpoint runs as that
         d = derive(runs_as)
         return Derived(family, adapter=d.adapter, reason=d.reason, bias=d.bias, runs_as=runs_as)
+    # 1. its tiny instance builds, runs and generates; where its parts are
     over = tiny_overrides(family)
     model = _build(family, over)
     parts = _structure(model)
     moe, experts = parts.pop("moe"), parts.pop("experts")
+    _runs(model)
+    # 2. E and top-k are config fields
+    config = Adapter.text(model.config)
+    E = next((int(p.shape[0]) for n in ("gate_up_proj", "up_proj") if (p := getattr(experts, n, None)) is not None))
+    experts_attr = next((f for f in E_FIELDS if getattr(config, f, None) == E), None)
+    if experts_attr is None:
+        raise _Refuse(f"its {E} experts are in no config field of {', '.join(E_FIELDS)}")
+    topk_attr = next((f for f in TOPK_FIELDS if isinstance(getattr(config, f, None), int)), None)
+    if topk_attr is None:
+        raise _Refuse(f"its config has no top-k field ({', '.join(TOPK_FIELDS)})")
+    # 3. how the router is called, and how its weights follow from its first output
+    hidden = torch.randn(48, int(config.hidden_size), generator=torch.Generator().manual_seed(0))
+    block = Adapter(family, **parts).block(model, moe[0])
+    probe = Adapter(family, **parts, router_args=_router_args(getattr(block, parts["router_attr"]), block))
+    rule = _weights_rule(family, over, probe, model, moe, E, hidden)
+    bias_attr = next((n for n in probe.router_args if "bias" in n and getattr(block, n).shape == (E,)),
+                     probe.bias_attr)  # a selection bias the block passes its router (LFM2-MoE's expert_bias)
+    adapter = dataclasses.replace(
+        probe, bias_attr=bias_attr, **rule, experts_attr=experts_attr, topk_attr=topk_attr, tiny=over, hub=None,
+        experts_layout=ExpertsLayout(gated=getattr(experts, "has_gate", True),
+                                     transposed=getattr(experts, "is_transposed", False),
+                                     bias=getattr(experts, "has_bias", False),
+                                     post_norm=getattr(experts, "has_post_expert_norm", False)))
+    # 4. its experts compute what the kernel does; 5. its top-k is the selection score's
+    _kernel_agrees(experts, adapter.experts_layout, E, hidden)
+    adapter = _selection(adapter, model, moe, hidden)
+    if family in NOT_YET:
+        raise _Refuse(NOT_YET[family])
+    holder = adapter.bias_holder(model, moe[0])
+    return Derived(family, adapter=adapter, bias=isinstance(getattr(holder, adapter.bias_attr, None), torch.Tensor))
+
+
+def _runs(model) -> None:
+    """A prefill and a decode step through its cache, and greedy generation (what a run does), or refused."""
+    import torch
+
     try:
-        with torch.no_grad():  # a prefill and a decode step through its cache, and greedy generation (what a run does)
+        with torch.no_grad():
             ids = torch.arange(8).reshape(1, 8) + 1
             out = model(ids, use_cache=True)
             model(ids[:, -1:] + 1, past_key_values=out.past_key_values, use_cache=True)
@@ -392,23 +472,28 @@ def _derive(family: str) -> Derived:
     except Exception as exc:  # noqa: BLE001 -- the shrunk layout does not run
         raise _Refuse(f"its tiny instance does not run ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})") \
             from None
+
+
+def _weights_rule(family: str, over: dict, probe, model, moe: list, E: int, hidden) -> dict:
+    """The Adapter fields of how the router's weights follow from its first output: ``score``, ``renorm``
+    (a ``norm_topk_prob`` field where flipping it flips the fit), ``scale_attr`` (the config field of a
+    constant factor, :data:`SCALE_FIELDS`), ``weight_scale_attr`` (a learned per-expert factor)."""
+    from .family import Adapter
+
     config = Adapter.text(model.config)
-    E = next((int(p.shape[0]) for n in ("gate_up_proj", "up_proj") if (p := getattr(experts, n, None)) is not None))
-    experts_attr = next((f for f in E_FIELDS if getattr(config, f, None) == E), None)
-    if experts_attr is None:
-        raise _Refuse(f"no config field of {', '.join(E_FIELDS)} holds its {E} experts")
-    topk_attr = next((f for f in TOPK_FIELDS if isinstance(getattr(config, f, None), int)), None)
-    if topk_attr is None:
-        raise _Refuse(f"its config has no top-k field ({', '.join(TOPK_FIELDS)})")
-    hidden = torch.randn(48, int(config.hidden_size), generator=torch.Generator().manual_seed(0))
-    probe = Adapter(family, **parts)
-    block = probe.block(model, moe[0])
-    probe = Adapter(family, **parts, router_args=_router_args(getattr(block, probe.router_attr), block))
+    router = probe.router(model, moe[0])
+    scales = [_weight_scales(probe.router(model, i), E, probe.bias_attr) for i in moe][0]
     logits, weights, index = _route(probe.router_call(model, moe[0]), hidden)
-    fit = _fit(logits, weights, index)
+    weight_scale_attr, fit = None, _fit(logits, weights, index)
+    for name in scales if fit is None else ():  # weights that carry a learned per-expert scale
+        fit = _fit(logits, weights, index, getattr(router, name))
+        if fit is not None:
+            weight_scale_attr = name
+            break
     if fit is None:
-        raise _Refuse("its router's weights are no softmax or sigmoid of its logits, renormalised or scaled")
-    sigmoid, renorm, c = fit
+        raise _Refuse("its router's weights are no softmax or sigmoid of its logits (or its first output), "
+                      "renormalised or scaled")
+    score, renorm, c = fit
     scale_attr = None
     if abs(c - 1.0) > 1e-4:
         scale_attr = next((f for f in SCALE_FIELDS if abs(float(getattr(config, f, math.nan)) - c) < 1e-4), None)
@@ -418,24 +503,13 @@ def _derive(family: str) -> Derived:
         flip = {"norm_topk_prob": not config.norm_topk_prob}
         field = next((k for k, v in over.items() if isinstance(v, dict) and "num_hidden_layers" in v), None)
         flipped = _build(family, dict(over, **{field: dict(over[field], **flip)}) if field else dict(over, **flip))
-        fit2 = _fit(*_route(probe.router_call(flipped, moe[0]), hidden))
+        fit2 = _fit(*_route(probe.router_call(flipped, moe[0]), hidden),
+                    getattr(probe.router(flipped, moe[0]), weight_scale_attr) if weight_scale_attr else None)
         if fit2 is not None and fit2[1] != renorm:
             renorm = "norm_topk_prob" if renorm == config.norm_topk_prob else None
             if renorm is None:
                 raise _Refuse("its renormalisation is the opposite of its norm_topk_prob field")
-    adapter = dataclasses.replace(
-        probe, score="sigmoid" if sigmoid else "softmax", renorm=renorm, scale_attr=scale_attr,
-        experts_attr=experts_attr, topk_attr=topk_attr, tiny=over, hub=None,
-        experts_layout=ExpertsLayout(gated=getattr(experts, "has_gate", True),
-                                     transposed=getattr(experts, "is_transposed", False),
-                                     bias=getattr(experts, "has_bias", False),
-                                     post_norm=getattr(experts, "has_post_expert_norm", False)))
-    _kernel_agrees(experts, adapter.experts_layout, E, hidden)
-    adapter = _selection(adapter, model, moe, hidden)
-    if family in NOT_YET:
-        raise _Refuse(NOT_YET[family])
-    holder = adapter.bias_holder(model, moe[0])
-    return Derived(family, adapter=adapter, bias=isinstance(getattr(holder, adapter.bias_attr, None), torch.Tensor))
+    return dict(score=score, renorm=renorm, scale_attr=scale_attr, weight_scale_attr=weight_scale_attr)
 
 
 def _kernel_agrees(experts, layout, E: int, hidden) -> None:
@@ -450,9 +524,13 @@ def _kernel_agrees(experts, layout, E: int, hidden) -> None:
     g = torch.Generator().manual_seed(2)
     index = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(hidden.shape[0])])  # [T, k]
     weights = torch.rand(index.shape, generator=g)
-    with torch.no_grad():
-        own = experts(hidden, index, weights)
-        mine = run_experts(experts, layout, hidden, index, weights, views_of(expert_tensors(experts, E), E))
+    try:
+        with torch.no_grad():
+            own = experts(hidden, index, weights)
+            mine = run_experts(experts, layout, hidden, index, weights, views_of(expert_tensors(experts, E), E))
+    except Exception as exc:  # noqa: BLE001 -- experts that take more than the decoder's hidden states
+        raise _Refuse(f"its experts are not called as experts(hidden [T, H], index, weights) ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0][:100]})") from None
     if not torch.equal(own, mine):
         raise _Refuse("its experts module computes other than transformers' fused experts kernel (its own forward; "
                       f"max difference {float((own - mine).abs().max()):.2g}): offloaded would not equal simulated")
@@ -487,8 +565,10 @@ def _selection(adapter, model, moe, hidden):
                 bias.copy_(torch.rand(bias.shape, generator=g) * 0.5 - 1.0)  # out with 0.0, not -inf, disagrees
     routed = [_route(adapter.router_call(model, i), hidden) for i in moe]
     grouped = (getattr(adapter.text(model.config), "n_group", 1) or 1) > 1
-    for group_score in (GROUP_SCORES + (None,) if grouped else (None,)):  # (a router may ignore the groups)
-        candidate = dataclasses.replace(adapter, group_score=group_score)
+    rules = [(g, fill) for g in GROUP_SCORES for fill in GROUP_FILLS] + [(None, GROUP_FILLS[0])] if grouped else \
+        [(None, GROUP_FILLS[0])]  # (a router may ignore the groups)
+    for group_score, fill in rules:
+        candidate = dataclasses.replace(adapter, group_score=group_score, group_fill=fill)
         try:
             scoring = candidate.scoring(model.config, holders)
         except (ConfigError, ValueError) as exc:
@@ -498,7 +578,7 @@ def _selection(adapter, model, moe, hidden):
                for l, (lg, _, idx) in enumerate(routed)):
             return candidate
     raise _Refuse("its top-k is not the top-k of its probabilities plus a selection bias within a group limit "
-                  "(left-out groups masked with -inf)")
+                  "(left-out groups scored -inf or 0.0)")
 
 
 def _same_sets(a, b) -> bool:

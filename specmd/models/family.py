@@ -111,7 +111,9 @@ class RoutingReference:
 class Adapter:
     family: str  # transformers model_type
     router_attr: str = "gate"
-    score: str = "softmax"  # router probabilities: "softmax" or "sigmoid" over the logits
+    # router probabilities: "softmax" or "sigmoid" over the logits, or "probabilities": the router's first output
+    # is its probabilities already (Gemma-4)
+    score: str = "softmax"
     # top-k weights renormalised to sum 1: True / False / name of a bool config field
     renorm: object = True
     scale_attr: Optional[str] = None  # config field multiplying the top-k weights
@@ -136,11 +138,16 @@ class Adapter:
     bias_attr: str = "e_score_correction_bias"
     group_score: Optional[str] = None
     groups_if: Optional[tuple] = None
+    # What a left-out group scores (-inf; A.X-K2's and Kolibri's routers fill 0.0), and the router's [E]
+    # parameter scaling each expert's weight after renormalisation (Gemma-4's ``per_expert_scale``), or None.
+    group_fill: float = float("-inf")
+    weight_scale_attr: Optional[str] = None
     # Attributes of the MoE block the router takes after the hidden states (MiniMax-M2, Hy3: the selection
     # bias lives on the block, ``gate(hidden, self.e_score_correction_bias)``); () for ``router(hidden)``.
     router_args: tuple = ()
     # The decoder layer's attribute holding its MoE block (``mlp``; Granite's ``block_sparse_moe``, Jamba's
-    # ``feed_forward``, Nemotron-H's ``mixer``); a layer whose block has no ``experts`` is dense.
+    # ``feed_forward``, Nemotron-H's ``mixer``; "": the layer is the block, Gemma-4's router and experts are
+    # attributes of its decoder layer); a layer whose block has no ``experts`` is dense.
     block_attr: str = "mlp"
     # Where the decoder (its ``layers``, embeddings and final norm) and the LM head sit in the model the family's
     # Auto class builds (:meth:`auto_class`): ``model`` and ``lm_head`` for a causal LM; a vision-language
@@ -186,15 +193,18 @@ class Adapter:
 
     def moe_layers(self, model) -> list[int]:
         """Decoder-layer indices whose MLP is a routed MoE block."""
-        attr, layers = self.block_attr, self.layers(model)
-        ids = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, attr, None), "experts")]
+        layers = self.layers(model)
+        ids = [i for i, layer in enumerate(layers) if hasattr(self._block_of(layer), "experts")]
         if not ids:
             raise ConfigError(f"no MoE layers found in {type(model).__name__} ({len(layers)} decoder "
                               f"layers): specmd caches the experts of an MoE model")
         return ids
 
     def block(self, model, layer_id: int):
-        return getattr(self.layers(model)[layer_id], self.block_attr)
+        return self._block_of(self.layers(model)[layer_id])
+
+    def _block_of(self, layer):
+        return getattr(layer, self.block_attr, None) if self.block_attr else layer
 
     def router(self, model, layer_id: int):
         return getattr(self.block(model, layer_id), self.router_attr)
@@ -230,7 +240,10 @@ class Adapter:
         config = self.text(config)
         groups, topk_group = self.group_limit(config)
         return Scoring(self.score == "sigmoid", self.renormalises(config), self.scale(config),
-                       self.selection_bias(routers), groups, topk_group, self.group_score or "top2")
+                       self.selection_bias(routers), groups, topk_group, self.group_score or "top2",
+                       given=self.score == "probabilities", group_fill=self.group_fill,
+                       expert_scale=self.selection_bias(routers, self.weight_scale_attr) if self.weight_scale_attr
+                       else None)
 
     def group_limit(self, config) -> tuple[int, int]:
         """``(groups, kept groups)`` of the family's group-limited top-k under ``config``; (1, 1): none.
@@ -249,16 +262,18 @@ class Adapter:
                               f"top-k {k}: the groups must divide the experts and the kept groups hold >= top-k of them")
         return groups, kept
 
-    def selection_bias(self, routers):
-        """``[L, E]`` float32 on the host: each router's selection bias (``bias_attr``), or None when no
-        router has one."""
+    def selection_bias(self, routers, attr: Optional[str] = None):
+        """``[L, E]`` float32 on the host: each router's selection bias (``bias_attr``; or its ``attr``), or
+        None when no router has one (a layer without: zeros; ones for the weight scale)."""
         import torch
 
-        rows = [getattr(r, self.bias_attr, None) for r in routers]
+        attr = attr or self.bias_attr
+        rows = [getattr(r, attr, getattr(getattr(r, self.router_attr, None), attr, None)) for r in routers]
         if not rows or all(b is None for b in rows):
             return None
         E = next(b for b in rows if b is not None).numel()
-        return torch.stack([torch.zeros(E) if b is None else b.detach().float().cpu().reshape(-1) for b in rows])
+        empty = torch.zeros if attr == self.bias_attr else torch.ones
+        return torch.stack([empty(E) if b is None else b.detach().float().cpu().reshape(-1) for b in rows])
 
     def geometry(self, model):
         """The :class:`~specmd.engine.geometry.Geometry` of a loaded model (parameters at their dtype)."""

@@ -38,7 +38,7 @@ class RoutingPolicy(Policy):
 
     def weigh(self, record: Any, index: torch.Tensor) -> torch.Tensor:
         """Weights of a modified selection: the original probabilities, the family's way (dual-logit)."""
-        return record.scoring.weigh(record.probs, index)
+        return record.scoring.weigh(record.probs, index, record.layer)
 
 
 PASSES = ("decode", "all")  # the passes a batch-aware routing policy acts on (``passes``)
@@ -58,9 +58,9 @@ def weigh_kept(record: Any, index: torch.Tensor, void: Any) -> torch.Tensor:
     does not keeps the raw probabilities), an empty slot 0. Empty slots read a zero-probability column."""
     probs = record.probs
     if void is None:
-        return record.scoring.weigh(probs, index)
+        return record.scoring.weigh(probs, index, record.layer)
     padded = torch.cat([probs, probs.new_zeros(probs.shape[0], 1)], dim=-1)  # column E: probability 0
-    return record.scoring.weigh(padded, index.masked_fill(void, probs.shape[-1]))
+    return record.scoring.weigh(padded, index.masked_fill(void, probs.shape[-1]), record.layer)
 
 
 def selection_ranking(record: Any) -> torch.Tensor:

@@ -60,7 +60,7 @@ class Prune(RoutingPolicy):
 
     def weigh(self, record, index):
         h = self.params.h
-        w = record.scoring.weigh(record.probs, index[:, :h])  # apply() put the kept ranks first
+        w = record.scoring.weigh(record.probs, index[:, :h], record.layer)  # apply() put the kept ranks first
         out = w.new_zeros(index.shape)
         out[:, :h] = w
         return out
