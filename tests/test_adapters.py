@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES, ROOT, tiny
-from specmd.models.adapters import ADAPTERS, HubLayout, adapter_for
+from specmd.models.adapters import ADAPTERS, HubLayout, adapter_for, derived_families
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -27,12 +27,14 @@ def test_experts_layout_is_the_family_module(family):
     assert per_expert == {n for n in layout.names if n}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + [f for f in derived_families() if adapter_for(f).hub_layout()])
 def test_hub_layout_round_trips_writer_loader_and_disk_tier(tmp_path, family):
-    """A random checkpoint in the family's hub layout (transformers' own for a family without one) has the
-    names transformers' ``save_pretrained`` writes (its conversion back to the hub's), loads through
+    """A random checkpoint in the family's hub layout -- what transformers' conversion mapping declares for it
+    (:meth:`Adapter.hub_layout`; transformers' own layout for a family without one) -- has the names
+    transformers' ``save_pretrained`` writes (its conversion back to the hub's), loads through
     ``from_pretrained`` without a missing or unexpected key, and is what specmd's own readers -- the dense
-    loader (experts on meta) and the disk tier (experts per expert) -- read back, bit for bit."""
+    loader (experts on meta) and the disk tier (experts per expert) -- read back, bit for bit: on every family
+    with a record, and every derived one whose hub layout transformers declares."""
     import json
 
     from safetensors import safe_open
@@ -45,7 +47,7 @@ def test_hub_layout_round_trips_writer_loader_and_disk_tier(tmp_path, family):
 
     adapter = adapter_for(family)
     path = write_random_checkpoint(tiny_config(family).to_dict(), tmp_path / family, dtype="float32",
-                                   layout="hub" if adapter.hub else "transformers")
+                                   layout="hub" if adapter.hub_layout() else "transformers")
     ref, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
     assert {k: v for k, v in info.items() if v} == {}, info
     tiny(family).save_pretrained(tmp_path / "saved")  # a model built here: not loaded, so no names remembered
@@ -63,7 +65,7 @@ def test_hub_layout_round_trips_writer_loader_and_disk_tier(tmp_path, family):
     ids, E = adapter.moe_layers(ref), adapter.num_experts(ref.config)
     fused = [expert_tensors(adapter.experts(ref, i), E) for i in ids]
     shapes = {n: tuple(t.shape[1:]) for n, t in fused[0].items()}
-    tier = DiskTier(str(path), ids, shapes, torch.float32, E, adapter.hub)
+    tier = DiskTier(str(path), ids, shapes, torch.float32, E, adapter.hub_layout())
     try:
         for layer, tensors in enumerate(fused):
             for e in range(E):
@@ -86,10 +88,10 @@ def _hub_names() -> set[str]:
     default = HubLayout()
     out = set()
     for a in ADAPTERS.values():
-        if a.hub is not None and a.hub != default:
-            out |= {a.hub.block} if a.hub.block != default.block else set()
-            out |= {f"{getattr(a.hub, p)}.weight" for p in ("gate", "up", "down")
-                    if getattr(a.hub, p) != getattr(default, p)}
+        hub = a.hub_layout()
+        if hub is not None and hub != default:
+            out |= {hub.block} if hub.block != default.block else set()
+            out |= {f"{getattr(hub, p)}.weight" for p in ("gate", "up", "down") if getattr(hub, p) != getattr(default, p)}
     return out
 
 

@@ -47,7 +47,7 @@ def _row(family: str, adapter, reason: Optional[str], source: Optional[str], bia
 
     row = {"family": family, "runs": adapter is not None, "through": source, "refused_because": reason,
            "real_model": real_model(family), "moe_layers": None, "experts": None, "top_k": None,
-           "selection": None, "timing_as": False, "random_checkpoint": bool(adapter and adapter.hub)}
+           "selection": None, "timing_as": False, "random_checkpoint": bool(adapter and adapter.hub_layout())}
     if adapter is None:
         return row
     geometry = _real_geometry(family)

@@ -165,7 +165,7 @@ class Offload(Executor):
             raise ConfigError("execution.host=disk reads experts from a local checkpoint's safetensors: install the "
                               "stack with checkpoint=<its directory>, or use execution.host=ram")
         return DiskTier(stack.checkpoint, list(stack.geom.layer_ids), shapes, dtype, stack.geom.num_experts,
-                        stack.adapter.hub, self.params.page_cache, dev)
+                        stack.adapter.hub_layout(), self.params.page_cache, dev)
 
     def _name(self, layer: int, expert: int) -> str:
         return f"model.layers.{self.stack.moe_ids[layer]} expert {expert}"

@@ -73,6 +73,7 @@ TINY_FIXES = {
     "zaya": dict(num_experts_per_tok=1),  # ZAYA1 routes top-1 (its validator refuses any other)
     "glm4v_moe_text": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
                                                 mrope_section=[2, 1, 1])),  # GLM-4.5V's [8, 12, 12] at the toy head
+    "deepseek_ocr2_text": dict(mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),  # DeepSeek-OCR-2's
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
                            indexer_compress_ratio=4),
 }
@@ -171,16 +172,14 @@ def tiny_overrides(model_type: str) -> dict:
 
 
 def _text_overrides(fields: dict) -> dict:
-    over = {k: v for k, v in SHRINK.items() if k in fields}
-    for k, v in list(over.items()):  # a size per expert set (ERNIE-4.5-VL: text and vision experts)
+    over = {k: v for k, v in SHRINK.items() if k in fields and fields[k] != 0}  # (a 0 is a layout: GLM-5-Next's
+    for k, v in list(over.items()):                                              # NoPE attention)  # a size per expert set (ERNIE-4.5-VL: text and vision experts)
         if isinstance(fields[k], list) and not isinstance(v, list):
             over[k] = [v] * len(fields[k])
     if "sliding_window" in fields and fields["sliding_window"] is None:  # (Step-3.5 reads it whatever its layers)
         over["sliding_window"] = SHRINK_WINDOW
-    if "kv_lora_rank" in fields:  # multi-head latent attention: a key/value head per query head, the rope part of
-        rope, default_rope = SHRINK["qk_rope_head_dim"], fields.get("qk_rope_head_dim") or 1  # the head in the
-        over.update(num_key_value_heads=SHRINK["num_attention_heads"],       # default's proportion (Mistral-4:
-                    head_dim=rope * max(1, int(fields.get("head_dim") or default_rope) // default_rope))  # half)
+    if "kv_lora_rank" in fields:  # multi-head latent attention: a key/value head per query head, head_dim as the
+        over.update(num_key_value_heads=SHRINK["num_attention_heads"], head_dim=_mla_head_dim(fields))  # default's
         if "qk_head_dim" in fields:
             over["qk_head_dim"] = SHRINK["qk_rope_head_dim"] + SHRINK["qk_nope_head_dim"]
     for k, v in (("index_head_dim", 16), ("index_n_heads", 4), ("index_topk", 8)):  # a sparse-attention indexer
@@ -201,8 +200,22 @@ def _text_overrides(fields: dict) -> dict:
     for f in SCALE_FIELDS:
         if isinstance(fields.get(f), (int, float)):
             over[f] = PROBE_SCALE
+    for entry in over.get("per_layer_config", {}).values():  # a layer's own sizes are the shrunk ones
+        entry.update({k: over[k] for k in entry if k in over})
     over.update(TINY_FIXES.get(fields.get("model_type"), {}))
     return over
+
+
+def _mla_head_dim(fields: dict) -> int:
+    """A latent-attention model's tiny ``head_dim``, what its default is made of: the rope and no-rope parts
+    (dots.llm3's sliding layers, Mistral-4), the rope part (DeepSeek-V3), or a multiple of it."""
+    rope, nope = SHRINK["qk_rope_head_dim"], SHRINK["qk_nope_head_dim"]
+    d_rope, d_nope, d_head = (fields.get(k) or 0 for k in ("qk_rope_head_dim", "qk_nope_head_dim", "head_dim"))
+    per_layer = fields.get("per_layer_config") if isinstance(fields.get("per_layer_config"), dict) else {}
+    nopes = {d_nope} | {v.get("qk_nope_head_dim") for v in per_layer.values() if isinstance(v, dict)}
+    if d_head and any(d_head == d_rope + (n or 0) for n in nopes):
+        return rope + nope
+    return rope * max(1, d_head // d_rope) if d_head and d_rope else rope
 
 
 def _layers(fields: dict, keep: int = LAYERS) -> dict:
@@ -229,7 +242,7 @@ def _layers(fields: dict, keep: int = LAYERS) -> dict:
         out[k] = list(range(len(src))) if v == list(range(depth)) else [v[i] for i in src]
     if per:
         width = max(len(str(k)) for k in per)
-        out["per_layer_config"] = {str(j).zfill(width): per[next(k for k in per if int(k) == i)]
+        out["per_layer_config"] = {str(j).zfill(width): dict(per[next(k for k in per if int(k) == i)])
                                    for j, i in enumerate(src) if i in per_layer}
     return out
 
@@ -445,7 +458,7 @@ def _derive(family: str) -> Derived:
     bias_attr = next((n for n in probe.router_args if "bias" in n and getattr(block, n).shape == (E,)),
                      probe.bias_attr)  # a selection bias the block passes its router (LFM2-MoE's expert_bias)
     adapter = dataclasses.replace(
-        probe, bias_attr=bias_attr, **rule, experts_attr=experts_attr, topk_attr=topk_attr, tiny=over, hub=None,
+        probe, bias_attr=bias_attr, **rule, experts_attr=experts_attr, topk_attr=topk_attr, tiny=over,
         experts_layout=ExpertsLayout(gated=getattr(experts, "has_gate", True),
                                      transposed=getattr(experts, "is_transposed", False),
                                      bias=getattr(experts, "has_bias", False),

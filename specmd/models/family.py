@@ -31,9 +31,14 @@ class HubLayout:
     up: str = "up_proj"
     down: str = "down_proj"
     router: Optional[str] = None  # transformers' router module, when the hub calls it ``gate``
+    # (hub, transformers) substrings of the other tensors transformers renames on load, in its order
+    # (ERNIE-4.5's ``mlp.moe_statics.`` bias under ``mlp.gate.``, Hy3's ``mlp.router.gate.`` router)
+    renames: tuple = ()
 
     def to_hub(self, name: str) -> str:
         """A transformers tensor name (not a fused expert tensor) under the hub's name."""
+        for hub, ours in reversed(self.renames):
+            name = name.replace(ours, hub)
         m = _BLOCK.match(name)
         if m is None:
             return name
@@ -44,17 +49,68 @@ class HubLayout:
 
     def from_hub(self, name: str) -> str:
         """A hub tensor name (not a per-expert tensor) under transformers' name: the inverse of :meth:`to_hub`."""
-        if self.block == "mlp":
-            return name
-        if self.router:
-            name = name.replace(f".{self.block}.gate.", f".mlp.{self.router}.")
-        return name.replace(f".{self.block}.", ".mlp.")
+        if self.block != "mlp":
+            if self.router:
+                name = name.replace(f".{self.block}.gate.", f".mlp.{self.router}.")
+            name = name.replace(f".{self.block}.", ".mlp.")
+        for hub, ours in self.renames:
+            name = name.replace(hub, ours)
+        return name
 
     def expert_parts(self, fused: str) -> tuple[str, ...]:
         """The hub's per-expert tensors (after ``experts.{e}.``) whose rows, concatenated in order, are expert
         ``e`` of transformers' fused parameter ``fused``; () when the hub keeps it fused too."""
         parts = {"gate_up_proj": (self.gate, self.up), "down_proj": (self.down,), "up_proj": (self.up,)}
         return tuple(f"{p}.weight" for p in parts.get(fused, ()))
+
+
+FROM_TRANSFORMERS = "transformers"  # Adapter.hub: the layout transformers' own conversion mapping declares
+
+
+def declared_hub(transforms) -> Optional[HubLayout]:
+    """The :class:`HubLayout` that transformers' weight conversions for a model (``conversion_mapping``'s
+    list for its family: ``get_model_conversion_mapping``) declare, or None where they declare none or more
+    than it holds. It holds: the MoE block renamed to ``mlp`` (Mixtral's ``WeightRenaming(".block_sparse_moe.",
+    ".mlp.")``), the router's ``gate`` renamed (Phi-3.5-MoE's ``.router``), and per-expert projections merged
+    into ``gate_up_proj`` (``MergeModulelist(dim=0)`` then gate rows first: ``Concatenate(dim=1)``) and
+    ``down_proj`` / ``up_proj`` (``MergeModulelist(dim=0)``)."""
+    block, router, parts, renames = "mlp", None, {}, []
+    for t in transforms:
+        kind, src, dst = type(t).__name__, list(t.source_patterns), list(t.target_patterns)
+        ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(t, "operations", None) or ()]
+        if kind == "WeightRenaming" and len(src) == len(dst) == 1:
+            hub, ours = _literal(src[0]), _literal(dst[0])
+            if hub is None or ours is None:
+                return None  # a pattern, not a name
+            renamed_router = re.fullmatch(r"\.(\w+)\.weight", ours)
+            if re.fullmatch(r"\.\w+\.", hub) and ours == ".mlp.":
+                block = hub[1:-1]
+            elif hub == ".gate.weight" and renamed_router:
+                router = renamed_router[1]
+            else:
+                renames.append((hub, ours))
+            continue
+        target = re.fullmatch(r"(?:mlp)?\.?experts\.(gate_up_proj|down_proj|up_proj)", dst[0]) if len(dst) == 1 else None
+        names = [re.fullmatch(r"(?:mlp)?\.?experts\.\*\.(\w+)\.weight", x) for x in src]
+        if kind != "WeightConverter" or target is None or not all(names):
+            return None
+        want = [("MergeModulelist", 0)] + ([("Concatenate", 1)] if target[1] == "gate_up_proj" else [])
+        if ops != want or len(names) != len(want):
+            return None
+        parts[target[1]] = [n[1] for n in names]
+    if "down_proj" not in parts or not ({"gate_up_proj", "up_proj"} & set(parts)):
+        return None
+    gate, up = parts["gate_up_proj"] if "gate_up_proj" in parts else ("gate_proj", parts["up_proj"][0])
+    return HubLayout(block=block, gate=gate, up=up, down=parts["down_proj"][0], router=router, renames=tuple(renames))
+
+
+def _literal(pattern: str) -> Optional[str]:
+    """The name a renaming pattern matches when it is one literal string (regex escapes undone), else None."""
+    plain = re.sub(r"\\(.)", r"\1", pattern)
+    return None if re.search(r"[\\^$*+?()\[\]{}|]", plain) else plain
+
+
+_DECLARED: dict = {}
 
 
 @dataclass(frozen=True)
@@ -124,8 +180,9 @@ class Adapter:
     # Weight semantics that reweigh() cannot reproduce exactly (documented deviation), else None.
     reweigh_note: Optional[str] = None
     # How its hub checkpoints name the tensors (loading them without transformers' loader, the disk tier, the
-    # random checkpoint writer); None: not mapped (such checkpoints load only through transformers).
-    hub: Optional[HubLayout] = HubLayout()
+    # random checkpoint writer): FROM_TRANSFORMERS, what transformers' conversion mapping declares for the
+    # family (:meth:`hub_layout`); a HubLayout; None: not mapped (such checkpoints load only through transformers).
+    hub: object = FROM_TRANSFORMERS
     # What its fused experts module computes beyond its weights (read by the experts kernels).
     experts_layout: ExpertsLayout = ExpertsLayout()
     # The real model whose routing a model of this family is compared with (specmd card).
@@ -155,6 +212,29 @@ class Adapter:
     # ``language_model.model`` with its head at ``language_model.lm_head``.
     decoder_path: str = "model"
     head_path: str = "lm_head"
+
+    def hub_layout(self) -> Optional[HubLayout]:
+        """How the family's hub checkpoints name their tensors: ``hub``, or where it is FROM_TRANSFORMERS what
+        transformers' conversion mapping declares for the family (:func:`declared_hub`, read off its tiny
+        model built on the meta device, once per family), for a causal LM whose block is ``mlp`` (the layout
+        :class:`HubLayout` renames); None otherwise."""
+        if self.hub != FROM_TRANSFORMERS:
+            return self.hub
+        if self.family not in _DECLARED:
+            _DECLARED[self.family] = self._declared_hub()
+        return _DECLARED[self.family]
+
+    def _declared_hub(self) -> Optional[HubLayout]:
+        import torch
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        from .derive import build_config
+
+        if (self.block_attr, self.decoder_path, self.head_path) != ("mlp", "model", "lm_head"):
+            return None
+        with torch.device("meta"):
+            model = self.auto_class().from_config(build_config(self.family, self.tiny))
+        return declared_hub(get_model_conversion_mapping(model, add_legacy=False))
 
     # ---- model structure (nothing outside this module knows where a family keeps its parts) ----------
     def num_experts(self, config) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Optional
@@ -438,14 +439,18 @@ def load_dense(path: str, cfg: ModelConfig):
     return model
 
 
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+\.|gate_up_proj|down_proj|up_proj)")  # per-expert or fused
+
+
 def _dense_tensors(path, adapter, wanted: set, safe_open) -> dict:
     """The dense (non-expert) tensors of one safetensors file, under transformers' names."""
+    hub = adapter.hub_layout()
     part = {}
     with safe_open(str(path), framework="pt") as st:
         for name in st.keys():
-            if ".experts." in name:
+            if _EXPERT_TENSOR.search(name):  # (a bias the hub keeps beside its experts is dense: Laguna's)
                 continue
-            target = adapter.hub.from_hub(name) if adapter.hub else name
+            target = hub.from_hub(name) if hub else name
             if target in wanted:
                 part[target] = st.get_tensor(name)
     return part

@@ -38,6 +38,7 @@ from typing import Union
 
 import torch
 
+from ..errors import ConfigError
 from .adapters import ADAPTERS
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,15 @@ def checkpoints_dir() -> Path:
 
 
 def _hub_of(family: str):
-    """The family's :class:`~specmd.models.adapters.HubLayout`, or None (not mapped, or no adapter: the
+    """The family's :class:`~specmd.models.adapters.HubLayout` (what transformers' conversion mapping declares,
+    :meth:`~specmd.models.family.Adapter.hub_layout`), or None (not mapped, or a family that does not run: the
     ``transformers`` layout writes any family)."""
-    return ADAPTERS[family].hub if family in ADAPTERS else None
+    from .adapters import adapter_for
+
+    try:
+        return adapter_for(family).hub_layout()
+    except ConfigError:
+        return None
 
 
 # ---- the tensors -------------------------------------------------------------------------------------------
@@ -285,7 +292,7 @@ def _validate(family: str, dtype: str, layout: str, shard_bytes: int) -> None:
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; valid choices: {', '.join(DTYPES)}")
     if layout == "hub" and _hub_of(family) is None:
-        mapped = sorted(f for f, a in ADAPTERS.items() if a.hub is not None)
+        mapped = sorted(f for f in ADAPTERS if _hub_of(f) is not None)
         raise ValueError(f"layout='hub' is not known for the {family!r} family (its hub checkpoints' names are not "
                          f"mapped); hub layouts: {', '.join(mapped)}; layout='transformers' writes any family")
     if not isinstance(shard_bytes, int) or shard_bytes <= 0:
