@@ -116,3 +116,24 @@ def test_family_knowledge_lives_only_in_the_adapters():
                 if any(h in node.value for h in hub):
                     found.append(f"{rel}:{node.lineno}: a hub checkpoint name ({node.value!r})")
     assert not found, "\n".join(found)
+
+
+def test_hub_layouts_are_what_transformers_declares():
+    """How hub checkpoints name their tensors is read from transformers' conversion mapping, not typed again:
+    the golden layouts of the records (the ones specmd typed before issue 55), and a derived family's."""
+    from specmd.models.family import declared_hub
+
+    assert adapter_for("olmoe").hub_layout() == HubLayout()
+    assert adapter_for("mixtral").hub_layout() == HubLayout(block="block_sparse_moe", gate="w1", up="w3", down="w2")
+    assert adapter_for("phimoe").hub_layout() == HubLayout(block="block_sparse_moe", gate="w1", up="w3", down="w2",
+                                                           router="router")
+    assert adapter_for("gpt_oss").hub_layout() is None  # MXFP4 blocks: transformers declares no conversion
+    assert adapter_for("minimax_m2").hub_layout() == HubLayout(
+        block="block_sparse_moe", gate="w1", up="w3", down="w2",
+        renames=((".block_sparse_moe.e_score_correction_bias", ".mlp.e_score_correction_bias"),))
+    hub = adapter_for("ernie4_5_moe").hub_layout()
+    assert hub.from_hub("model.layers.1.mlp.moe_statics.e_score_correction_bias") == \
+        "model.layers.1.mlp.gate.moe_statics.e_score_correction_bias"
+    assert hub.to_hub("model.layers.1.mlp.gate.moe_statics.e_score_correction_bias") == \
+        "model.layers.1.mlp.moe_statics.e_score_correction_bias"
+    assert declared_hub([]) is None  # nothing declared: not mapped

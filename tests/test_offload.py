@@ -678,7 +678,7 @@ def test_disk_tier_truncated_after_construction_is_a_short_read(tmp_path):
     d = _ckpt_copy(tmp_path)
     st = d / "model.safetensors"
     shapes = {"gate_up_proj": (64, 128), "down_proj": (128, 32)}
-    tier = DiskTier(str(d), list(range(16)), shapes, torch.float32, 64, adapter_for("olmoe").hub)
+    tier = DiskTier(str(d), list(range(16)), shapes, torch.float32, 64, adapter_for("olmoe").hub_layout())
     try:
         dst = {n: torch.empty(s) for n, s in shapes.items()}
         tier.copy_into(15, 63, dst)  # whole: reads fine

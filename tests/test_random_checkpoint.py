@@ -84,7 +84,7 @@ def test_layouts_and_sharding_give_the_same_model(tmp_path):
 
 
 def test_unsupported_family_and_layout_are_rejected(tmp_path):
-    assert adapter_for("gpt_oss").hub is None
+    assert adapter_for("gpt_oss").hub_layout() is None
     with pytest.raises(ValueError, match="'gpt_oss'.*hub layouts: deepseek_v2, deepseek_v3, mixtral, olmoe"):
         write_random_checkpoint(tiny_config("gpt_oss").to_dict(), tmp_path / "g", layout="hub")
     with pytest.raises(ValueError, match="layout='fused'; valid choices: hub, transformers"):

@@ -4,11 +4,11 @@ Every transformers 5.x MoE family has ``model.model.layers[i].mlp`` with a route
 ``.router``) returning ``(router_logits [T,E], top_k_weights [T,k], top_k_index [T,k])`` and fused experts
 at ``.experts`` called as ``experts(hidden [T,H], top_k_index, top_k_weights)``. What differs is declared
 here as data: where the router lives, how logits become router probabilities, whether the top-k weights
-are renormalised and scaled, which config fields hold E and k, the tiny test configuration, how the family's
-hub checkpoints name its tensors (:class:`HubLayout`) and what its fused experts module computes beyond its
-weights (:class:`ExpertsLayout`). A family is one :class:`Adapter` record in :data:`ADAPTERS`: loading, the
-disk tier, the random checkpoint writer, the experts kernels, training and the tests read it from here and
-keep no table of their own.
+are renormalised and scaled, which config fields hold E and k, the tiny test configuration and what its fused
+experts module computes beyond its weights (:class:`ExpertsLayout`); how its hub checkpoints name their
+tensors (:class:`HubLayout`) is read from transformers' own conversion mapping (:meth:`Adapter.hub_layout`).
+A family is one :class:`Adapter` record in :data:`ADAPTERS`: loading, the disk tier, the random checkpoint
+writer, the experts kernels, training and the tests read it from here and keep no table of their own.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ ADAPTERS: dict[str, Adapter] = {
                 routing_reference=RoutingReference("mistral", "Mixtral-8x7B", 32, 2, 8, locality={
                     "model": "Mixtral-8x7B-Instruct", "mean": 0.376, "min": 0.259,
                     "source": "vLLM decode routing capture, 577 tokens x 32 layers (issue 18)"}),
-                hub=HubLayout(block="block_sparse_moe", gate="w1", up="w3", down="w2"),
                 tiny=dict(_COMMON, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)),
         # Qwen1.5-MoE-A2.7B: 60 experts, top-4, plus a gated shared expert (always resident).
         Adapter("qwen2_moe", renorm="norm_topk_prob", experts_attr="num_experts",
@@ -47,7 +46,6 @@ ADAPTERS: dict[str, Adapter] = {
                           num_experts_per_tok=8, norm_topk_prob=True, head_dim=16)),
         # Phi-3.5-MoE: 16 experts, top-2 through sparsemixer.
         Adapter("phimoe", router_attr="router", renorm=True, experts_attr="num_local_experts",
-                hub=HubLayout(block="block_sparse_moe", gate="w1", up="w3", down="w2", router="router"),
                 tiny=dict(_COMMON, intermediate_size=128, num_local_experts=16, num_experts_per_tok=2),
                 reweigh_note="sparsemixer weights each pick by a softmax over logits within a jitter "
                              "threshold of it; reweigh() uses the renormalised full softmax instead"),
@@ -68,8 +66,9 @@ ADAPTERS: dict[str, Adapter] = {
                           q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                           num_key_value_heads=4)),
         # GPT-OSS-20B: 32 experts, top-4, softmax over the top-k logits (= renormalised softmax); experts
-        # [E, in, out] with biases; its hub checkpoints (MXFP4 blocks) are not mapped.
-        Adapter("gpt_oss", router_attr="router", renorm=True, experts_attr="num_local_experts", hub=None,
+        # [E, in, out] with biases; its hub checkpoints (MXFP4 blocks) are not mapped (transformers declares no
+        # conversion for them: hub_layout() is None).
+        Adapter("gpt_oss", router_attr="router", renorm=True, experts_attr="num_local_experts",
                 experts_layout=ExpertsLayout(transposed=True, bias=True),
                 tiny=dict(_COMMON, intermediate_size=64, num_local_experts=32, num_experts_per_tok=4,
                           head_dim=16, sliding_window=64, max_position_embeddings=131072, layer_types=["sliding_attention", "full_attention"] * 2)),

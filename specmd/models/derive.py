@@ -50,6 +50,9 @@ SHRINK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n
               linear_key_head_dim=16, linear_value_head_dim=16,
               # Jamba's periodic layout at 4 layers: attention and experts on layers 1 and 3
               attn_layer_period=2, attn_layer_offset=1,
+              # Mamba-2 layers (Granite-4.0-H, Nemotron-H; heads x head dim = 2 x hidden), Jamba's Mamba
+              mamba_n_heads=8, mamba_d_head=16, mamba_num_heads=8, mamba_head_dim=16, mamba_d_state=16,
+              ssm_state_size=16, mamba_chunk_size=16, chunk_size=16, n_groups=1, mamba_dt_rank=8,
               # Gemma-4's per-layer input embeddings, LongCat-Flash's expert width
               vocab_size_per_layer_input=260, hidden_size_per_layer_input=16, expert_ffn_hidden_size=32)
 # a wrapper's vision / audio towers (set only where the tower's config has the field; its output width the text's)
@@ -172,8 +175,9 @@ def tiny_overrides(model_type: str) -> dict:
 
 
 def _text_overrides(fields: dict) -> dict:
-    over = {k: v for k, v in SHRINK.items() if k in fields and fields[k] != 0}  # (a 0 is a layout: GLM-5-Next's
-    for k, v in list(over.items()):                                              # NoPE attention)  # a size per expert set (ERNIE-4.5-VL: text and vision experts)
+    over = {k: v for k, v in SHRINK.items()  # (a size of 0 is a layout: GLM-5-Next's NoPE attention)
+            if k in fields and (fields[k] != 0 or k.endswith("_token_id"))}
+    for k, v in list(over.items()):  # a size per expert set (ERNIE-4.5-VL: text and vision experts)
         if isinstance(fields[k], list) and not isinstance(v, list):
             over[k] = [v] * len(fields[k])
     if "sliding_window" in fields and fields["sliding_window"] is None:  # (Step-3.5 reads it whatever its layers)

@@ -294,7 +294,8 @@ def _validate(family: str, dtype: str, layout: str, shard_bytes: int) -> None:
     if layout == "hub" and _hub_of(family) is None:
         mapped = sorted(f for f in ADAPTERS if _hub_of(f) is not None)
         raise ValueError(f"layout='hub' is not known for the {family!r} family (its hub checkpoints' names are not "
-                         f"mapped); hub layouts: {', '.join(mapped)}; layout='transformers' writes any family")
+                         f"mapped); hub layouts: {', '.join(mapped)} and the derived families whose layout "
+                         f"transformers declares (specmd models); layout='transformers' writes any family")
     if not isinstance(shard_bytes, int) or shard_bytes <= 0:
         raise ValueError(f"shard_bytes={shard_bytes!r}; a positive number of bytes")
 
