@@ -34,11 +34,12 @@ def record(probs, k, scoring=OLMOE, index=None):
 
 
 def routed(policy, rec):
-    """What Engine.route leaves on the record: (index, weights, void), or None when unchanged."""
-    index = policy.apply(rec, None)
-    if index is None:
+    """What Engine.route leaves on the record: (index, weights, void) of the policy's Routed, or None when
+    unchanged."""
+    out = policy.route(rec, None)
+    if out is None:
         return None
-    return index.tolist(), policy.weigh(rec, index), policy.empties(rec, index)
+    return out.index.tolist(), out.weights, out.void
 
 
 def close(t, want) -> bool:
@@ -70,7 +71,7 @@ def test_piggyback_fills_each_token_from_the_union_of_the_baselines():
     assert close(w, [[.30, .25, .12, .05], [.30, .25, .08, .06], [.30, .25, .20, .10],
                                         [.30, .25, .05, .03]])  # OLMoE: the raw probabilities
     rec.scoring = MIXTRAL  # renormalised over the token's set (OEA's Eq. 1)
-    assert pol.weigh(rec, pol.apply(rec, None))[0].tolist() == pytest.approx([.30 / .72, .25 / .72, .12 / .72,
+    assert pol.route(rec, None).weights[0].tolist() == pytest.approx([.30 / .72, .25 / .72, .12 / .72,
                                                                                .05 / .72])
 
 
@@ -83,7 +84,7 @@ def test_piggyback_leaves_a_slot_empty_when_the_union_is_smaller_than_k():
     assert void.tolist() == [[False, False, False, True]] * 2
     assert close(w, [[.30, .25, .05, 0], [.30, .25, .08, 0]])  # ...with weight 0
     rec.scoring = MIXTRAL
-    assert pol.weigh(rec, pol.apply(rec, None))[1].tolist() == pytest.approx([.30 / .63, .25 / .63, .08 / .63, 0])
+    assert pol.route(rec, None).weights[1].tolist() == pytest.approx([.30 / .63, .25 / .63, .08 / .63, 0])
 
 
 @pytest.mark.parametrize("scoring", [OLMOE, MIXTRAL])
@@ -208,7 +209,7 @@ def test_budget_by_mass_substitutes_the_best_unselected_in_budget_expert():
     assert not void.any()
     assert close(w, [[.40, .08], [.35, .30], [.60, .08], [.20, .10]])
     rec.scoring = MIXTRAL
-    assert pol.weigh(rec, pol.apply(rec, None))[0].tolist() == pytest.approx([.40 / .48, .08 / .48])
+    assert pol.route(rec, None).weights[0].tolist() == pytest.approx([.40 / .48, .08 / .48])
 
 
 def test_budget_by_count_keeps_the_most_selected_experts():
@@ -228,7 +229,7 @@ def test_budget_drop_empties_the_slots_outside_it():
     assert void.tolist() == [[False, True], [False, False], [False, True], [False, True]]
     assert close(w, [[.40, 0], [.35, .30], [.60, 0], [.20, 0]])
     rec.scoring = MIXTRAL
-    assert close(pol.weigh(rec, pol.apply(rec, None)), [[1, 0], [.35 / .65, .30 / .65], [1, 0],
+    assert close(pol.route(rec, None).weights, [[1, 0], [.35 / .65, .30 / .65], [1, 0],
                                                                            [1, 0]])
 
 
@@ -384,17 +385,18 @@ def test_a_batched_generation_on_the_embedded_model(routing, cap, embedded):
     stack = install(model, spec_of(routing=routing, prefetch="none", hardware=HardwareConfig(capacity=0.05)))
     seen = []
     policy = stack.engine.routing
-    apply = policy.apply
+    route = policy.route
 
     def spy(rec, cache):
-        index = apply(rec, cache)
+        routed = route(rec, cache)
+        index = None if routed is None else routed.index
         ran = rec.original if index is None else index
         top3 = ranked_by_score(rec.probs, rec.original)[:, :3]
         seen.append((len(set(ran.reshape(-1).tolist())), len(set(top3.reshape(-1).tolist())), index is not None,
                      cache.pass_kind))
-        return index
+        return routed
 
-    policy.apply = spy
+    policy.route = spy
     try:
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=3, do_sample=False)

@@ -92,12 +92,12 @@ def test_prune_keeps_top_h_with_family_weights():
     probs = [[0.4, 0.3, 0.2, 0.1]]
     pol = ROUTING.build({"name": "prune", "h": 1})
     rec = record(probs, 2)
-    index = pol.apply(rec, FakeCache())
-    assert index.tolist() == [[0, 0]]  # pruned slot points at the top-1 expert...
-    w = pol.weigh(rec, index)
-    assert w.tolist()[0] == pytest.approx([0.4, 0.0])  # ...with weight 0 (OLMoE-style: no renormalisation)
+    routed = pol.route(rec, FakeCache())  # one value: the selection, its weights, the emptied slots
+    assert routed.index.tolist() == [[0, 0]] and routed.void.tolist() == [[False, True]]  # the pruned slot points
+    assert routed.weights.tolist()[0] == pytest.approx([0.4, 0.0])  # at the top-1, weight 0 (OLMoE: no renorm)
+    assert torch.equal(pol.apply(rec, FakeCache()), routed.index)  # (apply: route's index)
     rec.scoring = Scoring(False, True, 1.0)  # Mixtral-style renormalisation over the kept set
-    assert pol.weigh(rec, index).tolist()[0] == pytest.approx([1.0, 0.0])
+    assert pol.route(rec, FakeCache()).weights.tolist()[0] == pytest.approx([1.0, 0.0])
 
 
 def test_replace_rank_swaps_only_that_rank_for_an_unselected_expert():
@@ -443,3 +443,34 @@ def test_promote_invariants(seed):
         assert sel[:J] == ranking[t, :J].tolist()
         promotable = [e for e in ranking[t, J:M[t]].tolist() if cached[e]] if M[t] > J else []
         assert sel[J:J + len(promotable)] == promotable[: k - J]
+
+
+@pytest.mark.parametrize("name", ROUTING.names())
+def test_every_routing_policy_answers_one_routed_value_and_keeps_no_state(name):
+    """The policy <-> engine conversation is one typed value (issue 55): ``route`` returns a Routed -- the
+    selection [T, k], its weights [T, k], the emptied slots or None -- or None, the same for the same record,
+    with nothing kept on the policy between calls; ``apply`` is its index."""
+    from types import SimpleNamespace
+
+    from specmd.engine.record import Routed
+
+    params = getattr(ROUTING.get(name), "Params", None)
+    pol = ROUTING.build({"name": name, **({"passes": "all"} if params and "passes" in vars(params()) else {})})
+    pol.setup(SimpleNamespace(num_layers=1, num_experts=6, top_k=2))
+    probs = [[0.30, 0.25, 0.20, 0.12, 0.08, 0.05], [0.05, 0.08, 0.12, 0.20, 0.25, 0.30],
+             [0.40, 0.05, 0.25, 0.10, 0.12, 0.08]]
+    cache = FakeCache(present=[2, 5], resident=[2, 5])
+    state = dict(vars(pol))
+    first, second = pol.route(record(probs, 2), cache), pol.route(record(probs, 2), cache)
+    assert vars(pol).keys() == state.keys()  # no attribute made by a call (what a second call would read)
+    if first is None:
+        assert second is None and pol.apply(record(probs, 2), cache) is None
+        return
+    assert isinstance(first, Routed) and first.index.shape == (3, 2) and first.index.dtype == torch.long
+    assert first.weights.shape == (3, 2) and first.weights.is_floating_point()
+    assert first.void is None or (first.void.shape == (3, 2) and first.void.dtype == torch.bool)
+    if name == "replace_rank":  # (it draws from its own generator: the same record gets another draw)
+        return
+    same = (first.void is None) == (second.void is None) and (first.void is None or torch.equal(first.void, second.void))
+    assert torch.equal(first.index, second.index) and torch.equal(first.weights, second.weights) and same
+    assert torch.equal(pol.apply(record(probs, 2), cache), first.index)

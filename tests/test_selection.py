@@ -55,6 +55,9 @@ def biased(variant):
                 bias = getattr(adapter.bias_holder(model, i), adapter.bias_attr, None)
                 if bias is not None:
                     bias.copy_(torch.rand(bias.shape, generator=g) - 0.6)  # (scores of both signs)
+                if adapter.weight_scale_attr:  # a learned per-expert weight scale (Gemma-4's), per layer its own
+                    getattr(adapter.router(model, i), adapter.weight_scale_attr).copy_(
+                        torch.rand(adapter.num_experts(model.config), generator=g) + 0.5)
             model(sample_ids(batch=1, seq=8))  # (warm-up: see conftest.tiny)
         _BUILT[variant] = model
     return _BUILT[variant]
@@ -95,7 +98,8 @@ def test_the_selection_scores_top_k_is_the_routers_own_choice(variant):
     differs = 0
     for layer, (logits, index, weights) in enumerate(routed(variant, sample_ids(batch=2, seq=16))):
         if family != "phimoe":  # the weights are the family's (dual-logit reweighing is exact)
-            assert torch.allclose(scoring.weigh(scoring.probs(logits), index), weights.float(), rtol=1e-5, atol=1e-6)
+            assert torch.allclose(scoring.weigh(scoring.probs(logits), index, layer), weights.float(), rtol=1e-5,
+                                  atol=1e-6)
         scores = scoring.selection(scoring.probs(logits), layer)
         assert as_sets(torch.topk(scores, k, dim=-1).indices) == as_sets(index)
         assert as_sets(scoring.select(logits, layer, k)) == as_sets(index)

@@ -191,12 +191,12 @@ class Engine:
         self.calls += 1
         if not self._routes:
             return False
-        index = self.routing.apply(rec, self.view)
-        if index is None:
+        routed = self.routing.route(rec, self.view)  # a Routed, or None: the router's selection untouched
+        if routed is None:
             return False
-        rec.index = index
-        rec.weights = self.routing.weigh(rec, index).to(rec.weights.dtype)
-        rec.void = self.routing.empties(rec, index)
+        rec.index = routed.index
+        rec.weights = routed.weights.to(rec.weights.dtype)
+        rec.void = routed.void
         return True
 
     def layer(self, rec, index=None, weights=None):

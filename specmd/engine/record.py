@@ -198,6 +198,21 @@ def group_errors(groups: int, group_score: str, experts: int) -> None:
                          f"equal groups{' of at least 2' if group_score == 'top2' else ''}")
 
 
+class Routed:
+    """A routing policy's answer for one layer call (:meth:`RoutingPolicy.route
+    <specmd.policies.routing.base.RoutingPolicy.route>`), the one value the policy and the engine exchange:
+    ``index`` [T, k] long, the experts to run; ``weights`` [T, k], what each runs with (dual-logit: the
+    original router probabilities, the family's way: ``GateRecord.reweigh``); ``void`` [T, k] bool or None,
+    the slots the policy emptied (they run nothing and count neither as device work nor as faithful)."""
+
+    __slots__ = ("index", "weights", "void")
+
+    def __init__(self, index: torch.Tensor, weights: torch.Tensor, void: Optional[torch.Tensor] = None):
+        self.index = index
+        self.weights = weights
+        self.void = void
+
+
 class NoLogits(ConfigError):
     """A policy needs router probabilities (or the prefetch signal) that the trace did not record."""
 
@@ -215,7 +230,7 @@ class GateRecord:
 
     Here: ``index`` [T, k] / ``weights`` [T, k], what will run (the router's own until a routing policy
     replaces them: :meth:`Engine.route <specmd.engine.Engine.route>` assigns them); ``void`` [T, k] bool or
-    None, slots the routing policy declared empty (:meth:`RoutingPolicy.empties`: not run, not faithful);
+    None, slots the routing policy declared empty (:attr:`Routed.void`: not run, not faithful);
     ``probs`` [T, E], derived from the logits on first use (what weights are made of); ``scores`` [T, E], the
     family's selection score (what policies rank by: :meth:`Scoring.selection`); ``call``, the position of this
     call in the run's stream of layer calls (the engine numbers them); ``predict(target)``, the prefetch signal as

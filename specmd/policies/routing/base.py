@@ -13,28 +13,40 @@ renormalised the way the model family does (see ``GateRecord.reweigh``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
+from ...engine.record import Routed
 from ...registry import Registry
 from ..base import Policy
 
 
 class RoutingPolicy(Policy):
+    """A routing policy. The engine asks it once per layer call, :meth:`route`, and gets one value back: a
+    :class:`~specmd.engine.record.Routed` (the selection, its weights, the slots it emptied) or None (the
+    router's selection untouched). A policy that only re-selects implements :meth:`apply` (the new ``[T, k]``
+    index, weighed dual-logit, no slot emptied); one that empties slots or weighs otherwise implements
+    :meth:`route` itself, holding no state between calls."""
+
+    def route(self, record: Any, cache: Any) -> Optional[Routed]:
+        """This layer call's :class:`~specmd.engine.record.Routed`, or None: :meth:`apply`'s selection,
+        weighed dual-logit (:meth:`weigh`), no slot emptied."""
+        index = self.apply(record, cache)
+        return None if index is None else Routed(index, self.weigh(record, index))
+
     def apply(self, record: Any, cache: Any):  # -> torch.Tensor | None
-        raise NotImplementedError
+        """The new ``[T, k]`` selection, or None (the router's own): :meth:`route`'s index."""
+        if type(self).route is RoutingPolicy.route:
+            raise NotImplementedError(f"{type(self).__name__} implements neither apply nor route")
+        routed = self.route(record, cache)
+        return None if routed is None else routed.index
 
     def passive(self) -> bool:
         """True when ``apply`` always answers None (the router's selection untouched): the engine then
         never calls it. A policy says so only of its own ``apply``, so a subclass that overrides ``apply``
         is called (see :class:`~.standard.Standard`)."""
         return False
-
-    def empties(self, record: Any, index: torch.Tensor):  # -> torch.Tensor | None
-        """``[T, k]`` bool: the slots of ``index`` this policy emptied (they run nothing: the engine counts
-        them neither as device work nor as faithful), or None. Declared, never guessed from weights."""
-        return None
 
     def weigh(self, record: Any, index: torch.Tensor) -> torch.Tensor:
         """Weights of a modified selection: the original probabilities, the family's way (dual-logit)."""

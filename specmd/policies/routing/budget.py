@@ -4,6 +4,7 @@ from typing import Optional
 
 import torch
 
+from ...engine.record import Routed
 from ..base import check_choice, ranked_by_score
 from .base import PASSES, ROUTING, RoutingPolicy, acts_on, weigh_kept
 
@@ -62,7 +63,7 @@ class Budget(RoutingPolicy):
       ask for is loaded, so the budget's experts are all requests the router made.
     * ``overflow`` -- a selection outside the budget. ``substitute`` (default): the token's best in-budget
       expert by the family's selection score (within its groups) that it has not selected takes the slot
-      (none left, e.g. a budget below top-k: the slot is empty); ``drop``: the slot is empty (:meth:`empties`, as ``prune`` declares: weight 0, no request, not
+      (none left, e.g. a budget below top-k: the slot is empty); ``drop``: the slot is empty (:attr:`Routed.void`, as ``prune`` declares: weight 0, no request, not
       faithful). Substitution is Lynx's: its remapper "redirects low-confidence token-to-expert assignments
       to experts within that set" and "preserves the top-k activation semantics of the underlying model:
       every token still activates exactly k experts". OEA measures what filling slots from the experts the
@@ -84,10 +85,6 @@ class Budget(RoutingPolicy):
     reads_logits = True  # (Policy.reads_logits): the budget's order and the substitutes read the probabilities
 
     Params = BudgetParams
-
-    def __init__(self, params=None):
-        super().__init__(params)
-        self._made = None  # (index, void) of the last apply: what weigh and empties answer for
 
     def limit(self, num_experts: int) -> int:
         """The budget: distinct experts a call of a layer with ``num_experts`` experts may run."""
@@ -140,23 +137,14 @@ class Budget(RoutingPolicy):
         index = torch.where(void, fill.unsqueeze(1), index)
         return index, void
 
-    def apply(self, record, cache):
+    def route(self, record, cache):
         if record.tokens == 0 or not acts_on(self.params.passes, cache):
             return None
         made = self.select(record)
         if made is None:
             return None
-        self._made = made
-        return made[0]
-
-    def empties(self, record, index):
-        made = self._made
-        if made is None or made[0] is not index:
-            made = self.select(record)  # (a pure function of the record)
-        return None if made is None else made[1]
-
-    def weigh(self, record, index):
-        return weigh_kept(record, index, self.empties(record, index))
+        index, void = made
+        return Routed(index, weigh_kept(record, index, void), void)
 
 
 ROUTING.register(Budget)

@@ -2,6 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...engine.record import Routed
 from ..base import check_choice, ranked_by_score
 from .base import PASSES, ROUTING, RoutingPolicy, acts_on, weigh_kept
 
@@ -42,7 +43,7 @@ class Piggyback(RoutingPolicy):
       token reach ``k + 1``, a slip the text and the fixed ``[T, k]`` shape both rule out.
     * **Fewer than k when the union has fewer**: the token's sets are the baseline plus what ``S^base`` holds;
       nothing else is added ("Instead of adding any new experts into the mix"). A slot the union cannot fill
-      stays empty (:meth:`empties`, as ``prune`` does: it points at the token's top-1 with weight 0, no
+      stays empty (:attr:`Routed.void`, as ``prune`` does: it points at the token's top-1 with weight 0, no
       request, not faithful); keeping the router's own choice there would load an expert outside ``S^base``
       and break the paper's ``T = |S^base|``. Every token of a call then runs ``min(k, |S^base|)`` experts
       (``S^base`` minus a token's own baseline holds ``|S^base| - k0`` candidates, whichever the token).
@@ -73,10 +74,6 @@ class Piggyback(RoutingPolicy):
 
     Params = PiggybackParams
 
-    def __init__(self, params=None):
-        super().__init__(params)
-        self._made = None  # (index, void) of the last apply: what weigh and empties answer for
-
     @classmethod
     def model_errors(cls, params, model):
         if params.k0 > model.top_k:
@@ -102,23 +99,13 @@ class Piggyback(RoutingPolicy):
         void = torch.cat([torch.zeros_like(base, dtype=torch.bool), ~ok], dim=1)
         return index, void
 
-    def apply(self, record, cache):
+    def route(self, record, cache):
         if self.params.k0 >= record.top_k or record.tokens == 0 or not acts_on(self.params.passes, cache):
             return None
         index, void = self.select(record)
         if not bool(void.any()) and torch.equal(index.sort(-1).values, record.original.sort(-1).values):
             return None  # every token got its own top-k back: the router's selection, untouched
-        self._made = (index, void)
-        return index
-
-    def empties(self, record, index):
-        made = self._made
-        if made is None or made[0] is not index:
-            made = self.select(record)  # (a pure function of the record)
-        return made[1]
-
-    def weigh(self, record, index):
-        return weigh_kept(record, index, self.empties(record, index))
+        return Routed(index, weigh_kept(record, index, void), void)
 
 
 ROUTING.register(Piggyback)

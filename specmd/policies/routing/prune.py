@@ -2,6 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...engine.record import Routed
 from ..base import ranked_by_score
 from .base import ROUTING, RoutingPolicy
 
@@ -44,26 +45,19 @@ class Prune(RoutingPolicy):
                     f"{model.top_k} is the router's own choice)"]
         return []
 
-    def apply(self, record, cache):
+    def route(self, record, cache):
         k = record.top_k
         h = self.params.h
         if h >= k:
             return None
         index = ranked_by_score(record.scores, record.original)  # [T, k], rank 0 first
-        index[:, h:] = index[:, :1]
-        return index
-
-    def empties(self, record, index):
+        index[:, h:] = index[:, :1]  # the emptied ranks point at the token's top-1
         void = index.new_zeros(index.shape, dtype=torch.bool)
-        void[:, self.params.h:] = True
-        return void
-
-    def weigh(self, record, index):
-        h = self.params.h
-        w = record.scoring.weigh(record.probs, index[:, :h], record.layer)  # apply() put the kept ranks first
-        out = w.new_zeros(index.shape)
-        out[:, :h] = w
-        return out
+        void[:, h:] = True
+        w = record.scoring.weigh(record.probs, index[:, :h], record.layer)  # the kept ranks, renormalised
+        weights = w.new_zeros(index.shape)
+        weights[:, :h] = w
+        return Routed(index, weights, void)
 
 
 ROUTING.register(Prune)

@@ -12,7 +12,8 @@ class Standard(RoutingPolicy):
         return None
 
     def passive(self):
-        return type(self).apply is Standard.apply  # (a subclass with its own apply is called)
+        # (a subclass with its own apply, or its own route, is called)
+        return type(self).apply is Standard.apply and type(self).route is RoutingPolicy.route
 
 
 ROUTING.register(Standard)
