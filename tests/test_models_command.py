@@ -31,7 +31,9 @@ def test_the_table_is_every_moe_family_and_says_what_loading_does(capsys):
     assert by["qwen3_next"]["experts"] == 512 and by["qwen3_next"]["top_k"] == 10
     assert "selection bias" in by["deepseek_v3"]["selection"] and "group-limited (top2)" in by["deepseek_v3"]["selection"]
     assert "selection bias" not in by["mixtral"]["selection"]
-    assert by["mixtral"]["random_checkpoint"] and not by["glm4_moe"]["random_checkpoint"]
+    # a hub layout where transformers' conversion mapping declares one (GLM-4.5's, derived, too); GPT-OSS: none
+    assert by["mixtral"]["random_checkpoint"] and by["glm4_moe"]["random_checkpoint"]
+    assert not by["gpt_oss"]["random_checkpoint"]
     assert "returns 2 value(s)" in by["llama4_text"]["refused_because"]
     assert by["jamba"]["runs"] and by["jamba"]["through"] == "derived"  # its block is layer.feed_forward
     assert by["qwen3_5_moe"]["through"] == "as qwen3_5_moe_text"  # Qwen3.5-MoE's hub checkpoints name the wrapper

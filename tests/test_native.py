@@ -225,7 +225,14 @@ PURE_SUITE = ["test_semantics.py", "test_cache_manager.py", "test_clock.py", "te
               # layer streaming's hand-worked counts and clock (the streamed call's C path, as source)
               "test_stream.py::test_a_streamed_pass_by_hand",
               "test_stream.py::test_the_stage_ahead_overlaps_the_layer_before",
-              "test_stream.py::test_only_calls_at_the_threshold_stream"]
+              "test_stream.py::test_only_calls_at_the_threshold_stream",
+              # the selection rule's hand-worked cases (record.py's Scoring, the ranking policies, as source)
+              "test_selection.py::test_max_rank_promotes_within_the_selection_ranks_hand_worked",
+              "test_selection.py::test_a_group_limit_is_never_crossed_hand_worked",
+              "test_selection.py::test_miss_policies_rank_misses_by_the_selection_score_hand_worked",
+              "test_selection.py::test_the_rule_round_trips_through_a_trace_meta_and_bad_rules_are_refused",
+              "test_selection.py::test_a_left_out_group_scores_what_the_family_fills_hand_worked",
+              "test_selection.py::test_probabilities_given_and_a_per_expert_weight_scale_hand_worked"]
 
 
 # Tests of a process's behaviour, not of the compiled modules' arithmetic (two processes quantizing under one

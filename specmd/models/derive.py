@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import ConfigError
+from .family import build_config
 
 # a tiny instance: the real model's layout at toy sizes (set only where the config has the field)
 SHRINK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
@@ -277,18 +278,6 @@ def derive(family: str) -> Derived:
 
 class _Refuse(Exception):
     pass
-
-
-def build_config(model_type: str, over: dict):
-    """``model_type``'s config class with ``over`` set; a sub-config given as a mapping (a wrapper's
-    ``text_config``, ``vision_config``) is merged over the wrapper's own default for it, not over its class's."""
-    from transformers import AutoConfig, PretrainedConfig
-
-    config = AutoConfig.for_model(model_type)
-    merged = {k: dict(getattr(config, k).to_dict(), **v)
-              if isinstance(v, dict) and isinstance(getattr(config, k, None), PretrainedConfig) else v
-              for k, v in over.items()}
-    return AutoConfig.for_model(model_type, **merged)
 
 
 def _build(family: str, over: dict):

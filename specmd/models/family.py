@@ -113,6 +113,18 @@ def _literal(pattern: str) -> Optional[str]:
 _DECLARED: dict = {}
 
 
+def build_config(model_type: str, over: dict):
+    """``model_type``'s config class with ``over`` set; a sub-config given as a mapping (a wrapper's
+    ``text_config``, ``vision_config``) is merged over the wrapper's own default for it, not over its class's."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    config = AutoConfig.for_model(model_type)
+    merged = {k: dict(getattr(config, k).to_dict(), **v)
+              if isinstance(v, dict) and isinstance(getattr(config, k, None), PretrainedConfig) else v
+              for k, v in over.items()}
+    return AutoConfig.for_model(model_type, **merged)
+
+
 @dataclass(frozen=True)
 class ExpertsLayout:
     """What the experts kernels (:mod:`specmd.executor.kernel`) need of a family's fused experts module beyond
@@ -227,8 +239,6 @@ class Adapter:
     def _declared_hub(self) -> Optional[HubLayout]:
         import torch
         from transformers.conversion_mapping import get_model_conversion_mapping
-
-        from .derive import build_config
 
         if (self.block_attr, self.decoder_path, self.head_path) != ("mlp", "model", "lm_head"):
             return None

@@ -49,7 +49,7 @@ class ModelConfig:
 def tiny_config(family: str, overrides: Optional[dict] = None):
     """``family``'s tiny config: its record's ``tiny`` with ``overrides`` set (a wrapper's sub-config given as a
     mapping, ``text_config``, merged key by key)."""
-    from .derive import build_config
+    from .family import build_config
 
     kwargs = dict(adapter_for(family).tiny)
     for k, v in (overrides or {}).items():
