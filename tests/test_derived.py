@@ -42,6 +42,10 @@ def test_the_families_that_run_are_computed_from_the_installed_transformers():
                                                                                           "lm_head")
     assert adapter_for("nemotron_h_omni").head_path == "language_model.lm_head"
     assert adapter_for("aria").topk_attr == "moe_topk"  # (top-k under another name)
+    # ERNIE-4.5's selection bias sits in its router's moe_statics (a trained checkpoint's is not zero), AfMoE's
+    # router reads [B, S, H] and is initialised to zeros (a probe that did not spread it fitted a softmax)
+    assert adapter_for("ernie4_5_moe").bias_path == "moe_statics" and derive("ernie4_5_moe").bias
+    assert adapter_for("afmoe").router_batched and adapter_for("afmoe").score == "sigmoid"
     wrappers = {f for f in every if derive(f).runs_as}
     for family in set(every) - set(DERIVED) - set(ADAPTERS) - wrappers:  # each refusal says what the family lacks
         reason = derive(family).reason

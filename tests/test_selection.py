@@ -51,10 +51,12 @@ def biased(variant):
         model = build_tiny(family, overrides)
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():
+            E = adapter.num_experts(model.config)
             for i in adapter.moe_layers(model):
-                bias = getattr(adapter.bias_holder(model, i), adapter.bias_attr, None)
-                if bias is not None:
-                    bias.copy_(torch.rand(bias.shape, generator=g) - 0.6)  # (scores of both signs)
+                block = adapter.block(model, i)  # every [E] bias of the block, found here, not through the adapter:
+                for name, bias in (*block.named_buffers(), *block.named_parameters()):  # a selection bias the
+                    if "bias" in name.rsplit(".", 1)[-1] and bias.numel() == E and not name.startswith("experts."):
+                        bias.copy_(torch.rand(bias.shape, generator=g) - 0.6)  # record misses fails the contract
                 if adapter.weight_scale_attr:  # a learned per-expert weight scale (Gemma-4's), per layer its own
                     getattr(adapter.router(model, i), adapter.weight_scale_attr).copy_(
                         torch.rand(adapter.num_experts(model.config), generator=g) + 0.5)

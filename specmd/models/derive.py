@@ -445,13 +445,22 @@ def _derive(family: str) -> Derived:
         raise _Refuse(f"its config has no top-k field ({', '.join(TOPK_FIELDS)})")
     # 3. how the router is called, and how its weights follow from its first output
     hidden = torch.randn(48, int(config.hidden_size), generator=torch.Generator().manual_seed(0))
+    _spread_routers(Adapter(family, **parts), model, moe, E)
     block = Adapter(family, **parts).block(model, moe[0])
     probe = Adapter(family, **parts, router_args=_router_args(getattr(block, parts["router_attr"]), block))
+    try:  # [T, H], or [1, T, H] where its router reads a sequence axis
+        _route(probe.router_call(model, moe[0]), hidden)
+    except _Refuse:
+        probe = dataclasses.replace(probe, router_batched=True)
+        _route(probe.router_call(model, moe[0]), hidden)
     rule = _weights_rule(family, over, probe, model, moe, E, hidden)
     bias_attr = next((n for n in probe.router_args if "bias" in n and getattr(block, n).shape == (E,)),
                      probe.bias_attr)  # a selection bias the block passes its router (LFM2-MoE's expert_bias)
+    nested = [n.rsplit(".", 1)[0] for n, _ in (*probe.router(model, moe[0]).named_buffers(),
+                                               *probe.router(model, moe[0]).named_parameters())
+              if n.endswith("." + bias_attr)]  # or a submodule of the router holds it (ERNIE-4.5's moe_statics)
     adapter = dataclasses.replace(
-        probe, bias_attr=bias_attr, **rule, experts_attr=experts_attr, topk_attr=topk_attr, tiny=over,
+        probe, bias_attr=bias_attr, bias_path=nested[0] if nested else "", **rule, experts_attr=experts_attr, topk_attr=topk_attr, tiny=over,
         experts_layout=ExpertsLayout(gated=getattr(experts, "has_gate", True),
                                      transposed=getattr(experts, "is_transposed", False),
                                      bias=getattr(experts, "has_bias", False),
@@ -463,6 +472,20 @@ def _derive(family: str) -> Derived:
         raise _Refuse(NOT_YET[family])
     holder = adapter.bias_holder(model, moe[0])
     return Derived(family, adapter=adapter, bias=isinstance(getattr(holder, adapter.bias_attr, None), torch.Tensor))
+
+
+def _spread_routers(adapter, model, moe: list, E: int) -> None:
+    """Every router's projection to its experts (a ``weight`` [E, H]) drawn at random, logits of unit spread: a
+    router initialised to zeros (AfMoE's) scores every expert alike, and then a softmax fits a sigmoid
+    router's weights."""
+    import torch
+
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for i in moe:
+            for name, p in adapter.router(model, i).named_parameters():
+                if name.endswith("weight") and p.dim() == 2 and p.shape[0] == E and p.is_floating_point():
+                    p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
 
 
 def _runs(model) -> None:

@@ -147,15 +147,18 @@ class ExpertsLayout:
 
 class RouterCall:
     """A router whose block passes it some of its own attributes after the hidden states
-    (:attr:`Adapter.router_args`), read from the block at each call (a ``model.to(device)`` replaces them)."""
+    (:attr:`Adapter.router_args`), read from the block at each call (a ``model.to(device)`` replaces them),
+    or that takes them as ``[1, T, H]`` (``batched``: AfMoE's router reads a sequence axis)."""
 
-    __slots__ = ("router", "block", "args")
+    __slots__ = ("router", "block", "args", "batched")
 
-    def __init__(self, router, block, args: tuple):
-        self.router, self.block, self.args = router, block, args
+    def __init__(self, router, block, args: tuple, batched: bool = False):
+        self.router, self.block, self.args, self.batched = router, block, args, batched
 
     def __call__(self, hidden):
         block = self.block
+        if self.batched:
+            hidden = hidden.unsqueeze(0)  # [1, T, H]
         if len(self.args) == 1:
             return self.router.forward(hidden, getattr(block, self.args[0]))
         return self.router.forward(hidden, *[getattr(block, a) for a in self.args])
@@ -205,6 +208,7 @@ class Adapter:
     # with E split into config.n_group groups of which config.topk_group are kept -- or None (no groups), and
     # the (config field, value) under which the groups apply (DeepSeek-V2: topk_method=group_limited_greedy).
     bias_attr: str = "e_score_correction_bias"
+    bias_path: str = ""  # the router's submodule holding it ("": the router; ERNIE-4.5's "moe_statics")
     group_score: Optional[str] = None
     groups_if: Optional[tuple] = None
     # What a left-out group scores (-inf; A.X-K2's and Kolibri's routers fill 0.0), and the router's [E]
@@ -214,6 +218,9 @@ class Adapter:
     # Attributes of the MoE block the router takes after the hidden states (MiniMax-M2, Hy3: the selection
     # bias lives on the block, ``gate(hidden, self.e_score_correction_bias)``); () for ``router(hidden)``.
     router_args: tuple = ()
+    # The router takes the hidden states as [B, S, H] (AfMoE's reads a sequence axis), not [T, H]: a call on
+    # another layer's input passes [1, T, H] (its outputs are [T, ...] either way).
+    router_batched: bool = False
     # The decoder layer's attribute holding its MoE block (``mlp``; Granite's ``block_sparse_moe``, Jamba's
     # ``feed_forward``, Nemotron-H's ``mixer``; "": the layer is the block, Gemma-4's router and experts are
     # attributes of its decoder layer); a layer whose block has no ``experts`` is dense.
@@ -300,18 +307,21 @@ class Adapter:
         return getattr(self.block(model, layer_id), self.router_attr)
 
     def bias_holder(self, model, layer_id: int):
-        """The module holding the layer's selection bias (``bias_attr``): its router, or the block where the
+        """The module holding the layer's selection bias (``bias_attr``): its router (or the router's
+        ``bias_path`` submodule), or the block where the
         block passes it to the router (``router_args``)."""
         router = self.router(model, layer_id)
+        if self.bias_path:
+            return router.get_submodule(self.bias_path)
         return router if hasattr(router, self.bias_attr) else self.block(model, layer_id)
 
     def router_call(self, model, layer_id: int):
         """``call(hidden [T, H]) -> (logits, weights, index)``: the layer's router as its block calls it, for
         running it on another layer's input (the prefetch signal); its forward hooks are bypassed."""
         router = self.router(model, layer_id)
-        if not self.router_args:
+        if not self.router_args and not self.router_batched:
             return router.forward
-        return RouterCall(router, self.block(model, layer_id), self.router_args)
+        return RouterCall(router, self.block(model, layer_id), self.router_args, self.router_batched)
 
     def experts(self, model, layer_id: int):
         return self.block(model, layer_id).experts
