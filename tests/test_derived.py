@@ -160,3 +160,30 @@ def test_a_vision_language_checkpoint_runs_its_text_decoder_by_path(tmp_path):
     adapter = adapter_for("kimi_k25")
     assert type(model).__name__ == "Kimi_K25ForConditionalGeneration" and adapter.moe_layers(model)
     assert adapter.layers(model) is model.model.language_model.layers
+
+
+def test_experts_with_their_own_loop_are_computed_in_its_order_by_both_kernels():
+    """Step-3.7's experts loop over experts in their own forward (``torch.where`` rows per expert, added onto
+    zeros in ascending id): both experts kernels -- per-expert sources (``run_experts``) and banks
+    (``grouped_experts``, the arena's) -- give its bits with ``ExpertsLayout.own_loop`` and not without (the
+    rank-order sum, or the stock sort's row order, rounds otherwise), so offloaded equals simulated."""
+    import dataclasses
+
+    from specmd.executor.kernel import Bank, expert_tensors, grouped_experts, run_experts, views_of
+
+    model, adapter = tiny("step3p7"), adapter_for("step3p7")
+    assert adapter.experts_layout.own_loop
+    mod = adapter.experts(model, adapter.moe_layers(model)[0])
+    E = adapter.num_experts(model.config)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(37, mod.gate_up_proj.shape[-1], generator=g)
+    index = torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(37)])
+    weights = torch.rand(index.shape, generator=g)
+    tensors = expert_tensors(mod, E)
+    with torch.no_grad():
+        own = mod(hidden, index, weights)
+        for layout, equal in ((adapter.experts_layout, True), (dataclasses.replace(adapter.experts_layout,
+                                                                                    own_loop=False), False)):
+            by_source = run_experts(mod, layout, hidden, index, weights, views_of(tensors, E))
+            by_bank = grouped_experts(mod, layout, hidden, index, weights, torch.arange(E), [Bank(tensors, 0, E)])
+            assert torch.equal(by_source, own) == equal and torch.equal(by_bank, own) == equal

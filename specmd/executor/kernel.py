@@ -76,7 +76,7 @@ def grouped_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weig
     S = T * k
     total = banks[-1].first + banks[-1].n  # slot ids 0..total-1; total: the sentinel
     expert_ids = index.reshape(-1)  # [S]
-    _, perm = torch.sort(expert_ids)  # [S] the stock kernel's (unstable) sort: its order within each group
+    perm = _rows(expert_ids, k, layout.own_loop)  # [S] the rows grouped by expert, in the module's order
     slots_g, order = torch.sort(slot_of[expert_ids[perm]], stable=True)  # [S] groups in slot order, rows kept
     perm = perm[order]  # [S]
     x_g = hidden[perm // k]  # [S, H]
@@ -94,10 +94,7 @@ def grouped_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weig
     if layout.post_norm:
         proj = mod.post_expert_norm(proj)
     weighted = proj * w_g.unsqueeze(-1)  # [S, H]
-    inv = torch.empty_like(perm)  # [S]
-    inv[perm] = torch.arange(S, device=perm.device)
-    weighted = weighted[inv]  # [S, H] back in (token, rank) order
-    return weighted.view(T, k, H).sum(dim=1).to(hidden.dtype)  # [T, H]
+    return _combine(weighted, perm, expert_ids, hidden, k, layout.own_loop)  # [T, H]
 
 
 def _looped_parts(banks: Sequence[Bank], rows: Sequence[int], groups: Sequence) -> list:
@@ -251,7 +248,8 @@ def run_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weights:
     T, H = hidden.shape
     sample_weights = weights.reshape(-1)  # [S]
     expert_ids = index.reshape(-1)  # [S]
-    expert_ids_g, perm = torch.sort(expert_ids)  # the stock kernel's (unstable) sort: same permutation
+    perm = _rows(expert_ids, k, layout.own_loop)  # [S] the rows grouped by expert, in the module's order
+    expert_ids_g = expert_ids[perm]
     x_g = hidden[perm // k]  # [S, H]
     w_g = sample_weights[perm]  # [S]
     counts = torch.bincount(expert_ids_g)
@@ -270,10 +268,36 @@ def run_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weights:
     if layout.post_norm:
         proj = mod.post_expert_norm(proj)
     weighted = proj * w_g.unsqueeze(-1)  # [S, H]
-    inv = torch.empty_like(perm)
+    return _combine(weighted, perm, expert_ids, hidden, k, layout.own_loop)  # [T, H]
+
+
+def _rows(expert_ids: torch.Tensor, k: int, own_loop: bool) -> torch.Tensor:
+    """``[S]``: the flat ``[T * k]`` selection's rows grouped by expert, in the order the family's module runs
+    them (a matmul's rows can round by their position): transformers' fused kernels take the stock (unstable)
+    sort's order; a module with its own loop (``own_loop``) takes ``torch.where(one_hot(index)[e])``'s, by rank
+    then token."""
+    if not own_loop:
+        return torch.sort(expert_ids)[1]
+    S = expert_ids.numel()
+    pos = torch.arange(S, device=expert_ids.device)
+    return torch.argsort(expert_ids * S + (pos % k) * (S // k) + pos // k)  # (expert, rank, token): unique keys
+
+
+def _combine(weighted: torch.Tensor, perm: torch.Tensor, expert_ids: torch.Tensor, hidden: torch.Tensor, k: int,
+             own_loop: bool) -> torch.Tensor:
+    """``[T, H]``: each token's weighted expert outputs (``weighted`` [S, H], row ``i`` the slot ``perm[i]`` of
+    the flat ``[T * k]`` selection ``expert_ids``) added up as the family's experts module does: transformers'
+    fused experts sum a token's k slots in rank order (``view(T, k, H).sum(1)``); a module with its own loop
+    (``own_loop``: Step-3.7's, MuSe-Spark's) adds each expert's outputs onto zeros in ascending expert id, in
+    the hidden states' dtype (``index_add_`` per expert: one ``index_add_`` here, rows in that order)."""
+    T, H = hidden.shape
+    if own_loop:
+        order = torch.sort(expert_ids[perm], stable=True).indices  # [S] rows by ascending expert id
+        out = hidden.new_zeros(T, H)
+        return out.index_add_(0, (perm // k)[order], weighted[order].to(hidden.dtype))
+    inv = torch.empty_like(perm)  # [S]
     inv[perm] = torch.arange(perm.size(0), device=perm.device)
-    weighted = weighted[inv]
-    return weighted.view(T, k, H).sum(dim=1).to(hidden.dtype)  # [T, H]
+    return weighted[inv].view(T, k, H).sum(dim=1).to(hidden.dtype)  # [T, H] (token, rank) order, summed
 
 
 def expert_tensors(mod, num_experts: int) -> dict[str, torch.Tensor]:

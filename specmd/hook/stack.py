@@ -122,7 +122,11 @@ class PolicyStack:
         self.device = torch.device(device) if device is not None else next(
             p.device for p in model.parameters() if not p.is_meta)
         self.checkpoint = checkpoint
-        expert_bytes = sum(p.numel() * p.element_size() for m in self.expert_modules for p in m.parameters())
+        from ..executor.kernel import expert_tensors
+
+        E = adapter.num_experts(model.config)  # (an expert: the module's [E, ...] tensors; a shared norm is dense)
+        expert_bytes = sum(p.numel() * p.element_size() for m in self.expert_modules
+                           for p in expert_tensors(m, E).values())
         self.dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - expert_bytes
         if spec.quant is None:
             from ..quant.none import NoQuant

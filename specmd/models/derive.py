@@ -55,7 +55,8 @@ SHRINK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n
               mamba_n_heads=8, mamba_d_head=16, mamba_num_heads=8, mamba_head_dim=16, mamba_d_state=16,
               ssm_state_size=16, mamba_chunk_size=16, chunk_size=16, n_groups=1, mamba_dt_rank=8,
               # Gemma-4's per-layer input embeddings, LongCat-Flash's expert width
-              vocab_size_per_layer_input=260, hidden_size_per_layer_input=16, expert_ffn_hidden_size=32)
+              vocab_size_per_layer_input=260, hidden_size_per_layer_input=16, expert_ffn_hidden_size=32,
+              moe_hidden_size=32)  # (MuSe-Spark's experts work in a projected width)
 # a wrapper's vision / audio towers (set only where the tower's config has the field; its output width the text's)
 SHRINK_TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=1, num_attention_heads=2,
                     num_heads=2, num_key_value_heads=2, head_dim=16, encoder_layers=1, d_model=32,
@@ -77,6 +78,9 @@ TINY_FIXES = {
     "zaya": dict(num_experts_per_tok=1),  # ZAYA1 routes top-1 (its validator refuses any other)
     "glm4v_moe_text": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
                                                 mrope_section=[2, 1, 1])),  # GLM-4.5V's [8, 12, 12] at the toy head
+    # Qwen3-Omni's thinker reads its vision / audio start tokens in generation (its config.json sets them; its
+    # class leaves them out): ids no text of the tiny vocabulary holds
+    "qwen3_omni_moe_thinker": dict(vision_start_token_id=259, audio_start_token_id=259, position_id_per_seconds=13),
     "deepseek_ocr2_text": dict(mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),  # DeepSeek-OCR-2's
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
                            indexer_compress_ratio=4),
@@ -169,6 +173,7 @@ def tiny_overrides(model_type: str) -> dict:
             tower = _tower_overrides(sub, width)
             if tower:
                 over[name] = tower
+    over.update(TINY_FIXES.get(model_type, {}))
     top = config.to_dict()  # the projector between them (MuSe-Spark's), at the wrapper's level
     over.update({k: width for k in TOWER_OUT if isinstance(top.get(k), int)})
     over.update({k: SHRINK_TOWER["intermediate_size"] for k in ("projector_hidden_size",) if isinstance(top.get(k), int)})
@@ -466,7 +471,10 @@ def _derive(family: str) -> Derived:
                                      bias=getattr(experts, "has_bias", False),
                                      post_norm=getattr(experts, "has_post_expert_norm", False)))
     # 4. its experts compute what the kernel does; 5. its top-k is the selection score's
-    _kernel_agrees(experts, adapter.experts_layout, E, hidden)
+    up = experts.gate_up_proj if adapter.experts_layout.gated else experts.up_proj  # [E, 2I, H'] or [E, H', 2I]
+    width = up.shape[1 if adapter.experts_layout.transposed else 2]  # the experts' own input width
+    x = torch.randn(48, int(width), generator=torch.Generator().manual_seed(6))
+    adapter = dataclasses.replace(adapter, experts_layout=_kernel_agrees(experts, adapter.experts_layout, E, x))
     adapter = _selection(adapter, model, moe, hidden)
     if family in NOT_YET:
         raise _Refuse(NOT_YET[family])
@@ -541,11 +549,12 @@ def _weights_rule(family: str, over: dict, probe, model, moe: list, E: int, hidd
     return dict(score=score, renorm=renorm, scale_attr=scale_attr, weight_scale_attr=weight_scale_attr)
 
 
-def _kernel_agrees(experts, layout, E: int, hidden) -> None:
-    """The experts module computes what specmd's experts kernel (:func:`~specmd.executor.kernel.run_experts`,
-    the offload executor's) computes from its weights, bit for bit -- transformers' fused experts do, through
-    ``use_experts_implementation`` -- or the family is refused: offloaded would not equal simulated (Step-3.5's
-    experts loop over experts in their own forward and sum in another order)."""
+def _kernel_agrees(experts, layout, E: int, hidden):
+    """``layout``, its own loop set where the module's forward adds its experts in ascending id (Step-3.7's,
+    MuSe-Spark's), such that the experts module computes what specmd's experts kernel
+    (:func:`~specmd.executor.kernel.run_experts`, the offload executor's) computes from its weights, bit for
+    bit -- transformers' fused experts do, through ``use_experts_implementation`` -- or the family is refused:
+    offloaded would not equal simulated."""
     import torch
 
     from ..executor.kernel import expert_tensors, run_experts, views_of
@@ -556,13 +565,16 @@ def _kernel_agrees(experts, layout, E: int, hidden) -> None:
     try:
         with torch.no_grad():
             own = experts(hidden, index, weights)
-            mine = run_experts(experts, layout, hidden, index, weights, views_of(expert_tensors(experts, E), E))
+            sources = views_of(expert_tensors(experts, E), E)
+            for candidate in (layout, dataclasses.replace(layout, own_loop=True)):
+                mine = run_experts(experts, candidate, hidden, index, weights, sources)
+                if torch.equal(own, mine):
+                    return candidate
     except Exception as exc:  # noqa: BLE001 -- experts that take more than the decoder's hidden states
         raise _Refuse(f"its experts are not called as experts(hidden [T, H], index, weights) ({type(exc).__name__}: "
                       f"{str(exc).splitlines()[0][:100]})") from None
-    if not torch.equal(own, mine):
-        raise _Refuse("its experts module computes other than transformers' fused experts kernel (its own forward; "
-                      f"max difference {float((own - mine).abs().max()):.2g}): offloaded would not equal simulated")
+    raise _Refuse("its experts module computes other than specmd's experts kernel, summed in rank order or in its own "
+                  f"loop's (max difference {float((own - mine).abs().max()):.2g}): offloaded would not equal simulated")
 
 
 def real_model(family: str) -> Optional[str]:

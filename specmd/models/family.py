@@ -136,6 +136,9 @@ class ExpertsLayout:
     transposed: bool = False  # weights [E, in, out] (GPT-OSS), else [E, out, in]
     bias: bool = False  # per-expert biases ``<up>_bias`` [E, out] and ``down_proj_bias``
     post_norm: bool = False  # ``post_expert_norm`` applied to each expert's output
+    # its own forward loops over experts, adding each one's outputs onto zeros in ascending id (Step-3.7), not
+    # transformers' top-k sum in rank order: the kernels add in its order (the same bits)
+    own_loop: bool = False
 
     @property
     def names(self) -> tuple[str, str, Optional[str], Optional[str]]:
@@ -384,15 +387,20 @@ class Adapter:
         if num_experts < 1:  # a model.tiny override can build one (num_experts=0)
             raise ConfigError(f"model {config.model_type} has {num_experts} experts per MoE layer: specmd caches the "
                               f"experts of an MoE model (check model.tiny)")
-        experts0 = self.experts(model, moe_ids[0])
-        expert_params = sum(p.numel() for p in experts0.parameters()) // num_experts
-        expert_bytes = sum(p.numel() * p.element_size() for p in experts0.parameters()) // num_experts
-        dtype_bytes = next(experts0.parameters()).element_size()
+        from ..executor.kernel import expert_tensors
+
+        def per_expert(i):  # the experts module's [E, ...] tensors: what an expert is (a norm they share is dense,
+            return list(expert_tensors(self.experts(model, i), num_experts).values())  # MuSe-Spark's post norm)
+
+        tensors = per_expert(moe_ids[0])
+        expert_params = sum(p.numel() for p in tensors) // num_experts
+        expert_bytes = sum(p.numel() * p.element_size() for p in tensors) // num_experts
+        dtype_bytes = tensors[0].element_size()
         total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
         def dense_params(i):
             n = sum(p.numel() for p in layers[i].parameters())
-            return n - (sum(p.numel() for p in self.experts(model, i).parameters()) if i in moe_ids else 0)
+            return n - (sum(p.numel() for p in per_expert(i)) if i in moe_ids else 0)
 
         dense, attn, prev = [], [], -1
         for i in moe_ids:

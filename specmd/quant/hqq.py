@@ -87,7 +87,10 @@ class HQQ(QuantMethod):
     def build(self, experts, num_experts, tag):
         native_dtype = next(experts[0].parameters()).dtype
         native_bits = torch.finfo(native_dtype).bits
-        expert_bytes = sum(p.numel() * p.element_size() for p in experts[0].parameters()) // num_experts
+        from ..executor.kernel import expert_tensors
+
+        expert_bytes = sum(p.numel() * p.element_size()
+                           for p in expert_tensors(experts[0], num_experts).values()) // num_experts
         weights = expert_params(experts[0], num_experts)
         other_bytes = expert_bytes - sum(p[0].numel() * p.element_size() for _, p in weights)
         fp = model_fingerprint(experts, num_experts, tag) if any(p in INT for p in self.params.precisions) else None
