@@ -29,9 +29,9 @@ def test_the_families_that_run_are_computed_from_the_installed_transformers():
     assert {"glm4_moe", "solar_open", "kimi_linear", "mimo_v2_flash"} <= {f for f in DERIVED
                                                                           if adapter_for(f).group_score == "top2"}
     # ... and a router that scores the groups it leaves out 0.0, not -inf, runs with that rule (A.X-K2: with a
-    # negative selection bias those experts win, as its code has it), one that adds the bias to its logits does not
+    # negative selection bias those experts win, as its code has it), and one that adds the bias to its logits
     assert adapter_for("axk2").group_fill == 0.0 and adapter_for("glm4_moe").group_fill == float("-inf")
-    assert "scored -inf or 0.0" in derive("kolibri1").reason
+    assert adapter_for("kolibri1").bias_on_logits and not adapter_for("glm4_moe").bias_on_logits  # (Kolibri: on logits)
     # Gemma-4: the decoder layer is the block, the router returns probabilities, weights carry a learned scale
     gemma = adapter_for("gemma4_text")
     assert (gemma.block_attr, gemma.score, gemma.weight_scale_attr) == ("", "probabilities", "per_expert_scale")
@@ -155,6 +155,28 @@ def test_a_vision_language_checkpoint_runs_its_text_decoder_by_path(tmp_path):
             stack.remove()
     assert torch.equal(hooked, vlm(input_ids=ids).logits)
     assert ModelConfig(name="x", family="qwen3_5_moe").family == "qwen3_5_moe_text"  # a family named as the wrapper
+    # execution.host=disk on the wrapper's checkpoint: the dense weights under the prefix transformers reads
+    # (its conversion mapping's PrefixChange), the experts one at a time from model.language_model.layers
+    from specmd.executor.kernel import expert_tensors
+    from specmd.executor.tiers import DiskTier
+    from specmd.models.loader import load_dense
+
+    adapter = adapter_for("qwen3_5_moe_text")
+    dense = load_dense(str(tmp_path / "qwen35"), cfg)
+    want = model.state_dict()
+    assert all(torch.equal(t, want[n]) for n, t in dense.state_dict().items() if not t.is_meta)
+    ids, E = adapter.moe_layers(model), adapter.num_experts(model.config)
+    fused = [expert_tensors(adapter.experts(model, i), E) for i in ids]
+    shapes = {n: tuple(t.shape[1:]) for n, t in fused[0].items()}
+    tier = DiskTier(str(tmp_path / "qwen35"), ids, shapes, torch.float32, E, adapter.hub_layout())
+    try:
+        for layer, tensors in enumerate(fused):
+            for e in (0, E - 1):
+                dst = {n: torch.empty(s) for n, s in shapes.items()}
+                tier.copy_into(layer, e, dst)
+                assert all(torch.equal(dst[n], t[e]) for n, t in tensors.items()), (layer, e)
+    finally:
+        tier.close()
 
     model = tiny("kimi_k25")
     adapter = adapter_for("kimi_k25")

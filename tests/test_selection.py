@@ -102,7 +102,7 @@ def test_the_selection_scores_top_k_is_the_routers_own_choice(variant):
         if family != "phimoe":  # the weights are the family's (dual-logit reweighing is exact)
             assert torch.allclose(scoring.weigh(scoring.probs(logits), index, layer), weights.float(), rtol=1e-5,
                                   atol=1e-6)
-        scores = scoring.selection(scoring.probs(logits), layer)
+        scores = scoring.scores_of(logits, layer)
         assert as_sets(torch.topk(scores, k, dim=-1).indices) == as_sets(index)
         assert as_sets(scoring.select(logits, layer, k)) == as_sets(index)
         differs += sum(a != b for a, b in zip(as_sets(torch.topk(logits, k, dim=-1).indices), as_sets(index)))
@@ -273,6 +273,8 @@ def test_probabilities_given_and_a_per_expert_weight_scale_hand_worked():
     index = torch.tensor([[0, 2]])
     assert s.weigh(probs, index, 0)[0].tolist() == pytest.approx([0.5 / 0.7 * 1.0, 0.2 / 0.7 * 4.0])
     assert s.weigh(probs, index, 1)[0].tolist() == pytest.approx([0.5 / 0.7 * 3.0, 0.2 / 0.7 * 3.0])
+    with pytest.raises(ValueError, match="per MoE layer"):  # (no silent layer 0)
+        s.weigh(probs, index)
     assert s.plain and torch.equal(s.selection(probs, 0), probs)  # the scale weighs, never selects
     back = Scoring.from_dict(s.to_dict(), 2, 3)  # (a trace's meta.json)
     assert back.given and torch.equal(back.expert_scale, scale) and back.group_fill == float("-inf")
@@ -284,3 +286,15 @@ def test_probabilities_given_and_a_per_expert_weight_scale_hand_worked():
         Scoring(False, True, 1.0, expert_scale=torch.tensor([[float("inf"), 1.0]]))
     with pytest.raises(ValueError, match="group_fill=nan"):
         Scoring(False, True, 1.0, group_fill=float("nan"))
+
+
+def test_a_selection_bias_on_the_logits_hand_worked():
+    # Kolibri adds its bias to the logits: logits [2, 0], bias [0, 0.5] -> 2.0 vs 0.5, expert 0 selected; on
+    # the sigmoid probabilities (0.88 vs 0.5 + 0.5 = 1.0) expert 1 would be
+    logits, bias = torch.tensor([[2.0, 0.0]]), torch.tensor([[0.0, 0.5]])
+    assert Scoring(True, True, 1.0, bias).select(logits, 0, 1).tolist() == [[1]]
+    on = Scoring(True, True, 1.0, bias, on_logits=True)
+    assert on.select(logits, 0, 1).tolist() == [[0]] and on.scores_of(logits, 0).tolist() == [[2.0, 0.5]]
+    rec = LiveRecord(0, logits, on.weigh(on.probs(logits), torch.tensor([[0]])), torch.tensor([[0]]), on)
+    assert rec.scores.tolist() == [[2.0, 0.5]]  # what every ranking policy reads
+    assert Scoring.from_dict(on.to_dict(), 1, 2).on_logits

@@ -141,7 +141,7 @@ class LayerCall:
             index, weights = self.index, self.weights
             if index is None:  # the record's own selection
                 index, weights = self.record.index, self.record.weights
-            # slots a routing policy declared empty (prune: RoutingPolicy.empties)
+            # slots a routing policy declared empty (prune: Routed.void)
             void = self.record.void if self.record is not None and self.record.rerouted else None
             slots = index.numel() - (0 if void is None else int(void.sum()))
             ex = self.execution = Execution(index, weights, torch.ones_like(index, dtype=torch.bool), slots, self.n,

@@ -37,9 +37,11 @@ class Scoring:
     * ``expert_scale``: ``[L, E]`` float32 or None, a learned per-expert factor on the top-k weights after
       renormalisation (Gemma-4's ``per_expert_scale``: "apply per-expert scale directly to the weights", its
       router's code), never on the selection;
+    * ``on_logits``: the selection bias is added to the logits, not the probabilities (Kolibri's router:
+      ``topk(router_logits + e_score_correction_bias)``), so the selection score is ``logits + bias``;
     * ``group_fill``: what the groups a token leaves out score (``-inf``: transformers' DeepSeek-V3 router,
-      never chosen; ``0.0``: A.X-K2's and Kolibri's routers, which choose there when every kept score is
-      negative -- their code, reproduced, not corrected).
+      never chosen; ``0.0``: A.X-K2's router, which chooses there when every kept score is negative -- its
+      code, reproduced, not corrected).
 
     :meth:`selection` is exactly the family's own router computation (transformers'
     ``DeepseekV3TopkRouter.forward``: ``sigmoid(logits) + bias``, the groups outside the token's best set to
@@ -49,21 +51,24 @@ class Scoring:
     """
 
     __slots__ = ("sigmoid", "renorm", "scale", "bias", "groups", "topk_group", "group_score", "plain", "given",
-                 "expert_scale", "group_fill")
+                 "expert_scale", "group_fill", "on_logits", "_scale_dev")
 
     def __init__(self, sigmoid: bool, renorm: bool, scale: float, bias: Optional[torch.Tensor] = None,
                  groups: int = 1, topk_group: int = 1, group_score: str = "top2", given: bool = False,
-                 expert_scale: Optional[torch.Tensor] = None, group_fill: float = float("-inf")):
+                 expert_scale: Optional[torch.Tensor] = None, group_fill: float = float("-inf"),
+                 on_logits: bool = False):
         """Errors: ValueError for a ``group_score`` outside :data:`GROUP_SCORES`, groups that do not divide
         the experts, a ``topk_group`` outside 1..groups, a bias or expert scale that is not ``[L, E]`` or not
         finite, a ``group_fill`` other than ``-inf`` or a finite number."""
         self.sigmoid = sigmoid
         self.given = bool(given)
         self.expert_scale = _layer_table(expert_scale, "per-expert weight scale")
+        self._scale_dev = None
         group_fill = float(group_fill)
         if math.isnan(group_fill) or group_fill == float("inf"):
             raise ValueError(f"group_fill={group_fill}: -inf or a finite score")
         self.group_fill = group_fill
+        self.on_logits = bool(on_logits)
         self.renorm = renorm
         self.scale = scale
         if group_score not in GROUP_SCORES:
@@ -90,17 +95,26 @@ class Scoring:
             return logits
         return logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
 
-    def weigh(self, probs: torch.Tensor, index: torch.Tensor, layer: int = 0) -> torch.Tensor:
+    def weigh(self, probs: torch.Tensor, index: torch.Tensor, layer: Optional[int] = None) -> torch.Tensor:
         """``[T, k]``: the weights of experts ``index`` [T, k] from the probabilities ``probs`` [T, E] at MoE
-        layer ``layer`` (whose per-expert scale applies)."""
+        layer ``layer`` (whose per-expert scale applies; a rule with one needs it: ValueError without). An index
+        of E (an empty slot's zero-probability column) takes expert E - 1's scale: its weight is 0 anyway."""
         w = probs.gather(-1, index)
         if self.renorm:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         if self.scale != 1.0:
             w = w * self.scale
         if self.expert_scale is not None:
-            w = w * self.expert_scale[layer].to(w.device)[index.clamp_max(self.expert_scale.shape[1] - 1)]
+            if layer is None:
+                raise ValueError("a per-expert weight scale weighs per MoE layer: weigh(probs, index, layer)")
+            w = w * self._scale_on(w.device)[layer][index.clamp_max(self.expert_scale.shape[1] - 1)]
         return w
+
+    def _scale_on(self, device) -> torch.Tensor:
+        """The per-expert weight scale ``[L, E]`` on ``device``, copied there once."""
+        if self._scale_dev is None or self._scale_dev.device != device:
+            self._scale_dev = self.expert_scale.to(device)
+        return self._scale_dev
 
     def selection(self, probs: torch.Tensor, layer: int) -> torch.Tensor:
         """``[T, E]`` float32: MoE layer ``layer``'s selection score of every expert for every token, from its
@@ -124,13 +138,18 @@ class Scoring:
             s = s.masked_fill(~keep.unsqueeze(-1).expand(T, g, E // g).reshape(T, E), self.group_fill)
         return s
 
+    def scores_of(self, logits: torch.Tensor, layer: int) -> torch.Tensor:
+        """``[T, E]``: the selection score of router ``logits`` [T, E] at MoE layer ``layer`` (:meth:`selection`
+        of the probabilities, or of the logits for a bias added to them)."""
+        return self.selection(logits.float() if self.on_logits else self.probs(logits), layer)
+
     def select(self, logits: torch.Tensor, layer: int, k: int) -> torch.Tensor:
         """``[T, k]``: the top-k the family's router selects from ``logits`` [T, E] at MoE layer ``layer``
         (for a policy that changes the logits, Cache-Prior's ``z'``). A plain rule takes the top-k of the
         logits (softmax and sigmoid keep their order)."""
         if self.plain:
             return torch.topk(logits, k, dim=-1).indices
-        return torch.topk(self.selection(self.probs(logits), layer), k, dim=-1).indices
+        return torch.topk(self.scores_of(logits, layer), k, dim=-1).indices
 
     def to_dict(self) -> dict:
         out = {"sigmoid": self.sigmoid, "renorm": self.renorm, "scale": self.scale}
@@ -142,6 +161,8 @@ class Scoring:
                 out["group_fill"] = self.group_fill
         if self.given:
             out["given"] = True
+        if self.on_logits and self.bias is not None:
+            out["on_logits"] = True
         if self.expert_scale is not None:
             out["expert_scale"] = self.expert_scale.tolist()
         return out
@@ -160,7 +181,8 @@ class Scoring:
             group_errors(int(d.get("groups", 1)), str(d.get("group_score", "top2")), experts)
         return cls(bool(d.get("sigmoid", False)), bool(d.get("renorm", True)), float(d.get("scale", 1.0)), bias,
                    int(d.get("groups", 1)), int(d.get("topk_group", 1)), str(d.get("group_score", "top2")),
-                   bool(d.get("given", False)), expert_scale, float(d.get("group_fill", float("-inf"))))
+                   bool(d.get("given", False)), expert_scale, float(d.get("group_fill", float("-inf"))),
+                   bool(d.get("on_logits", False)))
 
 
 def _layer_table(t, what: str) -> Optional[torch.Tensor]:
@@ -278,7 +300,8 @@ class GateRecord:
         layer's selection bias, ``-inf`` outside the token's groups), what every policy that ranks experts
         ranks by; the router's own top-k is its top-k. ``probs`` itself for a plain rule. Read, never write."""
         if self._scores is None:
-            self._scores = self.scoring.selection(self.probs, self.layer)
+            s = self.scoring
+            self._scores = s.selection(self.logits.float() if s.on_logits and not s.plain else self.probs, self.layer)
         return self._scores
 
     def probs_rows(self):

@@ -289,15 +289,20 @@ def _combine(weighted: torch.Tensor, perm: torch.Tensor, expert_ids: torch.Tenso
     the flat ``[T * k]`` selection ``expert_ids``) added up as the family's experts module does: transformers'
     fused experts sum a token's k slots in rank order (``view(T, k, H).sum(1)``); a module with its own loop
     (``own_loop``: Step-3.7's, MuSe-Spark's) adds each expert's outputs onto zeros in ascending expert id, in
-    the hidden states' dtype (``index_add_`` per expert: one ``index_add_`` here, rows in that order)."""
+    the hidden states' dtype (``index_add_`` per expert; here k column adds, in order: deterministic on every
+    device, where one ``index_add_`` with repeated rows is not on CUDA)."""
     T, H = hidden.shape
-    if own_loop:
-        order = torch.sort(expert_ids[perm], stable=True).indices  # [S] rows by ascending expert id
-        out = hidden.new_zeros(T, H)
-        return out.index_add_(0, (perm // k)[order], weighted[order].to(hidden.dtype))
     inv = torch.empty_like(perm)  # [S]
     inv[perm] = torch.arange(perm.size(0), device=perm.device)
-    return weighted[inv].view(T, k, H).sum(dim=1).to(hidden.dtype)  # [T, H] (token, rank) order, summed
+    rows = weighted[inv].view(T, k, H)  # [T, k, H] (token, rank) order
+    if not own_loop:
+        return rows.sum(dim=1).to(hidden.dtype)  # [T, H]
+    order = expert_ids.view(T, k).argsort(dim=1)  # [T, k] each token's ranks by ascending expert id (distinct)
+    rows = rows.gather(1, order.unsqueeze(-1).expand(T, k, H)).to(hidden.dtype)
+    out = hidden.new_zeros(T, H)
+    for j in range(k):
+        out = out + rows[:, j]
+    return out
 
 
 def expert_tensors(mod, num_experts: int) -> dict[str, torch.Tensor]:

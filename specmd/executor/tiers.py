@@ -192,6 +192,7 @@ class DiskTier(HostTier):
         # where a layer's experts may be (transformers' block first) and, per fused parameter, the hub's
         # per-expert tensors concatenated along rows
         self._blocks = ("mlp",) if hub is None or hub.block == "mlp" else ("mlp", hub.block)
+        self._layers = ("model.layers",) if hub is None else hub.layer_prefixes()  # (and a wrapper's, read)
         self._parts = {n: hub.expert_parts(n) for n in shapes} if hub is not None else {}
         self.dtype = dtype
         self.page_cache = page_cache
@@ -237,8 +238,8 @@ class DiskTier(HostTier):
         self._biggest = biggest
 
     def _locate(self, tensors, layer_id, e, name, shape, E) -> list[_Piece]:
-        for block in self._blocks:
-            prefix = f"model.layers.{layer_id}.{block}.experts"
+        for base, block in ((b, k) for b in self._layers for k in self._blocks):
+            prefix = f"{base}.{layer_id}.{block}.experts"
             fused = tensors.get(f"{prefix}.{name}")
             if fused is not None:  # [E, ...]: expert e's bytes are the e-th of E equal chunks
                 fd, path, off, nbytes, dt, fshape = fused

@@ -165,7 +165,9 @@ def tiny_overrides(model_type: str) -> dict:
     text = config.get_text_config(decoder=True)
     if text is config:
         return _text_overrides(config.to_dict())
-    field = next(k for k, v in vars(config).items() if v is text)  # (text_config, in every wrapper transformers has)
+    field = next((k for k, v in vars(config).items() if v is text), None)  # (text_config, in most wrappers)
+    if field is None:  # nested deeper (Qwen3-Omni's thinker_config.text_config)
+        raise _Refuse(f"its text decoder's config is nested below {type(config).__name__}'s sub-configs")
     over = {field: _text_overrides(text.to_dict())}
     width = over[field].get("hidden_size", SHRINK["hidden_size"])
     for name, sub in config.to_dict().items():  # the vision / audio towers at toy sizes, projected to the text width
@@ -429,6 +431,8 @@ def _derive(family: str) -> Derived:
 
     from .family import Adapter, ExpertsLayout
 
+    if family not in _causal_lm() and family not in _image_text():
+        raise _Refuse("transformers has no causal-LM or image-text-to-text class for it")
     runs_as = text_family(family)
     if runs_as != family:  # transformers' causal LM of a wrapper is its text model: the checkpoint runs as that
         d = derive(runs_as)
@@ -540,6 +544,7 @@ def _weights_rule(family: str, over: dict, probe, model, moe: list, E: int, hidd
         flip = {"norm_topk_prob": not config.norm_topk_prob}
         field = next((k for k, v in over.items() if isinstance(v, dict) and "num_hidden_layers" in v), None)
         flipped = _build(family, dict(over, **{field: dict(over[field], **flip)}) if field else dict(over, **flip))
+        _spread_routers(probe, flipped, moe, E)
         fit2 = _fit(*_route(probe.router_call(flipped, moe[0]), hidden),
                     getattr(probe.router(flipped, moe[0]), weight_scale_attr) if weight_scale_attr else None)
         if fit2 is not None and fit2[1] != renorm:
@@ -606,20 +611,19 @@ def _selection(adapter, model, moe, hidden):
                 bias.copy_(torch.rand(bias.shape, generator=g) * 0.5 - 1.0)  # out with 0.0, not -inf, disagrees
     routed = [_route(adapter.router_call(model, i), hidden) for i in moe]
     grouped = (getattr(adapter.text(model.config), "n_group", 1) or 1) > 1
-    rules = [(g, fill) for g in GROUP_SCORES for fill in GROUP_FILLS] + [(None, GROUP_FILLS[0])] if grouped else \
+    groups = [(g, fill) for g in GROUP_SCORES for fill in GROUP_FILLS] + [(None, GROUP_FILLS[0])] if grouped else \
         [(None, GROUP_FILLS[0])]  # (a router may ignore the groups)
-    for group_score, fill in rules:
-        candidate = dataclasses.replace(adapter, group_score=group_score, group_fill=fill)
+    for (group_score, fill), on_logits in ((rule, on) for on in (False, True) for rule in groups):
+        candidate = dataclasses.replace(adapter, group_score=group_score, group_fill=fill, bias_on_logits=on_logits)
         try:
             scoring = candidate.scoring(model.config, holders)
         except (ConfigError, ValueError) as exc:
             raise _Refuse(f"its group limit does not fit ({exc})") from None
         k = routed[0][2].shape[-1]
-        if all(_same_sets(torch.topk(scoring.selection(scoring.probs(lg), l), k, dim=-1).indices, idx)
-               for l, (lg, _, idx) in enumerate(routed)):
+        if all(_same_sets(scoring.select(lg, l, k), idx) for l, (lg, _, idx) in enumerate(routed)):
             return candidate
-    raise _Refuse("its top-k is not the top-k of its probabilities plus a selection bias within a group limit "
-                  "(left-out groups scored -inf or 0.0)")
+    raise _Refuse("its top-k is not the top-k of its probabilities (or logits) plus a selection bias within a group "
+                  "limit (left-out groups scored -inf or 0.0)")
 
 
 def _same_sets(a, b) -> bool:

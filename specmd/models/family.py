@@ -32,13 +32,15 @@ class HubLayout:
     down: str = "down_proj"
     router: Optional[str] = None  # transformers' router module, when the hub calls it ``gate``
     # (hub, transformers) substrings of the other tensors transformers renames on load, in its order
-    # (ERNIE-4.5's ``mlp.moe_statics.`` bias under ``mlp.gate.``, Hy3's ``mlp.router.gate.`` router)
+    # (ERNIE-4.5's ``mlp.moe_statics.`` bias under ``mlp.gate.``, Hy3's ``mlp.router.gate.`` router; a prefix
+    # when it starts with ``^``: Qwen3.5-MoE's ``^model.language_model.`` for ``^model.``)
     renames: tuple = ()
 
     def to_hub(self, name: str) -> str:
         """A transformers tensor name (not a fused expert tensor) under the hub's name."""
         for hub, ours in reversed(self.renames):
-            name = name.replace(ours, hub)
+            if not hub.startswith("^"):  # (a prefix change is read, never written: transformers' save drops it)
+                name = _renamed(name, ours, hub)
         m = _BLOCK.match(name)
         if m is None:
             return name
@@ -54,8 +56,14 @@ class HubLayout:
                 name = name.replace(f".{self.block}.gate.", f".mlp.{self.router}.")
             name = name.replace(f".{self.block}.", ".mlp.")
         for hub, ours in self.renames:
-            name = name.replace(hub, ours)
+            name = _renamed(name, hub, ours)
         return name
+
+    def layer_prefixes(self, ours: str = "model.layers") -> tuple[str, ...]:
+        """Where a checkpoint may keep the decoder layers transformers calls ``ours``: there, and under each
+        prefix change it reads (Qwen3.5-MoE's hub checkpoints: ``model.language_model.layers``)."""
+        return (ours,) + tuple(_renamed(ours, new, old) for old, new in self.renames
+                               if old.startswith("^") and ours.startswith(new[1:]))
 
     def expert_parts(self, fused: str) -> tuple[str, ...]:
         """The hub's per-expert tensors (after ``experts.{e}.``) whose rows, concatenated in order, are expert
@@ -78,6 +86,12 @@ def declared_hub(transforms) -> Optional[HubLayout]:
     for t in transforms:
         kind, src, dst = type(t).__name__, list(t.source_patterns), list(t.target_patterns)
         ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(t, "operations", None) or ()]
+        if kind == "PrefixChange" and len(src) == len(dst) == 1:  # Qwen3.5-MoE's text weights under the wrapper's
+            hub, ours = re.fullmatch(r"\^(.+)\(\.\+\)", src[0]), re.fullmatch(r"(.*)\\1", dst[0])  # language_model
+            if hub is None or ours is None or _literal(hub[1]) is None or _literal(ours[1]) is None:
+                return None
+            renames.append(("^" + _literal(hub[1]), "^" + _literal(ours[1])))
+            continue
         if kind == "WeightRenaming" and len(src) == len(dst) == 1:
             hub, ours = _literal(src[0]), _literal(dst[0])
             if hub is None or ours is None:
@@ -102,6 +116,13 @@ def declared_hub(transforms) -> Optional[HubLayout]:
         return None
     gate, up = parts["gate_up_proj"] if "gate_up_proj" in parts else ("gate_proj", parts["up_proj"][0])
     return HubLayout(block=block, gate=gate, up=up, down=parts["down_proj"][0], router=router, renames=tuple(renames))
+
+
+def _renamed(name: str, old: str, new: str) -> str:
+    """``name`` with ``old`` replaced by ``new``: a ``^`` prefix only at its start (a prefix change)."""
+    if old.startswith("^"):
+        return new[1:] + name[len(old) - 1:] if name.startswith(old[1:]) else name
+    return name.replace(old, new)
 
 
 def _literal(pattern: str) -> Optional[str]:
@@ -218,6 +239,7 @@ class Adapter:
     # parameter scaling each expert's weight after renormalisation (Gemma-4's ``per_expert_scale``), or None.
     group_fill: float = float("-inf")
     weight_scale_attr: Optional[str] = None
+    bias_on_logits: bool = False  # the selection bias is added to the logits (Kolibri), not the probabilities
     # Attributes of the MoE block the router takes after the hidden states (MiniMax-M2, Hy3: the selection
     # bias lives on the block, ``gate(hidden, self.e_score_correction_bias)``); () for ``router(hidden)``.
     router_args: tuple = ()
@@ -344,7 +366,7 @@ class Adapter:
         groups, topk_group = self.group_limit(config)
         return Scoring(self.score == "sigmoid", self.renormalises(config), self.scale(config),
                        self.selection_bias(routers), groups, topk_group, self.group_score or "top2",
-                       given=self.score == "probabilities", group_fill=self.group_fill,
+                       given=self.score == "probabilities", group_fill=self.group_fill, on_logits=self.bias_on_logits,
                        expert_scale=self.selection_bias(routers, self.weight_scale_attr) if self.weight_scale_attr
                        else None)
 

@@ -430,7 +430,7 @@ def load_dense(path: str, cfg: ModelConfig):
         del part
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-        loaded |= {n for n in wanted if n.startswith("lm_head")}
+        loaded |= {n for n in wanted if n.startswith(adapter.head_path + ".")}
     missing = sorted(n for n in wanted - loaded if not n.endswith("inv_freq"))
     if missing:
         raise DataError(f"model.pretrained={cfg.pretrained}: {path} lacks dense weights {missing[:6]}"

@@ -328,13 +328,18 @@ def _clean_stale(out: Path) -> None:
 def _plan_checkpoint(fields: dict, dtype: str, layout: str, shard_bytes: int):
     """The checkpoint's config, its tensors' entries and their shards, learnt from the model built on the meta
     device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from .adapters import adapter_for
+    from .family import build_config
 
     family = fields["model_type"]
     kwargs = {k: v for k, v in fields.items() if k != "model_type"}
-    config = AutoConfig.for_model(family, **kwargs)
+    config = build_config(family, kwargs)
+    try:
+        auto = adapter_for(family).auto_class()  # (a vision-language wrapper: its image-text-to-text class)
+    except ConfigError:
+        from transformers import AutoModelForCausalLM as auto  # a family specmd does not run: written all the same
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
+        model = auto.from_config(config, dtype=DTYPES[dtype])
     tensors = _state_entries(model)
     config.architectures = [type(model).__name__]
     config.dtype = dtype

@@ -85,10 +85,10 @@ class HQQ(QuantMethod):
     Params = HQQParams
 
     def build(self, experts, num_experts, tag):
-        native_dtype = next(experts[0].parameters()).dtype
-        native_bits = torch.finfo(native_dtype).bits
         from ..executor.kernel import expert_tensors
 
+        native_dtype = next(experts[0].parameters()).dtype
+        native_bits = torch.finfo(native_dtype).bits
         expert_bytes = sum(p.numel() * p.element_size()
                            for p in expert_tensors(experts[0], num_experts).values()) // num_experts
         weights = expert_params(experts[0], num_experts)
@@ -106,7 +106,7 @@ class HQQ(QuantMethod):
                       for q in layers[0].values())
             bytes_of[prec] = other_bytes + per
 
-        per_expert = [n for n, t in experts[0].named_parameters(recurse=False) if t.dim() >= 1 and t.shape[0] == num_experts]
+        per_expert = list(expert_tensors(experts[0], num_experts))  # (the tensors expert_bytes counts)
         quantized = [n for n, _ in weights]
         others = [n for n in per_expert if n not in quantized]  # biases: native in every copy
 

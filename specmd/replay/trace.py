@@ -2,8 +2,8 @@
 
 A trace is a directory::
 
-    meta.json          format "specmd-trace", version 1, geometry, scoring (with the selection rule: bias
-                       [L, E], groups), expert bytes per stored
+    meta.json          format "specmd-trace", version 1 (2 where the selection rule has version 2's fields:
+                       V2_RULE), geometry, scoring (with the selection rule: bias [L, E], groups), expert bytes per stored
                        precision, signal depth, dtypes, the model and run it came from
     passes.bin         int64 [P, 3]: kind (0 prefill, 1 decode), tokens, context, one row per complete pass
     index.bin          [R, k]    the router's own top-k per (pass, MoE layer, token) row (uint8/int16/int32)
@@ -33,7 +33,9 @@ from ..engine.record import Scoring
 from ..engine.store import StoreSizes
 
 FORMAT = "specmd-trace"
-VERSION = 1
+VERSION = 2  # what this specmd writes where the rule needs it: a version-1 reader would misread the selection
+READS = (1, 2)  # rule fields of version 2 (probabilities given, a per-expert weight scale, a group fill, a bias on
+V2_RULE = ("given", "expert_scale", "group_fill", "on_logits")  # the logits); a rule without them is written as 1
 KINDS = ("prefill", "decode")
 LOGIT_DTYPES = {"fp32": np.float32, "fp16": np.float16, "none": None}
 
@@ -81,8 +83,10 @@ class TraceMeta:
         return self.source.get("format")
 
     def to_dict(self) -> dict:
-        return {"format": self.format, "version": self.version, "geometry": self.geometry.to_dict(),
-                "scoring": self.scoring.to_dict(),
+        scoring = self.scoring.to_dict()
+        version = self.version if any(k in scoring for k in V2_RULE) else 1
+        return {"format": self.format, "version": version, "geometry": self.geometry.to_dict(),
+                "scoring": scoring,
                 "store": {"native_bits": self.store.native_bits, "bytes_of": dict(self.store.bytes_of)},
                 "depth": self.depth, "logits": self.logits, "index_dtype": self.index_dtype, "source": self.source}
 
@@ -92,10 +96,10 @@ class TraceMeta:
         naming ``where``."""
         from ..errors import ConfigError
 
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") not in READS:
             got = meta if isinstance(meta, dict) else {}
             raise ConfigError(f"{where}: format {got.get('format')!r} version {got.get('version')!r}; this specmd "
-                              f"reads {FORMAT} version {VERSION}")
+                              f"reads {FORMAT} versions {', '.join(map(str, READS))}")
         try:
             g = meta["geometry"]
             for key in ("num_layers", "num_experts", "top_k"):
