@@ -4,26 +4,33 @@ config class -- where its MoE blocks are, which module routes, how the router's 
 logits, what selection rule picks its top-k, what its fused experts compute -- and runs with the
 :class:`~specmd.models.family.Adapter` so derived, or is refused with the reason.
 
-A family that follows transformers 5's MoE contract needs no record at all: decoder layers at
-``model.model.layers``, the block one attribute of a layer (``mlp``; ``block_sparse_moe``, ``feed_forward``,
-``mixer`` elsewhere: ``Adapter.block_attr``) with a router (``gate`` or ``router``) whose
-``forward(hidden [T, H])`` returns ``(logits [T, E], weights [T, k], index [T, k])`` and fused experts
-(``experts(hidden, index, weights)``, ``[E, ...]`` parameters, the flags ``use_experts_implementation`` sets),
-and an ``lm_head`` (the final norm wherever the decoder keeps it). What the probe reads, in order (each step's
-failure is the reason a family is refused, one line naming what it lacks):
+A family that follows transformers 5's MoE contract needs no record at all: a decoder whose ``layers`` hold
+the blocks (``model.model``; a vision-language wrapper's ``model.language_model``: ``Adapter.decoder_path``),
+the block one attribute of a layer (``mlp``; ``block_sparse_moe``, ``feed_forward``, ``mixer`` elsewhere, or
+the layer itself: ``Adapter.block_attr``) with a router (``gate`` or ``router``) whose ``forward(hidden)``
+returns ``(logits [T, E], weights [T, k], index [T, k])`` and fused experts (``experts(hidden, index,
+weights)``, ``[E, ...]`` parameters, the flags ``use_experts_implementation`` sets), and an ``lm_head``
+(``Adapter.head_path``). What the probe reads, in order (each step's failure is the reason a family is
+refused, one line naming what it lacks):
 
-1. the family has a causal-LM class, and its config class builds shrunk (:data:`SHRINK`; lists per layer cut
-   to the shrunk depth, a dense-layer layout kept: ``first_k_dense_replace`` 1);
-2. its MoE blocks, router and experts are where the contract puts them (a router that takes attributes of
-   its block after the hidden states -- MiniMax-M2's selection bias -- is called with them:
-   ``Adapter.router_args``); E is a config field equal to the experts module's first dimension, top-k is
-   ``config.num_experts_per_tok``;
-3. the router's weights are ``Scoring.weigh`` of its logits: softmax or sigmoid, renormalised or not (a
+1. the family has a causal-LM class (a wrapper whose causal LM is its text model runs as that:
+   :func:`text_family`) or an image-text-to-text one, and its config class builds shrunk (:data:`SHRINK`,
+   towers :data:`SHRINK_TOWER`; one layer of every kind kept, :func:`_layers`; what a class leaves None,
+   :data:`TINY_FIXES`), runs and generates;
+2. its decoder, blocks, router and experts are found (a router that takes attributes of its block after the
+   hidden states -- MiniMax-M2's selection bias -- is called with them: ``Adapter.router_args``; one that
+   reads ``[B, S, H]``: ``Adapter.router_batched``); E and top-k are config fields (:data:`E_FIELDS`,
+   :data:`TOPK_FIELDS`);
+3. with every router's projection spread at random, its weights are ``Scoring.weigh`` of its first output:
+   softmax or sigmoid of the logits, or the probabilities it returns (:data:`SCORES`), renormalised or not (a
    ``norm_topk_prob`` field decides it when flipping it flips the fit), times a scale a config field holds
-   (set to 2.5 in the probe so that it shows);
-4. its top-k is the selection score's (:meth:`~specmd.engine.record.Scoring.selection`) with a random
-   selection bias on every router that holds one (``e_score_correction_bias``) and, where the config has
-   ``n_group`` / ``topk_group``, a group limit scored ``top2`` or ``max``.
+   (set to 2.5 in the probe so that it shows) or a learned per-expert scale;
+4. its experts compute what specmd's kernel does, bit for bit (summed in rank order, or in their own loop's:
+   ``ExpertsLayout.own_loop``);
+5. its top-k is the selection score's (:meth:`~specmd.engine.record.Scoring.scores_of`) with a random
+   selection bias on every router that holds one (``e_score_correction_bias``, wherever in the router:
+   ``Adapter.bias_path``; added to the probabilities or the logits) and, where the config has ``n_group`` /
+   ``topk_group``, a group limit scored ``top2`` or ``max``, left-out groups scored -inf or 0.0.
 
 The tests run every derived family through the hook (``tests/test_derived.py``: lossless, replay == live);
 a family that derives but does not pass them is refused by name in :data:`NOT_YET`.
