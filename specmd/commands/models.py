@@ -97,13 +97,14 @@ def table(rs: list[dict]) -> str:
     head = f"{runs} of {len(rs)} MoE families of the installed transformers run"
     lines = [head, ""]
     w = max(len(r["family"]) for r in rs)
+    t = max(len(f"runs ({r['through']})") for r in rs if r["runs"]) if runs else len("refused")
     for r in rs:
         if r["runs"]:
             size = f"{r['moe_layers']}x{r['experts']} top-{r['top_k']}" if r["experts"] else "?"
-            lines.append(f"{r['family']:<{w}}  runs ({r['through']:<7})  {size:<16} {r['real_model'] or '-'}  "
-                         f"[{r['selection']}]")
+            lines.append(f"{r['family']:<{w}}  {'runs (' + r['through'] + ')':<{t}}  {size:<16} "
+                         f"{r['real_model'] or '-'}  [{r['selection']}]")
         else:
-            lines.append(f"{r['family']:<{w}}  refused          {r['refused_because']}")
+            lines.append(f"{r['family']:<{w}}  {'refused':<{t}}  {r['refused_because']}")
     return "\n".join(lines)
 
 

@@ -600,7 +600,8 @@ def real_model(family: str) -> Optional[str]:
         doc = type(AutoConfig.for_model(family)).__doc__ or ""
     except Exception:  # noqa: BLE001 -- a config class that does not build with its defaults
         return None
-    m = re.search(r"huggingface\.co/([\w.-]+/[\w.-]+)", doc)
+    m = re.search(r"huggingface\.co/(?!papers/|docs/|spaces/|datasets/)([\w.-]+/[\w.-]+)", doc)  # (a model, not a
+    # paper page: AfMoE's docstring links one first)
     return m.group(1).rstrip(".") if m else None
 
 
