@@ -1,19 +1,21 @@
 """``specmd models [--json]``: every MoE model family of the installed transformers, and whether specmd runs it.
 
-One row a family (a causal-LM class whose config names experts, :func:`specmd.models.derive.moe_families`,
-plus the families with a record): ``runs`` -- through its record (``record``) or its structure derived from
-transformers' own classes (``derived``) -- or ``refused`` with the reason (the step of the derivation it
+One row a family (a causal-LM or image-text-to-text class whose text config names experts,
+:func:`specmd.models.derive.moe_families`, plus the families with a record): ``runs`` -- through its record
+(``record``), its structure derived from transformers' own classes (``derived``), or as the text family a
+wrapper's checkpoint loads (``as <family>``) -- or ``refused`` with the reason (the step of the derivation it
 fails: a block at ``layer.feed_forward``, a router that takes more than the hidden states, ...). Beside it:
 the checkpoint its transformers config class's docstring links (usually the real model whose configuration
 the class defaults are; now and then a test checkpoint: check the size columns), the MoE layers, experts and
 top-k of those defaults, the selection rule every policy ranks by (the score
 function, a selection bias, a group limit, renormalisation, a scale field), and whether a real-sized
 configuration is at hand for ``hardware.timing_as=<family>`` (a family that runs and whose config class's
-defaults build a model on the meta device) and for the random checkpoint writer (a record's hub layout).
+defaults build a model on the meta device) and for the random checkpoint writer (the hub layout transformers'
+conversion mapping declares for it).
 
 ``--json`` prints the rows as a JSON list (for scripts); the table is the same rows. Deriving the families
 takes ~0.1 s each (a tiny random instance of each, on the CPU) and the sizes a meta-device build each:
-~10 s for the whole table on an idle 2-core machine.
+~15 s for the whole table on an idle 2-core machine.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import ConfigError
-from .family import build_config
+from .family import build_config, causal_lm_classes, image_text_classes
 
 # a tiny instance: the real model's layout at toy sizes (set only where the config has the field)
 SHRINK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
@@ -98,7 +98,7 @@ SCALE_FIELDS = ("routed_scaling_factor", "route_scale", "router_scaling_factor",
                 "moe_router_scaling_factor")
 PROBE_SCALE = 2.5
 GROUP_SCORES = ("top2", "max")
-GROUP_FILLS = (float("-inf"), 0.0)  # what a left-out group scores (transformers' DeepSeek-V3; A.X-K2, Kolibri)
+GROUP_FILLS = (float("-inf"), 0.0)  # what a left-out group scores (transformers' DeepSeek-V3; A.X-K2)
 SCORES = ("softmax", "sigmoid", "probabilities")  # Adapter.score: what the router's first output is taken through
 
 # families whose derived record the hook tests do not pass yet: family -> what is missing
@@ -125,7 +125,7 @@ def moe_families() -> tuple[str, ...]:
     from transformers import AutoConfig
 
     out = []
-    for model_type in sorted(set(_causal_lm()) | set(_image_text())):
+    for model_type in sorted(set(causal_lm_classes()) | set(image_text_classes())):
         try:
             config = AutoConfig.for_model(model_type)
             fields = config.get_text_config(decoder=True).to_dict()
@@ -134,18 +134,6 @@ def moe_families() -> tuple[str, ...]:
         if any(f in fields for f in E_FIELDS + TOPK_FIELDS):
             out.append(model_type)
     return tuple(out)
-
-
-def _causal_lm() -> dict:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-
-def _image_text() -> dict:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,10 +145,10 @@ def text_family(model_type: str) -> str:
     maps it to (its ``config_class``), not listed."""
     import transformers
 
-    name = _causal_lm().get(model_type)
+    name = causal_lm_classes().get(model_type)
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
     text = getattr(getattr(cls, "config_class", None), "model_type", None)
-    return text if isinstance(text, str) and text and text != model_type and text in _causal_lm() else model_type
+    return text if isinstance(text, str) and text and text != model_type and text in causal_lm_classes() else model_type
 
 
 def tiny_overrides(model_type: str) -> dict:
@@ -169,24 +157,35 @@ def tiny_overrides(model_type: str) -> dict:
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
-    text = config.get_text_config(decoder=True)
-    if text is config:
+    field = _text_field(config)
+    if field is None:
         return _text_overrides(config.to_dict())
-    field = next((k for k, v in vars(config).items() if v is text), None)  # (text_config, in most wrappers)
-    if field is None:  # nested deeper (Qwen3-Omni's thinker_config.text_config)
-        raise _Refuse(f"its text decoder's config is nested below {type(config).__name__}'s sub-configs")
-    over = {field: _text_overrides(text.to_dict())}
+    over = {field: _text_overrides(getattr(config, field).to_dict())}
     width = over[field].get("hidden_size", SHRINK["hidden_size"])
-    for name, sub in config.to_dict().items():  # the vision / audio towers at toy sizes, projected to the text width
+    top = config.to_dict()
+    for name, sub in top.items():  # the vision / audio towers at toy sizes, projected to the text width
         if name.endswith("_config") and name != field and isinstance(sub, dict):
             tower = _tower_overrides(sub, width)
             if tower:
                 over[name] = tower
     over.update(TINY_FIXES.get(model_type, {}))
-    top = config.to_dict()  # the projector between them (MuSe-Spark's), at the wrapper's level
-    over.update({k: width for k in TOWER_OUT if isinstance(top.get(k), int)})
-    over.update({k: SHRINK_TOWER["intermediate_size"] for k in ("projector_hidden_size",) if isinstance(top.get(k), int)})
+    over.update({k: width for k in TOWER_OUT if isinstance(top.get(k), int)})  # the projector between them, at the
+    if isinstance(top.get("projector_hidden_size"), int):  # wrapper's level (MuSe-Spark's)
+        over["projector_hidden_size"] = SHRINK_TOWER["intermediate_size"]
     return over
+
+
+def _text_field(config) -> Optional[str]:
+    """The field of a wrapper's ``config`` holding its text decoder's config (``text_config``), or None when
+    ``config`` is the text decoder's own. Errors: _Refuse where it is nested deeper (Qwen3-Omni's
+    ``thinker_config.text_config``)."""
+    text = config.get_text_config(decoder=True)
+    if text is config:
+        return None
+    field = next((k for k, v in vars(config).items() if v is text), None)
+    if field is None:
+        raise _Refuse(f"its text decoder's config is nested below {type(config).__name__}'s sub-configs")
+    return field
 
 
 def _text_overrides(fields: dict) -> dict:
@@ -207,12 +206,9 @@ def _text_overrides(fields: dict) -> dict:
     if isinstance(fields.get("index_kpool"), int):  # (GLM-5-Next: its top-k pools whole blocks)
         over["index_topk"] = fields["index_kpool"]
     over.update(_layers(fields))
-    ints = [f for f in E_FIELDS if isinstance(fields.get(f), int)]
-    for f in ints or [f for f in E_FIELDS if f in fields][:1]:  # (dots1 defaults its E to None)
-        over[f] = EXPERTS
-    ints = [f for f in TOPK_FIELDS if isinstance(fields.get(f), int)]
-    for f in ints or [f for f in TOPK_FIELDS if f in fields][:1]:  # (Gemma-4 defaults its top-k to None)
-        over[f] = TOP_K
+    for names, value in ((E_FIELDS, EXPERTS), (TOPK_FIELDS, TOP_K)):  # every one the config sets, else the first
+        ints = [f for f in names if isinstance(fields.get(f), int)]  # it has (dots1 defaults its E to None,
+        over.update(dict.fromkeys(ints or [f for f in names if f in fields][:1], value))  # Gemma-4 its top-k)
     group = next((f for f in ("n_group", "num_expert_group") if f in fields), None)
     if group is not None and "topk_group" in fields:  # probed group-limited whatever its default (often 1 or None:
         over.update({group: 4, "topk_group": 2})     # a checkpoint's config.json sets them), so the fit sees it
@@ -299,8 +295,6 @@ def _build(family: str, over: dict):
 
     from .family import Adapter
 
-    if family not in _causal_lm() and family not in _image_text():
-        raise _Refuse("transformers has no causal-LM or image-text-to-text class for it")
     auto = Adapter(family).auto_class()
     try:
         config = build_config(family, over)
@@ -326,6 +320,8 @@ def _structure(model) -> dict:
     ``experts`` module."""
     import torch
 
+    from .family import Adapter
+
     decoders = [name for name, m in model.named_modules()  # the module whose layers hold the experts
                 if isinstance(getattr(m, "layers", None), torch.nn.ModuleList)
                 and any(hasattr(c, "experts") for layer in m.layers for c in (layer, *layer.children()))]
@@ -342,12 +338,12 @@ def _structure(model) -> dict:
     if len(found) > 1:
         raise _Refuse(f"its decoder layers hold experts in several places ({', '.join(found)})")
     block_attr = found[0]
-    moe = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, block_attr, None) if block_attr else layer,
-                                                          "experts")]
+    block_of = Adapter("", block_attr=block_attr)._block_of
+    moe = [i for i, layer in enumerate(layers) if hasattr(block_of(layer), "experts")]
     heads = [name for name, _ in model.named_modules() if name.split(".")[-1] == "lm_head"]
     if len(heads) != 1:
         raise _Refuse("its model has no lm_head" if not heads else f"its model has several LM heads ({', '.join(heads)})")
-    block = getattr(layers[moe[0]], block_attr) if block_attr else layers[moe[0]]
+    block = block_of(layers[moe[0]])
     attr = next((a for a in ("gate", "router") if isinstance(getattr(block, a, None), torch.nn.Module)), None)
     if attr is None:
         raise _Refuse("its MoE block has no router module (.gate or .router)")
@@ -438,7 +434,7 @@ def _derive(family: str) -> Derived:
 
     from .family import Adapter, ExpertsLayout
 
-    if family not in _causal_lm() and family not in _image_text():
+    if family not in causal_lm_classes() and family not in image_text_classes():
         raise _Refuse("transformers has no causal-LM or image-text-to-text class for it")
     runs_as = text_family(family)
     if runs_as != family:  # transformers' causal LM of a wrapper is its text model: the checkpoint runs as that
@@ -461,9 +457,10 @@ def _derive(family: str) -> Derived:
         raise _Refuse(f"its config has no top-k field ({', '.join(TOPK_FIELDS)})")
     # 3. how the router is called, and how its weights follow from its first output
     hidden = torch.randn(48, int(config.hidden_size), generator=torch.Generator().manual_seed(0))
-    _spread_routers(Adapter(family, **parts), model, moe, E)
-    block = Adapter(family, **parts).block(model, moe[0])
-    probe = Adapter(family, **parts, router_args=_router_args(getattr(block, parts["router_attr"]), block))
+    base = Adapter(family, **parts)
+    _spread_routers(base, model, moe, E)
+    block = base.block(model, moe[0])
+    probe = dataclasses.replace(base, router_args=_router_args(base.router(model, moe[0]), block))
     try:  # [T, H], or [1, T, H] where its router reads a sequence axis
         _route(probe.router_call(model, moe[0]), hidden)
     except _Refuse:
@@ -472,11 +469,12 @@ def _derive(family: str) -> Derived:
     rule = _weights_rule(family, over, probe, model, moe, E, hidden)
     bias_attr = next((n for n in probe.router_args if "bias" in n and getattr(block, n).shape == (E,)),
                      probe.bias_attr)  # a selection bias the block passes its router (LFM2-MoE's expert_bias)
-    nested = [n.rsplit(".", 1)[0] for n, _ in (*probe.router(model, moe[0]).named_buffers(),
-                                               *probe.router(model, moe[0]).named_parameters())
+    router = probe.router(model, moe[0])
+    nested = [n.rsplit(".", 1)[0] for n, _ in (*router.named_buffers(), *router.named_parameters())
               if n.endswith("." + bias_attr)]  # or a submodule of the router holds it (ERNIE-4.5's moe_statics)
     adapter = dataclasses.replace(
-        probe, bias_attr=bias_attr, bias_path=nested[0] if nested else "", **rule, experts_attr=experts_attr, topk_attr=topk_attr, tiny=over,
+        probe, bias_attr=bias_attr, bias_path=nested[0] if nested else "", **rule, experts_attr=experts_attr,
+        topk_attr=topk_attr, tiny=over,
         experts_layout=ExpertsLayout(gated=getattr(experts, "has_gate", True),
                                      transposed=getattr(experts, "is_transposed", False),
                                      bias=getattr(experts, "has_bias", False),
@@ -530,7 +528,8 @@ def _weights_rule(family: str, over: dict, probe, model, moe: list, E: int, hidd
 
     config = Adapter.text(model.config)
     router = probe.router(model, moe[0])
-    scales = [_weight_scales(probe.router(model, i), E, probe.bias_attr) for i in moe][0]
+    scales = [_weight_scales(probe.router(model, i), E, probe.bias_attr) for i in moe]  # (every layer's drawn)
+    scales = scales[0]  # the names: the first layer's
     logits, weights, index = _route(probe.router_call(model, moe[0]), hidden)
     weight_scale_attr, fit = None, _fit(logits, weights, index)
     for name in scales if fit is None else ():  # weights that carry a learned per-expert scale
@@ -549,7 +548,7 @@ def _weights_rule(family: str, over: dict, probe, model, moe: list, E: int, hidd
             raise _Refuse(f"its router scales the weights by {c:.4g}, which no config field holds")
     if isinstance(getattr(config, "norm_topk_prob", None), bool):  # does the field decide the renormalisation?
         flip = {"norm_topk_prob": not config.norm_topk_prob}
-        field = next((k for k, v in over.items() if isinstance(v, dict) and "num_hidden_layers" in v), None)
+        field = _text_field(model.config)  # (a wrapper's: the flag is its text decoder's)
         flipped = _build(family, dict(over, **{field: dict(over[field], **flip)}) if field else dict(over, **flip))
         _spread_routers(probe, flipped, moe, E)
         fit2 = _fit(*_route(probe.router_call(flipped, moe[0]), hidden),
@@ -615,8 +614,8 @@ def _selection(adapter, model, moe, hidden):
     with torch.no_grad():
         for h in holders:
             bias = getattr(h, adapter.bias_attr, None)
-            if isinstance(bias, torch.Tensor):  # scores mostly negative: a router that fills the groups it leaves
-                bias.copy_(torch.rand(bias.shape, generator=g) * 0.5 - 1.0)  # out with 0.0, not -inf, disagrees
+            if isinstance(bias, torch.Tensor):  # scores mostly negative: filling left-out groups with 0.0 or -inf
+                bias.copy_(torch.rand(bias.shape, generator=g) * 0.5 - 1.0)  # then selects differently: both fitted
     routed = [_route(adapter.router_call(model, i), hidden) for i in moe]
     grouped = (getattr(adapter.text(model.config), "n_group", 1) or 1) > 1
     groups = [(g, fill) for g in GROUP_SCORES for fill in GROUP_FILLS] + [(None, GROUP_FILLS[0])] if grouped else \

@@ -134,6 +134,20 @@ def _literal(pattern: str) -> Optional[str]:
 _DECLARED: dict = {}
 
 
+def causal_lm_classes() -> dict:
+    """transformers' model_type -> causal-LM class name mapping (the installed version's)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def image_text_classes() -> dict:
+    """transformers' model_type -> image-text-to-text class name mapping (vision-language wrappers)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
 def build_config(model_type: str, over: dict):
     """``model_type``'s config class with ``over`` set; a sub-config given as a mapping (a wrapper's
     ``text_config``, ``vision_config``) is merged over the wrapper's own default for it, not over its class's."""
@@ -166,7 +180,6 @@ class ExpertsLayout:
         """(up weight, down weight, up bias, down bias) parameter names of the fused experts module."""
         up = "gate_up_proj" if self.gated else "up_proj"
         return up, "down_proj", (up + "_bias") if self.bias else None, "down_proj_bias" if self.bias else None
-
 
 
 class RouterCall:
@@ -202,6 +215,7 @@ class RoutingReference:
     num_experts: int
     locality: Optional[dict] = None
 
+
 @dataclass(frozen=True)
 class Adapter:
     family: str  # transformers model_type
@@ -235,7 +249,7 @@ class Adapter:
     bias_path: str = ""  # the router's submodule holding it ("": the router; ERNIE-4.5's "moe_statics")
     group_score: Optional[str] = None
     groups_if: Optional[tuple] = None
-    # What a left-out group scores (-inf; A.X-K2's and Kolibri's routers fill 0.0), and the router's [E]
+    # What a left-out group scores (-inf; A.X-K2's router fills 0.0), and the router's [E]
     # parameter scaling each expert's weight after renormalisation (Gemma-4's ``per_expert_scale``), or None.
     group_fill: float = float("-inf")
     weight_scale_attr: Optional[str] = None
@@ -291,10 +305,8 @@ class Adapter:
         its text model), else ``AutoModelForImageTextToText`` (a vision-language wrapper whose text decoder has
         no causal-LM class of its own: Qwen3-VL-MoE, GLM-4.5V, Kimi-K2.5)."""
         import transformers
-        from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                            MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
-        if self.family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and self.family in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        if self.family not in causal_lm_classes() and self.family in image_text_classes():
             return transformers.AutoModelForImageTextToText
         return transformers.AutoModelForCausalLM
 
@@ -367,8 +379,8 @@ class Adapter:
         return Scoring(self.score == "sigmoid", self.renormalises(config), self.scale(config),
                        self.selection_bias(routers), groups, topk_group, self.group_score or "top2",
                        given=self.score == "probabilities", group_fill=self.group_fill, on_logits=self.bias_on_logits,
-                       expert_scale=self.selection_bias(routers, self.weight_scale_attr) if self.weight_scale_attr
-                       else None)
+                       expert_scale=self.selection_bias(routers, self.weight_scale_attr, fill=1.0)
+                       if self.weight_scale_attr else None)
 
     def group_limit(self, config) -> tuple[int, int]:
         """``(groups, kept groups)`` of the family's group-limited top-k under ``config``; (1, 1): none.
@@ -387,9 +399,9 @@ class Adapter:
                               f"top-k {k}: the groups must divide the experts and the kept groups hold >= top-k of them")
         return groups, kept
 
-    def selection_bias(self, routers, attr: Optional[str] = None):
+    def selection_bias(self, routers, attr: Optional[str] = None, fill: float = 0.0):
         """``[L, E]`` float32 on the host: each router's selection bias (``bias_attr``; or its ``attr``), or
-        None when no router has one (a layer without: zeros; ones for the weight scale)."""
+        None when no router has one (a layer without: ``fill``, what adds nothing -- 1.0 for a weight scale)."""
         import torch
 
         attr = attr or self.bias_attr
@@ -397,8 +409,8 @@ class Adapter:
         if not rows or all(b is None for b in rows):
             return None
         E = next(b for b in rows if b is not None).numel()
-        empty = torch.zeros if attr == self.bias_attr else torch.ones
-        return torch.stack([empty(E) if b is None else b.detach().float().cpu().reshape(-1) for b in rows])
+        return torch.stack([torch.full((E,), fill) if b is None else b.detach().float().cpu().reshape(-1)
+                            for b in rows])
 
     def geometry(self, model):
         """The :class:`~specmd.engine.geometry.Geometry` of a loaded model (parameters at their dtype)."""
