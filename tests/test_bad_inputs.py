@@ -25,10 +25,10 @@ def _ckpt(tmp_path: Path, kind: str) -> str:
 
         tiny_config("olmoe").save_pretrained(d)
         (d / "model.safetensors").write_bytes(b"\x00garbage" * 100)
-    if kind == "llama4":  # a family specmd does not run; garbage weights: refused before any is read
+    if kind == "zaya":  # a family specmd does not run; garbage weights: refused before any is read
         from transformers import AutoConfig
 
-        AutoConfig.for_model("llama4_text").save_pretrained(d)
+        AutoConfig.for_model("zaya").save_pretrained(d)
         (d / "model.safetensors").write_bytes(b"\x00garbage" * 100)
     if kind == "no_model_type":
         (d / "config.json").write_text('{"hidden_size": 64}')
@@ -127,7 +127,7 @@ CASES = [
     (["model.pretrained={ckpt:corrupt_weights}"], ["ckpt_corrupt_weights"], "load"),
     (["model.pretrained=specmd:nope"], ["specmd:nope", "deep-olmoe"], "config"),
     # the family from config.json, before any weight loads (issue 55: refused only after a full load)
-    (["model=hf", "model.pretrained={ckpt:llama4}"], ["'llama4_text' model", "does not run", "returns 2 value(s)",
+    (["model=hf", "model.pretrained={ckpt:zaya}"], ["'zaya' model", "does not run", "returns 4 value(s)",
                                                       "deepseek_v3"], "config"),
     (["model=deepseek_v3", "model.pretrained={ckpt:corrupt_weights}"],
      ["'olmoe' model", "model.family='deepseek_v3'", "model=hf"], "config"),

@@ -17,7 +17,9 @@ DERIVED = derived_families()
 MUST_RUN = {"glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32", "qwen3_next", "qwen3_5_moe_text", "minimax",
             "minimax_m2", "hy_v3", "ernie4_5_moe", "hunyuan_v1_moe", "kimi_linear", "mimo_v2_flash", "solar_open",
             # vision-language wrappers, run through their text decoder (Kimi-K2.5, Qwen3-VL-MoE, Mistral-4, Aria)
-            "kimi_k25", "qwen3_vl_moe", "mistral4", "aria"}
+            "kimi_k25", "qwen3_vl_moe", "mistral4", "aria",
+            # Llama-4 (Scout, Maverick; its checkpoints, llama4, run as it): its block adopted into the contract
+            "llama4_text"}
 
 
 def test_the_families_that_run_are_computed_from_the_installed_transformers():
@@ -37,6 +39,7 @@ def test_the_families_that_run_are_computed_from_the_installed_transformers():
     assert (gemma.block_attr, gemma.score, gemma.weight_scale_attr) == ("", "probabilities", "per_expert_scale")
     # a wrapper whose causal-LM class is its text model runs as that (its checkpoints load the text weights) ...
     assert derive("qwen3_5_moe").runs_as == "qwen3_5_moe_text" and derive("qwen3_5_moe").adapter is not None
+    assert derive("llama4").runs_as == "llama4_text" and derive("llama4").adapter is not None
     # ... and one whose text decoder has no causal-LM class runs inside the wrapper, found where its layers are
     assert (adapter_for("kimi_k25").decoder_path, adapter_for("kimi_k25").head_path) == ("model.language_model",
                                                                                           "lm_head")
@@ -121,11 +124,11 @@ def test_a_derived_checkpoint_runs_by_path_and_a_refused_family_is_refused_befor
     assert cfg.family == "glm4_moe" and model.config.model_type == "glm4_moe"
     from transformers import AutoConfig
 
-    AutoConfig.for_model("llama4_text").save_pretrained(tmp_path / "llama4")
-    (tmp_path / "llama4" / "model.safetensors").write_bytes(b"\0garbage")  # never read
-    with pytest.raises(ConfigError, match=r"'llama4_text' model: model family 'llama4_text' does not run: its router "
-                                          r"returns 2 value\(s\), not \(logits, weights, index\)"):
-        resolve_family(ModelConfig(name="hf", family="auto", pretrained=str(tmp_path / "llama4")))
+    AutoConfig.for_model("zaya").save_pretrained(tmp_path / "zaya")
+    (tmp_path / "zaya" / "model.safetensors").write_bytes(b"\0garbage")  # never read
+    with pytest.raises(ConfigError, match=r"'zaya' model: model family 'zaya' does not run: its router "
+                                          r"returns 4 value\(s\), not \(logits, weights, index\)"):
+        resolve_family(ModelConfig(name="hf", family="auto", pretrained=str(tmp_path / "zaya")))
 
 
 def test_a_vision_language_checkpoint_runs_its_text_decoder_by_path(tmp_path):
@@ -209,3 +212,53 @@ def test_experts_with_their_own_loop_are_computed_in_its_order_by_both_kernels()
             by_source = run_experts(mod, layout, hidden, index, weights, views_of(tensors, E))
             by_bank = grouped_experts(mod, layout, hidden, index, weights, torch.arange(E), [Bank(tensors, 0, E)])
             assert torch.equal(by_source, own) == equal and torch.equal(by_bank, own) == equal
+
+
+def test_llama4s_block_is_adopted_into_the_contract_computing_its_function():
+    """Llama-4's block runs every expert on every token, each on its input scaled by a sigmoid score, and sums
+    the [E, T, H] outputs. Adopted (:mod:`specmd.models.contract`): the router gives the same numbers as
+    ``(logits, weights, index)``, the state dict keeps its names, the model computes the dense block's function
+    sparsely (a few fp32 ulps apart: a GEMM's rows round by its row count), and both experts kernels give the
+    adopted experts' bits with ``ExpertsLayout.input_weighted`` -- at Llama-4's top-1 and at top-4 -- and not
+    without (weighing outputs instead of inputs)."""
+    import copy
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from specmd.executor.kernel import Bank, expert_tensors, grouped_experts, run_experts, views_of
+    from specmd.models.contract import adopt
+    from specmd.models.derive import tiny_overrides
+    from specmd.models.family import build_config
+
+    torch.manual_seed(0)
+    dense = AutoModelForCausalLM.from_config(build_config("llama4_text", tiny_overrides("llama4_text"))).eval()
+    adopted = copy.deepcopy(dense)
+    adopt(adopted)
+    adopt(adopted)  # (idempotent)
+    assert list(adopted.state_dict()) == list(dense.state_dict())
+    adapter = adapter_for("llama4_text")
+    assert adapter.experts_layout.input_weighted and adapter.block_attr == "feed_forward"
+    ids = sample_ids(batch=2, seq=12)
+    hidden = torch.randn(37, dense.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    layer = adapter.moe_layers(dense)[0]
+    with torch.no_grad():
+        a, b = dense(ids).logits, adopted(ids).logits
+        assert torch.allclose(a, b, rtol=0, atol=1e-5), float((a - b).abs().max())
+        scores, logits = adapter.router(dense, layer)(hidden)  # transformers' router: [T, E] scores, logits
+        lg, w, index = adapter.router(adopted, layer)(hidden)
+        assert torch.equal(lg, logits) and torch.equal(torch.zeros_like(scores).scatter_(1, index, w), scores)
+    mod = adapter.experts(adopted, layer)
+    E = adapter.num_experts(adopted.config)
+    tensors = expert_tensors(mod, E)
+    g = torch.Generator().manual_seed(6)
+    for k in (1, 4):
+        index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(37)])
+        weights = torch.rand(index.shape, generator=g)
+        with torch.no_grad():
+            own = mod(hidden, index, weights)
+            for layout, equal in ((adapter.experts_layout, True),
+                                  (dataclasses.replace(adapter.experts_layout, input_weighted=False), False)):
+                by_source = run_experts(mod, layout, hidden, index, weights, views_of(tensors, E))
+                by_bank = grouped_experts(mod, layout, hidden, index, weights, torch.arange(E), [Bank(tensors, 0, E)])
+                assert torch.equal(by_source, own) == equal and torch.equal(by_bank, own) == equal, (k, layout)

@@ -34,7 +34,9 @@ def test_the_table_is_every_moe_family_and_says_what_loading_does(capsys):
     # a hub layout where transformers' conversion mapping declares one (GLM-4.5's, derived, too); GPT-OSS: none
     assert by["mixtral"]["random_checkpoint"] and by["glm4_moe"]["random_checkpoint"]
     assert not by["gpt_oss"]["random_checkpoint"]
-    assert "returns 2 value(s)" in by["llama4_text"]["refused_because"]
+    assert "returns 4 value(s)" in by["zaya"]["refused_because"]
+    assert by["llama4"]["through"] == "as llama4_text" and (by["llama4_text"]["experts"], by["llama4_text"]["top_k"]) \
+        == (16, 1)  # Llama-4 Scout: its block adopted into the contract
     assert by["jamba"]["runs"] and by["jamba"]["through"] == "derived"  # its block is layer.feed_forward
     assert by["qwen3_5_moe"]["through"] == "as qwen3_5_moe_text"  # Qwen3.5-MoE's hub checkpoints name the wrapper
     assert by["kimi_k25"]["runs"] and by["kimi_k25"]["experts"] == 256  # Kimi-K2.5: its text decoder (V3 defaults)
@@ -52,8 +54,10 @@ def test_timing_as_takes_any_family_that_runs_at_its_real_size():
     assert (geom.num_layers, geom.num_experts, geom.top_k, geom.layer_ids[0]) == (45, 128, 8, 1)
     import pytest
 
-    with pytest.raises(ConfigError, match="hardware.timing_as='llama4_text'.*a family that runs"):
-        timing_of(HardwareConfig(timing_as="llama4_text"))
+    with pytest.raises(ConfigError, match="hardware.timing_as='zaya'.*a family that runs"):
+        timing_of(HardwareConfig(timing_as="zaya"))
+    name, geom = timing_of(HardwareConfig(timing_as="llama4"))  # Llama-4 Scout: 48 layers of 16 experts, top-1
+    assert (name, geom.num_layers, geom.num_experts, geom.top_k) == ("llama4", 48, 16, 1)
     with pytest.raises(ConfigError, match="hardware.timing_as='deepseek_v2': the defaults of transformers' "
                                           "deepseek_v2 config class do not build"):
         timing_of(HardwareConfig(timing_as="deepseek_v2"))  # (it runs; its class defaults build no model)

@@ -76,11 +76,13 @@ def grouped_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weig
     S = T * k
     total = banks[-1].first + banks[-1].n  # slot ids 0..total-1; total: the sentinel
     expert_ids = index.reshape(-1)  # [S]
-    perm = _rows(expert_ids, k, layout.own_loop)  # [S] the rows grouped by expert, in the module's order
+    perm = _rows(expert_ids, k, layout)  # [S] the rows grouped by expert, in the module's order
     slots_g, order = torch.sort(slot_of[expert_ids[perm]], stable=True)  # [S] groups in slot order, rows kept
     perm = perm[order]  # [S]
     x_g = hidden[perm // k]  # [S, H]
     w_g = weights.reshape(-1)[perm]  # [S]
+    if layout.input_weighted:  # each expert's input scaled by its weight (Llama-4)
+        x_g = x_g * w_g.to(x_g.dtype).unsqueeze(-1)  # [S, H]
     if groups is None:
         offs = group_ends(slots_g, total)  # [total] end row of each slot's group
         parts = _parts(offs, banks, rows)  # [(bank, first row, rows, its group ends)]
@@ -93,8 +95,8 @@ def grouped_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weig
     proj = outs[0] if len(outs) == 1 else torch.cat(outs)  # [S, H]
     if layout.post_norm:
         proj = mod.post_expert_norm(proj)
-    weighted = proj * w_g.unsqueeze(-1)  # [S, H]
-    return _combine(weighted, perm, expert_ids, hidden, k, layout.own_loop)  # [T, H]
+    weighted = proj if layout.input_weighted else proj * w_g.unsqueeze(-1)  # [S, H]
+    return _combine(weighted, perm, expert_ids, hidden, k, layout)  # [T, H]
 
 
 def _looped_parts(banks: Sequence[Bank], rows: Sequence[int], groups: Sequence) -> list:
@@ -248,10 +250,12 @@ def run_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weights:
     T, H = hidden.shape
     sample_weights = weights.reshape(-1)  # [S]
     expert_ids = index.reshape(-1)  # [S]
-    perm = _rows(expert_ids, k, layout.own_loop)  # [S] the rows grouped by expert, in the module's order
+    perm = _rows(expert_ids, k, layout)  # [S] the rows grouped by expert, in the module's order
     expert_ids_g = expert_ids[perm]
     x_g = hidden[perm // k]  # [S, H]
     w_g = sample_weights[perm]  # [S]
+    if layout.input_weighted:  # each expert's input scaled by its weight (Llama-4)
+        x_g = x_g * w_g.to(x_g.dtype).unsqueeze(-1)  # [S, H]
     counts = torch.bincount(expert_ids_g)
     experts = counts.nonzero().squeeze(1).tolist()
     bounds = torch.cumsum(counts, 0)[experts].tolist()
@@ -267,16 +271,18 @@ def run_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weights:
     proj = _grouped(proj, bounds, experts, Wd, Bd, transposed, down_dim, skip)  # [S, H]
     if layout.post_norm:
         proj = mod.post_expert_norm(proj)
-    weighted = proj * w_g.unsqueeze(-1)  # [S, H]
-    return _combine(weighted, perm, expert_ids, hidden, k, layout.own_loop)  # [T, H]
+    weighted = proj if layout.input_weighted else proj * w_g.unsqueeze(-1)  # [S, H]
+    return _combine(weighted, perm, expert_ids, hidden, k, layout)  # [T, H]
 
 
-def _rows(expert_ids: torch.Tensor, k: int, own_loop: bool) -> torch.Tensor:
+def _rows(expert_ids: torch.Tensor, k: int, layout) -> torch.Tensor:
     """``[S]``: the flat ``[T * k]`` selection's rows grouped by expert, in the order the family's module runs
     them (a matmul's rows can round by their position): transformers' fused kernels take the stock (unstable)
     sort's order; a module with its own loop (``own_loop``) takes ``torch.where(one_hot(index)[e])``'s, by rank
-    then token."""
-    if not own_loop:
+    then token; input-weighted experts (Llama-4's, every token through every expert) take token order."""
+    if layout.input_weighted:
+        return torch.sort(expert_ids, stable=True)[1]  # (expert, token): a token holds an expert once
+    if not layout.own_loop:
         return torch.sort(expert_ids)[1]
     S = expert_ids.numel()
     pos = torch.arange(S, device=expert_ids.device)
@@ -284,25 +290,30 @@ def _rows(expert_ids: torch.Tensor, k: int, own_loop: bool) -> torch.Tensor:
 
 
 def _combine(weighted: torch.Tensor, perm: torch.Tensor, expert_ids: torch.Tensor, hidden: torch.Tensor, k: int,
-             own_loop: bool) -> torch.Tensor:
+             layout) -> torch.Tensor:
     """``[T, H]``: each token's weighted expert outputs (``weighted`` [S, H], row ``i`` the slot ``perm[i]`` of
     the flat ``[T * k]`` selection ``expert_ids``) added up as the family's experts module does: transformers'
     fused experts sum a token's k slots in rank order (``view(T, k, H).sum(1)``); a module with its own loop
     (``own_loop``: Step-3.7's, MuSe-Spark's) adds each expert's outputs onto zeros in ascending expert id, in
     the hidden states' dtype (``index_add_`` per expert; here k column adds, in order: deterministic on every
-    device, where one ``index_add_`` with repeated rows is not on CUDA)."""
+    device, where one ``index_add_`` with repeated rows is not on CUDA); input-weighted experts (Llama-4's
+    ``[E, T, H].sum(0)``, the others' rows exactly 0) add in ascending id in float32, rounded once (torch's sum
+    accumulates a bf16 tensor in float). (That sum adds its E rows in sequence where E <= 16 -- every shape
+    measured, fp32 and bf16 -- and in a cascade beyond, which k > 1 then rounds otherwise in the last fp32 bit:
+    Llama-4's checkpoints route top-1, where one row is added.)"""
     T, H = hidden.shape
     inv = torch.empty_like(perm)  # [S]
     inv[perm] = torch.arange(perm.size(0), device=perm.device)
     rows = weighted[inv].view(T, k, H)  # [T, k, H] (token, rank) order
-    if not own_loop:
+    if not (layout.own_loop or layout.input_weighted):
         return rows.sum(dim=1).to(hidden.dtype)  # [T, H]
     order = expert_ids.view(T, k).argsort(dim=1)  # [T, k] each token's ranks by ascending expert id (distinct)
-    rows = rows.gather(1, order.unsqueeze(-1).expand(T, k, H)).to(hidden.dtype)
-    out = hidden.new_zeros(T, H)
+    acc = torch.float32 if layout.input_weighted else hidden.dtype
+    rows = rows.gather(1, order.unsqueeze(-1).expand(T, k, H)).to(acc)
+    out = torch.zeros(T, H, dtype=acc, device=hidden.device)
     for j in range(k):
         out = out + rows[:, j]
-    return out
+    return out.to(hidden.dtype)
 
 
 def expert_tensors(mod, num_experts: int) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ from torch import nn
 from ..engine import GROUPS, Engine, LiveRecord, StackSpec
 from ..executor.base import upload
 from ..models.adapters import Adapter, adapter_for
+from ..models.contract import adopt
 
 
 class SpecmdExperts(nn.Module):
@@ -111,6 +112,7 @@ class PolicyStack:
         """``device``: where the model runs (default: where its first real parameter is); ``checkpoint``: the
         local checkpoint directory the model was loaded from (``execution.host=disk`` reads experts there)."""
         self.model = model
+        adopt(model)  # a block outside transformers' MoE contract, put into it (Llama-4's: specmd.models.contract)
         self.adapter = adapter = adapter or adapter_for(model.config.model_type)
         self.spec = spec
         self.geom = adapter.geometry(model)

@@ -293,6 +293,7 @@ class _Refuse(Exception):
 def _build(family: str, over: dict):
     import torch
 
+    from .contract import adopt
     from .family import Adapter
 
     auto = Adapter(family).auto_class()
@@ -306,6 +307,7 @@ def _build(family: str, over: dict):
         with torch.random.fork_rng(devices=[]):  # (the caller's random state is left as it was)
             torch.manual_seed(0)
             model = auto.from_config(config, dtype=torch.float32)
+        adopt(model)  # a block outside the contract, put into it (Llama-4's: specmd.models.contract)
     except _Refuse:
         raise
     except Exception as exc:  # noqa: BLE001 -- transformers' own validation of the shrunk config
@@ -577,7 +579,8 @@ def _kernel_agrees(experts, layout, E: int, hidden):
         with torch.no_grad():
             own = experts(hidden, index, weights)
             sources = views_of(expert_tensors(experts, E), E)
-            for candidate in (layout, dataclasses.replace(layout, own_loop=True)):
+            for candidate in (layout, dataclasses.replace(layout, own_loop=True),
+                              dataclasses.replace(layout, input_weighted=True)):
                 mine = run_experts(experts, candidate, hidden, index, weights, sources)
                 if torch.equal(own, mine):
                     return candidate

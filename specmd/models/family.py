@@ -174,6 +174,9 @@ class ExpertsLayout:
     # its own forward loops over experts, adding each one's outputs onto zeros in ascending id (Step-3.7), not
     # transformers' top-k sum in rank order: the kernels add in its order (the same bits)
     own_loop: bool = False
+    # each expert runs on its input scaled by its weight, ``expert(x * w)`` (Llama-4's ``Llama4TextMoe``), its
+    # output unweighted: the kernels scale the rows first (:mod:`specmd.models.contract`)
+    input_weighted: bool = False
 
     @property
     def names(self) -> tuple[str, str, Optional[str], Optional[str]]:

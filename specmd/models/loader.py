@@ -57,6 +57,12 @@ def tiny_config(family: str, overrides: Optional[dict] = None):
     return build_config(family, kwargs)
 
 
+def _adopt(model) -> None:
+    from .contract import adopt  # (torch: imported with the model, not with the configuration checks)
+
+    adopt(model)
+
+
 def build_tiny(family: str, overrides: Optional[dict] = None, seed: int = 0, dtype: str = "float32"):
     """A seeded random model shaped like ``family`` (transformers' own initialisation, seeded)."""
     import torch
@@ -65,6 +71,7 @@ def build_tiny(family: str, overrides: Optional[dict] = None, seed: int = 0, dty
     torch.manual_seed(seed)
     model = adapter_for(family).auto_class().from_config(cfg, dtype=getattr(torch, dtype))
     model.eval()
+    _adopt(model)
     return model
 
 
@@ -363,6 +370,7 @@ def load_model(cfg: ModelConfig, experts_on_meta: bool = False):
             f"model.pretrained={cfg.pretrained} is a {model.config.model_type!r} model but model.family={cfg.family!r}"
         )
     model.eval()
+    _adopt(model)
     tok = AutoTokenizer.from_pretrained(resolve_pretrained(cfg.tokenizer or cfg.pretrained), revision=cfg.revision)
     return model, tok
 
@@ -436,6 +444,7 @@ def load_dense(path: str, cfg: ModelConfig):
         raise DataError(f"model.pretrained={cfg.pretrained}: {path} lacks dense weights {missing[:6]}"
                         f"{' ...' if len(missing) > 6 else ''} (read as transformers names them)")
     model.eval()
+    _adopt(model)
     return model
 
 
