@@ -19,7 +19,9 @@ MUST_RUN = {"glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32", "qwen3_n
             # vision-language wrappers, run through their text decoder (Kimi-K2.5, Qwen3-VL-MoE, Mistral-4, Aria)
             "kimi_k25", "qwen3_vl_moe", "mistral4", "aria",
             # Llama-4 (Scout, Maverick; its checkpoints, llama4, run as it): its block adopted into the contract
-            "llama4_text"}
+            "llama4_text",
+            # DeepSeek-V4: hash-routed first layers (the router reads the pass's token ids), sqrt-softplus scores
+            "deepseek_v4"}
 
 
 def test_the_families_that_run_are_computed_from_the_installed_transformers():

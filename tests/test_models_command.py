@@ -35,6 +35,7 @@ def test_the_table_is_every_moe_family_and_says_what_loading_does(capsys):
     assert by["mixtral"]["random_checkpoint"] and by["glm4_moe"]["random_checkpoint"]
     assert not by["gpt_oss"]["random_checkpoint"]
     assert "returns 4 value(s)" in by["zaya"]["refused_because"]
+    assert by["deepseek_v4"]["selection"].startswith("sqrtsoftplus, selection bias, hash-routed layers")
     assert by["llama4"]["through"] == "as llama4_text" and (by["llama4_text"]["experts"], by["llama4_text"]["top_k"]) \
         == (16, 1)  # Llama-4 Scout: its block adopted into the contract
     assert by["jamba"]["runs"] and by["jamba"]["through"] == "derived"  # its block is layer.feed_forward

@@ -95,20 +95,25 @@ def test_the_selection_scores_top_k_is_the_routers_own_choice(variant):
     family, _ = VARIANTS[variant]
     model, adapter = biased(variant), adapter_for(family)
     routers = [adapter.bias_holder(model, i) for i in adapter.moe_layers(model)]
-    scoring = adapter.scoring(model.config, routers)
+    scoring = adapter.scoring(model.config, routers, adapter.hashed(model))
     k = adapter.top_k(model.config)
     differs = 0
     for layer, (logits, index, weights) in enumerate(routed(variant, sample_ids(batch=2, seq=16))):
         if family != "phimoe":  # the weights are the family's (dual-logit reweighing is exact)
             assert torch.allclose(scoring.weigh(scoring.probs(logits), index, layer), weights.float(), rtol=1e-5,
                                   atol=1e-6)
-        scores = scoring.scores_of(logits, layer)
+        scores = scoring.scores_of(logits, layer, index)  # (a hash-routed layer lifts the router's own choice)
         assert as_sets(torch.topk(scores, k, dim=-1).indices) == as_sets(index)
-        assert as_sets(scoring.select(logits, layer, k)) == as_sets(index)
+        assert as_sets(scoring.select(logits, layer, k, index)) == as_sets(index)
+        if layer in scoring.hashed:  # ... which it cannot know otherwise (DeepSeek-V4: the token's tid2eid row)
+            with pytest.raises(ValueError, match="hash-routed"):
+                scoring.scores_of(logits, layer)
         differs += sum(a != b for a, b in zip(as_sets(torch.topk(logits, k, dim=-1).indices), as_sets(index)))
     if not scoring.plain:  # the rule decides: the plain logits rank otherwise
         assert differs > 0
-    assert scoring.plain == (getattr(routers[0], adapter.bias_attr, None) is None and scoring.groups == 1)
+    assert scoring.plain == (all(getattr(r, adapter.bias_attr, None) is None for r in routers) and scoring.groups == 1
+                             and not scoring.hashed)
+    assert bool(scoring.hashed) == (family == "deepseek_v4")  # (its first layers: mlp_layer_types "hash_moe")
     if family == "deepseek_v3" or variant == "deepseek_v2_grouped":
         assert not scoring.plain
 
@@ -298,3 +303,33 @@ def test_a_selection_bias_on_the_logits_hand_worked():
     rec = LiveRecord(0, logits, on.weigh(on.probs(logits), torch.tensor([[0]])), torch.tensor([[0]]), on)
     assert rec.scores.tolist() == [[2.0, 0.5]]  # what every ranking policy reads
     assert Scoring.from_dict(on.to_dict(), 1, 2).on_logits
+
+
+def test_a_hash_routed_layer_keeps_the_tokens_choice_and_ranks_the_rest_by_the_gate_hand_worked():
+    # DeepSeek-V4's hash layers choose tid2eid[token]; the gate's probabilities only weigh. Layer 0 hashed: the
+    # token's choice {1, 3} lifted by max - min + 1 = 0.9 - 0.1 + 1 = 1.8 above every other expert -> [0.9, 1.9,
+    # 0.5, 2.0]: its top-2 is the choice, its third the gate's best other (0); layer 1 is not hashed
+    from specmd.policies.prefetch.base import topk_prediction
+
+    s = Scoring(False, True, 1.0, given=True, hashed=(0,))
+    probs, chosen = torch.tensor([[0.9, 0.1, 0.5, 0.2]]), torch.tensor([[1, 3]])
+    assert s.selection(probs, 0, chosen)[0].tolist() == pytest.approx([0.9, 1.9, 0.5, 2.0])
+    assert s.select(probs, 0, 3, chosen)[0].tolist() == [3, 1, 0] and not s.plain
+    assert torch.equal(s.selection(probs, 1), probs)  # (no bias, no groups: layer 1 ranks its probabilities)
+    with pytest.raises(ValueError, match="MoE layer 0 is hash-routed"):
+        s.selection(probs, 0)
+    rec = LiveRecord(0, probs, None, chosen, s)  # a record's scores lift its router's own choice
+    assert rec.scores[0].tolist() == pytest.approx([0.9, 1.9, 0.5, 2.0])
+    rec = LiveRecord(1, probs, None, chosen, s, signal=lambda target: (probs, chosen))
+    assert set(topk_prediction(rec, 0, 3)) == {1, 3, 0}  # an overfetch at a hash layer holds the token's choice
+    # sqrt-softplus probabilities (DeepSeek-V4's scoring_func): sqrt(log(1 + e^x)): sqrt(log 2), sqrt(2.126928)
+    soft = Scoring(False, True, 1.0, sqrt_softplus=True)
+    assert soft.probs(torch.tensor([[0.0, 2.0]]))[0].tolist() == pytest.approx([0.832555, 1.458399], rel=1e-5)
+    assert soft.elementwise and not Scoring(False, True, 1.0).elementwise
+    back = Scoring.from_dict(Scoring(False, True, 2.5, sqrt_softplus=True, hashed=(0, 2)).to_dict(), 3, 4)
+    assert back.sqrt_softplus and back.hashed == {0, 2} and back.scale == 2.5  # (a trace's meta.json)
+    for bad in ([3], [-1], "0", [0.5]):
+        with pytest.raises(ValueError, match="scoring.hashed"):
+            Scoring.from_dict({"sigmoid": False, "hashed": bad}, 3, 4)
+    with pytest.raises(ValueError, match="hashed=.*MoE layer ordinals"):
+        Scoring(False, True, 1.0, hashed=(-1,))

@@ -36,15 +36,17 @@ def rows() -> list[dict]:
 
     out = []
     for family in sorted(set(moe_families()) | set(ADAPTERS)):
-        adapter, reason, source, bias = ADAPTERS.get(family), None, "record", None
+        adapter, reason, source, bias, hashed = ADAPTERS.get(family), None, "record", None, False
         if adapter is None:
             d = derive(family)
             adapter, reason, source, bias = d.adapter, d.reason, f"as {d.runs_as}" if d.runs_as else "derived", d.bias
-        out.append(_row(family, adapter, reason, source if adapter is not None else None, bias))
+            hashed = d.hashed
+        out.append(_row(family, adapter, reason, source if adapter is not None else None, bias, hashed))
     return out
 
 
-def _row(family: str, adapter, reason: Optional[str], source: Optional[str], bias: Optional[bool]) -> dict:
+def _row(family: str, adapter, reason: Optional[str], source: Optional[str], bias: Optional[bool],
+         hashed: bool = False) -> dict:
     from ..models.derive import real_model
 
     row = {"family": family, "runs": adapter is not None, "through": source, "refused_because": reason,
@@ -59,13 +61,20 @@ def _row(family: str, adapter, reason: Optional[str], source: Optional[str], bia
         bias = _router_has(family)
     rule = [adapter.score]
     if bias:
-        rule.append("selection bias")
+        rule.append("selection bias" + (" on logits" if adapter.bias_on_logits else ""))
     if adapter.group_score:
         rule.append(f"group-limited ({adapter.group_score})" + (f" if {adapter.groups_if[0]}={adapter.groups_if[1]}"
-                                                                 if adapter.groups_if else ""))
+                                                                 if adapter.groups_if else "")
+                    + (f", left-out groups {adapter.group_fill:g}" if adapter.group_fill != float("-inf") else ""))
+    if hashed:
+        rule.append("hash-routed layers")
     rule.append(f"renorm={adapter.renorm}")
     if adapter.scale_attr:
         rule.append(f"scale={adapter.scale_attr}")
+    if adapter.weight_scale_attr:
+        rule.append(f"per-expert scale={adapter.weight_scale_attr}")
+    if adapter.experts_layout.input_weighted:
+        rule.append("input-weighted experts")
     if adapter.reweigh_note:
         rule.append("own rule (reweigh_note)")
     row["selection"] = ", ".join(rule)

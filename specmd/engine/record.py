@@ -41,7 +41,13 @@ class Scoring:
       ``topk(router_logits + e_score_correction_bias)``), so the selection score is ``logits + bias``;
     * ``group_fill``: what the groups a token leaves out score (``-inf``: transformers' DeepSeek-V3 router,
       never chosen; ``0.0``: A.X-K2's router, which chooses there when every kept score is negative -- its
-      code, reproduced, not corrected).
+      code, reproduced, not corrected);
+    * ``sqrt_softplus``: probabilities are ``sqrt(softplus(logits))`` (DeepSeek-V4's ``scoring_func``);
+    * ``hashed``: the MoE layers (ordinals) whose router's choice is not its scores' top-k but the token's own
+      (DeepSeek-V4's first layers: ``tid2eid[input_ids]``, "hash routing", its paper §2.1): there the selection
+      score lifts the router's own choice (``chosen``) above every other expert, the rest ranked by the gate's
+      probabilities -- a policy that re-scores (Cache-Prior) leaves the token's choice, one that ranks past the
+      top-k (max_rank's M > k) takes the gate's next best.
 
     :meth:`selection` is exactly the family's own router computation (transformers'
     ``DeepseekV3TopkRouter.forward``: ``sigmoid(logits) + bias``, the groups outside the token's best set to
@@ -51,16 +57,21 @@ class Scoring:
     """
 
     __slots__ = ("sigmoid", "renorm", "scale", "bias", "groups", "topk_group", "group_score", "plain", "given",
-                 "expert_scale", "group_fill", "on_logits", "_scale_dev")
+                 "expert_scale", "group_fill", "on_logits", "_scale_dev", "sqrt_softplus", "hashed")
 
     def __init__(self, sigmoid: bool, renorm: bool, scale: float, bias: Optional[torch.Tensor] = None,
                  groups: int = 1, topk_group: int = 1, group_score: str = "top2", given: bool = False,
                  expert_scale: Optional[torch.Tensor] = None, group_fill: float = float("-inf"),
-                 on_logits: bool = False):
+                 on_logits: bool = False, sqrt_softplus: bool = False, hashed=()):
         """Errors: ValueError for a ``group_score`` outside :data:`GROUP_SCORES`, groups that do not divide
         the experts, a ``topk_group`` outside 1..groups, a bias or expert scale that is not ``[L, E]`` or not
-        finite, a ``group_fill`` other than ``-inf`` or a finite number."""
+        finite, a ``group_fill`` other than ``-inf`` or a finite number, a hashed layer that is no
+        non-negative integer."""
         self.sigmoid = sigmoid
+        self.sqrt_softplus = bool(sqrt_softplus)
+        if any(not isinstance(l, int) or isinstance(l, bool) or l < 0 for l in hashed):
+            raise ValueError(f"hashed={list(hashed)!r}: MoE layer ordinals (integers >= 0)")
+        self.hashed = frozenset(hashed)
         self.given = bool(given)
         self.expert_scale = _layer_table(expert_scale, "per-expert weight scale")
         self._scale_dev = None
@@ -87,13 +98,20 @@ class Scoring:
         self.groups = groups
         self.topk_group = topk_group
         self.group_score = group_score
-        self.plain = self.bias is None and self.groups == 1
+        self.plain = self.bias is None and self.groups == 1 and not self.hashed
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
         if self.given:
             return logits
+        if self.sqrt_softplus:
+            return torch.nn.functional.softplus(logits).sqrt()
         return logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
+
+    @property
+    def elementwise(self) -> bool:
+        """Each expert's probability is its logit's alone (no softmax over the row)."""
+        return self.sigmoid or self.sqrt_softplus or self.given
 
     def weigh(self, probs: torch.Tensor, index: torch.Tensor, layer: Optional[int] = None) -> torch.Tensor:
         """``[T, k]``: the weights of experts ``index`` [T, k] from the probabilities ``probs`` [T, E] at MoE
@@ -116,12 +134,20 @@ class Scoring:
             self._scale_dev = self.expert_scale.to(device)
         return self._scale_dev
 
-    def selection(self, probs: torch.Tensor, layer: int) -> torch.Tensor:
+    def selection(self, probs: torch.Tensor, layer: int, chosen: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[T, E]`` float32: MoE layer ``layer``'s selection score of every expert for every token, from its
         router probabilities ``probs`` [T, E]: ``probs + bias[layer]``, ``-inf`` outside the token's
-        ``topk_group`` best groups. ``probs`` itself (no copy) for a plain rule: never write the result."""
+        ``topk_group`` best groups; at a hashed layer the router's own choice ``chosen`` [T, k] (required
+        there: ValueError without) lifted above every other expert. ``probs`` itself (no copy) for a plain
+        rule: never write the result."""
         if self.plain:
             return probs
+        if layer in self.hashed:
+            if chosen is None:
+                raise ValueError(f"MoE layer {layer} is hash-routed: its selection needs the router's own choice")
+            s = probs.float()
+            lift = (s.amax() - s.amin() + 1.0).expand(chosen.shape)  # above every unchosen score
+            return s.scatter_add(-1, chosen, lift)
         s = probs.float()
         if self.bias is not None:
             s = s + self.bias[layer].to(s.device)
@@ -138,18 +164,20 @@ class Scoring:
             s = s.masked_fill(~keep.unsqueeze(-1).expand(T, g, E // g).reshape(T, E), self.group_fill)
         return s
 
-    def scores_of(self, logits: torch.Tensor, layer: int) -> torch.Tensor:
+    def scores_of(self, logits: torch.Tensor, layer: int, chosen: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[T, E]``: the selection score of router ``logits`` [T, E] at MoE layer ``layer`` (:meth:`selection`
-        of the probabilities, or of the logits for a bias added to them)."""
-        return self.selection(logits.float() if self.on_logits else self.probs(logits), layer)
+        of the probabilities, or of the logits for a bias added to them; ``chosen``: the router's own choice,
+        which a hashed layer's score lifts)."""
+        return self.selection(logits.float() if self.on_logits else self.probs(logits), layer, chosen)
 
-    def select(self, logits: torch.Tensor, layer: int, k: int) -> torch.Tensor:
+    def select(self, logits: torch.Tensor, layer: int, k: int, chosen: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[T, k]``: the top-k the family's router selects from ``logits`` [T, E] at MoE layer ``layer``
-        (for a policy that changes the logits, Cache-Prior's ``z'``). A plain rule takes the top-k of the
-        logits (softmax and sigmoid keep their order)."""
+        (for a policy that changes the logits, Cache-Prior's ``z'``; ``chosen``: the router's own choice, which
+        a hashed layer keeps). A plain rule takes the top-k of the logits (softmax and sigmoid keep their
+        order)."""
         if self.plain:
             return torch.topk(logits, k, dim=-1).indices
-        return torch.topk(self.scores_of(logits, layer), k, dim=-1).indices
+        return torch.topk(self.scores_of(logits, layer, chosen), k, dim=-1).indices
 
     def to_dict(self) -> dict:
         out = {"sigmoid": self.sigmoid, "renorm": self.renorm, "scale": self.scale}
@@ -165,6 +193,10 @@ class Scoring:
             out["on_logits"] = True
         if self.expert_scale is not None:
             out["expert_scale"] = self.expert_scale.tolist()
+        if self.sqrt_softplus:
+            out["sqrt_softplus"] = True
+        if self.hashed:
+            out["hashed"] = sorted(self.hashed)
         return out
 
     @classmethod
@@ -179,10 +211,15 @@ class Scoring:
                 raise ValueError(f"scoring.{key}={d.get(key)!r} is not finite")
         if experts is not None and int(d.get("topk_group", 1)) < int(d.get("groups", 1)):
             group_errors(int(d.get("groups", 1)), str(d.get("group_score", "top2")), experts)
+        hashed = d.get("hashed", [])
+        if not isinstance(hashed, list) or (layers is not None and any(
+                not isinstance(l, int) or not 0 <= l < layers for l in hashed)):
+            raise ValueError(f"scoring.hashed={hashed!r}: a list of MoE layer ordinals"
+                             f"{f' below {layers}' if layers is not None else ''}")
         return cls(bool(d.get("sigmoid", False)), bool(d.get("renorm", True)), float(d.get("scale", 1.0)), bias,
                    int(d.get("groups", 1)), int(d.get("topk_group", 1)), str(d.get("group_score", "top2")),
                    bool(d.get("given", False)), expert_scale, float(d.get("group_fill", float("-inf"))),
-                   bool(d.get("on_logits", False)))
+                   bool(d.get("on_logits", False)), bool(d.get("sqrt_softplus", False)), hashed)
 
 
 def _layer_table(t, what: str) -> Optional[torch.Tensor]:
@@ -301,7 +338,8 @@ class GateRecord:
         ranks by; the router's own top-k is its top-k. ``probs`` itself for a plain rule. Read, never write."""
         if self._scores is None:
             s = self.scoring
-            self._scores = s.selection(self.logits.float() if s.on_logits and not s.plain else self.probs, self.layer)
+            self._scores = s.selection(self.logits.float() if s.on_logits and not s.plain else self.probs, self.layer,
+                                       self.original)
         return self._scores
 
     def probs_rows(self):

@@ -27,6 +27,7 @@ from ..engine import GROUPS, Engine, LiveRecord, StackSpec
 from ..executor.base import upload
 from ..models.adapters import Adapter, adapter_for
 from ..models.contract import adopt
+from ..models.family import TokenIds
 
 
 class SpecmdExperts(nn.Module):
@@ -118,8 +119,10 @@ class PolicyStack:
         self.geom = adapter.geometry(model)
         self.moe_ids = list(self.geom.layer_ids)
         self.routers = [adapter.router(model, i) for i in self.moe_ids]
-        self.calls = [adapter.router_call(model, i) for i in self.moe_ids]  # each router as its block calls it
-        self.scoring = adapter.scoring(model.config, [adapter.bias_holder(model, i) for i in self.moe_ids])
+        self.tokens = TokenIds()  # the pass's token ids, which a hash-routed router reads (DeepSeek-V4)
+        self.calls = [adapter.router_call(model, i, self.tokens) for i in self.moe_ids]  # each router as its block
+        self.scoring = adapter.scoring(model.config, [adapter.bias_holder(model, i) for i in self.moe_ids],  # calls it
+                                       adapter.hashed(model))
         self.expert_modules = [adapter.experts(model, i) for i in self.moe_ids]
         self.device = torch.device(device) if device is not None else next(
             p.device for p in model.parameters() if not p.is_meta)
@@ -214,6 +217,7 @@ class PolicyStack:
     # ---- forward passes -------------------------------------------------------------------------------
     def _pass_start(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
+        self.tokens.ids = None if ids is None else ids.reshape(-1)  # [B * S]
         if ids is None:
             ids = kwargs.get("inputs_embeds")
         batch, seq = int(ids.shape[0]), int(ids.shape[1])

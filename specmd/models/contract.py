@@ -96,3 +96,27 @@ def adopt(model) -> None:
         if convert is not None and not getattr(module, "_specmd_contract", False):
             convert(module)
             module._specmd_contract = True
+
+
+# ---- what transformers' random initialisation leaves degenerate ----------------------------------------------
+def _hash_table(router, generator) -> None:
+    """DeepSeek-V4's ``DeepseekV4HashRouter.tid2eid`` [V, k]: transformers initialises it to zeros ("real values
+    come from the checkpoint"), every token then routed k times to expert 0; a random model gets each token k
+    distinct experts, drawn uniformly, as a trained table has them."""
+    V, k = router.tid2eid.shape
+    E = router.num_experts
+    with torch.no_grad():
+        router.tid2eid.copy_(torch.rand(V, E, generator=generator).argsort(dim=-1)[:, :k])
+
+
+RANDOM_INIT = {"DeepseekV4HashRouter": _hash_table}  # a module's class name -> how a random model fills it
+
+
+def random_fill(model, seed: int = 0) -> None:
+    """Fill what transformers' initialisation leaves degenerate in a random model (:data:`RANDOM_INIT`), seeded;
+    never called on a loaded checkpoint."""
+    generator = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        fill = RANDOM_INIT.get(type(module).__name__)
+        if fill is not None:
+            fill(module, generator)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import ConfigError
-from .family import build_config, causal_lm_classes, image_text_classes
+from .family import TOKEN_IDS, TokenIds, build_config, causal_lm_classes, image_text_classes
 
 # a tiny instance: the real model's layout at toy sizes (set only where the config has the field)
 SHRINK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
@@ -99,7 +99,7 @@ SCALE_FIELDS = ("routed_scaling_factor", "route_scale", "router_scaling_factor",
 PROBE_SCALE = 2.5
 GROUP_SCORES = ("top2", "max")
 GROUP_FILLS = (float("-inf"), 0.0)  # what a left-out group scores (transformers' DeepSeek-V3; A.X-K2)
-SCORES = ("softmax", "sigmoid", "probabilities")  # Adapter.score: what the router's first output is taken through
+SCORES = ("softmax", "sigmoid", "sqrtsoftplus", "probabilities")  # Adapter.score: what the router's first output is taken through
 
 # families whose derived record the hook tests do not pass yet: family -> what is missing
 NOT_YET: dict[str, str] = {}
@@ -114,6 +114,7 @@ class Derived:
     reason: Optional[str] = None
     bias: bool = False  # its routers hold a selection bias (adapter.bias_attr)
     runs_as: Optional[str] = None  # the text family a wrapper's checkpoint runs as (:func:`text_family`)
+    hashed: bool = False  # some of its MoE layers are hash-routed (Adapter.hashed: DeepSeek-V4's first layers)
 
 
 @functools.lru_cache(maxsize=None)
@@ -293,7 +294,7 @@ class _Refuse(Exception):
 def _build(family: str, over: dict):
     import torch
 
-    from .contract import adopt
+    from .contract import adopt, random_fill
     from .family import Adapter
 
     auto = Adapter(family).auto_class()
@@ -308,6 +309,7 @@ def _build(family: str, over: dict):
             torch.manual_seed(0)
             model = auto.from_config(config, dtype=torch.float32)
         adopt(model)  # a block outside the contract, put into it (Llama-4's: specmd.models.contract)
+        random_fill(model)  # (DeepSeek-V4's hash table: transformers leaves it zeros)
     except _Refuse:
         raise
     except Exception as exc:  # noqa: BLE001 -- transformers' own validation of the shrunk config
@@ -367,17 +369,25 @@ def _router_args(router, block) -> tuple:
     params = [p for p in list(inspect.signature(router.forward).parameters.values())[1:]
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
-    def held(name):
-        return isinstance(getattr(block, name, None), torch.Tensor)
+    def held(name):  # (the pass's token ids are the hook's to give: a hash-routed router, Adapter.router_call)
+        return name == TOKEN_IDS or isinstance(getattr(block, name, None), torch.Tensor)
 
     # the required ones, and an optional one the block holds (LFM2-MoE: gate(hidden, expert_bias) where it has one)
     last = max((i + 1 for i, p in enumerate(params) if held(p.name) or p.default is inspect.Parameter.empty), default=0)
-    names = tuple(p.name for p in params[:last])
+    names = tuple(p.name for p in params[:last] if p.name != TOKEN_IDS)
     lacking = [n for n in names if not held(n)]
     if lacking:
         raise _Refuse(f"its router needs more than the hidden states ({', '.join(lacking)}, which its MoE block does "
                       f"not hold)")
     return names
+
+
+_PROBE_TOKENS = TokenIds()  # the probe's token ids (a hash-routed router reads them): one per hidden row
+
+
+def _call(adapter, model, layer_id: int):
+    """The layer's router as its block calls it, given the probe's token ids."""
+    return adapter.router_call(model, layer_id, _PROBE_TOKENS)
 
 
 def _route(router, hidden):
@@ -408,7 +418,8 @@ def _fit(logits, weights, index, expert_scale=None):
         weights = weights.float() / expert_scale.detach().float()[index]
     for score in SCORES:
         for renorm in (True, False):
-            s = Scoring(score == "sigmoid", renorm, 1.0, given=score == "probabilities")
+            s = Scoring(score == "sigmoid", renorm, 1.0, given=score == "probabilities",
+                        sqrt_softplus=score == "sqrtsoftplus")
             ratio = weights.float() / s.weigh(s.probs(logits), index).clamp_min(1e-30)
             c = float(ratio.mean())
             if math.isfinite(c) and torch.allclose(ratio, torch.full_like(ratio, c), rtol=1e-4, atol=1e-6):
@@ -441,7 +452,7 @@ def _derive(family: str) -> Derived:
     runs_as = text_family(family)
     if runs_as != family:  # transformers' causal LM of a wrapper is its text model: the checkpoint runs as that
         d = derive(runs_as)
-        return Derived(family, adapter=d.adapter, reason=d.reason, bias=d.bias, runs_as=runs_as)
+        return Derived(family, adapter=d.adapter, reason=d.reason, bias=d.bias, runs_as=runs_as, hashed=d.hashed)
     # 1. its tiny instance builds, runs and generates; where its parts are
     over = tiny_overrides(family)
     model = _build(family, over)
@@ -459,15 +470,16 @@ def _derive(family: str) -> Derived:
         raise _Refuse(f"its config has no top-k field ({', '.join(TOPK_FIELDS)})")
     # 3. how the router is called, and how its weights follow from its first output
     hidden = torch.randn(48, int(config.hidden_size), generator=torch.Generator().manual_seed(0))
+    _PROBE_TOKENS.ids = torch.randint(0, int(config.vocab_size), (48,), generator=torch.Generator().manual_seed(7))
     base = Adapter(family, **parts)
     _spread_routers(base, model, moe, E)
     block = base.block(model, moe[0])
     probe = dataclasses.replace(base, router_args=_router_args(base.router(model, moe[0]), block))
     try:  # [T, H], or [1, T, H] where its router reads a sequence axis
-        _route(probe.router_call(model, moe[0]), hidden)
+        _route(_call(probe, model, moe[0]), hidden)
     except _Refuse:
         probe = dataclasses.replace(probe, router_batched=True)
-        _route(probe.router_call(model, moe[0]), hidden)
+        _route(_call(probe, model, moe[0]), hidden)
     rule = _weights_rule(family, over, probe, model, moe, E, hidden)
     bias_attr = next((n for n in probe.router_args if "bias" in n and getattr(block, n).shape == (E,)),
                      probe.bias_attr)  # a selection bias the block passes its router (LFM2-MoE's expert_bias)
@@ -489,8 +501,10 @@ def _derive(family: str) -> Derived:
     adapter = _selection(adapter, model, moe, hidden)
     if family in NOT_YET:
         raise _Refuse(NOT_YET[family])
-    holder = adapter.bias_holder(model, moe[0])
-    return Derived(family, adapter=adapter, bias=isinstance(getattr(holder, adapter.bias_attr, None), torch.Tensor))
+    holders = [adapter.bias_holder(model, i) for i in moe]  # (DeepSeek-V4's hash layers hold none)
+    return Derived(family, adapter=adapter,
+                   bias=any(isinstance(getattr(h, adapter.bias_attr, None), torch.Tensor) for h in holders),
+                   hashed=bool(adapter.hashed(model)))
 
 
 def _spread_routers(adapter, model, moe: list, E: int) -> None:
@@ -532,7 +546,7 @@ def _weights_rule(family: str, over: dict, probe, model, moe: list, E: int, hidd
     router = probe.router(model, moe[0])
     scales = [_weight_scales(probe.router(model, i), E, probe.bias_attr) for i in moe]  # (every layer's drawn)
     scales = scales[0]  # the names: the first layer's
-    logits, weights, index = _route(probe.router_call(model, moe[0]), hidden)
+    logits, weights, index = _route(_call(probe, model, moe[0]), hidden)
     weight_scale_attr, fit = None, _fit(logits, weights, index)
     for name in scales if fit is None else ():  # weights that carry a learned per-expert scale
         fit = _fit(logits, weights, index, getattr(router, name))
@@ -553,7 +567,7 @@ def _weights_rule(family: str, over: dict, probe, model, moe: list, E: int, hidd
         field = _text_field(model.config)  # (a wrapper's: the flag is its text decoder's)
         flipped = _build(family, dict(over, **{field: dict(over[field], **flip)}) if field else dict(over, **flip))
         _spread_routers(probe, flipped, moe, E)
-        fit2 = _fit(*_route(probe.router_call(flipped, moe[0]), hidden),
+        fit2 = _fit(*_route(_call(probe, flipped, moe[0]), hidden),
                     getattr(probe.router(flipped, moe[0]), weight_scale_attr) if weight_scale_attr else None)
         if fit2 is not None and fit2[1] != renorm:
             renorm = "norm_topk_prob" if renorm == config.norm_topk_prob else None
@@ -619,18 +633,18 @@ def _selection(adapter, model, moe, hidden):
             bias = getattr(h, adapter.bias_attr, None)
             if isinstance(bias, torch.Tensor):  # scores mostly negative: filling left-out groups with 0.0 or -inf
                 bias.copy_(torch.rand(bias.shape, generator=g) * 0.5 - 1.0)  # then selects differently: both fitted
-    routed = [_route(adapter.router_call(model, i), hidden) for i in moe]
+    routed = [_route(_call(adapter, model, i), hidden) for i in moe]
     grouped = (getattr(adapter.text(model.config), "n_group", 1) or 1) > 1
     groups = [(g, fill) for g in GROUP_SCORES for fill in GROUP_FILLS] + [(None, GROUP_FILLS[0])] if grouped else \
         [(None, GROUP_FILLS[0])]  # (a router may ignore the groups)
     for (group_score, fill), on_logits in ((rule, on) for on in (False, True) for rule in groups):
         candidate = dataclasses.replace(adapter, group_score=group_score, group_fill=fill, bias_on_logits=on_logits)
         try:
-            scoring = candidate.scoring(model.config, holders)
+            scoring = candidate.scoring(model.config, holders, candidate.hashed(model))
         except (ConfigError, ValueError) as exc:
             raise _Refuse(f"its group limit does not fit ({exc})") from None
         k = routed[0][2].shape[-1]
-        if all(_same_sets(scoring.select(lg, l, k), idx) for l, (lg, _, idx) in enumerate(routed)):
+        if all(_same_sets(scoring.select(lg, l, k, idx), idx) for l, (lg, _, idx) in enumerate(routed)):
             return candidate
     raise _Refuse("its top-k is not the top-k of its probabilities (or logits) plus a selection bias within a group "
                   "limit (left-out groups scored -inf or 0.0)")

@@ -185,23 +185,39 @@ class ExpertsLayout:
         return up, "down_proj", (up + "_bias") if self.bias else None, "down_proj_bias" if self.bias else None
 
 
+TOKEN_IDS = "input_ids"  # a router's forward parameter taking the pass's token ids (DeepSeek-V4's hash routers)
+
+
+class TokenIds:
+    """The token ids of the ongoing forward pass (``ids``: ``[B * S]`` long on the model's device, or None), as
+    a hash-routed router reads them: the hook sets them at each pass's start."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids=None):
+        self.ids = ids
+
+
 class RouterCall:
     """A router whose block passes it some of its own attributes after the hidden states
-    (:attr:`Adapter.router_args`), read from the block at each call (a ``model.to(device)`` replaces them),
-    or that takes them as ``[1, T, H]`` (``batched``: AfMoE's router reads a sequence axis)."""
+    (:attr:`Adapter.router_args`), read from the block at each call (a ``model.to(device)`` replaces them), and
+    the pass's token ids where it takes them (:data:`TOKEN_IDS`, read from ``tokens``), or that takes them as
+    ``[1, T, H]`` (``batched``: AfMoE's router reads a sequence axis)."""
 
-    __slots__ = ("router", "block", "args", "batched")
+    __slots__ = ("router", "block", "args", "batched", "tokens")
 
-    def __init__(self, router, block, args: tuple, batched: bool = False):
-        self.router, self.block, self.args, self.batched = router, block, args, batched
+    def __init__(self, router, block, args: tuple, batched: bool = False, tokens: Optional[TokenIds] = None):
+        self.router, self.block, self.args, self.batched, self.tokens = router, block, args, batched, tokens
 
     def __call__(self, hidden):
         block = self.block
         if self.batched:
             hidden = hidden.unsqueeze(0)  # [1, T, H]
         if len(self.args) == 1:
-            return self.router.forward(hidden, getattr(block, self.args[0]))
-        return self.router.forward(hidden, *[getattr(block, a) for a in self.args])
+            a = self.args[0]
+            return self.router.forward(hidden, self.tokens.ids if a == TOKEN_IDS else getattr(block, a))
+        return self.router.forward(hidden, *[self.tokens.ids if a == TOKEN_IDS else getattr(block, a)
+                                             for a in self.args])
 
 
 @dataclass(frozen=True)
@@ -223,8 +239,8 @@ class RoutingReference:
 class Adapter:
     family: str  # transformers model_type
     router_attr: str = "gate"
-    # router probabilities: "softmax" or "sigmoid" over the logits, or "probabilities": the router's first output
-    # is its probabilities already (Gemma-4)
+    # router probabilities: "softmax", "sigmoid" or "sqrtsoftplus" (DeepSeek-V4) of the logits, or "probabilities":
+    # the router's first output is its probabilities already (Gemma-4)
     score: str = "softmax"
     # top-k weights renormalised to sum 1: True / False / name of a bool config field
     renorm: object = True
@@ -355,13 +371,26 @@ class Adapter:
             return router.get_submodule(self.bias_path)
         return router if hasattr(router, self.bias_attr) else self.block(model, layer_id)
 
-    def router_call(self, model, layer_id: int):
+    def router_call(self, model, layer_id: int, tokens: Optional[TokenIds] = None):
         """``call(hidden [T, H]) -> (logits, weights, index)``: the layer's router as its block calls it, for
-        running it on another layer's input (the prefetch signal); its forward hooks are bypassed."""
+        running it on another layer's input (the prefetch signal); its forward hooks are bypassed. A hash-routed
+        router (:meth:`hashed`) reads the pass's token ids from ``tokens``."""
         router = self.router(model, layer_id)
-        if not self.router_args and not self.router_batched:
+        args = self.router_args + ((TOKEN_IDS,) if self._takes_ids(router) else ())
+        if not args and not self.router_batched:
             return router.forward
-        return RouterCall(router, self.block(model, layer_id), self.router_args, self.router_batched)
+        return RouterCall(router, self.block(model, layer_id), args, self.router_batched, tokens)
+
+    def hashed(self, model) -> tuple[int, ...]:
+        """The MoE layers (ordinals among :meth:`moe_layers`) whose router takes the pass's token ids
+        (:data:`TOKEN_IDS`): its choice is the token's, not its scores' top-k (DeepSeek-V4's hash routing)."""
+        return tuple(j for j, i in enumerate(self.moe_layers(model)) if self._takes_ids(self.router(model, i)))
+
+    @staticmethod
+    def _takes_ids(router) -> bool:
+        import inspect
+
+        return TOKEN_IDS in inspect.signature(router.forward).parameters
 
     def experts(self, model, layer_id: int):
         return self.block(model, layer_id).experts
@@ -373,17 +402,19 @@ class Adapter:
         """The module whose forward is one forward pass (its pre/post hooks mark passes): the text decoder."""
         return model.get_submodule(self.decoder_path)
 
-    def scoring(self, config, routers=()):
+    def scoring(self, config, routers=(), hashed=()):
         """The family's :class:`~specmd.engine.record.Scoring` for ``config``; ``routers``: the modules holding
         the loaded model's selection bias (``bias_attr``), one per MoE layer (:meth:`bias_holder`: the router,
-        or its block), which it reads (none given: no bias)."""
+        or its block), which it reads (none given: no bias); ``hashed``: its hash-routed MoE layers
+        (:meth:`hashed`)."""
         config = self.text(config)
         groups, topk_group = self.group_limit(config)
         return Scoring(self.score == "sigmoid", self.renormalises(config), self.scale(config),
                        self.selection_bias(routers), groups, topk_group, self.group_score or "top2",
                        given=self.score == "probabilities", group_fill=self.group_fill, on_logits=self.bias_on_logits,
                        expert_scale=self.selection_bias(routers, self.weight_scale_attr, fill=1.0)
-                       if self.weight_scale_attr else None)
+                       if self.weight_scale_attr else None, sqrt_softplus=self.score == "sqrtsoftplus",
+                       hashed=hashed)
 
     def group_limit(self, config) -> tuple[int, int]:
         """``(groups, kept groups)`` of the family's group-limited top-k under ``config``; (1, 1): none.

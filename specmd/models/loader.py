@@ -72,6 +72,9 @@ def build_tiny(family: str, overrides: Optional[dict] = None, seed: int = 0, dty
     model = adapter_for(family).auto_class().from_config(cfg, dtype=getattr(torch, dtype))
     model.eval()
     _adopt(model)
+    from .contract import random_fill
+
+    random_fill(model, seed)
     return model
 
 

@@ -270,7 +270,7 @@ class ProbsTable:
 
 def probs_table(trace: Trace, scoring: Scoring) -> Optional[ProbsTable]:
     """The replay's :class:`ProbsTable`, or None where records compute their own (no logits, sigmoid)."""
-    if trace.logits is None or scoring.sigmoid:
+    if trace.logits is None or scoring.elementwise:
         return None
     return ProbsTable(trace, scoring)
 

@@ -35,7 +35,8 @@ from ..engine.store import StoreSizes
 FORMAT = "specmd-trace"
 VERSION = 2  # what this specmd writes where the rule needs it: a version-1 reader would misread the selection
 READS = (1, 2)  # rule fields of version 2 (probabilities given, a per-expert weight scale, a group fill, a bias on
-V2_RULE = ("given", "expert_scale", "group_fill", "on_logits")  # the logits); a rule without them is written as 1
+# the logits, sqrt-softplus probabilities, hash-routed layers); a rule without them is written as 1
+V2_RULE = ("given", "expert_scale", "group_fill", "on_logits", "sqrt_softplus", "hashed")
 KINDS = ("prefill", "decode")
 LOGIT_DTYPES = {"fp32": np.float32, "fp16": np.float16, "none": None}
 

@@ -84,6 +84,6 @@ def topk_prediction(record: Any, target: int, count: int) -> list[int]:
     elif record.scoring.plain:
         values, index = probs.topk(count, dim=-1)
     else:
-        index = record.scoring.selection(probs, target).topk(count, dim=-1).indices
+        index = record.scoring.selection(probs, target, index).topk(count, dim=-1).indices
         values = probs.gather(-1, index)
     return union_by_score(probs, index, values)

@@ -51,7 +51,7 @@ class CachePrior(RoutingPolicy):
         if self.params.J:  # (a router's top-k columns need not be in rank order: DeepSeek's topk(sorted=False))
             boost.scatter_(-1, ranked_by_score(record.scores, record.original)[:, : self.params.J], True)
         z2 = z + (lam * delta) * boost
-        return record.scoring.select(z2, layer, record.top_k)
+        return record.scoring.select(z2, layer, record.top_k, record.original)
 
 
 ROUTING.register(CachePrior)
