@@ -21,7 +21,9 @@ MUST_RUN = {"glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32", "qwen3_n
             # Llama-4 (Scout, Maverick; its checkpoints, llama4, run as it): its block adopted into the contract
             "llama4_text",
             # DeepSeek-V4: hash-routed first layers (the router reads the pass's token ids), sqrt-softplus scores
-            "deepseek_v4"}
+            "deepseek_v4",
+            # ERNIE-4.5-VL: its text experts (a text pass never calls the vision set)
+            "ernie4_5_vl_moe"}
 
 
 def test_the_families_that_run_are_computed_from_the_installed_transformers():
@@ -42,6 +44,8 @@ def test_the_families_that_run_are_computed_from_the_installed_transformers():
     # a wrapper whose causal-LM class is its text model runs as that (its checkpoints load the text weights) ...
     assert derive("qwen3_5_moe").runs_as == "qwen3_5_moe_text" and derive("qwen3_5_moe").adapter is not None
     assert derive("llama4").runs_as == "llama4_text" and derive("llama4").adapter is not None
+    # ERNIE-4.5-VL: text and vision experts in each layer, the block the set a text pass calls (probed)
+    assert adapter_for("ernie4_5_vl_moe").block_attr == "mlp.text_moe"
     # ... and one whose text decoder has no causal-LM class runs inside the wrapper, found where its layers are
     assert (adapter_for("kimi_k25").decoder_path, adapter_for("kimi_k25").head_path) == ("model.language_model",
                                                                                           "lm_head")
@@ -264,3 +268,17 @@ def test_llama4s_block_is_adopted_into_the_contract_computing_its_function():
                 by_source = run_experts(mod, layout, hidden, index, weights, views_of(tensors, E))
                 by_bank = grouped_experts(mod, layout, hidden, index, weights, torch.arange(E), [Bank(tensors, 0, E)])
                 assert torch.equal(by_source, own) == equal and torch.equal(by_bank, own) == equal, (k, layout)
+
+
+def test_an_expert_set_a_text_run_never_calls_is_neither_cached_nor_dense_compute():
+    """ERNIE-4.5-VL's layers hold text and vision experts; a text pass runs the text set (``mlp.text_moe``), which
+    specmd caches. The vision set is no dense compute of the layer either: its MoE layers' dense parameters are
+    the layer's less both sets."""
+    model, adapter = tiny("ernie4_5_vl_moe"), adapter_for("ernie4_5_vl_moe")
+    geometry, layers = adapter.geometry(model), adapter.layers(model)
+    E = adapter.num_experts(model.config)
+    for j, i in enumerate(geometry.layer_ids[1:], start=1):  # (the first MoE layer also carries the dense layer 0)
+        mlp = layers[i].mlp
+        both = sum(p.numel() for m in (mlp.text_moe.experts, mlp.vision_moe.experts) for p in m.parameters())
+        assert geometry.dense_params[j] == sum(p.numel() for p in layers[i].parameters()) - both
+    assert geometry.expert_params * E == sum(p.numel() for p in layers[geometry.layer_ids[0]].mlp.text_moe.experts.parameters())

@@ -89,6 +89,10 @@ TINY_FIXES = {
     # class leaves them out): ids no text of the tiny vocabulary holds
     "qwen3_omni_moe_thinker": dict(vision_start_token_id=259, audio_start_token_id=259, position_id_per_seconds=13),
     "deepseek_ocr2_text": dict(mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),  # DeepSeek-OCR-2's
+    # ERNIE-4.5-VL's 3-D rope pre-rotates its height / width / time sections ([22, 22, 20] of 64 frequencies) at
+    # the toy head (8 frequencies); its class default leaves the sections to the model code's real-size default
+    "ernie4_5_vl_moe_text": dict(rope_parameters=dict(rope_type="default", rope_theta=500000.0,
+                                                      mrope_section=[2, 2, 4])),
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
                            indexer_compress_ratio=4),
 }
@@ -328,19 +332,19 @@ def _structure(model) -> dict:
 
     decoders = [name for name, m in model.named_modules()  # the module whose layers hold the experts
                 if isinstance(getattr(m, "layers", None), torch.nn.ModuleList)
-                and any(hasattr(c, "experts") for layer in m.layers for c in (layer, *layer.children()))]
+                and any(hasattr(c, "experts") for layer in m.layers for n, c in layer.named_modules() if n.count(".") <= 1)]
     if not decoders:
         raise _Refuse("its MoE block is no module of a decoder layer")
     if len(decoders) > 1:
         raise _Refuse(f"its MoE layers are in several decoders ({', '.join(decoders)})")
     decoder_path = decoders[0]
     layers = model.get_submodule(decoder_path).layers
-    found = sorted({n for layer in layers for n, m in layer.named_children() if hasattr(m, "experts")},
-                   key=lambda n: n != "mlp")  # the layer attribute holding its MoE block (mlp first)
-    if not found:  # the layer is the block (Gemma-4: router and experts beside the dense MLP)
+    found = sorted({n for layer in layers for n, m in layer.named_modules()  # the layer attribute holding its MoE
+                    if n and n.count(".") <= 1 and hasattr(m, "experts")}, key=lambda n: n != "mlp")  # block (mlp
+    if not found:  # first); the layer is the block (Gemma-4: router and experts beside the dense MLP)
         found = [""]
-    if len(found) > 1:
-        raise _Refuse(f"its decoder layers hold experts in several places ({', '.join(found)})")
+    if len(found) > 1:  # several expert sets (ERNIE-4.5-VL: text and vision experts): the one a text pass runs
+        found = _run_on_text(model, layers, found)
     block_attr = found[0]
     block_of = Adapter("", block_attr=block_attr)._block_of
     moe = [i for i, layer in enumerate(layers) if hasattr(block_of(layer), "experts")]
@@ -356,6 +360,32 @@ def _structure(model) -> dict:
         raise _Refuse("its experts are not transformers' fused [E, ...] experts (gate_up_proj / up_proj)")
     return dict(decoder_path=decoder_path, head_path=heads[0], block_attr=block_attr, router_attr=attr, moe=moe,
                 experts=experts)
+
+
+def _run_on_text(model, layers, found: list) -> list:
+    """Of the layer paths ``found`` holding experts, the one whose experts a text forward pass calls (ERNIE-4.5-VL:
+    ``mlp.text_moe``, not ``mlp.vision_moe``), or refused: several, or none."""
+    import torch
+
+    called = set()
+    handles = [m.experts.register_forward_hook(lambda *_, n=n: called.add(n))
+               for layer in layers for n in found if (m := _get(layer, n)) is not None]
+    try:
+        with torch.no_grad():
+            model(torch.arange(8).reshape(1, 8) + 1)
+    finally:
+        for h in handles:
+            h.remove()
+    if len(called) != 1:
+        raise _Refuse(f"its decoder layers hold experts in several places ({', '.join(found)}), "
+                      f"{'each' if called else 'none'} run on text")
+    return sorted(called)
+
+
+def _get(module, path: str):
+    for name in path.split("."):
+        module = getattr(module, name, None)
+    return module
 
 
 def _router_args(router, block) -> tuple:

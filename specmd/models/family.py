@@ -281,7 +281,8 @@ class Adapter:
     router_batched: bool = False
     # The decoder layer's attribute holding its MoE block (``mlp``; Granite's ``block_sparse_moe``, Jamba's
     # ``feed_forward``, Nemotron-H's ``mixer``; "": the layer is the block, Gemma-4's router and experts are
-    # attributes of its decoder layer); a layer whose block has no ``experts`` is dense.
+    # attributes of its decoder layer; a path: ERNIE-4.5-VL's text experts, ``mlp.text_moe``, beside its vision
+    # experts); a layer whose block has no ``experts`` is dense.
     block_attr: str = "mlp"
     # Where the decoder (its ``layers``, embeddings and final norm) and the LM head sit in the model the family's
     # Auto class builds (:meth:`auto_class`): ``model`` and ``lm_head`` for a causal LM; a vision-language
@@ -357,7 +358,10 @@ class Adapter:
         return self._block_of(self.layers(model)[layer_id])
 
     def _block_of(self, layer):
-        return getattr(layer, self.block_attr, None) if self.block_attr else layer
+        block = layer
+        for name in self.block_attr.split(".") if self.block_attr else ():  # (a path: ERNIE-4.5-VL's mlp.text_moe)
+            block = getattr(block, name, None)
+        return block
 
     def router(self, model, layer_id: int):
         return getattr(self.block(model, layer_id), self.router_attr)
@@ -448,6 +452,8 @@ class Adapter:
 
     def geometry(self, model):
         """The :class:`~specmd.engine.geometry.Geometry` of a loaded model (parameters at their dtype)."""
+        import torch
+
         config = self.text(model.config)
         layers = self.layers(model)
         moe_ids = self.moe_layers(model)
@@ -466,9 +472,11 @@ class Adapter:
         dtype_bytes = tensors[0].element_size()
         total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
-        def dense_params(i):
-            n = sum(p.numel() for p in layers[i].parameters())
-            return n - (sum(p.numel() for p in per_expert(i)) if i in moe_ids else 0)
+        def dense_params(i):  # (another expert set of the layer -- ERNIE-4.5-VL's vision experts -- a text run never
+            n = sum(p.numel() for p in layers[i].parameters())  # routes to: not its dense compute either)
+            idle = sum(p.numel() for m in layers[i].modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)
+                       and m is not self._block_of(layers[i]) for p in m.experts.parameters())
+            return n - idle - (sum(p.numel() for p in per_expert(i)) if i in moe_ids else 0)
 
         dense, attn, prev = [], [], -1
         for i in moe_ids:
