@@ -206,8 +206,10 @@ def where(pattern: str) -> list:
 
 def test_one_home_for_recording_replaying_and_belady():
     # the live driver is the only code that hooks a model's modules to drive the engine (the GPU-cost proxy
-    # hooks the MoE blocks only to know where a layer call starts and ends: it observes)
-    assert where(r"register_forward(_pre)?_hook\(") == ["specmd/gpu_cost.py", "specmd/hook/stack.py"]
+    # hooks the MoE blocks only to know where a layer call starts and ends, the family probe a layer's expert sets
+    # only to know which one a text pass calls: they observe)
+    assert where(r"register_forward(_pre)?_hook\(") == ["specmd/gpu_cost.py", "specmd/hook/stack.py",
+                                                        "specmd/models/derive.py"]
     # engines and cache managers are built by the drivers only (no private replay loop)
     assert where(r"(?<!class )\b(Engine|CacheManager)\(") == ["specmd/engine/engine.py", "specmd/hook/stack.py",
                                                     "specmd/replay/driver.py"]

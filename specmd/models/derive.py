@@ -511,13 +511,8 @@ def _derive(family: str) -> Derived:
         probe = dataclasses.replace(probe, router_batched=True)
         _route(_call(probe, model, moe[0]), hidden)
     rule = _weights_rule(family, over, probe, model, moe, E, hidden)
-    bias_attr = next((n for n in probe.router_args if "bias" in n and getattr(block, n).shape == (E,)),
-                     probe.bias_attr)  # a selection bias the block passes its router (LFM2-MoE's expert_bias)
-    router = probe.router(model, moe[0])
-    nested = [n.rsplit(".", 1)[0] for n, _ in (*router.named_buffers(), *router.named_parameters())
-              if n.endswith("." + bias_attr)]  # or a submodule of the router holds it (ERNIE-4.5's moe_statics)
     adapter = dataclasses.replace(
-        probe, bias_attr=bias_attr, bias_path=nested[0] if nested else "", **rule, experts_attr=experts_attr,
+        probe, **_bias_place(probe, model, moe[0], E), **rule, experts_attr=experts_attr,
         topk_attr=topk_attr, tiny=over,
         experts_layout=ExpertsLayout(gated=getattr(experts, "has_gate", True),
                                      transposed=getattr(experts, "is_transposed", False),
@@ -535,6 +530,18 @@ def _derive(family: str) -> Derived:
     return Derived(family, adapter=adapter,
                    bias=any(isinstance(getattr(h, adapter.bias_attr, None), torch.Tensor) for h in holders),
                    hashed=bool(adapter.hashed(model)))
+
+
+def _bias_place(probe, model, layer: int, E: int) -> dict:
+    """``bias_attr`` and ``bias_path``: where the layer's selection bias is -- an ``[E]`` tensor the block passes
+    its router (LFM2-MoE's ``expert_bias``), else ``probe.bias_attr`` in the router or in a submodule of it
+    (ERNIE-4.5's ``moe_statics``)."""
+    block = probe.block(model, layer)
+    bias_attr = next((n for n in probe.router_args if "bias" in n and getattr(block, n).shape == (E,)), probe.bias_attr)
+    router = probe.router(model, layer)
+    nested = [n.rsplit(".", 1)[0] for n, _ in (*router.named_buffers(), *router.named_parameters())
+              if n.endswith("." + bias_attr)]
+    return dict(bias_attr=bias_attr, bias_path=nested[0] if nested else "")
 
 
 def _spread_routers(adapter, model, moe: list, E: int) -> None:
