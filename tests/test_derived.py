@@ -23,7 +23,9 @@ MUST_RUN = {"glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "deepseek_v32", "qwen3_n
             # DeepSeek-V4: hash-routed first layers (the router reads the pass's token ids), sqrt-softplus scores
             "deepseek_v4",
             # ERNIE-4.5-VL: its text experts (a text pass never calls the vision set)
-            "ernie4_5_vl_moe"}
+            "ernie4_5_vl_moe",
+            # LongCat-Flash: identity ("zero-computation") experts beside its experts
+            "longcat_flash"}
 
 
 def test_the_families_that_run_are_computed_from_the_installed_transformers():
@@ -46,6 +48,7 @@ def test_the_families_that_run_are_computed_from_the_installed_transformers():
     assert derive("llama4").runs_as == "llama4_text" and derive("llama4").adapter is not None
     # ERNIE-4.5-VL: text and vision experts in each layer, the block the set a text pass calls (probed)
     assert adapter_for("ernie4_5_vl_moe").block_attr == "mlp.text_moe"
+    assert adapter_for("longcat_flash").identity_attr == "zero_expert_num"  # (router columns past its experts)
     # ... and one whose text decoder has no causal-LM class runs inside the wrapper, found where its layers are
     assert (adapter_for("kimi_k25").decoder_path, adapter_for("kimi_k25").head_path) == ("model.language_model",
                                                                                           "lm_head")
@@ -282,3 +285,55 @@ def test_an_expert_set_a_text_run_never_calls_is_neither_cached_nor_dense_comput
         both = sum(p.numel() for m in (mlp.text_moe.experts, mlp.vision_moe.experts) for p in m.parameters())
         assert geometry.dense_params[j] == sum(p.numel() for p in layers[i].parameters()) - both
     assert geometry.expert_params * E == sum(p.numel() for p in layers[geometry.layer_ids[0]].mlp.text_moe.experts.parameters())
+
+
+def test_identity_experts_are_selected_but_never_served_hand_worked():
+    """LongCat-Flash's router chooses among its E experts and Z identity experts (ids E .. E + Z - 1, output =
+    input): an identity expert is no request, no fetch, no compute. A replay of 1 layer, E = 4, Z = 2, two
+    slots: prefill [0, 4], [5, 1] requests {0, 1}; a decode step [4, 5] requests nothing; [2, 4] requests {2}:
+    3 requests, 3 cold misses, and the oracle (Belady, which reads the same requests) agrees."""
+    import numpy as np
+
+    from specmd.compose import spec_of
+    from specmd.engine import Geometry
+    from specmd.engine.store import StoreSizes
+    from specmd.hardware import HardwareConfig
+    from specmd.replay.driver import oracle_rates, run_replay
+    from specmd.replay.trace import Trace, TraceMeta, full_calls
+
+    passes = np.array([[0, 2, 2], [1, 1, 3], [1, 1, 4]], dtype=np.int64)
+    geom = Geometry(num_layers=1, num_experts=4, top_k=2, expert_bytes=100, total_bytes=800, identity_experts=2)
+    meta = TraceMeta(geometry=geom, store=StoreSizes(16, 100, {}), logits="none", source={"format": "test"})
+    index = np.asarray([[0, 4], [5, 1], [4, 5], [2, 4]], dtype=np.uint8)
+    trace = Trace(meta=meta, passes=passes, calls=full_calls(passes, 1), index=index)
+    spec = spec_of(prefetch="none", hardware=HardwareConfig(experts_per_layer=0.5, scope="per_layer"))
+    cache = run_replay(trace, spec).results()["cache"]
+    assert (cache["requests"], cache["misses"]) == (3, 3)
+    assert meta.to_dict()["version"] == 2 and TraceMeta.from_dict(meta.to_dict(), "m").geometry.identity_experts == 2
+    assert oracle_rates(trace, spec) is not None
+
+
+def test_identity_experts_rows_are_their_input_in_both_kernels():
+    """LongCat-Flash's experts module adds an identity expert's input, weighted, in its own loop; both kernels give
+    its bits with the identity rows (the offload kernel told where identity ids start) -- and not without."""
+    from specmd.executor.kernel import Bank, expert_tensors, grouped_experts, run_experts, views_of
+
+    model, adapter = tiny("longcat_flash"), adapter_for("longcat_flash")
+    mod = adapter.experts(model, adapter.moe_layers(model)[0])
+    E, Z = adapter.num_experts(model.config), adapter.identity_experts(model.config)
+    tensors = expert_tensors(mod, E)
+    assert Z == 8 and tensors["gate_up_proj"].shape[0] == E  # (its up projection's identity rows left out)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(37, model.config.hidden_size, generator=g)
+    index = torch.stack([torch.randperm(E + Z, generator=g)[:4] for _ in range(37)])
+    weights = torch.rand(index.shape, generator=g)
+    slot_of = torch.cat([torch.arange(E), torch.full((Z,), E)])  # identity ids: the sentinel
+    with torch.no_grad():
+        own = mod(hidden, index, weights)
+        assert torch.equal(run_experts(mod, adapter.experts_layout, hidden, index, weights, views_of(tensors, E)), own)
+        rows = [int((index < E).sum())]
+        by_bank = grouped_experts(mod, adapter.experts_layout, hidden, index, weights, slot_of, [Bank(tensors, 0, E)],
+                                  rows, identity_from=E)
+        assert torch.equal(by_bank, own)
+        assert not torch.equal(grouped_experts(mod, adapter.experts_layout, hidden, index, weights, slot_of,
+                                               [Bank(tensors, 0, E)], rows), own)

@@ -36,6 +36,8 @@ def test_the_table_is_every_moe_family_and_says_what_loading_does(capsys):
     assert not by["gpt_oss"]["random_checkpoint"]
     assert "returns 4 value(s)" in by["zaya"]["refused_because"]
     assert by["deepseek_v4"]["selection"].startswith("sqrtsoftplus, selection bias, hash-routed layers")
+    assert by["longcat_flash"]["selection"].endswith("identity experts=zero_expert_num")  # LongCat-Flash's 256
+    assert (by["longcat_flash"]["experts"], by["longcat_flash"]["top_k"]) == (512, 12)  # (its experts with weights)
     assert by["llama4"]["through"] == "as llama4_text" and (by["llama4_text"]["experts"], by["llama4_text"]["top_k"]) \
         == (16, 1)  # Llama-4 Scout: its block adopted into the contract
     assert by["jamba"]["runs"] and by["jamba"]["through"] == "derived"  # its block is layer.feed_forward

@@ -51,7 +51,7 @@ def biased(variant):
         model = build_tiny(family, overrides)
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():
-            E = adapter.num_experts(model.config)
+            E = adapter.num_experts(model.config) + adapter.identity_experts(model.config)  # (every router column)
             for i in adapter.moe_layers(model):
                 block = adapter.block(model, i)  # every [E] bias of the block, found here, not through the adapter:
                 for name, bias in (*block.named_buffers(), *block.named_parameters()):  # a selection bias the

@@ -75,6 +75,8 @@ def _row(family: str, adapter, reason: Optional[str], source: Optional[str], bia
         rule.append(f"per-expert scale={adapter.weight_scale_attr}")
     if adapter.experts_layout.input_weighted:
         rule.append("input-weighted experts")
+    if adapter.identity_attr:
+        rule.append(f"identity experts={adapter.identity_attr}")
     if adapter.reweigh_note:
         rule.append("own rule (reweigh_note)")
     row["selection"] = ", ".join(rule)

@@ -25,6 +25,7 @@ cdef class Engine:
     cdef public long long calls
     cdef public long long predictions
     cdef long long _E
+    cdef long long _Z
     cdef bint _routes
     cdef bint _predicts
     cdef bint _streams

@@ -174,6 +174,7 @@ class Engine:
         self.calls = 0  # layer calls so far (each record's ``call``)
         self.predictions = 0  # prefetch predictions made (one per target layer per call)
         self._E = geom.num_experts
+        self._Z = geom.identity_experts  # identity experts: selected, never served, no compute (LongCat-Flash)
 
     # ---- passes ---------------------------------------------------------------------------------
     def begin_pass(self, kind, tokens, context):
@@ -222,11 +223,14 @@ class Engine:
         experts = r.requested(self._E)  # 2
         plan = cache.serve(layer, experts, rec, index, weights).execution  # 3
         self._fidelity(rec, index, plan, len(experts))  # 4 (sets _run_slots, _run_n)
+        if self._Z:  # an identity expert's slots compute nothing
+            ran = plan.index if plan is not None else rec.index if index is None else index
+            self._run_slots -= int(ran.ge(self._E).sum())
         if self._predicts:  # 5
             for target, predicted in self.prefetch.predict(rec, self.model):
                 clock.predicted()
                 self.predictions += 1
-                cache.prefetch(target, predicted)
+                cache.prefetch(target, [e for e in predicted if e < self._E] if self._Z else predicted)
         if self._streams:
             cache.streaming.stage_ahead()
         clock.experts(self._run_slots, self._run_n, len(plan.precisions) if plan is not None else 0)  # 6

@@ -26,6 +26,9 @@ class Geometry:
     tail_attn_layers: int = 0
     expert_params: int = 0
     layer_ids: list = field(default_factory=list)  # model layer index of each MoE ordinal
+    # identity ("zero-computation") experts: router columns num_experts .. num_experts + identity_experts - 1
+    # whose expert returns its input (LongCat-Flash's 256 beside its 512): no weights, nothing to cache or fetch
+    identity_experts: int = 0
 
     def __post_init__(self):
         n = self.num_layers
@@ -35,6 +38,11 @@ class Geometry:
             self.attn_layers = [0] * n
         if not self.layer_ids:
             self.layer_ids = list(range(n))
+
+    @property
+    def router_width(self) -> int:
+        """The router's columns (logits [T, router_width]): the experts, then the identity experts."""
+        return self.num_experts + self.identity_experts
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,6 +92,7 @@ def timed_as(routing: Geometry, timing: Geometry) -> tuple[Geometry, float, floa
         attn_layers=_regroup(timing.attn_layers, routing.num_layers),
         tail_params=timing.tail_params, tail_attn_layers=timing.tail_attn_layers,
         expert_params=timing.expert_params * f_compute, layer_ids=list(routing.layer_ids),
+        identity_experts=routing.identity_experts,
     )
     return geom, f_bytes, f_compute
 

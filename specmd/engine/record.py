@@ -4,6 +4,7 @@ or which driver (live hook or trace replay) made the record."""
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from typing import Callable, Optional
 
 import torch
@@ -426,9 +427,14 @@ SMALL_SELECTION = 256  # token-expert slots up to which the requested experts ar
 
 
 def _unique(index: torch.Tensor, num_experts: int) -> list[int]:
-    """The distinct experts of ``index``, ascending. A decode call selects a handful (k per token): a
-    Python set of its ``tolist()`` costs ~3 us where the four torch ops of the bincount cost ~30 on a CPU,
-    once per layer call of a live run (issue 20's hook overhead). Same list either way (tested)."""
+    """The distinct experts of ``index`` below ``num_experts``, ascending (an id from ``num_experts`` on is an
+    identity expert's, :attr:`~specmd.engine.geometry.Geometry.identity_experts`: nothing to serve). A decode
+    call selects a handful (k per token): a Python set of its ``tolist()`` costs ~3 us where the four torch ops
+    of the bincount cost ~30 on a CPU, once per layer call of a live run (issue 20's hook overhead). Same list
+    either way (tested)."""
     if index.numel() <= SMALL_SELECTION:
-        return sorted(set(index.reshape(-1).tolist()))
-    return torch.bincount(index.reshape(-1), minlength=num_experts).nonzero().squeeze(1).tolist()
+        out = sorted(set(index.reshape(-1).tolist()))
+        if out and out[-1] >= num_experts:
+            del out[bisect_left(out, num_experts):]
+        return out
+    return torch.bincount(index.reshape(-1), minlength=num_experts)[:num_experts].nonzero().squeeze(1).tolist()

@@ -24,6 +24,7 @@ kernel is tested against): the same arithmetic group by group with per-expert we
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from concurrent.futures import wait as futures_wait
 from typing import Callable, Optional, Sequence
 
@@ -53,7 +54,8 @@ class Bank:
 
 def grouped_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                     slot_of: torch.Tensor, banks: Sequence[Bank], rows: Optional[Sequence[int]] = None,
-                    ready: Optional[Callable] = None, groups: Optional[Sequence] = None) -> torch.Tensor:
+                    ready: Optional[Callable] = None, groups: Optional[Sequence] = None,
+                    identity_from: Optional[int] = None) -> torch.Tensor:
     """The layer call's experts from ``banks``. ``mod``: the family's fused experts module (its gate and
     activation; its own weights are not read); ``layout``: its adapter's
     :class:`~specmd.models.adapters.ExpertsLayout`; ``hidden`` [T, H]; ``index``/``weights`` [T, k]
@@ -70,7 +72,9 @@ def grouped_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weig
     instead of one grouped call -- on a CPU, where a launch costs nothing and an empty group of the grouped
     call ~1 us, it is the faster (on deep_olmoe at capacity 1.0 the grouped call was 3.8x simulated over the
     whole 1,024-slot arena, 1.9x spanning only the slots read; looped 1.01-1.05x); ``rows`` is then
-    required. Returns [T, H]."""
+    required. ``identity_from``: ids from it on are identity experts' (LongCat-Flash's zero-computation experts:
+    their output is their input; ``slot_of`` maps them to the sentinel, ``rows`` leave them out), or None: none.
+    Returns [T, H]."""
     k = index.size(-1)
     T, H = hidden.shape
     S = T * k
@@ -95,6 +99,8 @@ def grouped_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weig
     proj = outs[0] if len(outs) == 1 else torch.cat(outs)  # [S, H]
     if layout.post_norm:
         proj = mod.post_expert_norm(proj)
+    if identity_from is not None:  # an identity expert's rows: its input
+        proj = torch.where((expert_ids[perm] >= identity_from).unsqueeze(-1), x_g.to(proj.dtype), proj)  # [S, H]
     weighted = proj if layout.input_weighted else proj * w_g.unsqueeze(-1)  # [S, H]
     return _combine(weighted, perm, expert_ids, hidden, k, layout)  # [T, H]
 
@@ -240,7 +246,8 @@ def run_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weights:
     :class:`~specmd.models.adapters.ExpertsLayout`; ``hidden`` [T, H];
     ``index``/``weights`` [T, k]; ``sources[name][e]``: expert ``e``'s tensor of parameter ``name`` (a view,
     [2I, H] / [H, I], transposed for GPT-OSS; biases [2I] / [H]), or None: the expert does not run here and
-    its rows contribute zero (a dropped expert's weight is zero anyway). Returns [T, H]."""
+    its rows contribute zero (a dropped expert's weight is zero anyway). An id past the sources is an identity
+    expert's (LongCat-Flash's): its output is its input. Returns [T, H]."""
     up, down, up_b, down_b = layout.names
     Wu, Wd = sources[up], sources[down]
     Bu = sources[up_b] if up_b else None
@@ -259,18 +266,26 @@ def run_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weights:
     counts = torch.bincount(expert_ids_g)
     experts = counts.nonzero().squeeze(1).tolist()
     bounds = torch.cumsum(counts, 0)[experts].tolist()
+    n_real = bisect_left(experts, len(Wu))  # experts with weights; identity experts' rows come last (sorted ids)
+    experts, rows = experts[:n_real], bounds[n_real - 1] if n_real else 0
+    bounds = bounds[:n_real]
     skip = any(Wu[e] is None for e in experts)
     w0 = next(Wu[e] for e in experts if Wu[e] is not None) if not all(Wu[e] is None for e in experts) else None
-    if w0 is None:  # nothing runs here
+    if w0 is None and rows == x_g.shape[0]:  # nothing runs here
         return torch.zeros_like(hidden)
-    up_dim = w0.shape[-1] if transposed else w0.shape[0]
-    proj = _grouped(x_g, bounds, experts, Wu, Bu, transposed, up_dim, skip)  # [S, 2I]
-    proj = mod._apply_gate(proj) if layout.gated else mod.act_fn(proj)  # [S, I]
-    wd0 = next(Wd[e] for e in experts if Wd[e] is not None)
-    down_dim = wd0.shape[-1] if transposed else wd0.shape[0]
-    proj = _grouped(proj, bounds, experts, Wd, Bd, transposed, down_dim, skip)  # [S, H]
-    if layout.post_norm:
-        proj = mod.post_expert_norm(proj)
+    if w0 is None:  # identity experts' rows alone run here: the others contribute zero
+        proj = x_g.new_zeros(rows, x_g.shape[1])
+    else:
+        up_dim = w0.shape[-1] if transposed else w0.shape[0]
+        proj = _grouped(x_g[:rows], bounds, experts, Wu, Bu, transposed, up_dim, skip)  # [rows, 2I]
+        proj = mod._apply_gate(proj) if layout.gated else mod.act_fn(proj)  # [rows, I]
+        wd0 = next(Wd[e] for e in experts if Wd[e] is not None)
+        down_dim = wd0.shape[-1] if transposed else wd0.shape[0]
+        proj = _grouped(proj, bounds, experts, Wd, Bd, transposed, down_dim, skip)  # [rows, H]
+        if layout.post_norm:
+            proj = mod.post_expert_norm(proj)
+    if rows < x_g.shape[0]:  # identity experts' rows: their input
+        proj = torch.cat([proj, x_g[rows:].to(proj.dtype)])  # [S, H]
     weighted = proj if layout.input_weighted else proj * w_g.unsqueeze(-1)  # [S, H]
     return _combine(weighted, perm, expert_ids, hidden, k, layout)  # [T, H]
 
@@ -318,8 +333,12 @@ def _combine(weighted: torch.Tensor, perm: torch.Tensor, expert_ids: torch.Tenso
 
 def expert_tensors(mod, num_experts: int) -> dict[str, torch.Tensor]:
     """The per-expert parameters of a fused experts module: every parameter with a leading E axis (weights
-    [E, ...] and GPT-OSS's biases [E, out])."""
-    return {n: p for n, p in mod.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == num_experts}
+    [E, ...] and GPT-OSS's biases [E, out]); one allocated for the identity experts too (a leading axis of E +
+    ``mod.identity_rows``, rows past E never read: LongCat-Flash's ``gate_up_proj``, :mod:`specmd.models.contract`)
+    at its first E rows."""
+    extra = num_experts + getattr(mod, "identity_rows", 0)
+    return {n: p if p.shape[0] == num_experts else p[:num_experts] for n, p in mod.named_parameters(recurse=False)
+            if p.dim() >= 2 and p.shape[0] in (num_experts, extra)}
 
 
 def views_of(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str, list]:

@@ -150,7 +150,8 @@ class Offload(Executor):
         looped = p.kernel == "looped" or p.kernel == "auto" and not (dev.type == "cuda" and dtype == torch.bfloat16)
         self.placement = Placement(stack.cache.layout(), shapes, dtype, dev, tiers, self.mover, dict(store.bytes_of),
                                    store, self._name, mixed=len(tiers) > 1, raw_layout=raw_layout, align=align,
-                                   looped=looped, host_worker=self.host_worker)
+                                   looped=looped, host_worker=self.host_worker, identity=geom.identity_experts)
+        self.identity_from = E if geom.identity_experts else None  # ids from E on: identity experts
         stack.cache.subscribe(self.placement)
 
     def _host_tier(self, stack, tensors: list, shapes: dict, dtype: torch.dtype):
@@ -177,7 +178,7 @@ class Offload(Executor):
         requested expert runs, native, on the device)."""
         place = self.placement
         if plan is None:  # 1
-            host, low, all_run = (), None, True
+            host, low, all_run = (), None, self.identity_from is None  # (identity rows are in no bank)
             sel = rec.block_index  # the selection the block passed instead of its router's (no family does)
             if sel is None:
                 running, sel = rec.requested(self.E), rec.index
@@ -199,7 +200,7 @@ class Offload(Executor):
         self.pad_host_runs += len(pads)
         if call.banks and (call.groups is None or call.groups):
             out = grouped_experts(mod.inner, self.stack.adapter.experts_layout, hidden, index, weights, call.slot_of,
-                                  call.banks, call.rows, place.ready, call.groups)  # 3
+                                  call.banks, call.rows, place.ready, call.groups, self.identity_from)  # 3
         else:  # nothing runs here (every expert dropped)
             out = torch.zeros_like(hidden)
         place.finalize()  # 4
@@ -218,7 +219,7 @@ class Offload(Executor):
         :func:`~.base.full_selection` says why pad outputs are harmless either way."""
         pad = torch.ones(sel.shape[0], dtype=torch.bool)
         pad[rec.live] = False
-        wanted = torch.unique(sel[pad]).tolist()
+        wanted = [e for e in torch.unique(sel[pad]).tolist() if e < self.E]  # (an identity expert: nothing to run)
         if not wanted:
             return []
         have = set(running)

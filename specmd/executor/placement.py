@@ -48,7 +48,7 @@ class Placement(ArenaResidency):
 
     def __init__(self, layout, shapes: dict, dtype: torch.dtype, device: torch.device, tiers: dict, mover,
                  bytes_of: dict, store, name, mixed: bool = False, raw_layout: Optional[dict] = None, align: int = 1,
-                 looped: bool = False, host_worker=None):
+                 looped: bool = False, host_worker=None, identity: int = 0):
         """The residency's arguments (:class:`~.residency.ArenaResidency`), and: ``looped``: the kernel runs
         one GEMM per group (:func:`~.kernel.grouped_experts`'s ``groups``, made here from the host's routing);
         ``host_worker``: computes the host tier's bank (:mod:`.hostwork`: a worker thread beside the device, or
@@ -65,10 +65,12 @@ class Placement(ArenaResidency):
         # Two rows would do: a row is rewritten two calls later, after the next call's routing read-back,
         # which waits for everything issued before it (the upload included); four leave a margin.
         pin = device.type == "cuda"
-        self._ring = register_host(torch.empty(4, self.E, dtype=torch.int64, pin_memory=pin))
+        # (identity experts -- ids E .. E + identity - 1 -- are in the map, at the sentinel: nothing runs for them)
+        self.width = self.E + identity
+        self._ring = register_host(torch.empty(4, self.width, dtype=torch.int64, pin_memory=pin))
         self._ring_np = self._ring.numpy()
         self._ring_i = 0
-        self._slot_of = torch.empty(self.E, dtype=torch.int64, device=device)
+        self._slot_of = torch.empty(self.width, dtype=torch.int64, device=device)
         # the banks a layer call hands the kernel, made once and re-pointed per call
         self._banks: list = []
         self._arena_bank, self._work_bank, self._host_bank = Bank({}, 0, 0), Bank({}, 0, 0), Bank({}, 0, 0, host_worker)
@@ -230,7 +232,7 @@ class Placement(ArenaResidency):
 
     def _counts(self, index) -> np.ndarray:
         """[E] token-expert rows of each expert in the call's selection (a host tensor: no synchronisation)."""
-        return np.bincount(index.reshape(-1).numpy(), minlength=self.E)
+        return np.bincount(index.reshape(-1).numpy(), minlength=self.width)
 
     def _groups(self, m: np.ndarray, banks: list, index) -> tuple:
         """(rows of each bank, and for each bank with rows its groups as ``(end rows, slots)`` in slot order --

@@ -85,8 +85,19 @@ def _chunk_gate(self, gate_up):
     return up * self.act_fn(gate)
 
 
-# a block's class name -> how its instances are put into the contract
-CONTRACTS = {"Llama4TextMoe": _llama4}
+def _identity_rows(experts) -> None:
+    """LongCat-Flash's ``LongcatFlashExperts``: its ``gate_up_proj`` is allocated ``[E + Z, 2I, H]`` for its Z
+    identity ("zero-computation") experts too, whose rows its forward never reads (an identity expert returns
+    its input); ``down_proj`` is ``[E, H, I]``. Declared (``identity_rows``) so that an expert is its first E
+    rows (:func:`specmd.executor.kernel.expert_tensors`), and its gate (``act(gate) * up`` of the projection's halves)
+    named as the kernels call it; its forward is the contract's."""
+    if experts.gate_up_proj is not None and experts.gate_up_proj.shape[0] > experts.down_proj.shape[0]:
+        experts.identity_rows = experts.gate_up_proj.shape[0] - experts.down_proj.shape[0]
+    experts._apply_gate = types.MethodType(_chunk_gate, experts)  # (its forward's gate, which the kernels call)
+
+
+# a block's (or experts module's) class name -> how its instances are put into the contract
+CONTRACTS = {"Llama4TextMoe": _llama4, "LongcatFlashExperts": _identity_rows}
 
 
 def adopt(model) -> None:

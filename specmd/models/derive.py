@@ -63,7 +63,8 @@ SHRINK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n
               ssm_state_size=16, mamba_chunk_size=16, chunk_size=16, n_groups=1, mamba_dt_rank=8,
               # Gemma-4's per-layer input embeddings, LongCat-Flash's expert width
               vocab_size_per_layer_input=260, hidden_size_per_layer_input=16, expert_ffn_hidden_size=32,
-              moe_hidden_size=32)  # (MuSe-Spark's experts work in a projected width)
+              moe_hidden_size=32,
+              zero_expert_num=8)  # LongCat-Flash's identity experts: 256 beside 512 at 16 (its ratio)  # (MuSe-Spark's experts work in a projected width)
 # a wrapper's vision / audio towers (set only where the tower's config has the field; its output width the text's)
 SHRINK_TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=1, num_attention_heads=2,
                     num_heads=2, num_key_value_heads=2, head_dim=16, encoder_layers=1, d_model=32,
@@ -98,6 +99,7 @@ TINY_FIXES = {
 }
 EXPERTS, TOP_K = 16, 4
 E_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # where configs keep E
+IDENTITY_FIELDS = ("zero_expert_num",)  # where configs keep the identity experts' count (router columns past E)
 SCALE_FIELDS = ("routed_scaling_factor", "route_scale", "router_scaling_factor", "moe_routed_scaling_factor",
                 "moe_router_scaling_factor")
 PROBE_SCALE = 2.5
@@ -491,7 +493,7 @@ def _derive(family: str) -> Derived:
     _runs(model)
     # 2. E and top-k are config fields
     config = Adapter.text(model.config)
-    E = next((int(p.shape[0]) for n in ("gate_up_proj", "up_proj") if (p := getattr(experts, n, None)) is not None))
+    E = int(experts.down_proj.shape[0])  # (an up projection may have rows for identity experts: LongCat-Flash's)
     experts_attr = next((f for f in E_FIELDS if getattr(config, f, None) == E), None)
     if experts_attr is None:
         raise _Refuse(f"its {E} experts are in no config field of {', '.join(E_FIELDS)}")
@@ -502,15 +504,16 @@ def _derive(family: str) -> Derived:
     hidden = torch.randn(48, int(config.hidden_size), generator=torch.Generator().manual_seed(0))
     _PROBE_TOKENS.ids = torch.randint(0, int(config.vocab_size), (48,), generator=torch.Generator().manual_seed(7))
     base = Adapter(family, **parts)
-    _spread_routers(base, model, moe, E)
     block = base.block(model, moe[0])
     probe = dataclasses.replace(base, router_args=_router_args(base.router(model, moe[0]), block))
     try:  # [T, H], or [1, T, H] where its router reads a sequence axis
-        _route(_call(probe, model, moe[0]), hidden)
+        columns = _route(_call(probe, model, moe[0]), hidden)[0].shape[-1]
     except _Refuse:
         probe = dataclasses.replace(probe, router_batched=True)
-        _route(_call(probe, model, moe[0]), hidden)
-    rule = _weights_rule(family, over, probe, model, moe, E, hidden)
+        columns = _route(_call(probe, model, moe[0]), hidden)[0].shape[-1]
+    probe = dataclasses.replace(probe, identity_attr=_identity_attr(config, E, columns))  # (columns past E)
+    _spread_routers(probe, model, moe, columns)
+    rule = _weights_rule(family, over, probe, model, moe, columns, hidden)
     adapter = dataclasses.replace(
         probe, **_bias_place(probe, model, moe[0], E), **rule, experts_attr=experts_attr,
         topk_attr=topk_attr, tiny=over,
@@ -522,7 +525,7 @@ def _derive(family: str) -> Derived:
     up = experts.gate_up_proj if adapter.experts_layout.gated else experts.up_proj  # [E, 2I, H'] or [E, H', 2I]
     width = up.shape[1 if adapter.experts_layout.transposed else 2]  # the experts' own input width
     x = torch.randn(48, int(width), generator=torch.Generator().manual_seed(6))
-    adapter = dataclasses.replace(adapter, experts_layout=_kernel_agrees(experts, adapter.experts_layout, E, x))
+    adapter = dataclasses.replace(adapter, experts_layout=_kernel_agrees(experts, adapter.experts_layout, E, x, columns))
     adapter = _selection(adapter, model, moe, hidden)
     if family in NOT_YET:
         raise _Refuse(NOT_YET[family])
@@ -542,6 +545,19 @@ def _bias_place(probe, model, layer: int, E: int) -> dict:
     nested = [n.rsplit(".", 1)[0] for n, _ in (*router.named_buffers(), *router.named_parameters())
               if n.endswith("." + bias_attr)]
     return dict(bias_attr=bias_attr, bias_path=nested[0] if nested else "")
+
+
+def _identity_attr(config, E: int, width: int) -> Optional[str]:
+    """The config field holding the count of identity experts, router columns past the E experts with weights
+    (:data:`IDENTITY_FIELDS`: LongCat-Flash's ``zero_expert_num``), or None where the router has E columns.
+    Refused: more columns than any field explains."""
+    if width == E:
+        return None
+    attr = next((f for f in IDENTITY_FIELDS if getattr(config, f, None) == width - E), None)
+    if attr is None:
+        raise _Refuse(f"its router scores {width} columns for {E} experts, and no config field of "
+                      f"{', '.join(IDENTITY_FIELDS)} holds the {width - E} others")
+    return attr
 
 
 def _spread_routers(adapter, model, moe: list, E: int) -> None:
@@ -613,18 +629,19 @@ def _weights_rule(family: str, over: dict, probe, model, moe: list, E: int, hidd
     return dict(score=score, renorm=renorm, scale_attr=scale_attr, weight_scale_attr=weight_scale_attr)
 
 
-def _kernel_agrees(experts, layout, E: int, hidden):
+def _kernel_agrees(experts, layout, E: int, hidden, width: Optional[int] = None):
     """``layout``, its own loop set where the module's forward adds its experts in ascending id (Step-3.7's,
     MuSe-Spark's), such that the experts module computes what specmd's experts kernel
     (:func:`~specmd.executor.kernel.run_experts`, the offload executor's) computes from its weights, bit for
     bit -- transformers' fused experts do, through ``use_experts_implementation`` -- or the family is refused:
-    offloaded would not equal simulated."""
+    offloaded would not equal simulated. ``width``: the router's columns (identity experts' ids past E, chosen
+    too)."""
     import torch
 
     from ..executor.kernel import expert_tensors, run_experts, views_of
 
     g = torch.Generator().manual_seed(2)
-    index = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(hidden.shape[0])])  # [T, k]
+    index = torch.stack([torch.randperm(width or E, generator=g)[:TOP_K] for _ in range(hidden.shape[0])])  # [T, k]
     weights = torch.rand(index.shape, generator=g)
     try:
         with torch.no_grad():

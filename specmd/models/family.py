@@ -246,6 +246,9 @@ class Adapter:
     renorm: object = True
     scale_attr: Optional[str] = None  # config field multiplying the top-k weights
     experts_attr: str = "num_experts"
+    # config field holding the number of identity ("zero-computation") experts, router columns after the E experts
+    # whose expert returns its input (LongCat-Flash's ``zero_expert_num``), or None: none
+    identity_attr: Optional[str] = None
     topk_attr: str = "num_experts_per_tok"  # config field holding top-k (Aria's ``moe_topk``)
     # A small random config shaped like the family (experts dominate bytes; real E, k, shared experts).
     tiny: dict = field(default_factory=dict)
@@ -318,6 +321,10 @@ class Adapter:
 
     def top_k(self, config) -> int:
         return int(getattr(self.text(config), self.topk_attr))
+
+    def identity_experts(self, config) -> int:
+        """The identity experts' count (router columns E .. E + count - 1), 0 without."""
+        return int(getattr(self.text(config), self.identity_attr) or 0) if self.identity_attr else 0
 
     def auto_class(self):
         """The transformers Auto class that builds the family from its config: ``AutoModelForCausalLM`` where
@@ -490,6 +497,7 @@ class Adapter:
             expert_bytes=expert_bytes, total_bytes=total_bytes, hidden_size=int(config.hidden_size),
             dtype_bytes=dtype_bytes, dense_params=dense, attn_layers=attn, tail_params=tail,
             tail_attn_layers=len(layers) - 1 - prev, expert_params=expert_params, layer_ids=moe_ids,
+            identity_experts=self.identity_experts(config),
         )
 
     def _final_params(self, model) -> int:

@@ -245,6 +245,7 @@ def _meta_geometry(config, family: str, dtype: str, trust_remote_code: bool = Fa
     adapter = adapter_for(family)
     with torch.device("meta"):
         model = adapter.auto_class().from_config(config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
+    _adopt(model)  # (what an expert is: LongCat-Flash's up projection has rows for its identity experts too)
     return adapter.geometry(model)
 
 

@@ -221,7 +221,7 @@ class TraceRecord(GateRecord):
             if self.trace.logits is not None:
                 self._probs = self.scoring.probs(self.logits)
             elif self.trace.meta.imported:
-                self._probs = torch.zeros(self.n, self.trace.meta.geometry.num_experts).scatter_(
+                self._probs = torch.zeros(self.n, self.trace.meta.geometry.router_width).scatter_(
                     -1, self.original, self.original_weights.float())
             else:
                 raise NoLogits(f"the trace {self.trace.path} has no router logits, which this stack reads (router "
@@ -313,7 +313,8 @@ class TraceSignal:
 
 
 def requested_per_call(trace: Trace, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-    """(call_ptr [C+1], experts): the ascending distinct experts of the router's own top-k of each call.
+    """(call_ptr [C+1], experts): the ascending distinct experts (below ``num_experts``: an identity expert's id
+    is none to serve) of the router's own top-k of each call.
     Calls hold consecutive rows in call order (both the writer and the importers lay them out so).
     A [calls, E] membership mask per chunk of calls, whose nonzeros are call-major and ascending: 24x
     faster than sorting (call, expert) keys (0.03 s instead of 0.70 s for 1 M requests)."""
@@ -327,8 +328,9 @@ def requested_per_call(trace: Trace, num_experts: int) -> tuple[np.ndarray, np.n
         part = calls[c0:c0 + step]
         r0, r1 = int(part[0, 2]), int(part[-1, 2] + part[-1, 3])
         call_of_row = np.repeat(np.arange(len(part), dtype=np.int64), part[:, 3])
-        mask = np.zeros((len(part), num_experts), dtype=bool)
+        mask = np.zeros((len(part), trace.meta.geometry.router_width), dtype=bool)
         mask[call_of_row[:, None], np.asarray(trace.index[r0:r1], dtype=np.int64)] = True
+        mask = mask[:, :num_experts]
         counts[c0 + 1:c0 + 1 + len(part)] = mask.sum(1)
         experts.append(np.nonzero(mask)[1])
     return np.cumsum(counts), np.concatenate(experts) if experts else np.zeros(0, dtype=np.int64)

@@ -85,7 +85,7 @@ class TraceMeta:
 
     def to_dict(self) -> dict:
         scoring = self.scoring.to_dict()
-        version = self.version if any(k in scoring for k in V2_RULE) else 1
+        version = self.version if any(k in scoring for k in V2_RULE) or self.geometry.identity_experts else 1
         return {"format": self.format, "version": version, "geometry": self.geometry.to_dict(),
                 "scoring": scoring,
                 "store": {"native_bits": self.store.native_bits, "bytes_of": dict(self.store.bytes_of)},
@@ -107,7 +107,7 @@ class TraceMeta:
                 g[key]
             geometry = Geometry.from_dict(g)
             out = cls(geometry=geometry, store=StoreSizes.from_meta(meta["store"]),
-                      scoring=Scoring.from_dict(meta.get("scoring") or {}, geometry.num_layers, geometry.num_experts),
+                      scoring=Scoring.from_dict(meta.get("scoring") or {}, geometry.num_layers, geometry.router_width),
                       depth=int(meta["depth"]), logits=meta["logits"], index_dtype=meta["index_dtype"],
                       source=meta.get("source") or {})
             np.dtype(out.index_dtype)
@@ -205,7 +205,7 @@ class TraceWriter:
         self.geom = geom
         self.depth = int(depth)
         self.logit_dtype = LOGIT_DTYPES[logits]
-        self.idx_dtype = index_dtype(geom.num_experts)
+        self.idx_dtype = index_dtype(geom.router_width)
         meta = TraceMeta(geometry=geom, store=store, scoring=scoring, depth=self.depth, logits=logits,
                          index_dtype=np.dtype(self.idx_dtype).name, source=source or {})
         from ..results import write_json_atomic
@@ -236,7 +236,7 @@ class TraceWriter:
         if "logits" in rows:
             rows["logits"].append(rec.logits.detach().float().cpu().numpy().astype(self.logit_dtype))
         if self.depth:
-            E, L = self.geom.num_experts, self.geom.num_layers
+            E, L = self.geom.router_width, self.geom.num_layers
             sidx = np.zeros((T, self.depth, k), dtype=self.idx_dtype)
             slog = np.zeros((T, self.depth, E), dtype=self.logit_dtype) if "signal_logits" in rows else None
             for d in range(self.depth):
@@ -305,7 +305,7 @@ def read_trace(path) -> Trace:
         raise ConfigError(f"{meta_path}: not valid JSON ({exc})") from None
     meta = TraceMeta.from_dict(raw, str(meta_path))
     g = meta.geometry
-    L, E, k, D = g.num_layers, g.num_experts, g.top_k, meta.depth
+    L, E, k, D = g.num_layers, g.router_width, g.top_k, meta.depth  # (logits: every router column)
     idt = np.dtype(meta.index_dtype)
     ldt = LOGIT_DTYPES[meta.logits]
     if not (path / "passes.bin").is_file():
