@@ -40,8 +40,10 @@ class Execution:
         self.void = void  # [T, k] slots a routing policy emptied (weight 0: not run, counted once by the engine)
         self.host: list[int] = []  # experts computed on the host (exact, full precision)
         E = num_experts if num_experts is not None else int(index.max()) + 1
-        runs = torch.bincount(index.reshape(-1).cpu(), minlength=E)[:E] > 0  # [E], host-side: the executor reads it
-        # (ids from E on are identity experts': nothing runs for them on the device)
+        counts = torch.bincount(index.reshape(-1).cpu(), minlength=E)
+        if counts.shape[0] > E:  # ids from E on are identity experts': nothing runs for them on the device
+            counts = counts[:E]
+        runs = counts > 0  # [E], host-side: the executor reads it
         self.expert_map = torch.where(runs, torch.arange(E), torch.full((E,), -1))  # [E]
 
     def slots_of(self, expert: int, mask: Optional[torch.Tensor] = None) -> int:

@@ -437,4 +437,7 @@ def _unique(index: torch.Tensor, num_experts: int) -> list[int]:
         if out and out[-1] >= num_experts:
             del out[bisect_left(out, num_experts):]
         return out
-    return torch.bincount(index.reshape(-1), minlength=num_experts)[:num_experts].nonzero().squeeze(1).tolist()
+    counts = torch.bincount(index.reshape(-1), minlength=num_experts)
+    if counts.shape[0] > num_experts:  # (sliced only then: no host op on the hot path otherwise)
+        counts = counts[:num_experts]
+    return counts.nonzero().squeeze(1).tolist()
