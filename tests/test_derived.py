@@ -309,7 +309,7 @@ def test_identity_experts_are_selected_but_never_served_hand_worked():
     spec = spec_of(prefetch="none", hardware=HardwareConfig(experts_per_layer=0.5, scope="per_layer"))
     cache = run_replay(trace, spec).results()["cache"]
     assert (cache["requests"], cache["misses"]) == (3, 3)
-    assert meta.to_dict()["version"] == 2 and TraceMeta.from_dict(meta.to_dict(), "m").geometry.identity_experts == 2
+    assert meta.to_dict()["version"] == 3 and TraceMeta.from_dict(meta.to_dict(), "m").geometry.identity_experts == 2
     assert oracle_rates(trace, spec) is not None
 
 
@@ -337,3 +337,52 @@ def test_identity_experts_rows_are_their_input_in_both_kernels():
         assert torch.equal(by_bank, own)
         assert not torch.equal(grouped_experts(mod, adapter.experts_layout, hidden, index, weights, slot_of,
                                                [Bank(tensors, 0, E)], rows), own)
+
+
+@pytest.mark.parametrize("stack", [dict(eviction="score"), dict(miss="hybrid"),
+                                   dict(routing={"name": "budget", "max_fraction": 0.25, "passes": "all"}),
+                                   dict(routing={"name": "max_rank", "M": 6, "J": 1})])
+def test_identity_experts_are_no_requests_under_any_stack(stack):
+    """On LongCat-Flash (a third of its tiny router's picks are identity experts) every stack counts the router's
+    own requests as the distinct experts with weights it chose, per call -- score-based eviction reads the E
+    experts' columns, the hybrid miss's device time and a budget leave identity experts out."""
+    from specmd.compose import spec_of
+    from specmd.hardware import HardwareConfig
+    from specmd.hook import install
+
+    model, adapter = tiny("longcat_flash"), adapter_for("longcat_flash")
+    E = adapter.num_experts(model.config)
+    ids = sample_ids(batch=2, seq=12)
+    calls = []
+    hooks = [adapter.router(model, i).register_forward_hook(lambda m, a, o: calls.append(o[2]))
+             for i in adapter.moe_layers(model)]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    own = sum(len({e for e in c.reshape(-1).tolist() if e < E}) for c in calls)
+    assert own < sum(len(set(c.reshape(-1).tolist())) for c in calls)  # (identity experts were chosen)
+    spec = spec_of(**{"prefetch": "topk", "hardware": HardwareConfig(capacity=0.3), **stack})
+    with install(model, spec, adapter) as s, torch.no_grad():
+        model(ids)
+        cache = s.engine.results()["cache"]
+    assert cache["requests_router"] == own and cache["requests"] <= E * len(calls)
+
+
+def test_a_trace_says_the_oldest_version_that_reads_it():
+    """A version-2 reader drops rule fields it does not know (sqrt-softplus, hash-routed layers, identity
+    experts) and would misread the selection: a trace that needs them is version 3, one that needs a version-2
+    field 2, any other 1 (what every older specmd reads)."""
+    from specmd.engine import Geometry
+    from specmd.engine.record import Scoring
+    from specmd.engine.store import StoreSizes
+    from specmd.replay.trace import TraceMeta
+
+    def version(scoring, identity=0):
+        geom = Geometry(num_layers=1, num_experts=4, top_k=2, expert_bytes=100, total_bytes=800,
+                        identity_experts=identity)
+        return TraceMeta(geometry=geom, store=StoreSizes(16, 100, {}), scoring=scoring, logits="none").to_dict()["version"]
+
+    assert version(Scoring(False, True, 1.0)) == 1 and version(Scoring(False, True, 1.0, given=True)) == 2
+    assert version(Scoring(False, True, 1.0, hashed=(0,))) == 3 and version(Scoring(False, True, 1.0), 2) == 3
+    assert version(Scoring(False, True, 1.0, sqrt_softplus=True, given=True)) == 3

@@ -225,7 +225,9 @@ class Engine:
         self._fidelity(rec, index, plan, len(experts))  # 4 (sets _run_slots, _run_n)
         if self._Z:  # an identity expert's slots compute nothing
             ran = plan.index if plan is not None else rec.index if index is None else index
-            self._run_slots -= int(ran.ge(self._E).sum())
+            identity = ran.ge(self._E)
+            void = rec.void if rec.rerouted else None
+            self._run_slots -= int((identity if void is None else identity & ~void).sum())  # (a void slot: once)
         if self._predicts:  # 5
             for target, predicted in self.prefetch.predict(rec, self.model):
                 clock.predicted()
@@ -254,7 +256,10 @@ class Engine:
         if index is None:
             index = rec.index
         if rerouted:  # the router's own requests, before a routing policy changed the selection
-            st.requests_router[layer] += int(torch.bincount(rec.original.reshape(-1)).count_nonzero())
+            counts = torch.bincount(rec.original.reshape(-1))
+            if self._Z and counts.shape[0] > self._E:  # (identity experts are no requests)
+                counts = counts[:self._E]
+            st.requests_router[layer] += int(counts.count_nonzero())
         else:
             st.requests_router[layer] += n
         kept = torch.ones_like(index, dtype=torch.bool) if plan is None else plan.kept

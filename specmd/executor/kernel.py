@@ -277,7 +277,8 @@ def run_experts(mod, layout, hidden: torch.Tensor, index: torch.Tensor, weights:
         proj = x_g.new_zeros(rows, x_g.shape[1])
     else:
         up_dim = w0.shape[-1] if transposed else w0.shape[0]
-        proj = _grouped(x_g[:rows], bounds, experts, Wu, Bu, transposed, up_dim, skip)  # [rows, 2I]
+        proj = _grouped(x_g if rows == x_g.shape[0] else x_g[:rows], bounds, experts, Wu, Bu, transposed, up_dim,
+                        skip)  # [rows, 2I]
         proj = mod._apply_gate(proj) if layout.gated else mod.act_fn(proj)  # [rows, I]
         wd0 = next(Wd[e] for e in experts if Wd[e] is not None)
         down_dim = wd0.shape[-1] if transposed else wd0.shape[0]

@@ -231,7 +231,8 @@ class Placement(ArenaResidency):
             self.low_runs += 1
 
     def _counts(self, index) -> np.ndarray:
-        """[E] token-expert rows of each expert in the call's selection (a host tensor: no synchronisation)."""
+        """[E + identity] token-expert rows of each expert (and identity expert) in the call's selection (a host
+        tensor: no synchronisation)."""
         return np.bincount(index.reshape(-1).numpy(), minlength=self.width)
 
     def _groups(self, m: np.ndarray, banks: list, index) -> tuple:

@@ -63,8 +63,8 @@ SHRINK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n
               ssm_state_size=16, mamba_chunk_size=16, chunk_size=16, n_groups=1, mamba_dt_rank=8,
               # Gemma-4's per-layer input embeddings, LongCat-Flash's expert width
               vocab_size_per_layer_input=260, hidden_size_per_layer_input=16, expert_ffn_hidden_size=32,
-              moe_hidden_size=32,
-              zero_expert_num=8)  # LongCat-Flash's identity experts: 256 beside 512 at 16 (its ratio)  # (MuSe-Spark's experts work in a projected width)
+              moe_hidden_size=32,  # (MuSe-Spark's experts work in a projected width)
+              zero_expert_num=8)  # LongCat-Flash's identity experts: 256 beside 512 at 16 (its ratio)
 # a wrapper's vision / audio towers (set only where the tower's config has the field; its output width the text's)
 SHRINK_TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, depth=1, num_attention_heads=2,
                     num_heads=2, num_key_value_heads=2, head_dim=16, encoder_layers=1, d_model=32,

@@ -204,18 +204,20 @@ class RouterCall:
     the pass's token ids where it takes them (:data:`TOKEN_IDS`, read from ``tokens``), or that takes them as
     ``[1, T, H]`` (``batched``: AfMoE's router reads a sequence axis)."""
 
-    __slots__ = ("router", "block", "args", "batched", "tokens")
+    __slots__ = ("router", "block", "args", "batched", "tokens", "ids_only")
 
     def __init__(self, router, block, args: tuple, batched: bool = False, tokens: Optional[TokenIds] = None):
         self.router, self.block, self.args, self.batched, self.tokens = router, block, args, batched, tokens
+        self.ids_only = args == (TOKEN_IDS,)  # (DeepSeek-V4's hash routers: resolved once, not per call)
 
     def __call__(self, hidden):
         block = self.block
         if self.batched:
             hidden = hidden.unsqueeze(0)  # [1, T, H]
+        if self.ids_only:
+            return self.router.forward(hidden, self.tokens.ids)
         if len(self.args) == 1:
-            a = self.args[0]
-            return self.router.forward(hidden, self.tokens.ids if a == TOKEN_IDS else getattr(block, a))
+            return self.router.forward(hidden, getattr(block, self.args[0]))
         return self.router.forward(hidden, *[self.tokens.ids if a == TOKEN_IDS else getattr(block, a)
                                              for a in self.args])
 

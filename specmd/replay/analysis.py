@@ -27,7 +27,7 @@ def reuse_by_rank(trace: Trace, horizon: int) -> dict:
                           f"with trace.logits=fp32 or fp16)")
     if horizon < 1:
         raise ConfigError(f"replay.reuse_horizon={horizon} must be >= 1")
-    E = trace.meta.geometry.num_experts
+    E = trace.meta.geometry.router_width  # (every router column: identity experts' too, LongCat-Flash's)
     kinds = trace.passes[:, 0]
     sums, samples = np.zeros(E), 0
     # decode calls of one token, per layer, in order; a segment id that changes at every prefill pass

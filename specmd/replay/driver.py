@@ -316,7 +316,8 @@ def requested_per_call(trace: Trace, num_experts: int) -> tuple[np.ndarray, np.n
     """(call_ptr [C+1], experts): the ascending distinct experts (below ``num_experts``: an identity expert's id
     is none to serve) of the router's own top-k of each call.
     Calls hold consecutive rows in call order (both the writer and the importers lay them out so).
-    A [calls, E] membership mask per chunk of calls, whose nonzeros are call-major and ascending: 24x
+    A [calls, router width] membership mask per chunk of calls (sliced to E), whose nonzeros are call-major and
+    ascending: 24x
     faster than sorting (call, expert) keys (0.03 s instead of 0.70 s for 1 M requests)."""
     calls = trace.calls
     if len(calls) and not (calls[0, 2] == 0 and np.all(calls[1:, 2] == calls[:-1, 2] + calls[:-1, 3])):

@@ -33,10 +33,13 @@ from ..engine.record import Scoring
 from ..engine.store import StoreSizes
 
 FORMAT = "specmd-trace"
-VERSION = 2  # what this specmd writes where the rule needs it: a version-1 reader would misread the selection
-READS = (1, 2)  # rule fields of version 2 (probabilities given, a per-expert weight scale, a group fill, a bias on
-# the logits, sqrt-softplus probabilities, hash-routed layers); a rule without them is written as 1
-V2_RULE = ("given", "expert_scale", "group_fill", "on_logits", "sqrt_softplus", "hashed")
+VERSION = 3  # what this specmd writes where the rule needs it: an older reader would misread the selection
+READS = (1, 2, 3)
+# rule fields of version 2 (probabilities given, a per-expert weight scale, a group fill, a bias on the logits), and
+# of version 3 (sqrt-softplus probabilities, hash-routed layers; or identity experts in the geometry): a version-2
+# reader drops fields it does not know, so a trace that needs them says 3; one that needs none is written as 1
+V2_RULE = ("given", "expert_scale", "group_fill", "on_logits")
+V3_RULE = ("sqrt_softplus", "hashed")
 KINDS = ("prefill", "decode")
 LOGIT_DTYPES = {"fp32": np.float32, "fp16": np.float16, "none": None}
 
@@ -85,7 +88,8 @@ class TraceMeta:
 
     def to_dict(self) -> dict:
         scoring = self.scoring.to_dict()
-        version = self.version if any(k in scoring for k in V2_RULE) or self.geometry.identity_experts else 1
+        version = (3 if any(k in scoring for k in V3_RULE) or self.geometry.identity_experts
+                   else 2 if any(k in scoring for k in V2_RULE) else 1)
         return {"format": self.format, "version": version, "geometry": self.geometry.to_dict(),
                 "scoring": scoring,
                 "store": {"native_bits": self.store.native_bits, "bytes_of": dict(self.store.bytes_of)},

@@ -156,6 +156,8 @@ class ScoreEviction(EvictionPolicy):
                                    "has none (the trace did not record them: record it with trace.logits=fp32 "
                                    "or fp16)")
             steps = (scores[-self.n:] if self._token else scores.mean(0, keepdim=True)).float().cpu().numpy()
+        if steps.shape[1] > self.E:  # identity experts' columns (LongCat-Flash's): none of them is cached
+            steps = np.ascontiguousarray(steps[:, :self.E])
         self._step(layer, steps)
 
     def _step(self, layer: int, steps: memoryview):

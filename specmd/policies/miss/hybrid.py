@@ -77,9 +77,13 @@ class Hybrid(MissPolicy):
 
         index = record.index  # [T, k] on the host
         per_expert = np.bincount(index.numpy().reshape(-1), minlength=self.num_experts)  # [E] tokens per expert
+        identity = 0
+        if per_expert.shape[0] > self.num_experts:  # identity experts' slots (LongCat-Flash's): no compute
+            identity = int(per_expert[self.num_experts:].sum())
+            per_expert = per_expert[:self.num_experts]
         counts = dict(zip(missing, per_expert[missing].tolist()))  # the misses' tokens
         hit_n = int(np.count_nonzero(per_expert)) - len(missing)
-        hit_slots = index.numel() - sum(counts.values())
+        hit_slots = index.numel() - identity - sum(counts.values())
         device = cache.clock.device_time(hit_slots, hit_n) if hit_n else 0.0  # the device's compute: the hits first
         link = None  # when the last fetch lands (seconds from now); None: no fetch, the device waits for none
         backlog = cache.clock.link_backlog()

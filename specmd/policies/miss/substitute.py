@@ -33,6 +33,8 @@ class Substitute(MissPolicy):
     Params = SubstituteParams
 
     def handle(self, layer, missing, record, cache):
+        if layer in record.scoring.hashed:  # a hash-routed layer's choice is the token's, not a score's: fetched
+            return None
         probs = record.scores  # the family's selection score (-inf outside a token's groups: never eligible)
         k = record.top_k
         if k >= probs.shape[-1]:

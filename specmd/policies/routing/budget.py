@@ -86,6 +86,11 @@ class Budget(RoutingPolicy):
 
     Params = BudgetParams
 
+    num_experts = 0  # the model's experts (setup); 0: every router column is one (a policy used on its own)
+
+    def setup(self, model) -> None:
+        self.num_experts = model.num_experts  # (a router may score more columns: identity experts)
+
     def limit(self, num_experts: int) -> int:
         """The budget: distinct experts a call of a layer with ``num_experts`` experts may run."""
         return budget_of(self.params, num_experts)
@@ -105,18 +110,24 @@ class Budget(RoutingPolicy):
         original = record.original
         T, k = original.shape
         probs = record.probs
-        E = probs.shape[-1]
+        W = probs.shape[-1]  # router columns: the E experts, then identity experts (LongCat-Flash's: no cost)
+        E = self.num_experts or W
         b = self.limit(E)
-        chosen = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, original, True)  # [T, E]
+        chosen = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, original, True)  # [T, W]
         count = chosen.sum(0)
+        if W > E:  # an identity expert is never over the budget: not counted, ranked last, always kept
+            count[E:] = 0
         if int((count > 0).sum()) <= b:
             return None
         mass = (probs.float() * chosen).sum(0)
+        if W > E:
+            count[E:], mass[E:] = -1, -1.0
         first, then = (mass, count) if self.params.by == "mass" else (count, mass)
         order = torch.argsort(then, descending=True, stable=True)  # ties of `first`: by `then`, then expert id
         order = order[torch.argsort(first[order], descending=True, stable=True)]
-        kept_set = torch.zeros(E, dtype=torch.bool, device=probs.device)
+        kept_set = torch.zeros(W, dtype=torch.bool, device=probs.device)
         kept_set[order[:b]] = True  # (the union has more than b experts, all ranked before the rest)
+        kept_set[E:] = True
         scores = record.scores  # the family's selection score: -inf outside a token's groups
         ranked = ranked_by_score(scores, original)  # [T, k], rank 0 first
         keep = kept_set[ranked]
