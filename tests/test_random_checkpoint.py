@@ -97,3 +97,19 @@ def test_unsupported_family_and_layout_are_rejected(tmp_path):
     with pytest.raises(FileExistsError, match="not a random checkpoint"):
         write_random_checkpoint(tiny_config("olmoe").to_dict(), foreign)
     assert not list(tmp_path.glob("*/*.safetensors"))
+
+
+def test_a_hash_routed_models_table_gets_distinct_experts_per_token(tmp_path):
+    """DeepSeek-V4's hash layers route a token to ``tid2eid[token]``: written as zeros (transformers' init), every
+    token would go k times to expert 0. The writer gives each row k distinct experts of E, seeded."""
+    from specmd.models.derive import tiny_overrides
+    from specmd.models.family import build_config
+
+    fields = dict(build_config("deepseek_v4", tiny_overrides("deepseek_v4")).to_dict(), model_type="deepseek_v4")
+    path = write_random_checkpoint(fields, tmp_path / "v4", dtype="float32", layout="transformers")
+    tables = {n: t for n, t in _file_tensors(path)[0].items() if n.endswith("tid2eid")}
+    assert tables  # (its first layers are hash-routed)
+    E = fields["n_routed_experts"]
+    for t in tables.values():
+        assert t.dtype == torch.int64 and int(t.min()) >= 0 and int(t.max()) < E
+        assert all(len(set(row)) == t.shape[1] for row in t.tolist())

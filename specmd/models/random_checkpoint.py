@@ -93,7 +93,7 @@ class _Piece:
     index: int
     expert: int
     part: int
-    kind: str  # "normal" | "ones" | "zeros"
+    kind: str  # "normal" | "ones" | "zeros" | "hash:<E>" (a token -> k distinct experts of E table)
 
 
 @dataclass
@@ -112,7 +112,9 @@ class _Entry:
         return n * self.dtype.itemsize
 
 
-def _kind(name: str, shape: tuple, dtype: torch.dtype) -> str:
+def _kind(name: str, shape: tuple, dtype: torch.dtype, experts: int = 0) -> str:
+    if name.endswith("tid2eid") and len(shape) == 2 and experts >= shape[1]:  # DeepSeek-V4's hash routing table:
+        return f"hash:{experts}"  # zeros would route every token k times to expert 0 (contract.random_fill)
     if not dtype.is_floating_point:
         return "zeros"
     if len(shape) == 1 and name.endswith("norm.weight"):  # also ...layernorm.weight, q_norm/k_norm
@@ -148,11 +150,12 @@ def _state_entries(model) -> list[tuple[str, tuple, torch.dtype]]:
 _FUSED = re.compile(r"^(?P<pre>.*\.layers\.\d+)\.mlp\.experts\.(?P<what>gate_up_proj|down_proj)$")
 
 
-def _plan(tensors: list[tuple[str, tuple, torch.dtype]], layout: str, family: str, hidden: int) -> list[_Entry]:
+def _plan(tensors: list[tuple[str, tuple, torch.dtype]], layout: str, family: str, hidden: int,
+          experts: int = 0) -> list[_Entry]:
     hub = _hub_of(family)
     entries = []
     for k, (name, shape, dtype) in enumerate(tensors):
-        kind = _kind(name, shape, dtype)
+        kind = _kind(name, shape, dtype, experts)
         fused = _FUSED.match(name)
         if fused is not None and hub is None:  # transformers layout, fused experts of unknown form
             fused = None
@@ -207,6 +210,12 @@ def _fill(view: torch.Tensor, piece: _Piece, seed: int, buf: torch.Tensor) -> No
         view.zero_()
         return
     gen = torch.Generator().manual_seed(_piece_seed(seed, piece))
+    if piece.kind.startswith("hash:"):  # each row k distinct experts of E, uniformly (a chunk of rows at a time)
+        E, k = int(piece.kind[5:]), view.shape[-1]
+        for start in range(0, view.shape[0], 4096):
+            rows = view[start:start + 4096]
+            rows.copy_(torch.rand(rows.shape[0], E, generator=gen).argsort(dim=-1)[:, :k])
+        return
     flat = view.view(-1)  # every piece is a contiguous block
     for start in range(0, flat.numel(), CHUNK):
         dst = flat[start:start + CHUNK]
@@ -344,7 +353,11 @@ def _plan_checkpoint(fields: dict, dtype: str, layout: str, shard_bytes: int):
     config.architectures = [type(model).__name__]
     config.dtype = dtype
     del model
-    entries = _plan(tensors, layout, family, config.hidden_size)
+    from .derive import E_FIELDS
+
+    text = config.get_text_config(decoder=True)
+    experts = next((int(getattr(text, f)) for f in E_FIELDS if isinstance(getattr(text, f, None), int)), 0)
+    entries = _plan(tensors, layout, family, config.hidden_size, experts)
     shards = _shards(entries, shard_bytes)
     return config, entries, shards
 
