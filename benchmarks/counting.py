@@ -6,7 +6,7 @@ the CPU's looped kernel), on the tiny families and deep_olmoe. A greedy generati
 and 8 decode steps; then the same at batch 8 (``B=8`` rows: prompts of 9..16 tokens, left-padded, so the hook
 finds the live rows of every call; the deltas against the unhooked model at batch 8).
 
-    python benchmarks/counting.py [--models olmoe mixtral ... deep_olmoe] [--batch 8]
+    python benchmarks/counting.py [--models olmoe mixtral ... deep_olmoe | any derived family] [--batch 8]
 
 Targets (issue 35; at B=8, issue 44): syncs per MoE layer call <= 1 on the hooked and the offload paths;
 device ops on the offload path <= the unhooked block's + 16.
@@ -76,9 +76,12 @@ def main(argv: list) -> int:
 
     from specmd.cli.script import ArgumentParser, choice_of, whole
 
-    models = FAMILIES + ["deep_olmoe"]
+    from specmd.models.adapters import derived_families
+
+    models = FAMILIES + ["deep_olmoe"]  # the default; any derived family (its tiny instance) on request
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=models, type=choice_of(models, "--models"))
+    ap.add_argument("--models", nargs="+", default=models,
+                    type=choice_of(models + list(derived_families()), "--models"))
     ap.add_argument("--batch", type=whole(0), default=8, help="the batched rows' batch (0: none)")
     a = ap.parse_args(argv)
     print(f"per MoE layer call: device ops / kernels / host ops / syncs (delta vs unhooked: ops, kernels); "

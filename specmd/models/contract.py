@@ -44,6 +44,13 @@ def _llama4(block) -> None:
     experts.forward = types.MethodType(_input_weighted_experts, experts)
     experts._apply_gate = types.MethodType(_chunk_gate, experts)
     experts.has_gate, experts.is_transposed = True, True  # gate_up_proj [E, H, 2I] (gate columns first), down [E, I, H]
+    from ..executor.kernel import Bank
+    from .family import ExpertsLayout
+
+    E = experts.gate_up_proj.shape[0]
+    experts._specmd_layout = ExpertsLayout(gated=True, transposed=True, input_weighted=True)
+    experts._specmd_banks = [Bank({"gate_up_proj": experts.gate_up_proj, "down_proj": experts.down_proj}, 0, E)]
+    experts.register_buffer("_specmd_map", torch.arange(E, device=experts.gate_up_proj.device), persistent=False)
     block.forward = types.MethodType(_llama4_block, block)
 
 
@@ -57,18 +64,15 @@ def _llama4_router(self, hidden_states):
 
 
 def _input_weighted_experts(self, hidden_states, top_k_index, top_k_weights):
-    """Input-weighted fused experts, sparsely: each selected expert, in ascending id, on its tokens' rows (in
-    token order) scaled by their weights, added onto zeros in float32 and rounded once (the order
-    :func:`specmd.executor.kernel.run_experts` keeps for ``input_weighted``)."""
+    """Input-weighted fused experts, sparsely: specmd's grouped experts kernel over the module's own weights (rows
+    scaled first, one grouped GEMM per projection, added in ascending id in float32: ``input_weighted``) --
+    what the offload executor runs, with no host synchronisation (a loop over the selected experts took 7 per
+    layer call: ``benchmarks/counting.py``)."""
+    from ..executor.kernel import grouped_experts
+
     # hidden_states [T, H]; top_k_index / top_k_weights [T, k]; gate_up_proj [E, H, 2I], down_proj [E, I, H]
-    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)  # [T, H]
-    weights = top_k_weights.to(hidden_states.dtype)
-    for e in torch.unique(top_k_index).tolist():  # ascending
-        token, rank = torch.where(top_k_index == e)  # [n] each token holds an expert once: token order
-        x = hidden_states[token] * weights[token, rank, None]  # [n, H]
-        h = self._apply_gate(torch.mm(x, self.gate_up_proj[e]))  # [n, I]
-        out[token] += torch.mm(h, self.down_proj[e]).float()  # [n, H]
-    return out.to(hidden_states.dtype)
+    return grouped_experts(self, self._specmd_layout, hidden_states, top_k_index, top_k_weights, self._specmd_map,
+                           self._specmd_banks)  # [T, H]
 
 
 def _llama4_block(self, hidden_states):
