@@ -246,6 +246,11 @@ def test_llama4s_block_is_adopted_into_the_contract_computing_its_function():
     adopt(adopted)
     adopt(adopted)  # (idempotent)
     assert list(adopted.state_dict()) == list(dense.state_dict())
+    import pickle
+
+    again = pickle.loads(pickle.dumps(adopted))  # (an adopted model pickles: its forwards are partials)
+    experts = adapter_for("llama4_text").experts(again, adapter_for("llama4_text").moe_layers(again)[0])
+    assert experts.forward.args[0] is experts
     adapter = adapter_for("llama4_text")
     assert adapter.experts_layout.input_weighted and adapter.block_attr == "feed_forward"
     ids = sample_ids(batch=2, seq=12)
@@ -254,6 +259,7 @@ def test_llama4s_block_is_adopted_into_the_contract_computing_its_function():
     with torch.no_grad():
         a, b = dense(ids).logits, adopted(ids).logits
         assert torch.allclose(a, b, rtol=0, atol=1e-5), float((a - b).abs().max())
+        assert torch.equal(again(ids).logits, b)
         scores, logits = adapter.router(dense, layer)(hidden)  # transformers' router: [T, E] scores, logits
         lg, w, index = adapter.router(adopted, layer)(hidden)
         assert torch.equal(lg, logits) and torch.equal(torch.zeros_like(scores).scatter_(1, index, w), scores)

@@ -9,13 +9,15 @@ its parameters, their names, its state dict and its hub layout unchanged -- so a
 before and the model computes the same function (each conversion says where it changes bits, and why). The
 conversions are keyed by the block's class name: :data:`CONTRACTS`.
 
-Adoption is idempotent and permanent; :func:`adopt` is called wherever a model is probed, loaded or hooked
+The rebound forwards are ``functools.partial`` of module-level functions, so an adopted model pickles and
+unpickles (a bound method would not unpickle: it is found again by its function's name). Adoption is idempotent
+and permanent; :func:`adopt` is called wherever a model is probed, loaded or hooked
 (``derive._build``, the loader, ``PolicyStack``), so the unhooked model a run compares with is the adopted one.
 """
 
 from __future__ import annotations
 
-import types
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +42,9 @@ def _llama4(block) -> None:
     offloaded == simulated, bit for bit), and ``tests/test_derived.py`` bounds its distance from the dense
     block."""
     router, experts = block.router, block.experts
-    router.forward = types.MethodType(_llama4_router, router)
-    experts.forward = types.MethodType(_input_weighted_experts, experts)
-    experts._apply_gate = types.MethodType(_chunk_gate, experts)
+    router.forward = partial(_llama4_router, router)
+    experts.forward = partial(_input_weighted_experts, experts)
+    experts._apply_gate = partial(_chunk_gate, experts)
     experts.has_gate, experts.is_transposed = True, True  # gate_up_proj [E, H, 2I] (gate columns first), down [E, I, H]
     from ..executor.kernel import Bank
     from .family import ExpertsLayout
@@ -51,7 +53,7 @@ def _llama4(block) -> None:
     experts._specmd_layout = ExpertsLayout(gated=True, transposed=True, input_weighted=True)
     experts._specmd_banks = [Bank({"gate_up_proj": experts.gate_up_proj, "down_proj": experts.down_proj}, 0, E)]
     experts.register_buffer("_specmd_map", torch.arange(E, device=experts.gate_up_proj.device), persistent=False)
-    block.forward = types.MethodType(_llama4_block, block)
+    block.forward = partial(_llama4_block, block)
 
 
 def _llama4_router(self, hidden_states):
@@ -97,7 +99,7 @@ def _identity_rows(experts) -> None:
     named as the kernels call it; its forward is the contract's."""
     if experts.gate_up_proj is not None and experts.gate_up_proj.shape[0] > experts.down_proj.shape[0]:
         experts.identity_rows = experts.gate_up_proj.shape[0] - experts.down_proj.shape[0]
-    experts._apply_gate = types.MethodType(_chunk_gate, experts)  # (its forward's gate, which the kernels call)
+    experts._apply_gate = partial(_chunk_gate, experts)  # (its forward's gate, which the kernels call)
 
 
 # a block's (or experts module's) class name -> how its instances are put into the contract
