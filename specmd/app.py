@@ -371,6 +371,9 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
     from .loggers import build_logger
 
     logger = build_logger(run.raw.get("logger"), group)
+    from .provenance import note_start
+
+    note_start()  # (the load while it is timed)
     if run.replay.trace:
         return _replay_job(run, digest, run_dir, logger, progress)
     root = _data_mirror(run)

@@ -2,8 +2,8 @@
 
 A number is only comparable with another when both came from the same code, libraries, weights and (for
 a replay) trace. Recorded per run: the versions of specmd and the libraries that shape the numbers, the
-git commit of the specmd checkout (with a ``dirty`` flag) when it is one, and fingerprints of the model's
-files and of a replayed trace. A fingerprint hashes each file's name, size and its first and last MiB:
+git commit of the specmd checkout (with a ``dirty`` flag) when it is one, fingerprints of the model's
+files and of a replayed trace, and the machine it was timed on (:func:`machine`: threads, cores, load). A fingerprint hashes each file's name, size and its first and last MiB:
 cheap for multi-GB checkpoints, and it changes whenever a file is replaced, truncated or re-saved.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import subprocess
 import sys
 from importlib import metadata
@@ -82,12 +83,52 @@ def model_identity(model_cfg) -> dict:
             "revision": getattr(model_cfg, "revision", None), "fingerprint": files_fingerprint(local)}
 
 
+_START: dict = {}  # what :func:`note_start` saw as the job began
+
+
+def note_start() -> None:
+    """The machine's load as a job starts (``machine.load_average_at_start``): what else was running while it was
+    timed (issue 56: on a shared 2-core VM the repeats of a cell spread by 16-22%)."""
+    _START["load_average"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def machine() -> dict:
+    """What was timed on (issue 56: threads are settings users need to reproduce a timing): torch's intra- and
+    inter-op threads, the cores this process may use (:func:`~specmd.jobs.usable_cores`: its affinity mask and its
+    cgroup's CPU quota), the affinity mask itself, the quota in cores (None: none), the logical CPUs per physical
+    core (SMT; None where the kernel does not say), every core the machine has, and the load average (1, 5, 15
+    min) at the job's start and at its end."""
+    import torch
+
+    from .jobs import cgroup_cores, usable_cores
+
+    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {"threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+            "usable_cores": usable_cores(), "affinity": affinity, "cgroup_cores": cgroup_cores(), "smt": _smt(),
+            "cpu_count": os.cpu_count(), "load_average_at_start": _START.get("load_average"),
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
+def _smt() -> Optional[int]:
+    """Logical CPUs per physical core of CPU 0 (``thread_siblings_list``: "0" -> 1, "0,4" or "0-1" -> 2)."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        return None
+    n = 0
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi) - int(lo) + 1 if hi else 1
+    return n
+
+
 def provenance(model_cfg=None, trace_path=None) -> dict:
     from . import native
 
     git = git_state()
     # which copy of the engine ran (compiled | pure | mixed, and why): results are equal, speeds are not
-    out = {"versions": versions(), "git": dict(git) if git else None, "engine": native.summary()}
+    out = {"versions": versions(), "git": dict(git) if git else None, "engine": native.summary(),
+           "machine": machine()}
     if model_cfg is not None:
         out["model"] = model_identity(model_cfg)
     if trace_path is not None:

@@ -60,6 +60,8 @@ def test_run_writes_results_json(tmp_path, mirror):
     prov = res["provenance"]
     assert prov["model"]["fingerprint"] == files_fingerprint(ASSETS / "tiny-olmoe")
     assert prov["versions"]["lm_eval"] and prov["versions"]["torch"]
+    assert prov["machine"]["threads"] >= 1 and prov["machine"]["usable_cores"] >= 1  # (what was timed on)
+    assert len(prov["machine"]["load_average_at_start"]) == 3
 
 
 def test_default_run_decodes_caches_and_prefetches(tmp_path, mirror):
