@@ -52,7 +52,7 @@ def test_the_usable_cores_are_the_affinity_mask_within_the_cgroup_quota(tmp_path
     affinity mask's, at most the quota rounded down, at least 1 (issue 56: never os.cpu_count() alone)."""
     import os
 
-    from specmd import jobs
+    from specmd import provenance as jobs
 
     v2 = tmp_path / "v2"
     (v2 / "a" / "b").mkdir(parents=True)
