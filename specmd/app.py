@@ -471,6 +471,7 @@ def _build_stack(run: Run, model, progress: _Progress):
 
         for line in profile_mismatch(run.hardware, {"host": platform.node(), "device": str(run.device),
                                                     "torch": torch.__version__, "dtype": run.model.dtype,
+                                                    "threads": torch.get_num_threads(),
                                                     "model": run.model.name, "expert_bytes": stack.geom.expert_bytes}):
             log.warning("%s", line)
     return stack

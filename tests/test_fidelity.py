@@ -215,6 +215,10 @@ def test_a_run_elsewhere_than_the_profile_was_fitted_says_what_differs():
     same = {"host": "vm", "device": "cpu", "torch": "2.13.0", "dtype": "float32", "model": "deep_olmoe",
             "expert_bytes": 49152 * 8}
     assert profile_mismatch(hw, same) == []
+    assert profile_mismatch(hw, dict(same, threads=1)) == []  # (a profile from before threads were kept)
+    threaded = HardwareConfig(name="rep1", calibrated_on=dict(on, threads=2))
+    assert profile_mismatch(threaded, dict(same, threads=1)) == [
+        "hardware=rep1 was calibrated with threads 2; this run's is 1"]  # (issue 56: threads are a setting)
     lines = profile_mismatch(hw, dict(same, device="cuda", model="mixtral", expert_bytes=4e9))
     assert lines == [
         "hardware=rep1 was calibrated with device cpu; this run's is cuda",

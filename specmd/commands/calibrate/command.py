@@ -185,11 +185,12 @@ def measure_overheads(ms: Measurements, model: str, hw: dict, dev: torch.device,
 
 
 def calibrated_on(model: str, dev: torch.device, kern: dict) -> dict:
-    """The profile's ``calibrated_on``: this host, device, torch, the model's dtype and expert bytes, the kernel
-    sizes fitted on, and the machine's speed as the profile was fitted (not saved with the measurements: a
-    reused stage was measured then, the probe says now)."""
+    """The profile's ``calibrated_on``: this host, device, torch, torch's intra-op threads (a run at others is
+    told: issue 56), the model's dtype and expert bytes, the kernel sizes fitted on, and the machine's speed as
+    the profile was fitted (not saved with the measurements: a reused stage was measured then, the probe says
+    now)."""
     geom = _geometry(model)
-    return {"host": platform.node(), "device": str(dev), "torch": torch.__version__,
+    return {"host": platform.node(), "device": str(dev), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dtype": geom["dtype"], "model": model, "expert_bytes": geom["expert_bytes"],
             "kernel_bytes": [min(p["bytes"] for p in kern["points"]), max(p["bytes"] for p in kern["points"])],
             "speed": speed_probe(dev)}
