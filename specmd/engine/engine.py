@@ -26,6 +26,7 @@ from .cache import CacheManager
 from .clock import Clock, SimClock
 from .geometry import Geometry, pool_capacities, timed_as
 from .outcomes import Execution
+from .record import expert_counts
 from .store import StoreSizes
 from .union import union_section
 
@@ -256,10 +257,7 @@ class Engine:
         if index is None:
             index = rec.index
         if rerouted:  # the router's own requests, before a routing policy changed the selection
-            counts = torch.bincount(rec.original.reshape(-1))
-            if self._Z and counts.shape[0] > self._E:  # (identity experts are no requests)
-                counts = counts[:self._E]
-            st.requests_router[layer] += int(counts.count_nonzero())
+            st.requests_router[layer] += int(expert_counts(rec.original, self._E).count_nonzero())  # (no identity)
         else:
             st.requests_router[layer] += n
         kept = torch.ones_like(index, dtype=torch.bool) if plan is None else plan.kept

@@ -14,6 +14,8 @@ from typing import Optional
 
 import torch
 
+from .record import expert_counts
+
 NATIVE = "native"
 
 
@@ -40,10 +42,7 @@ class Execution:
         self.void = void  # [T, k] slots a routing policy emptied (weight 0: not run, counted once by the engine)
         self.host: list[int] = []  # experts computed on the host (exact, full precision)
         E = num_experts if num_experts is not None else int(index.max()) + 1
-        counts = torch.bincount(index.reshape(-1).cpu(), minlength=E)
-        if counts.shape[0] > E:  # ids from E on are identity experts': nothing runs for them on the device
-            counts = counts[:E]
-        runs = counts > 0  # [E], host-side: the executor reads it
+        runs = expert_counts(index.cpu(), E) > 0  # [E], host-side: the executor reads it (an identity expert: none)
         self.expert_map = torch.where(runs, torch.arange(E), torch.full((E,), -1))  # [E]
 
     def slots_of(self, expert: int, mask: Optional[torch.Tensor] = None) -> int:

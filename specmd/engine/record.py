@@ -437,7 +437,11 @@ def _unique(index: torch.Tensor, num_experts: int) -> list[int]:
         if out and out[-1] >= num_experts:
             del out[bisect_left(out, num_experts):]
         return out
+    return expert_counts(index, num_experts).nonzero().squeeze(1).tolist()
+
+
+def expert_counts(index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[E]``: the selections of each expert in ``index``; an id from ``num_experts`` on (an identity expert's)
+    is left out -- sliced off only where there is one, so no op is added otherwise (the hot path's count)."""
     counts = torch.bincount(index.reshape(-1), minlength=num_experts)
-    if counts.shape[0] > num_experts:  # (sliced only then: no host op on the hot path otherwise)
-        counts = counts[:num_experts]
-    return counts.nonzero().squeeze(1).tolist()
+    return counts[:num_experts] if counts.shape[0] > num_experts else counts

@@ -369,9 +369,11 @@ def _run_on_text(model, layers, found: list) -> list:
     ``mlp.text_moe``, not ``mlp.vision_moe``), or refused: several, or none."""
     import torch
 
+    from .family import Adapter
+
     called = set()
     handles = [m.experts.register_forward_hook(lambda *_, n=n: called.add(n))
-               for layer in layers for n in found if (m := _get(layer, n)) is not None]
+               for layer in layers for n in found if (m := Adapter("", block_attr=n)._block_of(layer)) is not None]
     try:
         with torch.no_grad():
             model(torch.arange(8).reshape(1, 8) + 1)
@@ -382,12 +384,6 @@ def _run_on_text(model, layers, found: list) -> list:
         raise _Refuse(f"its decoder layers hold experts in several places ({', '.join(found)}), "
                       f"{'each' if called else 'none'} run on text")
     return sorted(called)
-
-
-def _get(module, path: str):
-    for name in path.split("."):
-        module = getattr(module, name, None)
-    return module
 
 
 def _router_args(router, block) -> tuple:

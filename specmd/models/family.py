@@ -483,8 +483,9 @@ class Adapter:
 
         def dense_params(i):  # (another expert set of the layer -- ERNIE-4.5-VL's vision experts -- a text run never
             n = sum(p.numel() for p in layers[i].parameters())  # routes to: not its dense compute either)
+            block = self._block_of(layers[i])
             idle = sum(p.numel() for m in layers[i].modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)
-                       and m is not self._block_of(layers[i]) for p in m.experts.parameters())
+                       and m is not block for p in m.experts.parameters())
             return n - idle - (sum(p.numel() for p in per_expert(i)) if i in moe_ids else 0)
 
         dense, attn, prev = [], [], -1

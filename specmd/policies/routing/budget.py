@@ -116,12 +116,12 @@ class Budget(RoutingPolicy):
         chosen = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, original, True)  # [T, W]
         count = chosen.sum(0)
         if W > E:  # an identity expert is never over the budget: not counted, ranked last, always kept
-            count[E:] = 0
+            count[E:] = -1
         if int((count > 0).sum()) <= b:
             return None
         mass = (probs.float() * chosen).sum(0)
         if W > E:
-            count[E:], mass[E:] = -1, -1.0
+            mass[E:] = -1.0
         first, then = (mass, count) if self.params.by == "mass" else (count, mass)
         order = torch.argsort(then, descending=True, stable=True)  # ties of `first`: by `then`, then expert id
         order = order[torch.argsort(first[order], descending=True, stable=True)]
