@@ -241,7 +241,11 @@ def collect(run: Run, engine, tasks: dict, wall_s: float, executor=None) -> dict
     from .provenance import provenance
     from .results import assemble
 
-    return assemble(run.raw, tasks, wall_s, provenance(run.model), engine, executor)
+    prov = provenance(run.model)
+    if executor is not None and executor.thread_plan is not None:  # where its threads ran, and the speed then
+        prov["machine"]["placement"] = executor.thread_plan.record()
+        prov["machine"]["speed_probe"] = getattr(executor, "speed_at_start", None)
+    return assemble(run.raw, tasks, wall_s, prov, engine, executor)
 
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")  # what a run computes on; torch knows more (meta, xla, hpu...), specmd not
@@ -333,7 +337,9 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
                         done["resumed"] = True
                         return done
                 run = progress.run = Run(cfg, overrides)
-                threads = run.threads or (threads and min(threads, usable_cores()))  # a launcher's share: capped
+                share = threads and min(threads, usable_cores())  # a launcher's share: capped
+                threads = run.threads or share
+                _core_budget(run, threads, shared=bool(not run.threads and share and share < usable_cores()))
                 if threads:
                     import torch
 
@@ -350,6 +356,21 @@ def execute(cfg: DictConfig, run_dir: Optional[str] = None, group: Optional[str]
     finally:
         if lock is not None:
             lock.release()
+
+
+def _core_budget(run: Run, threads: Optional[int], shared: bool) -> None:
+    """The job's cores (:func:`specmd.machine.set_core_budget`: what ``execution.threads=auto`` divides); a run
+    that pins its threads while its launcher runs other jobs in the same mask is refused before any model work
+    (every job would pin to the same first cores)."""
+    from .machine import set_core_budget
+
+    set_core_budget(threads, shared)
+    ecls, ep = run.execution
+    if shared and getattr(ep, "pin", False):
+        raise ConfigError(f"execution.pin=true: the launcher runs other jobs beside this one on the same "
+                          f"{usable_cores()} cores (this job's share: {threads}), and each would pin its threads to "
+                          f"the same first cores; run the sweep one job at a time (hydra.launcher.n_jobs=1) or "
+                          f"leave execution.pin=false")
 
 
 def _record_failure(cfg: DictConfig, run_dir: Path, progress: _Progress, exc: BaseException) -> None:
@@ -469,11 +490,18 @@ def _build_stack(run: Run, model, progress: _Progress):
 
         from .hardware import profile_mismatch
 
+        ex = stack.executor
+        plan = ex.thread_plan.record() if ex.thread_plan is not None else {}
+        # (the threads only where they are timed: a simulated run's own threads change no simulated number)
         for line in profile_mismatch(run.hardware, {"host": platform.node(), "device": str(run.device),
                                                     "torch": torch.__version__, "dtype": run.model.dtype,
-                                                    "threads": torch.get_num_threads(),
+                                                    "threads": plan.get("threads"), "pin": plan.get("pin"),
                                                     "model": run.model.name, "expert_bytes": stack.geom.expert_bytes}):
             log.warning("%s", line)
+        if ex.timed:  # the machine's speed as a timed run starts, on its compute threads (provenance.machine)
+            from .machine import speed_probe
+
+            ex.speed_at_start = speed_probe(torch.device(run.device))
     return stack
 
 

@@ -209,13 +209,14 @@ def _policy_overheads(raw) -> dict:
 
 def profile_mismatch(hw: HardwareConfig, facts: dict) -> list[str]:
     """What differs between where ``hw`` was calibrated (``hardware.calibrated_on``) and this run's ``facts``
-    (``host``, ``device``, ``torch``, ``dtype``, ``threads`` -- torch's intra-op threads, issue 56 --, ``model``,
+    (``host``, ``device``, ``torch``, ``dtype``, ``threads`` and ``pin`` -- a timed run's compute threads and
+    whether they were pinned, issue 56 --, ``model``,
     ``expert_bytes``): one line each, naming both;
     [] for a profile calibrate did not write. The clock's fitted costs belong to the machine, the framework
     and the sizes they were measured at (docs/semantics.md "How far to trust the clock")."""
     on = hw.calibrated_on or {}
     out = []
-    for key in ("host", "device", "torch", "dtype", "threads"):
+    for key in ("host", "device", "torch", "dtype", "threads", "pin"):
         if on.get(key) is not None and facts.get(key) is not None and str(on[key]) != str(facts[key]):
             out.append(f"hardware={hw.name} was calibrated with {key} {on[key]}; this run's is {facts[key]}")
     if on.get("model") and facts.get("model") and on["model"] != facts["model"]:

@@ -31,7 +31,7 @@ import signal
 from pathlib import Path
 from typing import Optional
 
-from .provenance import cgroup_cores, usable_cores  # noqa: F401 (the machine's facts, where runs record them)
+from .machine import cgroup_cores, usable_cores  # noqa: F401 (the machine's facts, where runs record them)
 from .signals import Interrupted, signals_held
 
 STAGES = ("config", "load", "stack", "evaluate", "replay", "write")

@@ -114,3 +114,15 @@ def make_stack(model, family, *, eviction="lru", prefetch="topk", capacity=0.05,
 def sample_ids(batch=2, seq=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (batch, seq), generator=g)
+
+
+def at_equal_threads(execution: dict) -> dict:
+    """An offload config computing at the threads the simulated run beside it computes at (this process's
+    torch threads): a CPU GEMM's last bits depend on its thread count, so offload equals simulated bit for bit
+    at equal threads, and ``execution.threads=auto`` keeps a core for the copy thread (specmd.machine.CorePlan);
+    a host lane of its own (host_compute=thread) computes at the same threads too."""
+    if execution.get("name") == "offload" and "threads" not in execution:
+        execution = {**execution, "threads": torch.get_num_threads()}
+        if execution.get("host_compute") == "thread":  # (the host lane's own threads: its rows' bits too)
+            execution["host_threads"] = torch.get_num_threads()
+    return execution

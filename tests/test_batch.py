@@ -5,7 +5,7 @@ stack stays bit-equal to the unhooked model at the same batch, offload equal to 
 import pytest
 import torch
 
-from conftest import FAMILIES, sample_ids, tiny
+from conftest import FAMILIES, at_equal_threads, sample_ids, tiny
 from specmd.compose import spec_of
 from specmd.engine.batch import batched_context, independent_union
 from specmd.executor import EXECUTION
@@ -18,8 +18,8 @@ from specmd.replay.trace import TraceWriter, read_trace
 
 def _spec(execution="simulated", capacity=0.05, prefetch="topk", **kw):
     spec = spec_of(prefetch=prefetch, hardware=HardwareConfig(capacity=capacity), **kw)
-    spec.execution = EXECUTION.params({"name": execution, "check": True} if execution == "offload"
-                                      else {"name": execution})
+    spec.execution = EXECUTION.params(at_equal_threads({"name": execution, "check": True} if execution == "offload"
+                                                       else {"name": execution}))
     return spec
 
 

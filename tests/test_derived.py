@@ -6,7 +6,7 @@ every other one is refused with the reason, before any weight loads."""
 import pytest
 import torch
 
-from conftest import sample_ids, tiny
+from conftest import at_equal_threads, sample_ids, tiny
 from specmd.models.adapters import ADAPTERS, adapter_for, derived_families
 from specmd.models.derive import derive, moe_families
 
@@ -96,7 +96,7 @@ def test_a_derived_family_runs_lossless_offloaded_and_replayed(family, tmp_path)
 
     def run(execution, trace=None):
         spec = spec_of(eviction="lru", prefetch="topk", hardware=HardwareConfig(capacity=0.3))
-        spec.execution = EXECUTION.params(execution)
+        spec.execution = EXECUTION.params(at_equal_threads(execution))
         stack = install(model, spec, adapter)
         if trace is not None:
             stack.writer = TraceWriter(trace, stack.geom, stack.scoring, stack.store, 1)

@@ -101,7 +101,8 @@ def test_imports_are_resolved():  # the checks above see real edges (a broken re
 # or the floors below; a new module is placed on a floor here, or the test names it.
 FLOORS = (
     ("foundation", ("specmd", "specmd.native", "specmd.errors", "specmd.signals", "specmd.outcome",
-                    "specmd.results", "specmd.liveness", "specmd.registry", "specmd.shipped")),
+                    "specmd.results", "specmd.liveness", "specmd.registry", "specmd.shipped",
+                    "specmd.machine")),
     ("engine", ("specmd.engine",)),
     ("domain", ("specmd.policies", "specmd.quant", "specmd.hardware", "specmd.models", "specmd.eval",
                 "specmd.loggers", "specmd.summary", "specmd.provenance", "specmd.executor", "specmd.gpu_cost")),

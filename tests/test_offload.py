@@ -17,7 +17,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from conftest import FAMILIES, ROOT, sample_ids, tiny
+from conftest import FAMILIES, ROOT, at_equal_threads, sample_ids, tiny
 from specmd import CONF_DIR
 from specmd.app import execute
 from specmd.errors import ConfigError, DataError
@@ -35,7 +35,7 @@ def spec_of(execution: dict, *, miss="fetch", routing="standard", eviction="lru"
 
     spec = spec_of(miss=miss, eviction=eviction, prefetch=prefetch, routing=routing,
                         hardware=HardwareConfig(**hw), **({"quant": quant} if quant else {}))
-    spec.execution = EXECUTION.params(execution)
+    spec.execution = EXECUTION.params(at_equal_threads(execution))
     return spec
 
 
@@ -898,6 +898,12 @@ BAD = [
     (["execution=offload", "execution.throttle=maybe"], ["throttle", "maybe", "true or false"]),
     (["execution=offload", "execution.kernel=fast"], ["kernel='fast'", "auto, grouped, looped"]),
     (["execution=offload", "execution.host_compute=gpu"], ["host_compute='gpu'", "auto, thread, inline"]),
+    (["execution=offload", "execution.threads=0"], ["threads=0", "auto, or an integer >= 1"]),
+    (["execution=offload", "execution.threads=many"], ["threads='many'", "auto, or an integer >= 1"]),
+    (["execution=offload", "execution.host_threads=2"], ["host_threads=2", "host_compute=thread", "inline"]),
+    (["execution=offload", "execution.host_compute=thread", "execution.host_threads=2"],
+     ["host_threads=2", "miss=fetch computes no expert on the host"]),
+    (["execution=offload", "execution.pin=maybe"], ["pin", "maybe", "true or false"]),
     (["miss=hybrid", "miss.low=int5"], ["low='int5'", "int4"]),
     (["miss=hybrid", "miss.percentile=120"], ["percentile=120", "[0, 100]"]),
 ]

@@ -46,37 +46,6 @@ def test_fingerprint_changes_with_name_size_head_and_tail(tmp_path):
     assert files_fingerprint(d / "config.json") == files_fingerprint(d / "config.json")
 
 
-def test_the_usable_cores_are_the_affinity_mask_within_the_cgroup_quota(tmp_path, monkeypatch):
-    """cgroup v2: the smallest ``cpu.max`` of the process's group and its ancestors (``max``: none); v1:
-    ``cfs_quota_us / cfs_period_us`` (-1: none); an unreadable file is no quota. The usable cores are the
-    affinity mask's, at most the quota rounded down, at least 1 (issue 56: never os.cpu_count() alone)."""
-    import os
-
-    from specmd import provenance as jobs
-
-    v2 = tmp_path / "v2"
-    (v2 / "a" / "b").mkdir(parents=True)
-    (v2 / "cpu.max").write_text("max 100000\n")
-    (v2 / "a" / "cpu.max").write_text("150000 100000\n")
-    (v2 / "a" / "b" / "cpu.max").write_text("max 100000\n")
-    assert jobs.cgroup_cores(v2, "/a/b") == 1.5 and jobs.cgroup_cores(v2, "/") is None
-    (v2 / "a" / "b" / "cpu.max").write_text("50000 100000\n")
-    assert jobs.cgroup_cores(v2, "/a/b") == 0.5  # (the smallest along the path)
-    v1 = tmp_path / "v1"
-    (v1 / "cpu").mkdir(parents=True)
-    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("250000\n")
-    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert jobs.cgroup_cores(v1, "/") == 2.5
-    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
-    assert jobs.cgroup_cores(v1, "/") is None
-    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("garbage\n")
-    assert jobs.cgroup_cores(v1, "/") is None
-    mask = len(os.sched_getaffinity(0))
-    for quota, want in ((None, mask), (0.5, 1), (1.5, min(mask, 1)), (64.0, mask)):
-        monkeypatch.setattr(jobs, "cgroup_cores", lambda q=quota: q)
-        assert jobs.usable_cores() == want, quota
-
-
 def test_a_run_records_the_machine_it_was_timed_on():
     """provenance.machine: the threads torch computes with, the cores (mask, quota, SMT) and the load average at
     the job's start and end -- settings and conditions a timing needs beside it (issue 56)."""

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import sample_ids, tiny
+from conftest import at_equal_threads, sample_ids, tiny
 from specmd.compose import spec_of
 from specmd.engine import Geometry
 from specmd.engine.engine import stream_at
@@ -136,8 +136,8 @@ def test_bad_thresholds_are_refused(bad):
 
 def _live_spec(execution, miss, stream=0.25):
     spec = spec_of(miss=miss, prefetch="topk", hardware=HardwareConfig(capacity=0.1, stream_layers=stream))
-    spec.execution = EXECUTION.params({"name": execution, "check": True} if execution == "offload"
-                                      else {"name": execution})
+    spec.execution = EXECUTION.params(at_equal_threads({"name": execution, "check": True} if execution == "offload"
+                                                       else {"name": execution}))
     return spec
 
 

@@ -38,6 +38,12 @@ class Executor(Plugin):
     #: model moves there, and the experts stay in the executor's host tier (:meth:`experts_on_meta` says
     #: whether the loader need materialise them at all)
     device_experts: ClassVar[bool] = True
+    #: True: its ``wall`` section is a measurement (a run records the machine's speed as it starts,
+    #: :func:`specmd.machine.speed_probe`, beside it)
+    timed: ClassVar[bool] = False
+    #: where its threads run (:class:`specmd.machine.CorePlan`), recorded in ``provenance.machine.placement``;
+    #: None: torch's settings as the run found them
+    thread_plan = None
 
     @classmethod
     def config_errors(cls, params: Any, run: RunFacts) -> list[str]:

@@ -25,18 +25,24 @@ import torch
 class HostWorker:
     """One thread that computes host banks; ``busy_s`` its time computing, ``runs`` the banks it computed."""
 
-    def __init__(self):
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="specmd-host")
+    def __init__(self, plan=None):
+        # (``plan``: the run's :class:`~specmd.machine.CorePlan`: the thread moves to its host cores and computes
+        # with its host_threads; None: the caller's thread count per bank)
+        self._plan = plan
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="specmd-host",
+                                        initializer=None if plan is None else plan.enter_helper, initargs=("host",))
         self.busy_s = 0.0
         self.runs = 0
         self.calls: Optional[list] = None  # a list: each bank's (experts, rows, seconds) is appended (calibrate)
 
     def submit(self, fn: Callable, *args) -> Future:
-        """``fn(*args)`` on the worker, under the caller's autograd mode and intra-op thread count (thread-local
-        settings: a GEMM's summation order depends on how many threads split it, so with another count the
-        worker's rows differed from the caller's in the last bits)."""
+        """``fn(*args)`` on the worker, under the caller's autograd mode and the plan's host threads, else the
+        caller's intra-op thread count (thread-local settings: a GEMM's summation order depends on how many
+        threads split it, so with another count the worker's rows differed from the caller's in the last bits:
+        ``execution.host_threads`` other than ``threads`` changes the host rows' last bits)."""
+        threads = self._plan.host_threads if self._plan is not None else torch.get_num_threads()
         return self._pool.submit(self._timed, fn, args, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-                                 torch.get_num_threads())
+                                 threads)
 
     def _timed(self, fn: Callable, args: tuple, grad: bool, inference: bool, threads: int):
         t0 = time.perf_counter()
@@ -58,7 +64,7 @@ class InlineHost:
     cores (measured on 2 cores: the worker's hand-off cost ~160 us per call and the host's share of TTFT rose
     2.6x under contention). ``submit`` computes at once and returns a finished future."""
 
-    def __init__(self):
+    def __init__(self, plan=None):  # (``plan``: the compute thread's, already applied)
         self.busy_s = 0.0
         self.runs = 0
         self.calls: Optional[list] = None  # (as HostWorker's)

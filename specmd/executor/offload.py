@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 
 from ..engine.clock import link_rate
 from ..errors import ConfigError
+from ..machine import CorePlan
 from .base import EXECUTION, Executor, RunFacts, full_selection, steady_host_allocator, upload
 from .kernel import expert_tensors, grouped_experts
 from .hostwork import HOST_COMPUTE
@@ -71,8 +73,20 @@ class OffloadParams:
     # copies land: a CPU device, whose host is the device) | auto (thread on CUDA, inline elsewhere).
     # Same bits either way on a CPU (tests)
     host_compute: str = "auto"
+    # the run's CPU threads (issue 56; :class:`specmd.machine.CorePlan`): intra-op threads of the compute thread
+    # (auto: the job's cores minus one for the copy thread and minus the host lane's), of the host lane when it is
+    # a thread of its own (host_compute=thread; auto: half of what the copy thread leaves), and whether each
+    # role is pinned to its own cores of the affinity mask. Recorded in provenance.machine.placement; a CPU
+    # GEMM's last bits depend on its thread count, so offload equals simulated bit for bit at equal threads
+    threads: Union[int, str] = "auto"
+    host_threads: Union[int, str] = "auto"
+    pin: bool = False
 
     def __post_init__(self):
+        for key in ("threads", "host_threads"):
+            v = getattr(self, key)
+            if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{key}={v!r}; valid choices: auto, or an integer >= 1")
         if self.host not in HOSTS:
             raise ValueError(f"host={self.host!r}; valid choices: {', '.join(HOSTS)}")
         if self.page_cache not in PAGE_CACHE:
@@ -87,6 +101,7 @@ class Offload(Executor):
     name = "offload"
 
     device_experts = False
+    timed = True
 
     Params = OffloadParams
 
@@ -115,6 +130,7 @@ class Offload(Executor):
                               f"directory or specmd:<name>, or execution.host=ram")
         elif "page_cache" in run.explicit and params.page_cache != "drop":
             errors.append(f"execution.page_cache={params.page_cache} applies to execution.host=disk, and host=ram")
+        errors += _thread_errors(params, run)
         if not (run.device == "cpu" or run.device.startswith("cuda")):
             errors.append(f"execution=offload runs on device=cpu or cuda[:N], not device={run.device}")
         return errors
@@ -144,9 +160,13 @@ class Offload(Executor):
         low_tiers, raw_layout = _low_tiers(store, geom.num_layers, E, dev.type == "cuda")
         tiers = {"native": self.tier, **low_tiers}
         align = _alignment(dtype, store, raw_layout)
-        self.mover = _mover(stack.spec.hardware, geom.expert_bytes, p.throttle, dev)
-        how = p.host_compute if p.host_compute != "auto" else "thread" if dev.type == "cuda" else "inline"
-        self.host_worker = HOST_COMPUTE[how]()
+        how = host_compute(p, dev.type)
+        mcls, mparams = stack.spec.miss
+        self.thread_plan = plan = CorePlan.plan(p.threads, p.host_threads, p.pin, copy_thread=True,
+                                                host_lane=how == "thread" and mcls.computes_on_host(mparams))
+        self._undo_threads = plan.enter()
+        self.mover = _mover(stack.spec.hardware, geom.expert_bytes, p.throttle, dev, plan)
+        self.host_worker = HOST_COMPUTE[how](plan)
         looped = p.kernel == "looped" or p.kernel == "auto" and not (dev.type == "cuda" and dtype == torch.bfloat16)
         self.placement = Placement(stack.cache.layout(), shapes, dtype, dev, tiers, self.mover, dict(store.bytes_of),
                                    store, self._name, mixed=len(tiers) > 1, raw_layout=raw_layout, align=align,
@@ -277,6 +297,38 @@ class Offload(Executor):
         tier = getattr(self, "tier", None)
         if tier is not None:
             tier.close()
+        undo = getattr(self, "_undo_threads", None)
+        if undo is not None:  # (the process's threads and masks as they were: the next install plans its own)
+            self._undo_threads = None
+            undo()
+
+
+def host_compute(params: OffloadParams, device_type: str) -> str:
+    """Where the host's experts run: ``execution.host_compute``, auto resolved (a thread beside a GPU; inline on
+    a CPU device, whose host is the device)."""
+    return params.host_compute if params.host_compute != "auto" else "thread" if device_type == "cuda" else "inline"
+
+
+def _thread_errors(params: OffloadParams, run: RunFacts) -> list[str]:
+    """What the thread settings cannot do in ``run``: pin without Linux's affinity calls, or host threads for
+    a host lane that is no thread of its own."""
+    from ..machine import can_pin
+
+    errors = []
+    if params.pin and not can_pin():
+        errors.append("execution.pin=true needs Linux's sched_setaffinity (and /proc/self/task), which this "
+                      "platform lacks: leave execution.pin=false")
+    if "host_threads" in run.explicit and params.host_threads != "auto":
+        how = host_compute(params, "cuda" if run.device.startswith("cuda") else "cpu")
+        mcls, mparams = run.miss
+        if how != "thread":
+            errors.append(f"execution.host_threads={params.host_threads} sets the host lane's threads when it is a "
+                          f"thread of its own (execution.host_compute=thread; auto is inline on a CPU device, "
+                          f"where the host's experts run on the compute thread's execution.threads)")
+        elif not mcls.computes_on_host(mparams):
+            errors.append(f"execution.host_threads={params.host_threads}: miss={mcls.name} computes no expert on the "
+                          f"host (cpu_compute and hybrid do)")
+    return errors
 
 
 def _check_native_bytes(shapes: dict, dtype: torch.dtype, store) -> None:
@@ -334,7 +386,7 @@ def _alignment(dtype: torch.dtype, store, raw_layout: dict) -> int:
     return align
 
 
-def _mover(hw, expert_bytes: int, throttle: bool, dev: torch.device):
+def _mover(hw, expert_bytes: int, throttle: bool, dev: torch.device, plan=None):
     """The channel of copy jobs, paced to the profile's link at the model's expert size (the simulated clock's
     channel's) plus its latency, or unpaced (``throttle`` false): a side stream and events on CUDA, a
     transfer thread elsewhere."""
@@ -347,7 +399,7 @@ def _mover(hw, expert_bytes: int, throttle: bool, dev: torch.device):
             "execution=offload on CUDA: this version's path (experts as grouped GEMMs from the arena, one read-"
             "back per layer call, event-ordered copies) has not run on a GPU yet (docs/offload.md, 'On a GPU'); "
             "check it with `python benchmarks/gpu_check.py` and report what it prints")
-    return CudaMover(bw, lat, dev) if dev.type == "cuda" else ThreadMover(bw, lat)
+    return CudaMover(bw, lat, dev, plan) if dev.type == "cuda" else ThreadMover(bw, lat, plan)
 
 
 EXECUTION.register(Offload)

@@ -115,8 +115,9 @@ class ThreadMover(Mover):
     """The CPU implementation: one daemon transfer thread (copies release the GIL, so they overlap the
     model's compute on another core)."""
 
-    def __init__(self, bandwidth_bytes_per_s: Optional[float], latency_s: float = 0.0):
+    def __init__(self, bandwidth_bytes_per_s: Optional[float], latency_s: float = 0.0, plan=None):
         super().__init__(bandwidth_bytes_per_s, latency_s)
+        self._plan = plan  # the run's :class:`~specmd.machine.CorePlan`: the thread moves to its copy cores
         self._demand: deque[Ticket] = deque()
         self._prefetch: deque[Ticket] = deque()
         self._cv = threading.Condition()
@@ -177,6 +178,8 @@ class ThreadMover(Mover):
         raise TransferError(f"transfer of {ticket.what} failed: {ticket.error}") from ticket.error
 
     def _loop(self):
+        if self._plan is not None:
+            self._plan.enter_helper("copy")
         cv = self._cv
         while True:
             with cv:
@@ -231,14 +234,14 @@ class CudaMover(ThreadMover):
     by the side stream itself.
     The copies' own time comes from timing events, read when they have completed (never waited for)."""
 
-    def __init__(self, bandwidth_bytes_per_s, latency_s, device):
+    def __init__(self, bandwidth_bytes_per_s, latency_s, device, plan=None):
         import torch
 
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self.compute = torch.cuda.current_stream(device)
         self._timed: deque = deque()  # (start event, end event) of jobs whose copy time is not yet counted
-        super().__init__(bandwidth_bytes_per_s, latency_s)
+        super().__init__(bandwidth_bytes_per_s, latency_s, plan)
 
     def _run_job(self, ticket) -> None:
         import torch

@@ -17,29 +17,12 @@ import torch
 
 from ...models.loader import load_configured
 from ...results import content_fill, write_files
+from ...machine import drift, in_passes, speed_probe  # noqa: F401 (calibrate records the speed it fitted at)
 from .fit import LOW_QUANT, fit_kernel, fit_link, host_roofline, nnls
 
 # (the small ones pin the latency: an expert of a small model is 49 kB; the large ones its bandwidth at a
 # Qwen1.5-MoE expert's parameters: 23 MB fused gate and up, 12 MB down)
 SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20)
-
-
-def in_passes(cases: list, time_one, reps: int, rounds: int) -> dict:
-    """Each case's seconds: ``rounds`` passes over all ``cases``, in each the median of ``reps`` calls of
-    ``time_one(case, i)`` (seconds; ``i`` counts every call, to cycle sources), and the median over the passes
-    kept. A slow second of a shared machine lands in one pass, not on a run of neighbouring cases: measured
-    case after case, one such second put three of the 46 MB kernel cases at 3-4x their time and the fit's
-    bandwidth 30% low, and the link's bulk rate moved by 15% between calibrations."""
-    per = {c: [] for c in cases}
-    i = 0
-    for _ in range(rounds):
-        for c in cases:
-            times = []
-            for _ in range(reps):
-                i += 1
-                times.append(time_one(c, i))
-            per[c].append(statistics.median(times))
-    return {c: statistics.median(v) for c, v in per.items()}
 
 
 def measure_ram_link(device: torch.device, reps: int = 5, sizes=SIZES, source_bytes: int = 128 << 20,
@@ -168,46 +151,6 @@ def measure_compute(device: torch.device, reps: int = 5, rounds: int = 3, pool_b
         h, f = KERNEL_SHAPES[i]
         pts.append((2.0 * t * h * f, 4.0 * h * f, t, secs[i, t]))
     return fit_kernel(pts)
-
-
-def speed_probe(device: torch.device, reps: int = 5, rounds: int = 3) -> dict:
-    """The machine's speed now, for a later run to compare with (``specmd fidelity``: a shared VM runs 10-25%
-    slower or faster from one quarter of an hour to the next, and a profile fitted in a fast one predicts a
-    slow one short in every cell): timed in passes (:func:`in_passes`), in microseconds, one expert
-    projection's kernel (1024 x 2816 at 8 rows, weights cycling beyond the
-    last-level cache) and of a fixed stretch of Python (the interpreter work a small model's framework costs
-    are made of)."""
-    h, f = KERNEL_SHAPES[2]
-    ws = torch.rand(max(2, (96 << 20) // (4 * h * f)), f, h, device=device)
-    x, out = torch.randn(8, h, device=device), torch.empty(8, f, device=device)
-    table = {i: i for i in range(64)}
-
-    def kernel(k):
-        torch.mm(x, ws[k % ws.shape[0]].t(), out=out)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    def python(k):
-        acc = 0
-        for i in range(4000):
-            acc += table.get((i + k) & 63, 0)
-        return acc
-
-    def timed(name: str, k: int) -> float:
-        t0 = time.perf_counter()
-        (kernel if name == "kernel_us" else python)(k)
-        return time.perf_counter() - t0
-
-    kernel(0)
-    return {name: s * 1e6 for name, s in in_passes(["kernel_us", "python_us"], timed, reps, rounds).items()}
-
-
-def drift(then: dict | None, now: dict) -> dict | None:
-    """``now`` / ``then`` per :func:`speed_probe` figure (> 1: the machine is slower now than when the profile
-    was fitted); None without ``then`` (a profile from before the probe, or hand-written)."""
-    if not then:
-        return None
-    return {k: now[k] / then[k] for k in now if then.get(k)}
 
 
 def measure_contention(device: torch.device, hw: dict, reps: int = 5) -> tuple[float, dict]:

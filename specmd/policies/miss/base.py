@@ -37,6 +37,12 @@ class MissPolicy(Policy):
         return False
 
     @classmethod
+    def computes_on_host(cls, params: Any) -> bool:
+        """True if it may answer ``HostComputed()``: an offloaded run then gives the host lane threads of its own
+        when it is a thread (``execution.host_threads``, :class:`specmd.machine.CorePlan`)."""
+        return False
+
+    @classmethod
     def required_precisions(cls, params: Any) -> list[str]:
         """Stored precisions this configuration needs (checked against ``quant`` before a model loads)."""
         return []

@@ -21,6 +21,10 @@ class CPUCompute(MissPolicy):
     def lossless(cls, params):
         return True
 
+    @classmethod
+    def computes_on_host(cls, params):
+        return True
+
     def handle(self, layer, missing, record, cache):
         scores = expert_scores(record, missing)
         order = sorted(range(len(missing)), key=lambda i: (-float(scores[i]), missing[i]))

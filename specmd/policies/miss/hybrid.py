@@ -62,6 +62,10 @@ class Hybrid(MissPolicy):
         return params.low is None
 
     @classmethod
+    def computes_on_host(cls, params):
+        return True
+
+    @classmethod
     def required_precisions(cls, params):
         return ["native"] + ([params.low] if params.low else [])
 
