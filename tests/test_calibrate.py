@@ -192,7 +192,7 @@ def test_overhead_fit_predicts_its_passes():
     hw = {"capacity": 0.05, "bandwidth_gbps": 10.0, "latency_us": 5.0, "peak_tflops": flops / 1e12,
           "mem_bandwidth_gbps": mem / 1e9, "host_tflops": flops / 1e12, "host_mem_bandwidth_gbps": mem / 1e9}
     over, fit = fit_overheads("tiny", hw, torch.device("cpu"), new_tokens=4, reps=2)
-    assert fit["passes"] == 5 * (len(PROMPTS) * 2 + 2)  # five stacks x (prefill + 1 decode per prompt, +2)
+    assert fit["passes"] == 6 * (len(PROMPTS) * 2 + 2)  # six stacks x (prefill + 1 decode per prompt, +2)
     assert all(v >= 0 and np.isfinite(v) for v in over.values())
     assert over["layer_overhead_us"] > 0 and fit["relative_rms"] < 0.2, (over, fit)
 
@@ -293,14 +293,14 @@ def stub_measuring(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECMD_CACHE", str(tmp_path.parent / f"{tmp_path.name}-cache"))
     monkeypatch.setattr(base, "steady_host_allocator", lambda *a, **k: True)
     link_report = {"points": [], "median_abs_err": 0.0, "max_abs_err": 0.0}
-    monkeypatch.setattr(cal, "measure_ram_link", lambda dev, report=None: (report.update(link_report), (8e9, 5e-6))[1])
-    monkeypatch.setattr(cal, "measure_disk_link", lambda dev, path, report=None: (report.update(link_report),
+    monkeypatch.setattr(cal, "measure_ram_link", lambda dev, report=None, **k: (report.update(link_report), (8e9, 5e-6))[1])
+    monkeypatch.setattr(cal, "measure_disk_link", lambda dev, path, report=None, **k: (report.update(link_report),
                                                                                    (2e9, 50e-6))[1])
     kernel = {"serial": 0.5, "launch_us": 1.0, "gemv_bw": 2e10, "points": [{"bytes": 1e5}, {"bytes": 5e7}], "median_abs_err": 0.0,
               "max_abs_err": 0.0}
     monkeypatch.setattr(cal, "measure_compute", lambda dev: (1e11, 2e10, kernel))
     monkeypatch.setattr(cal, "speed_probe", lambda dev: {"kernel_us": 100.0, "python_us": 50.0})
-    monkeypatch.setattr(cal, "measure_contention", lambda dev, hw: (0.25, {"host_ms": 1.0, "link_ms": 1.0,
+    monkeypatch.setattr(cal, "measure_contention", lambda dev, hw, **k: (0.25, {"host_ms": 1.0, "link_ms": 1.0,
                                                                             "together_ms": 1.25}))
     monkeypatch.setattr(cal, "load_configured", lambda model: (None, SimpleNamespace(family="olmoe")))
     monkeypatch.setattr(cal, "measure_host_experts", lambda *a, **k: (

@@ -244,13 +244,14 @@ def test_calibrate_reuses_its_measurements_unless_asked(tmp_path, monkeypatch):
     rep = {"points": [], "median_abs_err": 0.0, "max_abs_err": 0.0, "small_bw": 1.2e10, "small_bytes": 4e6}
     kern = {"serial": 0.75, "launch_us": 1.0, "gemv_bw": 3e10, "points": [{"bytes": 1e5}, {"bytes": 5e7}],
             "median_abs_err": 0.0, "max_abs_err": 0.0}
-    monkeypatch.setattr(cal, "measure_ram_link", lambda dev, report=None: (calls.append("link"), report.update(rep),
-                                                                           (8e9, 5e-6))[2])
-    monkeypatch.setattr(cal, "measure_disk_link", lambda dev, path, report=None: (report.update(rep), (2e9, 5e-5))[1])
+    monkeypatch.setattr(cal, "measure_ram_link", lambda dev, report=None, **k: (calls.append("link"), report.update(rep),
+                                                                                (8e9, 5e-6))[2])
+    monkeypatch.setattr(cal, "measure_disk_link", lambda dev, path, report=None, **k: (report.update(rep),
+                                                                                        (2e9, 5e-5))[1])
     monkeypatch.setattr(cal, "measure_compute", lambda dev: (calls.append("compute"), (1e11, 2e10, kern))[1])
     monkeypatch.setattr(cal, "speed_probe", lambda dev: {"kernel_us": 100.0, "python_us": 50.0})
-    monkeypatch.setattr(cal, "measure_contention", lambda dev, hw: (0.5, {"host_ms": 1.0, "link_ms": 1.0,
-                                                                           "together_ms": 1.5}))
+    monkeypatch.setattr(cal, "measure_contention", lambda dev, hw, **k: (0.5, {"host_ms": 1.0, "link_ms": 1.0,
+                                                                                "together_ms": 1.5}))
     monkeypatch.setattr(cal, "load_configured", lambda model: (None, SimpleNamespace(family="olmoe")))
     monkeypatch.setattr(cal, "measure_host_experts", lambda *a, **k: (
         {"host_call_overhead_us": 1.0, "host_expert_overhead_us": 2.0, "host_token_overhead_us": 3.0}, {}))
@@ -264,12 +265,21 @@ def test_calibrate_reuses_its_measurements_unless_asked(tmp_path, monkeypatch):
     cal.calibrate(str(tmp_path / "c"), "box", "tiny", quick=True, log=lambda m: None, remeasure=True)
     cal.calibrate(str(tmp_path / "d"), "box", "deep_olmoe", quick=True, log=lambda m: None)
     assert calls == ["link", "compute"] * 3
+    # another thread placement is another key (issue 56: what was measured at 2 threads is not 1 thread's)
+    auto = first["hardware"]["calibrated_on"]["threads"]
+    cal.calibrate(str(tmp_path / "e"), "box", "tiny", quick=True, log=lambda m: None, threads=auto + 1)
+    assert calls == ["link", "compute"] * 4
     hw = HardwareConfig(**{k: v for k, v in first["hardware"].items()})
     assert hw.roofline_serial == 0.75 and hw.host_link_contention == 0.5
     assert hw.gemv_bandwidth_gbps == hw.host_gemv_bandwidth_gbps == 30.0  # (the kernel fit's one-row rate)
     assert hw.small_copy_gbps == 12.0 and hw.small_copy_mb == 4.0  # (the link fit's knee)
     assert hw.calibrated_on["model"] == "tiny" and hw.calibrated_on["dtype"] == "float32"
     assert hw.calibrated_on["speed"] == {"kernel_us": 100.0, "python_us": 50.0}  # (the machine's speed then)
+    from specmd.machine import CorePlan
+
+    plan = CorePlan.plan()  # (calibrate's default: an offloaded run's auto placement, not pinned)
+    assert {k: hw.calibrated_on[k] for k in ("threads", "pin", "host_threads", "cores")} == \
+        {"threads": plan.threads, "pin": False, "host_threads": plan.host_threads, "cores": plan.cores}
 
 
 def test_drift_is_the_machines_speed_now_against_the_calibrations():
@@ -409,3 +419,40 @@ def test_the_token_cost_scales_with_the_decoder_layers(geom_small):
                     overheads=(0, 0, 0, 0, 0, 0, 1.0)).dense_time(0, 3, 3) == pytest.approx(6.0, abs=1e-9)
     hw = HardwareConfig(layer_token_overhead_us=2.0)
     assert SimClock.from_hardware(g, hw).layer_token_overhead == 2e-6
+
+
+def test_fidelity_times_its_cells_at_the_profiles_thread_settings(tmp_path, monkeypatch):
+    """A profile keeps the placement it was fitted at (calibrated_on.threads, pin); fidelity's cells run there
+    -- the execution section every cell installs, the header, the report's placement -- and a profile without
+    them runs at auto, unpinned (issue 56)."""
+    import os
+
+    import specmd.commands.calibrate.measure as meas
+    import specmd.commands.fidelity as fid
+    from specmd.commands.calibrate.profile import profile_yaml
+    from specmd.machine import CorePlan, can_pin, core_budget
+
+    cores = core_budget()[0]
+    pin = can_pin() and len(os.sched_getaffinity(0)) >= 2
+    seen = {}
+    monkeypatch.setattr(meas, "speed_probe", lambda dev: {"kernel_us": 1.0, "python_us": 1.0})
+
+    def measure(hw, grid, repeats, prompt, decodes, device, log, execution):
+        seen["execution"] = execution
+        seen["affinity"] = os.sched_getaffinity(0)  # (the compute thread, while the grid runs)
+        return {}, {}
+
+    monkeypatch.setattr(fid, "measure", measure)
+    monkeypatch.setattr(fid, "summarize", lambda cells, meta: {})
+    said = []
+    for on, want in (({}, (CorePlan.plan().threads, False)), ({"threads": 1, "pin": pin}, (1, pin)),
+                     ({"threads": 10_000}, (cores, False)), ({"threads": "many", "pin": "yes"}, (CorePlan.plan().threads, False))):
+        path = tmp_path / "p.yaml"
+        path.write_text(profile_yaml("p", {"bandwidth_gbps": 5.0, "calibrated_on": on}, ["test"]))
+        report = fid.fidelity(str(path), quick=True, log=said.append)
+        assert (seen["execution"]["threads"], seen["execution"]["pin"]) == want, on
+        assert (report["placement"]["threads"], report["placement"]["pin"]) == want
+        assert f"at the profile's {want[0]} compute thread" in said[-1] and ("pinned: compute cores" in said[-1]) == want[1]
+        if want[1]:
+            assert seen["affinity"] == set(report["placement"]["compute_cores"])
+    assert report["machine"]["usable_cores"] == cores

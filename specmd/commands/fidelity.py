@@ -5,7 +5,8 @@ the error per cell, per component and over the grid (docs/semantics.md "How far 
 The grid (:data:`GRID`; ``--quick``: :data:`QUICK`): models x capacity x miss x batch. A cell is one stack
 (the default eviction and prefetch, the cell's miss policy, the profile at the cell's capacity) in a fresh
 install (a cold cache): a warm-up generation, then two measured ones of ``batch`` random sequences, each a
-``--prompt``-token prefill and half of ``--decodes`` greedy decodes (:func:`run_cell`). Each model's cells are preceded by one warm-up run; then the cells run ``--repeats`` times,
+``--prompt``-token prefill and half of ``--decodes`` greedy decodes (:func:`~.calibrate.cell.run_cell`: calibrate's check is the same measurement), at
+the thread settings the profile was calibrated at (:func:`profile_placement`). Each model's cells are preceded by one warm-up run; then the cells run ``--repeats`` times,
 **alternated** (repeat 1 of every cell, then repeat 2 ...): a slow minute of the machine lands on every cell
 alike rather than on one. A cell's wall TTFT and TPOT are the median over its repeats; its simulated ones the
 median too (under offload the simulated clock still decides, and a copy still in flight on the wall can
@@ -31,7 +32,6 @@ a path to a profile's yaml; default: calibrate's default name (:func:`specmd.com
 from __future__ import annotations
 
 import gc
-import json
 import math
 import platform
 import statistics
@@ -66,93 +66,14 @@ class Cell:
     def group(self) -> tuple:
         return (self.model, self.capacity, self.batch)
 
+    @property
+    def stack(self) -> dict:
+        return {"capacity": self.capacity, "miss": self.miss}
+
 
 def cells_of(grid: dict) -> list[Cell]:
     return [Cell(m, c, miss, b) for m in grid["models"] for c in grid["capacities"] for miss in grid["misses"]
             for b in grid["batches"]]
-
-
-# ---- one run of one cell ---------------------------------------------------------------------------------
-class _PassProbe:
-    """Per forward pass of an installed offload stack: (kind, wall s, wall copy stall s, wall host s, wall link
-    busy s, simulated s, simulated stall s, simulated host busy s, simulated link busy s). Wraps the executor's
-    ``begin_pass``/``end_pass`` (the boundaries the wall clock itself uses) and reads both sides' busy counters
-    there."""
-
-    def __init__(self, stack):
-        self.ex, self.clock = stack.executor, stack.engine.clock
-        self.marks: list = []
-        begin, end = self.ex.begin_pass, self.ex.end_pass
-        self.ex.begin_pass = lambda kind, tokens: (self.marks.append(self._now()), begin(kind, tokens))
-        self.ex.end_pass = lambda: (end(), self.marks.__setitem__(-1, _sub(self._now(), self.marks[-1])))
-
-    def _now(self) -> tuple:
-        host = getattr(self.ex, "host_worker", None)
-        mover = getattr(self.ex, "mover", None)
-        busy = self.clock.busy()
-        return (host.busy_s if host is not None else 0.0, mover.busy_s if mover is not None else 0.0,
-                busy.get("host_busy_s", 0.0), busy.get("link_busy_s", 0.0))
-
-
-def _sub(a: tuple, b: tuple) -> tuple:
-    return tuple(x - y for x, y in zip(a, b))
-
-
-def run_cell(model, ckpt, hw: dict, cell: Cell, ids: torch.Tensor, decodes: int, device) -> dict:
-    """One fresh install of ``cell``'s stack: a warm-up generation (the first touch of the arena's and the host
-    tier's pages, the first calls of its kernels, its first evictions: costs a long run pays once, not per
-    prompt), then the measured ones; per pass kind the mean of each side's times over the measured generations'
-    passes."""
-    from ..compose import spec_of
-    from ..executor import EXECUTION
-    from ..executor.hostwork import InlineHost
-    from ..hardware import HardwareConfig
-    from ..hook import install
-
-    spec = spec_of(hardware=HardwareConfig(**{**hw, "capacity": cell.capacity}), miss=cell.miss)
-    spec.execution = EXECUTION.params({"name": "offload", "throttle": True})
-    stack = install(model, spec, device=device, checkpoint=ckpt)
-    try:
-        probe = _PassProbe(stack)
-        # (as long as the measured prompt, its tokens reversed: a shorter one left the first eviction and the
-        # first activations of the measured size to the measured prefill -- a 4 x 32-token prefill of the
-        # Qwen-shaped model at 30% took 3.0 s once, then 1.1-1.2 s)
-        warm = torch.flip(ids, (1,))
-        # the measured part: two generations (the prompt, then the prompt rotated), the decodes split between
-        # them -- two prefills in the TTFT's mean, not one: a prefill is one event whose wall jitters by
-        # 15-25% on this VM, and with one the repeats' spread exceeded the error in 41 of 54 cells
-        half = decodes // 2
-        with torch.no_grad():
-            # (n new tokens: a prefill and n - 1 decodes)
-            for i, (x, n) in enumerate(((warm, 3), (ids, half + 1), (torch.roll(ids, 7, 1), decodes - half + 1))):
-                if i == 1:
-                    first = len(stack.executor.pass_kinds)
-                model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, pad_token_id=0)
-        ex = stack.executor
-        inline = isinstance(getattr(ex, "host_worker", None), InlineHost)
-        passes = stack.engine.cache.stats.passes
-        out = {}
-        for kind in ("prefill", "decode"):
-            rows = [(w, ws, m, p.time_s, p.stall_s) for k, w, ws, m, p in
-                    zip(ex.pass_kinds[first:], ex.pass_wall[first:], ex.pass_stall[first:], probe.marks[first:],
-                        passes[first:]) if k == kind]
-            if not rows:
-                continue
-            n = len(rows)
-            mean = lambda f: sum(f(r) for r in rows) / n  # noqa: E731
-            wall, sim = mean(lambda r: r[0]), mean(lambda r: r[3])
-            host_w = mean(lambda r: r[2][0])
-            # the wall's waits: copies waited for, and (inline, a CPU) the host's experts on the same cores
-            waits_w = mean(lambda r: r[1]) + (host_w if inline else 0.0)
-            out[kind] = {"wall_s": wall, "sim_s": sim, "wall_waits_s": waits_w, "sim_waits_s": mean(lambda r: r[4]),
-                         "wall_host_s": host_w, "sim_host_s": mean(lambda r: r[2][2]),
-                         "wall_link_s": mean(lambda r: r[2][1]), "sim_link_s": mean(lambda r: r[2][3])}
-        return out
-    finally:
-        stack.remove()
-        del stack
-        gc.collect()  # (a 35 MB-expert model's arena and host tier are gigabytes: freed before the next install)
 
 
 # ---- the grid --------------------------------------------------------------------------------------------
@@ -252,12 +173,15 @@ def ranking(cells: dict[str, dict], meta: dict[str, Cell]) -> dict:
             "share": sum(v["agree"] for v in verdicts.values()) / n if n else None, "per_group": verdicts}
 
 
-def measure(hw: dict, grid: dict, repeats: int, prompt: int, decodes: int, device: str, log=print) -> dict:
-    """Run the grid (see the module's doc); returns {cell key: report} and the cells."""
+def measure(hw: dict, grid: dict, repeats: int, prompt: int, decodes: int, device: str, log=print,
+            execution: dict | None = None) -> dict:
+    """Run the grid (see the module's doc) under ``execution`` (:func:`~.calibrate.cell.offload_execution`: the
+    profile's thread settings); returns {cell key: report} and the cells."""
     from ..models.loader import load_configured
     from ..executor.base import steady_host_allocator
     from ..models.loader import local_checkpoint
     from ..signals import check_interrupt
+    from .calibrate.cell import run_cell
 
     steady_host_allocator()
     dev = torch.device(device)
@@ -272,11 +196,11 @@ def measure(hw: dict, grid: dict, repeats: int, prompt: int, decodes: int, devic
         mine = [c for c in cells if c.model == name]
         ids = {b: torch.randint(0, vocab, (b, prompt), generator=torch.Generator().manual_seed(11 + b)).to(dev)
                for b in grid["batches"]}
-        run_cell(model, ckpt, hw, mine[0], ids[mine[0].batch], 2, dev)  # the process's warm-up (discarded)
+        run_cell(model, ckpt, hw, mine[0].stack, ids[mine[0].batch], 2, dev, execution)  # the process's warm-up
         for r in range(repeats):
             for c in mine:
                 check_interrupt()
-                runs[c.key].append(run_cell(model, ckpt, hw, c, ids[c.batch], decodes, dev))
+                runs[c.key].append(run_cell(model, ckpt, hw, c.stack, ids[c.batch], decodes, dev, execution))
             log(f"  {name}: repeat {r + 1}/{repeats} of {len(mine)} cells  [{time.perf_counter() - t0:.0f} s]")
         del model
         gc.collect()
@@ -366,6 +290,7 @@ def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, 
              device: str = "cpu", models=None, log=print) -> dict:
     """The whole command (module doc); returns the report written as JSON."""
     from ..app import check_device
+    from ..machine import machine
     from .calibrate.profile import check_model
     from .calibrate.measure import drift, speed_probe
     from ..errors import ConfigError
@@ -389,18 +314,41 @@ def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, 
         log(f"note: profile {label} has no framework costs fitted (calibrate --quick, or a hand-written profile): "
             f"on a CPU the simulated times leave out most of a small model's time")
     t0 = time.perf_counter()
+    plan, execution = profile_placement(hw, torch.device(device))
+    from .calibrate.command import _placement
+
     log(f"specmd fidelity: profile {label}, {len(cells_of(grid))} cells x {repeats} repeats on {platform.node()} "
-        f"({device}) ...")
+        f"({device}) at the profile's {_placement(plan)} ...")
     then = (hw.get("calibrated_on") or {}).get("speed")
-    start = drift(then, speed_probe(torch.device(device)))
-    cells, meta = measure(hw, grid, repeats, prompt, decodes, device, log)
+    undo = plan.enter()  # (the drift probes on the compute threads too; each cell's install applies the same plan)
+    try:
+        start = drift(then, speed_probe(torch.device(device)))
+        cells, meta = measure(hw, grid, repeats, prompt, decodes, device, log, execution)
+        end = drift(then, speed_probe(torch.device(device)))
+    finally:
+        undo()
     report = {"profile": label, "hardware": hw, "device": device, "torch": torch.__version__, "host": platform.node(),
+              "placement": plan.record(), "machine": machine(),
               "grid": {k: list(v) for k, v in grid.items()}, "repeats": repeats, "prompt": prompt,
               "decodes": decodes, "cells": cells, "summary": summarize(cells, meta),
-              "drift": None if start is None else {"start": start,
-                                                   "end": drift(then, speed_probe(torch.device(device)))},
+              "drift": None if start is None else {"start": start, "end": end},
               "seconds": time.perf_counter() - t0}
     return report
+
+
+def profile_placement(hw: dict, dev: torch.device) -> tuple:
+    """(:class:`specmd.machine.CorePlan`, the cells' ``execution`` section) at the thread settings the profile
+    was calibrated at (``calibrated_on.threads``/``pin``/``host_threads``; a profile without them: auto, not
+    pinned): the cells are timed as the profile was fitted."""
+    from ..machine import can_pin, core_budget
+    from .calibrate.cell import offload_execution
+    from .calibrate.command import thread_plan
+
+    on = hw.get("calibrated_on") or {}
+    t = on.get("threads")  # (at most this machine's cores: a profile from a larger one runs, and says so)
+    threads = min(t, core_budget()[0]) if isinstance(t, int) and not isinstance(t, bool) and t >= 1 else "auto"
+    plan = thread_plan(threads, on.get("pin") is True and can_pin(), dev)
+    return plan, offload_execution(plan.threads, plan.pin, plan.host_threads if plan.host_lane else "auto")
 
 
 def main(argv=None) -> int:

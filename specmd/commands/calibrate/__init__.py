@@ -1,6 +1,10 @@
 """``specmd calibrate [--out DIR] [--name NAME] [--model MODEL] [--device DEV] [--quick]``: measure this machine
 and write a hardware profile that makes the simulated clock predict what ``execution=offload`` measures.
 
+Every measurement runs at one thread placement (``--threads``, ``--pin``: an offloaded run's
+``execution.threads``/``pin``, :class:`specmd.machine.CorePlan`), recorded in the profile's ``calibrated_on``; a
+run at other settings warns, and ``specmd fidelity`` runs at these.
+
 1. **The link, per host tier**: the transfer path's own copies (:class:`~specmd.executor.transfer.ThreadMover`,
    unthrottled) of 64 KiB .. 32 MiB from host memory (``ram``) and, with the page cache dropped, from a file
    (``disk``); ``latency + nbytes / bandwidth`` fitted by least squares, with a faster rate for a copy's first
@@ -13,9 +17,10 @@ and write a hardware profile that makes the simulated clock predict what ``execu
    MoE layer call beyond the reference stack's (lru, topk, fetch), timed on the engine
    (``hardware.policy_overhead_us``).
 4. **What the roofline does not see**: the model (default: the embedded ``deep_olmoe``) generates greedily
-   under ``execution=offload`` -- all resident, at 5% with prefetching, all resident with prefetching, and
-   at 5% fetching HQQ copies (``miss=fetch_priority``, with lru + topk and with least_stale + score);
-   prefills of 8..448 tokens, then decodes -- three times, each in a fresh install; each pass's measured
+   under ``execution=offload`` -- all resident, at 5% fetching on demand (copies, no predictions), at 5% with
+   prefetching, all resident with prefetching (predictions, no copies), and at 5% fetching HQQ copies
+   (``miss=fetch_priority``, with lru + topk and with least_stale + score); prefills of 8..448 tokens, then
+   decodes -- three times, each in a fresh process (one after another) and a fresh install; each pass's measured
    compute time minus its simulated compute time (the median of the three) is fitted as ``decoder layers *
    layer + tokens * decoder layers * token + experts run * expert + copy jobs issued * issue + experts placed *
    place + predictions * prediction + experts unpacked * unpack`` overheads (non-negative least squares on relative error; the unpack term last,
@@ -57,8 +62,25 @@ def main(argv=None) -> int:
     ap.add_argument("--remeasure", action="store_true", help="measure everything anew (default: reuse what an "
                                                                "earlier calibrate of this host, device, torch and "
                                                                "model measured)")
+    ap.add_argument("--threads", default="auto", type=_threads,
+                    help="compute threads, as execution.threads (default auto: the cores minus one for the copy "
+                         "thread); runs at the profile's settings are timed as it was fitted")
+    ap.add_argument("--pin", action="store_true", help="pin compute and copy threads to their own cores, as "
+                                                       "execution.pin=true")
     a = ap.parse_args(argv)
     # before any measurement; bad input (ConfigError, DataError) is one line and exit 2: specmd.outcome
-    name, hw_dir = prepare(a.out, a.name, a.model, a.device)
-    run_stages(hw_dir, name, a.out is not None, a.model, a.device, a.quick, print, a.remeasure)
+    name, hw_dir = prepare(a.out, a.name, a.model, a.device, a.threads, a.pin)
+    run_stages(hw_dir, name, a.out is not None, a.model, a.device, a.quick, print, a.remeasure, a.threads, a.pin)
     return 0
+
+
+def _threads(text: str):
+    """``--threads``: auto, or an integer (checked >= 1 by :func:`.command.check_threads`)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"{text!r}; valid choices: auto, or an integer >= 1") from None

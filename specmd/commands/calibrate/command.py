@@ -15,21 +15,25 @@ import torch
 
 from ...models.loader import load_configured
 from ...results import content_fill, writable_dir, write_files
-from .fit import check_profile, fit_overheads
+from .cell import check_profile
+from .fit import fit_overheads
 from .measure import (Measurements, disk_probe_path, measure_compute, measure_contention, measure_disk_link,
                       measure_host_experts, measure_policies, measure_ram_link, measurement_key, speed_probe)
 from .profile import (check_model, check_name, check_output, default_name, inside, profile_yaml,
                       small_copy_fields, use_command)
 
 
-def prepare(out: str | None, name: str | None, model: str, device: str) -> tuple[str, Path]:
-    """Everything calibrate checks before it measures (minutes of it): the device, the profile name
-    (:func:`~.profile.check_name`; default :func:`~.profile.default_name`), the output directory
-    (:func:`~.profile.check_output`), the disk probe's directory, and the model (:func:`~.profile.check_model`).
-    Returns (name, hardware directory); ConfigError (bad input) or DataError (an unreachable hub) otherwise."""
+def prepare(out: str | None, name: str | None, model: str, device: str, threads="auto",
+            pin: bool = False) -> tuple[str, Path]:
+    """Everything calibrate checks before it measures (minutes of it): the device, the thread settings
+    (:func:`check_threads`), the profile name (:func:`~.profile.check_name`; default
+    :func:`~.profile.default_name`), the output directory (:func:`~.profile.check_output`), the disk probe's
+    directory, and the model (:func:`~.profile.check_model`). Returns (name, hardware directory); ConfigError
+    (bad input) or DataError (an unreachable hub) otherwise."""
     from ...app import check_device
 
     check_device(device)
+    check_threads(threads, pin)
     name = check_name(default_name() if name is None else name)
     hw_dir = check_output(out, name)
     writable_dir(disk_probe_path().parent, "the disk probe's directory ($SPECMD_CACHE)")
@@ -38,45 +42,78 @@ def prepare(out: str | None, name: str | None, model: str, device: str) -> tuple
 
 
 def calibrate(out: str | None = None, name: str | None = None, model: str = "deep_olmoe", device: str = "cpu",
-              quick: bool = False, log=print, remeasure: bool = False) -> dict:
+              quick: bool = False, log=print, remeasure: bool = False, threads="auto", pin: bool = False) -> dict:
     """Measure this machine and write ``<out or the user config directory>/hardware/<name>.yaml`` (and
     ``<name>_disk.yaml``); see the package's doc. Its arguments are checked first (:func:`prepare`)."""
-    name, hw_dir = prepare(out, name, model, device)
-    return run_stages(hw_dir, name, out is not None, model, device, quick, log, remeasure)
+    name, hw_dir = prepare(out, name, model, device, threads, pin)
+    return run_stages(hw_dir, name, out is not None, model, device, quick, log, remeasure, threads, pin)
+
+
+def check_threads(threads, pin) -> None:
+    """``--threads`` is ``auto`` or an integer >= 1, and ``--pin`` possible here: ConfigError otherwise."""
+    from ...errors import ConfigError
+    from ...machine import can_pin
+
+    if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError(f"--threads {threads!r}; valid choices: auto, or an integer >= 1")
+    if pin and not can_pin():
+        raise ConfigError("--pin needs Linux's sched_setaffinity, which this platform lacks")
+
+
+def thread_plan(threads, pin: bool, dev: torch.device):
+    """The thread placement calibrate measures at: an offloaded run's (:class:`specmd.machine.CorePlan`: a copy
+    thread beside the compute threads; on CUDA a host lane of its own, as ``miss=hybrid`` has there), so that
+    a run at the same ``execution.threads``/``pin`` is timed as the profile was fitted."""
+    from ...machine import CorePlan
+
+    return CorePlan.plan(threads, "auto", pin, copy_thread=True, host_lane=dev.type == "cuda")
 
 
 def run_stages(hw_dir: Path, name: str, out: bool, model: str, device: str, quick: bool, log,
-               remeasure: bool = False) -> dict:
-    """The measurements of the package's doc, 1 to 4, then the profiles written and (not ``quick``) checked."""
+               remeasure: bool = False, threads="auto", pin: bool = False) -> dict:
+    """The measurements of the package's doc, 1 to 4, at the thread placement :func:`thread_plan` (applied to this
+    process for the whole calibration, each offloaded install applying the same), then the profiles written
+    and (not ``quick``) checked."""
     from ...executor.base import steady_host_allocator
+    from .cell import offload_execution
 
     t_start = time.perf_counter()
     log = _timed(log, t_start)
     steady_host_allocator()  # as execution=offload measures: the fit and the runs it predicts see the same heap
     dev = torch.device(device)
-    ms = Measurements(measurement_key(model, device), remeasure)
-    log(f"specmd calibrate: measuring {platform.node()} ({dev}) ..."
+    plan = thread_plan(threads, pin, dev)
+    execution = offload_execution(plan.threads, plan.pin, plan.host_threads if plan.host_lane else "auto")
+    undo = plan.enter()
+    try:
+        return _stages(hw_dir, name, out, model, dev, quick, log, remeasure, plan, execution, t_start)
+    finally:
+        undo()
+
+
+def _stages(hw_dir, name, out, model, dev, quick, log, remeasure, plan, execution, t_start) -> dict:
+    ms = Measurements(measurement_key(model, str(dev), plan), remeasure)
+    log(f"specmd calibrate: measuring {platform.node()} ({dev}) at {_placement(plan)} ..."
         + (f" (reusing measurements of an earlier calibrate: {ms.path}; --remeasure measures anew)" if ms.data else ""))
-    ln, dk, cp = measure_machine(ms, dev, log)
+    ln, dk, cp = measure_machine(ms, dev, log, plan)
     hw = base_profile(ln, cp, dev)
-    cont = measure_host_side(ms, model, hw, dev, log)
-    fit = {} if quick else measure_overheads(ms, model, hw, dev, log)
+    cont = measure_host_side(ms, model, hw, dev, log, plan)
+    fit = {} if quick else measure_overheads(ms, model, hw, dev, log, execution)
     if quick:
         log("  --quick: skipped the policies' decision costs, the overhead fit and the check (the simulated clock "
             "then leaves out the framework's per-layer, per-token and per-expert costs)")
     if ms.reused:
         log(f"  reused from an earlier calibrate: {', '.join(ms.reused)}")
-    hw["calibrated_on"] = calibrated_on(model, dev, cp["kernel"])
+    hw["calibrated_on"] = calibrated_on(model, dev, cp["kernel"], plan)
     path, path_disk = write_profiles(hw_dir, name, hw, dk, _note(model, dev, fit))
     check = {}
     if not quick:
-        check = check_profile(model, hw, dev)
+        check = check_profile(model, hw, dev, execution=execution)
         log("  check (measured / simulated with this profile, 5%, lru + topk, 256-token prompt + 12 decodes): "
             + "; ".join(f"miss={k}: TTFT {v['ttft']:.2f}, TPOT {v['tpot']:.2f}" for k, v in check.items()))
     use = use_command(name, hw_dir.parent if out else None)
     log(f"wrote {path} and {path_disk} in {time.perf_counter() - t_start:.0f} s\n"
         f"how far to trust it: specmd fidelity --profile {shlex.quote(str(path))}\n"
-        f"use: python -m specmd execution=offload {use}")
+        f"use: python -m specmd execution=offload {use}{_execution_overrides(plan)}")
     components = {"link": ln["report"], "disk": dk["report"], "kernel": cp["kernel"], "host_kernel": cp["host_kernel"],
                   "contention": cont[1]}
     return {"path": str(path), "path_disk": str(path_disk), "hardware": hw, "fit": fit, "name": name, "check": check,
@@ -88,17 +125,36 @@ def _timed(log, t_start: float):
     return lambda m: log(f"{m}  [{time.perf_counter() - t_start:.0f} s]")
 
 
-def measure_machine(ms: Measurements, dev: torch.device, log) -> tuple[dict, dict, dict]:
+def _placement(plan) -> str:
+    """The thread placement in words (calibrate's and fidelity's headers)."""
+    r = plan.record()
+    where = (f", pinned: compute cores {r['compute_cores']}, copy {r['copy_cores']}"
+             + (f", host {r['host_cores']}" if r["host_cores"] else "")) if plan.pin else ", not pinned"
+    return (f"{plan.threads} compute thread{'s' if plan.threads > 1 else ''} + a copy thread"
+            + (f" + {plan.host_threads} host thread{'s' if plan.host_threads > 1 else ''}" if plan.host_lane else "")
+            + f" on {plan.cores} core{'s' if plan.cores > 1 else ''}{where}")
+
+
+def _execution_overrides(plan) -> str:
+    """The overrides that run at the profile's thread settings where auto would not give them."""
+    from ...machine import CorePlan
+
+    auto = CorePlan.plan(cores=plan.cores, host_lane=plan.host_lane)
+    extra = [] if auto.threads == plan.threads else [f"execution.threads={plan.threads}"]
+    return "".join(" " + x for x in extra + (["execution.pin=true"] if plan.pin else []))
+
+
+def measure_machine(ms: Measurements, dev: torch.device, log, plan=None) -> tuple[dict, dict, dict]:
     """1 and 2 of the package's doc: the link from host memory and from the disk, and the compute roofline
-    (the device's and the host's), each a saved stage."""
+    (the device's and the host's), each a saved stage (``plan``: the copy thread's placement)."""
     def link():
         rep = {}
-        bw, lat = measure_ram_link(dev, report=rep)
+        bw, lat = measure_ram_link(dev, report=rep, plan=plan)
         return {"bw": bw, "lat": lat, "report": rep}
 
     def disk():
         rep = {}
-        bw, lat = measure_disk_link(dev, disk_probe_path(), report=rep)
+        bw, lat = measure_disk_link(dev, disk_probe_path(), report=rep, plan=plan)
         return {"bw": bw, "lat": lat, "report": rep}
 
     def compute():
@@ -135,17 +191,17 @@ def base_profile(ln: dict, cp: dict, dev: torch.device) -> dict:
             "host_overlap": dev.type == "cuda"}
 
 
-def measure_host_side(ms: Measurements, model: str, hw: dict, dev: torch.device, log) -> tuple:
+def measure_host_side(ms: Measurements, model: str, hw: dict, dev: torch.device, log, plan=None) -> tuple:
     """2 of the package's doc, continued: the host and the link at once, and the host's experts; into ``hw``.
     Returns the contention stage (its fraction and report)."""
-    cont = ms.stage("contention", lambda: measure_contention(dev, hw))
+    cont = ms.stage("contention", lambda: measure_contention(dev, hw, plan=plan))
     hw["host_link_contention"] = cont[0]
     log(f"  contention (host experts and copies at once): {cont[0]:.2f} of the overlap (host alone "
         f"{cont[1]['host_ms']:.2f} ms, copies alone {cont[1]['link_ms']:.2f} ms, together {cont[1]['together_ms']:.2f} ms)")
 
     def host_experts():
         loaded, mcfg = load_configured(model)
-        return measure_host_experts(loaded, mcfg.family, hw, dev)
+        return measure_host_experts(loaded, mcfg.family, hw, dev, plan=plan)
 
     host, cases = ms.stage("host_experts", host_experts)
     hw.update(host)
@@ -156,15 +212,17 @@ def measure_host_side(ms: Measurements, model: str, hw: dict, dev: torch.device,
     return cont
 
 
-def measure_overheads(ms: Measurements, model: str, hw: dict, dev: torch.device, log) -> dict:
+def measure_overheads(ms: Measurements, model: str, hw: dict, dev: torch.device, log, execution=None) -> dict:
     """3 and 4 of the package's doc, into ``hw``: the policies' decision costs first (the fit's low-precision
     stack, ``miss=fetch_priority``, is then simulated with its decision cost, and the unpack term is what is
     left), then the overheads fitted on the model's runs. Returns the fit's report."""
-    costs, skipped = ms.stage("policies", lambda: measure_policies(model, hw, dev, log=log))
+    costs, skipped = ms.stage("policies", lambda: measure_policies(model, hw, dev, log=log))  # (simulated: no copy
+    # thread; on the compute threads calibrate runs at)
     hw["policy_overhead_us"] = costs
     # (fitted as costs that add to compute; on a GPU the clock overlaps them with the device's compute per
     # segment between synchronisations: the tiny fit model's device time is ~0, where the two agree)
-    over, fit = ms.stage("overheads", lambda: fit_overheads(model, dict(hw, host_overlap=False), dev))
+    over, fit = ms.stage("overheads", lambda: fit_overheads(model, dict(hw, host_overlap=False), dev,
+                                                            execution=execution))
     fit["policies_not_measured"] = skipped
     hw.update(over)
     if "host_call_overhead_us" in over:
@@ -184,13 +242,16 @@ def measure_overheads(ms: Measurements, model: str, hw: dict, dev: torch.device,
     return fit
 
 
-def calibrated_on(model: str, dev: torch.device, kern: dict) -> dict:
-    """The profile's ``calibrated_on``: this host, device, torch, torch's intra-op threads (a run at others is
-    told: issue 56), the model's dtype and expert bytes, the kernel sizes fitted on, and the machine's speed as
-    the profile was fitted (not saved with the measurements: a reused stage was measured then, the probe says
-    now)."""
+def calibrated_on(model: str, dev: torch.device, kern: dict, plan=None) -> dict:
+    """The profile's ``calibrated_on``: this host, device, torch, the thread placement it was measured at
+    (``threads``, ``pin``, ``host_threads``, ``cores``: a run at other settings is told, and ``specmd fidelity``
+    runs at these; issue 56), the model's dtype and expert bytes, the kernel sizes fitted on, and the machine's
+    speed as the profile was fitted (not saved with the measurements: a reused stage was measured then, the
+    probe says now)."""
     geom = _geometry(model)
-    return {"host": platform.node(), "device": str(dev), "torch": torch.__version__, "threads": torch.get_num_threads(),
+    placed = {"threads": plan.threads, "pin": plan.pin, "host_threads": plan.host_threads, "cores": plan.cores} \
+        if plan is not None else {"threads": torch.get_num_threads()}
+    return {"host": platform.node(), "device": str(dev), "torch": torch.__version__, **placed,
             "dtype": geom["dtype"], "model": model, "expert_bytes": geom["expert_bytes"],
             "kernel_bytes": [min(p["bytes"] for p in kern["points"]), max(p["bytes"] for p in kern["points"])],
             "speed": speed_probe(dev)}

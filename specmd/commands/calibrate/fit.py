@@ -92,43 +92,112 @@ PROMPTS = (8, 32, 128, 448)
 LOW_QUANT = {"name": "hqq", "precisions": ["int8", "int4", "int2"], "optimize": False}
 
 
-def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: int = 10, reps: int = 3
-                  ) -> tuple[dict, dict]:
-    """Overheads (µs) from greedy generations under execution=offload; per pass residual = measured -
-    roofline, regressed on (decoder layers, tokens, experts run, copy jobs issued, predictions made, experts
-    placed; then experts unpacked). Returns (overheads, fit report).
+def fit_overheads(model_name: str, hw: dict, device: torch.device, new_tokens: int = 10, reps: int = 3,
+                  execution: dict | None = None) -> tuple[dict, dict]:
+    """Overheads (µs) from greedy generations under execution=offload (``execution``: its section, at the
+    profile's thread settings); per pass residual = measured - roofline, regressed on (decoder layers, tokens,
+    experts run, copy jobs issued, predictions made, experts placed; then experts unpacked). Returns (overheads,
+    fit report).
 
     Robust by construction, because a single pass of a few ms on a shared CPU varies by tens of percent
     (single-pass fits gave a token overhead anywhere in 0-257 us on the same machine, and TTFT predictions
     0.65-1.0 of measured):
 
-    - every generation runs ``reps`` times, each in a fresh install (cold cache: the same decisions, so
-      the same regressors), and each pass's residual is the **median** over the repetitions;
+    - every generation runs ``reps`` times, each in a **fresh process** (issue 56: a process's kernels ran in
+      one of two speed modes on this VM, fixed for its life: repetitions in one process all land in its mode)
+      and a fresh install in it (cold cache: the same decisions, so the same regressors), and each pass's
+      residual is the **median** over the repetitions;
     - prefills of ``PROMPTS`` tokens (not one or two sizes): tokens and experts run vary independently
       enough to separate their terms, and TTFT's prompt lies inside the range it is predicted from;
+    - each term has a stack that moves it alone (:data:`OVERHEAD_STACKS`): copies without predictions and
+      predictions without copies, so the per-expert, per-issue and per-prediction costs no longer trade off
+      (fitted without the first, the prediction cost came out anywhere in 4-119 us over four fits);
     - rows are weighted by 1 / the pass's measured time, so the fit minimises *relative* error: the many
       short decode passes do not outvote the few prefills (TTFT and TPOT are judged by ratios);
-    - one generation before the repetitions warms the framework (first calls of kernels, allocator), and one
+    - one generation before the repetition warms each process (first calls of kernels, allocator), and one
       at the start of each install, discarded, its first evictions (as ``specmd fidelity``'s cells do)."""
-    rows, host_calls, geom = overhead_passes(model_name, hw, device, new_tokens, reps)
+    rows, host_calls, geom = overhead_passes(model_name, hw, device, new_tokens, reps, execution)
     over, report = fit_passes(rows, reps)
     return {**over, **fit_host(host_calls, geom, hw)}, report
 
 
-# five stacks: all resident (no transfers after the first pass), a small cache with prefetching (many transfers
-# issued), all resident with prefetching (predictions without transfers), and two small caches fetching stored
-# low-precision copies (experts unpacked before they run; with two stacks' policies, since the arena's
-# compactions come with the unpacking): each term is identifiable. The sixth, hybrid, times the host's experts
-# per call (not in the pass fit). (capacity, prefetch, other groups)
+# six stacks: all resident (no transfers after the first pass), a small cache fetching on demand (copies
+# without predictions), a small cache with prefetching (many transfers issued), all resident with prefetching
+# (predictions without transfers), and two small caches fetching stored low-precision copies (experts unpacked
+# before they run; with two stacks' policies, since the arena's compactions come with the unpacking): each term
+# is identifiable. The seventh, hybrid, times the host's experts per call (not in the pass fit).
+# (capacity, prefetch, other groups)
 _LOW = {"miss": "fetch_priority", "quant": LOW_QUANT}
-OVERHEAD_STACKS = ((1.0, "none", {}), (0.05, "topk", {}), (1.0, "topk", {}), (0.05, "topk", _LOW),
+OVERHEAD_STACKS = ((1.0, "none", {}), (0.05, "none", {}), (0.05, "topk", {}), (1.0, "topk", {}), (0.05, "topk", _LOW),
                    (0.05, "score", dict(_LOW, eviction="least_stale")),  # unpacking's cost with two stacks' arenas
                    (0.05, "topk", {"miss": "hybrid"}))
 
 
-def overhead_passes(model_name: str, hw: dict, device: torch.device, new_tokens: int, reps: int) -> tuple:
-    """The passes :func:`fit_overheads` fits: ``({(stack, prompt, pass): [regressors per rep, residual per rep,
-    measured per rep]}, host banks [(experts, rows, seconds)] of the hybrid stack, the model's geometry)``."""
+def overhead_passes(model_name: str, hw: dict, device: torch.device, new_tokens: int, reps: int,
+                    execution: dict | None = None) -> tuple:
+    """The passes :func:`fit_overheads` fits, each repetition in a fresh process run after the other
+    (:func:`process_passes`): ``({(stack, prompt, pass): [regressors per rep, residual per rep, measured per
+    rep]}, host banks [(experts, rows, seconds)] of the hybrid stack, the model's geometry: expert_params,
+    expert_bytes)``."""
+    rows: dict[tuple, list] = {}
+    host_calls: list = []
+    geom = None
+    for _ in range(reps):
+        got = _in_fresh_process({"model": model_name, "hw": hw, "device": str(device), "new_tokens": new_tokens,
+                                 "execution": execution})
+        for key, (x, y, m) in got["rows"]:
+            row = rows.setdefault(tuple(key), [[], [], []])
+            row[0] += x
+            row[1] += y
+            row[2] += m
+        host_calls += [tuple(c) for c in got["host_calls"]]
+        geom = got["geometry"]
+    from types import SimpleNamespace
+
+    return rows, host_calls, SimpleNamespace(**geom)
+
+
+def _in_fresh_process(job: dict) -> dict:
+    """:func:`process_passes` of ``job`` in a new Python process (killed if this one is interrupted:
+    ``subprocess.run``), its result read back from a JSON file; a failure raises with the child's last lines."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(prefix="specmd-calibrate-") as d:
+        src, dst = Path(d) / "job.json", Path(d) / "passes.json"
+        src.write_text(json.dumps(job))
+        code = "import sys; from specmd.commands.calibrate.fit import child_main; child_main(sys.argv[1:])"
+        r = subprocess.run([sys.executable, "-c", code, str(src), str(dst)], capture_output=True, text=True)
+        if r.returncode != 0 or not dst.is_file():
+            raise RuntimeError(f"calibrate's overhead fit: its process failed (exit {r.returncode}): "
+                               f"{(r.stderr or r.stdout)[-2000:]}")
+        return json.loads(dst.read_text())
+
+
+def child_main(argv: list) -> None:
+    """The fresh process of :func:`_in_fresh_process`: ``argv`` = (job JSON path, result JSON path)."""
+    import json
+    from pathlib import Path
+
+    from ...executor.base import steady_host_allocator
+
+    job = json.loads(Path(argv[0]).read_text())
+    steady_host_allocator()  # (as execution=offload measures, and the parent did)
+    rows, host_calls, geom = process_passes(job["model"], job["hw"], torch.device(job["device"]), job["new_tokens"],
+                                            job["execution"])
+    out = {"rows": [[list(k), v] for k, v in rows.items()], "host_calls": host_calls,
+           "geometry": {"expert_params": int(geom.expert_params), "expert_bytes": int(geom.expert_bytes)}}
+    Path(argv[1]).write_text(json.dumps(out))
+
+
+def process_passes(model_name: str, hw: dict, device: torch.device, new_tokens: int,
+                   execution: dict | None = None) -> tuple:
+    """One process's repetition: the model loaded, a warm-up repetition of two prompts per stack (discarded),
+    then every stack of :data:`OVERHEAD_STACKS` in a fresh install; ``(rows, host banks, geometry)`` as
+    :func:`overhead_passes` (one repetition per row)."""
     from ...models.loader import local_checkpoint
 
     model, mcfg = load_configured(model_name)
@@ -143,13 +212,14 @@ def overhead_passes(model_name: str, hw: dict, device: torch.device, new_tokens:
     rows: dict[tuple, list] = {}
     host_calls: list = []  # (experts, rows, seconds) of every host bank the hybrid stack computed
     geom = None
-    for rep in range(-1, reps):  # rep -1: the warm-up, discarded
+    for rep in (-1, 0):  # rep -1: the warm-up, discarded
         for si, stack_of in enumerate(OVERHEAD_STACKS):
-            geom = _one_install(model, hw, device, ckpt, prompts, new_tokens, rep, si, stack_of, rows, host_calls)
+            geom = _one_install(model, hw, device, ckpt, prompts, new_tokens, rep, si, stack_of, rows, host_calls,
+                                execution)
     return rows, host_calls, geom
 
 
-def _one_install(model, hw, device, ckpt, prompts, new_tokens, rep, si, stack_of, rows, host_calls):
+def _one_install(model, hw, device, ckpt, prompts, new_tokens, rep, si, stack_of, rows, host_calls, execution=None):
     """One repetition of one stack of :data:`OVERHEAD_STACKS` in a fresh install: its passes into ``rows``
     (not the warm-up's, nor the hybrid stack's, whose host banks go to ``host_calls``). Returns the geometry."""
     from ...compose import spec_of
@@ -159,7 +229,7 @@ def _one_install(model, hw, device, ckpt, prompts, new_tokens, rep, si, stack_of
 
     capacity, prefetch, extra = stack_of
     spec = spec_of(hardware=HardwareConfig(**{**hw, "capacity": capacity}), prefetch=prefetch, **extra)
-    spec.execution = EXECUTION.params({"name": "offload", "throttle": True})
+    spec.execution = EXECUTION.params(execution or {"name": "offload", "throttle": True})
     stack = install(model, spec, device=device, checkpoint=ckpt)
     hybrid = extra.get("miss") == "hybrid"
     counts = _count_per_pass(stack.executor, stack.engine)
@@ -291,44 +361,3 @@ def nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     from scipy.optimize import lsq_linear
 
     return lsq_linear(X, y, bounds=(0.0, np.inf), method="bvls").x
-
-
-def check_profile(model_name: str, hw: dict, device: torch.device, prompt: int = 256, new_tokens: int = 12
-                  ) -> dict:
-    """calibrate's own check: the calibrated profile's simulated TTFT and TPOT against what ``execution=offload``
-    measures, on two stacks at 5% (lru + topk with ``fetch``, and with ``hybrid``), a ``prompt``-token prefill
-    then ``new_tokens`` greedy decodes, after a warm-up generation in the same install (as ``specmd fidelity``
-    measures a cell). Returns {stack: {ttft, tpot: measured /
-    simulated}}."""
-    from ...compose import spec_of
-    from ...executor import EXECUTION
-    from ...hardware import HardwareConfig
-    from ...hook import install
-    from ...models.loader import local_checkpoint
-
-    model, mcfg = load_configured(model_name)
-    model.to(device)
-    ckpt = local_checkpoint(mcfg.pretrained) if mcfg.pretrained else None
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(7)).to(device)
-    out = {}
-    for miss in ("fetch", "hybrid"):
-        spec = spec_of(hardware=HardwareConfig(**{**hw, "capacity": 0.05}), prefetch="topk", miss=miss)
-        spec.execution = EXECUTION.params({"name": "offload", "throttle": True})
-        stack = install(model, spec, device=device, checkpoint=ckpt)
-        try:  # a warm-up generation in the same install (first touches of the arena: specmd fidelity's cells)
-            with torch.no_grad():
-                for x in (torch.flip(ids[:, -32:], (1,)), ids):
-                    first = len(stack.executor.pass_kinds)
-                    model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                   pad_token_id=0)
-            ex, passes = stack.executor, stack.engine.cache.stats.passes
-            ratio = {}
-            for fig, kind in (("ttft", "prefill"), ("tpot", "decode")):
-                rows = [(w, p.time_s) for k, w, p in zip(ex.pass_kinds[first:], ex.pass_wall[first:], passes[first:])
-                        if k == kind]
-                ratio[fig] = sum(r[0] for r in rows) / sum(r[1] for r in rows)
-        finally:
-            stack.remove()
-        out[miss] = ratio
-    return out

@@ -26,16 +26,16 @@ SIZES = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20)
 
 
 def measure_ram_link(device: torch.device, reps: int = 5, sizes=SIZES, source_bytes: int = 128 << 20,
-                     report: dict | None = None, rounds: int = 3) -> tuple[float, float]:
+                     report: dict | None = None, rounds: int = 3, plan=None) -> tuple[float, float]:
     """The ``ram`` tier's own copies (:class:`~specmd.executor.tiers.RamTier`: one expert's row of a fused
     parameter into a slot) through the transfer channel, from sources cycling through ``source_bytes`` -- more than a last-level cache,
     so a copy reads memory as a fetch of a cold expert does (one source copied over and over measured the
     cache: 50 GB/s on a machine whose memory copies at half that). Each size timed in passes
-    (:func:`in_passes`)."""
+    (:func:`in_passes`). ``plan``: the copy thread's placement (:class:`specmd.machine.CorePlan`)."""
     from ...executor.tiers import RamTier
     from ...executor.transfer import CudaMover, ThreadMover
 
-    mover = CudaMover(None, 0.0, device) if device.type == "cuda" else ThreadMover(None, 0.0)
+    mover = CudaMover(None, 0.0, device, plan) if device.type == "cuda" else ThreadMover(None, 0.0, plan)
     nrows = [max(4, source_bytes // size) for size in sizes]
     src = torch.empty(max(r * size for r, size in zip(nrows, sizes)) // 8, dtype=torch.int64).random_()
     # per size, one fused [rows, size] parameter (the tier's layout) over the same source memory -- a layer of
@@ -57,7 +57,7 @@ def measure_ram_link(device: torch.device, reps: int = 5, sizes=SIZES, source_by
     return fit_link([(size, secs[li]) for li, size in enumerate(sizes)], report)
 
 
-def measure_disk_link(device: torch.device, path: Path, reps: int = 5, report: dict | None = None
+def measure_disk_link(device: torch.device, path: Path, reps: int = 5, report: dict | None = None, plan=None
                       ) -> tuple[float, float]:
     """pread into a tensor of the device's (host side) with the page cache dropped before each read."""
     from ...executor.transfer import ThreadMover
@@ -70,7 +70,7 @@ def measure_disk_link(device: torch.device, path: Path, reps: int = 5, report: d
         # not kept elsewhere when the disk is full)
         write_files([(path, content_fill(os.urandom(total)))], keep=False)
     fd = os.open(path, os.O_RDONLY)
-    mover = ThreadMover(None, 0.0)
+    mover = ThreadMover(None, 0.0, plan)
     points = []
     try:
         for size in SIZES:
@@ -153,7 +153,7 @@ def measure_compute(device: torch.device, reps: int = 5, rounds: int = 3, pool_b
     return fit_kernel(pts)
 
 
-def measure_contention(device: torch.device, hw: dict, reps: int = 5) -> tuple[float, dict]:
+def measure_contention(device: torch.device, hw: dict, reps: int = 5, plan=None) -> tuple[float, dict]:
     """``hardware.host_link_contention``: the host computing (an expert projection's kernel, as the host runs
     the experts of ``miss=cpu_compute``/``hybrid``) and the link copying (the ``ram`` tier's copies through
     the transfer channel), each alone and then both started together, sized to take about as long as each
@@ -162,7 +162,7 @@ def measure_contention(device: torch.device, hw: dict, reps: int = 5) -> tuple[f
     from ...executor.tiers import RamTier
     from ...executor.transfer import CudaMover, ThreadMover
 
-    mover = CudaMover(None, 0.0, device) if device.type == "cuda" else ThreadMover(None, 0.0)
+    mover = CudaMover(None, 0.0, device, plan) if device.type == "cuda" else ThreadMover(None, 0.0, plan)
     h, f = KERNEL_SHAPES[2]
     w = torch.randn(f, h)
     x = torch.randn(8, h)
@@ -213,7 +213,8 @@ def measure_contention(device: torch.device, hw: dict, reps: int = 5) -> tuple[f
                "copy_bytes": size}
 
 
-def measure_host_experts(model, family: str, hw: dict, device: torch.device, reps: int = 15) -> tuple[dict, dict]:
+def measure_host_experts(model, family: str, hw: dict, device: torch.device, reps: int = 15, plan=None
+                         ) -> tuple[dict, dict]:
     """The host's costs beyond its roofline for the model's own experts (its family's layout, its size),
     computed as the offload executor computes them (:mod:`~specmd.executor.hostwork`: one bank of the layer's
     ``[E, ...]`` tensors in host memory; on CUDA handed to the worker thread, the rows copied from the device
@@ -235,7 +236,7 @@ def measure_host_experts(model, family: str, hw: dict, device: torch.device, rep
     names, transposed, gated = layout.names, layout.transposed, layout.gated
     H = tensors[names[1]].shape[2 if transposed else 1]
     dtype = next(iter(tensors.values())).dtype
-    worker, bank = HOST_COMPUTE["thread" if device.type == "cuda" else "inline"](), Bank(tensors, 0, E)
+    worker, bank = HOST_COMPUTE["thread" if device.type == "cuda" else "inline"](plan), Bank(tensors, 0, E)
     X, y, cases = [], [], {}
     try:
         with torch.no_grad():
@@ -347,13 +348,16 @@ def disk_probe_path() -> Path:
     return cache_dir().parent / "calibrate" / "disk-probe.bin"
 
 
-MEASURE_VERSION = 4  # bump when a measurement changes meaning: older saved measurements are not reused
+MEASURE_VERSION = 5  # bump when a measurement changes meaning: older saved measurements are not reused
 
 
-def measurement_key(model: str, device: str) -> dict:
-    """What a saved measurement is valid for: this host, device, torch, the model it was fitted on, and the
+def measurement_key(model: str, device: str, plan=None) -> dict:
+    """What a saved measurement is valid for: this host, device, torch, the thread placement it was measured at
+    (:class:`specmd.machine.CorePlan`: threads, pin, host threads, cores), the model it was fitted on, and the
     version of the measurements."""
-    return {"host": platform.node(), "device": str(device), "torch": torch.__version__, "model": model,
+    placed = {} if plan is None else {"threads": plan.threads, "pin": plan.pin, "host_threads": plan.host_threads,
+                                      "cores": plan.cores}
+    return {"host": platform.node(), "device": str(device), "torch": torch.__version__, "model": model, **placed,
             "version": MEASURE_VERSION}
 
 
