@@ -30,10 +30,25 @@ def usable_cores() -> int:
     """The CPU cores this process may keep busy: its affinity mask (which SLURM, ``taskset`` or a container
     narrows), else every core; at most its cgroup's CPU quota (:func:`cgroup_cores`, rounded down: a thread
     beyond the quota is throttled, not run -- uber-go/automaxprocs rounds so too), and at least 1. Never
-    ``os.cpu_count()`` alone: a container sees the host's cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ``os.cpu_count()`` alone: a container sees the host's cores. The mask is the process's own
+    (:func:`process_mask`), not the one a timed run's pinning narrowed its threads to."""
+    mask = process_mask()
+    cores = len(mask) if mask is not None else (os.cpu_count() or 1)
     quota = cgroup_cores()
     return max(1, min(cores, int(quota))) if quota is not None else cores
+
+
+_PINNED = {"mask": None, "depth": 0}  # the process's mask before specmd pinned it, while a CorePlan.enter holds
+
+
+def process_mask() -> Optional[set]:
+    """The process's affinity mask as it was given (SLURM, ``taskset``, a container), also while a timed run's
+    pinning (:meth:`CorePlan.enter`) holds its threads on fewer cores: a plan made inside another -- fidelity's
+    cells inside its own, calibrate's installs inside its -- divides the same cores, not the ones the outer one
+    pinned to (that put the copy thread on the compute core). None where the platform has no affinity."""
+    if _PINNED["depth"]:
+        return set(_PINNED["mask"])
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
 
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")  # (where cgroup v2 mounts; v1's cpu controller under cpu/)
@@ -84,7 +99,8 @@ def machine() -> dict:
     min) at the job's start and at its end."""
     import torch
 
-    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    mask = process_mask()
+    affinity = sorted(mask) if mask is not None else None
     return {"threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
             "usable_cores": usable_cores(), "affinity": affinity, "cgroup_cores": cgroup_cores(), "smt": _smt(),
             "cpu_count": os.cpu_count(), "load_average_at_start": _START.get("load_average"),
@@ -227,7 +243,7 @@ class CorePlan:
             h = t
         compute = copy_cores = host = ()
         if pin:
-            ring = sorted(os.sched_getaffinity(0))[:n]
+            ring = sorted(process_mask())[:n]
             pick = lambda start, k: tuple(sorted({ring[(start + i) % len(ring)] for i in range(k)}))  # noqa: E731
             compute = pick(0, t)
             copy_cores = pick(t, 1) if copy_thread else ()
@@ -251,13 +267,17 @@ class CorePlan:
         torch.set_num_threads(self.threads)
         mask = None
         if self.pin:
-            mask = os.sched_getaffinity(0)
+            mask = os.sched_getaffinity(0)  # (the outer plan's compute cores, when one holds)
+            if not _PINNED["depth"]:
+                _PINNED["mask"] = set(mask)
+            _PINNED["depth"] += 1
             _pin_all(self.compute)
 
         def undo():
             torch.set_num_threads(before)
             if mask is not None:
                 _pin_all(mask)
+                _PINNED["depth"] -= 1
 
         return undo
 

@@ -378,6 +378,7 @@ def test_fidelity_runs_a_grid_on_the_tiny_model():
 @pytest.mark.parametrize("argv,match", [
     (["--repeats", "2"], "--repeats 2: at least 3"),
     (["--profile", "nope"], "--profile 'nope': no such profile .* a100_pcie"),
+    (["--profile", "/nonexistent/box.yaml"], "--profile /nonexistent/box.yaml: no such file .* --out DIR --name NAME"),
     (["--models", "nope"], "--models 'nope': no such model config; valid choices: .*deep_olmoe"),
     (["--device", "tpu"], "tpu"),
 ])
@@ -456,3 +457,37 @@ def test_fidelity_times_its_cells_at_the_profiles_thread_settings(tmp_path, monk
         if want[1]:
             assert seen["affinity"] == set(report["placement"]["compute_cores"])
     assert report["machine"]["usable_cores"] == cores
+
+
+def test_a_timed_run_at_other_thread_settings_than_its_profile_warns_and_records_its_placement(tmp_path, caplog):
+    """An offloaded run whose profile was fitted at other threads or pinning says so, one line each, and its
+    results record where its threads ran and the machine's speed as it started (issue 56); a simulated run's own
+    threads change no simulated number: no thread warning there."""
+    import json
+    import logging
+
+    from hydra import compose, initialize_config_dir
+
+    from specmd import CONF_DIR
+    from specmd.app import execute
+    from specmd.machine import CorePlan
+
+    auto = CorePlan.plan().threads
+    said = {}
+    for execution in ("offload", "simulated"):
+        overrides = ["model=tiny", "eval.tasks=[]", "logger=none", f"execution={execution}",
+                     f"hardware.calibrated_on={{threads: {auto + 6}, pin: true}}"]
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="specmd"):
+            res = execute(cfg, run_dir=str(tmp_path / execution), overrides=overrides)
+        said[execution] = [r.getMessage() for r in caplog.records if "calibrated" in r.getMessage()]
+        m = json.loads((tmp_path / execution / "results.json").read_text())["provenance"]["machine"]
+        assert res["provenance"]["machine"] == m
+    assert said["offload"] == [f"hardware=a100_pcie was calibrated with threads {auto + 6}; this run's is {auto}",
+                               "hardware=a100_pcie was calibrated with pin True; this run's is False"]
+    assert said["simulated"] == []
+    off = json.loads((tmp_path / "offload" / "results.json").read_text())["provenance"]["machine"]
+    assert off["placement"] == CorePlan.plan().record() and set(off["speed_probe"]) == {"kernel_us", "python_us"}
+    assert "placement" not in json.loads((tmp_path / "simulated" / "results.json").read_text())["provenance"]["machine"]

@@ -142,3 +142,73 @@ def test_an_offloaded_run_puts_its_threads_where_its_plan_says_and_gives_them_ba
     finally:
         stack.remove()
     assert os.sched_getaffinity(0) == mask and torch.get_num_threads() == threads
+
+
+@pytest.mark.skipif(machine.usable_cores() < 2, reason="a launcher's share below the cores needs 2 of them")
+def test_pinning_is_refused_where_a_launcher_runs_jobs_side_by_side(tmp_path):
+    """Two jobs of a launcher on one machine would pin their threads to the same first cores: refused before
+    any model work, one line naming the way out; the same job alone (its share = the cores) runs pinned."""
+    from hydra import compose, initialize_config_dir
+
+    from specmd import CONF_DIR
+    from specmd.app import execute
+    from specmd.errors import ConfigError
+
+    overrides = ["model=tiny", "eval.tasks=[]", "logger=none", "execution=offload", "execution.pin=true"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    try:
+        with pytest.raises(ConfigError, match=r"execution.pin=true: the launcher runs other jobs .*hydra.launcher.n_jobs=1"):
+            execute(cfg, run_dir=str(tmp_path / "shared"), overrides=overrides, threads=1)
+        assert (tmp_path / "shared" / "failed.json").is_file() and not (tmp_path / "shared" / "results.json").exists()
+        res = execute(cfg, run_dir=str(tmp_path / "alone"), overrides=overrides, threads=machine.usable_cores())
+        assert res["provenance"]["machine"]["placement"]["pin"] is True
+    finally:
+        machine.set_core_budget(None)
+
+
+@pytest.mark.parametrize("miss,lane", [("hybrid", True), ("cpu_compute", True), ("fetch", False)])
+def test_a_host_lane_of_its_own_gets_its_threads_and_cores_only_where_the_miss_policy_computes_on_the_host(miss, lane):
+    """host_compute=thread: a miss policy that may answer HostComputed gets a host lane in the plan (its own
+    threads; pinned, its own cores), one that never does leaves its cores to compute (issue 56)."""
+    from conftest import tiny
+
+    from specmd.compose import spec_of
+    from specmd.executor import EXECUTION
+    from specmd.hardware import HardwareConfig
+    from specmd.hook import install
+
+    pin = can_pin() and len(os.sched_getaffinity(0)) >= 2
+    model = tiny("olmoe")
+    spec = spec_of(miss=miss, hardware=HardwareConfig(capacity=0.25))
+    spec.execution = EXECUTION.params({"name": "offload", "host_compute": "thread", "host_threads": 1, "pin": pin})
+    stack = install(model, spec)
+    try:
+        plan = stack.executor.thread_plan
+        assert plan.host_lane is lane and plan == CorePlan.plan(host_threads=1, pin=pin, host_lane=lane)
+        worker = stack.executor.host_worker
+        got = worker.submit(lambda: (torch.get_num_threads(), os.sched_getaffinity(0) if pin else None)).result()
+        assert got[0] == plan.host_threads
+        if pin:
+            assert got[1] == set(plan.host)
+    finally:
+        stack.remove()
+
+
+@pytest.mark.skipif(not can_pin() or len(os.sched_getaffinity(0)) < 2, reason="needs Linux affinity and 2 cores")
+def test_a_plan_made_inside_a_pinned_one_divides_the_processs_cores_not_the_pinned_ones():
+    """fidelity's cells and calibrate's installs plan inside the command's own pinned plan: they divide the
+    process's mask (its copy thread on its own core), not the compute core the outer plan pinned them to."""
+    usable = machine.usable_cores()
+    outer = CorePlan.plan(pin=True)
+    undo = outer.enter()
+    try:
+        assert machine.usable_cores() == usable and os.sched_getaffinity(0) == set(outer.compute)
+        inner = CorePlan.plan(pin=True)
+        assert inner == outer and not set(inner.copy) & set(inner.compute)
+        undo_inner = inner.enter()
+        undo_inner()
+        assert os.sched_getaffinity(0) == set(outer.compute)  # (the inner undo gives back the outer's pinning)
+    finally:
+        undo()
+    assert machine.process_mask() == os.sched_getaffinity(0)

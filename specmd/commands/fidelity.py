@@ -220,6 +220,9 @@ def resolve_profile(profile: str | None) -> tuple[str, dict]:
 
     name = profile or default_name()
     path = Path(name).expanduser()
+    if name.endswith((".yaml", ".yml")) and not path.is_file():
+        raise ConfigError(f"--profile {name}: no such file (a profile's yaml path, or a name as hardware=NAME "
+                          f"selects it); `specmd calibrate --out DIR --name NAME` writes DIR/hardware/NAME.yaml")
     if not (name.endswith((".yaml", ".yml")) and path.is_file()):
         path = Path(user_config_dir()) / "hardware" / f"{name}.yaml"
     if path.is_file():

@@ -142,9 +142,12 @@ def overhead_passes(model_name: str, hw: dict, device: torch.device, new_tokens:
     rows: dict[tuple, list] = {}
     host_calls: list = []
     geom = None
+    from ...machine import process_mask
+
+    mask = process_mask()  # (the child starts on the cores this thread is pinned to: it plans on the process's)
     for _ in range(reps):
         got = _in_fresh_process({"model": model_name, "hw": hw, "device": str(device), "new_tokens": new_tokens,
-                                 "execution": execution})
+                                 "execution": execution, "mask": sorted(mask) if mask is not None else None})
         for key, (x, y, m) in got["rows"]:
             row = rows.setdefault(tuple(key), [[], [], []])
             row[0] += x
@@ -185,6 +188,10 @@ def child_main(argv: list) -> None:
     from ...executor.base import steady_host_allocator
 
     job = json.loads(Path(argv[0]).read_text())
+    if job.get("mask"):  # the parent's process mask, not its pinned compute cores
+        import os
+
+        os.sched_setaffinity(0, job["mask"])
     steady_host_allocator()  # (as execution=offload measures, and the parent did)
     rows, host_calls, geom = process_passes(job["model"], job["hw"], torch.device(job["device"]), job["new_tokens"],
                                             job["execution"])
