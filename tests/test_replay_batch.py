@@ -276,8 +276,11 @@ def test_composed_traces_replay_with_belady_and_lru(how):
     (dict(batch=-3), ["replay.batch=-3", ">= 1"]),
     (dict(concurrency=0), ["replay.concurrency=0", "null", ">= 1"]),
     (dict(batch=4, concurrency=2), ["replay.batch=4 and replay.concurrency=2", "not both"]),
-    (dict(concurrency=2, arrival_rate=0.0), ["replay.arrival_rate=0.0", "finite number > 0", "null"]),
-    (dict(concurrency=2, arrival_rate=-1.0), ["replay.arrival_rate=-1.0", "> 0"]),
+    (dict(concurrency=2, arrival_rate=0.0), ["replay.arrival_rate=0.0", "finite number >= 1e-09", "null"]),
+    (dict(concurrency=2, arrival_rate=-1.0), ["replay.arrival_rate=-1.0", ">= 1e-09"]),
+    # (issue 57: 1e-300 overflowed the arrival steps to int64's minimum; -1 reached numpy in the replay stage)
+    (dict(concurrency=2, arrival_rate=1e-300), ["replay.arrival_rate=1e-300", ">= 1e-09"]),
+    (dict(concurrency=2, seed=-1), ["replay.seed=-1", "whole numbers >= 0"]),
     (dict(concurrency=2, arrival_rate=math.nan), ["replay.arrival_rate=nan", "finite"]),
     (dict(concurrency=2, arrival_rate=math.inf), ["replay.arrival_rate=inf", "finite"]),
     (dict(arrival_rate=1.0), ["replay.arrival_rate=1.0 needs replay.concurrency"]),
@@ -295,7 +298,8 @@ def test_bad_batching_settings_from_the_command_line():
 
     for args, words in ((["replay.trace=x", "replay.batch=0"], "replay.batch=0"),
                         (["replay.trace=x", "replay.concurrency=2", "replay.arrival_rate=nan"], "arrival_rate=nan"),
-                        (["replay.trace=x", "replay.batch=2", "replay.concurrency=2"], "not both")):
+                        (["replay.trace=x", "replay.batch=2", "replay.concurrency=2"], "not both"),
+                        (["replay.trace=x", "replay.concurrency=2", "replay.seed=-1"], "replay.seed=-1")):
         with pytest.raises(ConfigError, match=words):
             compose_run(args)
 

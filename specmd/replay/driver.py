@@ -35,6 +35,8 @@ from .trace import KINDS, Trace, read_trace
 FORMATS = IMPORT_FORMATS.choices("specmd")  # read at each use: a format registered later is a valid choice
 
 
+MIN_ARRIVAL_RATE = 1e-9  # replay.arrival_rate's floor (mean arrivals per engine step)
+
 @dataclass
 class ReplayConfig:
     """The ``replay`` config group: ``trace`` (a specmd trace directory or an import file; null = live run;
@@ -86,10 +88,15 @@ class ReplayConfig:
             raise ConfigError(f"replay.batch={self.batch} and replay.concurrency={self.concurrency}: a replay is "
                               f"either statically batched (replay.batch > 1) or continuously batched "
                               f"(replay.concurrency), not both; set the other to its default (1 / null)")
+        if self.seed < 0:  # (numpy's generators take seeds >= 0: refused here, not in the replay stage)
+            raise ConfigError(f"replay.seed={self.seed}: valid choices are whole numbers >= 0")
         if self.arrival_rate is not None:
-            if not math.isfinite(self.arrival_rate) or self.arrival_rate <= 0:
+            # (at least MIN_ARRIVAL_RATE: a mean gap of 1e9 engine steps keeps a million requests' arrival steps
+            # inside int64; 1e-300 overflowed them to its minimum)
+            if not math.isfinite(self.arrival_rate) or self.arrival_rate < MIN_ARRIVAL_RATE:
                 raise ConfigError(f"replay.arrival_rate={self.arrival_rate}: valid choices are null (every request "
-                                  f"waiting at the start) or a finite number > 0 (mean arrivals per engine step)")
+                                  f"waiting at the start) or a finite number >= {MIN_ARRIVAL_RATE:g} (mean arrivals "
+                                  f"per engine step)")
             if self.concurrency is None:
                 raise ConfigError(f"replay.arrival_rate={self.arrival_rate} needs replay.concurrency (arrivals "
                                   f"are continuous batching's; replay.concurrency is null)")
