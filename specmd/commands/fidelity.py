@@ -318,10 +318,10 @@ def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, 
             f"on a CPU the simulated times leave out most of a small model's time")
     t0 = time.perf_counter()
     plan, execution = profile_placement(hw, torch.device(device))
-    from .calibrate.command import _placement
+    from .calibrate.command import placement_words
 
     log(f"specmd fidelity: profile {label}, {len(cells_of(grid))} cells x {repeats} repeats on {platform.node()} "
-        f"({device}) at the profile's {_placement(plan)} ...")
+        f"({device}) at the profile's {placement_words(plan)} ...")
     then = (hw.get("calibrated_on") or {}).get("speed")
     undo = plan.enter()  # (the drift probes on the compute threads too; each cell's install applies the same plan)
     try:

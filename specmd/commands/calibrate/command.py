@@ -92,7 +92,7 @@ def run_stages(hw_dir: Path, name: str, out: bool, model: str, device: str, quic
 
 def _stages(hw_dir, name, out, model, dev, quick, log, remeasure, plan, execution, t_start) -> dict:
     ms = Measurements(measurement_key(model, str(dev), plan), remeasure)
-    log(f"specmd calibrate: measuring {platform.node()} ({dev}) at {_placement(plan)} ..."
+    log(f"specmd calibrate: measuring {platform.node()} ({dev}) at {placement_words(plan)} ..."
         + (f" (reusing measurements of an earlier calibrate: {ms.path}; --remeasure measures anew)" if ms.data else ""))
     ln, dk, cp = measure_machine(ms, dev, log, plan)
     hw = base_profile(ln, cp, dev)
@@ -125,7 +125,7 @@ def _timed(log, t_start: float):
     return lambda m: log(f"{m}  [{time.perf_counter() - t_start:.0f} s]")
 
 
-def _placement(plan) -> str:
+def placement_words(plan) -> str:
     """The thread placement in words (calibrate's and fidelity's headers)."""
     r = plan.record()
     where = (f", pinned: compute cores {r['compute_cores']}, copy {r['copy_cores']}"
