@@ -3,6 +3,7 @@ offloaded paths on one device, in one table (and as JSON). About 6 minutes on on
 
     python benchmarks/gpu_check.py --device cuda --out gpu_check.json
     python benchmarks/gpu_check.py --device cpu --quick          # the same sections at toy sizes (a smoke run)
+    python benchmarks/gpu_check.py --stand-in --quick            # ... through the CUDA branches (specmd.accel)
 
 Sections (each reports its own failure and the next one runs):
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -151,9 +153,11 @@ def parity(device: str, quick: bool) -> None:
         sim = run_stack(model, spec_for(stack, 0.05, {"name": "simulated"}), ids, prefill, device)
         model.to(device)
         # (at the simulated run's compute threads: a CPU GEMM's last bits depend on its thread count, and
-        # execution.threads=auto keeps a core for the copy thread; on CUDA they set only the host side)
-        off = run_stack(model, spec_for(stack, 0.05, {"name": "offload", "throttle": False,
-                                                      "threads": torch.get_num_threads()}), ids, prefill, device)
+        # execution.threads=auto keeps a core for the copy thread; on CUDA they set only the host side; the
+        # host lane's too, where it is a thread of its own: on CUDA and its stand-in)
+        n = torch.get_num_threads()
+        off = run_stack(model, spec_for(stack, 0.05, {"name": "offload", "throttle": False, "threads": n,
+                                                      "host_threads": n}), ids, prefill, device)
         model.to(device)
         tokens = torch.equal(sim[0], off[0])
         hits = sim[2]["cache"]["hit_rate"] == off[2]["cache"]["hit_rate"]
@@ -206,12 +210,14 @@ def profile(device: str, quick: bool) -> None:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
             calls0 = st.engine.calls
             steps = 2 if quick else 8
+            log0 = len(_standin_log())
             with prof(activities=activities) as p:
                 for _ in range(steps):
                     out = model(nxt, past_key_values=past, use_cache=True)
                     past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
                 sync(device)
             calls = st.engine.calls - calls0
+            log = _standin_log()[log0:]
     finally:
         st.remove()
     counts = {}
@@ -228,6 +234,21 @@ def profile(device: str, quick: bool) -> None:
         f"grouped {counts.get('aten::_grouped_mm', 0) / max(calls, 1):.1f}")
     RESULT["profile"] = {"calls": calls, "syncs_per_call": per, "launches_per_call": launches / max(calls, 1),
                          "memcpy_per_call": d2h / max(calls, 1)}
+    if log:  # the CUDA stand-in's own log of the same steps (what torch.profiler counts on a GPU)
+        n = {k: sum(1 for e in log if (e[0], e[1] if e[0] == "sync" else None) == k) / max(calls, 1)
+             for k in (("sync", "event"), ("sync", "device"), ("sync", "stream"), ("copy", None), ("wait", None))}
+        row("syncs", "stand-in log per MoE layer call",
+            f"event synchronize {n['sync', 'event']:.2f}, device synchronize {n['sync', 'device']:.2f}",
+            f"stream synchronize {n['sync', 'stream']:.2f}; side-stream copies {n['copy', None]:.1f}, stream waits "
+            f"{n['wait', None]:.1f}")
+        RESULT["profile"]["standin_per_call"] = {" ".join(x for x in k if x): v for k, v in n.items()}
+
+
+def _standin_log() -> list:
+    """The CUDA stand-in's log (``--stand-in``), else empty."""
+    from specmd.accel import standin, standin_active
+
+    return standin().log if standin_active() else []
 
 
 # ---- 6, 7: decode at the link, and the ratios ------------------------------------------------------------------
@@ -241,9 +262,15 @@ def random_model(config: dict, dtype=torch.bfloat16):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.to_empty(device="cpu")
     g = torch.Generator().manual_seed(0)
+    # one block of random values tiled over every parameter: a generator fills 28.6 GB of bf16 in 122 s on an
+    # H200's host (16 cores), a copy in seconds; the values need only be finite and unlike zeros
+    pool = torch.empty(1 << 24, dtype=dtype).uniform_(-0.02, 0.02, generator=g)
     with torch.no_grad():
         for p in model.parameters():
-            p.uniform_(-0.02, 0.02, generator=g)
+            flat = p.view(-1)
+            for o in range(0, flat.numel(), pool.numel()):
+                m = min(pool.numel(), flat.numel() - o)
+                flat[o:o + m].copy_(pool[:m])
         for b in model.buffers():
             if b.is_floating_point() and not torch.isfinite(b).all():
                 b.zero_()
@@ -435,14 +462,27 @@ def main(argv: list) -> int:
     from specmd.cli.script import ArgumentParser, Sections, choice_of, device, out_file
 
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", type=device, help="cuda[:N] where torch sees one, else cpu (with --stand-in: cpu)")
     ap.add_argument("--quick", action="store_true", help="toy sizes (2-layer Qwen, shorter generations)")
     ap.add_argument("--out", type=out_file, help="write the table as JSON here")
     ap.add_argument("--skip", nargs="*", default=[], type=choice_of(SECTIONS, "--skip"),
                     help=f"sections to skip: {' '.join(SECTIONS)}")
+    ap.add_argument("--stand-in", action="store_true",
+                    help="run the CUDA branches on the CPU (specmd.accel.StandIn: CUDA's ordering, every copy "
+                         "deferred until waited for): the script a GPU user runs first has run before")
     a = ap.parse_args(argv)
+    if a.device is None:
+        a.device = "cuda" if torch.cuda.is_available() and not a.stand_in else "cpu"
+    if a.stand_in:
+        if not a.device.startswith("cpu"):
+            ap.error(f"--stand-in runs the CUDA branches on the CPU: --device {a.device} is a real device "
+                     f"(leave --device out, or --device cpu)")
+        from specmd.accel import ENV
+
+        os.environ[ENV] = "1"  # (inherited by calibrate's fresh processes)
     t0 = time.perf_counter()
-    RESULT["device"] = torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "cpu"
+    RESULT["device"] = (torch.cuda.get_device_name(a.device) if a.device.startswith("cuda")
+                        else "cpu (cuda stand-in)" if a.stand_in else "cpu")
     RESULT["torch"] = torch.__version__
     gbps = float("nan")
     sections = Sections()

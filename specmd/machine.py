@@ -153,10 +153,14 @@ def speed_probe(device: torch.device, reps: int = 5, rounds: int = 3) -> dict:
     x, out = torch.randn(8, h, device=device), torch.empty(8, f, device=device)
     table = {i: i for i in range(64)}
 
+    from .accel import accel_for
+
+    accel = accel_for(device)
+
     def kernel(k):
         torch.mm(x, ws[k % ws.shape[0]].t(), out=out)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if accel is not None:
+            accel.synchronize()
 
     def python(k):
         acc = 0

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
+from ..accel import accel_for
 from ..registry import Plugin, Registry
 
 
@@ -65,6 +66,15 @@ class Executor(Plugin):
         self.pass_tokens: list[int] = []
         self.pass_bytes: list[int] = []  # bytes the pass moved to the device (offload)
         self._t0 = 0.0
+        self._accel = False  # the device's :class:`~specmd.accel.Accel` (None: a CPU), looked up at the first pass
+
+    def _synchronize(self) -> None:
+        """Wait for the device's queued work (a GPU's kernels: not the next pass's time); nothing on a CPU."""
+        accel = self._accel
+        if accel is False:
+            accel = self._accel = accel_for(self.device)
+        if accel is not None:
+            accel.synchronize()
 
     def attach(self, stack) -> None:
         self.stack = stack
@@ -97,13 +107,11 @@ class Executor(Plugin):
         self.pass_tokens.append(tokens)
         self._stall0 = self.stalled()
         self._bytes0 = self.moved()
-        if self.device.type == "cuda":  # the previous pass's kernels are not this pass's time
-            torch.cuda.synchronize(self.device)
+        self._synchronize()  # the previous pass's kernels are not this pass's time
         self._t0 = time.perf_counter()
 
     def end_pass(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._synchronize()
         self.pass_wall.append(time.perf_counter() - self._t0)
         self.pass_stall.append(self.stalled() - self._stall0)
         self.pass_bytes.append(self.moved() - self._bytes0)

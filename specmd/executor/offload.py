@@ -44,12 +44,13 @@ import torch
 
 from ..engine.clock import link_rate
 from ..errors import ConfigError
+from ..accel import accel_for
 from ..machine import CorePlan
 from .base import EXECUTION, Executor, RunFacts, full_selection, steady_host_allocator, upload
 from .kernel import expert_tensors, grouped_experts
 from .hostwork import HOST_COMPUTE
 from .placement import Placement
-from .transfer import CudaMover, ThreadMover
+from .transfer import make_mover
 
 HOSTS = ("ram", "disk")
 PAGE_CACHE = ("drop", "keep")
@@ -157,10 +158,11 @@ class Offload(Executor):
         dtype = next(iter(tensors[0].values())).dtype
         _check_native_bytes(shapes, dtype, store)
         self.tier = self._host_tier(stack, tensors, shapes, dtype)
-        low_tiers, raw_layout = _low_tiers(store, geom.num_layers, E, dev.type == "cuda")
+        accel = accel_for(dev)
+        low_tiers, raw_layout = _low_tiers(store, geom.num_layers, E, accel)
         tiers = {"native": self.tier, **low_tiers}
         align = _alignment(dtype, store, raw_layout)
-        how = host_compute(p, dev.type)
+        how = host_compute(p, accel is not None)
         mcls, mparams = stack.spec.miss
         self.thread_plan = plan = CorePlan.plan(p.threads, p.host_threads, p.pin, copy_thread=True,
                                                 host_lane=how == "thread" and mcls.computes_on_host(mparams))
@@ -181,7 +183,7 @@ class Offload(Executor):
 
         dev = stack.device
         if self.params.host == "ram":
-            return RamTier(tensors, pin=dev.type == "cuda")
+            return RamTier(tensors, accel_for(dev))
         if stack.checkpoint is None:  # (a stack installed directly, without the run's config_errors)
             raise ConfigError("execution.host=disk reads experts from a local checkpoint's safetensors: install the "
                               "stack with checkpoint=<its directory>, or use execution.host=ram")
@@ -303,10 +305,11 @@ class Offload(Executor):
             undo()
 
 
-def host_compute(params: OffloadParams, device_type: str) -> str:
-    """Where the host's experts run: ``execution.host_compute``, auto resolved (a thread beside a GPU; inline on
-    a CPU device, whose host is the device)."""
-    return params.host_compute if params.host_compute != "auto" else "thread" if device_type == "cuda" else "inline"
+def host_compute(params: OffloadParams, accelerated: bool) -> str:
+    """Where the host's experts run: ``execution.host_compute``, auto resolved (a thread beside a GPU --
+    ``accelerated``: the device has an :class:`~specmd.accel.Accel` --; inline on a CPU device, whose host is
+    the device)."""
+    return params.host_compute if params.host_compute != "auto" else "thread" if accelerated else "inline"
 
 
 def _thread_errors(params: OffloadParams, run: RunFacts) -> list[str]:
@@ -319,7 +322,7 @@ def _thread_errors(params: OffloadParams, run: RunFacts) -> list[str]:
         errors.append("execution.pin=true needs Linux's sched_setaffinity (and /proc/self/task), which this "
                       "platform lacks: leave execution.pin=false")
     if "host_threads" in run.explicit and params.host_threads != "auto":
-        how = host_compute(params, "cuda" if run.device.startswith("cuda") else "cpu")
+        how = host_compute(params, accel_for(run.device) is not None)
         mcls, mparams = run.miss
         if how != "thread":
             errors.append(f"execution.host_threads={params.host_threads} sets the host lane's threads when it is a "
@@ -340,7 +343,7 @@ def _check_native_bytes(shapes: dict, dtype: torch.dtype, store) -> None:
                           f"engine counts {store.bytes_of['native']} (hardware.timing_as cannot be offloaded)")
 
 
-def _low_tiers(store, num_layers: int, num_experts: int, pin: bool) -> tuple[dict, dict]:
+def _low_tiers(store, num_layers: int, num_experts: int, accel) -> tuple[dict, dict]:
     """The stored low-precision copies' host tiers (precision -> tier: their raw bytes, per layer as ``[E, ...]``
     tensors in host memory) and their raw layouts ((layer, precision) -> ``[(name, dtype, shape, bytes)]``,
     equal ones shared); none without stored copies."""
@@ -359,7 +362,7 @@ def _low_tiers(store, num_layers: int, num_experts: int, pin: bool) -> tuple[dic
             lay = [(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in raws[0].items()]
             raw_layout[layer, q] = next((v for v in raw_layout.values() if v == lay), lay)
             rows.append({n: torch.stack([r[n] for r in raws]) for n in raws[0]})
-        tiers[q] = RamTier(rows, pin=pin)
+        tiers[q] = RamTier(rows, accel)
         if set(tiers[q].row_bytes) != {store.bytes_of[q]}:
             raise RuntimeError(f"execution=offload: {q} copies pack to {sorted(set(tiers[q].row_bytes))} "
                                f"bytes, the engine counts {store.bytes_of[q]}")
@@ -392,14 +395,7 @@ def _mover(hw, expert_bytes: int, throttle: bool, dev: torch.device, plan=None):
     transfer thread elsewhere."""
     bw = link_rate(hw, expert_bytes) if throttle else None
     lat = hw.latency_us * 1e-6 if throttle else 0.0
-    if dev.type == "cuda":
-        import logging
-
-        logging.getLogger("specmd").warning(
-            "execution=offload on CUDA: this version's path (experts as grouped GEMMs from the arena, one read-"
-            "back per layer call, event-ordered copies) has not run on a GPU yet (docs/offload.md, 'On a GPU'); "
-            "check it with `python benchmarks/gpu_check.py` and report what it prints")
-    return CudaMover(bw, lat, dev, plan) if dev.type == "cuda" else ThreadMover(bw, lat, plan)
+    return make_mover(dev, bw, lat, plan)
 
 
 EXECUTION.register(Offload)

@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..accel import accel_for
 from .arena import Staging
 from .host import register_host
 from .kernel import Bank
@@ -64,10 +65,11 @@ class Placement(ArenaResidency):
         # the layer call's expert map: filled on the host in a ring of pinned rows and uploaded once per call.
         # Two rows would do: a row is rewritten two calls later, after the next call's routing read-back,
         # which waits for everything issued before it (the upload included); four leave a margin.
-        pin = device.type == "cuda"
+        accel = accel_for(device)
         # (identity experts -- ids E .. E + identity - 1 -- are in the map, at the sentinel: nothing runs for them)
         self.width = self.E + identity
-        self._ring = register_host(torch.empty(4, self.width, dtype=torch.int64, pin_memory=pin))
+        self._ring = register_host(accel.empty_host(4, self.width, dtype=torch.int64) if accel is not None
+                                   else torch.empty(4, self.width, dtype=torch.int64))
         self._ring_np = self._ring.numpy()
         self._ring_i = 0
         self._slot_of = torch.empty(self.width, dtype=torch.int64, device=device)

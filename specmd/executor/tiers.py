@@ -72,12 +72,17 @@ def _failed(name, layer: int, expert: int, exc: Exception):
 BYTES = "__bytes__"
 
 
-def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ``src``'s bytes into ``dst`` (asynchronously on a CUDA stream) whatever word type :func:`words`
-    gave each: a destination's type depends on its offset in the arena (a mixed arena aligns copies to 2 or 4
-    bytes), a packed row's does not, and an int64 row copied into an int32 view is a shape error -- or, for a
-    single word, a broadcast."""
-    dst.view(torch.uint8).copy_(src.view(torch.uint8), non_blocking=True)  # a slot's (or staging area's) raw bytes, beside its per-parameter views
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor, accel=None) -> None:
+    """Copy ``src``'s bytes into ``dst`` (asynchronously on the thread's current stream of ``accel``, a
+    :class:`specmd.accel.Accel`; without one a plain copy) whatever word type :func:`words` gave each: a
+    destination's type depends on its offset in the arena (a mixed arena aligns copies to 2 or 4 bytes), a packed
+    row's does not, and an int64 row copied into an int32 view is a shape error -- or, for a single word, a
+    broadcast."""
+    d, s = dst.view(torch.uint8), src.view(torch.uint8)  # a slot's (or staging area's) raw bytes
+    if accel is None:
+        d.copy_(s, non_blocking=True)
+    else:
+        accel.copy_(d, s)
 
 
 def words(raw: torch.Tensor) -> torch.Tensor:
@@ -105,16 +110,18 @@ class RamTier(HostTier):
 
     name = "ram"
 
-    def __init__(self, layers: list[dict], pin: bool):
+    def __init__(self, layers: list[dict], accel=None):
         """``layers[l][name]``: the fused [E, ...] tensor of parameter ``name`` of MoE layer ``l`` (host memory;
-        a module's parameters are re-pointed at the pinned copy when ``pin``)."""
+        a module's parameters are re-pointed at the pinned copy when ``accel``, the device's
+        :class:`specmd.accel.Accel`, copies from host memory; ``None``: a CPU device, memmove copies)."""
+        self.accel = accel
         self.tensors: list[dict] = []
         for d in layers:
             out = {}
             for n, t in d.items():
                 src = t.detach()
-                if pin or not src.is_contiguous():
-                    held = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+                if accel is not None or not src.is_contiguous():
+                    held = accel.empty_host(*src.shape, dtype=src.dtype) if accel else torch.empty(src.shape, dtype=src.dtype)
                     held.copy_(src)
                     if isinstance(t, torch.nn.Parameter):
                         t.data = held  # the parameter now lives in the tier: no second copy of the experts
@@ -128,15 +135,15 @@ class RamTier(HostTier):
 
     def copy_into(self, layer, expert, dst):
         rows = self._rows[layer]
-        first = dst[rows[0][0]]
-        if first.device.type == "cpu":  # host memory to host memory: one memmove per parameter
+        accel = self.accel
+        if accel is None:  # host memory to host memory: one memmove per parameter
             memmove = ctypes.memmove
             for n, addr, nbytes in rows:
                 memmove(dst[n].data_ptr(), addr + expert * nbytes, nbytes)
             return
         src = self.tensors[layer]
         for n, d in dst.items():
-            copy_bytes(d, src[n][expert])
+            copy_bytes(d, src[n][expert], accel)
 
     def host_views(self, layer, expert):
         return {n: t[expert] for n, t in self.tensors[layer].items()}
@@ -206,7 +213,9 @@ class DiskTier(HostTier):
         except BaseException:
             self.close()  # a truncated file or a missing expert: no descriptor left open
             raise
-        self._pin = device is not None and device.type == "cuda"
+        from ..accel import accel_for
+
+        self._accel = accel_for(device) if device is not None else None  # reads bounce through its pinned memory
         self._bounces: dict = {}  # one bounce buffer per reading thread (transfer thread; main: cpu_compute, checks)
         self._lock = threading.Lock()
         self.bytes_held = 0
@@ -274,7 +283,8 @@ class DiskTier(HostTier):
         tid = threading.get_ident()
         buf = self._bounces.get(tid)
         if buf is None:
-            buf = self._bounces[tid] = torch.empty(self._biggest, dtype=torch.uint8, pin_memory=self._pin)
+            buf = self._bounces[tid] = (self._accel.empty_host(self._biggest, dtype=torch.uint8) if self._accel
+                                        else torch.empty(self._biggest, dtype=torch.uint8))
         return buf
 
     def _read(self, piece: _Piece, out: torch.Tensor) -> None:
@@ -297,12 +307,16 @@ class DiskTier(HostTier):
             d = dst[piece.param]
             if piece.rows is not None:
                 d = d[piece.rows[0]:piece.rows[1]]
-            if piece.dtype == d.dtype and d.device.type == "cpu" and d.is_contiguous():
+            if piece.dtype == d.dtype and self._accel is None and d.is_contiguous():
                 self._read(piece, d.view(-1).view(torch.uint8))  # straight into the slot
             else:
                 buf = self._bounce_of_thread()[:piece.nbytes]
                 self._read(piece, buf)
-                d.copy_(buf.view(piece.dtype).view(d.shape))
+                src = buf.view(piece.dtype).view(d.shape)
+                if self._accel is None:
+                    d.copy_(src)
+                else:  # blocking: the bounce buffer is read into again at the next piece
+                    self._accel.copy_(d, src, blocking=True)
 
     def host_views(self, layer, expert):
         raise NotImplementedError  # the offload executor reads into host scratch with copy_into

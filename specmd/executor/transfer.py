@@ -94,6 +94,12 @@ class Mover:
         """Every copy of a job already done has landed (on CUDA, where done means issued, the side stream is
         waited for: benchmarks and checks only, never the hot path)."""
 
+    def landed(self, ticket: Ticket) -> float:
+        """Block until ``ticket``'s copies have landed; the ``time.perf_counter()`` at which they had (a CPU
+        copy: when the transfer thread finished it). Measurements only (calibrate), never the hot path."""
+        self.wait(ticket)
+        return ticket.finished
+
     def close(self) -> None:
         pass
 
@@ -234,25 +240,21 @@ class CudaMover(ThreadMover):
     by the side stream itself.
     The copies' own time comes from timing events, read when they have completed (never waited for)."""
 
-    def __init__(self, bandwidth_bytes_per_s, latency_s, device, plan=None):
-        import torch
-
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device)
-        self.compute = torch.cuda.current_stream(device)
+    def __init__(self, bandwidth_bytes_per_s, latency_s, accel, plan=None):
+        self.accel = accel  # :class:`specmd.accel.Accel`: torch.cuda, or the CPU stand-in of the tests
+        self.stream = accel.Stream()
+        self.compute = accel.current_stream()
         self._timed: deque = deque()  # (start event, end event) of jobs whose copy time is not yet counted
         super().__init__(bandwidth_bytes_per_s, latency_s, plan)
 
     def _run_job(self, ticket) -> None:
-        import torch
-
-        stream = self.stream
+        accel, stream = self.accel, self.stream
         if ticket.after is not None:  # the kernels that may read what it overwrites (not all compute since)
             stream.wait_event(ticket.after)
         else:
             stream.wait_stream(self.compute)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
+        start, end = accel.Event(timing=True), accel.Event(timing=True)
+        with accel.stream(stream):
             start.record(stream)
             ticket.job()
             end.record(stream)
@@ -272,10 +274,14 @@ class CudaMover(ThreadMover):
     def sync(self) -> None:
         self.stream.synchronize()
 
-    def mark(self):
-        import torch
+    def landed(self, ticket) -> float:
+        self.wait(ticket)
+        if ticket.event is not None:
+            ticket.event.synchronize()  # done meant issued: the copies land here
+        return time.perf_counter()
 
-        ev = torch.cuda.Event()
+    def mark(self):
+        ev = self.accel.Event()
         ev.record(self.compute)
         return ev
 
@@ -295,3 +301,14 @@ class CudaMover(ThreadMover):
     def close(self):
         super().close()
         self.settle()  # the copies not yet counted (the run's end: nothing else waits)
+
+
+def make_mover(device, bandwidth_bytes_per_s: Optional[float], latency_s: float = 0.0, plan=None) -> Mover:
+    """The transfer channel for ``device`` (the one place it is chosen): :class:`CudaMover` where the device has
+    an accelerator (:func:`specmd.accel.accel_for`: CUDA, or its CPU stand-in), else :class:`ThreadMover`."""
+    from ..accel import accel_for
+
+    accel = accel_for(device)
+    if accel is not None:
+        return CudaMover(bandwidth_bytes_per_s, latency_s, accel, plan)
+    return ThreadMover(bandwidth_bytes_per_s, latency_s, plan)

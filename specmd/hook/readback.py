@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import torch
 
+from ..accel import accel_for
 from ..executor.host import register_host
 
 
 class Readback:
     def __init__(self, device: torch.device, num_layers: int):
         self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
+        self.accel = accel_for(self.device)  # CUDA (or its CPU stand-in); None on a CPU
+        self.cuda = self.accel is not None
         self._host: list = [None] * num_layers  # per MoE layer: its host byte buffer
         self._dev = None  # the device staging buffer (CUDA)
-        self._event = torch.cuda.Event() if self.cuda else None
+        self._event = self.accel.Event() if self.cuda else None
         self._pad = None  # zero bytes that pad a row to the widest element (device)
         self._plans: list = [{} for _ in range(num_layers)]  # per layer: call shape -> how it packs (_plan)
         self.calls = 0  # read-backs (each one synchronisation on a GPU)
@@ -78,8 +80,9 @@ class Readback:
         total = T * width
         buf = self._host[layer]
         if buf is None or buf.numel() < total:  # grows to the largest call (a prefill); never per call after
-            buf = self._host[layer] = register_host(torch.empty(max(total, 64), dtype=torch.uint8,
-                                                                pin_memory=self.cuda))
+            n = max(total, 64)
+            buf = self._host[layer] = register_host(self.accel.empty_host(n, dtype=torch.uint8) if self.cuda
+                                                    else torch.empty(n, dtype=torch.uint8))
             self._plans[layer] = {}
         host = buf[:total].view(T, width)
         dev = None

@@ -64,9 +64,10 @@ def thread_plan(threads, pin: bool, dev: torch.device):
     """The thread placement calibrate measures at: an offloaded run's (:class:`specmd.machine.CorePlan`: a copy
     thread beside the compute threads; on CUDA a host lane of its own, as ``miss=hybrid`` has there), so that
     a run at the same ``execution.threads``/``pin`` is timed as the profile was fitted."""
+    from ...accel import accel_for
     from ...machine import CorePlan
 
-    return CorePlan.plan(threads, "auto", pin, copy_thread=True, host_lane=dev.type == "cuda")
+    return CorePlan.plan(threads, "auto", pin, copy_thread=True, host_lane=accel_for(dev) is not None)
 
 
 def run_stages(hw_dir: Path, name: str, out: bool, model: str, device: str, quick: bool, log,
@@ -194,6 +195,8 @@ def base_profile(ln: dict, cp: dict, dev: torch.device) -> dict:
 def measure_host_side(ms: Measurements, model: str, hw: dict, dev: torch.device, log, plan=None) -> tuple:
     """2 of the package's doc, continued: the host and the link at once, and the host's experts; into ``hw``.
     Returns the contention stage (its fraction and report)."""
+    from ...accel import accel_for
+
     cont = ms.stage("contention", lambda: measure_contention(dev, hw, plan=plan))
     hw["host_link_contention"] = cont[0]
     log(f"  contention (host experts and copies at once): {cont[0]:.2f} of the overlap (host alone "
@@ -205,7 +208,7 @@ def measure_host_side(ms: Measurements, model: str, hw: dict, dev: torch.device,
 
     host, cases = ms.stage("host_experts", host_experts)
     hw.update(host)
-    log(f"  host experts ({model}, {'on the host worker' if dev.type == 'cuda' else 'inline'}): "
+    log(f"  host experts ({model}, {'on the host worker' if accel_for(dev) is not None else 'inline'}): "
         f"{host['host_call_overhead_us']:.3g} us per batch + {host['host_expert_overhead_us']:.3g} us per expert + "
         f"{host['host_token_overhead_us']:.3g} us per token beyond the roofline (measured: "
         + ", ".join(f"{k} {v:.0f} us" for k, v in cases.items()) + ")")

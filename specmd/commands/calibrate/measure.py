@@ -32,23 +32,25 @@ def measure_ram_link(device: torch.device, reps: int = 5, sizes=SIZES, source_by
     so a copy reads memory as a fetch of a cold expert does (one source copied over and over measured the
     cache: 50 GB/s on a machine whose memory copies at half that). Each size timed in passes
     (:func:`in_passes`). ``plan``: the copy thread's placement (:class:`specmd.machine.CorePlan`)."""
+    from ...accel import accel_for
     from ...executor.tiers import RamTier
-    from ...executor.transfer import CudaMover, ThreadMover
+    from ...executor.transfer import make_mover
 
-    mover = CudaMover(None, 0.0, device, plan) if device.type == "cuda" else ThreadMover(None, 0.0, plan)
+    mover = make_mover(device, None, 0.0, plan)
     nrows = [max(4, source_bytes // size) for size in sizes]
     src = torch.empty(max(r * size for r, size in zip(nrows, sizes)) // 8, dtype=torch.int64).random_()
     # per size, one fused [rows, size] parameter (the tier's layout) over the same source memory -- a layer of
     # the tier each (on CUDA each pinned: 0.9 GB at once) --, copied one row at a time as a fetch copies one
     # expert's parameter into its slot
     tier = RamTier([{"w": src[: rows * size // 8].view(rows, size // 8)} for rows, size in zip(nrows, sizes)],
-                   pin=device.type == "cuda")
+                   accel_for(device))
     dsts = [{"w": torch.empty(size // 8, dtype=torch.int64, device=device)} for size in sizes]
     def copy(li: int, i: int) -> float:
         row = i * 7 % nrows[li]
         t = mover.submit(lambda: tier.copy_into(li, row, dsts[li]), sizes[li], True)
-        mover.wait(t)
-        return t.finished - t.issued  # the channel as a fetch sees it: hand-off included
+        # the channel as a fetch sees it, hand-off included, until the bytes have *landed* (on CUDA a done
+        # job's copies were only issued: timed to there, an H200's link came out at 9e4 GB/s)
+        return mover.landed(t) - t.issued
 
     try:
         secs = in_passes(list(range(len(sizes))), copy, reps, rounds)
@@ -133,16 +135,20 @@ def measure_compute(device: torch.device, reps: int = 5, rounds: int = 3, pool_b
     for i, t in cases:  # (each kernel's first call)
         torch.mm(xs[i, t][0], pools[i][0].t(), out=xs[i, t][1])
 
+    from ...accel import accel_for
+
+    accel = accel_for(device)
+
     def mm(case: tuple, k: int) -> float:
         x, out = xs[case]
         ws = pools[case[0]]
         w = ws[k % ws.shape[0]]
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if accel is not None:
+            accel.synchronize()
         t0 = time.perf_counter()
         torch.mm(x, w.t(), out=out)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if accel is not None:
+            accel.synchronize()
         return time.perf_counter() - t0
 
     secs = in_passes(cases, mm, reps, rounds)  # (in passes: a slow second lands in one)
@@ -159,10 +165,12 @@ def measure_contention(device: torch.device, hw: dict, reps: int = 5, plan=None)
     the transfer channel), each alone and then both started together, sized to take about as long as each
     other (where the overlap, and so the contention, is largest). ``(together - max(alone)) / min(alone)``
     clipped to [0, 1], the median of ``reps``; and the report (the three times, ms)."""
+    from ...accel import accel_for
     from ...executor.tiers import RamTier
-    from ...executor.transfer import CudaMover, ThreadMover
+    from ...executor.transfer import make_mover
 
-    mover = CudaMover(None, 0.0, device, plan) if device.type == "cuda" else ThreadMover(None, 0.0, plan)
+    accel = accel_for(device)
+    mover = make_mover(device, None, 0.0, plan)
     h, f = KERNEL_SHAPES[2]
     w = torch.randn(f, h)
     x = torch.randn(8, h)
@@ -178,13 +186,21 @@ def measure_contention(device: torch.device, hw: dict, reps: int = 5, plan=None)
     size = 4 << 20
     copies = max(1, int(round(host_s * hw["bandwidth_gbps"] * 1e9 / size)))
     rows = max(8, (128 << 20) // size)
-    tier = RamTier([{"w": torch.empty((rows, size // 8), dtype=torch.int64).random_()}], pin=device.type == "cuda")
+    tier = RamTier([{"w": torch.empty((rows, size // 8), dtype=torch.int64).random_()}], accel)
     dst = {"w": torch.empty(size // 8, dtype=torch.int64, device=device)}
 
-    def link(r0: int):
+    def link(r0: int, beside=None) -> float:
+        """Seconds until the copies have landed (on CUDA done means issued: they land at the sync), with
+        ``beside`` run on this thread meanwhile."""
+        t0 = time.perf_counter()
         tickets = [mover.submit(lambda r=r: tier.copy_into(0, (r0 + r * 7) % rows, dst), size, True)
                    for r in range(copies)]
-        return tickets
+        if beside is not None:
+            beside()
+        for t in tickets:
+            mover.wait(t)
+        mover.sync()
+        return time.perf_counter() - t0
 
     samples, times = [], []
     try:
@@ -192,16 +208,8 @@ def measure_contention(device: torch.device, hw: dict, reps: int = 5, plan=None)
             t0 = time.perf_counter()
             host()
             a = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for t in link(rep):
-                mover.wait(t)
-            b = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            tickets = link(rep + 3)
-            host()
-            for t in tickets:
-                mover.wait(t)
-            both = time.perf_counter() - t0
+            b = link(rep)
+            both = link(rep + 3, host)
             if rep:
                 samples.append(min(1.0, max(0.0, (both - max(a, b)) / min(a, b))))
                 times.append((a, b, both))
@@ -236,7 +244,10 @@ def measure_host_experts(model, family: str, hw: dict, device: torch.device, rep
     names, transposed, gated = layout.names, layout.transposed, layout.gated
     H = tensors[names[1]].shape[2 if transposed else 1]
     dtype = next(iter(tensors.values())).dtype
-    worker, bank = HOST_COMPUTE["thread" if device.type == "cuda" else "inline"](plan), Bank(tensors, 0, E)
+    from ...accel import accel_for
+
+    accel = accel_for(device)
+    worker, bank = HOST_COMPUTE["thread" if accel is not None else "inline"](plan), Bank(tensors, 0, E)
     X, y, cases = [], [], {}
     try:
         with torch.no_grad():
@@ -248,8 +259,8 @@ def measure_host_experts(model, family: str, hw: dict, device: torch.device, rep
                     for _ in range(reps):
                         t0 = time.perf_counter()
                         worker.submit(bank_where_it_is, mod, x, None, bank, groups, names, transposed, gated).result()
-                        if device.type == "cuda":
-                            torch.cuda.synchronize(device)
+                        if accel is not None:
+                            accel.synchronize()
                         best = min(best, time.perf_counter() - t0)
                     roof = host_roofline(hw).time(2.0 * n * tok * params, n * nbytes, n * nbytes if tok == 1 else 0.0)
                     X.append([1.0, n, n * tok])
