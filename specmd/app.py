@@ -513,7 +513,9 @@ def _trace_writer(run: Run, stack, run_dir: Path):
     exact = not changes_computation(run.spec)
     return TraceWriter(run_dir / "trace", stack.geom, stack.scoring, stack.store, run.trace_depth,
                        run.trace_logits, {"model": run.raw.get("model"), "run_dir": str(run_dir),
-                                          "device": run.device, "stack": run.spec.names(), "exact": exact})
+                                          "device": run.device, "stack": run.spec.names(), "exact": exact,
+                                          # (a stopped run's trace says how it was batched: no results.json)
+                                          "batch_size": run.eval.batch_size})
 
 
 def _evaluate(run: Run, model, tokenizer, stack, root) -> dict:

@@ -25,6 +25,15 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the value and the valid choices."""
 
 
+class DamagedFile(ConfigError):
+    """A file specmd wrote and reads back is not what it wrote (damaged, hand-edited, or from another version):
+    the message names the file, the key and what was expected (:mod:`specmd.readers`). A ConfigError: exit 2."""
+
+    def __init__(self, path, why: str, what: str = ""):
+        self.path, self.why = str(path), why
+        super().__init__(f"{path}: {why}" + (f" (read as {what})" if what else ""))
+
+
 class DataError(RuntimeError):
     """Evaluation data cannot be found (no mirror, hub unreachable, dataset missing from the mirror)."""
 

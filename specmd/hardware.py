@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from . import shipped
 from .errors import ConfigError
+from .readers import Opt, check
 from .registry import check_finite
 
 SCOPES = ("global", "per_layer")
@@ -131,7 +133,42 @@ class HardwareConfig:
             raise ConfigError(f"hardware.calibrated_on={self.calibrated_on!r} must be a mapping (what calibrate "
                               f"fitted the profile on)")
         self.calibrated_on = dict(self.calibrated_on or {})
+        _check_calibrated_on(self.calibrated_on)
         self.policy_overhead_us = _policy_overheads(self.policy_overhead_us)
+
+
+def _positive_int(v):
+    return None if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else "a whole number >= 1"
+
+
+def _byte_span(v):
+    ok = (isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                               and math.isfinite(x) and x > 0 for x in v) and v[0] <= v[1])
+    return None if ok else "[smallest, largest] bytes (two positive numbers)"
+
+
+def _speeds(v):
+    ok = isinstance(v, dict) and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                                     and x > 0 for x in v.values())
+    return None if ok else "a mapping of the speed probe's figures to positive numbers"
+
+
+# what calibrate writes (commands/calibrate/command.py's calibrated_on): read back by profile_mismatch, fidelity's
+# drift and placement; a hand-edited or damaged value is one line naming the key (exit 2), never a TypeError
+CALIBRATED_ON = {"host": Opt(str), "device": Opt(str), "torch": Opt(str), "dtype": Opt(str), "model": Opt(str),
+                 "threads": Opt(_positive_int), "host_threads": Opt(_positive_int), "cores": Opt(_positive_int),
+                 "pin": Opt(bool), "expert_bytes": Opt(_positive_int), "kernel_bytes": Opt(_byte_span),
+                 "speed": Opt(_speeds)}
+
+
+def _check_calibrated_on(on: dict) -> None:
+    from .errors import DamagedFile
+
+    try:
+        check(on, CALIBRATED_ON, "hardware profile", "calibrated_on")
+    except DamagedFile as exc:
+        raise ConfigError(f"hardware.{exc.why} (what calibrate wrote: a hand-edited or damaged profile; "
+                          f"`specmd calibrate` writes it again)") from None
 
 
 def _check_cache(hw: HardwareConfig) -> None:

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 from pathlib import Path
 from typing import Optional
 
+from .errors import DamagedFile
 from .machine import cgroup_cores, usable_cores  # noqa: F401 (the machine's facts, where runs record them)
 from .signals import Interrupted, signals_held
 
@@ -49,13 +51,16 @@ def config_hash(resolved: dict) -> str:
 def finished(run_dir: Path, digest: str) -> Optional[dict]:
     """The job's ``results.json`` if it finished with this config; otherwise None, after moving a
     ``results.json`` of another config aside (kept, never overwritten) and a stale ``failed.json`` away."""
+    from .readers import read_results
+
     path = run_dir / "results.json"
     try:
-        results = json.loads(path.read_text())
+        results = read_results(path)
     except FileNotFoundError:
         results = None
-    except ValueError:  # not written by write_json_atomic: keep it for inspection, run again
+    except DamagedFile as exc:  # not what write_json_atomic wrote: keep it for inspection, run again
         os.replace(path, run_dir / "results.unreadable.json")
+        logging.getLogger("specmd").warning("%s; kept as results.unreadable.json, the job runs again", exc)
         results = None
     if results is not None:
         if results.get("config_hash") == digest:

@@ -128,6 +128,16 @@ def guarded(prog: str, fn, argv: list, final: bool = False) -> int:
     return code
 
 
+def kept_note(exc: BaseException) -> str:
+    """`` (its record is kept in PATH: ...)`` when the job's record (``failed.json``) went to the rescue root
+    (:func:`specmd.jobs.rescue`: its directory could not take it), else ``""``: the line the user reads names
+    it, whatever the first failure was."""
+    where = getattr(exc, "specmd_failed", None)
+    if not where or "specmd-rescue" not in Path(str(where)).parts:
+        return ""
+    return f" (its record is kept in {where}: the run directory could not take it)"
+
+
 def report(prog: str, exc: BaseException) -> int:
     """One line for ``exc`` on stderr (a bug's traceback in a file it names); the exit code."""
     from .signals import Interrupted
@@ -135,7 +145,7 @@ def report(prog: str, exc: BaseException) -> int:
     if isinstance(exc, KeyboardInterrupt):  # a handler not specmd's raised it: a Ctrl-C all the same
         exc = Interrupted(signal.SIGINT)
     if isinstance(exc, Interrupted):
-        print(f"{prog}: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}{kept_note(exc)}", file=sys.stderr)
         return exc.exit_code
     if isinstance(exc, SystemExit):  # a command's own exit (argparse's usage error, --help)
         raise exc
@@ -150,5 +160,5 @@ def report(prog: str, exc: BaseException) -> int:
     elif isinstance(exc, OSError):  # the user's path, most likely; where it came from, in case it was not
         say(prog, f"{message} (where: {traceback_file(prog, exc)})")
     else:
-        say(prog, message)
+        say(prog, message + kept_note(exc))
     return code

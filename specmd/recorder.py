@@ -128,7 +128,7 @@ def record_routing(model, ids: list, path, window: int = 512, token_by_token: bo
 
     stack = install(model, stack_spec(RECORDING_STACK, HardwareConfig()))
     stack.writer = TraceWriter(path, stack.geom, stack.scoring, stack.store, depth, logits,
-                               {"exact": True, "stack": stack.spec.names(), **(source or {})})
+                               {"exact": True, "stack": stack.spec.names(), "batch_size": 1, **(source or {})})
     try:
         for start in range(0, len(ids), window):
             chunk = torch.tensor(ids[start:start + window]).unsqueeze(0)

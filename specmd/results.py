@@ -9,6 +9,7 @@ import math
 import os
 import secrets
 from pathlib import Path
+from typing import Optional
 
 
 def assemble(config: dict, tasks: dict, wall_s: float, provenance: dict, engine=None, executor=None,
@@ -217,6 +218,31 @@ def rescue_dir(directory: Path) -> Path:
         _RESCUE[key] = Path(tempfile.gettempdir()) / "specmd-rescue" / \
             f"{Path(directory).name or 'cwd'}-{os.getpid()}-{secrets.token_hex(3)}"
     return _RESCUE[key]
+
+
+def rescued(directory: Path, name: str) -> Optional[Path]:
+    """The newest record ``name`` (``failed.json``, ``results.json``) kept for ``directory`` under the rescue
+    root (:func:`rescue_dir`, by any process: :func:`specmd.jobs.rescue` writes the run directory into it), or
+    None. ``specmd status`` and ``report`` read a job's record there when its directory could not take it."""
+    import tempfile
+
+    directory = Path(directory).absolute()
+    root = Path(tempfile.gettempdir()) / "specmd-rescue"
+    found = []
+    for path in root.glob(f"{glob_escape(directory.name or 'cwd')}-*/{name}"):
+        try:
+            held = json.loads(path.read_text()).get("run_dir")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if held is not None and Path(held).absolute() == directory:
+            found.append((path.stat().st_mtime, str(path)))
+    return Path(max(found)[1]) if found else None
+
+
+def glob_escape(text: str) -> str:
+    import glob
+
+    return glob.escape(text)
 
 
 def keep_elsewhere(path: Path, fill) -> tuple:

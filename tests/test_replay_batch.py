@@ -315,17 +315,31 @@ def write_trace(t: Trace, d) -> None:
 
 
 def test_open_trace_composes_and_refuses_a_trace_recorded_in_batches(tmp_path):
+    """The batch a trace was recorded at comes from its own meta.json (a stopped run's trace has no results.json
+    beside it: issue 57), from its run's results.json for an older trace, and a trace that says neither is
+    refused by name, never composed as if its passes were single requests."""
     t = hand_trace()
-    t.meta.source = {"exact": True}
+    t.meta.source = {"exact": True, "batch_size": 1}
     write_trace(dataclass_copy(t), tmp_path / "run" / "trace")
     path = str(tmp_path / "run" / "trace")
     c = open_trace(ReplayConfig(trace=path, batch=2))
     assert c.passes.tolist() == compose_trace(t, batch=2).passes.tolist() and c.path == path
     assert open_trace(ReplayConfig(trace=path)).batching is None
-    (tmp_path / "run" / "results.json").write_text(json.dumps({"config": {"eval": {"batch_size": 4}}}))
+    t.meta.source = {"exact": True, "batch_size": 2}  # a stopped run recorded at eval.batch_size=2: no results.json
+    write_trace(dataclass_copy(t), tmp_path / "stopped" / "trace")
+    with pytest.raises(ConfigError, match="recorded at eval.batch_size=2.*eval.batch_size=1"):
+        open_trace(ReplayConfig(trace=str(tmp_path / "stopped" / "trace"), batch=2))
+    t.meta.source = {"exact": True}  # an older trace: its run's results.json says, or nothing does
+    write_trace(dataclass_copy(t), tmp_path / "old" / "trace")
+    path = str(tmp_path / "old" / "trace")
+    with pytest.raises(ConfigError, match="does not say which eval.batch_size it was recorded at"):
+        open_trace(ReplayConfig(trace=path, batch=2))
+    (tmp_path / "old" / "results.json").write_text(json.dumps({"config": {"eval": {"batch_size": 4}}}))
     with pytest.raises(ConfigError, match="recorded at eval.batch_size=4.*eval.batch_size=1"):
         open_trace(ReplayConfig(trace=path, concurrency=2))
     assert open_trace(ReplayConfig(trace=path)).batching is None  # as recorded: fine
+    (tmp_path / "old" / "results.json").write_text(json.dumps({"config": {"eval": {"batch_size": 1}}}))
+    assert open_trace(ReplayConfig(trace=path, batch=2)).batching["batch"] == 2
 
 
 def dataclass_copy(t: Trace) -> Trace:

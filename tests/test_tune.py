@@ -2,9 +2,13 @@
 its quality budget when re-run live."""
 
 import json
+from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
+from specmd import CONF_DIR
 from specmd.engine import GROUPS
 from specmd.errors import ConfigError
 from specmd.commands.tune import SPACE, Options, candidates, draw, lossless, parse, pareto
@@ -139,3 +143,27 @@ def test_finalists_search_prunes_lossier_settings_and_stops_within_budget():
     seen.clear()
     rows = select_finalists(ranked, lambda tr, i: seen.append(tr["objective"]) or 1.0, Options(finalists=2))
     assert seen == [1.0, 1.2, 1.5] and rows[-1]["lossless"]
+
+
+TRACE = Path(__file__).resolve().parent / "data" / "embedded_trace"  # recorded on specmd:tiny-olmoe
+
+
+@pytest.mark.parametrize("model,ok", [("tiny", True), ("tiny_olmoe", False), ("deep_olmoe", False)])
+def test_a_given_trace_is_checked_by_its_checkpoint_not_its_name(tmp_path, model, ok):
+    """One identity of a model (issue 57): the project's own trace names its checkpoint (specmd:tiny-olmoe), the
+    config its name (tiny); they are one model, and the advice for another names a valid override."""
+    from specmd.commands.tune import _record
+    from specmd.models.loader import checkpoint_of
+
+    assert checkpoint_of("tiny") == checkpoint_of({"name": "tiny", "pretrained": "specmd:tiny-olmoe"}) \
+        == checkpoint_of("specmd:tiny-olmoe") == "specmd:tiny-olmoe"
+    base = [f"model={model}", f"replay.trace={TRACE}"]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        raw = OmegaConf.to_container(compose(config_name="config", overrides=base), resolve=True)
+        if ok:
+            assert _record(base, raw)[0] == str(TRACE)
+        else:
+            want = {"deep_olmoe": "specmd:deep-olmoe", "tiny_olmoe": "seeded random"}[model]
+            with pytest.raises(ConfigError, match=f"recorded on specmd:tiny-olmoe, .*model={model} "
+                                                  rf"\({want}\): add model=tiny$"):
+                _record(base, raw)

@@ -19,6 +19,7 @@ from .. import CONF_DIR
 from ..errors import FULL_ERRNOS, PATH_ERRNOS
 from ..jobs import OPENED, record_unrecorded
 from ..liveness import release_sweep
+from ..outcome import kept_note
 from .launch import SWEEP_EXIT, torch_threads
 
 RUN = """usage: specmd run [key=value ...] [+key=value] [~key] [--cfg job|hydra|all] [--info]
@@ -84,7 +85,8 @@ def _job(cfg: DictConfig):
         err.print(f"[yellow]specmd: skipped:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return None
     except (ConfigError, DataError) as exc:  # failed.json is written; one clear line, no traceback
-        err.print(f"[bold red]specmd: error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]specmd: error:[/] {escape(str(exc) + kept_note(exc))}", highlight=False,
+                  soft_wrap=True)
         if not multirun:
             raise SystemExit(2)
         return None  # one bad job fails itself, not the sweep (SweepEnd sets the exit code)

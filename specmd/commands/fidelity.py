@@ -217,6 +217,7 @@ def resolve_profile(profile: str | None) -> tuple[str, dict]:
     from .calibrate.profile import default_name
     from ..errors import ConfigError
     from ..hardware import HardwareConfig
+    from ..registry import build_params
 
     name = profile or default_name()
     path = Path(name).expanduser()
@@ -228,7 +229,7 @@ def resolve_profile(profile: str | None) -> tuple[str, dict]:
     if path.is_file():
         try:
             fields = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as exc:
+        except (OSError, ValueError, yaml.YAMLError) as exc:  # (ValueError: not UTF-8)
             raise ConfigError(f"--profile {name}: {path} is not a readable profile: {exc}") from None
         if not isinstance(fields, dict):
             raise ConfigError(f"--profile {name}: {path} holds no profile mapping")
@@ -240,9 +241,9 @@ def resolve_profile(profile: str | None) -> tuple[str, dict]:
                           f"{'' if profile is None else ' --name ' + name}`")
     fields = dict(fields)
     label = str(fields.pop("name", path.stem))
-    try:
-        HardwareConfig(**fields)  # every field checked, before minutes of runs
-    except TypeError as exc:
+    try:  # every field checked as hardware=NAME checks it (types by name, then ranges), before minutes of runs
+        build_params(HardwareConfig, fields, "hardware")
+    except ConfigError as exc:
         raise ConfigError(f"--profile {name}: {exc}") from None
     return label, fields
 
@@ -323,6 +324,11 @@ def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, 
     log(f"specmd fidelity: profile {label}, {len(cells_of(grid))} cells x {repeats} repeats on {platform.node()} "
         f"({device}) at the profile's {placement_words(plan)} ...")
     then = (hw.get("calibrated_on") or {}).get("speed")
+    differs = elsewhere(hw, label, device)
+    for line in differs:  # (the docs' promise: a run on a profile from elsewhere says what differs)
+        log(f"warning: {line}")
+    if differs and then:
+        log("warning: the drift below compares this machine with another one's probe, not this machine over time")
     undo = plan.enter()  # (the drift probes on the compute threads too; each cell's install applies the same plan)
     try:
         start = drift(then, speed_probe(torch.device(device)))
@@ -334,9 +340,18 @@ def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, 
               "placement": plan.record(), "machine": machine(),
               "grid": {k: list(v) for k, v in grid.items()}, "repeats": repeats, "prompt": prompt,
               "decodes": decodes, "cells": cells, "summary": summarize(cells, meta),
-              "drift": None if start is None else {"start": start, "end": end},
+              "drift": None if start is None else {"start": start, "end": end}, "profile_differs": differs,
               "seconds": time.perf_counter() - t0}
     return report
+
+
+def elsewhere(hw: dict, label: str, device: str) -> list[str]:
+    """What differs between where the profile was calibrated and this machine (host, device, torch): one line
+    each (:func:`specmd.hardware.profile_mismatch`); the grid's models and their dtypes are its own cells'."""
+    from ..hardware import HardwareConfig, profile_mismatch
+
+    facts = {"host": platform.node(), "device": device, "torch": torch.__version__}
+    return profile_mismatch(HardwareConfig(**{**hw, "name": label}), facts)
 
 
 def profile_placement(hw: dict, dev: torch.device) -> tuple:

@@ -335,6 +335,7 @@ def _record(base: list[str], raw: dict) -> tuple:
     from hydra import compose
 
     from ..app import Run, recorded_trace
+    from ..models.loader import checkpoint_of, model_override
     from ..replay.driver import open_trace
 
     given = any(a.startswith("replay.trace=") and a.split("=", 1)[1] not in ("null", "record") for a in base)
@@ -342,10 +343,13 @@ def _record(base: list[str], raw: dict) -> tuple:
     trace_path = base_run.replay.trace if given else recorded_trace(base_run)
     replay_over = [*(a for a in base if not a.startswith("replay.trace=")), f"replay.trace={trace_path}"]
     trace = open_trace(Run(compose(config_name="config", overrides=replay_over)).replay)
-    recorded = trace.meta.model  # a live run's model (an import's: none)
-    if given and recorded and recorded != raw["model"]["name"]:  # the finalists run live on the base's model
-        raise ConfigError(f"replay.trace={trace_path} was recorded on model={recorded}, but the live runs of the "
-                          f"finalists would run model={raw['model']['name']}: add model={recorded}")
+    # the finalists run live on the base's model: the trace's must be it (one identity: the checkpoint, however
+    # the trace and the config name it -- a config name, a mapping, a checkpoint id)
+    recorded = checkpoint_of(trace.meta.source.get("model"))  # (an import's: none)
+    if given and recorded and recorded != checkpoint_of(raw["model"]):
+        raise ConfigError(f"replay.trace={trace_path} was recorded on {recorded}, but the live runs of the "
+                          f"finalists would run model={raw['model']['name']} ({checkpoint_of(raw['model']) or 'seeded random'}): add "
+                          f"{model_override(recorded)}")
     return trace_path, replay_over, trace
 
 

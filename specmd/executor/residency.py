@@ -280,11 +280,12 @@ class ArenaResidency(ResidencyEvents):
 
     def _check_contents(self, held: set) -> None:
         """Each arrived copy among ``held`` (keys) holds its expert's bytes (compared with the host tier)."""
-        self.mover.sync()  # (on CUDA a done copy was issued, maybe not landed)
-        for key in held:
-            t = self.tickets[key]
-            if t is not None and not t.done():
-                continue
+        # the copies done *before* the sync (on CUDA a done copy was issued, maybe not landed; one that the
+        # transfer thread finishes issuing after the sync has not landed: the CUDA stand-in caught this check
+        # reading such a slot)
+        arrived = [key for key in held if self.tickets[key] is None or self.tickets[key].done()]
+        self.mover.sync()
+        for key in arrived:
             layer, e = divmod(key, self.E)
             prec = self.prec_of[key]
             views = self._views_of(layer, self.at[key], prec)

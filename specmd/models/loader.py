@@ -324,6 +324,34 @@ def shipped_config_of(repo: str) -> Optional[str]:
     return None
 
 
+def checkpoint_of(model) -> Optional[str]:
+    """One identity of a model however it is named: a model config (a mapping or :class:`ModelConfig`: its
+    ``pretrained``), a model config's name (``specmd/conf/model/<name>.yaml``: its ``pretrained``), or a
+    checkpoint id or path (itself); None for a seeded random model or nothing. ``tiny``, ``{"name": "tiny",
+    ...}`` and ``specmd:tiny-olmoe`` are one model (tune compared a trace's checkpoint with a config's name)."""
+    from ..shipped import CONF, load
+
+    if model is None or model == "":
+        return None
+    if isinstance(model, dict):
+        return model.get("pretrained") if model.get("pretrained") else checkpoint_of(model.get("name"))
+    if isinstance(model, ModelConfig):
+        return model.pretrained
+    model = str(model)
+    if "/" not in model and ":" not in model and (CONF / "model" / f"{model}.yaml").is_file():
+        return load("model", model).get("pretrained")
+    return model
+
+
+def model_override(checkpoint: str) -> str:
+    """The override that runs ``checkpoint``: ``model=<name>`` of the shipped model config that loads it, else
+    ``model=hf model.pretrained=<checkpoint>``."""
+    from ..shipped import CONF, load
+
+    names = sorted(p.stem for p in (CONF / "model").glob("*.yaml") if load("model", p.stem).get("pretrained") == checkpoint)
+    return f"model={names[0]}" if names else f"model=hf model.pretrained={checkpoint}"
+
+
 def local_checkpoint(pretrained: str) -> Optional[str]:
     """The local directory ``pretrained`` names (``specmd:<name>`` or a path), or None for a hub id."""
     path = os.path.expanduser(resolve_pretrained(pretrained))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,8 @@ import torch
 from ..engine.engine import Engine
 from ..engine.record import GateRecord, NoLogits, Scoring, fill
 from ..engine.store import StoreSizes
-from ..errors import ConfigError
+from ..errors import ConfigError, DamagedFile
+from ..readers import read_results
 from .future import Future
 from .formats import FORMATS as IMPORT_FORMATS
 from .trace import KINDS, Trace, read_trace
@@ -119,6 +119,11 @@ def open_trace(rc: ReplayConfig) -> Trace:
     from .batching import compose_trace
 
     recorded_batch = _recorded_batch_size(trace)
+    if recorded_batch is None and not trace.meta.imported:
+        raise ConfigError(f"replay.batch={rc.batch}, replay.concurrency={rc.concurrency}: the trace {trace.path} does "
+                          f"not say which eval.batch_size it was recorded at (an older specmd's, and its run's "
+                          f"results.json is not beside it), so whether its passes are single requests cannot be "
+                          f"told; record it again (it then says so in its meta.json)")
     if recorded_batch is not None and recorded_batch > 1:
         raise ConfigError(f"replay.batch={rc.batch}, replay.concurrency={rc.concurrency}: the trace {trace.path} was "
                           f"recorded at eval.batch_size={recorded_batch}, so its passes are batches already, not "
@@ -127,16 +132,23 @@ def open_trace(rc: ReplayConfig) -> Trace:
 
 
 def _recorded_batch_size(trace: Trace) -> Optional[int]:
-    """``eval.batch_size`` of the live run that recorded ``trace`` (its ``results.json`` beside the trace
-    directory), or None when that is not known (an import, a trace moved away from its run)."""
+    """``eval.batch_size`` of the live run that recorded ``trace``: its ``meta.json``'s (``source.batch_size``,
+    written since issue 57: a stopped run's trace has no results.json), 1 for ``record_routing``'s (one sequence
+    per pass), else its run's ``results.json`` beside the trace directory (an older trace); None when that is not
+    known (an import; an older trace moved away from its run)."""
     if trace.meta.imported:
         return None
-    recorded = Path(trace.path).parent / "results.json"
+    src = trace.meta.source
+    size = src.get("batch_size")
+    if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
+        return size
+    if "recorded_by" in src:  # record_routing's (tests/data/record_embedded_trace.py and the recorder's)
+        return 1
     try:
-        size = json.loads(recorded.read_text())["config"]["eval"]["batch_size"]
-    except (OSError, ValueError, KeyError, TypeError):
+        size = read_results(Path(trace.path).parent / "results.json")["config"].get("eval", {}).get("batch_size")
+    except (FileNotFoundError, DamagedFile, AttributeError):
         return None
-    return size if isinstance(size, int) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def _open(rc: ReplayConfig) -> Trace:
@@ -517,7 +529,7 @@ def replay(run, run_dir) -> tuple[dict, Engine]:
     tasks = {}
     if not reasons and src.get("exact") and recorded.exists():
         # an exact replay of a lossless recording computes what the recorded run computed: its task scores hold
-        tasks = json.loads(recorded.read_text()).get("tasks") or {}
+        tasks = read_results(recorded).get("tasks") or {}  # (checked: a damaged record is one line naming it)
     sections = {"replay": {
         "trace": str(trace.path), "format": run.replay.format, "exact": not reasons, "inexact_because": reasons,
         "passes": int(len(trace.passes)), "layer_calls": int(len(trace.calls)), "requests": int(len(experts)),

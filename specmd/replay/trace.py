@@ -105,10 +105,17 @@ class TraceMeta:
             got = meta if isinstance(meta, dict) else {}
             raise ConfigError(f"{where}: format {got.get('format')!r} version {got.get('version')!r}; this specmd "
                               f"reads {FORMAT} versions {', '.join(map(str, READS))}")
+        from ..readers import Opt, check
+
+        positive = lambda v: None if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else "a whole number >= 1"  # noqa: E731
+        try:  # the fields read below, each its type (a hand-edited meta.json: one line naming the key)
+            check(meta, {"geometry": {"num_layers": positive, "num_experts": positive, "top_k": positive},
+                         "store": dict, "depth": lambda v: None if isinstance(v, int) and not isinstance(v, bool)
+                         and v >= 0 else "a whole number >= 0", "source": Opt(dict), "scoring": Opt(dict)}, where)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (a specmd trace's meta.json)") from None
         try:
             g = meta["geometry"]
-            for key in ("num_layers", "num_experts", "top_k"):
-                g[key]
             geometry = Geometry.from_dict(g)
             out = cls(geometry=geometry, store=StoreSizes.from_meta(meta["store"]),
                       scoring=Scoring.from_dict(meta.get("scoring") or {}, geometry.num_layers, geometry.router_width),

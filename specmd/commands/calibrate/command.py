@@ -95,6 +95,8 @@ def _stages(hw_dir, name, out, model, dev, quick, log, remeasure, plan, executio
     ms = Measurements(measurement_key(model, str(dev), plan), remeasure)
     log(f"specmd calibrate: measuring {platform.node()} ({dev}) at {placement_words(plan)} ..."
         + (f" (reusing measurements of an earlier calibrate: {ms.path}; --remeasure measures anew)" if ms.data else ""))
+    for why in ms.dropped:
+        log(f"  not reused (measured again): {why}")
     ln, dk, cp = measure_machine(ms, dev, log, plan)
     hw = base_profile(ln, cp, dev)
     cont = measure_host_side(ms, model, hw, dev, log, plan)

@@ -372,6 +372,31 @@ def measurement_key(model: str, device: str, plan=None) -> dict:
             "version": MEASURE_VERSION}
 
 
+def _any(value):
+    return None
+
+
+def _pair(first, second):
+    """A stage saved as ``[first, second]`` (a tuple read back as a list)."""
+    def ok(value):
+        good = isinstance(value, list) and len(value) == 2 and _is(value[0], first) and _is(value[1], second)
+        return None if good else f"[{first.__name__}, {second.__name__}]"
+    return ok
+
+
+def _is(value, kind) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) if kind is float else isinstance(value, kind)
+
+
+_LINK = {"bw": float, "lat": float, "report": dict}
+# each saved stage's shape (what the stage returns, as JSON gives it back)
+STAGE_SHAPES = {"link": _LINK, "disk": _LINK,
+                "compute": {"flops": float, "mem": float, "kernel": dict, "hflops": float, "hmem": float,
+                            "host_kernel": dict},
+                "contention": _pair(float, dict), "host_experts": _pair(dict, dict), "policies": _pair(dict, dict),
+                "overheads": _pair(dict, dict)}
+
+
 class Measurements:
     """calibrate's measurements, each stage saved as it completes (``$SPECMD_CACHE/../calibrate/<key>.json``,
     atomically) and reused by a later calibrate of the same :func:`measurement_key` unless ``remeasure``:
@@ -385,13 +410,36 @@ class Measurements:
         self.path = disk_probe_path().parent / f"measured-{digest}.json"
         self.key, self.reused = key, []
         self.data = {}
+        self.dropped: list = []  # why a saved stage was not reused (a damaged or hand-edited file): measured again
         if not remeasure and self.path.is_file():
+            self.data = self._read()
+
+    def _read(self) -> dict:
+        """The saved stages of this key that have their shape (:data:`STAGE_SHAPES`); a damaged file or stage is
+        measured again, said in :attr:`dropped` (never reused as is: a stage of the wrong shape failed every
+        later calibrate, silently, until ``--remeasure``)."""
+        from ...errors import DamagedFile
+        from ...readers import check, read_json
+
+        try:
+            saved = read_json(self.path, "calibrate's saved measurements")
+        except (OSError, DamagedFile) as exc:
+            self.dropped.append(str(exc))
+            return {}
+        if saved.get("key") != self.key:
+            return {}
+        stages = saved.get("stages")
+        if not isinstance(stages, dict):
+            self.dropped.append(f"{self.path}: stages is not a mapping")
+            return {}
+        out = {}
+        for name, value in stages.items():
             try:
-                saved = json.loads(self.path.read_text())
-                if saved.get("key") == key:
-                    self.data = saved.get("stages", {})
-            except (OSError, ValueError):
-                self.data = {}
+                check({name: value}, {name: STAGE_SHAPES.get(name, _any)}, self.path, "stages")
+                out[name] = value
+            except DamagedFile as exc:
+                self.dropped.append(str(exc))
+        return out
 
     def stage(self, name: str, fn):
         """The saved result of stage ``name``, or ``fn()``'s, saved."""

@@ -138,7 +138,8 @@ def default_metrics(jobs: list) -> list:
     cache = [j.results.get("cache") or {} for j in ok]
     if any((c.get("oracle") or {}).get("hit_rate") is not None for c in cache):
         metrics.insert(1, ("oracle hit %", "cache.oracle.hit_rate"))
-    if any(((c.get("union") or {}).get("decode") or {}).get("tokens_per_step", 0) > 1 for c in cache):
+    steps = [((c.get("union") or {}).get("decode") or {}).get("tokens_per_step") for c in cache]
+    if any(isinstance(s, (int, float)) and not isinstance(s, bool) and s > 1 for s in steps):
         metrics += [("decode batch", "cache.union.decode.tokens_per_step"),
                     ("experts/layer/step", "cache.union.decode.distinct_per_layer.mean"),
                     ("independent", "cache.union.decode.independent_per_layer")]

@@ -18,13 +18,14 @@ note when it was found below a parent.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ...errors import ConfigError
+from ...errors import ConfigError, DamagedFile
+from ...readers import read_failed, read_results
+from ...results import rescued
 
 
 @dataclass
@@ -91,18 +92,15 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:200]}" if text else type(exc).__name__
 
 
-def _read(path: Path) -> tuple[Optional[dict], Optional[str]]:
-    """(the JSON object in ``path``, None), (None, None) when there is no such file, or (None, why it cannot
-    be read)."""
+def _read(path: Path, reader) -> tuple[Optional[dict], Optional[str]]:
+    """(the checked record in ``path``, None), (None, None) when there is no such file, or (None, why it cannot
+    be used: :class:`~specmd.errors.DamagedFile`'s reason). ``reader``: :mod:`specmd.readers`' for its kind."""
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        return reader(path), None
     except FileNotFoundError:
         return None, None
-    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON
-        return None, f"not readable as JSON ({_first_line(exc)})"
-    if not isinstance(data, dict):
-        return None, f"not a JSON object (a {type(data).__name__})"
-    return data, None
+    except DamagedFile as exc:
+        return None, exc.why
 
 
 def non_finite(results: dict) -> dict:
@@ -166,7 +164,7 @@ def _job(overrides: list, job_dir: Optional[Path], base: dict, warnings: list) -
     swept values come from its overrides, tables.axis_value)."""
     if job_dir is None:
         return Job(overrides, "missing", config=base, own_config=False)
-    res, why = _read(job_dir / "results.json")
+    res, why = _read(job_dir / "results.json", read_results)
     if why:
         warnings.append(f"{job_dir / 'results.json'}: {why}: the job counts as not finished")
     if res is not None:
@@ -175,15 +173,20 @@ def _job(overrides: list, job_dir: Optional[Path], base: dict, warnings: list) -
         job = Job(overrides, "ok", str(job_dir), res, config=cfg if own else base, own_config=own)
         job.problems.update(non_finite(res))
         return job
-    failed, why_failed = _read(job_dir / "failed.json")
+    failed, why_failed = _read(job_dir / "failed.json", read_failed)
     if why_failed:
         warnings.append(f"{job_dir / 'failed.json'}: {why_failed}")
+    kept = None
+    if failed is None and not why and not why_failed:  # the directory could not take it: kept elsewhere?
+        kept = rescued(job_dir, "failed.json")
+        failed, why_failed = _read(kept, read_failed) if kept else (None, None)
     if failed is not None:
         cfg = failed.get("config")
         own = isinstance(cfg, dict) and bool(cfg)
         error = failed.get("error")
-        return Job(overrides, "failed", str(job_dir), failed, None if error is None else str(error),
-                   cfg if own else base, own_config=own)
+        if kept:
+            error = f"{error} (its record is kept in {kept}: the run directory could not take it)"
+        return Job(overrides, "failed", str(job_dir), failed, error, cfg if own else base, own_config=own)
     tail = []
     try:
         log = job_dir / "__main__.log"
