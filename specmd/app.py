@@ -11,7 +11,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from .engine import GROUPS
-from .errors import ConfigError
+from .errors import ConfigError, DataError
 from .hardware import HardwareConfig
 from .jobs import usable_cores
 from .registry import build_params, check_type
@@ -88,6 +88,24 @@ class Run:
         from .compose import build_spec  # 3
 
         self.spec = build_spec(self.policies, self.hardware, self.quant, self.measure, self.execution)
+        self._model_ranges()  # 4
+
+    def _model_ranges(self) -> None:
+        """4. The settings the model bounds (a policy's top-J, routing=piggyback's k0, routing=budget's
+        max_experts / max_fraction, hardware.experts_per_layer) checked from the model's config before any weight
+        loads (:func:`~specmd.engine.engine.check_model_ranges`; the engine checks them again on the loaded
+        model). A live run's only: a replay checks them on its trace's geometry before any work; a hub model
+        whose config is not here is checked once loaded."""
+        if self.replay.trace or self.model is None:
+            return
+        from .engine.engine import check_model_ranges
+        from .models.loader import model_geometry
+
+        try:
+            geom = model_geometry(self.model)
+        except DataError:  # (its config.json is on the hub, unreachable from here)
+            return
+        check_model_ranges(self.spec, geom)
 
     # ---- 1. sections ----------------------------------------------------------------------------------
     def _model(self, c: dict, checks: Checks) -> None:

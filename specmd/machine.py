@@ -188,6 +188,22 @@ def drift(then: dict | None, now: dict) -> dict | None:
 
 
 # ---- where a timed run's threads go ------------------------------------------------------------------------
+# the most threads a setting may ask for: explicit threads beyond the cores are kept (oversubscribed, recorded
+# as such: an experiment of its own), but torch crashes -- SIGSEGV -- creating 100,000, before any failed.json
+MAX_THREADS = 1024
+
+
+def threads_error(value, what: str):
+    """The message refusing ``what``'s thread count ``value`` (``auto`` or 1..:data:`MAX_THREADS`), or None."""
+    if value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
+        return f"{what}={value!r}: valid choices are auto or whole numbers in 1..{MAX_THREADS} (this job may use " \
+               f"{core_budget()[0]} cores; more threads than cores are kept, oversubscribed)"
+    return None
+
+
+
 _BUDGET = {"cores": None, "shared": False}
 
 

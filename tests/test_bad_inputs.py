@@ -52,7 +52,10 @@ CASES = [
     (["hardware.experts_per_layer=1.5"], ["hardware.experts_per_layer=1.5", "whole number"], "config"),
     (["hardware.experts_per_layer=0"], ["hardware.experts_per_layer=0"], "config"),
     (["hardware.experts_per_layer=-2"], ["hardware.experts_per_layer=-2"], "config"),
-    (["hardware.experts_per_layer=1000"], ["hardware.experts_per_layer=1000", "experts per layer"], "stack"),
+    # (bounded by the model: checked from its config before any weight loads, issue 57)
+    (["hardware.experts_per_layer=1000"], ["hardware.experts_per_layer=1000", "experts per layer"], "config"),
+    (["routing=piggyback", "routing.k0=1000000"], ["k0=1000000", "top-k 8"], "config"),
+    (["routing=budget", "routing.max_experts=1000000000000"], ["max_experts=1000000000000"], "config"),
     (["hardware.scope=diagonal"], ["diagonal", "global, per_layer"], "config"),
     (["hardware.bandwidth_gbps=0"], ["hardware.bandwidth_gbps=0", "positive"], "config"),
     (["hardware.bandwidth_gbps=-2"], ["hardware.bandwidth_gbps=-2", "positive"], "config"),
@@ -63,7 +66,7 @@ CASES = [
     (["hardware.timing_as=gpt9"], ["gpt9", "olmoe"], None),
     # routing (J is checked against the model's top-k as soon as the geometry is known)
     (["routing=cumsum", "routing.J=-1"], ["routing.J=-1"], "config"),
-    (["routing=cumsum", "routing.J=99"], ["routing.J=99", "top-k"], "stack"),
+    (["routing=cumsum", "routing.J=99"], ["routing.J=99", "top-k"], "config"),
     (["routing=cumsum", "routing.p=1.5"], ["p=1.5"], "config"),
     (["routing=cache_prior", "routing.lambda=-0.5"], ["lambda"], "config"),
     (["routing=prune", "routing.h=-1"], ["h=-1"], "config"),

@@ -272,15 +272,18 @@ def test_composed_traces_replay_with_belady_and_lru(how):
 
 # ---- the config ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw,words", [
-    (dict(batch=0), ["replay.batch=0", "whole numbers >= 1"]),
-    (dict(batch=-3), ["replay.batch=-3", ">= 1"]),
+    (dict(batch=0), ["replay.batch=0", "whole numbers in 1..2147483648"]),
+    (dict(batch=-3), ["replay.batch=-3", "1..2147483648"]),
+    (dict(batch=2**63), [f"replay.batch={2**63}", "1..2147483648"]),  # (overflowed numpy's arange in the replay)
     (dict(concurrency=0), ["replay.concurrency=0", "null", ">= 1"]),
+    (dict(concurrency=2**31 + 1), [f"replay.concurrency={2**31 + 1}", "1..2147483648"]),
     (dict(batch=4, concurrency=2), ["replay.batch=4 and replay.concurrency=2", "not both"]),
     (dict(concurrency=2, arrival_rate=0.0), ["replay.arrival_rate=0.0", "finite number >= 1e-09", "null"]),
     (dict(concurrency=2, arrival_rate=-1.0), ["replay.arrival_rate=-1.0", ">= 1e-09"]),
     # (issue 57: 1e-300 overflowed the arrival steps to int64's minimum; -1 reached numpy in the replay stage)
     (dict(concurrency=2, arrival_rate=1e-300), ["replay.arrival_rate=1e-300", ">= 1e-09"]),
-    (dict(concurrency=2, seed=-1), ["replay.seed=-1", "whole numbers >= 0"]),
+    (dict(concurrency=2, seed=-1), ["replay.seed=-1", "whole numbers in 0..4294967295"]),
+    (dict(concurrency=2, seed=2**32), [f"replay.seed={2**32}", "0..4294967295"]),  # (eval.seed's range)
     (dict(concurrency=2, arrival_rate=math.nan), ["replay.arrival_rate=nan", "finite"]),
     (dict(concurrency=2, arrival_rate=math.inf), ["replay.arrival_rate=inf", "finite"]),
     (dict(arrival_rate=1.0), ["replay.arrival_rate=1.0 needs replay.concurrency"]),

@@ -306,6 +306,9 @@ def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, 
                                                               if flag == "--repeats" else ""))
     grid = dict(QUICK if quick else GRID)
     if models:
+        twice = sorted({m for m in models if models.count(m) > 1})
+        if twice:  # (each cell would collect twice the repeats under one key, the report saying --repeats)
+            raise ConfigError(f"--models lists {', '.join(twice)} more than once; each model's cells run once")
         grid["models"] = tuple(models)
     for m in grid["models"]:
         try:

@@ -84,10 +84,12 @@ class OffloadParams:
     pin: bool = False
 
     def __post_init__(self):
+        from ..machine import threads_error
+
         for key in ("threads", "host_threads"):
-            v = getattr(self, key)
-            if v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{key}={v!r}; valid choices: auto, or an integer >= 1")
+            why = threads_error(getattr(self, key), key)
+            if why:
+                raise ValueError(why)
         if self.host not in HOSTS:
             raise ValueError(f"host={self.host!r}; valid choices: {', '.join(HOSTS)}")
         if self.page_cache not in PAGE_CACHE:

@@ -36,6 +36,7 @@ FORMATS = IMPORT_FORMATS.choices("specmd")  # read at each use: a format registe
 
 
 MIN_ARRIVAL_RATE = 1e-9  # replay.arrival_rate's floor (mean arrivals per engine step)
+MAX_COUNT = 2**31  # the most requests per static batch or slots a replay takes (C longs stay far from overflow)
 
 @dataclass
 class ReplayConfig:
@@ -78,9 +79,12 @@ class ReplayConfig:
         """The batching keys, before any trace is read (:mod:`.batching`)."""
         import math
 
-        if self.batch < 1:
-            raise ConfigError(f"replay.batch={self.batch}: valid choices are whole numbers >= 1 (requests per "
-                              f"static batch; 1 = the trace as recorded)")
+        if not 1 <= self.batch <= MAX_COUNT:  # (numpy's aranges take C longs: 2**63 overflowed in the replay)
+            raise ConfigError(f"replay.batch={self.batch}: valid choices are whole numbers in 1..{MAX_COUNT} "
+                              f"(requests per static batch; 1 = the trace as recorded)")
+        if self.concurrency is not None and self.concurrency > MAX_COUNT:
+            raise ConfigError(f"replay.concurrency={self.concurrency}: valid choices are null or whole numbers in "
+                              f"1..{MAX_COUNT} (slots)")
         if self.concurrency is not None and self.concurrency < 1:
             raise ConfigError(f"replay.concurrency={self.concurrency}: valid choices are null (no continuous "
                               f"batching) or whole numbers >= 1 (slots)")
@@ -88,8 +92,8 @@ class ReplayConfig:
             raise ConfigError(f"replay.batch={self.batch} and replay.concurrency={self.concurrency}: a replay is "
                               f"either statically batched (replay.batch > 1) or continuously batched "
                               f"(replay.concurrency), not both; set the other to its default (1 / null)")
-        if self.seed < 0:  # (numpy's generators take seeds >= 0: refused here, not in the replay stage)
-            raise ConfigError(f"replay.seed={self.seed}: valid choices are whole numbers >= 0")
+        if not 0 <= self.seed <= 2**32 - 1:  # (numpy's generators take seeds >= 0; eval.seed's range)
+            raise ConfigError(f"replay.seed={self.seed}: valid choices are whole numbers in 0..{2**32 - 1}")
         if self.arrival_rate is not None:
             # (at least MIN_ARRIVAL_RATE: a mean gap of 1e9 engine steps keeps a million requests' arrival steps
             # inside int64; 1e-300 overflowed them to its minimum)

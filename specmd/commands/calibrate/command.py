@@ -52,10 +52,11 @@ def calibrate(out: str | None = None, name: str | None = None, model: str = "dee
 def check_threads(threads, pin) -> None:
     """``--threads`` is ``auto`` or an integer >= 1, and ``--pin`` possible here: ConfigError otherwise."""
     from ...errors import ConfigError
-    from ...machine import can_pin
+    from ...machine import can_pin, threads_error
 
-    if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ConfigError(f"--threads {threads!r}; valid choices: auto, or an integer >= 1")
+    why = threads_error(threads, "--threads")
+    if why:
+        raise ConfigError(why)
     if pin and not can_pin():
         raise ConfigError("--pin needs Linux's sched_setaffinity, which this platform lacks")
 
