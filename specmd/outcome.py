@@ -138,12 +138,27 @@ def kept_note(exc: BaseException) -> str:
     return f" (its record is kept in {where}: the run directory could not take it)"
 
 
+def _signal_within(exc: BaseException) -> BaseException:
+    """The :class:`~specmd.signals.Interrupted` a library wrapped ``exc`` around (``raise X from e``, or raised
+    while handling it: a lazy import's ``ModuleNotFoundError``), else ``exc``: a signal is reported as itself
+    (its exit code, one line), wherever it landed."""
+    from .signals import Interrupted
+
+    seen, e = 0, exc
+    while e is not None and seen < 16:
+        if isinstance(e, Interrupted):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return exc
+
+
 def report(prog: str, exc: BaseException) -> int:
     """One line for ``exc`` on stderr (a bug's traceback in a file it names); the exit code."""
     from .signals import Interrupted
 
     if isinstance(exc, KeyboardInterrupt):  # a handler not specmd's raised it: a Ctrl-C all the same
         exc = Interrupted(signal.SIGINT)
+    exc = _signal_within(exc)
     if isinstance(exc, Interrupted):
         print(f"{prog}: {exc}{kept_note(exc)}", file=sys.stderr)
         return exc.exit_code

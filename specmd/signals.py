@@ -57,6 +57,36 @@ def check_interrupt() -> None:
         raise Interrupted(SIGNALS.pending)
 
 
+def unsafe(frame) -> bool:
+    """Whether the main thread is where an exception would not reach the command as itself: inside an import
+    (importlib's frames: a lazy module -- transformers' model classes -- turned it into ``ModuleNotFoundError``,
+    exit 1 "a bug", for a Ctrl-C), a finaliser (``__del__``) or the garbage collector's callbacks (Python prints
+    "Exception ignored" with a traceback and drops it). There the handler only records the signal; the next safe
+    point raises it. One walk up the stack per signal (never on a hot path)."""
+    if _GC[0]:
+        return True
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__del__" or code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_GC = [False]  # the collector is running (gc.callbacks, registered once)
+
+
+def _gc_phase(phase, info) -> None:
+    _GC[0] = phase == "start"
+
+
+def _watch_gc() -> None:
+    import gc
+
+    if _gc_phase not in gc.callbacks:
+        gc.callbacks.append(_gc_phase)
+
+
 @contextlib.contextmanager
 def signals_held():
     """While ``failed.json`` (or any record of the failure) is written: a signal is recorded but raises
@@ -95,13 +125,15 @@ def signals_raise(after=None):
 
     def handler(signum, frame):
         SIGNALS.pending = SIGNALS.pending or signum
-        if not SIGNALS.held:
+        if not SIGNALS.held and not unsafe(frame):
             raise Interrupted(SIGNALS.pending)
+        # (recorded: the next safe point -- check_interrupt -- raises it, the block's end at the latest)
 
     handler.specmd = True  # (what a forked replay worker recognises as the parent's: specmd.pool)
 
     if SIGNALS.depth == 0:
         SIGNALS.pending = 0  # a signal of an earlier block (landed as it ended) is not this one's
+        _watch_gc()
     SIGNALS.depth += 1
     for s, h in saved.items():
         if h in defaults:

@@ -115,7 +115,8 @@ CASES = [
     (["device=cuda:-1"], ["device='cuda:-1'", "not a torch device"], "config"),
     (["device=CPU"], ["device='CPU'", "cpu, cuda"], "config"),
     # degenerate values bounded by the model, checked as soon as its geometry is known (tiny: 4 MoE
-    # layers, 64 experts of 147,456 bytes, top-8)
+    # layers, 64 experts of 147,456 bytes, top-8): a policy's settings from the model's config, before any
+    # weight loads (issue 57: stage config), the cache's sizes once the stack is built
     (["hardware.capacity=1e-12"], ["hardware.capacity=1e-12", "0 bytes", "less than one expert",
                                    "native precision (147,456 bytes", "smallest capacity"], "stack"),
     (["hardware.capacity=0.001", "hardware.scope=per_layer"],
@@ -124,18 +125,18 @@ CASES = [
                  "stack", marks=pytest.mark.slow),  # (5.5 s of quantization; test_rounding pins the precision rule)
     (["hardware.experts_per_layer=0.005"], ["hardware.experts_per_layer=0.005", "rounds to 0 slots",
                                             "0.007812"], "stack"),
-    (["prefetch=lookahead", "prefetch.depth=1000"], ["prefetch=lookahead: depth=1000", "at most 3"], "stack"),
+    (["prefetch=lookahead", "prefetch.depth=1000"], ["prefetch=lookahead: depth=1000", "at most 3"], "config"),
     (["prefetch=topk", "prefetch.overfetch=9"], ["prefetch=topk: overfetch=9", "72 experts", "at most 8"],
-     "stack"),
-    (["routing=prune", "routing.h=9"], ["routing=prune: h=9", "top-k 8"], "stack"),
-    (["routing=replace_rank", "routing.rank=8"], ["routing=replace_rank: rank=8", "ranks 0..7"], "stack"),
-    (["prefetch=lookahead", "prefetch.overfetch=8.5"], ["prefetch=lookahead: overfetch=8.5", "68 experts"], "stack"),
-    (["miss=drop", "miss.J=9"], ["miss.J=9", "0..8"], "stack"),
+     "config"),
+    (["routing=prune", "routing.h=9"], ["routing=prune: h=9", "top-k 8"], "config"),
+    (["routing=replace_rank", "routing.rank=8"], ["routing=replace_rank: rank=8", "ranks 0..7"], "config"),
+    (["prefetch=lookahead", "prefetch.overfetch=8.5"], ["prefetch=lookahead: overfetch=8.5", "68 experts"], "config"),
+    (["miss=drop", "miss.J=9"], ["miss.J=9", "0..8"], "config"),
     (["trace.save=true", "trace.depth=4"], ["trace.depth=4", "at most 3"], "stack"),
     # found by a fresh battery: state that would not fit in memory, overflowing weights, a random model that
     # is no MoE model, empty strings for paths, settings a replay cannot honour
-    (["eviction=score", "eviction.n=1000000000"], ["eviction=score: n=1000000000 needs", "GiB", "memory"], "stack"),
-    (["prefetch=score", "prefetch.window=1000000000"], ["prefetch=score: window=1000000000 needs", "GiB"], "stack"),
+    (["eviction=score", "eviction.n=1000000000"], ["eviction=score: n=1000000000 needs", "GiB", "memory"], "config"),
+    (["prefetch=score", "prefetch.window=1000000000"], ["prefetch=score: window=1000000000 needs", "GiB"], "config"),
     (["eviction=lecar", "eviction.learning_rate=1e308"], ["learning_rate=1e+308", "[0, 700]"], "config"),
     (["hardware.policy_overhead_us={prefetch/topk: true}"], ["policy_overhead_us['prefetch/topk']=True"], "config"),
     (["model=tiny_olmoe", "+model.tiny.num_experts=0"], ["0 experts per MoE layer", "model.tiny"], "config"),

@@ -588,8 +588,9 @@ def test_tune_refuses_a_trace_of_another_model_than_its_live_runs(tmp_path, reco
     meta["source"] = {"model": recorded}  # however the trace spells it, the check reads it
     (trace / "meta.json").write_text(json.dumps(meta))
     opts, base = parse(["model=tiny", f"replay.trace={trace}", f"tune.out={tmp_path / 'tune'}"])
-    with pytest.raises(ConfigError, match=f"replay.trace={trace} was recorded on model=deep_olmoe, but the live "
-                                          "runs of the finalists would run model=tiny: add model=deep_olmoe"):
+    with pytest.raises(ConfigError, match=f"replay.trace={trace} was recorded on specmd:deep-olmoe, but the live "
+                                          r"runs of the finalists would run model=tiny \(specmd:tiny-olmoe\): add "
+                                          "model=deep_olmoe"):
         tune(opts, base, Console())
     assert not (tmp_path / "tune").exists()  # nothing written, no empty directory
 

@@ -35,6 +35,7 @@ import gc
 import math
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,7 +181,7 @@ def measure(hw: dict, grid: dict, repeats: int, prompt: int, decodes: int, devic
     from ..models.loader import load_configured
     from ..executor.base import steady_host_allocator
     from ..models.loader import local_checkpoint
-    from ..signals import check_interrupt
+    from ..signals import Interrupted, check_interrupt
     from .calibrate.cell import run_cell
 
     steady_host_allocator()
@@ -199,8 +200,12 @@ def measure(hw: dict, grid: dict, repeats: int, prompt: int, decodes: int, devic
         run_cell(model, ckpt, hw, mine[0].stack, ids[mine[0].batch], 2, dev, execution)  # the process's warm-up
         for r in range(repeats):
             for c in mine:
-                check_interrupt()
-                runs[c.key].append(run_cell(model, ckpt, hw, c.stack, ids[c.batch], decodes, dev, execution))
+                try:
+                    check_interrupt()  # (a safe point between cells)
+                    runs[c.key].append(run_cell(model, ckpt, hw, c.stack, ids[c.batch], decodes, dev, execution))
+                except Interrupted as exc:  # what was measured so far goes with it (main keeps it)
+                    exc.fidelity_runs = {k: v for k, v in runs.items() if v}
+                    raise
             log(f"  {name}: repeat {r + 1}/{repeats} of {len(mine)} cells  [{time.perf_counter() - t0:.0f} s]")
         del model
         gc.collect()
@@ -396,7 +401,21 @@ def main(argv=None) -> int:
         if out.is_dir():
             raise ConfigError(f"--out {a.out}: a directory; name the JSON file to write")
         writable_dir(out.parent, f"--out {a.out}")
-    report = fidelity(a.profile, a.quick, a.repeats, a.prompt, a.decodes, a.device, a.models)
+    try:
+        report = fidelity(a.profile, a.quick, a.repeats, a.prompt, a.decodes, a.device, a.models)
+    except BaseException as exc:
+        runs = getattr(exc, "fidelity_runs", None)
+        if out is not None and runs:  # a signal mid-grid: the cells measured so far are kept, and named
+            from ..results import write_json_atomic
+            from ..signals import signals_held
+
+            kept = out.with_name(out.stem + ".partial.json")
+            with signals_held():
+                write_json_atomic(kept, {"complete": False, "stopped_by": str(exc), "profile": a.profile,
+                                         "runs": runs})
+            print(f"specmd fidelity: kept the {sum(map(len, runs.values()))} runs measured so far in {kept}",
+                  file=sys.stderr)
+        raise
     print(table(report))
     if out is not None:
         from ..results import write_json_atomic

@@ -12,6 +12,7 @@ import torch
 
 from ..accel import accel_for
 from ..registry import Plugin, Registry
+from ..signals import check_interrupt
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class Executor(Plugin):
 
     # -- forward passes: the wall clock beside the simulated one ---------------------------------------
     def begin_pass(self, kind: str, tokens: int) -> None:
+        check_interrupt()  # (a safe point: a signal recorded inside an import or a finaliser is raised here)
         self.pass_kinds.append(kind)
         self.pass_tokens.append(tokens)
         self._stall0 = self.stalled()

@@ -442,7 +442,11 @@ class Measurements:
         return out
 
     def stage(self, name: str, fn):
-        """The saved result of stage ``name``, or ``fn()``'s, saved."""
+        """The saved result of stage ``name``, or ``fn()``'s, saved (a safe point: a signal recorded during the
+        last one is raised here, what was measured before it kept)."""
+        from ...signals import check_interrupt
+
+        check_interrupt()
         if name in self.data:
             self.reused.append(name)
             return self.data[name]
