@@ -3,12 +3,15 @@ order of copies and waits, offload == simulated with every copy deferred until a
 wrong bit), the read-back's one synchronisation per layer call, calibrate's CUDA timings (a copy timed to
 where it lands), and every CUDA call kind executed by the default selection."""
 
+import ast
+import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FAMILIES, sample_ids, tiny
+from conftest import FAMILIES, ROOT, sample_ids, tiny
 from specmd.accel import ENV, StandIn, accel_for, stand_in
 from specmd.executor.transfer import CudaMover, ThreadMover, make_mover
 from specmd.models.adapters import adapter_for
@@ -250,3 +253,115 @@ def test_every_cuda_call_kind_runs_in_the_default_selection():
     want = {("stream", None), ("copy", None), ("record", None), ("wait", None), ("wait_stream", None),
             ("land", None), ("pin", None), ("sync", "event"), ("sync", "device"), ("sync", "stream")}
     assert want <= kinds, want - kinds
+
+
+# ---- every CUDA branch runs in the default selection ------------------------------------------------------------
+CUDA_FILES = ("specmd/executor/transfer.py", "specmd/executor/tiers.py", "specmd/executor/placement.py",
+              "specmd/executor/base.py", "specmd/executor/offload.py", "specmd/hook/readback.py",
+              "specmd/commands/calibrate/measure.py", "specmd/commands/calibrate/command.py", "specmd/machine.py")
+ON = re.compile(r"accel is not None|\bself\.cuda\b|^(self\._)?accel$|^ac$")  # the test of a CUDA branch
+OFF = re.compile(r"^(self\.|self\._)?accel is None$")  # ... of a CPU branch (its else is CUDA's)
+
+
+def cuda_only_lines(path: Path) -> set:
+    """The statement lines only a CUDA device (or its stand-in) runs: the class :class:`CudaMover`, the body of an
+    ``if`` on the accelerator, the ``else`` of an ``if accel is None`` -- and, after an ``if accel is None:``
+    that returns, the rest of its block (derived from the source: a new CUDA branch is counted by itself)."""
+    tree = ast.parse(path.read_text())
+    lines: set = set()
+
+    def stmts(body):  # the first line of every statement in ``body`` (what a line tracer sees run)
+        for s in body:
+            lines.update(n.lineno for n in ast.walk(s) if isinstance(n, ast.stmt))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "CudaMover":
+            for f in node.body:
+                if isinstance(f, ast.FunctionDef):
+                    stmts(f.body[1:] if ast.get_docstring(f) else f.body)
+        for field in ("body", "orelse"):
+            block = getattr(node, field, None)
+            if not isinstance(block, list):
+                continue
+            for i, s in enumerate(block):
+                if not isinstance(s, ast.If):
+                    continue
+                test = ast.unparse(s.test)
+                if ON.search(test):
+                    stmts(s.body)
+                elif OFF.search(test):
+                    stmts(s.orelse)
+                    if s.body and isinstance(s.body[-1], ast.Return):
+                        stmts(block[i + 1:])
+    return lines
+
+
+def _cuda_scenarios(tmp_path):
+    """Every CUDA path, each once, on the stand-in: the offload executor (unthrottled and throttled, the host lane,
+    stored low-precision copies, the contents check), the disk tier's bounce buffer, the read-back, the mover's
+    timing and landing, calibrate's stages and the speed probe."""
+    from specmd.commands.calibrate.command import thread_plan
+    from specmd.commands.calibrate.measure import (measure_compute, measure_contention, measure_host_experts,
+                                                   measure_ram_link)
+    from specmd.executor.tiers import DiskTier
+    from specmd.hook.readback import Readback
+    from specmd.machine import speed_probe
+    from test_offload import _ckpt_copy
+
+    cpu = torch.device("cpu")
+    with stand_in() as a:
+        for execution, kw in (({"throttle": False, "kernel": "grouped"}, {}), ({"kernel": "looped"}, {}),
+                              ({"throttle": False, "host_compute": "thread"}, dict(miss="hybrid")),
+                              ({"throttle": False}, dict(miss="fetch_lowest_bit", quant=QUANT))):
+            run_stack(tiny("olmoe"), spec_of({"name": "offload", "check": True, **execution}, capacity=0.15, **kw),
+                      sample_ids(batch=1, seq=6, seed=1), sample_ids(batch=1, seq=8, seed=2), adapter_for("olmoe"),
+                      new_tokens=3)
+        shapes = {"gate_up_proj": (64, 128), "down_proj": (128, 32)}
+        tier = DiskTier(str(_ckpt_copy(tmp_path)), list(range(16)), shapes, torch.float32, 64,
+                        adapter_for("olmoe").hub_layout(), device=cpu)
+        try:
+            with a.stream(a.Stream()):
+                tier.copy_into(15, 63, {n: torch.empty(s) for n, s in shapes.items()})
+        finally:
+            tier.close()
+        Readback(cpu, 1)(0, [torch.tensor([[3, 1]]), torch.tensor([[0.5, 0.5]])])
+        m = make_mover(cpu, None)  # a job submitted before any mark: the side stream waits for all compute
+        m.acquire(m.submit(lambda: a.copy_(torch.zeros(4), torch.ones(4)), 16, True))
+        m.close()
+        measure_ram_link(cpu, reps=1, sizes=(64 << 10,), source_bytes=1 << 20, rounds=1)
+        measure_contention(cpu, {"bandwidth_gbps": 10.0}, reps=1)
+        measure_compute(cpu, reps=1, rounds=1, pool_bytes=8 << 20)
+        measure_host_experts(tiny("olmoe"), "olmoe", {"host_tflops": 0.1, "host_mem_bandwidth_gbps": 10.0}, cpu,
+                             reps=1, plan=thread_plan("auto", False, cpu))
+        speed_probe(cpu, reps=1, rounds=1)
+
+
+def test_every_cuda_branch_runs_on_the_stand_in(tmp_path):
+    """The CUDA-only lines of the executor, the read-back, calibrate and the machine (derived from their source:
+    :func:`cuda_only_lines`) all run in the default selection, through the stand-in; a CUDA branch nobody runs
+    fails here, named by file and line. Prints the coverage."""
+    import sys
+
+    files = {str(ROOT / f): f for f in CUDA_FILES}
+    want = {f: cuda_only_lines(ROOT / f) for f in CUDA_FILES}
+    ran: dict = {f: set() for f in CUDA_FILES}
+
+    def tracer(frame, event, arg):
+        f = files.get(frame.f_code.co_filename)
+        if f is None:
+            return None
+        if event == "line":
+            ran[f].add(frame.f_lineno)
+        return tracer
+
+    threading.settrace(tracer)  # (the transfer thread and the host worker too)
+    sys.settrace(tracer)
+    try:
+        _cuda_scenarios(tmp_path)
+    finally:
+        sys.settrace(None)
+        threading.settrace(None)
+    missed = {f: sorted(want[f] - ran[f]) for f in CUDA_FILES if want[f] - ran[f]}
+    total = sum(map(len, want.values()))
+    print(f"CUDA-only lines run on the stand-in: {total - sum(map(len, missed.values()))}/{total}")
+    assert total > 60 and not missed, missed
