@@ -141,6 +141,13 @@ def _positive_int(v):
     return None if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else "a whole number >= 1"
 
 
+def _thread_count(v):
+    from .machine import MAX_THREADS
+
+    ok = isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_THREADS
+    return None if ok else f"a whole number in 1..{MAX_THREADS}"
+
+
 def _byte_span(v):
     ok = (isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                                and math.isfinite(x) and x > 0 for x in v) and v[0] <= v[1])
@@ -156,7 +163,7 @@ def _speeds(v):
 # what calibrate writes (commands/calibrate/command.py's calibrated_on): read back by profile_mismatch, fidelity's
 # drift and placement; a hand-edited or damaged value is one line naming the key (exit 2), never a TypeError
 CALIBRATED_ON = {"host": Opt(str), "device": Opt(str), "torch": Opt(str), "dtype": Opt(str), "model": Opt(str),
-                 "threads": Opt(_positive_int), "host_threads": Opt(_positive_int), "cores": Opt(_positive_int),
+                 "threads": Opt(_thread_count), "host_threads": Opt(_thread_count), "cores": Opt(_positive_int),
                  "pin": Opt(bool), "expert_bytes": Opt(_positive_int), "kernel_bytes": Opt(_byte_span),
                  "speed": Opt(_speeds)}
 

@@ -89,7 +89,7 @@ def read_json(path, what: str = "") -> dict:
         doc = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # (RecursionError: nested too deep)
         raise DamagedFile(path, f"not readable as JSON ({type(exc).__name__}: {exc})", what) from None
     if not isinstance(doc, dict):
         raise DamagedFile(path, f"not a JSON object (a {type(doc).__name__ if doc is not None else 'null'})", what)
@@ -104,7 +104,7 @@ RESULTS = {"config": Opt(dict), "tasks": Opt(dict), "provenance": Opt(dict), "co
            "cache": Opt(dict), "timing": Opt(dict), "routing": Opt(dict), "wall": Opt(dict),
            "memory": Opt(dict), "replay": Opt(dict)}
 # failed.json (specmd.jobs.write_failed)
-FAILED = {"stage": Opt(str), "kind": Opt(str), "error": Opt(str), "config": Opt(dict)}
+FAILED = {"stage": Opt(str), "kind": Opt(str), "error": str, "config": Opt(dict)}
 # a sweep launcher's record (specmd.liveness: .sweep.json)
 SWEEP_RECORD = {"pid": int, "host": str}
 

@@ -447,7 +447,7 @@ def test_fidelity_times_its_cells_at_the_profiles_thread_settings(tmp_path, monk
     monkeypatch.setattr(fid, "summarize", lambda cells, meta: {})
     said = []
     for on, want in (({}, (CorePlan.plan().threads, False)), ({"threads": 1, "pin": pin}, (1, pin)),
-                     ({"threads": 10_000}, (cores, False))):
+                     ({"threads": 1000}, (cores, False))):
         path = tmp_path / "p.yaml"
         path.write_text(profile_yaml("p", {"bandwidth_gbps": 5.0, "calibrated_on": on}, ["test"]))
         report = fid.fidelity(str(path), quick=True, log=said.append)
@@ -458,7 +458,7 @@ def test_fidelity_times_its_cells_at_the_profiles_thread_settings(tmp_path, monk
             assert seen["affinity"] == set(report["placement"]["compute_cores"])
     assert report["machine"]["usable_cores"] == cores
     path.write_text(profile_yaml("p", {"bandwidth_gbps": 5.0, "calibrated_on": {"threads": "many"}}, ["test"]))
-    with pytest.raises(ConfigError, match='calibrated_on.threads is "many", not a whole number >= 1'):
+    with pytest.raises(ConfigError, match=r'calibrated_on.threads is "many", not a whole number in 1\.\.1024'):
         fid.fidelity(str(path), quick=True, log=said.append)  # (a damaged profile: one line naming the key)
 
 

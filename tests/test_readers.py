@@ -19,20 +19,23 @@ def _wrong(spec):
     return WRONG[dict] if isinstance(spec, dict) else WRONG.get(spec, [1])
 
 
-@pytest.mark.parametrize("schema,reader,name", [(RESULTS, read_results, "results.json"),
-                                                (FAILED, read_failed, "failed.json")])
-def test_every_key_of_a_run_record_with_a_wrong_type_is_named(tmp_path, schema, reader, name):
-    """Derived from the schemas: each key in turn holds a value of another type."""
+@pytest.mark.parametrize("schema,reader,name,base", [(RESULTS, read_results, "results.json", {}),
+                                                     (FAILED, read_failed, "failed.json", {"error": "RuntimeError: x"})])
+def test_every_key_of_a_run_record_with_a_wrong_type_is_named(tmp_path, schema, reader, name, base):
+    """Derived from the schemas: each key in turn holds a value of another type (the others valid)."""
     path = tmp_path / name
+    path.write_text(json.dumps(base))
+    assert reader(path) == base
     for key, spec in schema.items():
-        path.write_text(json.dumps({key: _wrong(spec)}))
+        path.write_text(json.dumps({**base, key: _wrong(spec)}))
         with pytest.raises(DamagedFile, match=rf"{name}: {key} is .*, not ") as err:
             reader(path)
         assert classify(err.value)[0] == 2 and not classify(err.value)[2]  # exit 2, not a bug
 
 
 @pytest.mark.parametrize("text,words", [("{not json", "not readable as JSON"), ("[1, 2]", "not a JSON object (a list)"),
-                                        ("null", "not a JSON object (a null)"), (b"\xff\xfe", "not readable as JSON")])
+                                        ("null", "not a JSON object (a null)"), (b"\xff\xfe", "not readable as JSON"),
+                                        ("[" * 100_000 + "]" * 100_000, "RecursionError")])  # (nested too deep)
 def test_a_file_that_is_no_json_object_is_named(tmp_path, text, words):
     path = tmp_path / "results.json"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -131,15 +134,25 @@ def test_a_damaged_measurement_store_is_measured_again_and_says_why(tmp_path, mo
     assert ms.data == {} and "not a JSON object (a list)" in ms.dropped[0]
     good = {"bw": 1e9, "lat": 1e-5, "report": {}}
     ms.path.write_text(json.dumps({"key": key, "stages": {"link": good, "disk": 5, "contention": [0.5, {}],
-                                                          "host_experts": ["x", {}]}}))
+                                                          "host_experts": ["x", {}],
+                                                          "compute": {"flops": 1e9, "mem": -5, "kernel": {},
+                                                                      "hflops": 1e9, "hmem": 1e9, "host_kernel": {}}}}))
     ms = meas.Measurements(key, remeasure=False)
     assert set(ms.data) == {"link", "contention"}
     assert any("stages.disk is 5, not a mapping" in d for d in ms.dropped)
     assert any("stages.host_experts" in d for d in ms.dropped)
+    assert any("stages.compute.mem is -5, not a finite number > 0" in d for d in ms.dropped)  # (went into a profile)
     assert ms.stage("disk", lambda: good) == good and ms.stage("link", lambda: 1 / 0) == good  # measured; reused
 
 
 @pytest.mark.parametrize("change,words", [({"source": [1]}, "source is [1], not a mapping"),
+                                          ({"logits": "fp64"}, 'logits is "fp64", not one of fp32, fp16, none'),
+                                          ({"index_dtype": "int128"}, 'index_dtype is "int128", not an integer dtype'),
+                                          ({"store": {"native_bits": 32, "bytes_of": {"native": -1}}},
+                                           "store.bytes_of.native is -1"),  # (replayed at a hit rate of 0.79)
+                                          ({"geometry": {"num_layers": 4, "num_experts": 64, "top_k": 8,
+                                                         "expert_bytes": 2**70, "total_bytes": 46416896}},
+                                           "exceeds geometry.total_bytes=46416896"),
                                           ({"depth": -1}, "depth is -1, not a whole number >= 0"),
                                           ({"geometry": {"num_layers": "4", "num_experts": 64, "top_k": 8}},
                                            'geometry.num_layers is "4", not a whole number >= 1')])
@@ -164,3 +177,22 @@ def test_fidelity_on_a_profile_from_elsewhere_says_what_differs():
     assert [x.split(" was calibrated with ")[1].split(";")[0] for x in lines] == \
         ["host gpu-node-7", "device cuda", "torch 2.11.0+cu130"]
     assert elsewhere({"bandwidth_gbps": 5.0}, "p", "cpu") == []  # (a hand-written profile: nothing to compare)
+
+
+def test_a_damaged_batch_size_in_a_traces_meta_is_named(tmp_path):
+    import shutil
+
+    from specmd.replay.driver import ReplayConfig, open_trace
+
+    src = __import__("pathlib").Path(__file__).parent / "data" / "embedded_trace"
+    shutil.copytree(src, tmp_path / "t")
+    meta = json.loads((tmp_path / "t" / "meta.json").read_text())
+    (tmp_path / "t" / "meta.json").write_text(json.dumps({**meta, "source": {"batch_size": "two"}}))
+    with pytest.raises(ConfigError, match=re.escape("meta.json: source.batch_size is 'two', not a whole number >= 1")):
+        open_trace(ReplayConfig(trace=str(tmp_path / "t"), batch=2))
+
+
+def test_a_failed_json_without_its_error_is_damaged(tmp_path):
+    (tmp_path / "failed.json").write_text("{}")
+    with pytest.raises(DamagedFile, match="error is missing"):
+        read_failed(tmp_path / "failed.json")

@@ -234,7 +234,7 @@ def resolve_profile(profile: str | None) -> tuple[str, dict]:
     if path.is_file():
         try:
             fields = yaml.safe_load(path.read_text())
-        except (OSError, ValueError, yaml.YAMLError) as exc:  # (ValueError: not UTF-8)
+        except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:  # (not UTF-8; nested too deep)
             raise ConfigError(f"--profile {name}: {path} is not a readable profile: {exc}") from None
         if not isinstance(fields, dict):
             raise ConfigError(f"--profile {name}: {path} holds no profile mapping")

@@ -146,6 +146,9 @@ def _recorded_batch_size(trace: Trace) -> Optional[int]:
     size = src.get("batch_size")
     if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
         return size
+    if size is not None:
+        raise ConfigError(f"{trace.path}/meta.json: source.batch_size is {size!r}, not a whole number >= 1 (the "
+                          f"eval.batch_size it was recorded at)")
     if "recorded_by" in src:  # record_routing's (tests/data/record_embedded_trace.py and the recorder's)
         return 1
     try:

@@ -31,6 +31,7 @@ import numpy as np
 from ..engine.geometry import Geometry
 from ..engine.record import Scoring
 from ..engine.store import StoreSizes
+from ..readers import Opt
 
 FORMAT = "specmd-trace"
 VERSION = 3  # what this specmd writes where the rule needs it: an older reader would misread the selection
@@ -105,13 +106,15 @@ class TraceMeta:
             got = meta if isinstance(meta, dict) else {}
             raise ConfigError(f"{where}: format {got.get('format')!r} version {got.get('version')!r}; this specmd "
                               f"reads {FORMAT} versions {', '.join(map(str, READS))}")
-        from ..readers import Opt, check
+        from ..readers import check
 
-        positive = lambda v: None if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else "a whole number >= 1"  # noqa: E731
         try:  # the fields read below, each its type (a hand-edited meta.json: one line naming the key)
-            check(meta, {"geometry": {"num_layers": positive, "num_experts": positive, "top_k": positive},
-                         "store": dict, "depth": lambda v: None if isinstance(v, int) and not isinstance(v, bool)
-                         and v >= 0 else "a whole number >= 0", "source": Opt(dict), "scoring": Opt(dict)}, where)
+            check(meta, META, where)
+            g = meta["geometry"]
+            if g.get("expert_bytes") and g.get("total_bytes") and \
+                    g["expert_bytes"] * g["num_experts"] * g["num_layers"] > g["total_bytes"]:
+                raise ConfigError(f"{where}: geometry.expert_bytes={g['expert_bytes']} x {g['num_experts']} experts x "
+                                  f"{g['num_layers']} layers exceeds geometry.total_bytes={g['total_bytes']}")
         except ConfigError as exc:
             raise ConfigError(f"{exc} (a specmd trace's meta.json)") from None
         try:
@@ -127,6 +130,29 @@ class TraceMeta:
             raise ConfigError(f"{where}: missing or invalid field {exc} (a specmd v1 trace has geometry, store, "
                               f"depth, index_dtype and logits)") from None
         return out
+
+
+def _whole(low: int):
+    return lambda v: None if isinstance(v, int) and not isinstance(v, bool) and v >= low else f"a whole number >= {low}"
+
+
+def _one_of(names):
+    return lambda v: None if v in names else f"one of {', '.join(map(str, names))}"
+
+
+def _index_dtype(v):
+    try:
+        ok = isinstance(v, str) and np.dtype(v).kind in "iu"
+    except TypeError:
+        ok = False
+    return None if ok else "an integer dtype name (int16, int32 ...)"
+
+
+# meta.json's fields as TraceMeta.from_dict reads them (specmd.readers.check: a damaged one named by its key)
+META = {"geometry": {"num_layers": _whole(1), "num_experts": _whole(1), "top_k": _whole(1),
+                     "expert_bytes": Opt(_whole(1)), "total_bytes": Opt(_whole(1))},
+        "store": {"bytes_of": Opt({"native": _whole(1)})}, "depth": _whole(0), "source": Opt(dict),
+        "scoring": Opt(dict), "logits": _one_of(tuple(LOGIT_DTYPES)), "index_dtype": _index_dtype}
 
 
 @dataclass
@@ -312,8 +338,8 @@ def read_trace(path) -> Trace:
                           f"files set replay.format ({', '.join(IMPORTS.names())})")
     try:
         raw = json.loads(meta_path.read_text())
-    except ValueError as exc:
-        raise ConfigError(f"{meta_path}: not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # (RecursionError: nested too deep)
+        raise ConfigError(f"{meta_path}: not valid JSON ({type(exc).__name__}: {exc})") from None
     meta = TraceMeta.from_dict(raw, str(meta_path))
     g = meta.geometry
     L, E, k, D = g.num_layers, g.router_width, g.top_k, meta.depth  # (logits: every router column)

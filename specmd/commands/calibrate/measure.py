@@ -6,6 +6,7 @@ the machine's speed (:func:`speed_probe`, for drift); each stage's result saved 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -388,12 +389,29 @@ def _is(value, kind) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)) if kind is float else isinstance(value, kind)
 
 
-_LINK = {"bw": float, "lat": float, "report": dict}
-# each saved stage's shape (what the stage returns, as JSON gives it back)
+def _rate(value):
+    """A measured rate: a finite number > 0 (a negative bandwidth reused went into the profile)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return None if ok else "a finite number > 0"
+
+
+def _time(value):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    return None if ok else "a finite number >= 0"
+
+
+def _fraction_and_report(value):
+    ok = (isinstance(value, list) and len(value) == 2 and _time(value[0]) is None and value[0] <= 1
+          and isinstance(value[1], dict))
+    return None if ok else "[a fraction in [0, 1], a mapping]"
+
+
+_LINK = {"bw": _rate, "lat": _time, "report": dict}
+# each saved stage's shape (what the stage returns, as JSON gives it back), its figures in their ranges
 STAGE_SHAPES = {"link": _LINK, "disk": _LINK,
-                "compute": {"flops": float, "mem": float, "kernel": dict, "hflops": float, "hmem": float,
+                "compute": {"flops": _rate, "mem": _rate, "kernel": dict, "hflops": _rate, "hmem": _rate,
                             "host_kernel": dict},
-                "contention": _pair(float, dict), "host_experts": _pair(dict, dict), "policies": _pair(dict, dict),
+                "contention": _fraction_and_report, "host_experts": _pair(dict, dict), "policies": _pair(dict, dict),
                 "overheads": _pair(dict, dict)}
 
 
