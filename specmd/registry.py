@@ -102,7 +102,8 @@ class Registry(Generic[T]):
         return cls(params, **kwargs)
 
 
-_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list"}
+_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list",
+          dict: "a mapping"}
 
 
 def check_type(val: Any, want: Any, where: str) -> Any:
