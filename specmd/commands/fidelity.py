@@ -232,9 +232,12 @@ def resolve_profile(profile: str | None) -> tuple[str, dict]:
     if not (name.endswith((".yaml", ".yml")) and path.is_file()):
         path = Path(user_config_dir()) / "hardware" / f"{name}.yaml"
     if path.is_file():
-        try:
-            fields = yaml.safe_load(path.read_text())
-        except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:  # (not UTF-8; nested too deep)
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+
+        try:  # (read as hardware=NAME reads it: OmegaConf's YAML, where -5e-09 is a number, not yaml 1.1's string)
+            fields = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        except (OSError, ValueError, RecursionError, yaml.YAMLError, OmegaConfBaseException) as exc:
             raise ConfigError(f"--profile {name}: {path} is not a readable profile: {exc}") from None
         if not isinstance(fields, dict):
             raise ConfigError(f"--profile {name}: {path} holds no profile mapping")
