@@ -8,7 +8,9 @@ absent or null), or a callable ``value -> None | "what was expected"``. Keys a s
 alone (a newer specmd may write more). The kinds with their own home check their files with :func:`check`
 there: a hardware profile's ``calibrated_on`` (:mod:`specmd.hardware`), calibrate's saved measurements
 (``commands/calibrate/measure.py``), a trace's ``meta.json`` (:mod:`specmd.replay.trace`); a run's
-``results.json`` and ``failed.json`` and a sweep's ``.sweep.json`` are read here.
+``results.json`` and ``failed.json`` are read here. (A sweep's ``multirun.yaml`` and ``overrides.yaml`` are read by
+:mod:`specmd.commands.report.collect`, which turns any failure into a reason; ``.sweep.json`` by
+:mod:`specmd.liveness`, where an unreadable one means "another process".)
 """
 
 from __future__ import annotations
@@ -105,8 +107,6 @@ RESULTS = {"config": Opt(dict), "tasks": Opt(dict), "provenance": Opt(dict), "co
            "memory": Opt(dict), "replay": Opt(dict)}
 # failed.json (specmd.jobs.write_failed)
 FAILED = {"stage": Opt(str), "kind": Opt(str), "error": str, "config": Opt(dict)}
-# a sweep launcher's record (specmd.liveness: .sweep.json)
-SWEEP_RECORD = {"pid": int, "host": str}
 
 
 def read_results(path) -> dict:
