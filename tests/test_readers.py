@@ -196,3 +196,19 @@ def test_a_failed_json_without_its_error_is_damaged(tmp_path):
     (tmp_path / "failed.json").write_text("{}")
     with pytest.raises(DamagedFile, match="error is missing"):
         read_failed(tmp_path / "failed.json")
+
+
+def test_figures_no_device_has_are_calibrates_own_fault_and_not_reused(tmp_path, monkeypatch):
+    """(An H200's link timed to issue: 9.4e4 GB/s, then a ConfigError blaming hardware.small_copy_gbps, and the
+    saved stage would have been reused by every later calibrate.)"""
+    import specmd.commands.calibrate.measure as meas
+    from specmd.commands.calibrate.command import check_measured
+
+    monkeypatch.setattr(meas, "disk_probe_path", lambda: tmp_path / "probe")
+    ms = meas.Measurements({"k": 1}, remeasure=False)
+    ms.stage("link", lambda: {"bw": 1e9, "lat": 1e-5, "report": {}})
+    with pytest.raises(RuntimeError, match=r"a measurement fault, not a setting.*measures anew") as err:
+        check_measured({"bandwidth_gbps": 9.4e4, "small_copy_gbps": 1.28e23, "small_copy_mb": 0.262}, ms)
+    assert "small_copy_gbps" in str(err.value) and not ms.path.exists()
+    assert classify(err.value)[2]  # a bug (a traceback file), not the user's input
+    check_measured({"bandwidth_gbps": 20.0}, meas.Measurements({"k": 1}, remeasure=False))  # a real machine's

@@ -92,6 +92,23 @@ def run_stages(hw_dir: Path, name: str, out: bool, model: str, device: str, quic
         undo()
 
 
+def check_measured(hw: dict, ms: Measurements) -> None:
+    """The machine's figures make a profile (every rate and time in its range): otherwise a measurement fault --
+    an H200's link timed to where its copies were *issued* came out at 9.4e4 GB/s and failed later, blamed on
+    ``hardware.small_copy_gbps`` -- is calibrate's own error (a bug, exit 1), and its saved measurements are
+    removed, so the next calibrate measures anew instead of reusing them."""
+    from ...errors import ConfigError
+    from ...hardware import HardwareConfig
+
+    try:
+        HardwareConfig(**hw)
+    except ConfigError as exc:
+        ms.path.unlink(missing_ok=True)
+        raise RuntimeError(f"calibrate measured figures no device has ({exc}): a measurement fault, not a setting; "
+                           f"its saved measurements ({ms.path}) are removed, so the next calibrate measures anew") \
+            from None
+
+
 def _stages(hw_dir, name, out, model, dev, quick, log, remeasure, plan, execution, t_start) -> dict:
     ms = Measurements(measurement_key(model, str(dev), plan), remeasure)
     log(f"specmd calibrate: measuring {platform.node()} ({dev}) at {placement_words(plan)} ..."
@@ -100,6 +117,7 @@ def _stages(hw_dir, name, out, model, dev, quick, log, remeasure, plan, executio
         log(f"  not reused (measured again): {why}")
     ln, dk, cp = measure_machine(ms, dev, log, plan)
     hw = base_profile(ln, cp, dev)
+    check_measured(hw, ms)
     cont = measure_host_side(ms, model, hw, dev, log, plan)
     fit = {} if quick else measure_overheads(ms, model, hw, dev, log, execution)
     if quick:
