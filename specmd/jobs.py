@@ -34,9 +34,9 @@ from typing import Optional
 
 from .errors import DamagedFile
 from .machine import cgroup_cores, usable_cores  # noqa: F401 (the machine's facts, where runs record them)
+from .readers import STAGES  # noqa: F401 (the stages a failed.json names; its reader checks them)
 from .signals import Interrupted, signals_held
 
-STAGES = ("config", "load", "stack", "evaluate", "replay", "write")
 # keys that do not change a job's numbers, left out of its config hash (data: where the mirror lies)
 UNHASHED = ("logger", "threads", "data")
 

@@ -105,8 +105,16 @@ CACHE = {"oracle": Opt(dict), "union": Opt({"decode": Opt(dict)})}
 RESULTS = {"config": Opt(dict), "tasks": Opt(dict), "provenance": Opt(dict), "config_hash": Opt(str),
            "cache": Opt(dict), "timing": Opt(dict), "routing": Opt(dict), "wall": Opt(dict),
            "memory": Opt(dict), "replay": Opt(dict)}
-# failed.json (specmd.jobs.write_failed)
-FAILED = {"stage": Opt(str), "kind": Opt(str), "error": str, "config": Opt(dict)}
+# failed.json (specmd.jobs.write_failed): the stage a job failed in, and what kind of failure
+STAGES = ("config", "load", "stack", "evaluate", "replay", "write")
+KINDS = ("config", "data", "signal", "error")
+
+
+def _one_of(names):
+    return lambda v: None if v in names else f"one of {', '.join(names)}"
+
+
+FAILED = {"stage": Opt(_one_of(STAGES)), "kind": Opt(_one_of(KINDS)), "error": str, "config": Opt(dict)}
 
 
 def read_results(path) -> dict:
