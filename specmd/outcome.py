@@ -138,6 +138,17 @@ def kept_note(exc: BaseException) -> str:
     return f" (its record is kept in {where}: the run directory could not take it)"
 
 
+def _close_progress_bars() -> None:
+    """Close the progress bars a stopped command left open (lm-eval's, the quantizer's) before its last line:
+    a bar closed later -- by its finaliser, at exit -- redrew itself after "stopped by SIGINT"."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()) or ()):
+        try:
+            bar.close()
+        except Exception:  # noqa: BLE001 -- a bar that cannot close still must not hide the line
+            pass
+
+
 def _signal_within(exc: BaseException) -> BaseException:
     """The :class:`~specmd.signals.Interrupted` a library wrapped ``exc`` around (``raise X from e``, or raised
     while handling it: a lazy import's ``ModuleNotFoundError``), else ``exc``: a signal is reported as itself
@@ -160,6 +171,7 @@ def report(prog: str, exc: BaseException) -> int:
         exc = Interrupted(signal.SIGINT)
     exc = _signal_within(exc)
     if isinstance(exc, Interrupted):
+        _close_progress_bars()
         print(f"{prog}: {exc}{kept_note(exc)}", file=sys.stderr)
         return exc.exit_code
     if isinstance(exc, SystemExit):  # a command's own exit (argparse's usage error, --help)

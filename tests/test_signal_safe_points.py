@@ -73,3 +73,17 @@ def test_calibrate_stages_and_passes_are_safe_points(monkeypatch, tmp_path):
             ms.stage("disk", lambda: pytest.fail("measured after the signal"))
         SIGNALS.pending = 0
     assert meas.Measurements({"k": 1}, remeasure=False).data["link"]["bw"] == 1.0  # what was measured is kept
+
+
+def test_the_stop_line_is_the_last_line_after_an_open_progress_bar(capsys):
+    """(lm-eval's bar redrew itself after "stopped by SIGINT" when it was closed later, at exit.)"""
+    from tqdm import tqdm
+
+    def main(argv):
+        bar = tqdm(total=10, desc="evaluating")
+        bar.update(3)
+        raise Interrupted(signal.SIGINT)
+
+    assert guarded("specmd", main, []) == 130
+    err = capsys.readouterr().err
+    assert err.rstrip().splitlines()[-1] == "specmd: stopped by SIGINT" and "evaluating" in err

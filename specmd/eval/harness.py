@@ -327,6 +327,17 @@ def _token_by_token_lm():
     return TokenByTokenLM
 
 
+def _quiet_git_hash():
+    """lm-eval's ``get_git_commit_hash`` with git's stderr kept off the terminal (None outside a checkout)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
 def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu", live=None) -> dict:
     """Run the tasks; returns ``{specmd task name: {metric: value}}``. ``live``: the installed stack's
     :class:`~specmd.hook.live.LiveTokens` (None: unhooked), told which positions of each batch are requests
@@ -334,8 +345,12 @@ def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu", live=None) 
     if not cfg.tasks:
         return {}
     import lm_eval
+    import lm_eval.evaluator
 
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    # lm-eval records the working directory's git hash, and its `git describe` prints "fatal: not a git
+    # repository" on the terminal outside a checkout; specmd's provenance records its own source's git state
+    lm_eval.evaluator.get_git_commit_hash = _quiet_git_hash
     tm = task_index(cfg.tasks)
     names = [lm_eval_name(t) for t in cfg.tasks]
     cls = _token_by_token_lm() if cfg.token_by_token else _phase_bar_lm()
