@@ -770,3 +770,15 @@ def test_the_docs_import_commands_run_as_written_on_the_default_stack(tmp_path, 
         cfg = compose(config_name="config", overrides=ov)
     res = execute(cfg, run_dir=str(tmp_path / "sglang_run"), overrides=ov)
     assert res["replay"]["passes"] == 3 and res["cache"]["requests"] > 0  # a prefill of 4, then 2 decode steps
+
+
+@pytest.mark.parametrize("opts,words", [
+    (dict(expert_bytes=2**62), "at most 1,152,921,504,606,846,976 bytes"),  # (overflowed the compiled cache's int64)
+    (dict(expert_bytes=1000, model_bytes=10), "replay.model_bytes=10 is less than its routed experts'"),
+])
+def test_import_sizes_the_cache_cannot_account_for_are_refused(tmp_path, opts, words):
+    from specmd.errors import ConfigError
+
+    f = write_jsonl(tmp_path / "r.jsonl", canonical_records())
+    with pytest.raises(ConfigError, match=words):
+        load_import(f, "jsonl", ImportOptions(num_experts=8, **opts))

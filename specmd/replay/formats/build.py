@@ -57,6 +57,7 @@ class _Cells:
 
 
 MAX_EXPERTS = 1 << 20
+MAX_BYTES = 1 << 60  # the largest model (bytes) an import may declare: the compiled cache counts bytes in int64
 
 
 def build_trace(rec: Records, fmt: str, path: Path, opts: ImportOptions, notes: list) -> Trace:
@@ -323,4 +324,12 @@ def _sizes(opts: ImportOptions, E: int, L: int, notes: list) -> tuple:
         total_bytes = expert_bytes * E * L
         notes.append(f"replay.model_bytes not set: total_bytes = expert_bytes * {E} experts * {L} layers (routed "
                      f"experts only), so capacity fractions are of the routed experts")
+    routed = expert_bytes * E * L
+    if max(routed, total_bytes) > MAX_BYTES:  # (the cache's byte counts are C long longs in the compiled engine)
+        raise ConfigError(f"replay.expert_bytes={expert_bytes} x {E} experts x {L} layers = {routed:,} bytes"
+                          + (f", replay.model_bytes={total_bytes:,}" if opts.model_bytes else "")
+                          + f": at most {MAX_BYTES:,} bytes (2^60: an exabyte) a model the cache accounts for")
+    if opts.model_bytes and total_bytes < routed:
+        raise ConfigError(f"replay.model_bytes={total_bytes:,} is less than its routed experts' "
+                          f"{routed:,} bytes (replay.expert_bytes={expert_bytes} x {E} experts x {L} layers)")
     return expert_bytes, total_bytes
