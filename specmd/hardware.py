@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from . import shipped
 from .errors import ConfigError
-from .readers import Opt, check
+from .machine import MAX_THREADS
+from .readers import Opt, check, finite, whole
 from .registry import check_finite
 
 SCOPES = ("global", "per_layer")
@@ -137,34 +137,21 @@ class HardwareConfig:
         self.policy_overhead_us = _policy_overheads(self.policy_overhead_us)
 
 
-def _positive_int(v):
-    return None if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else "a whole number >= 1"
-
-
-def _thread_count(v):
-    from .machine import MAX_THREADS
-
-    ok = isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_THREADS
-    return None if ok else f"a whole number in 1..{MAX_THREADS}"
-
-
 def _byte_span(v):
-    ok = (isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                               and math.isfinite(x) and x > 0 for x in v) and v[0] <= v[1])
+    ok = (isinstance(v, (list, tuple)) and len(v) == 2 and all(finite(x) and x > 0 for x in v) and v[0] <= v[1])
     return None if ok else "[smallest, largest] bytes (two positive numbers)"
 
 
 def _speeds(v):
-    ok = isinstance(v, dict) and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-                                     and x > 0 for x in v.values())
+    ok = isinstance(v, dict) and all(finite(x) and x > 0 for x in v.values())
     return None if ok else "a mapping of the speed probe's figures to positive numbers"
 
 
 # what calibrate writes (commands/calibrate/command.py's calibrated_on): read back by profile_mismatch, fidelity's
 # drift and placement; a hand-edited or damaged value is one line naming the key (exit 2), never a TypeError
 CALIBRATED_ON = {"host": Opt(str), "device": Opt(str), "torch": Opt(str), "dtype": Opt(str), "model": Opt(str),
-                 "threads": Opt(_thread_count), "host_threads": Opt(_thread_count), "cores": Opt(_positive_int),
-                 "pin": Opt(bool), "expert_bytes": Opt(_positive_int), "kernel_bytes": Opt(_byte_span),
+                 "threads": Opt(whole(1, MAX_THREADS)), "host_threads": Opt(whole(1, MAX_THREADS)),
+                 "cores": Opt(whole(1)), "pin": Opt(bool), "expert_bytes": Opt(whole(1)), "kernel_bytes": Opt(_byte_span),
                  "speed": Opt(_speeds)}
 
 

@@ -48,8 +48,52 @@ def _is(value, spec) -> bool:
     if spec in (int, float) and isinstance(value, bool):
         return False
     if spec is float:
-        return isinstance(value, (int, float)) and math.isfinite(value)
+        return finite(value)
     return isinstance(value, spec)
+
+
+# ---- specs the schemas share (each a callable ``value -> None | "what was expected"``) ------------------------
+def finite(value) -> bool:
+    """A finite number (an int or a float, never a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def whole(low: int, high: int | None = None):
+    """A whole number >= ``low`` (and <= ``high``)."""
+    what = f"a whole number >= {low}" if high is None else f"a whole number in {low}..{high}"
+    return lambda v: None if isinstance(v, int) and not isinstance(v, bool) and v >= low and (
+        high is None or v <= high) else what
+
+
+def number(above: float | None = None, at_least: float | None = None, at_most: float | None = None):
+    """A finite number ``> above`` / ``>= at_least`` (and ``<= at_most``)."""
+    what = "a finite number" + (f" > {above:g}" if above is not None else "") + (
+        f" in [{at_least:g}, {at_most:g}]" if at_least is not None and at_most is not None
+        else f" >= {at_least:g}" if at_least is not None else f" <= {at_most:g}" if at_most is not None else "")
+    return lambda v: None if finite(v) and (above is None or v > above) and (at_least is None or v >= at_least) \
+        and (at_most is None or v <= at_most) else what
+
+
+def one_of(names):
+    """One of ``names``."""
+    return lambda v: None if v in names else f"one of {', '.join(map(str, names))}"
+
+
+def pair(first, second):
+    """``[first, second]`` (a tuple written as JSON reads back as a list)."""
+    def ok(value):
+        good = isinstance(value, list) and len(value) == 2 and _meets(value[0], first) and _meets(value[1], second)
+        return None if good else f"[{_words(first)}, {_words(second)}]"
+    return ok
+
+
+def _words(spec) -> str:
+    """What ``spec`` expects: a type's name, or a callable spec's own words (what it tells a null)."""
+    return _name(spec) if isinstance(spec, (type, tuple, dict)) else spec(None) or "a valid value"
+
+
+def _meets(value, spec) -> bool:
+    return _is(value, spec) if isinstance(spec, (type, tuple)) else not spec(value)
 
 
 def check(doc, schema: dict, path, at: str = "") -> dict:
@@ -110,11 +154,7 @@ STAGES = ("config", "load", "stack", "evaluate", "replay", "write")
 KINDS = ("config", "data", "signal", "error")
 
 
-def _one_of(names):
-    return lambda v: None if v in names else f"one of {', '.join(names)}"
-
-
-FAILED = {"stage": Opt(_one_of(STAGES)), "kind": Opt(_one_of(KINDS)), "error": str, "config": Opt(dict)}
+FAILED = {"stage": Opt(one_of(STAGES)), "kind": Opt(one_of(KINDS)), "error": str, "config": Opt(dict)}
 
 
 def read_results(path) -> dict:

@@ -31,7 +31,7 @@ import numpy as np
 from ..engine.geometry import Geometry
 from ..engine.record import Scoring
 from ..engine.store import StoreSizes
-from ..readers import Opt
+from ..readers import Opt, one_of, whole
 
 FORMAT = "specmd-trace"
 VERSION = 3  # what this specmd writes where the rule needs it: an older reader would misread the selection
@@ -132,14 +132,6 @@ class TraceMeta:
         return out
 
 
-def _whole(low: int):
-    return lambda v: None if isinstance(v, int) and not isinstance(v, bool) and v >= low else f"a whole number >= {low}"
-
-
-def _one_of(names):
-    return lambda v: None if v in names else f"one of {', '.join(map(str, names))}"
-
-
 def _index_dtype(v):
     try:
         ok = isinstance(v, str) and np.dtype(v).kind in "iu"
@@ -149,10 +141,10 @@ def _index_dtype(v):
 
 
 # meta.json's fields as TraceMeta.from_dict reads them (specmd.readers.check: a damaged one named by its key)
-META = {"geometry": {"num_layers": _whole(1), "num_experts": _whole(1), "top_k": _whole(1),
-                     "expert_bytes": Opt(_whole(1)), "total_bytes": Opt(_whole(1))},
-        "store": {"bytes_of": Opt({"native": _whole(1)})}, "depth": _whole(0), "source": Opt(dict),
-        "scoring": Opt(dict), "logits": _one_of(tuple(LOGIT_DTYPES)), "index_dtype": _index_dtype}
+META = {"geometry": {"num_layers": whole(1), "num_experts": whole(1), "top_k": whole(1),
+                     "expert_bytes": Opt(whole(1)), "total_bytes": Opt(whole(1))},
+        "store": {"bytes_of": Opt({"native": whole(1)})}, "depth": whole(0), "source": Opt(dict),
+        "scoring": Opt(dict), "logits": one_of(tuple(LOGIT_DTYPES)), "index_dtype": _index_dtype}
 
 
 @dataclass

@@ -6,7 +6,6 @@ the machine's speed (:func:`speed_probe`, for drift); each stage's result saved 
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import statistics
@@ -17,6 +16,7 @@ import numpy as np
 import torch
 
 from ...models.loader import load_configured
+from ...readers import number, pair
 from ...results import content_fill, write_files
 from ...machine import drift, in_passes, speed_probe  # noqa: F401 (calibrate records the speed it fitted at)
 from .fit import LOW_QUANT, fit_kernel, fit_link, host_roofline, nnls
@@ -373,46 +373,14 @@ def measurement_key(model: str, device: str, plan=None) -> dict:
             "version": MEASURE_VERSION}
 
 
-def _any(value):
-    return None
-
-
-def _pair(first, second):
-    """A stage saved as ``[first, second]`` (a tuple read back as a list)."""
-    def ok(value):
-        good = isinstance(value, list) and len(value) == 2 and _is(value[0], first) and _is(value[1], second)
-        return None if good else f"[{first.__name__}, {second.__name__}]"
-    return ok
-
-
-def _is(value, kind) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) if kind is float else isinstance(value, kind)
-
-
-def _rate(value):
-    """A measured rate: a finite number > 0 (a negative bandwidth reused went into the profile)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    return None if ok else "a finite number > 0"
-
-
-def _time(value):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
-    return None if ok else "a finite number >= 0"
-
-
-def _fraction_and_report(value):
-    ok = (isinstance(value, list) and len(value) == 2 and _time(value[0]) is None and value[0] <= 1
-          and isinstance(value[1], dict))
-    return None if ok else "[a fraction in [0, 1], a mapping]"
-
-
-_LINK = {"bw": _rate, "lat": _time, "report": dict}
+_RATE = number(above=0)  # (a reused negative bandwidth went into the profile)
+_LINK = {"bw": _RATE, "lat": number(at_least=0), "report": dict}
 # each saved stage's shape (what the stage returns, as JSON gives it back), its figures in their ranges
 STAGE_SHAPES = {"link": _LINK, "disk": _LINK,
-                "compute": {"flops": _rate, "mem": _rate, "kernel": dict, "hflops": _rate, "hmem": _rate,
+                "compute": {"flops": _RATE, "mem": _RATE, "kernel": dict, "hflops": _RATE, "hmem": _RATE,
                             "host_kernel": dict},
-                "contention": _fraction_and_report, "host_experts": _pair(dict, dict), "policies": _pair(dict, dict),
-                "overheads": _pair(dict, dict)}
+                "contention": pair(number(at_least=0, at_most=1), dict), "host_experts": pair(dict, dict),
+                "policies": pair(dict, dict), "overheads": pair(dict, dict)}
 
 
 class Measurements:
@@ -453,7 +421,7 @@ class Measurements:
         out = {}
         for name, value in stages.items():
             try:
-                check({name: value}, {name: STAGE_SHAPES.get(name, _any)}, self.path, "stages")
+                check({name: value}, {name: STAGE_SHAPES.get(name, lambda v: None)}, self.path, "stages")
                 out[name] = value
             except DamagedFile as exc:
                 self.dropped.append(str(exc))
