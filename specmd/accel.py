@@ -244,6 +244,12 @@ class StandIn(Accel):
         return sum(1 for e in self.log if e[0] == kind and (what is None or e[1] == what))
 
 
+def host_buffer(accel: Accel | None, *shape, dtype) -> torch.Tensor:
+    """Host memory the device copies from or into: pinned where ``accel`` pins (:meth:`Accel.empty_host`), plain
+    on a CPU (``accel`` None)."""
+    return accel.empty_host(*shape, dtype=dtype) if accel is not None else torch.empty(*shape, dtype=dtype)
+
+
 _STANDIN: StandIn | None = None  # the process's stand-in (one device: every caller sees the same streams)
 
 

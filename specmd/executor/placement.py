@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..accel import accel_for
+from ..accel import accel_for, host_buffer
 from .arena import Staging
 from .host import register_host
 from .kernel import Bank
@@ -68,8 +68,7 @@ class Placement(ArenaResidency):
         accel = accel_for(device)
         # (identity experts -- ids E .. E + identity - 1 -- are in the map, at the sentinel: nothing runs for them)
         self.width = self.E + identity
-        self._ring = register_host(accel.empty_host(4, self.width, dtype=torch.int64) if accel is not None
-                                   else torch.empty(4, self.width, dtype=torch.int64))
+        self._ring = register_host(host_buffer(accel, 4, self.width, dtype=torch.int64))
         self._ring_np = self._ring.numpy()
         self._ring_i = 0
         self._slot_of = torch.empty(self.width, dtype=torch.int64, device=device)

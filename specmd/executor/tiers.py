@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from ..accel import accel_for, host_buffer
 from ..errors import DataError
 
 ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
@@ -121,7 +122,7 @@ class RamTier(HostTier):
             for n, t in d.items():
                 src = t.detach()
                 if accel is not None or not src.is_contiguous():
-                    held = accel.empty_host(*src.shape, dtype=src.dtype) if accel else torch.empty(src.shape, dtype=src.dtype)
+                    held = host_buffer(accel, *src.shape, dtype=src.dtype)
                     held.copy_(src)
                     if isinstance(t, torch.nn.Parameter):
                         t.data = held  # the parameter now lives in the tier: no second copy of the experts
@@ -213,8 +214,6 @@ class DiskTier(HostTier):
         except BaseException:
             self.close()  # a truncated file or a missing expert: no descriptor left open
             raise
-        from ..accel import accel_for
-
         self._accel = accel_for(device) if device is not None else None  # reads bounce through its pinned memory
         self._bounces: dict = {}  # one bounce buffer per reading thread (transfer thread; main: cpu_compute, checks)
         self._lock = threading.Lock()
@@ -283,8 +282,7 @@ class DiskTier(HostTier):
         tid = threading.get_ident()
         buf = self._bounces.get(tid)
         if buf is None:
-            buf = self._bounces[tid] = (self._accel.empty_host(self._biggest, dtype=torch.uint8) if self._accel
-                                        else torch.empty(self._biggest, dtype=torch.uint8))
+            buf = self._bounces[tid] = host_buffer(self._accel, self._biggest, dtype=torch.uint8)
         return buf
 
     def _read(self, piece: _Piece, out: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..accel import accel_for
+from ..accel import accel_for, host_buffer
 from ..executor.host import register_host
 
 
@@ -80,9 +80,7 @@ class Readback:
         total = T * width
         buf = self._host[layer]
         if buf is None or buf.numel() < total:  # grows to the largest call (a prefill); never per call after
-            n = max(total, 64)
-            buf = self._host[layer] = register_host(self.accel.empty_host(n, dtype=torch.uint8) if self.cuda
-                                                    else torch.empty(n, dtype=torch.uint8))
+            buf = self._host[layer] = register_host(host_buffer(self.accel, max(total, 64), dtype=torch.uint8))
             self._plans[layer] = {}
         host = buf[:total].view(T, width)
         dev = None
