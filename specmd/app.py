@@ -92,13 +92,13 @@ class Run:
 
     def _model_ranges(self) -> None:
         """4. The settings the model bounds (a policy's top-J, routing=piggyback's k0, routing=budget's
-        max_experts / max_fraction, hardware.experts_per_layer) checked from the model's config before any weight
+        max_experts / max_fraction, hardware.experts_per_layer, hardware.memory_gb's room) checked from the model's config before any weight
         loads (:func:`~specmd.engine.engine.check_model_ranges`; the engine checks them again on the loaded
         model). A live run's only: a replay checks them on its trace's geometry before any work; a hub model
         whose config is not here is checked once loaded."""
         if self.replay.trace or self.model is None:
             return
-        from .engine.engine import check_model_ranges
+        from .engine.engine import check_memory_fits, check_model_ranges
         from .models.loader import model_geometry
 
         try:
@@ -106,6 +106,7 @@ class Run:
         except DataError:  # (its config.json is on the hub, unreachable from here)
             return
         check_model_ranges(self.spec, geom)
+        check_memory_fits(self.spec, geom)
 
     # ---- 1. sections ----------------------------------------------------------------------------------
     def _model(self, c: dict, checks: Checks) -> None:
@@ -129,6 +130,9 @@ class Run:
                 (c["hardware"] or {}).get("experts_per_layer") is not None:
             checks.fail("hardware.capacity and hardware.experts_per_layer are mutually exclusive (a byte budget "
                         "or a number of slots per layer): set one of them")
+        if "hardware.capacity" in self.set_by_user and (c["hardware"] or {}).get("memory_gb") is not None:
+            checks.fail("hardware.capacity and hardware.memory_gb are mutually exclusive (a fixed fraction of the "
+                        "model, or what the device's memory leaves per pass): set one of them")
 
     def _eval(self, c: dict, checks: Checks) -> None:
         from .eval.harness import SUPPORTED, EvalConfig, task_index

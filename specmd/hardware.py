@@ -22,6 +22,7 @@ TIMES = ("latency_us", "layer_overhead_us", "token_overhead_us", "layer_token_ov
 # inf or report nonsense without a word.
 RATE_RANGE = (1e-15, 1e15)
 TIME_RANGE = (0.0, 1e12)  # us: 11.6 days per event
+MAX_MEMORY_GB = float(1 << 20)  # a PiB: beyond any device (an exponent typo otherwise)
 FRACTIONS = ("roofline_serial", "host_roofline_serial", "host_link_contention")
 # rates a profile may leave out (null: the rate beside it serves): a one-row product's weight reads, the
 # link's small copies
@@ -48,6 +49,11 @@ class HardwareConfig:
     experts_per_layer: Optional[float] = _P["experts_per_layer"]
     # One pool shared by all layers, or one pool per MoE layer (capacity split evenly).
     scope: str = _P["scope"]
+    # The device's memory in GiB (2^30 bytes, a GPU's "80 GB"): the cache is then what the dense weights, the KV
+    # cache of the live sequences and reserve_gb leave of it, per forward pass (engine/memory.py; docs/semantics.md
+    # "Device memory"). null: the fixed capacity above (every paper experiment).
+    memory_gb: Optional[float] = _P["memory_gb"]
+    reserve_gb: float = _P["reserve_gb"]  # GiB kept for activations (with memory_gb)
     bandwidth_gbps: float = _P["bandwidth_gbps"]  # host -> device transfer bandwidth, GB/s (1e9 bytes/s)
     latency_us: float = _P["latency_us"]  # fixed cost per transfer
     peak_tflops: float = _P["peak_tflops"]  # device compute peak at the model's dtype
@@ -177,6 +183,18 @@ def _check_cache(hw: HardwareConfig) -> None:
     if sl is not None and (isinstance(sl, bool) or not isinstance(sl, (int, float)) or not 0.0 < sl <= 1.0):
         raise ConfigError(f"hardware.stream_layers={sl!r} must be a fraction in (0, 1] of a layer's experts "
                           f"(a call requesting at least that many streams its layer), or null (never)")
+    mem = hw.memory_gb
+    if mem is not None and (isinstance(mem, bool) or not isinstance(mem, (int, float)) or not 0 < mem <= MAX_MEMORY_GB):
+        raise ConfigError(f"hardware.memory_gb={mem!r} must be the device's memory in GiB, in (0, {MAX_MEMORY_GB:g}], "
+                          f"or null (the fixed hardware.capacity)")
+    res = hw.reserve_gb
+    if isinstance(res, bool) or not isinstance(res, (int, float)) or not 0 <= res <= MAX_MEMORY_GB:
+        raise ConfigError(f"hardware.reserve_gb={res!r} must be GiB kept for activations, in [0, {MAX_MEMORY_GB:g}]")
+    if mem is not None and res >= mem:
+        raise ConfigError(f"hardware.reserve_gb={res:g} leaves nothing of hardware.memory_gb={mem:g}")
+    if mem is not None and hw.experts_per_layer is not None:
+        raise ConfigError(f"hardware.memory_gb={mem:g} sizes the cache from the device's memory; "
+                          f"hardware.experts_per_layer={hw.experts_per_layer:g} fixes it: set one of them")
     if hw.scope not in SCOPES:
         raise ConfigError(f"hardware.scope={hw.scope!r}; valid choices: {', '.join(SCOPES)}")
 

@@ -269,13 +269,15 @@ def write_json_atomic(path: Path, data: dict, keep: bool = True) -> None:
 
 
 def write_passes_csv(path: Path, passes) -> None:
-    """Per-forward-pass accounting (one row per prefill or decode pass)."""
+    """Per-forward-pass accounting (one row per prefill or decode pass): its cache's capacity in bytes (per pass
+    with ``hardware.memory_gb``) and its sequences' KV cache beside the counts."""
     def fill(tmp):
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write("pass,kind,tokens,time_s,stall_s,requests,hits,misses,collision_misses\n")
-            for p in passes:
+            f.write("pass,kind,tokens,time_s,stall_s,requests,hits,misses,collision_misses,capacity_bytes,kv_bytes\n")
+            for p in passes:  # (kv_bytes blank: not modelled, a fixed capacity)
                 f.write(f"{p.index},{p.kind},{p.tokens},{p.time_s:.9g},{p.stall_s:.9g},"
-                        f"{p.requests},{p.hits},{p.misses},{p.collision_misses}\n")
+                        f"{p.requests},{p.hits},{p.misses},{p.collision_misses},{p.capacity_bytes},"
+                        f"{p.kv_bytes if p.kv_bytes >= 0 else ''}\n")
 
     write_file(path, fill)
 

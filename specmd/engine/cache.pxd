@@ -78,6 +78,8 @@ cdef class Residency:
     cdef public CacheStats stats
     cdef public list pools
     cdef public list _pool_of_layer
+    cdef public list ceilings
+    cdef public long long kv_bytes
     cdef public object events
     cdef public long long used_bytes
     cdef long long _nkeys
@@ -102,6 +104,10 @@ cdef class Residency:
     cpdef pin(self, long long key)
     cpdef bint evictable(self, long long key)
     cpdef bint make_room(self, Pool pool, long long nbytes)
+    @cython.locals(pool=Pool, st=CacheStats, i=Py_ssize_t, victim="long long", layer=long)
+    cpdef resize(self, long long capacity, long long kv_bytes)
+    @cython.locals(key="long long")
+    cdef long long _arriving(self, Pool pool) except -1
     @cython.locals(here="signed char[:]", prefetched="signed char[:]", used="signed char[:]", key=Py_ssize_t)
     cdef _uncount_prefetches(self)
     cpdef bint has(self, long long key)
@@ -130,6 +136,8 @@ cdef class CacheManager(Residency):
     cpdef begin_pass(self, kind, tokens, context)
     @cython.locals(clock=Clock, s=CacheStats)
     cpdef end_pass(self)
+    @cython.locals(t="long long", pool=Pool)
+    cdef long long _capacity(self)
     @cython.locals(call=LayerCall)
     cpdef LayerCall serve(self, long layer, experts, record=*, index=*, weights=*)
     @cython.locals(stamp="long long", pin="long long[:]", E="long long", base="long long", e="long long",

@@ -231,6 +231,10 @@ class Residency:
         self.clock = clock
         self.stats = CacheStats(geom.num_layers, list(self.precisions.bytes_of))
         self.pools = [Pool(c, p) for c, p in zip(capacities, evictions)]
+        # each pool's most bytes (what an executor's arena holds): its capacity throughout, unless the device's
+        # memory sets a capacity per pass (``resize``, never above it)
+        self.ceilings = [int(c) for c in capacities]
+        self.kv_bytes = -1  # the KV cache of the pass (``resize``); -1: not modelled (a fixed capacity)
         self._pool_of_layer = self.pools * geom.num_layers if len(self.pools) == 1 else list(self.pools)
         # who materialises residency (a :class:`~specmd.engine.residency.ResidencyEvents`: ``subscribe``), or
         # None; it follows the manager's decisions and never makes one
@@ -268,7 +272,7 @@ class Residency:
     # ---- the executor's seam (specmd.engine.residency) -----------------------------------------------
     def layout(self) -> PoolLayout:
         """The pools as an executor needs them: capacities in bytes, and each MoE layer's pool."""
-        return PoolLayout(tuple(int(p.capacity) for p in self.pools),
+        return PoolLayout(tuple(self.ceilings),
                           tuple(self.pools.index(p) for p in self._pool_of_layer), int(self._E))
 
     def subscribe(self, events) -> None:
@@ -328,6 +332,33 @@ class Residency:
                 return False
             self._evict(victim)
         return True
+
+    def resize(self, capacity: int, kv_bytes: int) -> None:
+        """Every pool's budget set to ``capacity`` bytes (at most its ceiling) for the pass about to start, whose
+        KV cache is ``kv_bytes`` (``hardware.memory_gb``: :class:`~specmd.engine.memory.DeviceMemory`). A pool
+        over its new budget evicts its policy's victims until it fits -- counted as evictions and as
+        ``evictions_pressure``, at the boundary before the pass (a later miss on one is no collision miss, and it
+        counts under ``stack.measure=decode`` too); with no victim left (only copies still arriving, a prefetch
+        of the last pass never requested), those go in key order, their transfer wasted."""
+        self.kv_bytes = kv_bytes
+        st = self.stats
+        for i in range(len(self.pools)):
+            pool = self.pools[i]
+            pool.capacity = capacity if capacity < self.ceilings[i] else self.ceilings[i]
+            while pool.used > pool.capacity:
+                victim = pool.hooks.victim(self._evictable) if pool.native else pool.victim(self._evictable)
+                if victim is None:
+                    victim = self._arriving(pool)
+                layer = victim // self._E
+                self._evict(victim)
+                st.evictions_pressure[layer] += 1
+
+    def _arriving(self, pool: Pool) -> int:
+        """The first key (ascending) in ``pool``, which :meth:`resize` evicts when its policy names no victim."""
+        for key in range(self._nkeys):
+            if self._here[key] and self._pool_of_layer[key // self._E] is pool:
+                return key
+        raise RuntimeError("a pool over its budget holds no key (its bytes and its keys disagree)")
 
     def insert(self, key: int, layer: int, nbytes: int, pool: Pool, transfer, prefetched: bool, precision=NATIVE,
                used: bool = False) -> None:
@@ -475,6 +506,7 @@ class CacheManager(Residency):
         s.passes.append(PassRecord(
             self.pass_index, kind, tokens, seconds, stall,
             _total(s.requests) - r0, _total(s.hits) - h0, _total(s.misses) - m0, _total(s.collision_misses) - c0,
+            self._capacity(), self.kv_bytes,
         ))
         self.current_pass = None
         if self._uncounted is not None:
@@ -482,6 +514,13 @@ class CacheManager(Residency):
             self._uncounted = None
             self._uncount_prefetches()
 
+
+    def _capacity(self) -> int:
+        """The pools' capacities summed (bytes)."""
+        t = 0
+        for pool in self.pools:
+            t += pool.capacity
+        return t
 
     # ---- one MoE layer call: named steps --------------------------------------------------------
     def serve(self, layer: int, experts, record=None, index=None, weights=None) -> LayerCall:

@@ -31,7 +31,7 @@ cdef class Engine:
     cdef bint _streams
     cdef long long _run_slots
     cdef long long _run_n
-    cpdef begin_pass(self, kind, tokens, context)
+    cpdef begin_pass(self, kind, tokens, context, contexts=*)
     cpdef end_pass(self)
     @cython.locals(r=GateRecord)
     cpdef bint route(self, rec)

@@ -25,6 +25,7 @@ from ..errors import ConfigError
 from .cache import CacheManager
 from .clock import Clock, SimClock
 from .geometry import Geometry, pool_capacities, timed_as
+from .memory import GIB, DeviceMemory, KvLayout
 from .outcomes import Execution
 from .record import expert_counts
 from .store import StoreSizes
@@ -119,6 +120,47 @@ def check_capacity(caps: list, hw: Any, geom: Geometry, store: StoreSizes, fetch
                       f"{' with scope=per_layer' if per_layer else ''}")
 
 
+def device_memory(geom: Geometry, hw: Any, store: StoreSizes, fetched: list) -> Optional[DeviceMemory]:
+    """The :class:`DeviceMemory` of ``hardware.memory_gb`` on ``geom`` (the timing model's, with ``timing_as``),
+    or None (a fixed capacity). Its ``ceiling``, each pool's most, is the memory with no KV cache, capped at
+    every expert of the pool at the largest stored precision (a cache that holds the whole model). Refused: a
+    model whose KV cache specmd cannot size, and dense weights and reserve that leave less than one expert
+    of the smallest fetched precision per pool even with no KV cache."""
+    mem_gb = getattr(hw, "memory_gb", None)
+    if mem_gb is None:
+        return None
+    kv = KvLayout.from_dict(geom.kv)
+    if kv.unknown:
+        raise ConfigError(f"hardware.memory_gb={mem_gb:g} needs the model's KV cache per token: {kv.unknown}; use "
+                          f"hardware.capacity, or hardware.timing_as=NAME (a real model's sizes and KV cache)")
+    pools = geom.num_layers if hw.scope == "per_layer" else 1
+    routed = geom.num_layers * geom.num_experts * max(store.bytes_of.values())
+    mem = DeviceMemory(int(mem_gb * GIB), int(hw.reserve_gb * GIB),
+                       max(0, geom.total_bytes - geom.num_layers * geom.num_experts * geom.expert_bytes), kv, pools)
+    left = mem.memory_bytes - mem.reserve_bytes - mem.dense_bytes
+    mem.ceiling = min(left, routed) // pools if left > 0 else 0
+    nbytes, precision = min((store.bytes_of[p], p) for p in fetched)
+    if mem.ceiling < nbytes:
+        raise ConfigError(f"hardware.memory_gb={mem_gb:g} leaves {max(left, 0) / GIB:.4g} GiB for experts "
+                          f"({mem.describe(())}; {'each of ' + str(pools) + ' per-layer pools ' if pools > 1 else ''}"
+                          f"less than one expert at {precision} precision, {nbytes:,} bytes): the cache would hold "
+                          f"nothing before any KV cache")
+    return mem
+
+
+def check_memory_fits(spec: StackSpec, model: Geometry) -> None:
+    """``hardware.memory_gb`` checked on a model's geometry before any weight loads (a live run's config stage):
+    its KV layout is known, and the dense weights, the reserve and one token's KV cache leave at least one
+    expert of the stack's fetched precision (the native one: a quantized store is not built yet). The engine
+    checks it again when built, and every pass's own KV cache as the pass begins."""
+    if getattr(spec.hardware, "memory_gb", None) is None:
+        return
+    geom = timed_as(model, spec.timing[1])[0] if spec.timing is not None else model
+    mem = device_memory(geom, spec.hardware, StoreSizes.native_only(geom), ["native"])
+    if mem.excess((1,)) > 0:
+        raise ConfigError(f"hardware.memory_gb={spec.hardware.memory_gb:g} cannot hold one token: {mem.describe((1,))}")
+
+
 def stream_at(threshold: Optional[float], num_experts: int) -> int:
     """The requested experts at which a layer call is streamed: ``hardware.stream_layers`` (a fraction of the
     layer's experts, or None: never) as a count, at least 1 (``ceil``, with a rounding guard: 0.3 of 10 is 3)."""
@@ -157,9 +199,14 @@ class Engine:
         for policy in (self.routing, self.miss, self.prefetch):
             policy.setup(self.model)
         hw = spec.hardware
-        caps = pool_capacities(geom, hw.capacity, hw.experts_per_layer, hw.scope)
         mcls, mparams = spec.miss
-        check_capacity(caps, hw, geom, self.store, mcls.required_precisions(mparams) or [self.miss.fetch_precision])
+        fetched = mcls.required_precisions(mparams) or [self.miss.fetch_precision]
+        self.memory = device_memory(geom, hw, self.store, fetched)
+        if self.memory is not None:  # the arena's size: each pass's capacity is set at its start (begin_pass)
+            caps = [self.memory.ceiling] * self.memory.pools
+        else:
+            caps = pool_capacities(geom, hw.capacity, hw.experts_per_layer, hw.scope)
+            check_capacity(caps, hw, geom, self.store, fetched)
         evictions = [spec.build("eviction") for _ in caps]
         for policy in evictions:
             policy.setup(self.model)
@@ -178,7 +225,20 @@ class Engine:
         self._Z = geom.identity_experts  # identity experts: selected, never served, no compute (LongCat-Flash)
 
     # ---- passes ---------------------------------------------------------------------------------
-    def begin_pass(self, kind, tokens, context):
+    def begin_pass(self, kind, tokens, context, contexts=None):
+        """A forward pass of ``tokens`` live tokens at ``context`` (:func:`~specmd.engine.batch.batched_context`);
+        ``contexts``: each live sequence's own context (its tokens before and in this pass), what its KV cache
+        holds (``hardware.memory_gb``; None: one sequence of ``context``)."""
+        mem = self.memory
+        if mem is not None:
+            if contexts is None:
+                contexts = (context,)
+            if mem.excess(contexts) > 0:
+                raise ConfigError(f"hardware.memory_gb={self.spec.hardware.memory_gb:g} cannot hold forward pass "
+                                  f"{self.cache.pass_index + 1}: {mem.describe(contexts)}")
+            cap, kv = mem.budget(contexts)
+            mem.series.append((cap, kv))
+            self.cache.resize(cap, kv)
         self.cache.begin_pass(kind, tokens, context)
 
     def end_pass(self):
@@ -328,14 +388,16 @@ class Engine:
         st = cache.stats
         summary = st.summary()
         g = self.geom
+        fetch_bytes = self.store.bytes_of[cache.fetch_precision]
         summary["capacity_bytes"] = sum(p.capacity for p in cache.pools)
         summary["expert_bytes"] = g.expert_bytes
         summary["model_bytes"] = g.total_bytes
         summary["layers"] = list(g.layer_ids)
         summary["measured_passes"] = cache.measure
         summary["timing_geometry"] = self.timing_as or "model"
+        if self.memory is not None:
+            summary["memory"] = self.memory.section(fetch_bytes)
         summary["prefetch_lateness"] = self._lateness(summary)
-        fetch_bytes = self.store.bytes_of[cache.fetch_precision]
         summary["union"] = union_section(st, g.num_layers, g.num_experts, g.top_k, cache.measure,
                                          sum(p.capacity // fetch_bytes for p in cache.pools))
         timing = st.timing(self.clock.name)

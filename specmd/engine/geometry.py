@@ -29,6 +29,9 @@ class Geometry:
     # identity ("zero-computation") experts: router columns num_experts .. num_experts + identity_experts - 1
     # whose expert returns its input (LongCat-Flash's 256 beside its 512): no weights, nothing to cache or fetch
     identity_experts: int = 0
+    # the KV cache per sequence (:meth:`specmd.engine.memory.KvLayout.to_dict`; read off the model's config by
+    # specmd.models.kv): what hardware.memory_gb takes from the experts' memory. {}: not known (an old trace)
+    kv: dict = field(default_factory=dict)
 
     def __post_init__(self):
         n = self.num_layers
@@ -77,7 +80,7 @@ def timed_as(routing: Geometry, timing: Geometry) -> tuple[Geometry, float, floa
     * each routing expert stands for (L_t·E_t) / (L_r·E_r) timing experts in bytes (so the whole model's
       expert bytes, and what a capacity fraction holds, are the timing model's) and for
       (L_t·k_t) / (L_r·k_r) timing experts in compute (so a token's expert FLOPs are the timing model's);
-    * the LM head and trailing layers, hidden size, dtype and total bytes are the timing model's.
+    * the LM head and trailing layers, hidden size, dtype, total bytes and KV cache are the timing model's.
     Expert *bytes read* per token then scale by (k_r/E_r) / (k_t/E_t): exact when the two models select
     the same fraction of their experts (the embedded model as OLMoE), half the real figure for the embedded
     model as Mixtral (memory-bound decode compute is then understated; transfers and capacity are exact).
@@ -92,7 +95,7 @@ def timed_as(routing: Geometry, timing: Geometry) -> tuple[Geometry, float, floa
         attn_layers=_regroup(timing.attn_layers, routing.num_layers),
         tail_params=timing.tail_params, tail_attn_layers=timing.tail_attn_layers,
         expert_params=timing.expert_params * f_compute, layer_ids=list(routing.layer_ids),
-        identity_experts=routing.identity_experts,
+        identity_experts=routing.identity_experts, kv=dict(timing.kv),
     )
     return geom, f_bytes, f_compute
 

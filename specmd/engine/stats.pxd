@@ -13,6 +13,8 @@ cdef class PassRecord:
     cdef public long long hits
     cdef public long long misses
     cdef public long long collision_misses
+    cdef public long long capacity_bytes
+    cdef public long long kv_bytes
 
 
 cdef class CacheStats:
@@ -24,6 +26,7 @@ cdef class CacheStats:
     cdef public long long[:] misses
     cdef public long long[:] collision_misses
     cdef public long long[:] evictions
+    cdef public long long[:] evictions_pressure
     cdef public long long[:] prefetch_issued
     cdef public long long[:] prefetch_used
     cdef public long long[:] prefetch_late

@@ -11,6 +11,7 @@ PER_LAYER = (
     "misses",
     "collision_misses",
     "evictions",
+    "evictions_pressure",  # ... of them made by the device's memory shrinking (hardware.memory_gb: Residency.resize)
     "prefetch_issued",
     "prefetch_used",
     "prefetch_late",
@@ -35,10 +36,11 @@ PER_LAYER = (
 class PassRecord:
     """One forward pass's accounting. (Compiled, an extension type: ``stats.pxd`` declares its fields.)"""
 
-    FIELDS = ("index", "kind", "tokens", "time_s", "stall_s", "requests", "hits", "misses", "collision_misses")
+    FIELDS = ("index", "kind", "tokens", "time_s", "stall_s", "requests", "hits", "misses", "collision_misses",
+              "capacity_bytes", "kv_bytes")
 
     def __init__(self, index: int, kind: str, tokens: int, time_s: float, stall_s: float, requests: int, hits: int,
-                 misses: int, collision_misses: int):
+                 misses: int, collision_misses: int, capacity_bytes: int = 0, kv_bytes: int = -1):
         self.index = index
         self.kind = kind  # "prefill" or "decode"
         self.tokens = tokens
@@ -48,6 +50,8 @@ class PassRecord:
         self.hits = hits
         self.misses = misses
         self.collision_misses = collision_misses
+        self.capacity_bytes = capacity_bytes  # the cache's bytes during the pass (every pool's)
+        self.kv_bytes = kv_bytes  # the KV cache of its sequences (hardware.memory_gb), -1: not modelled
 
     def astuple(self) -> tuple:
         return tuple(getattr(self, f) for f in self.FIELDS)

@@ -34,14 +34,16 @@ from ..errors import ConfigError
 class LivePass:
     """One forward pass's live positions, as the hook uses them: ``rows`` (host long ``[n]``, the live rows of
     the flattened ``[B * S]`` input, ascending) or None when every position is live; ``tokens`` (live tokens)
-    and ``context`` (:func:`~specmd.engine.batch.batched_context` over the live sequences)."""
+    and ``context`` (:func:`~specmd.engine.batch.batched_context` over the live sequences); ``contexts``: each
+    live sequence's own context (its KV cache: a paged server's, no pads; a finished sequence holds none)."""
 
-    __slots__ = ("rows", "tokens", "context")
+    __slots__ = ("rows", "tokens", "context", "contexts")
 
-    def __init__(self, rows: Optional[torch.Tensor], tokens: int, context: int):
+    def __init__(self, rows: Optional[torch.Tensor], tokens: int, context: int, contexts: list):
         self.rows = rows
         self.tokens = tokens
         self.context = context
+        self.contexts = contexts
 
 
 class LiveTokens:
@@ -75,7 +77,7 @@ class LiveTokens:
             self._finished = None
         finished = self._finished
         if batch == 1 and expect is None and finished is None:  # one sequence: nothing is padded
-            return LivePass(None, seq, past + seq)
+            return LivePass(None, seq, past + seq, [past + seq])
         live = None  # [B, S] bool
         if expect is not None:
             if tuple(expect.shape) != (batch, seq):
@@ -97,11 +99,13 @@ class LiveTokens:
             gone = finished.unsqueeze(1)
             live = ~gone.expand(batch, seq) if live is None else live & ~gone
         if live is None:
-            return LivePass(None, batch * seq, past + seq)
+            return LivePass(None, batch * seq, past + seq, [past + seq] * batch)
         t = live.sum(1)  # [B] live tokens per sequence
         c = (past_i if past_i is not None else torch.full((batch,), past)) + t
         tokens = int(t.sum())
-        context = batched_context(t.tolist(), c.tolist())
+        t, c = t.tolist(), c.tolist()
+        context = batched_context(t, c)
+        contexts = [ci for ti, ci in zip(t, c) if ti > 0]
         if tokens == batch * seq:
-            return LivePass(None, tokens, context)
-        return LivePass(live.reshape(-1).nonzero().squeeze(1), tokens, context)
+            return LivePass(None, tokens, context, contexts)
+        return LivePass(live.reshape(-1).nonzero().squeeze(1), tokens, context, contexts)

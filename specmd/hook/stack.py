@@ -230,7 +230,7 @@ class PolicyStack:
         if self._idle:  # every sequence of the batch has finished: nothing here is a request
             return
         self.executor.begin_pass(kind, live.tokens)
-        self.engine.begin_pass(kind, live.tokens, live.context)
+        self.engine.begin_pass(kind, live.tokens, live.context, live.contexts)
         if self.writer is not None:
             self.writer.begin_pass(kind, live.tokens, live.context)
 

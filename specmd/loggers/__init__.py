@@ -258,7 +258,10 @@ def pass_series(run_dir: str) -> list[dict]:
                          "pass/tokens": int(r["tokens"]), "pass/time_s": float(r["time_s"]),
                          "pass/stall_s": float(r["stall_s"]), "pass/hit_rate": h / q if q else None,
                          "pass/cumulative_hit_rate": hits / requests if requests else None,
-                         "pass/collision_misses": int(r["collision_misses"])})
+                         "pass/collision_misses": int(r["collision_misses"]),
+                         # (older runs' files have neither; kv_bytes is blank without hardware.memory_gb)
+                         "pass/capacity_bytes": int(r["capacity_bytes"]) if r.get("capacity_bytes") else None,
+                         "pass/kv_bytes": int(r["kv_bytes"]) if r.get("kv_bytes") else None})
     return [{k: v for k, v in row.items() if v is not None} for row in rows]
 
 

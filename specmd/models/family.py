@@ -118,6 +118,13 @@ def declared_hub(transforms) -> Optional[HubLayout]:
     return HubLayout(block=block, gate=gate, up=up, down=parts["down_proj"][0], router=router, renames=tuple(renames))
 
 
+def _itemsize(dtype) -> int:
+    """Bytes per element of a torch ``dtype`` (the model's compute dtype: what its KV cache holds)."""
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def _renamed(name: str, old: str, new: str) -> str:
     """``name`` with ``old`` replaced by ``new``: a ``^`` prefix only at its start (a prefix change)."""
     if old.startswith("^"):
@@ -471,6 +478,7 @@ class Adapter:
             raise ConfigError(f"model {config.model_type} has {num_experts} experts per MoE layer: specmd caches the "
                               f"experts of an MoE model (check model.tiny)")
         from ..executor.kernel import expert_tensors
+        from .kv import kv_layout
 
         def per_expert(i):  # the experts module's [E, ...] tensors: what an expert is (a norm they share is dense,
             return list(expert_tensors(self.experts(model, i), num_experts).values())  # MuSe-Spark's post norm)
@@ -500,7 +508,7 @@ class Adapter:
             expert_bytes=expert_bytes, total_bytes=total_bytes, hidden_size=int(config.hidden_size),
             dtype_bytes=dtype_bytes, dense_params=dense, attn_layers=attn, tail_params=tail,
             tail_attn_layers=len(layers) - 1 - prev, expert_params=expert_params, layer_ids=moe_ids,
-            identity_experts=self.identity_experts(config),
+            identity_experts=self.identity_experts(config), kv=kv_layout(config, _itemsize(model.dtype)).to_dict(),
         )
 
     def _final_params(self, model) -> int:

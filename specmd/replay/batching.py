@@ -262,7 +262,8 @@ def compose(trace: Trace, schedule: Schedule) -> Trace:
     return Trace(meta=trace.meta, passes=out_passes, calls=out_calls, index=gather(trace.index),
                  weights=gather(trace.weights), logits=gather(trace.logits),
                  signal_index=gather(trace.signal_index), signal_logits=gather(trace.signal_logits),
-                 path=trace.path, notes=list(trace.notes), batching=schedule.info())
+                 path=trace.path, notes=list(trace.notes), batching=schedule.info(),
+                 contexts=(np.append(first, len(member)).astype(np.int64), member[:, 2].copy()))
 
 
 def compose_trace(trace: Trace, batch: int = 1, concurrency: Optional[int] = None,

@@ -453,6 +453,34 @@ def build_engine(trace: Trace, spec, ptr=None, experts=None):
     return Engine(geom, spec, store, future), ptr, experts
 
 
+def pass_contexts(trace: Trace) -> list:
+    """Each pass's live sequences' contexts (lists): a composed trace's members', else one sequence per pass of
+    the pass's ``context``. A trace recorded at a batch above 1 records only the batch's mean context, not each
+    sequence's: refused (a ConfigError naming the way that is exact: record at batch 1 and compose)."""
+    if trace.contexts is not None:
+        ptr, values = trace.contexts
+        values = values.tolist()
+        return [values[a:b] for a, b in zip(ptr[:-1].tolist(), ptr[1:].tolist())]
+    batch = None if trace.meta.imported else _recorded_batch_size(trace)
+    if batch is not None and batch > 1:
+        raise ConfigError(f"hardware.memory_gb: the trace {trace.path} was recorded at eval.batch_size={batch}, and "
+                          f"records each pass's mean context, not each sequence's KV cache; record it at "
+                          f"eval.batch_size=1 and replay it with replay.batch={batch} (exact per sequence)")
+    return [[c] for c in trace.passes[:, 2].tolist()]
+
+
+def check_memory(trace: Trace, engine) -> None:
+    """A replay whose largest pass's KV cache leaves the dense weights no room is refused before any pass runs
+    (the engine would refuse at that pass): the error names the pass and the memory's parts."""
+    mem = engine.memory
+    if mem is None:
+        return
+    for p, contexts in enumerate(pass_contexts(trace)):
+        if mem.excess(contexts) > 0:
+            raise ConfigError(f"hardware.memory_gb={engine.spec.hardware.memory_gb:g} cannot hold forward pass {p} "
+                              f"of {trace.path}: {mem.describe(contexts)}")
+
+
 def run_replay(trace: Trace, spec, engine=None, ptr=None, experts=None) -> Engine:
     """Drive ``engine`` (built from ``spec`` when not given) through every pass and layer call of ``trace``."""
     if engine is None:
@@ -480,8 +508,12 @@ def run_replay(trace: Trace, spec, engine=None, ptr=None, experts=None) -> Engin
         if calls.shape[1] < 4 or offsets.shape[0] != C + 1:  # (read unchecked below)
             raise ValueError(f"{trace.path}: {C} layer calls of {calls.shape[1]} fields (4 expected) and "
                              f"{offsets.shape[0]} request offsets ({C + 1} expected)")
+        sequences = pass_contexts(trace) if eng.memory is not None else None  # (what the KV cache holds)
         for p, (kind, tokens, context) in enumerate(trace.passes.tolist()):
-            eng.begin_pass(KINDS[kind], tokens, context)
+            if sequences is None:
+                eng.begin_pass(KINDS[kind], tokens, context)
+            else:
+                eng.begin_pass(KINDS[kind], tokens, context, sequences[p])
             while c < C and calls[c, 0] == p:
                 layer, r0, n = calls[c, 1], calls[c, 2], calls[c, 3]
                 rec = trace_record(TraceRecord.__new__(TraceRecord), trace, r0, n, layer, scoring,
@@ -518,6 +550,7 @@ def replay(run, run_dir) -> tuple[dict, Engine]:
     spec = signal_fallback(trace, run.spec, chosen)
     check(trace, spec)
     engine, ptr, experts = build_engine(trace, spec)
+    check_memory(trace, engine)
     run_replay(trace, spec, engine, ptr, experts)
     reasons = exactness(trace, spec)
     config = dict(run.raw)

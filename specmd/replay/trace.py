@@ -172,6 +172,10 @@ class Trace:
     # how the passes were composed from a batch-1 trace's requests (:mod:`specmd.replay.batching`: the
     # results' ``replay.batching``); None: the passes as recorded
     batching: Optional[dict] = None
+    # each pass's live sequences' own contexts (what their KV cache holds: hardware.memory_gb), as
+    # (ptr int64 [P + 1], contexts int64 [M]): pass p's are contexts[ptr[p]:ptr[p + 1]] (a composed trace's
+    # members); None: each pass is one sequence of its ``context`` (a batch-1 trace)
+    contexts: Optional[tuple] = None
 
     @property
     def depth(self) -> int:

@@ -1,0 +1,280 @@
+"""``hardware.memory_gb``: the KV cache per family read off transformers' configs (hand-worked byte counts), the
+capacity per pass (a shrinking budget evicts exactly what the policy picks, counted as pressure), the series
+against an independent computation, replay == live and offload == simulated with it, and bad input refused
+before any work."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import sample_ids, tiny
+from specmd.compose import spec_of
+from specmd.engine import Geometry
+from specmd.engine.memory import GIB, KvLayout
+from specmd.engine.store import StoreSizes
+from specmd.errors import ConfigError
+from specmd.hardware import HardwareConfig
+from specmd.models.kv import kv_layout
+from specmd.replay.driver import check_memory, run_replay
+from specmd.replay.trace import Trace, TraceMeta, full_calls
+
+
+def config(family, **over):
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[family](**over).get_text_config()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. the KV cache per sequence, per kind of attention (hand-worked from the published configs)
+# ---------------------------------------------------------------------------------------------------------
+def test_gqa_kv_bytes_olmoe_and_mixtral():
+    # OLMoE-1B-7B: 16 layers x K and V x 16 kv heads x 128 dims x 2 bytes = 128 KiB per token
+    olmoe = config("olmoe", hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, num_hidden_layers=16)
+    assert kv_layout(olmoe, 2) == KvLayout(16 * 2 * 16 * 128 * 2)
+    # Mixtral-8x7B: 32 layers, 8 kv heads of 128 (GQA: 4 query heads share one): also 128 KiB per token
+    mixtral = config("mixtral", hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32)
+    assert kv_layout(mixtral, 2).token_bytes == 32 * 2 * 8 * 128 * 2 == 131072
+    assert kv_layout(mixtral, 4).token_bytes == 2 * 131072  # the dtype's bytes
+
+
+def test_mla_caches_the_compressed_latent():
+    # DeepSeek-V3: 61 layers x (kv_lora_rank 512 + rope 64) x 2 bytes = 70,272 bytes (~69 KiB) per token, not
+    # the 128 heads' decompressed keys and values (128 x (192 + 128) x 2 x 61 = 5.0 MB)
+    v3 = config("deepseek_v3", num_hidden_layers=61, kv_lora_rank=512, qk_rope_head_dim=64)
+    assert kv_layout(v3, 2) == KvLayout(61 * (512 + 64) * 2)
+    # GLM-5's DSA: the indexer's key (128) beside the latent, per layer
+    glm = config("glm_moe_dsa", num_hidden_layers=78, kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)
+    assert kv_layout(glm, 2).token_bytes == 78 * (512 + 64 + 128) * 2
+
+
+def test_sliding_window_holds_at_most_its_window():
+    # gpt-oss: alternating sliding (128) and full layers, 8 kv heads of 64 dims: 2,048 bytes per layer per token
+    c = config("gpt_oss", num_hidden_layers=4, num_key_value_heads=8, head_dim=64, sliding_window=128,
+               layer_types=["sliding_attention", "full_attention"] * 2)
+    layout = kv_layout(c, 2)
+    per_layer = 2 * 8 * 64 * 2
+    assert layout == KvLayout(2 * per_layer, ((128, 2 * per_layer),))
+    # two sequences of 100 and 300 tokens: full layers hold all 400; sliding ones 100 + 128
+    assert layout.bytes_of([100, 300]) == 400 * 2 * per_layer + (100 + 128) * 2 * per_layer
+    # Llama-4 Scout (the config class's defaults): 48 layers, every 4th full attention, the other 36 chunked
+    # (8,192 tokens): each holds one chunk at most; 8 kv heads of 128 dims
+    l4 = config("llama4")
+    per = 2 * 8 * 128 * 2
+    assert kv_layout(l4, 2) == KvLayout(12 * per, ((8192, 36 * per),))
+    assert kv_layout(l4, 2).bytes_of([10000]) == 10000 * 12 * per + 8192 * 36 * per
+
+
+def test_linear_attention_state_is_per_sequence():
+    # Qwen3-Next-80B-A3B: 48 layers, every 4th full (12 x 2 x 2 kv heads x 256 x 2 bytes = 24,576 per token); 36
+    # gated DeltaNet layers keep 32 value heads x 128 x 128 plus a 4-tap convolution's last 3 columns of q, k, v
+    c = config("qwen3_next")
+    state = 32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 3
+    assert kv_layout(c, 2) == KvLayout(12 * 2 * 2 * 256 * 2, (), 36 * state * 2)
+    assert kv_layout(c, 2).bytes_of([1000, 1]) == 1001 * 24576 + 2 * 36 * state * 2
+
+
+def test_a_layer_type_nobody_sized_is_unknown_and_memory_gb_refuses_it():
+    layout = kv_layout(config("deepseek_v4"), 2)
+    assert "compressed_sparse_attention" in layout.unknown
+    trace = memory_trace([5], kv=layout.to_dict())
+    with pytest.raises(ConfigError, match=r"memory_gb=.*compressed_sparse_attention"):
+        run_replay(trace, memory_spec(7500))
+    with pytest.raises(ConfigError, match=r"memory_gb=.*not recorded"):  # a trace from before layouts
+        run_replay(memory_trace([5], kv={}), memory_spec(7500))
+
+
+def test_every_family_specmd_runs_has_a_known_layout():
+    """Every family with an adapter, at its tiny config: the layout is read (none unknown), and positive."""
+    from conftest import FAMILIES
+    from specmd.models.loader import ModelConfig, model_geometry
+
+    for family in FAMILIES:
+        geom = model_geometry(ModelConfig(family=family))
+        layout = KvLayout.from_dict(geom.kv)
+        assert not layout.unknown and layout.bytes_of([10]) > 0, (family, layout)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2. the capacity per pass, hand-worked: 1 MoE layer of 8 experts of 1,000 bytes, 2,000 dense bytes,
+#    100 KV bytes per token, memory 7,500 bytes
+# ---------------------------------------------------------------------------------------------------------
+def memory_trace(contexts, requests=None, kv=None, kinds=None) -> Trace:
+    """One sequence per pass at ``contexts[p]``, one token per pass requesting ``requests[p]`` (one layer);
+    ``kinds``: 0 prefill / 1 decode per pass (default: a prefill, then decode passes)."""
+    requests = requests or [[p % 8] for p in range(len(contexts))]
+    k = len(requests[0])
+    idx = np.asarray(requests, dtype=np.uint8).reshape(-1, k)
+    kinds = kinds or [0 if i == 0 else 1 for i in range(len(contexts))]
+    passes = np.array([[kind, 1, c] for kind, c in zip(kinds, contexts)], dtype=np.int64)
+    geom = Geometry(num_layers=1, num_experts=8, top_k=k, expert_bytes=1000, total_bytes=10000,
+                    kv=KvLayout(100).to_dict() if kv is None else kv)
+    meta = TraceMeta(geometry=geom, store=StoreSizes(16, 1000, {}), logits="fp32", source={"format": "test"})
+    return Trace(meta=meta, passes=passes, calls=full_calls(passes, 1), index=idx, path="hand-worked")
+
+
+def memory_spec(memory_bytes, eviction="lru", **hw):
+    return spec_of(eviction=eviction, prefetch="none",
+                   hardware=HardwareConfig(memory_gb=memory_bytes / GIB, bandwidth_gbps=1e3, **hw))
+
+
+def test_a_shrinking_budget_evicts_exactly_the_policys_victims():
+    # passes 0-4 at context 5: 7,500 - 2,000 dense - 500 KV = 5,000 bytes, 5 experts; experts 0..4 enter in
+    # order. Pass 5 at context 16: 1,600 KV leaves 3,900 -> 3 experts: LRU evicts 0 and 1 (least recent), by
+    # pressure; pass 5 requests 0 (a miss, no collision: evicted before the pass), which evicts 2.
+    trace = memory_trace([5, 5, 5, 5, 5, 16], [[0], [1], [2], [3], [4], [0]])
+    engine = run_replay(trace, memory_spec(7500))
+    st = engine.cache.stats
+    assert st.total("evictions_pressure") == 2 and st.total("evictions") == 3
+    assert sorted(k for k in engine.cache.entries) == [0, 3, 4]
+    assert (st.total("misses"), st.total("collision_misses")) == (6, 0)
+    assert [p.capacity_bytes for p in st.passes] == [5000] * 5 + [3900]
+    assert [p.kv_bytes for p in st.passes] == [500] * 5 + [1600]
+    # LFU picks by frequency instead: 0 was used twice before the squeeze, so it stays
+    trace = memory_trace([5, 5, 5, 5, 5, 5, 16], [[0], [0], [1], [2], [3], [4], [0]])
+    engine = run_replay(trace, memory_spec(7500, eviction="lfu"))
+    assert engine.cache.stats.total("evictions_pressure") == 2
+    assert 0 in engine.cache.entries and engine.cache.stats.passes[-1].hits == 1
+
+
+def test_per_layer_pools_split_the_budget_evenly():
+    trace = memory_trace([5, 16])
+    trace.meta.geometry.num_layers = 1  # (one layer: one pool either way; the split is checked on the section)
+    r = run_replay(trace, memory_spec(7500, scope="per_layer")).results()["cache"]["memory"]
+    assert r["capacity_bytes"] == {"min": 3900, "mean": 4450.0, "last": 3900}
+    assert r["capacity_experts"] == {"min": 3, "mean": 4.0, "last": 3}
+    assert r["dense_bytes"] == 2000 and r["kv_token_bytes"] == 100
+
+
+def test_the_cache_never_exceeds_the_whole_model():
+    # 1 GiB of memory, a model of 10,000 bytes: the ceiling is its 8 experts, whatever the memory leaves
+    engine = run_replay(memory_trace([5, 6]), memory_spec(GIB))
+    assert engine.cache.layout().capacities == (8000,)
+    assert [p.capacity_bytes for p in engine.cache.stats.passes] == [8000, 8000]
+
+
+def test_memory_too_small_is_refused_before_any_pass():
+    # the dense weights leave less than one expert: refused when the engine is built, naming the parts
+    with pytest.raises(ConfigError, match=r"memory_gb=.*leaves .* GiB for experts .*dense weights.*less than one "
+                                          r"expert"):
+        run_replay(memory_trace([5]), memory_spec(2500))
+    # a pass whose KV cache leaves the dense weights no room: refused before the replay runs, naming the pass
+    trace = memory_trace([5, 5, 60])
+    from specmd.replay.driver import build_engine
+
+    engine, _, _ = build_engine(trace, memory_spec(7500))
+    with pytest.raises(ConfigError, match=r"cannot hold forward pass 2 of hand-worked.*KV cache"):
+        check_memory(trace, engine)
+    assert engine.cache.stats.passes == []
+    # a reserve: 7,500 - 1,000 reserve - 2,000 - 500 = 4,000
+    st = run_replay(memory_trace([5]), memory_spec(7500, reserve_gb=1000 / GIB)).cache.stats
+    assert st.passes[0].capacity_bytes == 4000
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(memory_gb=-1.0), r"memory_gb=-1.0 must be the device's memory in GiB"),
+    (dict(memory_gb=0.0), r"memory_gb=0.0 must"),
+    (dict(memory_gb=True), r"memory_gb=True must"),
+    (dict(memory_gb=float("nan")), r"memory_gb.*(finite|nan)"),
+    (dict(memory_gb=float("inf")), r"memory_gb.*(finite|inf)"),
+    (dict(memory_gb=2e9), r"memory_gb=2000000000.0 must"),
+    (dict(memory_gb=8.0, reserve_gb=-1.0), r"reserve_gb=-1.0 must"),
+    (dict(memory_gb=8.0, reserve_gb=8.0), r"reserve_gb=8 leaves nothing of hardware.memory_gb=8"),
+    (dict(memory_gb=8.0, experts_per_layer=4), r"memory_gb=8 .*experts_per_layer=4 fixes it"),
+])
+def test_bad_memory_settings_are_refused_naming_the_value(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        HardwareConfig(**bad)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. the drivers agree: replay == live, offload == simulated, the series against an independent computation
+# ---------------------------------------------------------------------------------------------------------
+def tight_memory(model, fraction=0.3, tokens=12) -> float:
+    """GiB leaving exactly ``fraction`` of the tiny model's routed experts (whole experts) after its dense weights
+    and a sequence of ``tokens`` tokens' KV cache: one token more and the cache holds one expert less."""
+    from specmd.models.adapters import adapter_for
+
+    geom = adapter_for(model.config.model_type).geometry(model)
+    routed = geom.num_layers * geom.num_experts * geom.expert_bytes
+    kv = KvLayout.from_dict(geom.kv)
+    slots = round(fraction * geom.num_layers * geom.num_experts)
+    return (geom.total_bytes - routed + slots * geom.expert_bytes + kv.bytes_of([tokens])) / GIB
+
+
+@pytest.mark.parametrize("family", ["olmoe", "mixtral"])
+def test_replay_equals_live_with_memory(family, tmp_path):
+    from specmd.replay.trace import read_trace
+    from test_replay import live
+
+    model = tiny(family)
+    prompts = [sample_ids(batch=1, seq=12, seed=s) for s in (0, 1)]
+    spec = memory_spec(tight_memory(model) * GIB, eviction="least_stale")
+    want = live(model, spec, prompts, tmp_path / "trace")
+    got = run_replay(read_trace(tmp_path / "trace"), spec).results()
+    assert got["cache"] == want["cache"] and got["timing"] == want["timing"]
+    mem = want["cache"]["memory"]
+    assert mem["capacity_experts"]["min"] < mem["capacity_experts"]["mean"]  # 13..15 tokens: one slot less
+    assert want["cache"]["evictions_pressure"] > 0
+
+
+def test_offload_equals_simulated_with_memory():
+    from test_offload import run_stack
+    from test_offload import spec_of as offload_spec
+
+    model = tiny("olmoe")
+    ids, prefill = sample_ids(batch=1, seq=8, seed=1), sample_ids(batch=1, seq=16, seed=2)
+    hw = dict(memory_gb=tight_memory(model, 0.25, 8), scope="global")
+    sim = run_stack(model, offload_spec({"name": "simulated"}, **hw), ids, prefill)
+    off = run_stack(model, offload_spec({"name": "offload", "check": True}, **hw), ids, prefill)
+    assert torch.equal(off[0], sim[0]) and torch.equal(off[1], sim[1])
+    assert off[2] == sim[2]
+    cache, memory = off[2]["cache"], off[3]["memory"]
+    assert cache["evictions_pressure"] > 0
+    # the arena is sized at the largest capacity; the engine never used more than the pass's own
+    assert memory["arena_capacity_bytes"] >= cache["memory"]["capacity_bytes"]["last"]
+    assert memory["arena_peak_bytes"] == cache["peak_bytes"] <= memory["arena_capacity_bytes"]
+
+
+def test_capacity_series_equals_an_independent_computation(tmp_path):
+    """The CLI's passes.csv capacity per pass against memory - dense - 128 KiB x context, computed here from the
+    trace's passes and OLMoE-1B-7B's published sizes (the run times the embedded model as OLMoE)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "specmd", f"replay.trace={ROOT}/tests/data/embedded_trace", "model=tiny",
+                        "hardware.timing_as=olmoe", "hardware.memory_gb=2", f"hydra.run.dir={run}"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    from specmd.replay.trace import read_trace
+
+    passes = read_trace(ROOT / "tests" / "data" / "embedded_trace").passes
+    res = json.loads((run / "results.json").read_text())["cache"]
+    # OLMoE-1B-7B: 6,919,161,856 parameters, 16 x 64 experts of 3 x 2048 x 1024, bf16
+    total, routed = 6919161856 * 2, 16 * 64 * 3 * 2048 * 1024 * 2
+    dense = total - routed
+    assert res["memory"]["dense_bytes"] == dense
+    rows = (run / "passes.csv").read_text().splitlines()[1:]
+    want = [2 * GIB - dense - 131072 * int(c) for c in passes[:, 2]]
+    assert [int(r.split(",")[9]) for r in rows] == want
+    assert [int(r.split(",")[10]) for r in rows] == [131072 * int(c) for c in passes[:, 2]]
+
+
+def test_a_trace_recorded_at_a_batch_is_refused_and_a_composed_one_counts_each_sequence():
+    from specmd.replay.batching import compose_trace
+
+    trace = memory_trace([5, 6, 7, 5, 6, 7], kinds=[0, 1, 1] * 2)  # two requests: a prefill, 2 decode passes each
+    trace.meta.source = {"batch_size": 2}  # recorded by specmd at eval.batch_size=2
+    with pytest.raises(ConfigError, match=r"recorded at eval.batch_size=2.*replay.batch=2"):
+        run_replay(trace, memory_spec(9000))
+    trace.meta.source["batch_size"] = 1
+    composed = compose_trace(trace, batch=2)
+    st = run_replay(composed, memory_spec(9000)).cache.stats
+    # each step holds both requests: KV of 5 + 5, 6 + 6, 7 + 7 tokens
+    assert [p.kv_bytes for p in st.passes] == [1000, 1200, 1400]
+    assert [p.capacity_bytes for p in st.passes] == [6000, 5800, 5600]
