@@ -23,6 +23,10 @@ libCacheSim's own C replay loop on the same problem, the live run of the same co
    batch-mates differ), >= --requests expert requests at batch 1, replayed as recorded and composed at
    ``replay.batch=B`` and ``replay.concurrency=B`` (specmd.replay.batching): the seconds to compose, the
    replay's expert requests per second beside batch 1's, and their ratio.
+6. Device memory (``--batch`` too): the same request trace at batch 1 and at ``replay.concurrency=B``, timed as
+   OLMoE-1B-7B, replayed at a fixed capacity and with ``hardware.memory_gb`` (the capacity per pass: the KV
+   cache of each pass's sequences computed and the pools resized), repeats alternated: requests per second of
+   each, and memory's over fixed's (the target: >= 0.8).
 """
 
 from __future__ import annotations
@@ -138,6 +142,35 @@ def batched(trace: Trace, batch: int, hw, requests: int) -> None:
               f"{res['cache']['hit_rate']:>9.4f} {speed / base:>7.2f}")
 
 
+def device_memory(trace: Trace, batch: int, requests: int, repeats: int = 3) -> None:
+    """Section 6: fixed capacity against ``hardware.memory_gb`` on the request trace (lru, prefetch=none,
+    timed as OLMoE-1B-7B: 0.89 GiB dense, 128 KiB of KV per token; 2 GiB leaves ~1.1 GiB, ~8.6% of its experts)."""
+    from specmd.replay.batching import compose_trace
+
+    reqs = request_trace(trace, requests)
+    fixed = spec_of(eviction="lru", prefetch="none", hardware=HardwareConfig(capacity=0.086, timing_as="olmoe"))
+    mem = spec_of(eviction="lru", prefetch="none", hardware=HardwareConfig(memory_gb=2.0, timing_as="olmoe"))
+    print(f"device memory: fixed capacity 0.086 vs memory_gb=2 (timed as olmoe), lru, prefetch=none; {repeats} "
+          f"repeats alternated, median (min-max)")
+    print(f"{'replay':<16} {'requests':>9} {'fixed M req/s':>22} {'memory M req/s':>22} {'ratio':>6} {'mean slots':>10}")
+    for label, how in (("as recorded", None), (f"concurrency={batch}", dict(concurrency=batch))):
+        tr = reqs if how is None else compose_trace(reqs, **how)
+        speeds: dict = {"fixed": [], "memory": []}
+        slots = None
+        for _ in range(repeats):
+            for name, spec in (("fixed", fixed), ("memory", mem)):
+                engine, ptr, experts = build_engine(tr, spec)
+                t0 = time.perf_counter()
+                res = run_replay(tr, spec, engine, ptr, experts).results()
+                speeds[name].append(len(experts) / (time.perf_counter() - t0))
+                if name == "memory":
+                    slots = res["cache"]["memory"]["capacity_experts"]["mean"]
+        f, m = (sorted(speeds[k]) for k in ("fixed", "memory"))
+        cell = [f"{v[len(v) // 2] / 1e6:.3f} ({v[0] / 1e6:.3f}-{v[-1] / 1e6:.3f})" for v in (f, m)]
+        print(f"{label:<16} {len(experts):>9} {cell[0]:>22} {cell[1]:>22} {m[len(m) // 2] / f[len(f) // 2]:>6.2f} "
+              f"{slots:>10.1f}")
+
+
 class ServeOrder:
     """Logs the keys an eviction policy is told about, in the order the engine serves them: ``on_access``
     (a hit, or a late prefetch) and ``on_admit`` (a miss about to be fetched) -- with prefetch=none, every
@@ -245,6 +278,7 @@ def main(argv: list) -> int:
     trace, live_rate = live_and_replayed(model, hw, args)  # 1.
     if args.only_batch:
         batched(trace, args.batch, hw, args.requests)
+        device_memory(trace, args.batch, args.requests)
         return 0
     big = tile_decode(trace, args.requests)
     speed, slots, n = every_policy(big, hw, args.policies)  # 2.
@@ -257,6 +291,7 @@ def main(argv: list) -> int:
               f"{n} requests on {args.procs} processes: {dt:.1f} s")
     if args.batch > 0:  # 5. batched and continuous-batching replay composed from the batch-1 requests
         batched(trace, args.batch, hw, args.requests)
+        device_memory(trace, args.batch, args.requests)  # 6. the capacity per pass
     if args.compare_pure:
         import subprocess
         import sys

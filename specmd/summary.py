@@ -78,7 +78,15 @@ def _union_row(t: Table, cache: dict) -> None:
 def _cache_event_rows(t: Table, cache: dict) -> None:
     """The counts of what the cache did (evictions, prefetches, streamed misses), its warnings and miss outcomes."""
     t.add_row("collision misses", str(cache["collision_misses"]))
-    t.add_row("evictions", str(cache["evictions"]))
+    t.add_row("evictions", str(cache["evictions"]) + (f" ({cache['evictions_pressure']} as the KV cache grew)"
+                                                      if cache.get("evictions_pressure") else ""))
+    mem = cache.get("memory")
+    if mem:  # hardware.memory_gb: the cache is what the memory leaves, per pass
+        cb, ce, kv = mem["capacity_bytes"], mem["capacity_experts"], mem["kv_bytes"]
+        t.add_row("device memory", f"{mem['memory_bytes'] / 2**30:.4g} GiB: dense {mem['dense_bytes'] / 2**30:.3g} GiB, "
+                  f"reserve {mem['reserve_bytes'] / 2**30:.3g} GiB, KV cache {kv['min'] / 2**30:.3g}-{kv['max'] / 2**30:.3g} GiB")
+        t.add_row("  cache per pass", f"{cb['min'] / 2**30:.3g} / {cb['mean'] / 2**30:.3g} / {cb['last'] / 2**30:.3g} GiB "
+                  f"(min / mean / last): {ce['min']} / {ce['mean']:.1f} / {ce['last']} experts")
     t.add_row("prefetch issued / used", f"{cache['prefetch_issued']} / {cache['prefetch_used']}")
     # misses that no cache policy could have turned into hits: they explain a low hit rate
     if cache.get("streamed"):
@@ -116,7 +124,8 @@ def print_summary(results: dict, run_dir: str, console: Console | None = None) -
     cfg = results["config"]
     stack = " ".join(f"{g}={cfg[g]['name']}" for g in GROUPS)
     hw = cfg["hardware"]
-    t = Table(title=f"specmd · {cfg['model']['name']} · {stack} · {hw.get('name')} capacity={hw['capacity']}",
+    size = f"memory_gb={hw['memory_gb']}" if hw.get("memory_gb") is not None else f"capacity={hw['capacity']}"
+    t = Table(title=f"specmd · {cfg['model']['name']} · {stack} · {hw.get('name')} {size}",
               show_header=False, title_justify="left")
     t.add_column("metric", style="bold")
     t.add_column("value")

@@ -233,10 +233,11 @@ class Engine:
         if mem is not None:
             if contexts is None:
                 contexts = (context,)
-            if mem.excess(contexts) > 0:
+            left, kv = mem.budget(contexts)
+            if left < 0:
                 raise ConfigError(f"hardware.memory_gb={self.spec.hardware.memory_gb:g} cannot hold forward pass "
                                   f"{self.cache.pass_index + 1}: {mem.describe(contexts)}")
-            cap, kv = mem.budget(contexts)
+            cap = mem.share(left)
             mem.series.append((cap, kv))
             self.cache.resize(cap, kv)
         self.cache.begin_pass(kind, tokens, context)

@@ -93,13 +93,17 @@ class DeviceMemory:
     series: list = field(default_factory=list)  # (capacity bytes, kv bytes) per pass, in order
 
     def budget(self, contexts: Sequence[int]) -> tuple[int, int]:
-        """``(bytes per pool, KV bytes)`` for a pass whose live sequences hold ``contexts`` tokens each. The
-        pool's share is capped at :attr:`ceiling` and may be below one expert (the cache then holds nothing:
-        every miss streams); a KV cache beyond the memory is the caller's error (:meth:`excess`)."""
+        """``(bytes left for experts, KV bytes)`` for a pass whose live sequences hold ``contexts`` tokens each:
+        the memory less the reserve, the dense weights and their KV cache (negative: the memory cannot hold the
+        pass, the caller's error: :meth:`excess`). :meth:`share` splits it between the pools."""
         kv = self.kv.bytes_of(contexts)
-        left = self.memory_bytes - self.reserve_bytes - self.dense_bytes - kv
+        return self.memory_bytes - self.reserve_bytes - self.dense_bytes - kv, kv
+
+    def share(self, left: int) -> int:
+        """Each pool's bytes of ``left`` (:meth:`budget`'s), capped at :attr:`ceiling`; it may be below one expert
+        (the cache then holds nothing: every miss streams)."""
         share = left // self.pools if left > 0 else 0
-        return (share if share < self.ceiling else self.ceiling), kv
+        return share if share < self.ceiling else self.ceiling
 
     def excess(self, contexts: Sequence[int]) -> int:
         """Bytes by which the dense weights, the reserve and this pass's KV cache exceed the memory (<= 0: fits)."""
