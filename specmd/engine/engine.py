@@ -382,6 +382,22 @@ class Engine:
         return {"fetch_bound_tokens_per_s": 1.0 / (misses * t) if misses else None,
                 "all_miss_bound_tokens_per_s": 1.0 / (requests * t) if requests else None}
 
+    def _static_slots(self, fetch_bytes: int):
+        """The experts a static cache of the same bytes holds (``cache.union.static_share``): the pools' whole
+        experts; with ``hardware.memory_gb``, each counted pass's, weighted by its requests (a pinned set sized
+        per pass, as the cache is: the hit rate it gets is its share of the experts at each request)."""
+        pools = self.cache.pools
+        if self.memory is None:
+            return sum(p.capacity // fetch_bytes for p in pools)
+        n = len(pools)
+        measure = self.cache.measure
+        weighted = total = 0
+        for p in self.cache.stats.passes:
+            if (measure == "all" or p.kind == measure) and p.requests:
+                weighted += p.capacity_bytes // n // fetch_bytes * n * p.requests
+                total += p.requests
+        return weighted / total if total else 0
+
     def results(self) -> dict:
         """The ``cache``, ``timing`` and ``routing`` sections of results.json."""
         cache = self.cache
@@ -400,7 +416,7 @@ class Engine:
             summary["memory"] = self.memory.section(fetch_bytes)
         summary["prefetch_lateness"] = self._lateness(summary)
         summary["union"] = union_section(st, g.num_layers, g.num_experts, g.top_k, cache.measure,
-                                         sum(p.capacity // fetch_bytes for p in cache.pools))
+                                         self._static_slots(fetch_bytes))
         timing = st.timing(self.clock.name)
         timing.update(self.clock.busy())  # every pass's, as total_s (a measure=decode run too)
         timing.update(self._fetch_bounds())
