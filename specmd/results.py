@@ -273,11 +273,11 @@ def write_passes_csv(path: Path, passes) -> None:
     with ``hardware.memory_gb``) and its sequences' KV cache beside the counts."""
     def fill(tmp):
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write("pass,kind,tokens,time_s,stall_s,requests,hits,misses,collision_misses,capacity_bytes,kv_bytes\n")
+            f.write("pass,kind,tokens,time_s,stall_s,requests,hits,misses,collision_misses,capacity_bytes,kv_bytes,bytes_moved\n")
             for p in passes:  # (kv_bytes blank: not modelled, a fixed capacity)
                 f.write(f"{p.index},{p.kind},{p.tokens},{p.time_s:.9g},{p.stall_s:.9g},"
                         f"{p.requests},{p.hits},{p.misses},{p.collision_misses},{p.capacity_bytes},"
-                        f"{p.kv_bytes if p.kv_bytes >= 0 else ''}\n")
+                        f"{p.kv_bytes if p.kv_bytes >= 0 else ''},{p.bytes_moved}\n")
 
     write_file(path, fill)
 

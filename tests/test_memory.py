@@ -278,3 +278,92 @@ def test_a_trace_recorded_at_a_batch_is_refused_and_a_composed_one_counts_each_s
     # each step holds both requests: KV of 5 + 5, 6 + 6, 7 + 7 tokens
     assert [p.kv_bytes for p in st.passes] == [1000, 1200, 1400]
     assert [p.capacity_bytes for p in st.passes] == [6000, 5800, 5600]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. speculative decoding replayed: a verify step is K + 1 tokens of one sequence through every layer
+# ---------------------------------------------------------------------------------------------------------
+def spec_trace(requests, E=8, k=2, layers=2):
+    """Requests of a prefill (1 token) then decode tokens; ``requests[r][t][l]`` the k experts of token t at layer l."""
+    kinds, ctx, rows = [], [], []
+    for req in requests:
+        for t, tok in enumerate(req):
+            kinds.append(0 if t == 0 else 1)
+            ctx.append(t + 1)
+            rows += [tok[l] for l in range(layers)]
+    passes = np.array([[kd, 1, c] for kd, c in zip(kinds, ctx)], dtype=np.int64)
+    geom = Geometry(num_layers=layers, num_experts=E, top_k=k, expert_bytes=1000, total_bytes=1000 * E * layers + 500,
+                    kv=KvLayout(10).to_dict())
+    meta = TraceMeta(geometry=geom, store=StoreSizes(16, 1000, {}), logits="fp32", source={"batch_size": 1})
+    return Trace(meta=meta, passes=passes, calls=full_calls(passes, layers), index=np.asarray(rows, dtype=np.uint8),
+                 path="hand-worked")
+
+
+def test_a_verify_step_requests_the_union_of_its_tokens_experts():
+    from specmd.replay.speculative import speculate
+
+    # one request: prefill, then 5 decode tokens; K = 3, every draft accepted: one verify step of tokens 1..4,
+    # then one of token 5 alone (the sequence ends)
+    toks = [[[0, 1], [2, 3]], [[0, 4], [2, 5]], [[1, 4], [6, 7]], [[0, 5], [2, 3]], [[0, 1], [2, 5]], [[7, 6], [5, 4]]]
+    tr = speculate(spec_trace([toks]), 3, 1.0)
+    assert tr.passes.tolist() == [[0, 1, 1], [1, 4, 4], [1, 1, 6]]  # context: the mean of 2..5 (3.5, halves up)
+    assert tr.contexts[1].tolist() == [1, 5, 6]  # the KV cache: through the step's last token
+    assert tr.speculative["verify_steps"] == 2 and tr.speculative["accepted_tokens"] == 5
+    engine = run_replay(tr, spec_of(eviction="lru", prefetch="none",
+                                    hardware=HardwareConfig(experts_per_layer=8, scope="per_layer")))
+    dec = [p for p in engine.cache.stats.passes if p.kind == "decode"]
+    # layer 0: {0, 4, 1, 5} = 4 experts, layer 1: {2, 5, 6, 7, 3} = 5; the last step: {7, 6} + {5, 4}
+    assert [p.requests for p in dec] == [4 + 5, 2 + 2]
+    # none accepted: each step verifies min(K + 1, left) tokens and advances by one
+    tr0 = speculate(spec_trace([toks]), 3, 0.0)
+    assert tr0.passes[:, 1].tolist() == [1, 4, 4, 3, 2, 1] and tr0.speculative["accepted_tokens"] == 5
+    assert tr0.speculative["verified_tokens"] == 14
+
+
+def test_speculation_composes_with_batching_and_counts_each_sequences_kv():
+    from specmd.replay.batching import compose_trace
+    from specmd.replay.speculative import speculate
+
+    rng = np.random.default_rng(0)
+    reqs = [[[rng.choice(8, 2, replace=False).tolist() for _ in range(2)] for _ in range(n)] for n in (6, 4)]
+    tr = compose_trace(speculate(spec_trace(reqs), 2, 1.0), batch=2)
+    # request 0: steps of 3, 2 tokens after its prefill; request 1: 3 tokens: both prefills, then steps side by side
+    assert tr.passes[:, 1].tolist() == [2, 6, 2]
+    assert [tr.contexts[1][a:b].tolist() for a, b in zip(tr.contexts[0][:-1], tr.contexts[0][1:])] == \
+        [[1, 1], [4, 4], [6]]
+    st = run_replay(tr, memory_spec_two()).cache.stats
+    assert [p.kv_bytes for p in st.passes] == [20, 80, 60]
+
+
+def memory_spec_two():
+    return spec_of(eviction="lru", prefetch="none",
+                   hardware=HardwareConfig(memory_gb=(16500 + 500) / GIB, bandwidth_gbps=1e3))
+
+
+def test_acceptance_sets_the_tokens_per_step_and_replay_says_it_approximates(tmp_path):
+    from specmd.replay.driver import exactness
+    from specmd.replay.speculative import speculate
+
+    rng = np.random.default_rng(1)
+    reqs = [[[rng.choice(8, 2, replace=False).tolist() for _ in range(2)] for _ in range(200)]]
+    base = spec_trace(reqs)
+    assert speculate(base, 0, 0.5) is base
+    per_step = [speculate(base, 3, p, seed=4).speculative for p in (0.0, 0.5, 1.0)]
+    # accepted per step: 1, then 1 + p + p^2 + p^3 (the expectation at p = 0.5: 1.875), then K + 1
+    assert per_step[0]["verify_steps"] == 199 and per_step[2]["verify_steps"] == 50
+    assert 1.6 < 199 / per_step[1]["verify_steps"] < 2.2
+    assert any("rejected draft" in r for r in exactness(speculate(base, 3, 0.5), spec_of()))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(speculative_tokens=3), r"needs replay.acceptance"),
+    (dict(speculative_tokens=-1, acceptance=0.5), r"speculative_tokens=-1: valid choices are whole numbers in 0..64"),
+    (dict(speculative_tokens=65, acceptance=0.5), r"speculative_tokens=65"),
+    (dict(speculative_tokens=2, acceptance=1.5), r"acceptance=1.5: valid choices are a probability"),
+    (dict(speculative_tokens=2, acceptance=float("nan")), r"acceptance=nan"),
+])
+def test_bad_speculation_settings_are_refused(bad, match):
+    from specmd.replay.driver import ReplayConfig
+
+    with pytest.raises(ConfigError, match=match):
+        ReplayConfig(trace="somewhere", **bad)

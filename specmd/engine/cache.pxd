@@ -138,6 +138,8 @@ cdef class CacheManager(Residency):
     cpdef end_pass(self)
     @cython.locals(t="long long", pool=Pool)
     cdef long long _capacity(self)
+    @cython.locals(s=CacheStats)
+    cdef long long _moved(self)
     @cython.locals(call=LayerCall)
     cpdef LayerCall serve(self, long layer, experts, record=*, index=*, weights=*)
     @cython.locals(stamp="long long", pin="long long[:]", E="long long", base="long long", e="long long",

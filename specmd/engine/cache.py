@@ -493,12 +493,13 @@ class CacheManager(Residency):
             self._uncounted = s.snapshot()
         self.streaming.drop()  # (a pass never inherits a stage: every pass runs every layer)
         self.current_pass = [kind, tokens, context, self.clock.mark(),
-                             _total(s.requests), _total(s.hits), _total(s.misses), _total(s.collision_misses)]
+                             _total(s.requests), _total(s.hits), _total(s.misses), _total(s.collision_misses),
+                             self._moved()]
 
     def end_pass(self):
         if self.current_pass is None:
             return
-        kind, tokens, context, mark, r0, h0, m0, c0 = self.current_pass
+        kind, tokens, context, mark, r0, h0, m0, c0, b0 = self.current_pass
         clock = self.clock
         clock.tail(tokens, context)
         s = self.stats
@@ -506,7 +507,7 @@ class CacheManager(Residency):
         s.passes.append(PassRecord(
             self.pass_index, kind, tokens, seconds, stall,
             _total(s.requests) - r0, _total(s.hits) - h0, _total(s.misses) - m0, _total(s.collision_misses) - c0,
-            self._capacity(), self.kv_bytes,
+            self._capacity(), self.kv_bytes, self._moved() - b0,
         ))
         self.current_pass = None
         if self._uncounted is not None:
@@ -514,6 +515,11 @@ class CacheManager(Residency):
             self._uncounted = None
             self._uncount_prefetches()
 
+
+    def _moved(self) -> int:
+        """Bytes moved so far: demand fetches, prefetches and layer streams (every layer's)."""
+        s = self.stats
+        return _total(s.bytes_demand) + _total(s.bytes_prefetch) + _total(s.bytes_stream)
 
     def _capacity(self) -> int:
         """The pools' capacities summed (bytes)."""

@@ -15,6 +15,7 @@ cdef class PassRecord:
     cdef public long long collision_misses
     cdef public long long capacity_bytes
     cdef public long long kv_bytes
+    cdef public long long bytes_moved
 
 
 cdef class CacheStats:

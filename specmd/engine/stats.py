@@ -37,10 +37,11 @@ class PassRecord:
     """One forward pass's accounting. (Compiled, an extension type: ``stats.pxd`` declares its fields.)"""
 
     FIELDS = ("index", "kind", "tokens", "time_s", "stall_s", "requests", "hits", "misses", "collision_misses",
-              "capacity_bytes", "kv_bytes")
+              "capacity_bytes", "kv_bytes", "bytes_moved")
 
     def __init__(self, index: int, kind: str, tokens: int, time_s: float, stall_s: float, requests: int, hits: int,
-                 misses: int, collision_misses: int, capacity_bytes: int = 0, kv_bytes: int = -1):
+                 misses: int, collision_misses: int, capacity_bytes: int = 0, kv_bytes: int = -1,
+                 bytes_moved: int = 0):
         self.index = index
         self.kind = kind  # "prefill" or "decode"
         self.tokens = tokens
@@ -52,6 +53,7 @@ class PassRecord:
         self.collision_misses = collision_misses
         self.capacity_bytes = capacity_bytes  # the cache's bytes during the pass (every pool's)
         self.kv_bytes = kv_bytes  # the KV cache of its sequences (hardware.memory_gb), -1: not modelled
+        self.bytes_moved = bytes_moved  # demand fetches, prefetches and layer streams during the pass
 
     def astuple(self) -> tuple:
         return tuple(getattr(self, f) for f in self.FIELDS)

@@ -223,12 +223,25 @@ def compose(trace: Trace, schedule: Schedule) -> Trace:
     """The trace whose passes are ``schedule``'s steps (module docstring): calls in (step, layer) order
     with their members' rows in trace order, every row array gathered with one permutation. The result
     carries ``batching`` (the results' section) and shares ``trace``'s meta and notes."""
+    P = len(trace.passes)
+    out = gather_steps(trace, np.arange(P, dtype=np.int64), np.asarray(schedule.step, dtype=np.int64), schedule.steps)
+    out.batching = schedule.info()
+    return out
+
+
+def gather_steps(trace: Trace, members: np.ndarray, step: np.ndarray, S: int) -> Trace:
+    """The trace of ``S`` composed passes: member ``j`` (a pass ``members[j]`` of ``trace``; a pass may be a
+    member more than once -- a speculative replay re-runs rejected positions) runs in composed pass
+    ``step[j]``; every composed pass has a member, all prefill or all decode. A composed pass's layer call holds
+    its members' rows of that layer, members in their given order; its ``tokens`` are theirs summed and its
+    ``context`` :func:`batched_context` of theirs. Each composed pass's live sequences (``contexts``, what their
+    KV cache holds) are its members' (a member's own sequences where ``trace`` says them, else one of its
+    ``context``). Every row array is gathered with one permutation."""
     passes = np.asarray(trace.passes, dtype=np.int64)
-    step = schedule.step
-    S = schedule.steps
-    order = np.argsort(step, kind="stable")  # original passes by composed step, then trace order
-    first = np.searchsorted(step[order], np.arange(S))  # every step has a member
-    member = passes[order]
+    order = np.argsort(step, kind="stable")  # members by composed step, then in their given order
+    members, mstep = np.asarray(members, dtype=np.int64)[order], np.asarray(step, dtype=np.int64)[order]
+    first = np.searchsorted(mstep, np.arange(S))  # every step has a member
+    member = passes[members]
     out_passes = np.empty((S, 3), dtype=np.int64)
     out_passes[:, 0] = member[first, 0]
     out_passes[:, 1] = np.add.reduceat(member[:, 1], first) if S else 0
@@ -238,9 +251,13 @@ def compose(trace: Trace, schedule: Schedule) -> Trace:
 
     calls = np.asarray(trace.calls, dtype=np.int64)
     calls = calls[calls[:, 3] > 0]  # a call of no rows contributes none
-    cstep = step[calls[:, 0]]
-    # by (step, layer); stable, so a step's calls at one layer keep the trace's call order: its members in
-    # trace order (one int64 key: 4x faster than a lexsort of three)
+    # each member's calls (the trace's calls are in pass order): a member repeated brings its calls again
+    cptr = np.searchsorted(calls[:, 0], np.arange(len(passes) + 1))
+    ncalls = cptr[members + 1] - cptr[members]
+    cidx = np.repeat(cptr[members] - (np.cumsum(ncalls) - ncalls), ncalls) + np.arange(int(ncalls.sum()), dtype=np.int64)
+    calls, cstep = calls[cidx], np.repeat(mstep, ncalls)
+    # by (step, layer); stable, so a step's calls at one layer keep their members' order (one int64 key: 4x
+    # faster than a lexsort of three)
     corder = np.argsort(cstep * (int(calls[:, 1].max(initial=0)) + 1) + calls[:, 1], kind="stable")
     sc, cstep = calls[corder], cstep[corder]
     lens = sc[:, 3]
@@ -259,11 +276,19 @@ def compose(trace: Trace, schedule: Schedule) -> Trace:
     def gather(a):
         return None if a is None else np.asarray(a)[perm]
 
+    if trace.contexts is None:  # one sequence per member pass
+        ptr, values = np.append(first, len(member)).astype(np.int64), member[:, 2].copy()
+    else:  # the members' own sequences, in member order
+        src_ptr, src_values = trace.contexts
+        n = src_ptr[members + 1] - src_ptr[members]
+        values = np.asarray(src_values)[np.repeat(src_ptr[members] - (np.cumsum(n) - n), n)
+                                        + np.arange(int(n.sum()), dtype=np.int64)]
+        ptr = np.concatenate(([0], np.cumsum(np.add.reduceat(n, first)) if S else [])).astype(np.int64)
     return Trace(meta=trace.meta, passes=out_passes, calls=out_calls, index=gather(trace.index),
                  weights=gather(trace.weights), logits=gather(trace.logits),
                  signal_index=gather(trace.signal_index), signal_logits=gather(trace.signal_logits),
-                 path=trace.path, notes=list(trace.notes), batching=schedule.info(),
-                 contexts=(np.append(first, len(member)).astype(np.int64), member[:, 2].copy()))
+                 path=trace.path, notes=list(trace.notes), batching=trace.batching, contexts=(ptr, values),
+                 speculative=trace.speculative)
 
 
 def compose_trace(trace: Trace, batch: int = 1, concurrency: Optional[int] = None,

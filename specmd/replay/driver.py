@@ -63,6 +63,8 @@ class ReplayConfig:
     concurrency: Optional[int] = None
     arrival_rate: Optional[float] = None
     seed: int = 0
+    speculative_tokens: int = 0
+    acceptance: Optional[float] = None
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -74,6 +76,29 @@ class ReplayConfig:
             if v is not None and v < 1:
                 raise ConfigError(f"replay.{key}={v} must be >= 1")
         self.check_batching()
+        self.check_speculation()
+
+    def check_speculation(self) -> None:
+        """``speculative_tokens`` and ``acceptance`` (:mod:`.speculative`), before any trace is read. An acceptance
+        with ``speculative_tokens=0`` is no error: a sweep's K = 0 row (no speculation) shares the grid's."""
+        import math
+
+        from .speculative import MAX_TOKENS
+
+        K, p = self.speculative_tokens, self.acceptance
+        if isinstance(K, bool) or not isinstance(K, int) or not 0 <= K <= MAX_TOKENS:
+            raise ConfigError(f"replay.speculative_tokens={K!r}: valid choices are whole numbers in 0..{MAX_TOKENS} "
+                              f"(drafts per verify step; 0 = no speculation)")
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p)
+                              or not 0.0 <= p <= 1.0):
+            raise ConfigError(f"replay.acceptance={p!r}: valid choices are a probability in [0, 1] (each draft's) or "
+                              f"null")
+        if K and p is None:
+            raise ConfigError(f"replay.speculative_tokens={K} needs replay.acceptance (the probability each draft is "
+                              f"accepted, e.g. 0.7)")
+        if K and not self.trace:
+            raise ConfigError(f"replay.speculative_tokens={K} composes verify steps from a batch-1 trace, and "
+                              f"replay.trace is null")
 
     def check_batching(self) -> None:
         """The batching keys, before any trace is read (:mod:`.batching`)."""
@@ -118,6 +143,8 @@ class ReplayConfig:
 def open_trace(rc: ReplayConfig) -> Trace:
     """The trace ``rc`` names, read or imported, and composed at ``rc``'s batch or concurrency."""
     trace = _open(rc)
+    if rc.speculative_tokens:
+        trace = _speculated(trace, rc)
     if not rc.composes:
         return trace
     from .batching import compose_trace
@@ -133,6 +160,18 @@ def open_trace(rc: ReplayConfig) -> Trace:
                           f"recorded at eval.batch_size={recorded_batch}, so its passes are batches already, not "
                           f"single requests; composition needs a trace recorded at eval.batch_size=1")
     return compose_trace(trace, rc.batch, rc.concurrency, rc.arrival_rate, rc.seed)
+
+
+def _speculated(trace: Trace, rc: ReplayConfig) -> Trace:
+    """``trace`` as speculative verify steps (:mod:`.speculative`): a batch-1 recording's, or an import's."""
+    from .speculative import speculate
+
+    recorded_batch = _recorded_batch_size(trace)
+    if recorded_batch is not None and recorded_batch > 1:
+        raise ConfigError(f"replay.speculative_tokens={rc.speculative_tokens}: the trace {trace.path} was recorded at "
+                          f"eval.batch_size={recorded_batch}; verify steps are composed from one sequence's tokens "
+                          f"(record at eval.batch_size=1; replay.batch then batches the speculating sequences)")
+    return speculate(trace, rc.speculative_tokens, rc.acceptance, rc.seed)
 
 
 def _recorded_batch_size(trace: Trace) -> Optional[int]:
@@ -390,6 +429,10 @@ def exactness(trace: Trace, spec) -> list[str]:
     reasons += changes_computation(spec)
     if trace.meta.logits != "fp32":
         reasons.append(f"router logits recorded as {trace.meta.logits}")
+    if trace.speculative is not None:
+        from .speculative import APPROXIMATION
+
+        reasons.append(APPROXIMATION)
     b = trace.batching
     if b and b["steps"] < b["passes"]:  # some step holds several requests (none does: the trace as recorded)
         from .batching import INEXACT
@@ -576,6 +619,9 @@ def replay(run, run_dir) -> tuple[dict, Engine]:
         "notes": list(trace.notes), "source": trace.meta.source,
         "tasks_from": str(recorded) if tasks else None, "batching": batching_section(trace),
     }}
+    from .speculative import speculative_section
+
+    sections["replay"]["speculative"] = speculative_section(trace, engine)
     if run.replay.reuse_horizon:
         from .analysis import reuse_by_rank
 

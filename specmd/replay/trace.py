@@ -176,6 +176,9 @@ class Trace:
     # (ptr int64 [P + 1], contexts int64 [M]): pass p's are contexts[ptr[p]:ptr[p + 1]] (a composed trace's
     # members); None: each pass is one sequence of its ``context`` (a batch-1 trace)
     contexts: Optional[tuple] = None
+    # the speculative composition's totals (:mod:`specmd.replay.speculative`: the results' ``replay.speculative``);
+    # None: no speculation
+    speculative: Optional[dict] = None
 
     @property
     def depth(self) -> int:
