@@ -250,6 +250,7 @@ def check_execution(run: "Run", c: dict) -> None:
     ecls, ep = run.execution
     pretrained = run.model.pretrained
     facts = RunFacts(replay=bool(run.replay.trace), stack_enabled=run.enabled, timing_as=run.hardware.timing_as,
+                     layer_budget=run.hardware.layer_budget,
                      miss=run.policies["miss"], model_name=run.model.name, pretrained=pretrained,
                      checkpoint=local_checkpoint(pretrained) if pretrained else None, device=str(run.device),
                      explicit=frozenset((c.get("execution") or {}).keys()) - {"name"})

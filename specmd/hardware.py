@@ -12,6 +12,7 @@ from .readers import Opt, check, finite, whole
 from .registry import check_finite
 
 SCOPES = ("global", "per_layer")
+LAYER_BUDGETS = ("uniform", "proportional")
 RATES = ("bandwidth_gbps", "peak_tflops", "mem_bandwidth_gbps", "host_tflops", "host_mem_bandwidth_gbps")
 TIMES = ("latency_us", "layer_overhead_us", "token_overhead_us", "layer_token_overhead_us", "expert_overhead_us", "transfer_issue_us",
          "predict_overhead_us", "unpack_overhead_us", "host_call_overhead_us", "host_expert_overhead_us",
@@ -49,6 +50,9 @@ class HardwareConfig:
     experts_per_layer: Optional[float] = _P["experts_per_layer"]
     # One pool shared by all layers, or one pool per MoE layer (capacity split evenly).
     scope: str = _P["scope"]
+    # How per-layer pools share the bytes: uniform (each the same), or proportional to each layer's working set
+    # measured in the run's first passes (engine.engine.LayerBudget; docs/semantics.md "Per-layer budgets")
+    layer_budget: str = _P["layer_budget"]
     # The device's memory in GiB (2^30 bytes, a GPU's "80 GB"): the cache is then what the dense weights, the KV
     # cache of the live sequences and reserve_gb leave of it, per forward pass (engine/memory.py; docs/semantics.md
     # "Device memory"). null: the fixed capacity above (every paper experiment).
@@ -197,6 +201,11 @@ def _check_cache(hw: HardwareConfig) -> None:
                           f"hardware.experts_per_layer={hw.experts_per_layer:g} fixes it: set one of them")
     if hw.scope not in SCOPES:
         raise ConfigError(f"hardware.scope={hw.scope!r}; valid choices: {', '.join(SCOPES)}")
+    if hw.layer_budget not in LAYER_BUDGETS:
+        raise ConfigError(f"hardware.layer_budget={hw.layer_budget!r}; valid choices: {', '.join(LAYER_BUDGETS)}")
+    if hw.layer_budget != "uniform" and hw.scope != "per_layer":
+        raise ConfigError(f"hardware.layer_budget={hw.layer_budget} shares the bytes between per-layer pools, and "
+                          f"hardware.scope={hw.scope} has one pool: set hardware.scope=per_layer")
 
 
 def _check_rates_and_times(hw: HardwareConfig) -> None:

@@ -80,6 +80,12 @@ def _cache_event_rows(t: Table, cache: dict) -> None:
     t.add_row("collision misses", str(cache["collision_misses"]))
     t.add_row("evictions", str(cache["evictions"]) + (f" ({cache['evictions_pressure']} as the KV cache grew)"
                                                       if cache.get("evictions_pressure") else ""))
+    lb = cache.get("layer_budget")
+    if lb:  # per-layer pools: each layer's slots (hardware.layer_budget)
+        how = (f"proportional to the working sets measured in the first {lb['warmup_passes']} passes"
+               if lb["measured"] else "uniform" if lb["rule"] == "uniform" else
+               f"uniform: the run ended within the {lb['warmup_passes']}-pass warm-up")
+        t.add_row("slots per layer", f"{' '.join(str(n) for n in lb['slots'])} ({how})")
     mem = cache.get("memory")
     if mem:  # hardware.memory_gb: the cache is what the memory leaves, per pass
         cb, ce, kv = mem["capacity_bytes"], mem["capacity_experts"], mem["kv_bytes"]

@@ -367,3 +367,45 @@ def test_bad_speculation_settings_are_refused(bad, match):
 
     with pytest.raises(ConfigError, match=match):
         ReplayConfig(trace="somewhere", **bad)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. per-layer budgets: the same bytes, shared by the layers' working sets after the warm-up
+# ---------------------------------------------------------------------------------------------------------
+def test_proportional_budgets_follow_the_working_sets():
+    from specmd.engine.budget import WARMUP
+
+    # 2 layers of 8 experts: layer 0 cycles over 6 experts, layer 1 over 2; 40 passes
+    trace = spec_trace([[[[p % 6, 6 + (p % 2)], [p % 2, 2]] for p in range(40)]])
+    hw = dict(experts_per_layer=3, scope="per_layer", bandwidth_gbps=1e3)  # 2 x 3 slots = 6,000 bytes
+    uni = run_replay(trace, spec_of(eviction="lru", prefetch="none", hardware=HardwareConfig(**hw))).results()
+    pro = run_replay(trace, spec_of(eviction="lru", prefetch="none",
+                                    hardware=HardwareConfig(layer_budget="proportional", **hw))).results()
+    lb = pro["cache"]["layer_budget"]
+    # working sets: layer 0 saw {0..5} + {6, 7} = 8, layer 1 {0, 1, 2} = 3; one expert each, then 4,000 bytes
+    # split 8:3 -> 1,000 + 2,909 and 1,000 + 1,090: 3 and 2 slots
+    assert lb["working_set"] == [8, 3] and lb["slots"] == [3, 2] and lb["measured"]
+    assert lb["warmup_passes"] == WARMUP
+    assert uni["cache"]["layer_budget"]["slots"] == [3, 3] and uni["cache"]["layer_budget"]["working_set"] is None
+    assert pro["cache"]["evictions_pressure"] >= 1  # layer 1's pool shrank from 3 to 2 slots
+
+
+def test_proportional_budgets_replay_equals_live(tmp_path):
+    from specmd.replay.trace import read_trace
+    from test_replay import live
+
+    model = tiny("olmoe")
+    prompts = [sample_ids(batch=1, seq=12, seed=s) for s in (0, 1, 2, 3, 4, 5, 6, 7, 8)]  # 36 passes: past the warm-up
+    spec = spec_of(eviction="lfu", prefetch="none",
+                   hardware=HardwareConfig(capacity=0.3, scope="per_layer", layer_budget="proportional"))
+    want = live(model, spec, prompts, tmp_path / "trace")
+    got = run_replay(read_trace(tmp_path / "trace"), spec).results()
+    assert got["cache"] == want["cache"] and got["timing"] == want["timing"]
+    assert want["cache"]["layer_budget"]["measured"]
+
+
+def test_layer_budget_settings_are_checked():
+    with pytest.raises(ConfigError, match=r"layer_budget='even'; valid choices: uniform, proportional"):
+        HardwareConfig(layer_budget="even", scope="per_layer")
+    with pytest.raises(ConfigError, match=r"layer_budget=proportional .*hardware.scope=global.*scope=per_layer"):
+        HardwareConfig(layer_budget="proportional")

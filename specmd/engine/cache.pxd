@@ -104,8 +104,8 @@ cdef class Residency:
     cpdef pin(self, long long key)
     cpdef bint evictable(self, long long key)
     cpdef bint make_room(self, Pool pool, long long nbytes)
-    @cython.locals(pool=Pool, st=CacheStats, i=Py_ssize_t, victim="long long", layer=long)
-    cpdef resize(self, long long capacity, long long kv_bytes)
+    @cython.locals(pool=Pool, st=CacheStats, i=Py_ssize_t, victim="long long", layer=long, cap="long long")
+    cpdef resize(self, list capacities, long long kv_bytes)
     @cython.locals(key="long long")
     cdef long long _arriving(self, Pool pool) except -1
     @cython.locals(here="signed char[:]", prefetched="signed char[:]", used="signed char[:]", key=Py_ssize_t)

@@ -333,9 +333,10 @@ class Residency:
             self._evict(victim)
         return True
 
-    def resize(self, capacity: int, kv_bytes: int) -> None:
-        """Every pool's budget set to ``capacity`` bytes (at most its ceiling) for the pass about to start, whose
-        KV cache is ``kv_bytes`` (``hardware.memory_gb``: :class:`~specmd.engine.memory.DeviceMemory`). A pool
+    def resize(self, capacities: list, kv_bytes: int) -> None:
+        """Each pool's budget set to ``capacities[p]`` bytes (at most its ceiling) for the pass about to start,
+        whose KV cache is ``kv_bytes`` (-1: not modelled): the device's memory per pass (``hardware.memory_gb``,
+        :class:`~specmd.engine.memory.DeviceMemory`) or per-layer budgets (:mod:`specmd.engine.budget`). A pool
         over its new budget evicts its policy's victims until it fits -- counted as evictions and as
         ``evictions_pressure``, at the boundary before the pass (a later miss on one is no collision miss, and it
         counts under ``stack.measure=decode`` too); with no victim left (only copies still arriving, a prefetch
@@ -344,7 +345,8 @@ class Residency:
         st = self.stats
         for i in range(len(self.pools)):
             pool = self.pools[i]
-            pool.capacity = capacity if capacity < self.ceilings[i] else self.ceilings[i]
+            cap = capacities[i]
+            pool.capacity = cap if cap < self.ceilings[i] else self.ceilings[i]
             while pool.used > pool.capacity:
                 victim = pool.hooks.victim(self._evictable) if pool.native else pool.victim(self._evictable)
                 if victim is None:

@@ -29,6 +29,7 @@ cdef class Engine:
     cdef bint _routes
     cdef bint _predicts
     cdef bint _streams
+    cdef bint _warming
     cdef long long _run_slots
     cdef long long _run_n
     cpdef begin_pass(self, kind, tokens, context, contexts=*)

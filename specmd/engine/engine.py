@@ -25,6 +25,7 @@ from ..errors import ConfigError
 from .cache import CacheManager
 from .clock import Clock, SimClock
 from .geometry import Geometry, pool_capacities, timed_as
+from .budget import WARMUP, LayerBudget
 from .memory import GIB, DeviceMemory, KvLayout
 from .outcomes import Execution
 from .record import expert_counts
@@ -199,20 +200,15 @@ class Engine:
         for policy in (self.routing, self.miss, self.prefetch):
             policy.setup(self.model)
         hw = spec.hardware
-        mcls, mparams = spec.miss
-        fetched = mcls.required_precisions(mparams) or [self.miss.fetch_precision]
-        self.memory = device_memory(geom, hw, self.store, fetched)
-        if self.memory is not None:  # the arena's size: each pass's capacity is set at its start (begin_pass)
-            caps = [self.memory.ceiling] * self.memory.pools
-        else:
-            caps = pool_capacities(geom, hw.capacity, hw.experts_per_layer, hw.scope)
-            check_capacity(caps, hw, geom, self.store, fetched)
+        caps, ceilings = self._pools(geom, hw)
         evictions = [spec.build("eviction") for _ in caps]
         for policy in evictions:
             policy.setup(self.model)
         self.clock = clock or SimClock.from_hardware(geom, hw, spec.names())
         self.cache = CacheManager(geom, caps, evictions, self.miss, self.clock, self.store, spec.measure,
                                   stream_at(getattr(hw, "stream_layers", None), geom.num_experts))
+        self.cache.ceilings = ceilings
+        self._warming = self.budget is not None
         self._streams = self.cache.streaming.at > 0
         self.view = self.cache.view
         # a passive routing or prefetch policy (its hook always answers "no change": RoutingPolicy.passive) is
@@ -224,12 +220,40 @@ class Engine:
         self._E = geom.num_experts
         self._Z = geom.identity_experts  # identity experts: selected, never served, no compute (LongCat-Flash)
 
+    def _pools(self, geom: Geometry, hw) -> tuple:
+        """The pools' first capacities and their ceilings (bytes): a fixed capacity's, or the device memory's
+        with no KV cache (``hardware.memory_gb``: each pass sets its own, :meth:`begin_pass`); with per-layer
+        budgets a pool's ceiling is its layer's every expert (``hardware.layer_budget``)."""
+        mcls, mparams = self.spec.miss
+        fetched = mcls.required_precisions(mparams) or [self.miss.fetch_precision]
+        self.memory = device_memory(geom, hw, self.store, fetched)
+        if self.memory is not None:
+            caps = [self.memory.ceiling] * self.memory.pools
+        else:
+            caps = pool_capacities(geom, hw.capacity, hw.experts_per_layer, hw.scope)
+            check_capacity(caps, hw, geom, self.store, fetched)
+        self._fetch_bytes = min(self.store.bytes_of[p] for p in fetched)  # the smallest copy a pool must hold
+        self._slot_bytes = self.store.bytes_of[getattr(self.miss, "fetch_precision", "native")]  # a slot's bytes
+        self.budget = None  # per-layer budgets (hardware.layer_budget=proportional), measured in the warm-up
+        self._total = sum(caps)  # a fixed capacity's bytes, which per-layer budgets share out
+        if getattr(hw, "layer_budget", "uniform") != "proportional":
+            return caps, list(caps)
+        self.budget = LayerBudget(geom.num_layers, geom.num_experts)
+        whole = geom.num_experts * max(self.store.bytes_of.values())  # a layer's every expert
+        room = self._total if self.memory is None else self.memory.ceiling * self.memory.pools
+        return caps, [min(whole, room)] * len(caps)
+
     # ---- passes ---------------------------------------------------------------------------------
     def begin_pass(self, kind, tokens, context, contexts=None):
         """A forward pass of ``tokens`` live tokens at ``context`` (:func:`~specmd.engine.batch.batched_context`);
         ``contexts``: each live sequence's own context (its tokens before and in this pass), what its KV cache
         holds (``hardware.memory_gb``; None: one sequence of ``context``)."""
         mem = self.memory
+        resplit = False
+        if self._warming and self.cache.pass_index + 1 >= WARMUP:  # the warm-up measured: the pools resized
+            self._warming = False
+            self.budget.measure()
+            resplit = mem is None
         if mem is not None:
             if contexts is None:
                 contexts = (context,)
@@ -237,10 +261,25 @@ class Engine:
             if left < 0:
                 raise ConfigError(f"hardware.memory_gb={self.spec.hardware.memory_gb:g} cannot hold forward pass "
                                   f"{self.cache.pass_index + 1}: {mem.describe(contexts)}")
-            cap = mem.share(left)
-            mem.series.append((cap, kv))
-            self.cache.resize(cap, kv)
+            caps = self._split(left)
+            fb = self._slot_bytes
+            slots = 0
+            for c in caps:
+                slots += c // fb
+            mem.series.append((sum(caps), kv, slots))
+            self.cache.resize(caps, kv)
+        elif resplit:
+            self.cache.resize(self._split(self._total), -1)
         self.cache.begin_pass(kind, tokens, context)
+
+    def _split(self, total: int) -> list:
+        """``total`` bytes between the pools: evenly, or by the layers' working sets once measured."""
+        ceilings = self.cache.ceilings
+        if self.budget is not None and self.budget.working_set:
+            return self.budget.split(total, self._fetch_bytes, ceilings)
+        n = len(ceilings)
+        share = total // n if total > 0 else 0
+        return [share if share < c else c for c in ceilings]
 
     def end_pass(self):
         self.cache.end_pass()
@@ -283,6 +322,8 @@ class Engine:
         if shape is not None:  # 1
             clock.dense(layer, shape[1], shape[2])
         experts = r.requested(self._E)  # 2
+        if self._warming:  # (hardware.layer_budget=proportional's warm-up)
+            self.budget.observe(layer, experts)
         plan = cache.serve(layer, experts, rec, index, weights).execution  # 3
         self._fidelity(rec, index, plan, len(experts))  # 4 (sets _run_slots, _run_n)
         if self._Z:  # an identity expert's slots compute nothing
@@ -389,12 +430,11 @@ class Engine:
         pools = self.cache.pools
         if self.memory is None:
             return sum(p.capacity // fetch_bytes for p in pools)
-        n = len(pools)
         measure = self.cache.measure
         weighted = total = 0
-        for p in self.cache.stats.passes:
+        for p, (_, _, slots) in zip(self.cache.stats.passes, self.memory.series):
             if (measure == "all" or p.kind == measure) and p.requests:
-                weighted += p.capacity_bytes // n // fetch_bytes * n * p.requests
+                weighted += slots * p.requests
                 total += p.requests
         return weighted / total if total else 0
 
@@ -413,7 +453,15 @@ class Engine:
         summary["measured_passes"] = cache.measure
         summary["timing_geometry"] = self.timing_as or "model"
         if self.memory is not None:
-            summary["memory"] = self.memory.section(fetch_bytes)
+            summary["memory"] = self.memory.section()
+        if self.spec.hardware.scope == "per_layer":
+            summary["layer_budget"] = {
+                "rule": getattr(self.spec.hardware, "layer_budget", "uniform"),
+                "slots": [p.capacity // fetch_bytes for p in cache.pools],
+                "working_set": self.budget.working_set if self.budget is not None else None,
+                "warmup_passes": WARMUP if self.budget is not None else None,
+                "measured": bool(self.budget is not None and self.budget.working_set),
+            }
         summary["prefetch_lateness"] = self._lateness(summary)
         summary["union"] = union_section(st, g.num_layers, g.num_experts, g.top_k, cache.measure,
                                          self._static_slots(fetch_bytes))

@@ -89,21 +89,15 @@ class DeviceMemory:
     dense_bytes: int
     kv: KvLayout
     pools: int = 1
-    ceiling: int = 0  # bytes per pool the arena holds at most (DeviceMemory.ceilings)
-    series: list = field(default_factory=list)  # (capacity bytes, kv bytes) per pass, in order
+    ceiling: int = 0  # bytes per pool at most (the memory with no KV cache, at most the pool's experts)
+    series: list = field(default_factory=list)  # (capacity bytes of every pool, KV bytes, experts held) per pass
 
     def budget(self, contexts: Sequence[int]) -> tuple[int, int]:
         """``(bytes left for experts, KV bytes)`` for a pass whose live sequences hold ``contexts`` tokens each:
         the memory less the reserve, the dense weights and their KV cache (negative: the memory cannot hold the
-        pass, the caller's error: :meth:`excess`). :meth:`share` splits it between the pools."""
+        pass, the caller's error: :meth:`excess`); the engine splits it between the pools.""" 
         kv = self.kv.bytes_of(contexts)
         return self.memory_bytes - self.reserve_bytes - self.dense_bytes - kv, kv
-
-    def share(self, left: int) -> int:
-        """Each pool's bytes of ``left`` (:meth:`budget`'s), capped at :attr:`ceiling`; it may be below one expert
-        (the cache then holds nothing: every miss streams)."""
-        share = left // self.pools if left > 0 else 0
-        return share if share < self.ceiling else self.ceiling
 
     def excess(self, contexts: Sequence[int]) -> int:
         """Bytes by which the dense weights, the reserve and this pass's KV cache exceed the memory (<= 0: fits)."""
@@ -118,13 +112,12 @@ class DeviceMemory:
         return (f"{parts}, KV cache {self.kv.bytes_of(contexts) / GIB:.4g} GiB for {len(contexts)} sequence(s) of "
                 f"{max(contexts)} tokens at most")
 
-    def section(self, expert_bytes: int) -> dict:
+    def section(self) -> dict:
         """results.json's ``cache.memory``: the parts, and the capacity per pass (min / mean / last), in bytes
-        and in experts of ``expert_bytes`` (the fetched precision's: whole experts per pool, summed)."""
-        caps = [c for c, _ in self.series] or [0]
-        kvs = [k for _, k in self.series] or [0]
-        total = [c * self.pools for c in caps]
-        slots = [c // expert_bytes * self.pools for c in caps]
+        and in whole experts of the fetched precision (each pool's, summed)."""
+        total = [c for c, _, _ in self.series] or [0]
+        kvs = [k for _, k, _ in self.series] or [0]
+        slots = [n for _, _, n in self.series] or [0]
         return {
             "memory_bytes": self.memory_bytes, "reserve_bytes": self.reserve_bytes, "dense_bytes": self.dense_bytes,
             "kv_token_bytes": self.kv.token_bytes, "kv_windows": [list(w) for w in self.kv.windows],

@@ -29,6 +29,7 @@ class RunFacts:
     checkpoint: Optional[str]  # the local checkpoint directory it resolves to, or None (hub name, tiny model)
     device: str
     explicit: frozenset = frozenset()  # the execution keys the user set (an option that does not apply is named)
+    layer_budget: str = "uniform"  # hardware.layer_budget: per-layer pools resized after the warm-up
 
 
 class Executor(Plugin):

@@ -133,6 +133,10 @@ class Offload(Executor):
                               f"directory or specmd:<name>, or execution.host=ram")
         elif "page_cache" in run.explicit and params.page_cache != "drop":
             errors.append(f"execution.page_cache={params.page_cache} applies to execution.host=disk, and host=ram")
+        if run.layer_budget != "uniform":
+            errors.append(f"execution=offload allocates each layer's arena once, and hardware.layer_budget="
+                          f"{run.layer_budget} resizes the layers' pools after the warm-up: use layer_budget=uniform "
+                          f"(or execution=simulated, replay)")
         errors += _thread_errors(params, run)
         if not (run.device == "cpu" or run.device.startswith("cuda")):
             errors.append(f"execution=offload runs on device=cpu or cuda[:N], not device={run.device}")
