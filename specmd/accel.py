@@ -65,6 +65,11 @@ class Accel:
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    def mem_get_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of the device's memory (``torch.cuda.mem_get_info``): what
+        ``hardware.capacity=auto`` sizes the cache from."""
+        return torch.cuda.mem_get_info(self.device)
+
     def copy_(self, dst: torch.Tensor, src: torch.Tensor, blocking: bool = False) -> None:
         """A copy on the thread's current stream: asynchronous (from pinned memory: a DMA), or ``blocking`` (the
         host waits for it and what the stream issued before it: a bounce buffer about to be reused)."""
@@ -188,6 +193,17 @@ class StandIn(Accel):
     def Event(self, timing: bool = False):
         with self.lock:
             return _Event(self, next(self._ids), timing)
+
+    # the stand-in's device memory (GiB; SPECMD_STANDIN_MEMORY_GB, default an 80 GB GPU's), all of it free
+    MEMORY_ENV = "SPECMD_STANDIN_MEMORY_GB"
+
+    def mem_get_info(self) -> tuple[int, int]:
+        import os
+
+        total = int(float(os.environ.get(self.MEMORY_ENV, "80")) * (1 << 30))
+        with self.lock:
+            self.log.append(("mem_get_info", None, None))
+        return total, total
 
     def synchronize(self) -> None:
         with self.lock:

@@ -130,7 +130,8 @@ class Run:
                 (c["hardware"] or {}).get("experts_per_layer") is not None:
             checks.fail("hardware.capacity and hardware.experts_per_layer are mutually exclusive (a byte budget "
                         "or a number of slots per layer): set one of them")
-        if "hardware.capacity" in self.set_by_user and (c["hardware"] or {}).get("memory_gb") is not None:
+        if "hardware.capacity" in self.set_by_user and (c["hardware"] or {}).get("memory_gb") is not None \
+                and (c["hardware"] or {}).get("capacity") != "auto":
             checks.fail("hardware.capacity and hardware.memory_gb are mutually exclusive (a fixed fraction of the "
                         "model, or what the device's memory leaves per pass): set one of them")
 
@@ -236,7 +237,8 @@ class Run:
         from .models.adapters import adapter_for
         from .models.loader import local_checkpoint
 
-        return install(model, self.spec, adapter_for(self.model.family), self.device,
+        spec = resolve_auto_capacity(self.spec, self.device)  # (hardware.capacity=auto: the device's free memory)
+        return install(model, spec, adapter_for(self.model.family), self.device,
                        local_checkpoint(self.model.pretrained) if self.model.pretrained else None)
 
 
@@ -254,9 +256,56 @@ def check_execution(run: "Run", c: dict) -> None:
                      miss=run.policies["miss"], model_name=run.model.name, pretrained=pretrained,
                      checkpoint=local_checkpoint(pretrained) if pretrained else None, device=str(run.device),
                      explicit=frozenset((c.get("execution") or {}).keys()) - {"name"})
-    errors = ecls.config_errors(ep, facts)
+    errors = ecls.config_errors(ep, facts) + _auto_capacity_errors(run, ecls.name)
     if errors:
         raise ConfigError("; ".join(errors))
+
+
+def _auto_capacity_errors(run: "Run", execution: str) -> list:
+    """``hardware.capacity=auto`` sizes an offload arena from the device's free memory: it needs
+    execution=offload, and on a device whose memory cannot be read (a CPU) hardware.memory_gb; a readable one
+    (CUDA) takes no memory_gb beside it."""
+    import torch
+
+    from .accel import accel_for
+    from .hardware import AUTO
+
+    hw = run.hardware
+    if hw.capacity != AUTO:
+        return []
+    if execution != "offload":
+        return [f"hardware.capacity={AUTO} sizes the offload arena from the device's free memory, and "
+                f"execution={execution}: use execution=offload, or hardware.memory_gb (any execution)"]
+    readable = accel_for(torch.device(str(run.device))) is not None
+    if not readable and hw.memory_gb is None:
+        return [f"hardware.capacity={AUTO} on device={run.device}: there is no device memory to read; set "
+                f"hardware.memory_gb (the memory the emulated device has, GiB)"]
+    if readable and hw.memory_gb is not None:
+        return [f"hardware.capacity={AUTO} reads device={run.device}'s free memory, and hardware.memory_gb="
+                f"{hw.memory_gb:g} sets it: set one of them"]
+    return []
+
+
+def resolve_auto_capacity(spec, device):
+    """``spec`` with ``hardware.capacity=auto`` made concrete: the device's free memory now (before the model's
+    dense weights move there: the engine counts them) as ``memory_gb``, said on the log. Unchanged otherwise."""
+    import dataclasses
+
+    import torch
+
+    from .accel import accel_for
+    from .engine.memory import GIB
+    from .hardware import AUTO
+
+    hw = spec.hardware
+    if hw.capacity != AUTO or hw.memory_gb is not None:
+        return spec
+    accel = accel_for(torch.device(str(device)))
+    free, total = accel.mem_get_info()
+    log.info("hardware.capacity=auto: %.4g GiB free of %.4g GiB on %s (%s): the experts get what the dense weights, "
+             "hardware.reserve_gb=%g and the KV cache leave of it, per pass", free / GIB, total / GIB, device,
+             accel.name, hw.reserve_gb)
+    return dataclasses.replace(spec, hardware=dataclasses.replace(hw, memory_gb=free / GIB))
 
 
 def collect(run: Run, engine, tasks: dict, wall_s: float, executor=None) -> dict:

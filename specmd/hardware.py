@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Optional, Union
 
 from . import shipped
 from .errors import ConfigError
@@ -12,6 +12,7 @@ from .readers import Opt, check, finite, whole
 from .registry import check_finite
 
 SCOPES = ("global", "per_layer")
+AUTO = "auto"  # hardware.capacity=auto: the device's free memory (execution=offload)
 LAYER_BUDGETS = ("uniform", "proportional")
 RATES = ("bandwidth_gbps", "peak_tflops", "mem_bandwidth_gbps", "host_tflops", "host_mem_bandwidth_gbps")
 TIMES = ("latency_us", "layer_overhead_us", "token_overhead_us", "layer_token_overhead_us", "expert_overhead_us", "transfer_issue_us",
@@ -43,8 +44,10 @@ _P = default_profile()
 @dataclass
 class HardwareConfig:
     name: str = _P["name"]
-    # Cache size as a fraction of the full model's bytes at its storage dtype (SpecMD's convention).
-    capacity: float = _P["capacity"]
+    # Cache size as a fraction of the full model's bytes at its storage dtype (SpecMD's convention); or "auto"
+    # (execution=offload): the device's free memory when the stack installs, as memory_gb (on a CPU, memory_gb
+    # is required: there is no device memory to read)
+    capacity: Union[float, str] = _P["capacity"]
     # Alternative: a fixed number of expert slots per MoE layer (Cache-Conditional Experts, FlashMoE), or a
     # fraction < 1 of each layer's experts (Cache-Conditional Experts' default cache N/2: 0.5).
     experts_per_layer: Optional[float] = _P["experts_per_layer"]
@@ -177,7 +180,11 @@ def _check_calibrated_on(on: dict) -> None:
 
 def _check_cache(hw: HardwareConfig) -> None:
     """Check the cache's size and layout: capacity, experts_per_layer, stream_layers and scope."""
-    if not (0.0 < hw.capacity <= 1.0):
+    if isinstance(hw.capacity, str):
+        if hw.capacity != AUTO:
+            raise ConfigError(f"hardware.capacity={hw.capacity!r} must be a fraction in (0, 1] of the model's bytes, "
+                              f"or {AUTO} (the device's free memory, execution=offload)")
+    elif not (0.0 < hw.capacity <= 1.0):
         raise ConfigError(f"hardware.capacity={hw.capacity} must be in (0, 1] (a fraction of model bytes)")
     epl = hw.experts_per_layer
     if epl is not None and not (0 < epl < 1 or (epl >= 1 and float(epl).is_integer())):

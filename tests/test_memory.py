@@ -409,3 +409,53 @@ def test_layer_budget_settings_are_checked():
         HardwareConfig(layer_budget="even", scope="per_layer")
     with pytest.raises(ConfigError, match=r"layer_budget=proportional .*hardware.scope=global.*scope=per_layer"):
         HardwareConfig(layer_budget="proportional")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 6. hardware.capacity=auto: the device's free memory (execution=offload)
+# ---------------------------------------------------------------------------------------------------------
+def auto_run(tmp_path, *over):
+    from hydra import compose, initialize_config_dir
+
+    from specmd.app import execute
+    from test_configs import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["model=tiny", "eval.limit=1", "eval.max_gen_toks=4",
+                                                       "hardware.capacity=auto", *over])
+    return execute(cfg, run_dir=tmp_path / "run")
+
+
+def test_capacity_auto_is_refused_where_it_cannot_be_read(tmp_path):
+    with pytest.raises(ConfigError, match=r"capacity=auto sizes the offload arena .* execution=simulated"):
+        auto_run(tmp_path)
+    with pytest.raises(ConfigError, match=r"capacity=auto on device=cpu: there is no device memory to read; set "
+                                          r"hardware.memory_gb"):
+        auto_run(tmp_path, "execution=offload")
+    with pytest.raises(ConfigError, match=r"capacity='big' must be a fraction in \(0, 1\] .* or auto"):
+        HardwareConfig(capacity="big")
+    with pytest.raises(ConfigError, match=r"capacity=auto is read from the device"):
+        run_replay(memory_trace([5]), spec_of(prefetch="none", hardware=HardwareConfig(capacity="auto")))
+
+
+def test_capacity_auto_reads_the_devices_free_memory(tmp_path, monkeypatch):
+    """Through the CUDA stand-in (its memory: SPECMD_STANDIN_MEMORY_GB), and on a CPU from memory_gb."""
+    from specmd.models.loader import ModelConfig, model_geometry
+
+    from specmd import shipped
+    from specmd.registry import build_params
+
+    geom = model_geometry(build_params(ModelConfig, dict(shipped.option("model", "tiny")), "model"))
+    dense = geom.total_bytes - geom.num_layers * geom.num_experts * geom.expert_bytes
+    kv = KvLayout.from_dict(geom.kv).bytes_of([520])  # a GSM8K prompt cut to the 512-token window, 4 more
+    gib = (dense + 20 * geom.expert_bytes + kv) / GIB  # 20 experts beside the KV cache
+    monkeypatch.setenv("SPECMD_CUDA_STANDIN", "1")
+    monkeypatch.setenv("SPECMD_STANDIN_MEMORY_GB", repr(gib))
+    res = auto_run(tmp_path / "standin", "execution=offload")
+    mem = res["cache"]["memory"]
+    assert mem["memory_bytes"] == int(gib * GIB) and mem["dense_bytes"] == dense
+    # the arena holds what the memory leaves with no KV cache; each pass's cache, less
+    assert res["memory"]["arena_capacity_bytes"] == int(gib * GIB) - dense and mem["capacity_experts"]["min"] <= 20
+    monkeypatch.delenv("SPECMD_CUDA_STANDIN")
+    res = auto_run(tmp_path / "cpu", "execution=offload", f"hardware.memory_gb={gib!r}")
+    assert res["cache"]["memory"]["memory_bytes"] == int(gib * GIB)

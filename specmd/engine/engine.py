@@ -229,6 +229,9 @@ class Engine:
         self.memory = device_memory(geom, hw, self.store, fetched)
         if self.memory is not None:
             caps = [self.memory.ceiling] * self.memory.pools
+        elif isinstance(hw.capacity, str):  # (auto: the app resolves it to memory_gb on the device it runs on)
+            raise ConfigError(f"hardware.capacity={hw.capacity} is read from the device when a live run installs its "
+                              f"stack (execution=offload); here give a fraction, or hardware.memory_gb")
         else:
             caps = pool_capacities(geom, hw.capacity, hw.experts_per_layer, hw.scope)
             check_capacity(caps, hw, geom, self.store, fetched)
