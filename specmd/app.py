@@ -493,6 +493,10 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
     progress.stage = "write"
     t_end = time.perf_counter()
     results = collect(run, engine, tasks, t_end - t0, executor)
+    if stack is not None and run.eval.speculative and results.get("cache") is not None:
+        from .replay.speculative import live_section
+
+        results["speculative"] = live_section(engine, run.eval.speculative_tokens, stack.live.generated)
     if stack is not None and stack.writer is not None and results.get("cache") is not None:
         # the requests are known (the recorded routing): the oracle's hit rates beside the realized ones
         from .replay.driver import changes_computation, oracle_rates

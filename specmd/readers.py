@@ -148,7 +148,7 @@ CACHE = {"oracle": Opt(dict), "union": Opt({"decode": Opt(dict)})}
 # results.json (specmd.results.assemble): what report, status, resume and a replay reusing a recording read
 RESULTS = {"config": Opt(dict), "tasks": Opt(dict), "provenance": Opt(dict), "config_hash": Opt(str),
            "cache": Opt(dict), "timing": Opt(dict), "routing": Opt(dict), "wall": Opt(dict),
-           "memory": Opt(dict), "replay": Opt(dict)}
+           "memory": Opt(dict), "replay": Opt(dict), "speculative": Opt(dict)}
 # failed.json (specmd.jobs.write_failed): the stage a job failed in, and what kind of failure
 STAGES = ("config", "load", "stack", "evaluate", "replay", "write")
 KINDS = ("config", "data", "signal", "error")

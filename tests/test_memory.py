@@ -306,7 +306,7 @@ def test_a_verify_step_requests_the_union_of_its_tokens_experts():
     # then one of token 5 alone (the sequence ends)
     toks = [[[0, 1], [2, 3]], [[0, 4], [2, 5]], [[1, 4], [6, 7]], [[0, 5], [2, 3]], [[0, 1], [2, 5]], [[7, 6], [5, 4]]]
     tr = speculate(spec_trace([toks]), 3, 1.0)
-    assert tr.passes.tolist() == [[0, 1, 1], [1, 4, 4], [1, 1, 6]]  # context: the mean of 2..5 (3.5, halves up)
+    assert tr.passes.tolist() == [[0, 1, 1], [1, 4, 5], [1, 1, 6]]  # context: through the step's last token
     assert tr.contexts[1].tolist() == [1, 5, 6]  # the KV cache: through the step's last token
     assert tr.speculative["verify_steps"] == 2 and tr.speculative["accepted_tokens"] == 5
     engine = run_replay(tr, spec_of(eviction="lru", prefetch="none",
@@ -459,3 +459,60 @@ def test_capacity_auto_reads_the_devices_free_memory(tmp_path, monkeypatch):
     monkeypatch.delenv("SPECMD_CUDA_STANDIN")
     res = auto_run(tmp_path / "cpu", "execution=offload", f"hardware.memory_gb={gib!r}")
     assert res["cache"]["memory"]["memory_bytes"] == int(gib * GIB)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 7. live speculative decoding (eval.speculative=prompt_lookup): transformers' own assisted generation
+# ---------------------------------------------------------------------------------------------------------
+def test_lossless_stack_speculating_is_bit_equal_to_the_unhooked_model_speculating():
+    from specmd.hook import install
+
+    model = tiny("olmoe")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])  # repeats: prompt lookup finds drafts
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3,
+              output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = model.generate(ids, **kw)
+        stack = install(model, spec_of(eviction="lru", prefetch="none", hardware=HardwareConfig(capacity=0.2)))
+        with stack:
+            got = model.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+    dec = [p for p in stack.engine.cache.stats.passes if p.kind == "decode"]
+    assert max(p.tokens for p in dec) == 4 and len(dec) < 11  # verify steps of up to K + 1 tokens, fewer than 11
+
+
+def test_a_live_speculative_run_reports_per_accepted_token_and_replays_exactly(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from specmd.app import execute
+    from specmd.replay.trace import read_trace
+    from test_configs import CONF
+
+    over = ["model=tiny", "eval.limit=1", "eval.max_gen_toks=16", "eval.speculative=prompt_lookup",
+            "eval.speculative_tokens=3", "trace.save=true", "prefetch=none"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=over)
+    res = execute(cfg, run_dir=tmp_path / "run")
+    sp = res["speculative"]
+    assert sp["method"] == "prompt_lookup" and sp["tokens"] == 3
+    assert sp["accepted_tokens"] == 15  # 16 generated: the prefill's first, then 15 from verify steps
+    assert sp["verify_steps"] == res["timing"]["decode_passes"] and sp["accepted_per_step"] >= 1
+    # the trace holds the verify steps as they ran: replayed, the same cache and timing (no composition)
+    spec = __import__("specmd.app", fromlist=["Run"]).Run(cfg).spec
+    got = run_replay(read_trace(tmp_path / "run" / "trace"), spec).results()
+    live_cache = {k: v for k, v in res["cache"].items() if k != "oracle"}  # (the live run's Belady, from its trace)
+    assert got["cache"] == live_cache and got["timing"] == res["timing"]
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(speculative="assistant"), r"eval.speculative='assistant'; valid choices: prompt_lookup"),
+    (dict(speculative="prompt_lookup", batch_size=2), r"one sequence at a time: eval.batch_size=2 must be 1"),
+    (dict(speculative="prompt_lookup", speculative_tokens=0), r"speculative_tokens=0: valid choices"),
+    (dict(speculative="prompt_lookup", token_by_token=True), r"set one of them"),
+])
+def test_bad_live_speculation_is_refused(over, match):
+    from specmd.eval.harness import EvalConfig
+
+    with pytest.raises(ConfigError, match=match):
+        EvalConfig(**over)

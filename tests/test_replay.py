@@ -461,7 +461,7 @@ def test_replay_experiments_take_an_imported_trace(tmp_path, experiment):
     res = execute(cfg, run_dir=tmp_path / "run")
     assert res["replay"]["format"] == "jsonl"
     if run.replay.speculative_tokens:  # verify steps: the 5 decode tokens in fewer passes, every one accepted once
-        assert res["replay"]["passes"] < 6 and res["replay"]["speculative"]["accepted_tokens"] == 5
+        assert res["replay"]["passes"] < 6 and res["speculative"]["accepted_tokens"] == 5
         return
     assert res["replay"]["passes"] == 6
     decode_only = run.measure == "decode"  # stack.measure=decode: the first token is the prefill

@@ -36,6 +36,11 @@ class EvalConfig:
     # perplexity vs miss rate). Slower by about the window length; logits equal a full-window pass up to
     # float rounding.
     token_by_token: bool = False
+    # Speculative decoding of generation tasks through transformers' own generate: prompt_lookup (drafts copied
+    # from the prompt's n-grams: no draft model, transformers' prompt_lookup_num_tokens), each verify step K + 1
+    # tokens of the sequence through every layer (docs/semantics.md "Speculative decoding"); null: none
+    speculative: Optional[str] = None
+    speculative_tokens: int = 3  # K: drafts per verify step
 
     def __post_init__(self):
         twice = sorted({t for t in self.tasks if self.tasks.count(t) > 1})
@@ -57,8 +62,24 @@ class EvalConfig:
             raise ConfigError(f"eval.max_length={self.max_length} must be >= 2 (a context window in tokens) or null")
         if self.max_gen_toks is not None and self.max_gen_toks < 1:
             raise ConfigError(f"eval.max_gen_toks={self.max_gen_toks} must be >= 1 or null")
+        if self.speculative is not None and self.speculative not in SPECULATIVE:
+            raise ConfigError(f"eval.speculative={self.speculative!r}; valid choices: {', '.join(SPECULATIVE)}, or null "
+                              f"(a draft model, 'assistant', is not built yet: replay.speculative_tokens replays any "
+                              f"acceptance)")
+        if not 1 <= self.speculative_tokens <= 64:
+            raise ConfigError(f"eval.speculative_tokens={self.speculative_tokens}: valid choices are whole numbers in "
+                              f"1..64 (drafts per verify step)")
+        if self.speculative is not None and self.batch_size != 1:
+            raise ConfigError(f"eval.speculative={self.speculative} runs transformers' assisted generation, which "
+                              f"takes one sequence at a time: eval.batch_size={self.batch_size} must be 1")
+        if self.speculative is not None and self.token_by_token:
+            raise ConfigError(f"eval.speculative={self.speculative} drafts generated tokens, and eval.token_by_token "
+                              f"scores loglikelihoods one token at a time: set one of them")
         if self.num_fewshot is not None and self.num_fewshot < 0:
             raise ConfigError(f"eval.num_fewshot={self.num_fewshot} must be >= 0 or null")
+
+
+SPECULATIVE = ("prompt_lookup",)
 
 
 def lm_eval_name(task: str) -> str:
@@ -289,10 +310,17 @@ def _phase_bar_lm():
                     self.live.expect(positions)
             return super()._model_call(inps, attn_mask, labels)
 
+        speculative_tokens = 0  # eval.speculative=prompt_lookup: drafts per verify step
+
         def _model_generate(self, context, max_length, stop, **generation_kwargs):
             check_interrupt()
+            if self.speculative_tokens:
+                generation_kwargs["prompt_lookup_num_tokens"] = self.speculative_tokens
             if self.live is None or context.shape[0] == 1:  # one sequence: its stop ends the generation
-                return super()._model_generate(context, max_length, stop, **generation_kwargs)
+                out = super()._model_generate(context, max_length, stop, **generation_kwargs)
+                if self.live is not None:  # the tokens its decode passes produced (the prefill's first is not one)
+                    self.live.generated += max(0, int(out.shape[1]) - int(context.shape[1]) - 1)
+                return out
             live, eos = self.live, self.model.generation_config.eos_token_id
             criteria = _tracking_criteria(hf.stop_sequences_criteria, live, eos)
             with _Patched(hf, "stop_sequences_criteria", criteria):
@@ -357,6 +385,7 @@ def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu", live=None) 
     lm = cls(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size, device=device,
              max_length=window(model.config, cfg.max_length))
     lm.live = live
+    lm.speculative_tokens = cfg.speculative_tokens if cfg.speculative else 0
     gen_kwargs = {"max_gen_toks": cfg.max_gen_toks} if cfg.max_gen_toks else None
     try:
         res = lm_eval.simple_evaluate(

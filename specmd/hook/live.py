@@ -51,6 +51,9 @@ class LiveTokens:
 
     def __init__(self):
         self._expect: Optional[torch.Tensor] = None  # [B, S] bool for the next pass only
+        # tokens the decode passes of one-sequence generations produced (the harness counts them from each
+        # generation's output): a speculative run's accepted tokens (eval.speculative)
+        self.generated = 0
         self._finished: Optional[torch.Tensor] = None  # [B] bool, until the next prefill
 
     def expect(self, positions) -> None:

@@ -621,7 +621,7 @@ def replay(run, run_dir) -> tuple[dict, Engine]:
     }}
     from .speculative import speculative_section
 
-    sections["replay"]["speculative"] = speculative_section(trace, engine)
+    sections["speculative"] = speculative_section(trace, engine)
     if run.replay.reuse_horizon:
         from .analysis import reuse_by_rank
 

@@ -16,8 +16,9 @@ there -- the one approximation (a rejected draft is another token; its experts a
 run's ``inexact_because``. Positions re-run after a rejection are requested again, as a server re-runs them.
 
 The steps are composed as :mod:`.batching` composes a batch: each step's layer call holds its tokens' rows,
-its ``tokens`` is ``m`` and its ``context`` the mean of its tokens' own (the clock's attention term sums each
-token's own context); its KV cache (``hardware.memory_gb``) is the sequence's context through its last draft.
+its ``tokens`` is ``m`` and its ``context`` the sequence's through its last draft -- the live hook's record of a
+one-sequence pass of several tokens (``past + tokens``), so a live speculative run and its replay agree -- which
+is also what its KV cache holds (``hardware.memory_gb``).
 The composed trace is a batch-1 trace of verify steps: ``replay.batch`` / ``replay.concurrency`` then batch
 those (several sequences speculating at once).
 """
@@ -83,10 +84,12 @@ def speculate(trace: Trace, K: int, acceptance: float, seed: int = 0) -> Trace:
     members = np.concatenate(src) if src else np.zeros(0, dtype=np.int64)
     step = np.asarray(step_of, dtype=np.int64)
     out = gather_steps(trace, members, step, s)
-    # each step is one sequence: its KV cache holds its context through its last token
+    # each step is one sequence through its last token: its context, as the live hook records a one-sequence
+    # pass of several tokens (past + tokens), and its KV cache
     first = np.searchsorted(step, np.arange(s))
-    kv = np.maximum.reduceat(passes[members, 2], first) if s else np.zeros(0, dtype=np.int64)
-    out.contexts = (np.arange(s + 1, dtype=np.int64), kv.astype(np.int64))
+    kv = (np.maximum.reduceat(passes[members, 2], first) if s else np.zeros(0, dtype=np.int64)).astype(np.int64)
+    out.passes[:, 2] = kv
+    out.contexts = (np.arange(s + 1, dtype=np.int64), kv)
     out.speculative = {"tokens": int(K), "acceptance": float(acceptance), "seed": int(seed),
                        "verify_steps": steps, "verified_tokens": verified, "accepted_tokens": accepted,
                        "decode_passes": int(dec.sum())}
@@ -95,26 +98,41 @@ def speculate(trace: Trace, K: int, acceptance: float, seed: int = 0) -> Trace:
 
 
 def speculative_section(trace: Trace, engine) -> dict:
-    """The results' ``replay.speculative``: the composition's totals (without speculation: ``tokens`` 0, every
-    decode token accepted), and per **accepted** token -- the tokens the sequences advanced by, what a user's
-    throughput is made of -- the decode passes' expert loads (misses), requests and bytes moved and simulated
-    seconds, beside the decode layer calls' union. Counted over the passes the cache section counts."""
-    dec = [p for p in engine.cache.stats.passes if p.kind == "decode"]
+    """A replay's ``speculative`` section: the composition's totals (without speculation: ``tokens`` 0, every
+    decode token accepted, so a sweep's K = 0 row compares) and :func:`per_accepted_token`."""
     if trace.speculative is not None:
-        info = dict(trace.speculative)
-    else:
-        tokens = sum(p.tokens for p in dec)
-        info = {"tokens": 0, "acceptance": None, "seed": None, "verify_steps": None if trace.batching else len(dec),
-                "verified_tokens": tokens, "accepted_tokens": tokens, "decode_passes": None}
+        return per_accepted_token({"method": "replayed", **trace.speculative}, engine)
+    dec = [p for p in engine.cache.stats.passes if p.kind == "decode"]
+    tokens = sum(p.tokens for p in dec)
+    return per_accepted_token({"method": None, "tokens": 0, "acceptance": None, "seed": None,
+                               "verify_steps": None if trace.batching else len(dec), "verified_tokens": tokens,
+                               "accepted_tokens": tokens, "decode_passes": None}, engine)
+
+
+def live_section(engine, tokens: int, accepted: int) -> dict:
+    """A live speculative run's ``speculative`` section (``eval.speculative=prompt_lookup``): every decode pass is
+    a verify step (a step that found no draft is one token); ``accepted``: the tokens they produced (each
+    generation's output less its prompt and the prefill's token)."""
+    dec = [p for p in engine.cache.stats.passes if p.kind == "decode"]
+    return per_accepted_token({"method": "prompt_lookup", "tokens": int(tokens), "acceptance": None, "seed": None,
+                               "verify_steps": len(dec), "verified_tokens": sum(p.tokens for p in dec),
+                               "accepted_tokens": int(accepted), "decode_passes": None}, engine)
+
+
+def per_accepted_token(info: dict, engine) -> dict:
+    """``info`` with, per **accepted** token -- the tokens the sequences advanced by, what a user's throughput is
+    made of -- the decode passes' expert loads (misses), requests, bytes moved and simulated seconds, beside the
+    accepted tokens per verify step and the decode layer calls' union. Over the passes the cache section counts
+    (the decode passes' records are kept under ``stack.measure=decode`` too)."""
+    dec = [p for p in engine.cache.stats.passes if p.kind == "decode"]
     acc = info["accepted_tokens"]
-    L = engine.geom.num_layers
     steps = info["verify_steps"]
-    info.update({
-        "accepted_per_step": acc / steps if steps else None,
-        "loads_per_accepted_token": sum(p.misses for p in dec) / acc if acc else None,
-        "bytes_per_accepted_token": sum(p.bytes_moved for p in dec) / acc if acc else None,
-        "requests_per_accepted_token": sum(p.requests for p in dec) / acc if acc else None,
-        "union_per_layer_call": sum(p.requests for p in dec) / (len(dec) * L) if dec else None,
-        "decode_seconds_per_accepted_token": sum(p.time_s for p in dec) / acc if acc else None,
-    })
-    return info
+    L = engine.geom.num_layers
+    return {**info,
+            "accepted_per_step": acc / steps if steps else None,
+            "verified_per_step": info["verified_tokens"] / steps if steps else None,
+            "loads_per_accepted_token": sum(p.misses for p in dec) / acc if acc else None,
+            "bytes_per_accepted_token": sum(p.bytes_moved for p in dec) / acc if acc else None,
+            "requests_per_accepted_token": sum(p.requests for p in dec) / acc if acc else None,
+            "union_per_layer_call": sum(p.requests for p in dec) / (len(dec) * L) if dec else None,
+            "decode_seconds_per_accepted_token": sum(p.time_s for p in dec) / acc if acc else None}
