@@ -252,43 +252,20 @@ def check_execution(run: "Run", c: dict) -> None:
     ecls, ep = run.execution
     pretrained = run.model.pretrained
     facts = RunFacts(replay=bool(run.replay.trace), stack_enabled=run.enabled, timing_as=run.hardware.timing_as,
-                     layer_budget=run.hardware.layer_budget,
+                     layer_budget=run.hardware.layer_budget, capacity=run.hardware.capacity,
+                     memory_gb=run.hardware.memory_gb,
                      miss=run.policies["miss"], model_name=run.model.name, pretrained=pretrained,
                      checkpoint=local_checkpoint(pretrained) if pretrained else None, device=str(run.device),
                      explicit=frozenset((c.get("execution") or {}).keys()) - {"name"})
-    errors = ecls.config_errors(ep, facts) + _auto_capacity_errors(run, ecls.name)
+    errors = ecls.config_errors(ep, facts)
     if errors:
         raise ConfigError("; ".join(errors))
 
 
-def _auto_capacity_errors(run: "Run", execution: str) -> list:
-    """``hardware.capacity=auto`` sizes an offload arena from the device's free memory: it needs
-    execution=offload, and on a device whose memory cannot be read (a CPU) hardware.memory_gb; a readable one
-    (CUDA) takes no memory_gb beside it."""
-    import torch
-
-    from .accel import accel_for
-    from .hardware import AUTO
-
-    hw = run.hardware
-    if hw.capacity != AUTO:
-        return []
-    if execution != "offload":
-        return [f"hardware.capacity={AUTO} sizes the offload arena from the device's free memory, and "
-                f"execution={execution}: use execution=offload, or hardware.memory_gb (any execution)"]
-    readable = accel_for(torch.device(str(run.device))) is not None
-    if not readable and hw.memory_gb is None:
-        return [f"hardware.capacity={AUTO} on device={run.device}: there is no device memory to read; set "
-                f"hardware.memory_gb (the memory the emulated device has, GiB)"]
-    if readable and hw.memory_gb is not None:
-        return [f"hardware.capacity={AUTO} reads device={run.device}'s free memory, and hardware.memory_gb="
-                f"{hw.memory_gb:g} sets it: set one of them"]
-    return []
-
-
 def resolve_auto_capacity(spec, device):
     """``spec`` with ``hardware.capacity=auto`` made concrete: the device's free memory now (before the model's
-    dense weights move there: the engine counts them) as ``memory_gb``, said on the log. Unchanged otherwise."""
+    dense weights move there: the engine counts them) as ``memory_gb``, said on the log. Unchanged otherwise (the
+    executor that allows ``auto`` checked the device can be read: ``Executor.config_errors``)."""
     import dataclasses
 
     import torch

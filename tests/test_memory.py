@@ -427,7 +427,7 @@ def auto_run(tmp_path, *over):
 
 
 def test_capacity_auto_is_refused_where_it_cannot_be_read(tmp_path):
-    with pytest.raises(ConfigError, match=r"capacity=auto sizes the offload arena .* execution=simulated"):
+    with pytest.raises(ConfigError, match=r"capacity=auto sizes an arena .* execution=simulated allocates none"):
         auto_run(tmp_path)
     with pytest.raises(ConfigError, match=r"capacity=auto on device=cpu: there is no device memory to read; set "
                                           r"hardware.memory_gb"):

@@ -162,6 +162,20 @@ def check_memory_fits(spec: StackSpec, model: Geometry) -> None:
         raise ConfigError(f"hardware.memory_gb={spec.hardware.memory_gb:g} cannot hold one token: {mem.describe((1,))}")
 
 
+def static_slots(cache: CacheManager, memory: Optional[DeviceMemory], fetch_bytes: int):
+    """The experts a static cache of the same bytes holds (``cache.union.static_share``): the pools' whole
+    experts; with ``hardware.memory_gb``, each counted pass's, weighted by its requests (a pinned set sized per
+    pass, as the cache is: the hit rate it gets is its share of the experts at each request)."""
+    if memory is None:
+        return sum(p.capacity // fetch_bytes for p in cache.pools)
+    weighted = total = 0
+    for p, (_, _, slots) in zip(cache.stats.passes, memory.series):
+        if (cache.measure == "all" or p.kind == cache.measure) and p.requests:
+            weighted += slots * p.requests
+            total += p.requests
+    return weighted / total if total else 0
+
+
 def stream_at(threshold: Optional[float], num_experts: int) -> int:
     """The requested experts at which a layer call is streamed: ``hardware.stream_layers`` (a fraction of the
     layer's experts, or None: never) as a count, at least 1 (``ceil``, with a rounding guard: 0.3 of 10 is 3)."""
@@ -426,21 +440,6 @@ class Engine:
         return {"fetch_bound_tokens_per_s": 1.0 / (misses * t) if misses else None,
                 "all_miss_bound_tokens_per_s": 1.0 / (requests * t) if requests else None}
 
-    def _static_slots(self, fetch_bytes: int):
-        """The experts a static cache of the same bytes holds (``cache.union.static_share``): the pools' whole
-        experts; with ``hardware.memory_gb``, each counted pass's, weighted by its requests (a pinned set sized
-        per pass, as the cache is: the hit rate it gets is its share of the experts at each request)."""
-        pools = self.cache.pools
-        if self.memory is None:
-            return sum(p.capacity // fetch_bytes for p in pools)
-        measure = self.cache.measure
-        weighted = total = 0
-        for p, (_, _, slots) in zip(self.cache.stats.passes, self.memory.series):
-            if (measure == "all" or p.kind == measure) and p.requests:
-                weighted += slots * p.requests
-                total += p.requests
-        return weighted / total if total else 0
-
     def results(self) -> dict:
         """The ``cache``, ``timing`` and ``routing`` sections of results.json."""
         cache = self.cache
@@ -467,7 +466,7 @@ class Engine:
             }
         summary["prefetch_lateness"] = self._lateness(summary)
         summary["union"] = union_section(st, g.num_layers, g.num_experts, g.top_k, cache.measure,
-                                         self._static_slots(fetch_bytes))
+                                         static_slots(cache, self.memory, fetch_bytes))
         timing = st.timing(self.clock.name)
         timing.update(self.clock.busy())  # every pass's, as total_s (a measure=decode run too)
         timing.update(self._fetch_bounds())

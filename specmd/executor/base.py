@@ -30,6 +30,8 @@ class RunFacts:
     device: str
     explicit: frozenset = frozenset()  # the execution keys the user set (an option that does not apply is named)
     layer_budget: str = "uniform"  # hardware.layer_budget: per-layer pools resized after the warm-up
+    capacity: Any = None  # hardware.capacity: a fraction, or "auto" (the device's free memory)
+    memory_gb: Optional[float] = None  # hardware.memory_gb
 
 
 class Executor(Plugin):
@@ -52,6 +54,9 @@ class Executor(Plugin):
     def config_errors(cls, params: Any, run: RunFacts) -> list[str]:
         """What this executor cannot carry out in ``run`` (each message naming the setting and the way out);
         the composition root reports them with the other config errors, before the model loads."""
+        if run.capacity == "auto":
+            return [f"hardware.capacity=auto sizes an arena from the device's free memory, and execution={cls.name} "
+                    f"allocates none: use execution=offload, or hardware.memory_gb (any execution)"]
         return []
 
     @classmethod

@@ -133,6 +133,7 @@ class Offload(Executor):
                               f"directory or specmd:<name>, or execution.host=ram")
         elif "page_cache" in run.explicit and params.page_cache != "drop":
             errors.append(f"execution.page_cache={params.page_cache} applies to execution.host=disk, and host=ram")
+        errors += _auto_capacity_errors(run)
         if run.layer_budget != "uniform":
             errors.append(f"execution=offload allocates each layer's arena once, and hardware.layer_budget="
                           f"{run.layer_budget} resizes the layers' pools after the warm-up: use layer_budget=uniform "
@@ -316,6 +317,22 @@ def host_compute(params: OffloadParams, accelerated: bool) -> str:
     ``accelerated``: the device has an :class:`~specmd.accel.Accel` --; inline on a CPU device, whose host is
     the device)."""
     return params.host_compute if params.host_compute != "auto" else "thread" if accelerated else "inline"
+
+
+def _auto_capacity_errors(run: RunFacts) -> list:
+    """``hardware.capacity=auto``: the device's free memory, read where it can be (CUDA, or its stand-in); on a
+    CPU device there is none to read and ``hardware.memory_gb`` is required; a readable one takes no memory_gb
+    beside it."""
+    if run.capacity != "auto":
+        return []
+    readable = accel_for(torch.device(run.device)) is not None
+    if not readable and run.memory_gb is None:
+        return [f"hardware.capacity=auto on device={run.device}: there is no device memory to read; set "
+                f"hardware.memory_gb (the memory the emulated device has, GiB)"]
+    if readable and run.memory_gb is not None:
+        return [f"hardware.capacity=auto reads device={run.device}'s free memory, and hardware.memory_gb="
+                f"{run.memory_gb:g} sets it: set one of them"]
+    return []
 
 
 def _thread_errors(params: OffloadParams, run: RunFacts) -> list[str]:
