@@ -474,6 +474,9 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
         from .replay.speculative import live_section
 
         results["speculative"] = live_section(engine, run.eval.speculative_tokens, stack.live.generated)
+        if stack.writer is not None:  # a replay of the trace reads its accepted tokens there
+            stack.writer.annotate(speculative=_speculation(run, stack.live.generated,
+                                                           results["speculative"]["verify_steps"]))
     if stack is not None and stack.writer is not None and results.get("cache") is not None:
         # the requests are known (the recorded routing): the oracle's hit rates beside the realized ones
         from .replay.driver import changes_computation, oracle_rates
@@ -564,11 +567,21 @@ def _trace_writer(run: Run, stack, run_dir: Path):
     from .replay.trace import TraceWriter
 
     exact = not changes_computation(run.spec)
+    source = {"model": run.raw.get("model"), "run_dir": str(run_dir), "device": run.device,
+              "stack": run.spec.names(), "exact": exact,
+              "batch_size": run.eval.batch_size}  # (a stopped run's trace says how it was batched: no results.json)
+    if run.eval.speculative:  # its decode passes are verify steps: the accepted tokens are added when it ends
+        source["speculative"] = _speculation(run)
     return TraceWriter(run_dir / "trace", stack.geom, stack.scoring, stack.store, run.trace_depth,
-                       run.trace_logits, {"model": run.raw.get("model"), "run_dir": str(run_dir),
-                                          "device": run.device, "stack": run.spec.names(), "exact": exact,
-                                          # (a stopped run's trace says how it was batched: no results.json)
-                                          "batch_size": run.eval.batch_size})
+                       run.trace_logits, source)
+
+
+def _speculation(run: Run, accepted=None, steps=None):
+    """A live run's speculative decoding as its trace records it (None: none)."""
+    if not run.eval.speculative:
+        return None
+    return {"method": run.eval.speculative, "tokens": run.eval.speculative_tokens, "accepted_tokens": accepted,
+            "verify_steps": steps}
 
 
 def _evaluate(run: Run, model, tokenizer, stack, root) -> dict:

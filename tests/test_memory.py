@@ -503,6 +503,15 @@ def test_a_live_speculative_run_reports_per_accepted_token_and_replays_exactly(t
     got = run_replay(read_trace(tmp_path / "run" / "trace"), spec).results()
     live_cache = {k: v for k, v in res["cache"].items() if k != "oracle"}  # (the live run's Belady, from its trace)
     assert got["cache"] == live_cache and got["timing"] == res["timing"]
+    # ... and its speculative section: the trace recorded the accepted tokens when the run ended
+    trace = read_trace(tmp_path / "run" / "trace")
+    assert trace.meta.source["speculative"]["accepted_tokens"] == 15
+    from specmd.replay.speculative import speculate, speculative_section
+
+    engine = run_replay(trace, spec)
+    assert speculative_section(trace, engine) == {**sp, "method": "recorded prompt_lookup"}
+    with pytest.raises(ConfigError, match=r"recorded speculating .* verify steps already"):
+        speculate(trace, 3, 0.5)
 
 
 @pytest.mark.parametrize("over,match", [

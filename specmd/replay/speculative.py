@@ -52,6 +52,10 @@ def speculate(trace: Trace, K: int, acceptance: float, seed: int = 0) -> Trace:
     report. ``K = 0`` returns ``trace`` (no speculation)."""
     if K == 0:
         return trace
+    if isinstance(trace.meta.source.get("speculative"), dict) and not trace.meta.imported:
+        raise ConfigError(f"replay.speculative_tokens={K}: the trace {trace.path} was recorded speculating "
+                          f"(eval.speculative={trace.meta.source['speculative'].get('method')}): its decode passes are "
+                          f"verify steps already; replay it as recorded (replay.speculative_tokens=0)")
     passes = np.asarray(trace.passes, dtype=np.int64)
     dec = passes[:, 0] == 1
     if (passes[dec, 1] != 1).any():
@@ -98,12 +102,20 @@ def speculate(trace: Trace, K: int, acceptance: float, seed: int = 0) -> Trace:
 
 
 def speculative_section(trace: Trace, engine) -> dict:
-    """A replay's ``speculative`` section: the composition's totals (without speculation: ``tokens`` 0, every
-    decode token accepted, so a sweep's K = 0 row compares) and :func:`per_accepted_token`."""
+    """A replay's ``speculative`` section: the composition's totals; a live speculative run's recording (its
+    ``meta.json`` says so: its decode passes are its verify steps, replayed as they ran and composable with
+    ``replay.batch``, its accepted tokens recorded when it ended); without speculation ``tokens`` 0, every
+    decode token accepted, so a sweep's K = 0 row compares. Then :func:`per_accepted_token`."""
     if trace.speculative is not None:
         return per_accepted_token({"method": "replayed", **trace.speculative}, engine)
     dec = [p for p in engine.cache.stats.passes if p.kind == "decode"]
     tokens = sum(p.tokens for p in dec)
+    recorded = trace.meta.source.get("speculative") if not trace.meta.imported else None
+    if isinstance(recorded, dict):  # a live speculative run's trace: its decode passes are its verify steps
+        return per_accepted_token({"method": f"recorded {recorded.get('method')}", "tokens": recorded.get("tokens"),
+                                   "acceptance": None, "seed": None, "verify_steps": recorded.get("verify_steps"),
+                                   "verified_tokens": tokens, "accepted_tokens": recorded.get("accepted_tokens"),
+                                   "decode_passes": None}, engine)
     return per_accepted_token({"method": None, "tokens": 0, "acceptance": None, "seed": None,
                                "verify_steps": None if trace.batching else len(dec), "verified_tokens": tokens,
                                "accepted_tokens": tokens, "decode_passes": None}, engine)
@@ -125,11 +137,11 @@ def per_accepted_token(info: dict, engine) -> dict:
     accepted tokens per verify step and the decode layer calls' union. Over the passes the cache section counts
     (the decode passes' records are kept under ``stack.measure=decode`` too)."""
     dec = [p for p in engine.cache.stats.passes if p.kind == "decode"]
-    acc = info["accepted_tokens"]
+    acc = info["accepted_tokens"]  # (None: not known -- a recorded run that stopped before it ended)
     steps = info["verify_steps"]
     L = engine.geom.num_layers
     return {**info,
-            "accepted_per_step": acc / steps if steps else None,
+            "accepted_per_step": acc / steps if steps and acc is not None else None,
             "verified_per_step": info["verified_tokens"] / steps if steps else None,
             "loads_per_accepted_token": sum(p.misses for p in dec) / acc if acc else None,
             "bytes_per_accepted_token": sum(p.bytes_moved for p in dec) / acc if acc else None,

@@ -246,6 +246,7 @@ class TraceWriter:
                          index_dtype=np.dtype(self.idx_dtype).name, source=source or {})
         from ..results import write_json_atomic
 
+        self.meta = meta
         write_json_atomic(self.path / "meta.json", meta.to_dict())
         names = ["passes", "index", "weights"]
         if self.logit_dtype is not None:
@@ -310,6 +311,14 @@ class TraceWriter:
             raise OSError(exc.errno, f"{exc.strerror or exc} (the trace being recorded: its complete passes so far "
                           "stay readable)", str(self.path / f"{name}.bin")) from exc
         self._pass = None
+
+    def annotate(self, **source) -> None:
+        """``source`` added to ``meta.json``'s ``source`` (rewritten atomically): what the run learned by its end
+        (a speculative run's accepted tokens), which a replay of the trace reads."""
+        from ..results import write_json_atomic
+
+        self.meta.source.update(source)
+        write_json_atomic(self.path / "meta.json", self.meta.to_dict())
 
     def close(self) -> None:
         """Every file closed (their buffers flushed); the first that could not be -- a full disk -- named."""
