@@ -525,3 +525,23 @@ def test_bad_live_speculation_is_refused(over, match):
 
     with pytest.raises(ConfigError, match=match):
         EvalConfig(**over)
+
+
+@pytest.mark.parametrize("eviction", [e for e in __import__("specmd.policies.eviction", fromlist=["EVICTION"])
+                                      .EVICTION.names() if e != "ml"])  # (ml: networks of a 4-layer model)
+def test_every_eviction_policy_follows_a_budget_that_shrinks_and_grows(eviction):
+    """Every registered eviction policy on a capacity that moves every few passes: the pools never exceed their
+    budget, pressure evictions are the policy's victims, and a policy sizing its state by the capacity follows it
+    (ARC's and LeCaR's c: ``resized``)."""
+    rng = np.random.default_rng(0)
+    contexts = [5, 5, 9, 16, 16, 12, 5, 20, 20, 8] * 3
+    trace = memory_trace(contexts, [[int(e)] for e in rng.integers(0, 8, len(contexts))])
+    engine = run_replay(trace, memory_spec(7500, eviction=eviction))
+    cache = engine.cache
+    cache.check_invariants()
+    caps = [p.capacity_bytes for p in cache.stats.passes]
+    assert caps == [7500 - 2000 - 100 * c for c in contexts]
+    assert cache.stats.total("evictions_pressure") > 0
+    policy = cache.pools[0].policy
+    if hasattr(policy, "c"):  # ARC, LeCaR: c is the last pass's capacity in experts
+        assert policy.c == caps[-1] // 1000

@@ -346,7 +346,11 @@ class Residency:
         for i in range(len(self.pools)):
             pool = self.pools[i]
             cap = capacities[i]
-            pool.capacity = cap if cap < self.ceilings[i] else self.ceilings[i]
+            if cap > self.ceilings[i]:
+                cap = self.ceilings[i]
+            if cap != pool.capacity:
+                pool.capacity = cap
+                pool.policy.resized(cap)  # (ARC's and LeCaR's c follow the pool)
             while pool.used > pool.capacity:
                 victim = pool.hooks.victim(self._evictable) if pool.native else pool.victim(self._evictable)
                 if victim is None:

@@ -51,6 +51,11 @@ class ARC(EvictionPolicy):
         super().attach(view, capacity)
         self.c = self.capacity_experts(self.params.capacity_unit)
 
+    def resized(self, capacity):
+        super().resized(capacity)
+        self.c = self.capacity_experts(self.params.capacity_unit)
+        self.p = min(self.p, float(self.c))  # (ARC's target for T1, 0 <= p <= c)
+
     @property
     def t1(self) -> list:
         return self._lists.keys(T1)

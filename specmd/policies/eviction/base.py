@@ -55,6 +55,13 @@ class EvictionPolicy(EvictionHooks):
         self.view = view
         self.capacity = capacity
 
+    def resized(self, capacity: int) -> None:
+        """The pool's byte budget changed (``hardware.memory_gb``: the KV cache took or gave back memory;
+        ``hardware.layer_budget``: the warm-up resized the pools), before the pass it applies to; the manager has
+        evicted down to it already. A policy that sizes its state by the capacity (ARC's and LeCaR's ``c``)
+        recomputes it here."""
+        self.capacity = capacity
+
     def capacity_experts(self, unit: str = "fetch") -> int:
         """The pool's capacity in experts (ARC's and LeCaR's ``c``), counted in copies at ``unit``:
         ``fetch``, the precision the miss policy loads (how many copies the pool really holds when a

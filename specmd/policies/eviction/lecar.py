@@ -59,6 +59,11 @@ class LeCaR(EvictionPolicy):
         self.c = self.capacity_experts(self.params.capacity_unit)
         self.discount = 0.005 ** (1.0 / self.c)
 
+    def resized(self, capacity):
+        super().resized(capacity)
+        self.c = self.capacity_experts(self.params.capacity_unit)
+        self.discount = 0.005 ** (1.0 / self.c)  # (LeCaR: the history's decay over one cache's worth of requests)
+
     def on_admit(self, key):
         self.time += 1
         if not self.params.update_weight:
