@@ -23,7 +23,6 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from specmd.cli import script

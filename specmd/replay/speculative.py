@@ -65,7 +65,7 @@ def speculate(trace: Trace, K: int, acceptance: float, seed: int = 0) -> Trace:
                           f"decode passes (a trace recorded at eval.batch_size=1)")
     bounds = request_bounds(trace)
     draws = accepted_drafts(np.random.default_rng(seed), int(dec.sum()) + 1, K, acceptance)
-    src, step_of, ends = [], [], []  # members (source passes), their composed step, each step's last member
+    src, step_of = [], []  # members (source passes) and their composed step
     accepted = verified = steps = 0
     s = d = 0
     for r in range(len(bounds) - 1):
