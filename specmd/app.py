@@ -141,6 +141,18 @@ class Run:
         self.eval = checks.run(build_params, EvalConfig, dict(c.get("eval") or {}), "eval")
         if self.eval is not None and any(t not in SUPPORTED for t in self.eval.tasks):
             checks.run(task_index, self.eval.tasks)  # another lm-eval task: checked in the full index now
+        self.assistant = None  # eval.speculative=assistant's draft model: a model config of conf/model/
+        if self.eval is not None and self.eval.assistant is not None:
+            from . import shipped
+            from .models.loader import ModelConfig
+
+            names = shipped.options("model")
+            if self.eval.assistant not in names:
+                checks.fail(f"eval.assistant={self.eval.assistant!r}: valid choices: {', '.join(names)} (a model "
+                            f"config of specmd/conf/model/)")
+            else:
+                self.assistant = checks.run(build_params, ModelConfig, dict(shipped.option("model", self.eval.assistant)),
+                                            "eval.assistant")
 
     def _stack_and_trace(self, c: dict, checks: Checks) -> None:
         from .engine.cache import MEASURES
@@ -473,7 +485,8 @@ def _execute(run: Run, digest: str, run_dir: Path, group: Optional[str], progres
     if stack is not None and run.eval.speculative and results.get("cache") is not None:
         from .replay.speculative import live_section
 
-        results["speculative"] = live_section(engine, run.eval.speculative_tokens, stack.live.generated)
+        results["speculative"] = live_section(engine, run.eval.speculative_tokens, stack.live.generated,
+                                              run.eval.speculative)
         if stack.writer is not None:  # a replay of the trace reads its accepted tokens there
             stack.writer.annotate(speculative=_speculation(run, stack.live.generated,
                                                            results["speculative"]["verify_steps"]))
@@ -525,6 +538,14 @@ def _load_model(run: Run, progress: _Progress) -> tuple:
     model, tokenizer = load_model(run.model, experts_on_meta=ecls.experts_on_meta(eparams))
     if run.device_experts:
         model.to(run.device)
+    run.draft = None
+    if run.assistant is not None:  # eval.speculative=assistant: the draft model, unhooked, on the device
+        run.draft, _ = load_model(run.assistant)
+        vocab, draft_vocab = model.config.get_text_config().vocab_size, run.draft.config.get_text_config().vocab_size
+        if draft_vocab != vocab:
+            raise ConfigError(f"eval.assistant={run.eval.assistant}: its vocabulary ({draft_vocab} tokens) is not the "
+                              f"model's ({vocab}): a draft model shares the target's tokenizer")
+        run.draft.to(run.device)
     return model, tokenizer, time.perf_counter()
 
 
@@ -593,7 +614,7 @@ def _evaluate(run: Run, model, tokenizer, stack, root) -> dict:
     try:
         with mirrored(root):
             return evaluate(model, tokenizer, run.eval, device=run.device,
-                            live=stack.live if stack is not None else None)
+                            live=stack.live if stack is not None else None, assistant=getattr(run, "draft", None))
     finally:
         with signals_held():
             if stack is not None:

@@ -464,13 +464,23 @@ def test_capacity_auto_reads_the_devices_free_memory(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------------------
 # 7. live speculative decoding (eval.speculative=prompt_lookup): transformers' own assisted generation
 # ---------------------------------------------------------------------------------------------------------
-def test_lossless_stack_speculating_is_bit_equal_to_the_unhooked_model_speculating():
+@pytest.mark.parametrize("method", ["prompt_lookup", "assistant"])
+def test_lossless_stack_speculating_is_bit_equal_to_the_unhooked_model_speculating(method):
+    import copy
+
     from specmd.hook import install
 
     model = tiny("olmoe")
     ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]])  # repeats: prompt lookup finds drafts
-    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3,
-              output_logits=True, return_dict_in_generate=True)
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    if method == "prompt_lookup":
+        kw["prompt_lookup_num_tokens"] = 3
+    else:  # a draft model: another instance of the model, unhooked, drafting 3 tokens a step
+        draft = copy.deepcopy(model)
+        draft.generation_config.num_assistant_tokens = 3
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
+        draft.generation_config.assistant_confidence_threshold = 0.0
+        kw["assistant_model"] = draft
     with torch.no_grad():
         want = model.generate(ids, **kw)
         stack = install(model, spec_of(eviction="lru", prefetch="none", hardware=HardwareConfig(capacity=0.2)))
@@ -514,8 +524,29 @@ def test_a_live_speculative_run_reports_per_accepted_token_and_replays_exactly(t
         speculate(trace, 3, 0.5)
 
 
+def test_a_draft_model_speculates_at_a_constant_k(tmp_path):
+    """eval.speculative=assistant with the model as its own draft: greedy drafts are the model's own tokens, so
+    nearly every draft is accepted."""
+    from hydra import compose, initialize_config_dir
+
+    from specmd.app import execute
+    from test_configs import CONF
+
+    over = ["model=tiny", "eval.limit=1", "eval.max_gen_toks=17", "eval.speculative=assistant", "eval.assistant=tiny",
+            "eval.speculative_tokens=3", "prefetch=none"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=over)
+    sp = execute(cfg, run_dir=tmp_path / "run")["speculative"]
+    assert sp["method"] == "assistant" and sp["accepted_tokens"] == 16
+    # a constant K: every step but the last verifies K + 1 = 4 tokens (transformers' heuristic schedule would move
+    # it); most drafts accepted (a multi-token pass's numerics can flip a near-tie the one-token draft passes chose)
+    assert sp["verified_per_step"] > 3 and sp["accepted_per_step"] >= 2 and sp["verify_steps"] < 8
+
+
 @pytest.mark.parametrize("over,match", [
-    (dict(speculative="assistant"), r"eval.speculative='assistant'; valid choices: prompt_lookup"),
+    (dict(speculative="draft"), r"eval.speculative='draft'; valid choices: prompt_lookup, assistant"),
+    (dict(speculative="assistant"), r"a draft model is eval.speculative=assistant's, and it needs one"),
+    (dict(assistant="tiny"), r"a draft model is eval.speculative=assistant's"),
     (dict(speculative="prompt_lookup", batch_size=2), r"one sequence at a time: eval.batch_size=2 must be 1"),
     (dict(speculative="prompt_lookup", speculative_tokens=0), r"speculative_tokens=0: valid choices"),
     (dict(speculative="prompt_lookup", token_by_token=True), r"set one of them"),

@@ -37,10 +37,12 @@ class EvalConfig:
     # float rounding.
     token_by_token: bool = False
     # Speculative decoding of generation tasks through transformers' own generate: prompt_lookup (drafts copied
-    # from the prompt's n-grams: no draft model, transformers' prompt_lookup_num_tokens), each verify step K + 1
-    # tokens of the sequence through every layer (docs/semantics.md "Speculative decoding"); null: none
+    # from the prompt's n-grams: no draft model, transformers' prompt_lookup_num_tokens) or assistant (a draft
+    # model, eval.assistant: transformers' assistant_model at a constant K), each verify step K + 1 tokens of the
+    # sequence through every layer (docs/semantics.md "Speculative decoding"); null: none
     speculative: Optional[str] = None
     speculative_tokens: int = 3  # K: drafts per verify step
+    assistant: Optional[str] = None  # the draft model of speculative=assistant: a model config name (conf/model/)
 
     def __post_init__(self):
         twice = sorted({t for t in self.tasks if self.tasks.count(t) > 1})
@@ -63,9 +65,11 @@ class EvalConfig:
         if self.max_gen_toks is not None and self.max_gen_toks < 1:
             raise ConfigError(f"eval.max_gen_toks={self.max_gen_toks} must be >= 1 or null")
         if self.speculative is not None and self.speculative not in SPECULATIVE:
-            raise ConfigError(f"eval.speculative={self.speculative!r}; valid choices: {', '.join(SPECULATIVE)}, or null "
-                              f"(a draft model, 'assistant', is not built yet: replay.speculative_tokens replays any "
-                              f"acceptance)")
+            raise ConfigError(f"eval.speculative={self.speculative!r}; valid choices: {', '.join(SPECULATIVE)}, or null")
+        if (self.speculative == "assistant") != (self.assistant is not None):
+            raise ConfigError(f"eval.speculative={self.speculative} and eval.assistant={self.assistant}: a draft model "
+                              f"is eval.speculative=assistant's, and it needs one (eval.assistant=<a model config, "
+                              f"e.g. tiny>)")
         if not 1 <= self.speculative_tokens <= 64:
             raise ConfigError(f"eval.speculative_tokens={self.speculative_tokens}: valid choices are whole numbers in "
                               f"1..64 (drafts per verify step)")
@@ -79,7 +83,7 @@ class EvalConfig:
             raise ConfigError(f"eval.num_fewshot={self.num_fewshot} must be >= 0 or null")
 
 
-SPECULATIVE = ("prompt_lookup",)
+SPECULATIVE = ("prompt_lookup", "assistant")
 
 
 def lm_eval_name(task: str) -> str:
@@ -311,10 +315,13 @@ def _phase_bar_lm():
             return super()._model_call(inps, attn_mask, labels)
 
         speculative_tokens = 0  # eval.speculative=prompt_lookup: drafts per verify step
+        assistant_model = None  # eval.speculative=assistant: the draft model (loaded by the run)
 
         def _model_generate(self, context, max_length, stop, **generation_kwargs):
             check_interrupt()
-            if self.speculative_tokens:
+            if self.assistant_model is not None:
+                generation_kwargs["assistant_model"] = self.assistant_model
+            elif self.speculative_tokens:
                 generation_kwargs["prompt_lookup_num_tokens"] = self.speculative_tokens
             if self.live is None or context.shape[0] == 1:  # one sequence: its stop ends the generation
                 out = super()._model_generate(context, max_length, stop, **generation_kwargs)
@@ -366,10 +373,13 @@ def _quiet_git_hash():
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu", live=None) -> dict:
+def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu", live=None, assistant=None) -> dict:
     """Run the tasks; returns ``{specmd task name: {metric: value}}``. ``live``: the installed stack's
     :class:`~specmd.hook.live.LiveTokens` (None: unhooked), told which positions of each batch are requests
-    (right padding of a scoring batch, sequences of a generation batch that have stopped)."""
+    (right padding of a scoring batch, sequences of a generation batch that have stopped). ``assistant``: the
+    draft model of ``eval.speculative=assistant`` (drafting ``speculative_tokens`` a step: a constant schedule,
+    not transformers' default heuristic that changes K as drafts are accepted, and no confidence threshold that
+    stops a step's drafting early -- the K of the run is the K a verify step has)."""
     if not cfg.tasks:
         return {}
     import lm_eval
@@ -386,6 +396,11 @@ def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu", live=None) 
              max_length=window(model.config, cfg.max_length))
     lm.live = live
     lm.speculative_tokens = cfg.speculative_tokens if cfg.speculative else 0
+    if assistant is not None:
+        assistant.generation_config.num_assistant_tokens = cfg.speculative_tokens
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        assistant.generation_config.assistant_confidence_threshold = 0.0  # (no early stop: K drafts every step)
+        lm.assistant_model = assistant
     gen_kwargs = {"max_gen_toks": cfg.max_gen_toks} if cfg.max_gen_toks else None
     try:
         res = lm_eval.simple_evaluate(

@@ -121,12 +121,12 @@ def speculative_section(trace: Trace, engine) -> dict:
                                "accepted_tokens": tokens, "decode_passes": None}, engine)
 
 
-def live_section(engine, tokens: int, accepted: int) -> dict:
-    """A live speculative run's ``speculative`` section (``eval.speculative=prompt_lookup``): every decode pass is
-    a verify step (a step that found no draft is one token); ``accepted``: the tokens they produced (each
+def live_section(engine, tokens: int, accepted: int, method: str = "prompt_lookup") -> dict:
+    """A live speculative run's ``speculative`` section (``eval.speculative``: ``method``): every decode pass is a
+    verify step (a step that found no draft is one token); ``accepted``: the tokens they produced (each
     generation's output less its prompt and the prefill's token)."""
     dec = [p for p in engine.cache.stats.passes if p.kind == "decode"]
-    return per_accepted_token({"method": "prompt_lookup", "tokens": int(tokens), "acceptance": None, "seed": None,
+    return per_accepted_token({"method": method, "tokens": int(tokens), "acceptance": None, "seed": None,
                                "verify_steps": len(dec), "verified_tokens": sum(p.tokens for p in dec),
                                "accepted_tokens": int(accepted), "decode_passes": None}, engine)
 
