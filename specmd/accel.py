@@ -234,23 +234,33 @@ class StandIn(Accel):
 
     # -- the machinery
     def _run(self, s: _Stream, pos: int) -> None:
-        """Run ``s``'s queued copies up to position ``pos`` (under the lock)."""
+        """Run ``s``'s queued copies up to position ``pos`` (under the lock). An event waiting for a position is
+        stamped as the copies reach it -- before the next one runs -- so two events around copies time the copies
+        themselves (stamping them all after the last copy made their elapsed time 0: calibrate's small copies then
+        measured 1e25 GB/s, an intermittent failure of the stand-in's calibrate)."""
         n = 0
         while s.ran < pos:
+            self._stamp(s)
             dst, src = s.ops.popleft()
             dst.copy_(src)
             s.ran += 1
             n += 1
         if n:
             self.log.append(("land", s.id, n))
-            now = time.perf_counter()
-            keep = []
-            for ev in self._stamps:
-                if ev.stream is s and s.ran >= ev.pos:
-                    ev.stamp = now
-                else:
-                    keep.append(ev)
-            self._stamps = keep
+            self._stamp(s)
+
+    def _stamp(self, s: _Stream) -> None:
+        """The events of ``s`` whose position has run, stamped now."""
+        if not self._stamps:
+            return
+        now = time.perf_counter()
+        keep = []
+        for ev in self._stamps:
+            if ev.stream is s and s.ran >= ev.pos:
+                ev.stamp = now
+            else:
+                keep.append(ev)
+        self._stamps = keep
 
     def pending(self) -> int:
         """Copies issued and not yet landed (a finished run leaves none behind)."""

@@ -314,15 +314,11 @@ def _phase_bar_lm():
                     self.live.expect(positions)
             return super()._model_call(inps, attn_mask, labels)
 
-        speculative_tokens = 0  # eval.speculative=prompt_lookup: drafts per verify step
-        assistant_model = None  # eval.speculative=assistant: the draft model (loaded by the run)
+        speculation: dict = {}  # eval.speculative: generate's keywords (_speculation)
 
         def _model_generate(self, context, max_length, stop, **generation_kwargs):
             check_interrupt()
-            if self.assistant_model is not None:
-                generation_kwargs["assistant_model"] = self.assistant_model
-            elif self.speculative_tokens:
-                generation_kwargs["prompt_lookup_num_tokens"] = self.speculative_tokens
+            generation_kwargs.update(self.speculation)
             if self.live is None or context.shape[0] == 1:  # one sequence: its stop ends the generation
                 out = super()._model_generate(context, max_length, stop, **generation_kwargs)
                 if self.live is not None:  # the tokens its decode passes produced (the prefill's first is not one)
@@ -334,6 +330,19 @@ def _phase_bar_lm():
                 return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
     return PhaseBarLM
+
+
+def _speculation(cfg: EvalConfig, assistant) -> dict:
+    """generate's keywords for ``eval.speculative``: prompt lookup's K, or the draft model set to draft exactly K a
+    step (a constant schedule, no confidence threshold stopping a step early); {} without speculation."""
+    if cfg.speculative == "prompt_lookup":
+        return {"prompt_lookup_num_tokens": cfg.speculative_tokens}
+    if assistant is None:
+        return {}
+    assistant.generation_config.num_assistant_tokens = cfg.speculative_tokens
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    return {"assistant_model": assistant}
 
 
 def _token_by_token_lm():
@@ -395,12 +404,7 @@ def evaluate(model, tokenizer, cfg: EvalConfig, device: str = "cpu", live=None, 
     lm = cls(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size, device=device,
              max_length=window(model.config, cfg.max_length))
     lm.live = live
-    lm.speculative_tokens = cfg.speculative_tokens if cfg.speculative else 0
-    if assistant is not None:
-        assistant.generation_config.num_assistant_tokens = cfg.speculative_tokens
-        assistant.generation_config.num_assistant_tokens_schedule = "constant"
-        assistant.generation_config.assistant_confidence_threshold = 0.0  # (no early stop: K drafts every step)
-        lm.assistant_model = assistant
+    lm.speculation = _speculation(cfg, assistant)
     gen_kwargs = {"max_gen_toks": cfg.max_gen_toks} if cfg.max_gen_toks else None
     try:
         res = lm_eval.simple_evaluate(
