@@ -92,10 +92,10 @@ class Run:
 
     def _model_ranges(self) -> None:
         """4. The settings the model bounds (a policy's top-J, routing=piggyback's k0, routing=budget's
-        max_experts / max_fraction, hardware.experts_per_layer, hardware.memory_gb's room) checked from the model's config before any weight
-        loads (:func:`~specmd.engine.engine.check_model_ranges`; the engine checks them again on the loaded
-        model). A live run's only: a replay checks them on its trace's geometry before any work; a hub model
-        whose config is not here is checked once loaded."""
+        max_experts / max_fraction, hardware.experts_per_layer, hardware.memory_gb's room) checked from the model's
+        config before any weight loads (:func:`~specmd.engine.engine.check_model_ranges`, ``check_memory_fits``; the
+        engine checks them again on the loaded model). A live run's only: a replay checks them on its trace's
+        geometry before any work; a hub model whose config is not here is checked once loaded."""
         if self.replay.trace or self.model is None:
             return
         from .engine.engine import check_memory_fits, check_model_ranges
@@ -151,8 +151,8 @@ class Run:
                 checks.fail(f"eval.assistant={self.eval.assistant!r}: valid choices: {', '.join(names)} (a model "
                             f"config of specmd/conf/model/)")
             else:
-                self.assistant = checks.run(build_params, ModelConfig, dict(shipped.option("model", self.eval.assistant)),
-                                            "eval.assistant")
+                draft = dict(shipped.option("model", self.eval.assistant))
+                self.assistant = checks.run(build_params, ModelConfig, draft, "eval.assistant")
 
     def _stack_and_trace(self, c: dict, checks: Checks) -> None:
         from .engine.cache import MEASURES

@@ -29,7 +29,6 @@ class LayerBudget:
         self.L = num_layers
         self.E = num_experts
         self.seen = bytearray(num_layers * num_experts)  # (layer, expert) requested during the warm-up
-        self.passes = 0
         self.working_set: list = []  # per layer, once measured
 
     def observe(self, layer: int, experts) -> None:

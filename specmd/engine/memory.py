@@ -10,7 +10,7 @@ the capacity of a pass is::
     memory - reserve - dense - kv(contexts of the pass's sequences)
 
 split between the pools as ``hardware.scope`` splits a fixed one (one global pool, or evenly per MoE layer),
-and capped at the arena (:meth:`DeviceMemory.ceilings`: what every routed expert needs, or the memory with no
+and capped at the arena (:attr:`DeviceMemory.ceiling`: what every routed expert needs, or the memory with no
 KV cache at all, whichever is smaller). The KV cache is counted as a paged serving engine holds it (vLLM's
 PagedAttention): each live sequence's own tokens -- no padding to the batch's longest, a finished sequence's
 freed -- per decoder layer of the model's own attention (:class:`KvLayout`). Nothing here imports a model;
@@ -95,18 +95,18 @@ class DeviceMemory:
     def budget(self, contexts: Sequence[int]) -> tuple[int, int]:
         """``(bytes left for experts, KV bytes)`` for a pass whose live sequences hold ``contexts`` tokens each:
         the memory less the reserve, the dense weights and their KV cache (negative: the memory cannot hold the
-        pass, the caller's error: :meth:`excess`); the engine splits it between the pools.""" 
+        pass, the caller's error: :meth:`excess`); the engine splits it between the pools."""
         kv = self.kv.bytes_of(contexts)
         return self.memory_bytes - self.reserve_bytes - self.dense_bytes - kv, kv
 
     def excess(self, contexts: Sequence[int]) -> int:
         """Bytes by which the dense weights, the reserve and this pass's KV cache exceed the memory (<= 0: fits)."""
-        return self.reserve_bytes + self.dense_bytes + self.kv.bytes_of(contexts) - self.memory_bytes
+        return -self.budget(contexts)[0]
 
     def describe(self, contexts: Sequence[int]) -> str:
         """One line of the memory's parts for a message."""
-        parts = (f"{self.memory_bytes / GIB:.4g} GiB of memory; dense weights {self.dense_bytes / GIB:.4g} GiB, reserve "
-                 f"{self.reserve_bytes / GIB:.4g} GiB")
+        parts = (f"{self.memory_bytes / GIB:.4g} GiB of memory; dense weights {self.dense_bytes / GIB:.4g} GiB, "
+                 f"reserve {self.reserve_bytes / GIB:.4g} GiB")
         if not len(contexts):
             return parts
         return (f"{parts}, KV cache {self.kv.bytes_of(contexts) / GIB:.4g} GiB for {len(contexts)} sequence(s) of "

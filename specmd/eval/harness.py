@@ -65,7 +65,8 @@ class EvalConfig:
         if self.max_gen_toks is not None and self.max_gen_toks < 1:
             raise ConfigError(f"eval.max_gen_toks={self.max_gen_toks} must be >= 1 or null")
         if self.speculative is not None and self.speculative not in SPECULATIVE:
-            raise ConfigError(f"eval.speculative={self.speculative!r}; valid choices: {', '.join(SPECULATIVE)}, or null")
+            raise ConfigError(f"eval.speculative={self.speculative!r}; valid choices: {', '.join(SPECULATIVE)}, "
+                              f"or null")
         if (self.speculative == "assistant") != (self.assistant is not None):
             raise ConfigError(f"eval.speculative={self.speculative} and eval.assistant={self.assistant}: a draft model "
                               f"is eval.speculative=assistant's, and it needs one (eval.assistant=<a model config, "

@@ -155,10 +155,9 @@ def open_trace(rc: ReplayConfig) -> Trace:
                           f"not say which eval.batch_size it was recorded at (an older specmd's, and its run's "
                           f"results.json is not beside it), so whether its passes are single requests cannot be "
                           f"told; record it again (it then says so in its meta.json)")
-    if recorded_batch is not None and recorded_batch > 1:
-        raise ConfigError(f"replay.batch={rc.batch}, replay.concurrency={rc.concurrency}: the trace {trace.path} was "
-                          f"recorded at eval.batch_size={recorded_batch}, so its passes are batches already, not "
-                          f"single requests; composition needs a trace recorded at eval.batch_size=1")
+    refuse_batched(trace, f"replay.batch={rc.batch}, replay.concurrency={rc.concurrency}",
+                   ", so its passes are batches already, not single requests; composition needs a trace recorded at "
+                   "eval.batch_size=1")
     return compose_trace(trace, rc.batch, rc.concurrency, rc.arrival_rate, rc.seed)
 
 
@@ -166,12 +165,19 @@ def _speculated(trace: Trace, rc: ReplayConfig) -> Trace:
     """``trace`` as speculative verify steps (:mod:`.speculative`): a batch-1 recording's, or an import's."""
     from .speculative import speculate
 
-    recorded_batch = _recorded_batch_size(trace)
-    if recorded_batch is not None and recorded_batch > 1:
-        raise ConfigError(f"replay.speculative_tokens={rc.speculative_tokens}: the trace {trace.path} was recorded at "
-                          f"eval.batch_size={recorded_batch}; verify steps are composed from one sequence's tokens "
-                          f"(record at eval.batch_size=1; replay.batch then batches the speculating sequences)")
+    refuse_batched(trace, f"replay.speculative_tokens={rc.speculative_tokens}",
+                   "; verify steps are composed from one sequence's tokens (record at eval.batch_size=1; replay.batch "
+                   "then batches the speculating sequences)")
     return speculate(trace, rc.speculative_tokens, rc.acceptance, rc.seed)
+
+
+def refuse_batched(trace: Trace, setting: str, why: str) -> None:
+    """``setting`` needs a trace of single sequences: one recorded at ``eval.batch_size > 1`` is refused naming it,
+    ``why`` (formatted with ``batch``) saying what such a trace lacks and how to record one."""
+    batch = _recorded_batch_size(trace)
+    if batch is not None and batch > 1:
+        raise ConfigError(f"{setting}: the trace {trace.path} was recorded at eval.batch_size={batch}"
+                          + why.format(batch=batch))
 
 
 def _recorded_batch_size(trace: Trace) -> Optional[int]:
@@ -504,11 +510,8 @@ def pass_contexts(trace: Trace) -> list:
         ptr, values = trace.contexts
         values = values.tolist()
         return [values[a:b] for a, b in zip(ptr[:-1].tolist(), ptr[1:].tolist())]
-    batch = None if trace.meta.imported else _recorded_batch_size(trace)
-    if batch is not None and batch > 1:
-        raise ConfigError(f"hardware.memory_gb: the trace {trace.path} was recorded at eval.batch_size={batch}, and "
-                          f"records each pass's mean context, not each sequence's KV cache; record it at "
-                          f"eval.batch_size=1 and replay it with replay.batch={batch} (exact per sequence)")
+    refuse_batched(trace, "hardware.memory_gb", ", and records each pass's mean context, not each sequence's KV "
+                   "cache; record it at eval.batch_size=1 and replay it with replay.batch={batch} (exact per sequence)")
     return [[c] for c in trace.passes[:, 2].tolist()]
 
 
