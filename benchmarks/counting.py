@@ -1,4 +1,4 @@
-"""What a MoE layer call would cost on a GPU, counted on this CPU (:mod:`specmd.gpu_cost`): per MoE layer call
+"""What a MoE layer call would cost on a GPU, counted on this CPU (:mod:`specmd.counting`): per MoE layer call
 (inside the MoE blocks: router, hook, experts, shared experts), device aten ops, kernels (device ops that
 are not views), host ops and device-to-host synchronisations, for the unhooked model, the hooked stack
 (``execution=simulated``) and the offloaded one (``execution.kernel=grouped``, what runs on CUDA; the last row
@@ -63,7 +63,7 @@ def prompts(batch: int) -> tuple:
 
 
 def measure(model, family: str, spec, batch: int = 1) -> tuple:
-    from specmd.hook.gpu_cost import count_generation
+    from specmd.hook.counting import count_generation
     from specmd.models.adapters import adapter_for
 
     ids, mask = prompts(batch)

@@ -17,7 +17,7 @@ Sections (each reports its own failure and the next one runs):
 4. **the link**: raw pinned host-to-device bandwidth (the PCIe bound's denominator);
 5. **syncs and launches**: torch.profiler over 8 decode tokens of deep_olmoe at 5% (offload, lru + topk):
    per MoE layer call, kernel launches, ``cudaStreamSynchronize``/``cudaEventSynchronize``/
-   ``cudaDeviceSynchronize`` and device-to-host copies (the CPU proxy, ``specmd.gpu_cost``, says 1 sync);
+   ``cudaDeviceSynchronize`` and device-to-host copies (the CPU proxy, ``specmd.counting``, says 1 sync);
 6. **decode at the link**: deep_olmoe and a Qwen1.5-MoE-A2.7B-shaped random bf16 model (28.6 GB, built in
    memory: ``--quick`` uses 2 layers) offloaded from pinned RAM, throttle off, prefetch topk, at 5% and 25%:
    TTFT, decode tok/s, bytes moved per token, and **% of the PCIe bound** for the bytes moved (link time of

@@ -4,7 +4,7 @@ import argparse
 import errno
 
 # OSErrors that say the user's path cannot be used (exit 2) and those that say the machine ran out (exit 1):
-# specmd.outcome's table, and what specmd.results.write_file keeps elsewhere
+# specmd.ending's table, and what specmd.results.write_file keeps elsewhere
 PATH_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, errno.ENOTDIR, errno.EISDIR,
                          errno.ENAMETOOLONG, errno.ENOENT, errno.ELOOP, errno.EINVAL})
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
@@ -50,7 +50,7 @@ def say(prog: str, message: str, label: str = "error") -> None:
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors (an unknown option, a missing or bad value, a ``type`` check) are a
     :class:`ConfigError` naming the argument, with the usage on the same line: every command and script prints
-    bad input as one line and exit 2 (:mod:`specmd.outcome`), argparse's own is two to five. ``--help`` is
+    bad input as one line and exit 2 (:mod:`specmd.ending`), argparse's own is two to five. ``--help`` is
     argparse's."""
 
     def error(self, message: str):

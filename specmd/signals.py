@@ -1,6 +1,6 @@
 """The signals that end a job or a command: :func:`signals_raise` turns each into :class:`Interrupted` in the
 main thread, so a job writes its ``failed.json`` and a command removes what it had half-written before the
-process exits (exit 128 + the *first* signal's number: :mod:`specmd.outcome`). Its own module, below
+process exits (exit 128 + the *first* signal's number: :mod:`specmd.ending`). Its own module, below
 everything that writes files (:mod:`specmd.results`, :mod:`specmd.jobs`, the evaluation's safe points),
 importing only the standard library.
 
@@ -113,7 +113,7 @@ def signals_raise(after=None):
     one until SIGKILL.) While ``failed.json`` is written (:func:`signals_held`) a signal is only recorded.
 
     ``after``: the handler the outermost block leaves on the signals it armed, instead of the ones it found --
-    :func:`specmd.outcome.guarded` passes ``SIG_IGN``, so from the instant the command ends until it has
+    :func:`specmd.ending.guarded` passes ``SIG_IGN``, so from the instant the command ends until it has
     reported how (and, in the CLI's process, until the process exits) a second signal changes nothing."""
     import threading
 

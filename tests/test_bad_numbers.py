@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from specmd.outcome import guarded
+from specmd.ending import guarded
 from hydra import compose, initialize_config_dir
 
 from specmd import CONF_DIR

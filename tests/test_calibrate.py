@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from specmd.outcome import guarded
+from specmd.ending import guarded
 import torch
 
 from conftest import ROOT

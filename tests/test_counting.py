@@ -1,4 +1,4 @@
-"""The GPU-cost proxy (specmd.gpu_cost) and what it pins: one device-to-host synchronisation per MoE layer call
+"""The GPU-cost proxy (specmd.counting) and what it pins: one device-to-host synchronisation per MoE layer call
 on the hooked and the offloaded paths, and the aten ops they add to the family's own MoE block."""
 
 import pytest
@@ -6,8 +6,8 @@ import torch
 
 from conftest import FAMILIES, at_equal_threads, sample_ids, tiny
 from specmd.executor.host import register_host
-from specmd.gpu_cost import Counting
-from specmd.hook.gpu_cost import count_generation
+from specmd.counting import Counting
+from specmd.hook.counting import count_generation
 from specmd.executor import EXECUTION
 from specmd.hardware import HardwareConfig
 from specmd.models.adapters import adapter_for

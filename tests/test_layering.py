@@ -100,12 +100,12 @@ def test_imports_are_resolved():  # the checks above see real edges (a broken re
 # The floors of the house, bottom first (docs/architecture.md "The map"). A module imports only from its own floor
 # or the floors below; a new module is placed on a floor here, or the test names it.
 FLOORS = (
-    ("foundation", ("specmd", "specmd.native", "specmd.errors", "specmd.signals", "specmd.outcome", "specmd.accel", "specmd.readers",
+    ("foundation", ("specmd", "specmd.native", "specmd.errors", "specmd.signals", "specmd.ending", "specmd.accel", "specmd.readers",
                     "specmd.results", "specmd.liveness", "specmd.registry", "specmd.shipped",
                     "specmd.machine")),
     ("engine", ("specmd.engine",)),
     ("domain", ("specmd.policies", "specmd.quant", "specmd.hardware", "specmd.models", "specmd.eval",
-                "specmd.loggers", "specmd.summary", "specmd.provenance", "specmd.executor", "specmd.gpu_cost")),
+                "specmd.loggers", "specmd.summary", "specmd.provenance", "specmd.executor", "specmd.counting")),
     ("drivers", ("specmd.hook", "specmd.replay")),
     ("runs", ("specmd.compose", "specmd.app", "specmd.recorder", "specmd.pool", "specmd.jobs")),
     ("commands", ("specmd.commands",)),
@@ -137,7 +137,7 @@ def test_no_import_points_upward():
     assert upward(GRAPH) == {}
     # the check itself: the arrows this restructuring removed
     assert upward({"specmd.jobs": {"specmd.commands.report.status"}, "specmd": {"specmd.jobs"},
-                   "specmd.executor.placement": {"specmd.gpu_cost"}, "specmd.commands.report.status": set()}) == \
+                   "specmd.executor.placement": {"specmd.counting"}, "specmd.commands.report.status": set()}) == \
         {"specmd": ["specmd.jobs"], "specmd.jobs": ["specmd.commands.report.status"]}
     assert upward({"specmd.commands.mrc": {"specmd.cli.outcome"}}) == {"specmd.commands.mrc": ["specmd.cli.outcome"]}
 
@@ -209,7 +209,7 @@ def test_one_home_for_recording_replaying_and_belady():
     # the live driver is the only code that hooks a model's modules to drive the engine (the GPU-cost proxy
     # hooks the MoE blocks only to know where a layer call starts and ends, the family probe a layer's expert sets
     # only to know which one a text pass calls: they observe)
-    assert where(r"register_forward(_pre)?_hook\(") == ["specmd/gpu_cost.py", "specmd/hook/stack.py",
+    assert where(r"register_forward(_pre)?_hook\(") == ["specmd/counting.py", "specmd/hook/stack.py",
                                                         "specmd/models/derive.py"]
     # engines and cache managers are built by the drivers only (no private replay loop)
     assert where(r"(?<!class )\b(Engine|CacheManager)\(") == ["specmd/engine/engine.py", "specmd/hook/stack.py",
@@ -291,6 +291,33 @@ def test_the_map_names_every_module():
     where = doc.split("## Where things are", 1)[1].split("\n## ", 1)[0]
     assert unmapped(where) == []
     assert "hardware.py" in unmapped(where.replace("hardware.py", "hw.py"))  # the check itself
+
+
+WORDS = {"DeepSeek", "MoE"}  # CamelCase words of the map's prose that name no code
+
+
+def misnamed(text: str) -> list:
+    """What docs/architecture.md's "Where things are" names that does not exist: a CamelCase name no module of
+    specmd/ defines (a class, a function, a module-level name), a ``.py`` path no file of the repository has."""
+    defined = set()
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Assign):
+                defined.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    files = [p.relative_to(ROOT.parent).as_posix() for d in ("specmd", "tests", "benchmarks", "scripts")
+             for p in (ROOT.parent / d).rglob("*.py")]
+    out = sorted(set(re.findall(r"\b_?[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+\b", text)) - defined - WORDS)
+    return out + sorted(x for x in set(re.findall(r"[\w/]*\w+\.py\b", text))
+                        if not any(f == x or f.endswith("/" + x) for f in files))
+
+
+def test_the_map_names_only_what_exists():
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text()
+    where = doc.split("## Where things are", 1)[1].split("\n## ", 1)[0]
+    assert misnamed(where) == []
+    assert misnamed("LiveRecord in hook/live.py; engine/batchs.py; LiveRecrd") == ["LiveRecrd", "engine/batchs.py"]
 
 
 FUNCTION_MAX, CLASS_MAX = 60, 300  # lines, docstrings, comments and decorators included

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from specmd.errors import ConfigError, DamagedFile
-from specmd.outcome import classify, kept_note
+from specmd.ending import classify, kept_note
 from specmd.readers import FAILED, RESULTS, Opt, check, read_failed, read_json, read_results
 
 WRONG = {dict: [1, 2], str: 3, float: "x", int: 2.5, bool: "yes"}

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specmd.outcome import guarded
+from specmd.ending import guarded
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hs

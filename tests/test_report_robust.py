@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from specmd.outcome import guarded
+from specmd.ending import guarded
 import yaml
 
 from specmd.errors import ConfigError

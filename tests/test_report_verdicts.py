@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from specmd.outcome import guarded
+from specmd.ending import guarded
 import yaml
 from test_report_adhoc import make_adhoc
 

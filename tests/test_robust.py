@@ -1,4 +1,4 @@
-"""Every command as hard to break as the main run (issue 38): one error path (specmd/outcome.py), signals
+"""Every command as hard to break as the main run (issue 38): one error path (specmd/ending.py), signals
 that are never lost (specmd/jobs.py), one run per run directory, checks at config time for what W&B, submitit
 and SLURM would reject, tune's quality measure, outputs that are whole or absent, and what a full disk would
 lose kept elsewhere. Each case here is a user's input or an accident, with the one outcome a correct program
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from specmd.outcome import classify, guarded, one_line
+from specmd.ending import classify, guarded, one_line
 from specmd.errors import ConfigError, DataError
 from specmd.jobs import claim_run_dir
 from specmd.signals import ENDING, SIGNALS, Interrupted, check_interrupt, signals_held, signals_raise
@@ -137,15 +137,15 @@ def test_a_signal_while_the_process_exits_keeps_the_first_signals_exit_code():
 
 
 def test_a_signal_while_an_error_is_reported_is_held(monkeypatch, capsys):
-    import specmd.outcome as outcome
+    import specmd.ending as ending
 
-    classify = outcome.classify
+    classify = ending.classify
 
     def slow_classify(exc):
         os.kill(os.getpid(), signal.SIGHUP)  # a dropped ssh session as the error line is being written
         return classify(exc)
 
-    monkeypatch.setattr(outcome, "classify", slow_classify)
+    monkeypatch.setattr(ending, "classify", slow_classify)
 
     def fn(argv):
         raise ConfigError("x=1 is bad; valid: 2")
@@ -691,7 +691,7 @@ def test_results_the_run_directory_cannot_take_are_kept_and_named(tmp_path):
         app._finish({"cache": {"hits": 3}}, None, "abc", run_dir, logger, Progress())
     kept = json.loads(Path(str(e.value).split("kept in ")[1].split(":")[0]).read_text())
     assert kept["cache"] == {"hits": 3} and kept["config_hash"] == "abc" and kept["run_dir"] == str(run_dir)
-    assert e.value.errno == errno.ENOTDIR  # one line naming the path, exit 2 (specmd.outcome)
+    assert e.value.errno == errno.ENOTDIR  # one line naming the path, exit 2 (specmd.ending)
 
 
 @pytest.fixture

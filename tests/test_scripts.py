@@ -7,7 +7,7 @@ import re
 import pytest
 
 from conftest import ROOT
-from specmd.outcome import guarded
+from specmd.ending import guarded
 
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
 

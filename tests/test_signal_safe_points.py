@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from specmd.outcome import guarded
+from specmd.ending import guarded
 from specmd.signals import Interrupted, _GC, check_interrupt, signals_raise
 
 

@@ -24,7 +24,7 @@ The command line, first word first:
 * any other bare word (no ``=``, no leading ``+ ~ -``) is no override Hydra would accept: an unknown
   command, named with the known ones (exit 2).
 
-Every command ends the same way (:mod:`specmd.outcome`): bad input is one line and exit 2, a signal
+Every command ends the same way (:mod:`specmd.ending`): bad input is one line and exit 2, a signal
 exit 130/143 after the command cleaned up, a bug one line and exit 1 with the traceback in a file. A
 command raises :class:`~specmd.errors.ConfigError` / ``DataError`` for bad input and cleans up what it
 writes in ``finally``; it prints no error itself.
@@ -115,7 +115,7 @@ def main(argv: Optional[list] = None) -> None:
               + f"; commands: {', '.join(BY_NAME)}. A run's overrides look like key=value (specmd run --help); "
               "specmd --help lists what each command does", file=sys.stderr)
         sys.exit(2)
-    from ..outcome import guarded
+    from ..ending import guarded
 
     prog = "specmd" if command.module == "specmd.app" else f"specmd {command.name}"  # the run's own voice
     # the console script and python -m specmd end with the command (a test calling main(argv) keeps its handlers)

@@ -19,7 +19,7 @@ from .. import CONF_DIR
 from ..errors import FULL_ERRNOS, PATH_ERRNOS
 from ..jobs import OPENED, record_unrecorded
 from ..liveness import release_sweep
-from ..outcome import kept_note
+from ..ending import kept_note
 from .launch import SWEEP_EXIT, torch_threads
 
 RUN = """usage: specmd run [key=value ...] [+key=value] [~key] [--cfg job|hydra|all] [--info]
@@ -93,7 +93,7 @@ def _job(cfg: DictConfig):
     except Exception as exc:  # model load, quantization, evaluation: failed.json names the stage, keeps the traceback
         if os.environ.get("HYDRA_FULL_ERROR") == "1":  # Hydra's own switch for the full trace
             raise
-        from ..outcome import classify
+        from ..ending import classify
 
         stage = getattr(exc, "specmd_stage", "?")  # execute() knows it even when failed.json cannot be written
         where = getattr(exc, "specmd_failed", None) or f"{run_dir}/failed.json"
@@ -133,7 +133,7 @@ def _as_hydra(app, argv: list) -> None:
     sys.argv[1:] = argv
     try:
         # a composition error (an unknown config group option, key or override syntax) reaches the dispatcher,
-        # which prints it as one line with exit 2 (specmd.outcome), not as Hydra's multi-line report, exit 1
+        # which prints it as one line with exit 2 (specmd.ending), not as Hydra's multi-line report, exit 1
         with mock.patch.object(hydra_utils, "run_and_report", _composition_errors_raise(hydra_utils.run_and_report)):
             app()
     finally:
@@ -191,7 +191,7 @@ def run(argv: list) -> int:
     SWEEP_EXIT["code"] = 0  # (an earlier sweep in this process, as in the tests, does not set this one's)
     OPENED.clear()
     try:
-        _as_hydra(_hydra_main, argv)  # a signal: Interrupted, reported by specmd.outcome (failed.json names it)
+        _as_hydra(_hydra_main, argv)  # a signal: Interrupted, reported by specmd.ending (failed.json names it)
     except BaseException as exc:
         record_unrecorded(exc)  # ended after its directory existed, before the job could say how
         raise

@@ -44,7 +44,7 @@ SWEEP_EXIT = {"code": 0}  # set by SweepEnd in the process that launched the swe
 @contextlib.contextmanager
 def _refusing():
     """A check in a Hydra callback: its :class:`~specmd.errors.ConfigError` is one line and exit 2, a file it
-    cannot write (a full disk) one line naming it and the exit code of specmd.outcome's table (Hydra turns an
+    cannot write (a full disk) one line naming it and the exit code of specmd.ending's table (Hydra turns an
     exception raised in a callback into a warning and goes on, so the check exits itself)."""
     from ..errors import ConfigError, file_error, say
 

@@ -1,5 +1,5 @@
 """The scripts a user runs beside the commands (``benchmarks/*.py``: the GPU check we ask users to run, the
-counting proxy, the speed benchmarks) end the way a command does (:mod:`specmd.outcome`): bad arguments
+counting proxy, the speed benchmarks) end the way a command does (:mod:`specmd.ending`): bad arguments
 are one line and exit 2 *before any work*, a bug one line with the traceback in a file, a signal 128 + its
 number, and a section that failed makes the exit code 1.
 
@@ -113,7 +113,7 @@ class Sections:
 
 
 def run(prog: str, main) -> None:
-    """``main(argv) -> int`` as a command runs (:func:`specmd.outcome.guarded`), then exit with its code."""
-    from ..outcome import guarded
+    """``main(argv) -> int`` as a command runs (:func:`specmd.ending.guarded`), then exit with its code."""
+    from ..ending import guarded
 
     sys.exit(guarded(prog, main, sys.argv[1:], final=True))

@@ -358,6 +358,6 @@ def main(argv=None):
 if __name__ == "__main__":  # python -m specmd.commands.card: specmd card, with its one error path
     import sys
 
-    from ..outcome import guarded
+    from ..ending import guarded
 
     sys.exit(guarded("specmd card", main, sys.argv[1:]))

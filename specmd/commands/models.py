@@ -137,6 +137,6 @@ def main(argv: Optional[list] = None) -> int:
 
 
 if __name__ == "__main__":  # python -m specmd.commands.models: specmd models, with its one error path
-    from ..outcome import guarded
+    from ..ending import guarded
 
     sys.exit(guarded("specmd models", main, sys.argv[1:]))

@@ -197,6 +197,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":  # python -m specmd.commands.mrc: specmd mrc, with its one error path
-    from ..outcome import guarded
+    from ..ending import guarded
 
     sys.exit(guarded("specmd mrc", main, sys.argv[1:]))

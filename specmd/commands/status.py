@@ -81,7 +81,7 @@ def _sweep_dirs(path: Path) -> tuple[list, bool]:
 
 def main(argv: Optional[list] = None) -> int:
     """Prints each sweep's counts and its unfinished jobs; exit 0 when every job is done, 1 otherwise (bad input:
-    a ConfigError, one line and exit 2 from specmd.outcome)."""
+    a ConfigError, one line and exit 2 from specmd.ending)."""
     from ..errors import ArgumentParser
 
     ap = ArgumentParser(prog="specmd status", description=__doc__)

@@ -263,6 +263,6 @@ def train(args, traces: list) -> dict:
 
 
 if __name__ == "__main__":  # python -m specmd.commands.train_eviction: specmd train-eviction, with its one error path
-    from ..outcome import guarded
+    from ..ending import guarded
 
     sys.exit(guarded("specmd train-eviction", main, sys.argv[1:]))

@@ -2,7 +2,7 @@
 buffers (:mod:`specmd.hook.readback`) and the expert map's pinned ring (:mod:`specmd.executor.placement`).
 
 :func:`register_host` declares such a buffer. Nothing in a run reads the declaration: it is for the GPU-cost
-proxy (:mod:`specmd.gpu_cost`), which counts a read of device memory on the host as a synchronisation and must
+proxy (:mod:`specmd.counting`), which counts a read of device memory on the host as a synchronisation and must
 tell these buffers, host memory on a GPU machine too, from the device tensors around them. It lives here, not in
 the proxy, so that production code does not import a measuring tool to allocate its buffers.
 """

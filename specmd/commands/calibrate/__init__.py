@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pin", action="store_true", help="pin compute and copy threads to their own cores, as "
                                                        "execution.pin=true")
     a = ap.parse_args(argv)
-    # before any measurement; bad input (ConfigError, DataError) is one line and exit 2: specmd.outcome
+    # before any measurement; bad input (ConfigError, DataError) is one line and exit 2: specmd.ending
     name, hw_dir = prepare(a.out, a.name, a.model, a.device, a.threads, a.pin)
     run_stages(hw_dir, name, a.out is not None, a.model, a.device, a.quick, print, a.remeasure, a.threads, a.pin)
     return 0

@@ -1,8 +1,8 @@
-"""``python -m specmd.commands.report`` (same as ``specmd report``, with its one error path: specmd.outcome)."""
+"""``python -m specmd.commands.report`` (same as ``specmd report``, with its one error path: specmd.ending)."""
 
 import sys
 
-from ...outcome import guarded
+from ...ending import guarded
 from . import main
 
 sys.exit(guarded("specmd report", main, sys.argv[1:]))

@@ -1,11 +1,11 @@
-"""The GPU-cost proxy (:mod:`specmd.gpu_cost`) on a generation through the live driver: what the tests pin and
+"""The GPU-cost proxy (:mod:`specmd.counting`) on a generation through the live driver: what the tests pin and
 ``benchmarks/counting.py`` prints."""
 
 from __future__ import annotations
 
 import torch
 
-from ..gpu_cost import Counting, count_layer_calls
+from ..counting import Counting, count_layer_calls
 from .stack import install
 
 
