@@ -52,9 +52,10 @@ ENV = "SPECMD_PURE_PYTHON"
 
 # Compiled modules, by the package-relative path of their source. Built-in policies: every module of a
 # policy family's package (a new built-in policy file is compiled without being listed here).
-ENGINE = ("engine/cache.py", "engine/clock.py", "engine/engine.py", "engine/geometry.py", "engine/hooks.py",
-          "engine/outcomes.py", "engine/record.py", "engine/stats.py", "engine/store.py", "engine/view.py",
-          "replay/driver.py", "replay/future.py", "hook/stack.py", "policies/base.py")
+ENGINE = ("engine/cache.py", "engine/call.py", "engine/clock.py", "engine/engine.py", "engine/geometry.py",
+          "engine/hooks.py", "engine/link.py", "engine/outcomes.py", "engine/record.py", "engine/residency.py",
+          "engine/simclock.py", "engine/stats.py", "engine/store.py", "engine/view.py", "replay/driver.py",
+          "replay/future.py", "hook/stack.py", "policies/base.py")
 POLICY_DIRS = ("policies/eviction", "policies/miss", "policies/prefetch", "policies/routing")
 
 

@@ -35,7 +35,7 @@ def test_two_layer_prefetch_overlaps_compute_and_late_prefetch_stalls():
 
 
 def test_demand_is_served_before_queued_prefetch():
-    from specmd.engine.clock import Transfer, TransferChannel
+    from specmd.engine.link import Transfer, TransferChannel
 
     ch = TransferChannel(1000.0, 0.0)  # 100 B = 0.1 s
     a, b = Transfer(100, 0.0), Transfer(100, 0.0)

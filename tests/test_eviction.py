@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 from specmd.engine.cache import CacheManager
-from specmd.engine.clock import Roofline, SimClock, TransferChannel
+from specmd.engine.link import TransferChannel
+from specmd.engine.simclock import Roofline, SimClock
 from specmd.engine.geometry import Geometry
 from specmd.policies.eviction import EVICTION
 from specmd.policies.miss import MISS

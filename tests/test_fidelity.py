@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from specmd.engine.clock import Roofline, SimClock, TransferChannel
+from specmd.engine.link import TransferChannel
+from specmd.engine.simclock import Roofline, SimClock
 from specmd.errors import ConfigError
 from specmd.hardware import HardwareConfig, profile_mismatch
 
@@ -56,7 +57,7 @@ def test_a_one_row_product_reads_its_weights_at_the_gemv_rate():
     (0, 0, 0),
 ])
 def test_one_row_experts_are_the_fewest_the_counts_allow(slots, experts, one):
-    from specmd.engine.clock import one_row
+    from specmd.engine.simclock import one_row
 
     assert one_row(slots, experts) == one
 
@@ -85,7 +86,7 @@ def test_the_link_runs_at_the_rate_of_the_models_expert_size(geom_small):
     """A copy's first small_copy_mb at small_copy_gbps, the rest at bandwidth_gbps: the small geometry's
     400-byte expert under a 1,000-byte knee copies at the small rate; over a 100-byte knee, 100 bytes at 4
     B/s and 300 at 1 (325 s: 400 / 325 B/s); without a knee at 1 B/s."""
-    from specmd.engine.clock import copy_rate
+    from specmd.engine.link import copy_rate
 
     assert copy_rate(1.0, 4.0, 1000.0, 400.0) == 4.0
     assert copy_rate(1.0, 4.0, 100.0, 400.0) == 400.0 / 325.0

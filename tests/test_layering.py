@@ -237,7 +237,7 @@ def private_engine_reads(source: str) -> list:
 
 def test_executors_plug_into_the_declared_seam_only():
     """An executor reads no private attribute of the engine (it has the pool layout and the residency events of
-    specmd.engine.residency), and the composition root names no executor: each owns its config checks."""
+    specmd.engine.events), and the composition root names no executor: each owns its config checks."""
     for name, path in MODULES.items():
         if name.startswith("specmd.executor"):
             assert private_engine_reads(path.read_text()) == [], name

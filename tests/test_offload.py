@@ -999,7 +999,7 @@ def test_a_slow_link_never_holds_a_stopping_run():
 # ---------------------------------------------------------------------------------------------------------
 
 def test_the_engine_declares_the_pools_and_one_residency_subscriber():
-    from specmd.engine.residency import PoolLayout, ResidencyEvents
+    from specmd.engine.events import PoolLayout, ResidencyEvents
     from specmd.hook import install
 
     model = tiny("olmoe")

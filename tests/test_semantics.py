@@ -10,7 +10,8 @@ import torch
 from specmd.engine import Engine, LiveRecord, Geometry, Scoring
 from specmd.compose import spec_of
 from specmd.engine.cache import CacheManager
-from specmd.engine.clock import Roofline, SimClock, TransferChannel
+from specmd.engine.link import TransferChannel
+from specmd.engine.simclock import Roofline, SimClock
 from specmd.hardware import HardwareConfig
 from specmd.policies.eviction import EVICTION
 from specmd.policies.miss import MISS

@@ -3,4 +3,4 @@
 from .engine import GROUPS, Engine, ModelView, StackSpec  # noqa: F401
 from .geometry import Geometry, pool_capacities  # noqa: F401
 from .record import GateRecord, LiveRecord, Scoring  # noqa: F401
-from .residency import PoolLayout, ResidencyEvents  # noqa: F401
+from .events import PoolLayout, ResidencyEvents  # noqa: F401

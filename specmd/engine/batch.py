@@ -16,7 +16,7 @@ def batched_context(tokens, contexts) -> int:
     sequence ``i`` in the pass and ``c_i`` its context (its own tokens before this pass plus the pass's).
 
     Why the weighted mean: the clock's attention term is ``4 * tokens * context * hidden`` FLOPs per layer
-    (:class:`~specmd.engine.clock.SimClock`), which over a batch must be the sum of each sequence's own
+    (:class:`~specmd.engine.simclock.SimClock`), which over a batch must be the sum of each sequence's own
     ``4 * t_i * c_i * hidden`` -- a serving engine that does not pad attends each sequence over its own
     context, not over the longest one. With ``tokens = sum_i t_i`` that is exactly this mean (up to the
     rounding to a whole token, which a trace's integer pass record needs). One sequence: its own context,

@@ -23,7 +23,8 @@ import torch
 
 from ..errors import ConfigError
 from .cache import CacheManager
-from .clock import Clock, SimClock
+from .clock import Clock
+from .simclock import SimClock
 from .geometry import Geometry, pool_capacities, timed_as
 from .budget import WARMUP, LayerBudget
 from .memory import GIB, DeviceMemory, KvLayout

@@ -3,7 +3,7 @@
 a CPU device: ``execution.host_compute``).
 
 The engine sends some misses to the host (:class:`~specmd.engine.outcomes.HostComputed`); its clock runs that
-work on a resource of its own, beside the link and the device's compute (:class:`~specmd.engine.clock.SimClock`).
+work on a resource of its own, beside the link and the device's compute (:class:`~specmd.engine.simclock.SimClock`).
 The worker makes the measured run do the same: the layer call's host bank (the host tier's ``[E, ...]``
 tensors, :meth:`~.tiers.RamTier.host_bank`) is handed to this thread as soon as the call's rows are known,
 and the kernel computes the device's banks meanwhile (and the mover's copies keep landing); the call joins

@@ -8,7 +8,7 @@ The executor is composed of named parts, each in its own module, and adds only t
 * the **host tier** (:mod:`.tiers`): ``ram`` (pinned on CUDA) or ``disk`` (the checkpoint, read per expert);
 * the **mover** (:mod:`.transfer`): one channel of copy jobs, demand before prefetch, paced to the profile's
   link (a transfer thread on the CPU; a side stream and events on CUDA);
-* the **residency** (:mod:`.residency`): the engine's residency events carried out in the arena (slots,
+* the **occupancy** (:mod:`.occupancy`): the engine's residency events carried out in the arena (slots,
   tickets, compaction, stream staging rows, copy jobs), and the **placement** (:mod:`.placement`), which
   extends it with each layer call's layout: the *prepare* (:meth:`~.placement.Placement.plan_call`) and
   *finalize* around the experts;
@@ -42,7 +42,7 @@ from typing import Union
 
 import torch
 
-from ..engine.clock import link_rate
+from ..engine.link import link_rate
 from ..errors import ConfigError
 from ..accel import accel_for
 from ..machine import CorePlan
@@ -257,8 +257,8 @@ class Offload(Executor):
 
     # ---- checks and results -------------------------------------------------------------------------------
     def check_residency(self, contents: bool = True) -> None:
-        """The arena holds exactly the engine's resident set, byte for byte (:meth:`~.residency.ArenaResidency.
-        check`): the cache manager read as the seam's :class:`~specmd.engine.residency.ResidentSet`, its only
+        """The arena holds exactly the engine's resident set, byte for byte (:meth:`~.occupancy.ArenaOccupancy.
+        check`): the cache manager read as the seam's :class:`~specmd.engine.events.ResidentSet`, its only
         read of the manager beside the pool layout and the events."""
         self.placement.check(self.stack.cache, contents)
 

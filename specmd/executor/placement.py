@@ -1,8 +1,8 @@
 """Each layer call's layout around its experts: the "prepare / finalize" half of ``execution=offload`` (vLLM's
 split of a fused-MoE call into prepare, experts, finalize; the experts half is :mod:`.kernel`).
 
-:class:`Placement` extends the engine's residency carried out in the arena (:class:`~.residency.
-ArenaResidency`: slots, tickets, compaction, stream staging rows, copy jobs) with the layer call. Per call,
+:class:`Placement` extends the arena's occupancy (:class:`~.occupancy.ArenaOccupancy`, the engine's residency
+carried out in the arena: slots, tickets, compaction, stream staging rows, copy jobs) with the layer call. Per call,
 :meth:`~Placement.plan_call` puts what does not run from a slot into place (stored low-precision copies
 unpacked, a mixed arena's native copies, host-computed experts off a CPU) in the *work* staging bank, and
 returns the call's :class:`CallPlan`: the expert map (expert id -> global slot id, uploaded once) and the
@@ -22,7 +22,7 @@ from ..accel import accel_for, host_buffer
 from .arena import Staging
 from .host import register_host
 from .kernel import Bank
-from .residency import ArenaResidency, StagedCopy
+from .occupancy import ArenaOccupancy, StagedCopy
 
 
 SPAN_MIN_SKIP = 64  # empty groups a bank's grouped GEMM must leave out before it spans only the slots read
@@ -43,14 +43,14 @@ class CallPlan:
         self.groups: Optional[list] = None
 
 
-class Placement(ArenaResidency):
-    """The device side of the engine's residency (:class:`~.residency.ArenaResidency`) and each layer call's
+class Placement(ArenaOccupancy):
+    """The arena's occupancy (:class:`~.occupancy.ArenaOccupancy`) and each layer call's
     layout around its experts (module docstring)."""
 
     def __init__(self, layout, shapes: dict, dtype: torch.dtype, device: torch.device, tiers: dict, mover,
                  bytes_of: dict, store, name, mixed: bool = False, raw_layout: Optional[dict] = None, align: int = 1,
                  looped: bool = False, host_worker=None, identity: int = 0):
-        """The residency's arguments (:class:`~.residency.ArenaResidency`), and: ``looped``: the kernel runs
+        """The occupancy's arguments (:class:`~.occupancy.ArenaOccupancy`), and: ``looped``: the kernel runs
         one GEMM per group (:func:`~.kernel.grouped_experts`'s ``groups``, made here from the host's routing);
         ``host_worker``: computes the host tier's bank (:mod:`.hostwork`: a worker thread beside the device, or
         inline first in the call)."""

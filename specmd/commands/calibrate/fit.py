@@ -336,7 +336,7 @@ def _fit_report(keys: list, err: np.ndarray, m: np.ndarray, native: np.ndarray, 
 
 def host_roofline(hw: dict):
     """The host's roofline of a profile (``host_tflops``, ``host_mem_bandwidth_gbps``): the clock's own."""
-    from ...engine.clock import Roofline
+    from ...engine.simclock import Roofline
 
     return Roofline(hw["host_tflops"] * 1e12, hw["host_mem_bandwidth_gbps"] * 1e9, hw.get("host_roofline_serial", 0.0),
                     (hw.get("host_gemv_bandwidth_gbps") or 0.0) * 1e9)
@@ -351,7 +351,7 @@ def fit_host(calls: list, geom, hw: dict) -> dict:
     n = np.array([c[0] for c in calls], dtype=float)
     rows = np.array([c[1] for c in calls], dtype=float)
     t = np.array([c[2] for c in calls])
-    from ...engine.clock import one_row
+    from ...engine.simclock import one_row
 
     host = host_roofline(hw)
     roof = np.array([host.time(2.0 * r * geom.expert_params, k * geom.expert_bytes, one_row(r, k) * geom.expert_bytes)

@@ -120,7 +120,7 @@ def measure_compute(device: torch.device, reps: int = 5, rounds: int = 3, pool_b
     microseconds, the fit's median and worst relative error.
 
     A one-row product reads its weight at its own rate (``report["gemv_bw"]``, ``hardware.gemv_bandwidth_gbps``:
-    :class:`~specmd.engine.clock.Roofline`): a BLAS library runs one row as a GEMV, two as a GEMM.
+    :class:`~specmd.engine.simclock.Roofline`): a BLAS library runs one row as a GEMV, two as a GEMM.
 
     On this 2-core VM the ideal roofline (serial 0) fitted with a 27% median error; the sum (serial ~1) with
     14%: a CPU's skinny GEMMs neither stream the weights at a copy's bandwidth while they multiply nor reach

@@ -1,17 +1,17 @@
-"""The device side of the engine's residency in ``execution=offload``: the subscriber that follows the cache
-manager's :class:`~specmd.engine.residency.ResidencyEvents` one for one, and decides nothing:
+"""The arena's occupancy: the device side of the engine's residency in ``execution=offload``, the subscriber that follows the cache
+manager's :class:`~specmd.engine.events.ResidencyEvents` one for one, and decides nothing:
 
 1. **inserted** (a demand fetch or an admitted prefetch): a free slot of the layer's pool
    (:class:`~.arena.SlotArena`, or a byte range of a mixed :class:`~.arena.ByteArena`) is taken and the
    copy from the host tier is handed to the mover (:mod:`.transfer`). A layer call's demand copies go as
    **one job** for the arena and one per stream bank, submitted when the call's decisions are made (before
-   its first prefetch, or when it runs: :meth:`~ArenaResidency.flush`); a prefetch is its own job, queued
+   its first prefetch, or when it runs: :meth:`~ArenaOccupancy.flush`); a prefetch is its own job, queued
    behind demand jobs;
 2. **evicted**: the slot is freed (a copy still queued into it is cancelled; one under way lands first);
 3. **streamed** (a demand miss no pool could hold): the bytes go to a row of a *stream* staging bank, for
    this call only (two banks: a double buffer), a :class:`StagedCopy`.
 
-Each copy's ticket (the mover's) is kept until the copy is acquired; :meth:`~ArenaResidency.check` asserts
+Each copy's ticket (the mover's) is kept until the copy is acquired; :meth:`~ArenaOccupancy.check` asserts
 the arena holds exactly the engine's resident set. The layer call's layout around the experts (banks,
 expert map, rows) is :class:`~.placement.Placement`'s, which extends this class.
 """
@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..engine.residency import PoolLayout, ResidencyEvents, ResidentSet
+from ..engine.events import PoolLayout, ResidencyEvents, ResidentSet
 from .arena import ByteArena, RawViews, SlotArena, Staging
 
 
@@ -34,9 +34,9 @@ RAW = "__raw__"  # a mixed stream bank's one tensor: [rows, slot bytes] uint8
 
 @dataclass(slots=True, eq=False)
 class StagedCopy:
-    """One streamed expert of this layer call (:meth:`ArenaResidency.streamed`): ``expert`` of ``layer`` at
+    """One streamed expert of this layer call (:meth:`ArenaOccupancy.streamed`): ``expert`` of ``layer`` at
     ``precision``, in row ``row`` of stream bank ``bank``; ``ticket``: its bank's copy job, None until the
-    call's demand copies are submitted (:meth:`ArenaResidency.flush`)."""
+    call's demand copies are submitted (:meth:`ArenaOccupancy.flush`)."""
 
     layer: int
     expert: int
@@ -46,7 +46,7 @@ class StagedCopy:
     ticket: Any = None
 
 
-class ArenaResidency(ResidencyEvents):
+class ArenaOccupancy(ResidencyEvents):
     """The engine's residency carried out in the device arena (module docstring)."""
 
     def __init__(self, layout: PoolLayout, shapes: dict, dtype: torch.dtype, device: torch.device, tiers: dict,
@@ -250,7 +250,7 @@ class ArenaResidency(ResidencyEvents):
     # ---- checks and results -------------------------------------------------------------------------------
     def check(self, resident: ResidentSet, contents: bool = True) -> None:
         """The arena holds exactly the engine's resident set (``resident``: the cache manager, read through
-        the seam's :class:`~specmd.engine.residency.ResidentSet`): every entry has its bytes at its precision,
+        the seam's :class:`~specmd.engine.events.ResidentSet`): every entry has its bytes at its precision,
         no range is held for an expert the engine does not have, used bytes equal each pool's; with
         ``contents``, each arrived copy's bytes are its expert's (compared with the host tier)."""
         entries = resident.entries

@@ -1,0 +1,113 @@
+# cython: wraparound=False
+# (every index in this module is non-negative: a key, a layer, an expert, each checked where it enters)
+"""The MoE layer call being served (:class:`LayerCall`): the one object a miss outcome touches
+(:mod:`specmd.engine.outcomes`). It holds the call's layer, pool and record, the clock's handles the
+device's experts wait for, the host's work, and the call's execution plan (:class:`~specmd.engine.outcomes.
+Execution`, made on first use: the lossless path never needs one). Its verbs do both halves of an outcome's
+job at once -- the accounting (counters, transfers, host time) and the plan -- so an outcome cannot do one
+and forget the other. The cache manager (:mod:`specmd.engine.cache`) opens one per call and reuses it.
+"""
+
+from __future__ import annotations
+
+from .outcomes import Execution
+from .residency import Pool
+
+
+class LayerCall:
+    """The state of the layer call being served: what an outcome may touch (one object, reused).
+    (Fields: ``call.pxd``.)"""
+
+    def __init__(self, manager):
+        self._m = manager
+        self.fetch_precision = manager.fetch_precision
+        self.waits: list = []  # the clock's handles the device's experts wait for (demand fetches, late prefetches;
+        # host work where the host shares the device's cores: CacheManager._stall)
+        self.host_handle = None  # the host's work this call (the layer's output waits for it: finish_layer)
+        self.demanded = 0  # demand fetches issued (the clock may return no handle for them)
+
+    def reset(self, layer: int, base: int, pool: Pool, record, index, weights, n: int):
+        """A new layer call; ``base``: its layer's first key (``layer * num_experts``, computed by the caller)."""
+        self.layer = layer
+        self.base = base
+        self.pool = pool
+        self.record = record
+        if self.waits:  # (list.clear is a method call from C: skipped when there is nothing to clear)
+            self.waits.clear()
+        self.execution = None
+        self.host_slots = 0
+        self.host_experts = 0
+        self.host_handle = None
+        self.demanded = 0
+        self.index = index
+        self.weights = weights
+        self.n = n
+
+    # -- what outcomes use ------------------------------------------------------------------------
+    def plan(self) -> Execution:
+        """The layer's execution plan, created on first use (the lossless path never needs one)."""
+        ex = self.execution
+        if ex is None:
+            import torch
+
+            index, weights = self.index, self.weights
+            if index is None:  # the record's own selection
+                index, weights = self.record.index, self.record.weights
+            # slots a routing policy declared empty (prune: Routed.void)
+            void = self.record.void if self.record is not None and self.record.rerouted else None
+            slots = index.numel() - (0 if void is None else int(void.sum()))
+            ex = self.execution = Execution(index, weights, torch.ones_like(index, dtype=torch.bool), slots, self.n,
+                                            void, self._m.geom.num_experts)
+        return ex
+
+    def pin(self, expert: int) -> None:
+        self._m.pin(self.base + expert)
+
+    def count(self, stat: str) -> None:
+        self._m.stats.add(stat, self.layer)
+
+    def fetch(self, expert: int, precision: str) -> None:
+        """A blocking transfer of ``expert`` at ``precision``: inserted if room can be made, else streamed."""
+        self.fetch_many((expert,), precision)
+
+    def fetch_many(self, experts, precision):
+        """:meth:`fetch` for each of ``experts`` in order (one home for the demand-fetch accounting)."""
+        m = self._m
+        nbytes = m._bytes_of[precision]
+        prec = m._prec_id[precision]
+        pool = self.pool
+        base = self.base
+        layer = self.layer
+        streamed = 0
+        clock = m.clock
+        admit = pool.on_admit
+        waits = self.waits
+        events = m.events
+        E = m._E
+        for x in experts:
+            e = x if type(x) is int else m._expert(x, layer)
+            if e < 0 or e >= E:
+                m._expert(e, layer)  # (raises the IndexError)
+            key = base + e
+            if admit is not None:
+                admit(key)
+            if pool.capacity - pool.used >= nbytes or m.make_room(pool, nbytes):
+                m._insert(key, layer, nbytes, pool, None, False, prec, True)
+            else:
+                streamed += 1
+                if events is not None:  # the executor stages its bytes for this call only
+                    events.streamed(layer, e, precision)
+            handle = clock.demand(nbytes)
+            if handle is not None:
+                waits.append(handle)
+        n = len(experts)
+        self.demanded += n
+        st = m.stats
+        st.streamed[layer] += streamed
+        st.bytes_demand[layer] += n * nbytes
+        st.count(prec, n * nbytes, n)
+
+    def host(self, slots: int) -> None:
+        """Host compute of one expert's ``slots`` token-expert pairs (timed once per call, in ``finish``)."""
+        self.host_slots += slots
+        self.host_experts += 1
