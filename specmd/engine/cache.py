@@ -209,7 +209,7 @@ class CacheManager(Residency):
                 missing.append(e)
                 continue
             if prec[key] != native:
-                call.plan().precisions[e] = self._precs[prec[key]]
+                call.plan().run_at(e, self._precs[prec[key]])
             tr = transfers[key]
             if tr is not None:
                 transfers[key] = None
@@ -394,7 +394,7 @@ class LayerStreaming:
         events = m.events
         for e in missing:
             if not native:
-                call.plan().precisions[e] = prec
+                call.plan().run_at(e, prec)
             if events is not None:  # the executor stages its bytes for this call only
                 events.streamed(layer, e, prec)
 

@@ -10,7 +10,7 @@ and forget the other. The cache manager (:mod:`specmd.engine.cache`) opens one p
 
 from __future__ import annotations
 
-from .outcomes import Execution
+from .outcomes import NATIVE, Execution
 from .residency import Pool
 
 
@@ -61,14 +61,34 @@ class LayerCall:
         return ex
 
     def pin(self, expert: int) -> None:
+        """``expert`` stays resident until this call finishes (a substitute, pinned in ``prepare``)."""
         self._m.pin(self.base + expert)
 
-    def count(self, stat: str) -> None:
-        self._m.stats.add(stat, self.layer)
-
+    # -- the verbs of a miss outcome: each does the accounting and the plan together ---------------------
     def fetch(self, expert: int, precision: str) -> None:
-        """A blocking transfer of ``expert`` at ``precision``: inserted if room can be made, else streamed."""
+        """A blocking transfer of ``expert`` at ``precision``: inserted if room can be made, else streamed; a
+        non-native copy runs at its precision (the plan records it)."""
         self.fetch_many((expert,), precision)
+        if precision != NATIVE:
+            self.plan().run_at(expert, precision)
+
+    def drop(self, expert: int, stat: str, renormalise: bool = False) -> None:
+        """``expert`` does not run in this call (:meth:`Execution.drop`), counted as ``stat``."""
+        self._m.stats.add(stat, self.layer)
+        self.plan().drop(expert, renormalise)
+
+    def substitute(self, expert: int, substitute, stat: str) -> None:
+        """Each token that selected ``expert`` runs ``substitute[t]`` ([T] long) instead
+        (:meth:`Execution.substitute`), counted as ``stat``."""
+        self._m.stats.add(stat, self.layer)
+        self.plan().substitute(expert, substitute)
+
+    def compute_on_host(self, expert: int, stat: str) -> None:
+        """``expert`` is computed on the host (:meth:`Execution.to_host`), counted as ``stat``; its slots are
+        the host's work of this call (timed once per call, by the cache manager's stall step)."""
+        self._m.stats.add(stat, self.layer)
+        self.host_slots += self.plan().to_host(expert)
+        self.host_experts += 1
 
     def fetch_many(self, experts, precision):
         """:meth:`fetch` for each of ``experts`` in order (one home for the demand-fetch accounting)."""
@@ -106,8 +126,3 @@ class LayerCall:
         st.streamed[layer] += streamed
         st.bytes_demand[layer] += n * nbytes
         st.count(prec, n * nbytes, n)
-
-    def host(self, slots: int) -> None:
-        """Host compute of one expert's ``slots`` token-expert pairs (timed once per call, in ``finish``)."""
-        self.host_slots += slots
-        self.host_experts += 1

@@ -6,9 +6,9 @@ the read-only :class:`~specmd.engine.view.CacheView` (what is cached; its ``cloc
 :class:`~specmd.engine.view.ClockView`: what a transfer or the host's compute costs, when the link is free),
 and returns one outcome per missing expert, in the same order (``None`` means "fetch every miss at ``self.fetch_precision``").
 
-Outcomes (:mod:`specmd.engine.outcomes`, each one class that accounts for itself and says how the layer
-executes): ``Fetched(precision)`` (blocking transfer at a stored precision; ``None`` = the policy's
-``fetch_precision``), ``Dropped()`` (the expert does not run for this call; its tokens' weight for it is
+Outcomes (:mod:`specmd.engine.outcomes`, each one class whose ``serve`` is one verb of the layer call, which
+does the accounting and says how the layer executes together): ``Fetched(precision)`` (blocking transfer at
+a stored precision; ``None`` = the policy's ``fetch_precision``), ``Dropped()`` (the expert does not run for this call; its tokens' weight for it is
 zeroed, the others are *not* renormalised), ``Substituted(substitute)`` (a ``[T]`` long tensor: each token
 that selected the missing expert uses that resident expert instead, with the missing expert's weight),
 ``HostComputed()`` (computed on the host at full precision, in parallel with the layer's transfers; timed by the
