@@ -107,7 +107,10 @@ FLOORS = (
     ("domain", ("specmd.policies", "specmd.quant", "specmd.hardware", "specmd.models", "specmd.eval",
                 "specmd.loggers", "specmd.summary", "specmd.provenance", "specmd.executor", "specmd.gpu_cost")),
     ("drivers", ("specmd.hook", "specmd.replay")),
-    ("runs", ("specmd.compose", "specmd.app", "specmd.recorder", "specmd.pool", "specmd.jobs")),
+    # specmd.sweeps (a sweep on disk: the jobs it was asked for, what each left) sits beside specmd.jobs (a job on
+    # disk): it reads what the runs wrote, for the commands (report, status) and the command line (a sweep's exit
+    # code). It imports the foundation only, but nothing below the runs has a sweep to read, so not lower
+    ("runs", ("specmd.compose", "specmd.app", "specmd.recorder", "specmd.pool", "specmd.jobs", "specmd.sweeps")),
     ("commands", ("specmd.commands",)),
     ("command line", ("specmd.cli", "specmd.__main__")),
 )

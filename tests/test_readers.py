@@ -84,8 +84,8 @@ def test_report_and_status_skip_a_run_whose_cache_is_no_mapping_and_go_on(tmp_pa
 def test_status_reads_a_rescued_failed_json_and_calls_the_job_failed_with_where(tmp_path, monkeypatch):
     import tempfile
 
-    from specmd.commands.report.collect import _job
-    from specmd.commands.status import job_state
+    from specmd.sweeps import _job
+    from specmd.sweeps import job_state
     from specmd.jobs import rescue
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))

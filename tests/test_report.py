@@ -11,7 +11,7 @@ import yaml
 
 from specmd.errors import ConfigError
 from specmd.commands.report import build, main
-from specmd.commands.report.collect import expected_jobs, find_sweeps
+from specmd.sweeps import expected_jobs, find_sweeps
 from specmd.commands.report.tables import Spec, evaluate
 
 SPEC = {
