@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ConfigError, DataError
-from .mrc import list_value, plain_value
+from . import list_value, plain_value
 
 # group -> choice -> list of parameter overrides (each a tuple of "key=value" strings)
 SPACE = {
