@@ -170,7 +170,7 @@ def test_a_damaged_trace_meta_is_named(tmp_path, change, words):
 
 
 def test_fidelity_on_a_profile_from_elsewhere_says_what_differs():
-    from specmd.commands.fidelity import elsewhere
+    from specmd.commands.calibrate.fidelity import elsewhere
 
     lines = elsewhere({"bandwidth_gbps": 5.0, "calibrated_on": {"host": "gpu-node-7", "device": "cuda",
                                                                 "torch": "2.11.0+cu130"}}, "p", "cpu")
