@@ -182,7 +182,7 @@ def test_fidelity_on_a_profile_from_elsewhere_says_what_differs():
 def test_a_damaged_batch_size_in_a_traces_meta_is_named(tmp_path):
     import shutil
 
-    from specmd.replay.driver import ReplayConfig, open_trace
+    from specmd.replay.config import ReplayConfig, open_trace
 
     src = __import__("pathlib").Path(__file__).parent / "data" / "embedded_trace"
     shutil.copytree(src, tmp_path / "t")

@@ -85,7 +85,7 @@ def compute(policies: list[str], capacities: list[float], overrides: list[str], 
 
     from .. import CONF_DIR
     from ..app import Run
-    from ..replay.driver import open_trace
+    from ..replay.config import open_trace
     from ..pool import replay_many
 
     points, specs, trace = [], [], None

@@ -159,7 +159,7 @@ def record_model(args, directory: Path):
 
 
 def read_traces(args) -> list:
-    from ..replay.driver import ReplayConfig, open_trace
+    from ..replay.config import ReplayConfig, open_trace
     from ..registry import build_params
 
     return [open_trace(build_params(ReplayConfig, {"trace": str(p), "format": args.format,

@@ -336,7 +336,7 @@ def _record(base: list[str], raw: dict) -> tuple:
 
     from ..app import Run, recorded_trace
     from ..models.loader import checkpoint_of, model_override
-    from ..replay.driver import open_trace
+    from ..replay.config import open_trace
 
     given = any(a.startswith("replay.trace=") and a.split("=", 1)[1] not in ("null", "record") for a in base)
     base_run = Run(compose(config_name="config", overrides=[*base, *([] if given else ["replay.trace=record"])]))
