@@ -421,7 +421,7 @@ def fidelity_section(device: str, quick: bool) -> None:
     """``specmd fidelity --quick`` on the calibrated profile (the tiny model's grid: capacity x miss x batch,
     repeats alternated; ``--quick`` here: two cells): the median and p90 |measured / simulated - 1| of TTFT and
     TPOT, the noise, and the ranking of the miss policies."""
-    from specmd.commands.fidelity import QUICK, measure, summarize
+    from specmd.commands.calibrate.fidelity import QUICK, measure, summarize
 
     if not CALIBRATED:
         row("fidelity", "grid", "skipped", "no calibrated profile (the calibrate section failed or was skipped)")

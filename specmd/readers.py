@@ -9,7 +9,7 @@ alone (a newer specmd may write more). The kinds with their own home check their
 there: a hardware profile's ``calibrated_on`` (:mod:`specmd.hardware`), calibrate's saved measurements
 (``commands/calibrate/measure.py``), a trace's ``meta.json`` (:mod:`specmd.replay.trace`); a run's
 ``results.json`` and ``failed.json`` are read here. (A sweep's ``multirun.yaml`` and ``overrides.yaml`` are read by
-:mod:`specmd.commands.report.collect`, which turns any failure into a reason; ``.sweep.json`` by
+:mod:`specmd.sweeps`, which turns any failure into a reason; ``.sweep.json`` by
 :mod:`specmd.liveness`, where an unreadable one means "another process".)
 """
 
@@ -143,7 +143,7 @@ def read_json(path, what: str = "") -> dict:
 
 
 # (the sections' structure: a value that is no finite number is report's to name, with its file and key, and
-# leave out of every number -- specmd.commands.report.collect.non_finite -- not a reason to drop the run)
+# leave out of every number -- specmd.sweeps.non_finite -- not a reason to drop the run)
 CACHE = {"oracle": Opt(dict), "union": Opt({"decode": Opt(dict)})}
 # results.json (specmd.results.assemble): what report, status, resume and a replay reusing a recording read
 RESULTS = {"config": Opt(dict), "tasks": Opt(dict), "provenance": Opt(dict), "config_hash": Opt(str),

@@ -314,7 +314,7 @@ def test_specmd_mrc_rejects_repeated_or_non_finite_points_and_unknown_policies()
 
 
 def test_a_sweep_directory_whose_multirun_yaml_is_garbage_is_a_clear_error(tmp_path):
-    from specmd.commands.report.collect import load_sweep
+    from specmd.sweeps import load_sweep
 
     (tmp_path / "multirun.yaml").write_bytes(bytes(range(256)) * 2)
     with pytest.raises(ConfigError, match="its multirun.yaml or .hydra files cannot be read as a Hydra sweep"):

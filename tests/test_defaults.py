@@ -79,7 +79,7 @@ def test_the_policy_families_are_the_engines_groups():
 
 def test_replay_defaults_are_config_yamls():
     """The ``replay`` section: every ReplayConfig field shown in conf/config.yaml with its default."""
-    from specmd.replay.driver import ReplayConfig
+    from specmd.replay.config import ReplayConfig
 
     yaml = shipped.load("config")["replay"]
     assert {f.name for f in fields(ReplayConfig)} == set(yaml)

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from specmd import CONF_DIR
 from specmd import shipped
 from specmd.app import Run
-from specmd.commands.report.collect import expected_jobs
+from specmd.sweeps import expected_jobs
 from specmd.commands.report.figures import KEYS, KINDS
 from specmd.commands.report.verdicts import parse_spec
 

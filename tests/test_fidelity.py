@@ -315,7 +315,7 @@ def _run(wall, sim, waits_w=0.0, waits_s=0.0):
 def test_cell_error_noise_and_components_by_hand():
     """Repeats 1.1, 1.2, 1.5 s walls against 1.0 s simulated: the median 1.2 (+20%), the noise (1.5 - 1.1) /
     1.2 = 33% > 20%: noise-bound; the waits' share (0.3 - 0.1) / 1.0 and compute's the rest."""
-    from specmd.commands.fidelity import cell_report
+    from specmd.commands.calibrate.fidelity import cell_report
 
     r = cell_report([_run(1.1, 1.0, 0.3, 0.1), _run(1.5, 1.0, 0.3, 0.1), _run(1.2, 1.0, 0.3, 0.1)])["tpot"]
     assert r["err"] == pytest.approx(0.2) and r["noise"] == pytest.approx(0.4 / 1.2) and r["noise_bound"]
@@ -328,7 +328,7 @@ def test_cell_error_noise_and_components_by_hand():
 def test_ranking_counts_ties_inside_the_noise():
     """Group 1: fetch measured faster than hybrid by 50% but simulated slower: disagrees. Group 2: the same
     order flipped by only 5%, inside a 10% noise: a tie, agrees."""
-    from specmd.commands.fidelity import Cell, ranking
+    from specmd.commands.calibrate.fidelity import Cell, ranking
 
     def tp(wall, sim, noise):
         return {"tpot": {"wall_s": wall, "sim_s": sim, "noise": noise}}
@@ -345,7 +345,7 @@ def test_ranking_counts_ties_inside_the_noise():
 def test_the_table_says_how_far_the_machine_drifted_since_calibration():
     """The drift line: each figure's time now / then at the start and the end; a profile without a probe says
     so instead of a figure."""
-    from specmd.commands.fidelity import Cell, cell_report, summarize, table
+    from specmd.commands.calibrate.fidelity import Cell, cell_report, summarize, table
 
     run = lambda w: {**_run(w, 1.0), "prefill": _run(w, 1.0)["decode"]}  # noqa: E731
     cells = {"a": cell_report([run(1.1), run(1.2), run(1.3)])}
@@ -359,7 +359,7 @@ def test_the_table_says_how_far_the_machine_drifted_since_calibration():
 def test_fidelity_runs_a_grid_on_the_tiny_model():
     """Two cells of the real thing (tiny, 5%, fetch and hybrid, batch 2): each cell's both figures, a positive
     wall and simulated time, three repeats, components that add up to the error, the grid's summary."""
-    from specmd.commands.fidelity import measure, summarize
+    from specmd.commands.calibrate.fidelity import measure, summarize
 
     hw = HardwareConfig(name="t").__dict__ | {"bandwidth_gbps": 5.0}
     hw.pop("name")
@@ -384,7 +384,7 @@ def test_fidelity_runs_a_grid_on_the_tiny_model():
     (["--device", "tpu"], "tpu"),
 ])
 def test_bad_fidelity_arguments_refused_before_any_run(argv, match, monkeypatch):
-    import specmd.commands.fidelity as fid
+    import specmd.commands.calibrate.fidelity as fid
 
     monkeypatch.setattr(fid, "measure", lambda *a, **k: pytest.fail("measured before refusing"))
     with pytest.raises(ConfigError, match=match):
@@ -430,7 +430,7 @@ def test_fidelity_times_its_cells_at_the_profiles_thread_settings(tmp_path, monk
     import os
 
     import specmd.commands.calibrate.measure as meas
-    import specmd.commands.fidelity as fid
+    import specmd.commands.calibrate.fidelity as fid
     from specmd.commands.calibrate.profile import profile_yaml
     from specmd.machine import CorePlan, can_pin, core_budget
 

@@ -549,7 +549,7 @@ def test_a_new_format_is_one_registered_parser(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from specmd.app import execute
-    from specmd.replay.driver import ReplayConfig
+    from specmd.replay.config import ReplayConfig
     from specmd.replay.formats import FORMATS, register_format
     from specmd.replay.trace import read_trace
     from test_configs import CONF

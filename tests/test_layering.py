@@ -107,7 +107,10 @@ FLOORS = (
     ("domain", ("specmd.policies", "specmd.quant", "specmd.hardware", "specmd.models", "specmd.eval",
                 "specmd.loggers", "specmd.summary", "specmd.provenance", "specmd.executor", "specmd.counting")),
     ("drivers", ("specmd.hook", "specmd.replay")),
-    ("runs", ("specmd.compose", "specmd.app", "specmd.recorder", "specmd.pool", "specmd.jobs")),
+    # specmd.sweeps (a sweep on disk: the jobs it was asked for, what each left) sits beside specmd.jobs (a job on
+    # disk): it reads what the runs wrote, for the commands (report, status) and the command line (a sweep's exit
+    # code). It imports the foundation only, but nothing below the runs has a sweep to read, so not lower
+    ("runs", ("specmd.compose", "specmd.app", "specmd.recorder", "specmd.pool", "specmd.jobs", "specmd.sweeps")),
     ("commands", ("specmd.commands",)),
     ("command line", ("specmd.cli", "specmd.__main__")),
 )
@@ -154,6 +157,36 @@ def test_commands_live_in_their_package():
     assert [p.name for p in loose if re.search(r"(?m)^def main\(", p.read_text())] == []
     assert len(loose) > 10  # (the glob sees the top floor)
 
+
+
+def command_of(module: str):
+    """The command ``module`` belongs to: ``report`` for ``specmd.commands.report.tables``, ``status`` for
+    ``specmd.commands.status``; None outside the commands' package and for the package itself (what the commands
+    share)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["specmd", "commands"] else None
+
+
+def across_commands(graph: dict) -> dict:
+    """Module -> the modules of other commands it imports."""
+    out = {}
+    for m, deps in graph.items():
+        other = sorted(d for d in deps if command_of(m) and command_of(d) not in (None, command_of(m)))
+        if other:
+            out[m] = other
+    return out
+
+
+def test_no_command_imports_another_commands_modules():
+    """A command is its own: what two share lives below the commands (specmd.sweeps: the sweeps report and
+    status read) or in the commands' package (specmd/commands/__init__.py), never in one of them."""
+    assert across_commands(GRAPH) == {}
+    assert {"specmd.commands.status", "specmd.commands.report.tables"} <= set(MODULES)  # (the graph is read)
+    # the check itself: the import this restructuring removed (status read report's collect.py), beside legal ones
+    assert across_commands({"specmd.commands.status": {"specmd.commands.report.collect", "specmd.sweeps"},
+                            "specmd.commands.report.tables": {"specmd.commands.report", "specmd.commands"},
+                            "specmd.commands": {"specmd.errors"}}) == \
+        {"specmd.commands.status": ["specmd.commands.report.collect"]}
 
 # The drivers (DESIGN.md "The engine and its two drivers"): what the app composes and the commands run.
 DRIVERS = ("specmd.replay", "specmd.hook")

@@ -363,7 +363,7 @@ def test_acceptance_sets_the_tokens_per_step_and_replay_says_it_approximates(tmp
     (dict(speculative_tokens=2, acceptance=float("nan")), r"acceptance=nan"),
 ])
 def test_bad_speculation_settings_are_refused(bad, match):
-    from specmd.replay.driver import ReplayConfig
+    from specmd.replay.config import ReplayConfig
 
     with pytest.raises(ConfigError, match=match):
         ReplayConfig(trace="somewhere", **bad)

@@ -24,7 +24,7 @@ def test_calibrate_threads_in_range_pass_oversubscribed_too(value):
 
 
 def test_fidelity_refuses_a_model_listed_twice_before_any_work(monkeypatch):
-    import specmd.commands.fidelity as fid
+    import specmd.commands.calibrate.fidelity as fid
 
     monkeypatch.setattr(fid, "measure", lambda *a, **k: pytest.fail("measured"))
     with pytest.raises(ConfigError, match="--models lists tiny more than once"):

@@ -84,8 +84,8 @@ def test_report_and_status_skip_a_run_whose_cache_is_no_mapping_and_go_on(tmp_pa
 def test_status_reads_a_rescued_failed_json_and_calls_the_job_failed_with_where(tmp_path, monkeypatch):
     import tempfile
 
-    from specmd.commands.report.collect import _job
-    from specmd.commands.status import job_state
+    from specmd.sweeps import _job
+    from specmd.sweeps import job_state
     from specmd.jobs import rescue
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
@@ -170,7 +170,7 @@ def test_a_damaged_trace_meta_is_named(tmp_path, change, words):
 
 
 def test_fidelity_on_a_profile_from_elsewhere_says_what_differs():
-    from specmd.commands.fidelity import elsewhere
+    from specmd.commands.calibrate.fidelity import elsewhere
 
     lines = elsewhere({"bandwidth_gbps": 5.0, "calibrated_on": {"host": "gpu-node-7", "device": "cuda",
                                                                 "torch": "2.11.0+cu130"}}, "p", "cpu")
@@ -182,7 +182,7 @@ def test_fidelity_on_a_profile_from_elsewhere_says_what_differs():
 def test_a_damaged_batch_size_in_a_traces_meta_is_named(tmp_path):
     import shutil
 
-    from specmd.replay.driver import ReplayConfig, open_trace
+    from specmd.replay.config import ReplayConfig, open_trace
 
     src = __import__("pathlib").Path(__file__).parent / "data" / "embedded_trace"
     shutil.copytree(src, tmp_path / "t")

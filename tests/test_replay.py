@@ -355,7 +355,7 @@ def test_a_trace_recorded_under_a_lossy_stack_is_not_exact(recorded):
 
 
 def test_import_takes_its_geometry_from_a_model_config(tmp_path):
-    from specmd.replay.driver import ReplayConfig, open_trace
+    from specmd.replay.config import ReplayConfig, open_trace
 
     rng = np.random.default_rng(0)
     path = tmp_path / "routes.npy"

@@ -16,7 +16,8 @@ from specmd.errors import ConfigError
 from specmd.hardware import HardwareConfig
 from specmd.replay.batching import (INEXACT, batched_context, batched_contexts, compose_trace,
                                     continuous_schedule, request_bounds, static_schedule)
-from specmd.replay.driver import ReplayConfig, exactness, open_trace, requested_per_call, run_replay
+from specmd.replay.config import ReplayConfig, open_trace
+from specmd.replay.driver import exactness, requested_per_call, run_replay
 from specmd.replay.trace import Trace, TraceMeta, full_calls
 
 L, E, K = 2, 4, 2

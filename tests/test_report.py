@@ -11,8 +11,9 @@ import yaml
 
 from specmd.errors import ConfigError
 from specmd.commands.report import build, main
-from specmd.commands.report.collect import expected_jobs, find_sweeps
-from specmd.commands.report.tables import Spec, evaluate
+from specmd.sweeps import expected_jobs, find_sweeps
+from specmd.commands.report.expressions import evaluate
+from specmd.commands.report.tables import Spec
 
 SPEC = {
     "title": "hand sweep", "paper": "LS beats LRU",

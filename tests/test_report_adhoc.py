@@ -8,7 +8,7 @@ import yaml
 
 from specmd.commands.report import build
 from specmd.commands.report.adhoc import frontier
-from specmd.commands.report.collect import expected_jobs
+from specmd.sweeps import expected_jobs
 
 TWO_AXES = {"eviction": "lru,least_stale", "hardware.capacity": "0.01,0.05,0.25"}
 MIDS = ("hit", "collision", "tpot")

@@ -13,7 +13,7 @@ import yaml
 
 from specmd.errors import ConfigError
 from specmd.commands.report import build, main
-from specmd.commands.report.collect import Job, expected_jobs, find_sweeps, load_sweep
+from specmd.sweeps import Job, expected_jobs, find_sweeps, load_sweep
 from specmd.commands.status import main as status_main
 from specmd.commands.report.tables import group_jobs
 from specmd.commands.report.verdicts import FAILS, HOLDS, UNMEASURED, parse_spec
@@ -251,7 +251,7 @@ def test_a_parent_of_single_runs_is_read_like_a_parent_of_sweeps(tmp_path, capsy
     (run / ".hydra" / "overrides.yaml").write_text("[]")
     (run / "results.json").write_text(json.dumps({"config": config(), "cache": {"collision_rate": 0.1},
                                                   "config_hash": "0"}))
-    from specmd.commands.report.collect import sweeps_below
+    from specmd.sweeps import sweeps_below
 
     assert sweeps_below(tmp_path / "out") == [s, run]  # a sweep's own job directories are not runs of their own
     assert status_main([str(tmp_path / "out")]) == 0
@@ -345,7 +345,7 @@ def test_options_that_would_be_ignored_are_errors(tmp_path, argv, words):
 
 
 def test_a_single_run_of_an_experiment_never_hides_its_sweep_below_a_parent(tmp_path):
-    from specmd.commands.report.collect import find_sweeps
+    from specmd.sweeps import find_sweeps
 
     s = make_sweep(tmp_path / "out" / "multirun" / "s", {"lru": 0.10, "least_stale": 0.02})
     run = tmp_path / "out" / "day" / "run"  # a later debugging run of the same experiment

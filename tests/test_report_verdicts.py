@@ -15,7 +15,7 @@ from test_report_adhoc import make_adhoc
 
 from specmd.errors import ConfigError
 from specmd.commands.report import build, main
-from specmd.commands.report.collect import Job, expected_jobs
+from specmd.sweeps import Job, expected_jobs
 from specmd.commands.report.tables import Spec, group_jobs
 from specmd.shipped import experiments, load as load_conf
 from specmd.commands.report.verdicts import FAILS, HOLDS, UNMEASURED, parse_spec, summary, verdicts

@@ -609,7 +609,7 @@ def test_tune_options_bad_values(argv, words):
 
 
 def test_an_output_option_reads_quotes_as_hydra_does(tmp_path):
-    from specmd.commands.mrc import plain_value
+    from specmd.commands import plain_value
     from specmd.commands.tune import parse
 
     assert plain_value("mrc.out", f"'{tmp_path}/a b,c=d'") == f"{tmp_path}/a b,c=d"

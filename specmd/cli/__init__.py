@@ -69,8 +69,8 @@ COMMANDS = (
             "finalists measured live"),
     Command("calibrate", "specmd.commands.calibrate", "measure this machine and write a hardware profile for "
             "execution=offload"),
-    Command("fidelity", "specmd.commands.fidelity", "how far to trust the simulated clock: offload runs on a grid, "
-            "wall vs simulated"),
+    Command("fidelity", "specmd.commands.calibrate.fidelity", "how far to trust the simulated clock: offload runs "
+            "on a grid, wall vs simulated"),
     Command("train", "specmd.commands.train", "train an embedded MoE model (Hydra overrides; config train.yaml)",
             "specmd.cli.hydra_apps:train"),
     Command("train-eviction", "specmd.commands.train_eviction", "train the ml eviction networks (eviction=ml) from "

@@ -3,7 +3,7 @@
 command's arguments there; ``--help`` prints the command's usage, then Hydra's help of its config.
 
 The run's job name stays ``__main__`` (``hydra.job.name`` in ``conf/config.yaml``): a run directory's log is
-``__main__.log``, as before the commands moved here, and :mod:`specmd.commands.report.collect` reads it.
+``__main__.log``, as before the commands moved here, and :mod:`specmd.sweeps` reads it.
 """
 
 from __future__ import annotations

@@ -141,8 +141,7 @@ def sweep_exit(sweep_dir: Path) -> int:
     only input errors failed, 1 otherwise); what is not done is said on stderr."""
     import sys
 
-    from ..commands.report.collect import load_sweep
-    from ..commands.status import job_state
+    from ..sweeps import job_state, load_sweep
 
     states = [(job_state(j), j) for j in load_sweep(sweep_dir).jobs]
     bad = [(s, j) for s, j in states if s != "done"]

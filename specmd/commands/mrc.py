@@ -17,43 +17,12 @@ import sys
 import time
 from pathlib import Path
 
+from . import list_value, plain_value
+
 DEFAULT_CAPACITIES = [0.01, 0.02, 0.03, 0.05, 0.08, 0.12, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0]
 
 
-def split_list(value: str) -> list[str]:
-    value = value.strip()
-    if value.startswith("[") and value.endswith("]"):
-        value = value[1:-1]
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
-def list_value(key: str, value: str, notes: list) -> list[str]:
-    """A list option's values (``key=[a,b]`` or ``key=a,b``); a single value, ``key=a``, is the list ``[a]``, and
-    ``notes`` gets a line saying so (the command prints it before any work)."""
-    if not value.strip().startswith("[") and "," not in value:
-        notes.append(f"{key}={value}: one value, taken as the list {key.split('.')[-1]}=[{value.strip()}]")
-    return split_list(value)
-
-
 OPTIONS = ("mrc.capacities", "mrc.out", "mrc.jobs")
-
-
-def plain_value(key: str, value: str) -> str:
-    """A string option's value as Hydra's override grammar reads it -- quotes removed, so
-    ``tune.out='/data/a b,c'`` names the directory a run's ``hydra.run.dir='/data/a b,c'`` would -- and never
-    empty (a :class:`~specmd.errors.ConfigError` naming the option)."""
-    from ..errors import ConfigError
-
-    if value[:1] in ("'", '"'):
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
-        try:
-            value = OverridesParser.create().parse_override(f"k={value}").value()
-        except Exception as exc:  # noqa: BLE001 -- Hydra's grammar errors
-            raise ConfigError(f"{key}={value}: not a quoted string Hydra reads ({str(exc).splitlines()[0]})") from None
-    if not str(value).strip():
-        raise ConfigError(f"{key}= is empty: name a directory (or leave the option out for a new one per run)")
-    return str(value)
 
 
 def parse(argv: list[str]) -> tuple[list[str], list[float], str, list[str], int]:
@@ -116,7 +85,7 @@ def compute(policies: list[str], capacities: list[float], overrides: list[str], 
 
     from .. import CONF_DIR
     from ..app import Run
-    from ..replay.driver import open_trace
+    from ..replay.config import open_trace
     from ..pool import replay_many
 
     points, specs, trace = [], [], None

@@ -18,37 +18,7 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..liveness import sweep_live, sweep_runner
-from .report.collect import Job, load_sweep, sweeps_below
-
-
-def job_state(job: Job, live: bool = False) -> str:
-    """``done``, ``failed``, ``running`` (its directory's lock is held), ``pending`` (not started, or starting,
-    in a sweep whose launcher is ``live``: :func:`specmd.liveness.sweep_live`) or ``missing`` (never started, or
-    interrupted without a trace: SIGKILL, a lost node)."""
-    state = _state(job)
-    return "pending" if live and state == "missing" else state
-
-
-def _state(job: Job) -> str:
-    if job.status == "ok" and job.results.get("config_hash"):
-        return "done"
-    if job.status == "ok":  # what a re-launch would not count as done either (specmd.jobs.finished): say so
-        job.error = job.error or "its results.json has no config_hash (damaged, or not written by a specmd run): a " \
-                                 "re-launch runs it again"
-        return "missing"
-    if job.status == "failed":
-        return "failed"
-    if job.dir is not None and (Path(job.dir) / ".lock").exists():
-        from filelock import FileLock, Timeout
-
-        try:
-            with FileLock(str(Path(job.dir) / ".lock")).acquire(timeout=0):
-                pass
-        except Timeout:
-            return "running"
-        except OSError:  # a lock this user cannot open (another user's, a read-only copy): no process of ours
-            return "missing"
-    return "missing"
+from ..sweeps import job_state, load_sweep, sweeps_below
 
 
 def resume_command(sweep_dir: Path) -> Optional[str]:

@@ -136,10 +136,10 @@ def holdout_hit_rates(parts: list, capacity: int, weights) -> dict:
 # ---- command line ------------------------------------------------------------------------------------------
 def record_model(args, directory: Path):
     """``--model``'s trace: its routing on WikiText-2 validation, token by token (module docstring, step 1)."""
+    from ..eval.corpora import wikitext2_valid
     from ..eval.mirror import resolve_mirror, set_offline
     from ..models.loader import ModelConfig, load_model, resolve_pretrained
     from ..recorder import record_routing
-    from .train import wikitext2_valid
 
     cfg_path = Path(resolve_pretrained(args.model)) / "config.json"
     family = json.loads(cfg_path.read_text())["model_type"] if cfg_path.is_file() else None
@@ -159,7 +159,7 @@ def record_model(args, directory: Path):
 
 
 def read_traces(args) -> list:
-    from ..replay.driver import ReplayConfig, open_trace
+    from ..replay.config import ReplayConfig, open_trace
     from ..registry import build_params
 
     return [open_trace(build_params(ReplayConfig, {"trace": str(p), "format": args.format,

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import ConfigError, DataError
-from .mrc import list_value, plain_value
+from . import list_value, plain_value
 
 # group -> choice -> list of parameter overrides (each a tuple of "key=value" strings)
 SPACE = {
@@ -336,7 +336,7 @@ def _record(base: list[str], raw: dict) -> tuple:
 
     from ..app import Run, recorded_trace
     from ..models.loader import checkpoint_of, model_override
-    from ..replay.driver import open_trace
+    from ..replay.config import open_trace
 
     given = any(a.startswith("replay.trace=") and a.split("=", 1)[1] not in ("null", "record") for a in base)
     base_run = Run(compose(config_name="config", overrides=[*base, *([] if given else ["replay.trace=record"])]))

@@ -294,7 +294,7 @@ def gather_steps(trace: Trace, members: np.ndarray, step: np.ndarray, S: int) ->
 def compose_trace(trace: Trace, batch: int = 1, concurrency: Optional[int] = None,
                   arrival_rate: Optional[float] = None, seed: int = 0) -> Trace:
     """``trace`` composed at static batch ``batch`` or at ``concurrency`` (the config's checks are
-    :class:`~specmd.replay.driver.ReplayConfig`'s; this repeats the ones that would mis-compose)."""
+    :class:`~specmd.replay.config.ReplayConfig`'s; this repeats the ones that would mis-compose)."""
     if concurrency is not None:
         if batch != 1:
             raise ConfigError(f"replay.batch={batch} and replay.concurrency={concurrency}: choose one")

@@ -40,7 +40,8 @@ half-written profile, and a full disk keeps what it measured elsewhere, named.
 
 The package: :mod:`.measure` (stages 1-3), :mod:`.fit` (the fits, 4, and the profile's check), :mod:`.profile`
 (the name's grammar, the file, the overrides that select it) and :mod:`.command` (the arguments, the stages in
-order, the writing).
+order, the writing); :mod:`.cell` (one timed cell) is also ``specmd fidelity``'s (:mod:`.fidelity`: how far to
+trust a calibrated profile, its cells on a grid), which lives here with the measurements it shares.
 """
 
 from .command import calibrate, prepare, run_stages

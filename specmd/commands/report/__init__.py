@@ -5,7 +5,7 @@
     specmd report DIR... --wandb ENTITY/PROJECT                    # also log the report to a W&B run
     specmd report --wandb ENTITY/PROJECT --group specmd_fig4       # read the runs back from W&B instead
 
-1. Find the sweeps and every job each was asked for (collect.py): finished, failed or missing.
+1. Find the sweeps and every job each was asked for (:mod:`specmd.sweeps`): finished, failed or missing.
 2. Group each experiment's jobs by its ``report`` spec (tables.py): one section per report id, rows and
    column groups from its axes, mean ± std over repeat axes only; the spec's ``checks`` (the paper's
    direction claims) evaluated on those groups into verdicts (verdicts.py).
@@ -17,7 +17,7 @@
    ``--publish`` (online), also a W&B Report with one panel per table and figure.
 
 Nothing it cannot read is a traceback, and nothing it reads is judged silently: a job directory it cannot
-read is skipped and named (collect.py); a value in a results.json that is no finite number (NaN, Infinity, a
+read is skipped and named (:mod:`specmd.sweeps`); a value in a results.json that is no finite number (NaN, Infinity, a
 string) is named with its file and key (``specmd report: <file>: cache.hit_rate is NaN``, on stderr and in
 the report), left out of every number, and a check that needed it is "not measured" with that reason; runs
 whose resolved configs differ in a key no axis names (two sweeps on two models) are kept apart, never averaged
@@ -42,7 +42,7 @@ from typing import Optional
 from ... import CONF_DIR
 from ...errors import ConfigError
 from ...results import writable_dir, write_csv, write_text_atomic
-from .collect import Sweep, find_sweeps, sweep_for_also, unfinished
+from ...sweeps import Sweep, find_sweeps, sweep_for_also, unfinished
 from .tables import Spec, cell, config_split, group_jobs, row_axes, split_note, table
 from .verdicts import markdown as verdict_lines
 from .verdicts import parse_spec, summary, verdicts

@@ -5,7 +5,7 @@ A figure entry of an experiment's ``report.figures``::
     kind: bars | lines | scatter
     x:       bars: the axis naming each bar; lines/scatter: a metric expression (``config.hardware.capacity``
              reads a config value); lines without x: the index of a list-valued y (layer, score rank)
-    y:       a metric expression (tables.py); ``overlay`` (bars): a second one drawn over y in red (SpecMD
+    y:       a metric expression (expressions.py); ``overlay`` (bars): a second one drawn over y in red (SpecMD
              Fig. 4: grey total misses, red collision misses)
     series:  axis or list of axes: one line / marker set per value (legend)
     panels:  axis: one subplot per value
@@ -23,7 +23,8 @@ import math
 from pathlib import Path
 
 from ...errors import ConfigError
-from .tables import MISSING, Group, job_value, numeric, sort_key, split_prefix, unnamed_axes
+from .expressions import job_value, numeric, split_prefix
+from .tables import MISSING, Group, sort_key, unnamed_axes
 
 KINDS = ("bars", "lines", "scatter")
 KEYS = {"kind", "x", "y", "overlay", "series", "panels", "label", "connect", "percent", "percent_x", "logx",

@@ -161,7 +161,7 @@ def figures_html(figures: list) -> str:
 
 
 def section_html(sec) -> list:
-    from .collect import unfinished
+    from ...sweeps import unfinished
     from .tables import table
 
     spec = sec.spec

@@ -37,8 +37,8 @@ from typing import Any, Optional
 
 from ...errors import ConfigError
 from ...loggers import flatten
-from .tables import (MISSING, NON_FINITE, Spec, axis_value, baseline_of, cell, expression_error, fmt, is_percent,
-                     paths_of, split_prefix, unnamed_axes)
+from .expressions import NON_FINITE, expression_error, paths_of, split_prefix
+from .tables import MISSING, Spec, axis_value, baseline_of, cell, fmt, is_percent, unnamed_axes
 
 KEYS = ("claim", "metric", "lower", "higher", "than", "than_metric", "each")
 HOLDS, FAILS, UNMEASURED = "holds", "does not hold", "not measured"

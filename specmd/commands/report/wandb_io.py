@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from ...errors import ConfigError
-from .collect import Job, Sweep, newest_per_experiment
+from ...sweeps import Job, Sweep, newest_per_experiment
 
 STATES = {"finished": "ok", "failed": "failed", "crashed": "failed", "killed": "failed"}
 

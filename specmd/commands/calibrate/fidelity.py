@@ -5,7 +5,7 @@ the error per cell, per component and over the grid (docs/semantics.md "How far 
 The grid (:data:`GRID`; ``--quick``: :data:`QUICK`): models x capacity x miss x batch. A cell is one stack
 (the default eviction and prefetch, the cell's miss policy, the profile at the cell's capacity) in a fresh
 install (a cold cache): a warm-up generation, then two measured ones of ``batch`` random sequences, each a
-``--prompt``-token prefill and half of ``--decodes`` greedy decodes (:func:`~.calibrate.cell.run_cell`: calibrate's check is the same measurement), at
+``--prompt``-token prefill and half of ``--decodes`` greedy decodes (:func:`~.cell.run_cell`: calibrate's check is the same measurement), at
 the thread settings the profile was calibrated at (:func:`profile_placement`). Each model's cells are preceded by one warm-up run; then the cells run ``--repeats`` times,
 **alternated** (repeat 1 of every cell, then repeat 2 ...): a slow minute of the machine lands on every cell
 alike rather than on one. A cell's wall TTFT and TPOT are the median over its repeats; its simulated ones the
@@ -176,13 +176,13 @@ def ranking(cells: dict[str, dict], meta: dict[str, Cell]) -> dict:
 
 def measure(hw: dict, grid: dict, repeats: int, prompt: int, decodes: int, device: str, log=print,
             execution: dict | None = None) -> dict:
-    """Run the grid (see the module's doc) under ``execution`` (:func:`~.calibrate.cell.offload_execution`: the
+    """Run the grid (see the module's doc) under ``execution`` (:func:`~.cell.offload_execution`: the
     profile's thread settings); returns {cell key: report} and the cells."""
-    from ..models.loader import load_configured
-    from ..executor.base import steady_host_allocator
-    from ..models.loader import local_checkpoint
-    from ..signals import Interrupted, check_interrupt
-    from .calibrate.cell import run_cell
+    from ...models.loader import load_configured
+    from ...executor.base import steady_host_allocator
+    from ...models.loader import local_checkpoint
+    from ...signals import Interrupted, check_interrupt
+    from .cell import run_cell
 
     steady_host_allocator()
     dev = torch.device(device)
@@ -218,11 +218,11 @@ def resolve_profile(profile: str | None) -> tuple[str, dict]:
     directory's ``hardware/``, then the shipped profiles). ConfigError naming what was looked for."""
     import yaml
 
-    from .. import shipped, user_config_dir
-    from .calibrate.profile import default_name
-    from ..errors import ConfigError
-    from ..hardware import HardwareConfig
-    from ..registry import build_params
+    from ... import shipped, user_config_dir
+    from .profile import default_name
+    from ...errors import ConfigError
+    from ...hardware import HardwareConfig
+    from ...registry import build_params
 
     name = profile or default_name()
     path = Path(name).expanduser()
@@ -301,11 +301,11 @@ def _fmt(v) -> str:
 def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, prompt: int = 32, decodes: int = 16,
              device: str = "cpu", models=None, log=print) -> dict:
     """The whole command (module doc); returns the report written as JSON."""
-    from ..app import check_device
-    from ..machine import machine
-    from .calibrate.profile import check_model
-    from .calibrate.measure import drift, speed_probe
-    from ..errors import ConfigError
+    from ...app import check_device
+    from ...machine import machine
+    from .profile import check_model
+    from .measure import drift, speed_probe
+    from ...errors import ConfigError
 
     check_device(device)
     for flag, v, lo in (("--repeats", repeats, 3), ("--prompt", prompt, 1), ("--decodes", decodes, 2)):
@@ -330,7 +330,7 @@ def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, 
             f"on a CPU the simulated times leave out most of a small model's time")
     t0 = time.perf_counter()
     plan, execution = profile_placement(hw, torch.device(device))
-    from .calibrate.command import placement_words
+    from .command import placement_words
 
     log(f"specmd fidelity: profile {label}, {len(cells_of(grid))} cells x {repeats} repeats on {platform.node()} "
         f"({device}) at the profile's {placement_words(plan)} ...")
@@ -359,7 +359,7 @@ def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, 
 def elsewhere(hw: dict, label: str, device: str) -> list[str]:
     """What differs between where the profile was calibrated and this machine (host, device, torch): one line
     each (:func:`specmd.hardware.profile_mismatch`); the grid's models and their dtypes are its own cells'."""
-    from ..hardware import HardwareConfig, profile_mismatch
+    from ...hardware import HardwareConfig, profile_mismatch
 
     facts = {"host": platform.node(), "device": device, "torch": torch.__version__}
     return profile_mismatch(HardwareConfig(**{**hw, "name": label}), facts)
@@ -369,9 +369,9 @@ def profile_placement(hw: dict, dev: torch.device) -> tuple:
     """(:class:`specmd.machine.CorePlan`, the cells' ``execution`` section) at the thread settings the profile
     was calibrated at (``calibrated_on.threads``/``pin``/``host_threads``; a profile without them: auto, not
     pinned): the cells are timed as the profile was fitted."""
-    from ..machine import can_pin, core_budget
-    from .calibrate.cell import offload_execution
-    from .calibrate.command import thread_plan
+    from ...machine import can_pin, core_budget
+    from .cell import offload_execution
+    from .command import thread_plan
 
     on = hw.get("calibrated_on") or {}
     t = on.get("threads")  # (at most this machine's cores: a profile from a larger one runs, and says so)
@@ -381,7 +381,7 @@ def profile_placement(hw: dict, dev: torch.device) -> tuple:
 
 
 def main(argv=None) -> int:
-    from ..errors import ArgumentParser
+    from ...errors import ArgumentParser
 
     ap = ArgumentParser(prog="specmd fidelity", description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", help="a hardware profile: its name (as hardware=NAME) or a yaml path "
@@ -397,8 +397,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = None
     if a.out:  # checked before minutes of runs
-        from ..errors import ConfigError
-        from ..results import writable_dir
+        from ...errors import ConfigError
+        from ...results import writable_dir
 
         out = Path(a.out).expanduser()
         if out.is_dir():
@@ -409,8 +409,8 @@ def main(argv=None) -> int:
     except BaseException as exc:
         runs = getattr(exc, "fidelity_runs", None)
         if out is not None and runs:  # a signal mid-grid: the cells measured so far are kept, and named
-            from ..results import write_json_atomic
-            from ..signals import signals_held
+            from ...results import write_json_atomic
+            from ...signals import signals_held
 
             kept = out.with_name(out.stem + ".partial.json")
             with signals_held():
@@ -421,7 +421,7 @@ def main(argv=None) -> int:
         raise
     print(table(report))
     if out is not None:
-        from ..results import write_json_atomic
+        from ...results import write_json_atomic
 
         write_json_atomic(out, report)
         print(f"wrote {out}")

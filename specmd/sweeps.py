@@ -1,4 +1,6 @@
-"""Step 1 of a report: find the sweeps, the jobs each sweep was asked to run, and what each job left.
+"""A sweep on disk: find the sweeps, the jobs each sweep was asked to run, what each job left, and the state of
+each job. ``specmd report`` reads them (its step 1), ``specmd status`` and a sweep's exit code
+(:func:`specmd.cli.launch.sweep_exit`) too, all from here.
 
 A sweep directory is what ``python -m specmd -m`` writes: ``multirun.yaml`` (the composed config with
 ``hydra.overrides.task`` and ``hydra.sweeper.params``) and one directory per job holding
@@ -23,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ...errors import ConfigError, DamagedFile
-from ...readers import read_failed, read_results
-from ...results import rescued
+from .errors import ConfigError, DamagedFile
+from .readers import read_failed, read_results
+from .results import rescued
 
 
 @dataclass
@@ -107,7 +109,7 @@ def non_finite(results: dict) -> dict:
     """Dotted path -> ``NaN`` / ``Infinity`` / ``-Infinity`` of every non-finite number in a results.json
     (its ``config`` and ``provenance`` left out): specmd writes such a value as null, so one is a damaged or
     hand-edited file."""
-    from ...results import non_finite as found
+    from .results import non_finite as found
 
     body = {k: v for k, v in results.items() if k not in ("config", "provenance")}
     return {at: "NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity" for at, v in found(body).items()}
@@ -161,7 +163,7 @@ def _job_dirs(root: Path, warnings: list) -> dict:
 
 def _job(overrides: list, job_dir: Optional[Path], base: dict, warnings: list) -> Job:
     """``base``: the sweep's config without its overrides; a job that wrote nothing is described by it (its
-    swept values come from its overrides, tables.axis_value)."""
+    swept values come from its overrides, specmd.commands.report.tables.axis_value)."""
     if job_dir is None:
         return Job(overrides, "missing", config=base, own_config=False)
     res, why = _read(job_dir / "results.json", read_results)
@@ -334,3 +336,33 @@ def unfinished(sweeps: list) -> list:
                 where = f" ({j.dir})" if j.dir else ""
                 out.append((j.status, f"{what}{where}{why}"))
     return out
+
+
+def job_state(job: Job, live: bool = False) -> str:
+    """``done``, ``failed``, ``running`` (its directory's lock is held), ``pending`` (not started, or starting,
+    in a sweep whose launcher is ``live``: :func:`specmd.liveness.sweep_live`) or ``missing`` (never started, or
+    interrupted without a trace: SIGKILL, a lost node)."""
+    state = _state(job)
+    return "pending" if live and state == "missing" else state
+
+
+def _state(job: Job) -> str:
+    if job.status == "ok" and job.results.get("config_hash"):
+        return "done"
+    if job.status == "ok":  # what a re-launch would not count as done either (specmd.jobs.finished): say so
+        job.error = job.error or "its results.json has no config_hash (damaged, or not written by a specmd run): a " \
+                                 "re-launch runs it again"
+        return "missing"
+    if job.status == "failed":
+        return "failed"
+    if job.dir is not None and (Path(job.dir) / ".lock").exists():
+        from filelock import FileLock, Timeout
+
+        try:
+            with FileLock(str(Path(job.dir) / ".lock")).acquire(timeout=0):
+                pass
+        except Timeout:
+            return "running"
+        except OSError:  # a lock this user cannot open (another user's, a read-only copy): no process of ours
+            return "missing"
+    return "missing"
