@@ -50,8 +50,13 @@ def extensions() -> list:
         return []
     exts = [Extension(native["module_name"](src), [f"specmd/{src}"], optional=True)
             for src in native["sources"](HERE / "specmd")]
+    try:  # every module at once, translated on every core (Cython's own worker pool)
+        return cythonize(exts, compiler_directives=DIRECTIVES, build_dir="build/cython", quiet=True,
+                         nthreads=os.cpu_count() or 1)
+    except Exception:  # one of them cannot be translated: one at a time, each failure left out
+        pass
     out = []
-    for ext in exts:  # one at a time: a module Cython cannot translate runs its source, the others compiled
+    for ext in exts:  # a module Cython cannot translate runs its source, the others compiled
         try:
             out += cythonize([ext], compiler_directives=DIRECTIVES, build_dir="build/cython", quiet=True)
         except Exception as e:
@@ -76,8 +81,10 @@ class BuildExt(build_ext):
             # a * b + c stays two roundings, never one fused multiply-add (which CFLAGS=-march=native would
             # allow): the compiled float arithmetic (the clock, score's window, ml's network) keeps the bits
             # of its pure-Python source
+            # -g0: no debug information (Python's own CFLAGS carry -g: it made the extensions 4x larger and
+            # their compile and link the longest part of an install; a traceback still names the .py line)
             for ext in self.extensions:
-                ext.extra_compile_args = [*ext.extra_compile_args, "-ffp-contract=off"]
+                ext.extra_compile_args = [*ext.extra_compile_args, "-ffp-contract=off", "-g0"]
         super().build_extensions()
 
     def run(self):

@@ -19,6 +19,8 @@ At import (:func:`select`, called by ``specmd/__init__``), each module :func:`so
 * its **source** when a module whose C declarations it was built against (the ``from specmd.x cimport``
   lines of its ``.pxd``: the engine's typed calls into the cache manager, the clock and the statistics)
   runs its source: a compiled caller cannot load beside a pure callee. The warning names these too;
+* its **source** when a module running its source extends one of its extension types that has private C
+  fields (:func:`extends`: the cache manager extends the residency, whose per-key arrays it reads);
 * its **source**, silently, when it is a policy file added after the build (a user's own policy is plain
   Python; the compiled engine calls it like any other);
 * its **extension** otherwise.
@@ -91,6 +93,30 @@ def cimports(source: str, package: Path = PACKAGE) -> list[str]:
     return [m.replace(".", "/") + ".py" for m in _CIMPORT.findall(text)]
 
 
+_CIMPORTED = re.compile(r"^\s*from\s+specmd\.([\w.]+)\s+cimport\s+([\w, ]+)$", re.M)
+_SUBCLASS = re.compile(r"^cdef class \w+\((\w+)\):", re.M)
+
+
+def extends(source: str, package: Path = PACKAGE) -> list[str]:
+    """The sources whose extension types a class of ``source`` extends (``cdef class A(B)`` in its ``.pxd``, ``B``
+    cimported) where that type has private C fields (a ``cdef`` field neither public nor readonly): the
+    subclass's source reads them, so it runs its source only beside theirs (the cache manager extends the
+    residency). An interface without fields (the eviction hooks) is extended from Python like any class."""
+    def pxd(src: str) -> str:
+        path = (package / src).with_suffix(".pxd")
+        return path.read_text() if path.is_file() else ""
+
+    where = {name.strip(): mod.replace(".", "/") + ".py"
+             for mod, names in _CIMPORTED.findall(pxd(source)) for name in names.split(",")}
+    out = []
+    for base in _SUBCLASS.findall(pxd(source)):
+        if base in where:
+            body = pxd(where[base]).split(f"cdef class {base}:", 1)[-1].split("\ncdef ", 1)[0]
+            if re.search(r"^\s+cdef (?!public |readonly )[\w\[\]: ]+ _?\w+$", body, re.M):
+                out.append(where[base])
+    return out
+
+
 def extension_of(source: str, package: Path = PACKAGE) -> Path | None:
     """The built extension of ``source`` beside it, or None."""
     stem = package / source[:-3]
@@ -144,19 +170,21 @@ def select(package: Path = PACKAGE) -> None:
         else:
             STATE[name] = "compiled"
     # An extension built against another module's C declarations loads only beside that module's extension:
-    # when that one runs its source, so does this one (to a fixed point: cache runs pure if clock does).
+    # when that one runs its source, so does this one (to a fixed point: cache runs pure if clock does). And a
+    # source extending another's extension type reads its private fields: when it runs, so does that one.
     uses = {src: cimports(src, package) for src in sources(package)}
+    bases = {src: extends(src, package) for src in sources(package)}
     dependent = []
     changed = True
     while changed:
         changed = False
         for src, deps in uses.items():
-            name = module_name(src)
-            if STATE[name] == "compiled" and any(STATE.get(module_name(d)) == "pure" for d in deps):
-                STATE[name] = "pure"
-                pure[name] = package / src
-                dependent.append(src)
-                changed = True
+            if STATE[module_name(src)] == "compiled" and any(STATE.get(module_name(d)) == "pure" for d in deps):
+                changed = _run_source(src, package, pure, dependent)
+            elif STATE[module_name(src)] == "pure":
+                for b in bases[src]:
+                    if STATE.get(module_name(b)) == "compiled":
+                        changed = _run_source(b, package, pure, dependent)
     if pure:  # ahead of the path finder, which would load a stale or unwanted extension
         sys.meta_path.insert(0, _Sources(pure))
     if forced:
@@ -175,6 +203,15 @@ def select(package: Path = PACKAGE) -> None:
         warnings.warn(f"specmd runs {what} as pure Python, which replays several times slower ({REASON}). "
                       f"Rebuild with: pip install -e . (or set {ENV}=1 to choose pure Python without this "
                       f"warning)", RuntimeWarning, stacklevel=3)
+
+
+def _run_source(src: str, package: Path, pure: dict, dependent: list) -> bool:
+    """``src`` runs its source because of another module's copy (``select``'s fixed point)."""
+    name = module_name(src)
+    STATE[name] = "pure"
+    pure[name] = package / src
+    dependent.append(src)
+    return True
 
 
 def _names(srcs: list[str]) -> str:

@@ -178,6 +178,18 @@ def test_a_module_built_against_a_stale_one_runs_its_source_too(tmp_path):
     assert len(warned) == 1 and "older than their sources: engine/clock.py" in warned[0]
     assert "built against those: " in warned[0] and "engine/cache.py" in warned[0]
 
+    # the cache manager extends the residency (reading its private per-key arrays): they run as source together;
+    # an eviction policy extends its base's public fields only, and the residency an interface without fields
+    assert native.extends("engine/cache.py") == ["engine/residency.py"]
+    assert native.extends("policies/eviction/lru.py") == [] and native.extends("engine/residency.py") == []
+    pkg = _package_copy(tmp_path / "cache", with_build=True)
+    src = "engine/cache.py"
+    (pkg / src).write_text((pkg / src).read_text() + "\n# edited\n")
+    mod, warned = _select(pkg)
+    pure = {n for n, v in mod.STATE.items() if v == "pure"}
+    assert {"specmd.engine.cache", "specmd.engine.residency", "specmd.engine.call", "specmd.engine.engine"} <= pure
+    assert "specmd.engine.stats" not in pure and "specmd.engine.simclock" not in pure
+
     pkg = _package_copy(tmp_path / "pxd", with_build=True)
     (pkg / "engine/stats.pxd").write_text((pkg / "engine/stats.pxd").read_text() + "\n# edited\n")
     mod, warned = _select(pkg)

@@ -3,9 +3,7 @@
 
 cimport cython
 
-from specmd.engine.clock cimport Clock
 from specmd.engine.residency cimport Pool, Residency
-from specmd.engine.stats cimport CacheStats
 
 
 cdef class LayerCall:
@@ -25,7 +23,4 @@ cdef class LayerCall:
     cdef public object weights
     cdef public long n
     cpdef reset(self, long layer, long long base, Pool pool, record, index, weights, long n)
-    @cython.locals(m=Residency, nbytes="long long", prec=int, pool=Pool, base="long long", layer=long,
-                   key="long long", e="long long", streamed=long, clock=Clock, waits=list, E="long long",
-                   st=CacheStats, n=Py_ssize_t)
     cpdef fetch_many(self, experts, precision)

@@ -91,38 +91,6 @@ class LayerCall:
         self.host_experts += 1
 
     def fetch_many(self, experts, precision):
-        """:meth:`fetch` for each of ``experts`` in order (one home for the demand-fetch accounting)."""
-        m = self._m
-        nbytes = m._bytes_of[precision]
-        prec = m._prec_id[precision]
-        pool = self.pool
-        base = self.base
-        layer = self.layer
-        streamed = 0
-        clock = m.clock
-        admit = pool.on_admit
-        waits = self.waits
-        events = m.events
-        E = m._E
-        for x in experts:
-            e = x if type(x) is int else m._expert(x, layer)
-            if e < 0 or e >= E:
-                m._expert(e, layer)  # (raises the IndexError)
-            key = base + e
-            if admit is not None:
-                admit(key)
-            if pool.capacity - pool.used >= nbytes or m.make_room(pool, nbytes):
-                m._insert(key, layer, nbytes, pool, None, False, prec, True)
-            else:
-                streamed += 1
-                if events is not None:  # the executor stages its bytes for this call only
-                    events.streamed(layer, e, precision)
-            handle = clock.demand(nbytes)
-            if handle is not None:
-                waits.append(handle)
-        n = len(experts)
-        self.demanded += n
-        st = m.stats
-        st.streamed[layer] += streamed
-        st.bytes_demand[layer] += n * nbytes
-        st.count(prec, n * nbytes, n)
+        """:meth:`fetch` for each of ``experts`` in order (the residency's demand fetches:
+        :meth:`~specmd.engine.residency.Residency.demand`)."""
+        self.demanded += self._m.demand(self.pool, self.layer, self.base, experts, precision, self.waits)

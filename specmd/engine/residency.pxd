@@ -82,6 +82,9 @@ cdef class Residency:
     cpdef precision_of(self, long long key)
     cpdef transfer_of(self, long long key)
     cdef _insert(self, long long key, long layer, long long nbytes, Pool pool, transfer, bint prefetched, int prec, bint used)
+    @cython.locals(nbytes="long long", prec=int, key="long long", e="long long", streamed=long, clock=Clock,
+                   E="long long", st=CacheStats, n=Py_ssize_t)
+    cpdef long long demand(self, Pool pool, long layer, long long base, experts, precision, list waits) except -1
     cpdef evict(self, key)
     @cython.locals(k="long long", here="signed char[:]", layer=long, nbytes="long long", pool=Pool, st=CacheStats)
     cdef _evict(self, key)

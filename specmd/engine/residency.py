@@ -276,6 +276,40 @@ class Residency:
         if self.used_bytes > self.stats.peak_bytes:
             self.stats.peak_bytes = self.used_bytes
 
+    def demand(self, pool: Pool, layer: int, base: int, experts, precision, waits: list) -> int:
+        """Blocking transfers of ``experts`` of ``layer`` (keys ``base + e``) at ``precision``, in order: each
+        inserted into ``pool`` if room can be made, else streamed (its bytes staged for this call only); the
+        clock's handles appended to ``waits``. Returns how many (the one home for the demand-fetch accounting)."""
+        nbytes = self._bytes_of[precision]
+        prec = self._prec_id[precision]
+        streamed = 0
+        clock = self.clock
+        admit = pool.on_admit
+        events = self.events
+        E = self._E
+        for x in experts:
+            e = x if type(x) is int else self._expert(x, layer)
+            if e < 0 or e >= E:
+                self._expert(e, layer)  # (raises the IndexError)
+            key = base + e
+            if admit is not None:
+                admit(key)
+            if pool.capacity - pool.used >= nbytes or self.make_room(pool, nbytes):
+                self._insert(key, layer, nbytes, pool, None, False, prec, True)
+            else:
+                streamed += 1
+                if events is not None:  # the executor stages its bytes for this call only
+                    events.streamed(layer, e, precision)
+            handle = clock.demand(nbytes)
+            if handle is not None:
+                waits.append(handle)
+        n = len(experts)
+        st = self.stats
+        st.streamed[layer] += streamed
+        st.bytes_demand[layer] += n * nbytes
+        st.count(prec, n * nbytes, n)
+        return n
+
     def evict(self, key):
         self._evict(key)
 
