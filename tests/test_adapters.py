@@ -102,7 +102,8 @@ def test_family_knowledge_lives_only_in_the_adapters():
     found = []
     for path in sorted((ROOT / "specmd").rglob("*.py")):
         rel = str(path.relative_to(ROOT))
-        if rel in ("specmd/models/adapters.py", "specmd/models/family.py", "specmd/models/derive.py") or rel in PENDING:
+        if rel in ("specmd/models/adapters.py", "specmd/models/family.py", "specmd/models/derive.py",
+                   "specmd/models/tiny.py") or rel in PENDING:
             continue
         for node in ast.walk(ast.parse(path.read_text(), rel)):
             if isinstance(node, (ast.Dict, ast.List, ast.Tuple, ast.Set)):
