@@ -22,10 +22,11 @@ refused, one line naming what it lacks):
    hidden states -- MiniMax-M2's selection bias -- is called with them: ``Adapter.router_args``; one that
    reads ``[B, S, H]``: ``Adapter.router_batched``); E and top-k are config fields
    (:data:`~specmd.models.tiny.E_FIELDS`, :data:`~specmd.models.tiny.TOPK_FIELDS`);
-3. (steps 3 to 5: :mod:`specmd.models.probe`) with every router's projection spread at random, its weights are ``Scoring.weigh`` of its first output:
-   softmax or sigmoid of the logits, or the probabilities it returns (:data:`~specmd.models.probe.SCORES`), renormalised or not (a
-   ``norm_topk_prob`` field decides it when flipping it flips the fit), times a scale a config field holds
-   (set to 2.5 in the probe so that it shows) or a learned per-expert scale;
+3. (steps 3 to 5: :mod:`specmd.models.probe`) with every router's projection spread at random, its weights are
+   ``Scoring.weigh`` of its first output: softmax or sigmoid of the logits, or the probabilities it returns
+   (:data:`~specmd.models.probe.SCORES`), renormalised or not (a ``norm_topk_prob`` field decides it when
+   flipping it flips the fit), times a scale a config field holds (set to 2.5 in the probe so that it shows) or
+   a learned per-expert scale;
 4. its experts compute what specmd's kernel does, bit for bit (summed in rank order, or in their own loop's:
    ``ExpertsLayout.own_loop``);
 5. its top-k is the selection score's (:meth:`~specmd.engine.record.Scoring.scores_of`) with a random
