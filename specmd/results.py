@@ -32,7 +32,7 @@ def assemble(config: dict, tasks: dict, wall_s: float, provenance: dict, engine=
 def non_finite(tree, where: str = "") -> dict:
     """Dotted path (``cache.per_layer.hit_rate.1``) -> value of every float in ``tree`` (dicts, lists, tuples)
     that is NaN or infinite, in the tree's order: what a run checks before writing results.json
-    (:func:`specmd.app.check_numbers`) and what report and status name when they read one."""
+    (:func:`specmd.checks.check_numbers`) and what report and status name when they read one."""
     out: dict = {}
 
     def walk(v, at):

@@ -280,6 +280,7 @@ def test_a_figure_that_is_not_finite_fails_the_run_instead_of_writing_null(tmp_p
     (a numeric bug; the hardware ranges keep the clock's own arithmetic finite) fails the run at the write
     stage naming the figure, and leaves only failed.json."""
     import specmd.app as app
+    from specmd.checks import NumericError
 
     monkeypatch.setenv("SPECMD_DATA_MIRROR", str(mirror))
     real = app.collect
@@ -292,7 +293,7 @@ def test_a_figure_that_is_not_finite_fails_the_run_instead_of_writing_null(tmp_p
     monkeypatch.setattr(app, "collect", collect)
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=BASE)
-    with pytest.raises(app.NumericError, match=r"timing.ttft_s=nan: a figure specmd computed is not a finite number"):
+    with pytest.raises(NumericError, match=r"timing.ttft_s=nan: a figure specmd computed is not a finite number"):
         execute(cfg, run_dir=str(tmp_path / "run"))
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["failed.json"]
     failed = json.loads((tmp_path / "run" / "failed.json").read_text())

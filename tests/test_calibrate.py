@@ -144,7 +144,7 @@ def test_bad_policy_overheads_rejected(table, match):
 
 
 def test_policy_overhead_names_a_registered_policy():
-    from specmd.app import check_policy_overheads
+    from specmd.checks import check_policy_overheads
     from specmd.errors import ConfigError
 
     check_policy_overheads({"prefetch/score": 1.0, "eviction/least_stale": 2.0})

@@ -148,7 +148,8 @@ def test_a_vision_language_checkpoint_runs_its_text_decoder_by_path(tmp_path):
 
     from specmd.hook import install
     from specmd.compose import spec_of
-    from specmd.models.derive import build_config, tiny_overrides
+    from specmd.models.family import build_config
+    from specmd.models.tiny import tiny_overrides
     from specmd.models.loader import ModelConfig, load_model
 
     torch.manual_seed(0)
@@ -237,7 +238,7 @@ def test_llama4s_block_is_adopted_into_the_contract_computing_its_function():
 
     from specmd.executor.kernel import Bank, expert_tensors, grouped_experts, run_experts, views_of
     from specmd.models.contract import adopt
-    from specmd.models.derive import tiny_overrides
+    from specmd.models.tiny import tiny_overrides
     from specmd.models.family import build_config
 
     torch.manual_seed(0)

@@ -92,7 +92,7 @@ def test_no_import_circle():
 
 def test_imports_are_resolved():  # the checks above see real edges (a broken resolver would pass them vacuously)
     assert "specmd.engine.store" in GRAPH["specmd.engine.engine"]
-    assert "specmd.compose" in GRAPH["specmd.app"]
+    assert "specmd.compose" in GRAPH["specmd.runspec"] and "specmd.runspec" in GRAPH["specmd.app"]
     assert "specmd.replay.driver" in GRAPH["specmd.commands.train_eviction"]
     assert "specmd.replay.driver" in GRAPH["specmd.pool"] and "specmd.app" in GRAPH["specmd.commands.mrc"]
 
@@ -110,7 +110,8 @@ FLOORS = (
     # specmd.sweeps (a sweep on disk: the jobs it was asked for, what each left) sits beside specmd.jobs (a job on
     # disk): it reads what the runs wrote, for the commands (report, status) and the command line (a sweep's exit
     # code). It imports the foundation only, but nothing below the runs has a sweep to read, so not lower
-    ("runs", ("specmd.compose", "specmd.app", "specmd.recorder", "specmd.pool", "specmd.jobs", "specmd.sweeps")),
+    ("runs", ("specmd.compose", "specmd.app", "specmd.runspec", "specmd.checks", "specmd.recorder", "specmd.pool",
+              "specmd.jobs", "specmd.sweeps")),
     ("commands", ("specmd.commands",)),
     ("command line", ("specmd.cli", "specmd.__main__")),
 )
@@ -202,7 +203,8 @@ def above_the_drivers() -> set:
     replay pool)."""
     from specmd.cli import COMMANDS
 
-    homes = {"specmd.app", "specmd.compose", "specmd.cli", "specmd.__main__", "specmd.recorder", "specmd.pool"}
+    homes = {"specmd.app", "specmd.runspec", "specmd.checks", "specmd.compose", "specmd.cli", "specmd.__main__",
+             "specmd.recorder", "specmd.pool"}
     for c in COMMANDS:
         homes |= {c.module, (c.entry or c.module).partition(":")[0]}
     return {m for m in MODULES if inside(m, homes)}
@@ -276,7 +278,7 @@ def test_executors_plug_into_the_declared_seam_only():
             assert private_engine_reads(path.read_text()) == [], name
     assert private_engine_reads("x = stack.cache._pool_of_layer[0]\ny = self.engine.calls") == \
         ["cache._pool_of_layer"]  # the check itself
-    app = (ROOT / "app.py").read_text()
+    app = "".join((ROOT / name).read_text() for name in ("app.py", "runspec.py", "checks.py"))
     assert not re.search(r"(?i)offload", app)
     assert "def config_errors" in (ROOT / "executor" / "offload.py").read_text()
 

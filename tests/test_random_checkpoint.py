@@ -102,7 +102,7 @@ def test_unsupported_family_and_layout_are_rejected(tmp_path):
 def test_a_hash_routed_models_table_gets_distinct_experts_per_token(tmp_path):
     """DeepSeek-V4's hash layers route a token to ``tid2eid[token]``: written as zeros (transformers' init), every
     token would go k times to expert 0. The writer gives each row k distinct experts of E, seeded."""
-    from specmd.models.derive import tiny_overrides
+    from specmd.models.tiny import tiny_overrides
     from specmd.models.family import build_config
 
     fields = dict(build_config("deepseek_v4", tiny_overrides("deepseek_v4")).to_dict(), model_type="deepseek_v4")

@@ -35,7 +35,7 @@ from ..errors import ArgumentParser, ConfigError  # noqa: F401 (the scripts')
 
 def device(value: str) -> str:
     """``--device``: a torch device specmd runs on that this machine has (what a run's ``device=`` accepts)."""
-    from ..app import check_device
+    from ..checks import check_device
 
     try:
         check_device(value)

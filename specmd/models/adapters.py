@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import ConfigError
-from .family import Adapter, ExpertsLayout, HubLayout, RoutingReference  # noqa: F401  (the record's parts, re-exported)
+from .family import Adapter, ExpertsLayout, RoutingReference  # noqa: F401  (the record's parts, re-exported)
+from .hub import HubLayout  # noqa: F401  (re-exported)
 
 _COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4,
                max_position_embeddings=2048, vocab_size=260, tie_word_embeddings=False,

@@ -12,7 +12,7 @@ conversions are keyed by the block's class name: :data:`CONTRACTS`.
 The rebound forwards are ``functools.partial`` of module-level functions, so an adopted model pickles and
 unpickles (a bound method would not unpickle: it is found again by its function's name). Adoption is idempotent
 and permanent; :func:`adopt` is called wherever a model is probed, loaded or hooked
-(``derive._build``, the loader, ``PolicyStack``), so the unhooked model a run compares with is the adopted one.
+(``tiny.build``, the loader, ``PolicyStack``), so the unhooked model a run compares with is the adopted one.
 """
 
 from __future__ import annotations

@@ -353,7 +353,7 @@ def _plan_checkpoint(fields: dict, dtype: str, layout: str, shard_bytes: int):
     config.architectures = [type(model).__name__]
     config.dtype = dtype
     del model
-    from .derive import E_FIELDS
+    from .tiny import E_FIELDS
 
     text = config.get_text_config(decoder=True)
     experts = next((int(getattr(text, f)) for f in E_FIELDS if isinstance(getattr(text, f, None), int)), 0)

@@ -30,7 +30,7 @@ def prepare(out: str | None, name: str | None, model: str, device: str, threads=
     :func:`~.profile.default_name`), the output directory (:func:`~.profile.check_output`), the disk probe's
     directory, and the model (:func:`~.profile.check_model`). Returns (name, hardware directory); ConfigError
     (bad input) or DataError (an unreachable hub) otherwise."""
-    from ...app import check_device
+    from ...checks import check_device
 
     check_device(device)
     check_threads(threads, pin)

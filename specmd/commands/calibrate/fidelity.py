@@ -301,7 +301,7 @@ def _fmt(v) -> str:
 def fidelity(profile: str | None = None, quick: bool = False, repeats: int = 3, prompt: int = 32, decodes: int = 16,
              device: str = "cpu", models=None, log=print) -> dict:
     """The whole command (module doc); returns the report written as JSON."""
-    from ...app import check_device
+    from ...checks import check_device
     from ...machine import machine
     from .profile import check_model
     from .measure import drift, speed_probe
