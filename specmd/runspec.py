@@ -166,7 +166,7 @@ class Run:
 
     def _replay_and_execution(self, c: dict, checks: Checks) -> None:
         from .executor.base import default_execution
-        from .replay.driver import ReplayConfig
+        from .replay.config import ReplayConfig
 
         self.replay = checks.run(build_params, ReplayConfig, dict(c.get("replay") or {}), "replay")
         self.execution = checks.run(default_execution, c.get("execution"))

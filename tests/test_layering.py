@@ -375,3 +375,12 @@ def test_functions_and_classes_stay_short():
     files = [*ROOT.rglob("*.py"), *(ROOT.parent / "benchmarks").glob("*.py")]
     assert {str(p.relative_to(ROOT.parent)): too_long(p.read_text()) for p in files if too_long(p.read_text())} == {}
     assert too_long("def f():\n" + "    x = 1\n" * 60) == ["f 61"]  # the check itself
+
+
+MODULE_MAX = 500  # lines of a module of the package: past it, cut where its concepts are (docs/architecture.md)
+
+
+def test_modules_stay_short():
+    """No module of the package longer than 500 lines: the cache manager, the clock and the app grew past it
+    once, each feature landing in the same file; cut where the concepts are before the next one does."""
+    assert {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MODULE_MAX} == {}

@@ -26,7 +26,6 @@ from ..engine.engine import Engine
 from ..engine.record import GateRecord, NoLogits, Scoring, fill
 from ..errors import ConfigError
 from ..readers import read_results
-from .config import ReplayConfig  # noqa: F401 (specmd.app's import: the class lives in .config)
 from .config import open_trace, refuse_batched
 from .future import Future
 from .trace import KINDS, Trace
