@@ -4,7 +4,7 @@ on the hooked and the offloaded paths, and the aten ops they add to the family's
 import pytest
 import torch
 
-from conftest import FAMILIES, at_equal_threads, sample_ids, tiny
+from tests.conftest import FAMILIES, at_equal_threads, sample_ids, tiny
 from specmd.executor.host import register_host
 from specmd.gpu_cost import Counting
 from specmd.hook.gpu_cost import count_generation

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from tests.conftest import ROOT
 
 FAST = ["model=tiny", "eval.tasks=[wikitext]", "eval.limit=1", "eval.max_length=128", "logger=none"]
 
@@ -84,7 +84,7 @@ def test_stack_disabled_gives_same_perplexity(tmp_path, mirror):
     ra, rb = sorted((json.loads(p.read_text()) for p in (tmp_path / "sweep").glob("*/results.json")),
                     key=lambda res: res["config"]["stack"]["enabled"])
     assert ra["cache"] is None and rb["cache"]["requests"] > 0
-    # Bit-exactness of hooked vs unhooked is asserted in one process, pass by pass (tests/test_lossless.py).
+    # Bit-exactness of hooked vs unhooked is asserted in one process, pass by pass (tests/hook/test_lossless.py).
     # Through the CLI the CPU kernels are not bit-reproducible (a process's first forward pass has been seen to
     # differ by ~1e-6 relative, unhooked vs unhooked), so the CLI check allows 1e-5.
     assert ra["tasks"]["wikitext"]["word_perplexity"] == pytest.approx(rb["tasks"]["wikitext"]["word_perplexity"],

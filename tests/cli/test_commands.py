@@ -10,7 +10,7 @@ import tomllib
 
 import pytest
 
-from conftest import ROOT
+from tests.conftest import ROOT
 from specmd import cli
 from specmd.cli import COMMANDS
 

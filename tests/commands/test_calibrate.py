@@ -12,7 +12,7 @@ import pytest
 from specmd.outcome import guarded
 import torch
 
-from conftest import ROOT
+from tests.conftest import ROOT
 
 
 def _env(tmp_path, **extra):

@@ -142,7 +142,7 @@ def test_bad_specs_and_paths_are_named(tmp_path):
 
 
 def test_report_logs_tables_and_figures_to_an_offline_wandb_run(tmp_path, monkeypatch):
-    from wandb_offline import read_offline_run
+    from tests.wandb_offline import read_offline_run
 
     from specmd.commands.report.wandb_io import log_report
 

@@ -14,8 +14,8 @@ from html.parser import HTMLParser
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from test_report import SPEC, make_sweep
-from test_report_adhoc import make_adhoc
+from tests.commands.test_report import SPEC, make_sweep
+from tests.commands.test_report_adhoc import make_adhoc
 
 from specmd.commands.report import build
 

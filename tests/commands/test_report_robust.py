@@ -329,7 +329,7 @@ def test_a_section_id_that_is_no_file_name_is_an_error_and_a_directory_name_is_m
         build([str(s2)], str(tmp_path / "o"))
     assert not (tmp_path / "escaped.md").exists() and not (tmp_path / "o").exists()
     # an ad-hoc sweep's id is its directory's name: one with spaces is made a file name, inside --out
-    from test_report_adhoc import make_adhoc
+    from tests.commands.test_report_adhoc import make_adhoc
 
     out, (sec,) = build([str(make_adhoc(tmp_path / "my sweep"))], str(tmp_path / "o2"))
     assert sec.spec.id == "my_sweep" and (out / "my_sweep.md").exists()

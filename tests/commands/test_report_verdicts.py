@@ -11,7 +11,7 @@ import pytest
 
 from specmd.outcome import guarded
 import yaml
-from test_report_adhoc import make_adhoc
+from tests.commands.test_report_adhoc import make_adhoc
 
 from specmd.errors import ConfigError
 from specmd.commands.report import build, main
@@ -130,7 +130,7 @@ def test_spec_validation_names_the_experiment_and_the_check(bad, message):
 
 
 def test_a_bad_check_stops_the_report_with_its_name(tmp_path, capsys):
-    from test_report import SPEC, make_sweep
+    from tests.commands.test_report import SPEC, make_sweep
 
     spec = dict(SPEC, checks=[{"claim": "LS wins", "metric": "hit", "higher": {"eviction": "least_stale"},
                                "than": {"eviction": "lru"}}])

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from conftest import ROOT
+from tests.conftest import ROOT
 from specmd import CONF_DIR
 
 SMALL = ["steps={steps}", "batch_size=4", "seq_len=32", "data.max_docs=10", "tokenizer.vocab_size=300",

@@ -145,7 +145,7 @@ def test_finalists_search_prunes_lossier_settings_and_stops_within_budget():
     assert seen == [1.0, 1.2, 1.5] and rows[-1]["lossless"]
 
 
-TRACE = Path(__file__).resolve().parent / "data" / "embedded_trace"  # recorded on specmd:tiny-olmoe
+TRACE = Path(__file__).resolve().parents[1] / "data" / "embedded_trace"  # recorded on specmd:tiny-olmoe
 
 
 @pytest.mark.parametrize("model,ok", [("tiny", True), ("tiny_olmoe", False), ("deep_olmoe", False)])

@@ -5,7 +5,7 @@ stack stays bit-equal to the unhooked model at the same batch, offload equal to 
 import pytest
 import torch
 
-from conftest import FAMILIES, at_equal_threads, sample_ids, tiny
+from tests.conftest import FAMILIES, at_equal_threads, sample_ids, tiny
 from specmd.compose import spec_of
 from specmd.engine.batch import batched_context, independent_union
 from specmd.executor import EXECUTION

@@ -1,6 +1,6 @@
 import torch
 
-from conftest import make_stack, sample_ids, tiny
+from tests.conftest import make_stack, sample_ids, tiny
 
 
 def hit_rate(family, capacity, prefetch="none"):

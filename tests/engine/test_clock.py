@@ -6,7 +6,7 @@ dense part of each layer 50 params x 1 token -> 100 FLOP = 0.1 s; an expert slot
 
 import pytest
 
-from test_cache_manager import manager, run_pass
+from tests.engine.test_cache_manager import manager, run_pass
 
 
 def test_two_layer_no_prefetch_exact_ttft_and_stall():

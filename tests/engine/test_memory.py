@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import sample_ids, tiny
+from tests.conftest import sample_ids, tiny
 from specmd.compose import spec_of
 from specmd.engine import Geometry
 from specmd.engine.memory import GIB, KvLayout
@@ -88,7 +88,7 @@ def test_a_layer_type_nobody_sized_is_unknown_and_memory_gb_refuses_it():
 
 def test_every_family_specmd_runs_has_a_known_layout():
     """Every family with an adapter, at its tiny config: the layout is read (none unknown), and positive."""
-    from conftest import FAMILIES
+    from tests.conftest import FAMILIES
     from specmd.models.loader import ModelConfig, model_geometry
 
     for family in FAMILIES:
@@ -207,7 +207,7 @@ def tight_memory(model, fraction=0.3, tokens=12) -> float:
 @pytest.mark.parametrize("family", ["olmoe", "mixtral"])
 def test_replay_equals_live_with_memory(family, tmp_path):
     from specmd.replay.trace import read_trace
-    from test_replay import live
+    from tests.replay.test_replay import live
 
     model = tiny(family)
     prompts = [sample_ids(batch=1, seq=12, seed=s) for s in (0, 1)]
@@ -221,8 +221,8 @@ def test_replay_equals_live_with_memory(family, tmp_path):
 
 
 def test_offload_equals_simulated_with_memory():
-    from test_offload import run_stack
-    from test_offload import spec_of as offload_spec
+    from tests.executor.test_offload import run_stack
+    from tests.executor.test_offload import spec_of as offload_spec
 
     model = tiny("olmoe")
     ids, prefill = sample_ids(batch=1, seq=8, seed=1), sample_ids(batch=1, seq=16, seed=2)
@@ -244,7 +244,7 @@ def test_capacity_series_equals_an_independent_computation(tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from tests.conftest import ROOT
 
     run = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "specmd", f"replay.trace={ROOT}/tests/data/embedded_trace", "model=tiny",
@@ -392,7 +392,7 @@ def test_proportional_budgets_follow_the_working_sets():
 
 def test_proportional_budgets_replay_equals_live(tmp_path):
     from specmd.replay.trace import read_trace
-    from test_replay import live
+    from tests.replay.test_replay import live
 
     model = tiny("olmoe")
     prompts = [sample_ids(batch=1, seq=12, seed=s) for s in (0, 1, 2, 3, 4, 5, 6, 7, 8)]  # 36 passes: past the warm-up
@@ -418,7 +418,7 @@ def auto_run(tmp_path, *over):
     from hydra import compose, initialize_config_dir
 
     from specmd.app import execute
-    from test_configs import CONF
+    from tests.system.test_configs import CONF
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["model=tiny", "eval.limit=1", "eval.max_gen_toks=4",
@@ -497,7 +497,7 @@ def test_a_live_speculative_run_reports_per_accepted_token_and_replays_exactly(t
 
     from specmd.app import execute
     from specmd.replay.trace import read_trace
-    from test_configs import CONF
+    from tests.system.test_configs import CONF
 
     over = ["model=tiny", "eval.limit=1", "eval.max_gen_toks=16", "eval.speculative=prompt_lookup",
             "eval.speculative_tokens=3", "trace.save=true", "prefetch=none"]
@@ -530,7 +530,7 @@ def test_a_draft_model_speculates_at_a_constant_k(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from specmd.app import execute
-    from test_configs import CONF
+    from tests.system.test_configs import CONF
 
     over = ["model=tiny", "eval.limit=1", "eval.max_gen_toks=17", "eval.speculative=assistant", "eval.assistant=tiny",
             "eval.speculative_tokens=3", "prefetch=none"]

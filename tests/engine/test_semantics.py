@@ -186,7 +186,7 @@ def embedded():
 def test_token_by_token_scores_one_token_per_pass(embedded):
     """eval.token_by_token: the window goes through the KV cache one token per forward pass (one prefill,
     then decode steps), with the same logits as the whole-window forward."""
-    from conftest import make_stack
+    from tests.conftest import make_stack
 
     from specmd.eval.harness import _token_by_token_lm
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import at_equal_threads, sample_ids, tiny
+from tests.conftest import at_equal_threads, sample_ids, tiny
 from specmd.compose import spec_of
 from specmd.engine import Geometry
 from specmd.engine.engine import stream_at

@@ -15,7 +15,7 @@ from specmd.quant.base import ExpertStore
 from specmd.replay.driver import run_replay
 from specmd.replay.trace import read_trace
 
-TRACE = Path(__file__).resolve().parent / "data" / "embedded_trace"
+TRACE = Path(__file__).resolve().parents[1] / "data" / "embedded_trace"
 
 
 def test_regroup_splits_source_layers_pro_rata():

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from conftest import FAMILIES, ROOT, at_equal_threads, sample_ids, tiny
+from tests.conftest import FAMILIES, ROOT, at_equal_threads, sample_ids, tiny
 from specmd import CONF_DIR
 from specmd.app import execute
 from specmd.errors import ConfigError, DataError

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import FAMILIES, make_stack, sample_ids, tiny
+from tests.conftest import FAMILIES, make_stack, sample_ids, tiny
 
 
 @pytest.mark.parametrize("family", FAMILIES)

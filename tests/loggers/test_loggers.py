@@ -21,7 +21,7 @@ RESULTS = {
 
 
 def test_wandb_offline_run_has_name_tags_group_series_and_per_layer_table(tmp_path, monkeypatch):
-    from wandb_offline import read_offline_run
+    from tests.wandb_offline import read_offline_run
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -109,7 +109,7 @@ def test_unreachable_wandb_saves_offline_warns_and_returns_within_the_bound(serv
                                                                            monkeypatch, tmp_path, caplog):
     import time
 
-    from wandb_offline import read_offline_run
+    from tests.wandb_offline import read_offline_run
 
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9" if server == "refused" else blackhole)
     logger = build_logger({"name": "wandb", "project": "t", "mode": "online", "init_timeout_s": 10,
@@ -141,14 +141,14 @@ def test_finished_process_exits_0_promptly_when_wandb_never_answers(blackhole, t
     import sys
     import time
 
-    script = ("import logging, sys; logging.basicConfig(); sys.path.insert(0, 'tests')\n"
-              "from test_loggers import RESULTS\nfrom specmd.loggers import build_logger\n"
+    script = ("import logging, sys; logging.basicConfig()\n"
+              "from tests.loggers.test_loggers import RESULTS\nfrom specmd.loggers import build_logger\n"
               "build_logger({'name': 'wandb', 'project': 't', 'mode': 'auto', 'init_timeout_s': 10, "
               "'finish_timeout_s': 3}).log_run(RESULTS, sys.argv[1])\n")
     env = dict(os.environ, WANDB_API_KEY=FAKE_KEY, WANDB_BASE_URL=blackhole, WANDB_SILENT="true")
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          timeout=300, cwd=__import__("pathlib").Path(__file__).resolve().parents[2])
     took = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr
     assert "saved offline at" in proc.stderr and "wandb sync" in proc.stderr

@@ -7,7 +7,7 @@ import ast
 import pytest
 import torch
 
-from conftest import FAMILIES, ROOT, tiny
+from tests.conftest import FAMILIES, ROOT, tiny
 from specmd.models.adapters import ADAPTERS, HubLayout, adapter_for, derived_families
 
 

@@ -6,7 +6,7 @@ every other one is refused with the reason, before any weight loads."""
 import pytest
 import torch
 
-from conftest import at_equal_threads, sample_ids, tiny
+from tests.conftest import at_equal_threads, sample_ids, tiny
 from specmd.models.adapters import ADAPTERS, adapter_for, derived_families
 from specmd.models.derive import derive, moe_families
 
@@ -84,7 +84,7 @@ def test_a_derived_family_runs_lossless_offloaded_and_replayed(family, tmp_path)
     from specmd.replay.driver import run_replay
     from specmd.replay.trace import TraceWriter, read_trace
 
-    from test_batch import left_padded
+    from tests.engine.test_batch import left_padded
 
     model, adapter = tiny(family), adapter_for(family)
     ids = sample_ids(batch=2, seq=12)

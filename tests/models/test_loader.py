@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import FAMILIES, sample_ids, tiny
+from tests.conftest import FAMILIES, sample_ids, tiny
 from specmd.errors import ConfigError
 from specmd.models.loader import ModelConfig, load_model
 

@@ -324,7 +324,7 @@ def test_lookahead_targets_several_layers():
 
 
 def test_hqq_store_bytes_lossy_and_disk_cache(tmp_path, monkeypatch):
-    from conftest import tiny
+    from tests.conftest import tiny
 
     from specmd.quant import QUANT
 
@@ -364,7 +364,7 @@ def test_hqq_store_bytes_lossy_and_disk_cache(tmp_path, monkeypatch):
 
 
 def test_lossy_stack_runs_real_quantized_weights(tmp_path, monkeypatch):
-    from conftest import sample_ids, tiny
+    from tests.conftest import sample_ids, tiny
 
     from specmd.hardware import HardwareConfig
     from specmd.hook import install
@@ -394,7 +394,7 @@ def test_lossy_stack_runs_real_quantized_weights(tmp_path, monkeypatch):
 
 
 def test_prune_fidelity_and_requests_end_to_end():
-    from conftest import sample_ids, tiny
+    from tests.conftest import sample_ids, tiny
 
     from specmd.hardware import HardwareConfig
     from specmd.hook import install

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import FAMILIES, sample_ids
+from tests.conftest import FAMILIES, sample_ids
 from specmd.compose import spec_of
 from specmd.engine.record import LiveRecord, Scoring
 from specmd.hardware import HardwareConfig
@@ -224,7 +224,7 @@ def test_replay_of_a_cache_aware_stack_on_a_biased_router_equals_live(tmp_path):
     max_rank's promotions read only the cache and the selection scores)."""
     from specmd.replay.driver import run_replay
     from specmd.replay.trace import read_trace
-    from test_replay import live
+    from tests.replay.test_replay import live
 
     model = biased("deepseek_v3")
     prompts = [sample_ids(batch=1, seq=10, seed=s) for s in (0, 1)]

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, tiny
+from tests.conftest import ROOT, tiny
 
 from specmd.quant import QUANT
 from specmd.quant.base import (

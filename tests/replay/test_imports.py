@@ -9,7 +9,7 @@ import zipfile
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from tests.conftest import ROOT
 
 from specmd.errors import ConfigError
 from specmd.replay.formats.vllm import VLLM_FIELDS
@@ -552,7 +552,7 @@ def test_a_new_format_is_one_registered_parser(tmp_path):
     from specmd.replay.driver import ReplayConfig
     from specmd.replay.formats import FORMATS, register_format
     from specmd.replay.trace import read_trace
-    from test_configs import CONF
+    from tests.system.test_configs import CONF
 
     f = tmp_path / "r.toy"
     f.write_text("".join(f"{q} {t} {la} {','.join(map(str, EXPERTS[q, t, la]))}\n" for q, t, la in FILE_ORDER))

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from conftest import sample_ids, tiny
+from tests.conftest import sample_ids, tiny
 from specmd.engine import Geometry
 from specmd.compose import spec_of
 from specmd.errors import ConfigError
@@ -220,7 +220,7 @@ def test_oracle_prefetch_has_perfect_prediction():
 
 
 def test_oracle_and_belady_are_rejected_live_before_the_model_loads():
-    from test_configs import compose_run
+    from tests.system.test_configs import compose_run
 
     for override in ("eviction=belady", "prefetch=oracle"):
         with pytest.raises(ConfigError, match="needs the future.*replay.trace"):
@@ -291,7 +291,7 @@ def test_imported_jsonl_replays_with_every_eviction_policy(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from specmd.app import execute
-    from test_configs import CONF
+    from tests.system.test_configs import CONF
 
     rng = random.Random(0)
     path = tmp_path / "routes.jsonl"
@@ -440,7 +440,7 @@ def test_replay_experiments_take_an_imported_trace(tmp_path, experiment):
 
     from specmd.app import Run, execute
     from specmd.models.loader import shipped_geometry
-    from test_configs import CONF
+    from tests.system.test_configs import CONF
 
     rng = random.Random(3)
     path = tmp_path / "routes.jsonl"

@@ -297,7 +297,7 @@ def test_bad_batching_settings_are_config_errors_naming_the_value(kw, words):
 
 
 def test_bad_batching_settings_from_the_command_line():
-    from test_configs import compose_run
+    from tests.system.test_configs import compose_run
 
     for args, words in ((["replay.trace=x", "replay.batch=0"], "replay.batch=0"),
                         (["replay.trace=x", "replay.concurrency=2", "replay.arrival_rate=nan"], "arrival_rate=nan"),
@@ -353,7 +353,7 @@ def dataclass_copy(t: Trace) -> Trace:
 
 def test_a_replay_run_reports_its_batching(tmp_path):
     """``python -m specmd replay.trace=... replay.batch=2``'s results: the batching section and the reason."""
-    from test_configs import compose_run
+    from tests.system.test_configs import compose_run
 
     from specmd.replay.driver import replay as replay_run
 

@@ -7,7 +7,7 @@ import re
 import pytest
 from hydra import compose, initialize_config_dir
 
-from conftest import ROOT
+from tests.conftest import ROOT
 from specmd import CONF_DIR, shipped
 from specmd.engine import GROUPS as FAMILIES
 from specmd.app import Run
@@ -27,7 +27,7 @@ def compose_run(overrides):
         return Run(compose(config_name="config", overrides=overrides))
 
 
-EMBEDDED_TRACE = Path(__file__).resolve().parent / "data" / "embedded_trace"
+EMBEDDED_TRACE = Path(__file__).resolve().parents[1] / "data" / "embedded_trace"
 
 
 def oracle(group, option) -> bool:

@@ -111,7 +111,7 @@ def test_every_hardware_field_is_documented():
 
     from specmd.hardware import HardwareConfig
 
-    usage = (Path(__file__).parents[1] / "docs" / "usage.md").read_text()
+    usage = (Path(__file__).parents[2] / "docs" / "usage.md").read_text()
     assert [f.name for f in fields(HardwareConfig) if f"`{f.name}`" not in usage] == []
 
 

@@ -1,6 +1,6 @@
 """Small versions of every experiment, run through the CLI and `specmd report`, asserting the papers'
 directions that hold on the embedded models (experiments/README.md says which do not, and why).
-Slow: about 10 minutes on 2 cores (`pytest -m slow tests/test_experiments_slow.py`)."""
+Slow: about 10 minutes on 2 cores (`pytest -m slow tests/system/test_experiments_slow.py`)."""
 
 import os
 import subprocess
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mirror_path
+from tests.conftest import mirror_path
 from specmd.commands.report import build
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 # a smaller slice than the committed scale; CCE's token-by-token WikiText (65 s a run) becomes prefill windows
 SMALL = ["eval.limit=3"]

@@ -13,7 +13,7 @@ from specmd.hardware import HardwareConfig
 from specmd.replay.driver import exactness, run_replay
 from specmd.replay.trace import read_trace
 
-TRACE = Path(__file__).resolve().parent / "data" / "embedded_trace"
+TRACE = Path(__file__).resolve().parents[1] / "data" / "embedded_trace"
 
 GOLDEN = {
     "lru, no prefetch, 25% global": (

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from tests.conftest import ROOT
 
 
 @pytest.mark.parametrize("mode", [["--device", "cpu"], ["--stand-in"]], ids=["cpu", "stand-in"])

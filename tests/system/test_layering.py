@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1] / "specmd"
+ROOT = Path(__file__).resolve().parents[2] / "specmd"
 
 
 def modules() -> dict:

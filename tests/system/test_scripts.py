@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import ROOT
+from tests.conftest import ROOT
 from specmd.outcome import guarded
 
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))

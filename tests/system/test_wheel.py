@@ -9,7 +9,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from conftest import ROOT
+from tests.conftest import ROOT
 
 # The wheel's files stored, not deflated: the same contents, built in 2 s instead of 11 (deflating the three
 # embedded models' 80 MB is what a wheel build spends its time on; how the archive compresses is not under test)
