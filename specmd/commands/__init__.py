@@ -4,5 +4,5 @@ The command table (:data:`specmd.cli.COMMANDS`) is the one list and names each c
 command line (:mod:`specmd.cli`) is the only floor above. A command imports the floors below -- the runs
 (:mod:`specmd.app`, :mod:`specmd.pool`, :mod:`specmd.recorder`), the drivers, the domain, the engine -- and ends
 through the one error path below it (:mod:`specmd.outcome`), never through the command line
-(``tests/test_layering.py``).
+(``tests/system/test_layering.py``).
 """
