@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # (tests.conftest)
 
 GPU = {"name": "offload", "throttle": False, "kernel": "grouped"}  # the kernel offload runs on CUDA
 CASES = [  # (label, execution, capacity, prefetch, miss)
@@ -41,7 +41,7 @@ def load(name: str):
 
         return load_model(ModelConfig(name="deep_olmoe", family="olmoe", pretrained="specmd:deep-olmoe",
                                       dtype="float32"))[0], "olmoe"
-    from conftest import tiny
+    from tests.conftest import tiny
 
     return tiny(name), name
 
@@ -72,7 +72,7 @@ def measure(model, family: str, spec, batch: int = 1) -> tuple:
 
 
 def main(argv: list) -> int:
-    from conftest import FAMILIES
+    from tests.conftest import FAMILIES
 
     from specmd.cli.script import ArgumentParser, choice_of, whole
 

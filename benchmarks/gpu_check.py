@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # (tests.conftest)
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 ROWS: list = []  # (section, item, value, note)
@@ -65,7 +65,7 @@ def sync(device) -> None:
 
 # ---- 1, 2: lossless and the policies --------------------------------------------------------------------------
 def lossless(device: str, quick: bool) -> None:
-    from conftest import FAMILIES, make_stack
+    from tests.conftest import FAMILIES, make_stack
 
     from specmd.models.loader import build_tiny
 

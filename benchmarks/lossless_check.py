@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, "tests")
-from conftest import FAMILIES, make_stack  # noqa: E402
+sys.path.insert(0, ".")  # (the repository root: tests.conftest)
+from tests.conftest import FAMILIES, make_stack  # noqa: E402
 
 from specmd.models.loader import build_tiny  # noqa: E402
 from specmd.cli import script  # noqa: E402

@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, "tests")
-from conftest import sample_ids, tiny  # noqa: E402
+sys.path.insert(0, ".")  # (the repository root: tests.conftest)
+from tests.conftest import sample_ids, tiny  # noqa: E402
 
 from specmd.compose import spec_of
 from specmd.hardware import HardwareConfig  # noqa: E402
@@ -65,7 +65,7 @@ def run(device: str, family: str, capacity: float, quiet: bool = False) -> tuple
 
 
 def main(argv: list) -> int:
-    from conftest import FAMILIES
+    from tests.conftest import FAMILIES
 
     ap = script.ArgumentParser()
     ap.add_argument("--device", type=script.device, default="cpu")

@@ -1,6 +1,6 @@
 """Many configurations replayed over one decoded trace, on every core: what ``specmd mrc``, ``specmd tune``
 and ``benchmarks/replay.py``'s sweep run. An orchestration of the replay driver (:mod:`specmd.replay.driver`),
-so it sits beside the app, not in the driver package (``tests/test_layering.py``).
+so it sits beside the app, not in the driver package (``tests/system/test_layering.py``).
 
 A replay is one core's work (the engine is sequential), and a study is many replays of the same trace.
 :func:`replay_many` decodes nothing per configuration: the forked workers inherit the parent's trace

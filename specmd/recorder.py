@@ -25,7 +25,8 @@ and no ``results.json``; the next job records again. A recorded run whose stack 
 computation, so an exact replay also reports the recording's task scores (``replay.tasks_from``).
 
 Both are orchestration (a composed stack on the live driver, a trace writer, a cache with a lock), so this
-module sits beside the app, not in a driver package: the drivers import nothing of it (``tests/test_layering.py``).
+module sits beside the app, not in a driver package: the drivers import nothing of it
+(``tests/system/test_layering.py``).
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAMILIES, ROOT, sample_ids, tiny
+from tests.conftest import FAMILIES, ROOT, sample_ids, tiny
 from specmd.accel import ENV, StandIn, accel_for, stand_in
 from specmd.executor.transfer import CudaMover, ThreadMover, make_mover
 from specmd.models.adapters import adapter_for
-from test_offload import QUANT, run_stack, spec_of
+from tests.executor.test_offload import QUANT, run_stack, spec_of
 
 
 # ---- the stand-in itself --------------------------------------------------------------------------------------
@@ -306,7 +306,7 @@ def _cuda_scenarios(tmp_path):
     from specmd.executor.tiers import DiskTier
     from specmd.hook.readback import Readback
     from specmd.machine import speed_probe
-    from test_offload import _ckpt_copy
+    from tests.executor.test_offload import _ckpt_copy
 
     cpu = torch.device("cpu")
     with stand_in() as a:

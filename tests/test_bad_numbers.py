@@ -323,7 +323,7 @@ def test_a_sweep_directory_whose_multirun_yaml_is_garbage_is_a_clear_error(tmp_p
 
 
 def test_a_decode_only_measure_on_a_trace_without_decode_passes_is_an_error():
-    from test_replay import flat_trace
+    from tests.replay.test_replay import flat_trace
 
     from specmd.compose import spec_of
     from specmd.replay.driver import check

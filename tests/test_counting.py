@@ -4,7 +4,7 @@ on the hooked and the offloaded paths, and the aten ops they add to the family's
 import pytest
 import torch
 
-from conftest import FAMILIES, at_equal_threads, sample_ids, tiny
+from tests.conftest import FAMILIES, at_equal_threads, sample_ids, tiny
 from specmd.executor.host import register_host
 from specmd.counting import Counting
 from specmd.hook.counting import count_generation

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from tests.conftest import ROOT
 from specmd.shipped import job_dirname
 from specmd.jobs import config_hash, finished
 

@@ -119,7 +119,7 @@ def test_enter_pins_every_thread_and_helpers_pin_themselves_and_the_undo_restore
 def test_an_offloaded_run_puts_its_threads_where_its_plan_says_and_gives_them_back():
     """execution.pin=true: during the run the compute thread is on the plan's compute cores with its threads,
     the transfer thread on its copy core; after it, the process is as it was (a later install plans afresh)."""
-    from conftest import sample_ids, tiny
+    from tests.conftest import sample_ids, tiny
 
     from specmd.compose import spec_of
     from specmd.executor import EXECUTION
@@ -171,7 +171,7 @@ def test_pinning_is_refused_where_a_launcher_runs_jobs_side_by_side(tmp_path):
 def test_a_host_lane_of_its_own_gets_its_threads_and_cores_only_where_the_miss_policy_computes_on_the_host(miss, lane):
     """host_compute=thread: a miss policy that may answer HostComputed gets a host lane in the plan (its own
     threads; pinned, its own cores), one that never does leaves its cores to compute (issue 56)."""
-    from conftest import tiny
+    from tests.conftest import tiny
 
     from specmd.compose import spec_of
     from specmd.executor import EXECUTION

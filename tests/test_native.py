@@ -23,14 +23,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-import native_worker
-from conftest import ROOT, sample_ids, tiny
+from tests import native_worker
+from tests.conftest import ROOT, sample_ids, tiny
 from specmd import native
 from specmd.engine import Geometry
 from specmd.engine.store import StoreSizes
 from specmd.policies.eviction import EVICTION
 from specmd.replay.trace import Trace, TraceMeta, full_calls, read_trace
-from test_replay import CASES, case_spec, live
+from tests.replay.test_replay import CASES, case_spec, live
 
 FORCED = os.environ.get(native.ENV, "").strip() not in ("", "0")
 WORKER = Path(__file__).with_name("native_worker.py")
@@ -228,24 +228,25 @@ def test_a_policy_file_added_after_the_build_is_plain_python_without_a_warning(t
 
 # The engine's, the policies' and the replay's own tests, run again on the pure-Python sources (CI runs the
 # README's two commands only, so the second run is this test's subprocess).
-PURE_SUITE = ["test_semantics.py", "test_cache_manager.py", "test_clock.py", "test_eviction.py", "test_prefetch.py",
-              "test_policies.py", "test_replay.py", "test_capacity.py", "test_golden.py", "test_lossless.py",
-              "test_quant_cache.py", "test_native.py",
+PURE_SUITE = ["engine/test_semantics.py", "engine/test_cache_manager.py", "engine/test_clock.py",
+              "policies/test_eviction.py", "policies/test_prefetch.py", "policies/test_policies.py",
+              "replay/test_replay.py", "engine/test_capacity.py", "system/test_golden.py", "hook/test_lossless.py",
+              "quant/test_quant_cache.py", "test_native.py",
               # the offload executor is the same Python either way: the pure engine's residency events driving it,
               # native and low-precision (the rest of test_offload.py, 40 s here, re-runs that executor)
-              "test_offload.py::test_deep_olmoe_ram_and_disk_equal_simulated",
-              "test_offload.py::test_low_precision_offload_equals_simulated",
+              "executor/test_offload.py::test_deep_olmoe_ram_and_disk_equal_simulated",
+              "executor/test_offload.py::test_low_precision_offload_equals_simulated",
               # layer streaming's hand-worked counts and clock (the streamed call's C path, as source)
-              "test_stream.py::test_a_streamed_pass_by_hand",
-              "test_stream.py::test_the_stage_ahead_overlaps_the_layer_before",
-              "test_stream.py::test_only_calls_at_the_threshold_stream",
+              "engine/test_stream.py::test_a_streamed_pass_by_hand",
+              "engine/test_stream.py::test_the_stage_ahead_overlaps_the_layer_before",
+              "engine/test_stream.py::test_only_calls_at_the_threshold_stream",
               # the selection rule's hand-worked cases (record.py's Scoring, the ranking policies, as source)
-              "test_selection.py::test_max_rank_promotes_within_the_selection_ranks_hand_worked",
-              "test_selection.py::test_a_group_limit_is_never_crossed_hand_worked",
-              "test_selection.py::test_miss_policies_rank_misses_by_the_selection_score_hand_worked",
-              "test_selection.py::test_the_rule_round_trips_through_a_trace_meta_and_bad_rules_are_refused",
-              "test_selection.py::test_a_left_out_group_scores_what_the_family_fills_hand_worked",
-              "test_selection.py::test_probabilities_given_and_a_per_expert_weight_scale_hand_worked"]
+              "policies/test_selection.py::test_max_rank_promotes_within_the_selection_ranks_hand_worked",
+              "policies/test_selection.py::test_a_group_limit_is_never_crossed_hand_worked",
+              "policies/test_selection.py::test_miss_policies_rank_misses_by_the_selection_score_hand_worked",
+              "policies/test_selection.py::test_the_rule_round_trips_through_a_trace_meta_and_bad_rules_are_refused",
+              "policies/test_selection.py::test_a_left_out_group_scores_what_the_family_fills_hand_worked",
+              "policies/test_selection.py::test_probabilities_given_and_a_per_expert_weight_scale_hand_worked"]
 
 
 # Tests of a process's behaviour, not of the compiled modules' arithmetic (two processes quantizing under one
@@ -254,23 +255,23 @@ PURE_SUITE = ["test_semantics.py", "test_cache_manager.py", "test_clock.py", "te
 # perplexity through lm-eval (126 s of 645 on a loaded machine; the hook's pure path is the hooked-logits
 # tests', the scoring is lm-eval's) and LRU's monotone hit rate over capacities (54 s; the pure engine's
 # every eviction decision is compared with the compiled one's on generated traces below).
-PURE_SKIP = ["tests/test_quant_cache.py::test_concurrent_processes_quantize_once",
-             "tests/test_offload.py::test_truncated_checkpoint_fails_the_cli_run_at_load",
-             "tests/test_offload.py::test_peak_rss_is_the_runs_own_not_its_launchers",
-             "tests/test_lossless.py::test_perplexity_equal_through_lm_eval",
-             "tests/test_capacity.py::test_lru_hit_rate_non_decreasing_in_capacity",
+PURE_SKIP = ["tests/quant/test_quant_cache.py::test_concurrent_processes_quantize_once",
+             "tests/executor/test_offload.py::test_truncated_checkpoint_fails_the_cli_run_at_load",
+             "tests/executor/test_offload.py::test_peak_rss_is_the_runs_own_not_its_launchers",
+             "tests/hook/test_lossless.py::test_perplexity_equal_through_lm_eval",
+             "tests/engine/test_capacity.py::test_lru_hit_rate_non_decreasing_in_capacity",
              # replay == live per stack, both sides pure (25 s): the pure replay is compared with the compiled one on
              # these very stacks (test_compiled_equals_pure_on_every_replay_equality_stack) and the compiled replay
              # with the compiled live run (the main run); the pure live driver keeps the lossless tests
-             "tests/test_replay.py::test_replay_equals_live",
+             "tests/replay/test_replay.py::test_replay_equals_live",
              # orchestration over replays whose every decision the compiled == pure tests compare (40 s pure): the
              # pool's and specmd mrc's jobs (forked workers, the same Python either way), eviction=ml's training (a
              # second process replaying its held-out routing), and the Belady bound over every policy (the pure
              # policies' decisions equal the compiled ones' on 120 generated traces, which the main run bounds)
-             "tests/test_replay.py::test_replay_many_equals_one_by_one_replays",
-             "tests/test_replay.py::test_mrc_rows_do_not_depend_on_jobs_and_bad_jobs_are_rejected",
-             "tests/test_replay.py::test_no_policy_beats_belady",
-             "tests/test_eviction.py::test_train_eviction_steps_are_layer_calls_and_holdout_rates_are_a_replays"]
+             "tests/replay/test_replay.py::test_replay_many_equals_one_by_one_replays",
+             "tests/replay/test_replay.py::test_mrc_rows_do_not_depend_on_jobs_and_bad_jobs_are_rejected",
+             "tests/replay/test_replay.py::test_no_policy_beats_belady",
+             "tests/policies/test_eviction.py::test_train_eviction_steps_are_layer_calls_and_holdout_rates_are_a_replays"]
 
 
 @pytest.mark.skipif(FORCED, reason="this is the pure run")

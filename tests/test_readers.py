@@ -69,7 +69,7 @@ def test_resume_keeps_a_damaged_results_json_aside_and_runs_again(tmp_path):
 def test_report_and_status_skip_a_run_whose_cache_is_no_mapping_and_go_on(tmp_path, capsys):
     from specmd.commands.report import main
     from specmd.commands.status import main as status_main
-    from test_report_robust import job_dir, make_sweep
+    from tests.commands.test_report_robust import job_dir, make_sweep
 
     s = make_sweep(tmp_path / "s", {"lru": 0.10, "least_stale": 0.02}, raw={("lru", "2"): "[1]"})
     assert main([str(s), "--out", str(tmp_path / "o")]) == 0

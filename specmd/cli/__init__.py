@@ -3,7 +3,7 @@
     specmd [COMMAND] [ARGS...]         specmd --help: the table below; specmd COMMAND --help: its own help
 
 :data:`COMMANDS` is the only list of commands: ``specmd --help`` prints it, :func:`main` dispatches on it,
-``tests/test_commands.py`` runs ``--help`` of every row and ``tests/test_layering.py`` reads it for what
+``tests/cli/test_commands.py`` runs ``--help`` of every row and ``tests/system/test_layering.py`` reads it for what
 the drivers must not import. A row names the module holding the command's logic and the function that takes
 its arguments (``main(argv)`` of that module unless ``entry`` says otherwise); the module is imported only
 when its command runs, so ``specmd --help`` and an unknown command answer without loading torch.

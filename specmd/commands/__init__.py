@@ -4,7 +4,7 @@ The command table (:data:`specmd.cli.COMMANDS`) is the one list and names each c
 command line (:mod:`specmd.cli`) is the only floor above. A command imports the floors below -- the runs
 (:mod:`specmd.app`, :mod:`specmd.pool`, :mod:`specmd.recorder`), the drivers, the domain, the engine -- and ends
 through the one error path below it (:mod:`specmd.ending`), never through the command line
-(``tests/test_layering.py``). No command imports another's modules: what two share lives below them (the sweeps
+(``tests/system/test_layering.py``). No command imports another's modules: what two share lives below them (the sweeps
 that ``report`` and ``status`` read: :mod:`specmd.sweeps`) or here (the values of the ``<command>.key=value``
 options that ``mrc`` and ``tune`` take beside the overrides).
 """

@@ -16,7 +16,7 @@ layer, from the router's own top-k:
   two layers, 0 for independent layers).
 
 The bounds a shipped model's routing must meet (:func:`routing_failures`, checked by
-``tests/test_embedded.py``): usage entropy >= 0.85 log E, no dead expert, and token-to-token locality
+``tests/models/test_embedded.py``): usage entropy >= 0.85 log E, no dead expert, and token-to-token locality
 (``temporal_overlap``) like the real model of its shape. For Mixtral's shape (top-2 of 8) the real figure is
 measured: Mixtral-8x7B-Instruct decode routing captured in vLLM (577 tokens x 32 layers) overlaps 0.376 on
 average over layers, 0.259 at its lowest layer (layer 0), with 13 of 32 layers below 1.5 x random; so the
@@ -233,7 +233,7 @@ def measure(model_path: str, mirror: str, limits: dict, max_gen_toks: int = 64) 
         for task, limit in limits.items():
             res = evaluate(model, tok, EvalConfig(tasks=[task], limit=limit, max_gen_toks=max_gen_toks))
             out["tasks"][task] = res[task]
-        # the fixed slice tests/test_embedded.py re-measures
+        # the fixed slice tests/models/test_embedded.py re-measures
         check = evaluate(model, tok, EvalConfig(tasks=["wikitext"], limit=CHECK_LIMIT))["wikitext"]
     out["check"] = {"task": "wikitext", "limit": CHECK_LIMIT, "word_perplexity": check["word_perplexity"]}
     return out

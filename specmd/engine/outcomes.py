@@ -7,7 +7,7 @@ stat)``. A verb does both halves of the outcome's job together -- the accounting
 time) and how the layer executes (the call's :class:`Execution`, through the plan's own method of the same
 name) -- so an outcome cannot set one field of the plan and forget another: what runs, at which precision,
 from where, what was moved and what it cost always agree (:meth:`Execution.problems` says so, and
-``tests/test_outcomes.py`` asks it of every registered miss and routing policy). A new outcome is a new
+``tests/engine/test_outcomes.py`` asks it of every registered miss and routing policy). A new outcome is a new
 class here (or anywhere) composing the verbs: neither the hook nor the cache manager changes.
 ``prepare(call, expert)`` runs for every outcome of a layer call before any is served (a substitute pins
 its replacement there with ``call.pin``, so no fetch of the same call evicts it).

@@ -52,7 +52,7 @@ class Scoring:
 
     :meth:`selection` is exactly the family's own router computation (transformers'
     ``DeepseekV3TopkRouter.forward``: ``sigmoid(logits) + bias``, the groups outside the token's best set to
-    ``-inf``), so the top-k of the selection score *is* the router's choice (``tests/test_selection.py``
+    ``-inf``), so the top-k of the selection score *is* the router's choice (``tests/policies/test_selection.py``
     checks it on every family, biased and group-limited). A rule with neither bias nor groups is ``plain``:
     the selection score is the probabilities themselves, and a ranking reads the logits (the same order).
     """

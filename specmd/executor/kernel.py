@@ -8,7 +8,7 @@ experts forward of ``integrations/moe.py``, the default of every fused experts m
 Python loop over experts, no launch per expert, and no data-dependent shape from the device (the row counts
 it slices by, when it needs any, come from the routing the host already read).
 
-Why it keeps the bits of the stock kernel (``tests/test_offload.py`` checks it on every family): grouped_mm
+Why it keeps the bits of the stock kernel (``tests/executor/test_offload.py`` checks it on every family): grouped_mm
 computes each group's rows independently of where they sit in the batch (measured on the CPU: the same rows
 in the same order give the same bits at any offset, for fp32 and bf16), but a GEMM's rows do depend on
 their order *within* the group. Sorting by slot id alone reorders them (the stock sort is unstable): 107 of

@@ -39,7 +39,7 @@ def _llama4(block) -> None:
     equal; the bits are not, because a GEMM's rows round by its row count on the CPU (an expert's 48 token rows
     in one ``mm`` and the same rows among T other zero rows: 2.3e-9 apart at most on the probe's tiny
     instance, fp32). The adopted model is the reference everything is compared with (hooked == unhooked,
-    offloaded == simulated, bit for bit), and ``tests/test_derived.py`` bounds its distance from the dense
+    offloaded == simulated, bit for bit), and ``tests/models/test_derived.py`` bounds its distance from the dense
     block."""
     router, experts = block.router, block.experts
     router.forward = partial(_llama4_router, router)

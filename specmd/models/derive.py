@@ -34,7 +34,7 @@ refused, one line naming what it lacks):
    ``Adapter.bias_path``; added to the probabilities or the logits) and, where the config has ``n_group`` /
    ``topk_group``, a group limit scored ``top2`` or ``max``, left-out groups scored -inf or 0.0.
 
-The tests run every derived family through the hook (``tests/test_derived.py``: lossless, replay == live);
+The tests run every derived family through the hook (``tests/models/test_derived.py``: lossless, replay == live);
 a family that derives but does not pass them is refused by name in :data:`NOT_YET`.
 """
 

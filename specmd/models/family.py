@@ -56,7 +56,7 @@ def build_config(model_type: str, over: dict):
 class ExpertsLayout:
     """What the experts kernels (:mod:`specmd.executor.kernel`) need of a family's fused experts module beyond
     its ``[E, ...]`` weights: the flags transformers' ``use_experts_implementation`` sets on the class,
-    declared here so the kernels never probe a module (``tests/test_adapters.py`` checks each record against
+    declared here so the kernels never probe a module (``tests/models/test_adapters.py`` checks each record against
     its family's module)."""
 
     gated: bool = True  # ``gate_up_proj`` through ``_apply_gate``; False: ``up_proj`` through ``act_fn``

@@ -1,4 +1,4 @@
-"""Records tests/data/embedded_trace (the golden-value fixture of tests/test_golden.py): the embedded model
+"""Records tests/data/embedded_trace (the golden-value fixture of tests/system/test_golden.py): the embedded model
 (specmd:tiny-olmoe) on two fixed 24-token prompts, each prefilled and decoded 4 steps greedily, prefetch
 signal depth 2, fp32 logits. Re-record only on purpose (the golden values change with it):
 

@@ -42,7 +42,7 @@ class Hybrid(MissPolicy):
     - **order: most tokens first** (longest host job first, the LPT rule for a makespan; ties: lower id).
       Zhu's Algorithm 2 sweeps by gate score and balances ``max(T_load, T_cpu)`` only; it neither sees the
       link's backlog nor the device's share, and always loads the top expert even when the host would
-      finish it sooner (``tests/test_policies.py`` shows both cases).
+      finish it sooner (``tests/policies/test_policies.py`` shows both cases).
     - **ties go to the fetch**: a fetched expert is inserted into the cache and may hit later ("we
       prioritize loading high-scoring experts into GPU memory because ... these experts are more likely to be
       reused", Zhu et al. §V-A); a host-computed one is not.

@@ -5,7 +5,7 @@ probabilities, the family's selection scores, the router's own selection) and th
 policy that ranks experts ranks them by the **selection score** (``record.scores``, :func:`selection_ranking`:
 the family's rule -- DeepSeek-V3's selection bias, its group-limited top-k), never by the plain logits or
 probabilities, so that with no adjustment it returns the router's own choice on every family
-(``tests/test_selection.py``). It returns a new ``[T, k]`` index
+(``tests/policies/test_selection.py``). It returns a new ``[T, k]`` index
 of selected experts, or ``None`` to keep the router's selection untouched (the lossless fast path). The
 engine (``Engine.route``) applies *dual-logit semantics*: the new selection is weighted by the original router probabilities,
 renormalised the way the model family does (see ``GateRecord.reweigh``).
