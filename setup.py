@@ -50,15 +50,18 @@ def extensions() -> list:
         return []
     exts = [Extension(native["module_name"](src), [f"specmd/{src}"], optional=True)
             for src in native["sources"](HERE / "specmd")]
+    def translate(modules: list, threads: int = 0) -> list:
+        return cythonize(modules, compiler_directives=DIRECTIVES, build_dir="build/cython", quiet=True,
+                         nthreads=threads)
+
     try:  # every module at once, translated on every core (Cython's own worker pool)
-        return cythonize(exts, compiler_directives=DIRECTIVES, build_dir="build/cython", quiet=True,
-                         nthreads=os.cpu_count() or 1)
+        return translate(exts, os.cpu_count() or 1)
     except Exception:  # one of them cannot be translated: one at a time, each failure left out
         pass
     out = []
     for ext in exts:  # a module Cython cannot translate runs its source, the others compiled
         try:
-            out += cythonize([ext], compiler_directives=DIRECTIVES, build_dir="build/cython", quiet=True)
+            out += translate([ext])
         except Exception as e:
             UNTRANSLATED.append(ext.sources[0][len("specmd/"):])
             _warn(f"Cython could not translate {ext.sources[0]} ({type(e).__name__}: {e})")

@@ -88,9 +88,13 @@ _CIMPORT = re.compile(r"^\s*from\s+specmd\.([\w.]+)\s+cimport\b", re.M)
 def cimports(source: str, package: Path = PACKAGE) -> list[str]:
     """The package-relative sources whose C declarations ``source`` uses (``from specmd.x cimport`` lines of
     its ``.pxd``): its extension is built against theirs and can only load beside their extensions."""
+    return [m.replace(".", "/") + ".py" for m in _CIMPORT.findall(_pxd(source, package))]
+
+
+def _pxd(source: str, package: Path) -> str:
+    """The text of ``source``'s ``.pxd`` declarations ("" without one)."""
     pxd = (package / source).with_suffix(".pxd")
-    text = pxd.read_text() if pxd.is_file() else ""
-    return [m.replace(".", "/") + ".py" for m in _CIMPORT.findall(text)]
+    return pxd.read_text() if pxd.is_file() else ""
 
 
 _CIMPORTED = re.compile(r"^\s*from\s+specmd\.([\w.]+)\s+cimport\s+([\w, ]+)$", re.M)
@@ -102,16 +106,13 @@ def extends(source: str, package: Path = PACKAGE) -> list[str]:
     cimported) where that type has private C fields (a ``cdef`` field neither public nor readonly): the
     subclass's source reads them, so it runs its source only beside theirs (the cache manager extends the
     residency). An interface without fields (the eviction hooks) is extended from Python like any class."""
-    def pxd(src: str) -> str:
-        path = (package / src).with_suffix(".pxd")
-        return path.read_text() if path.is_file() else ""
-
+    text = _pxd(source, package)
     where = {name.strip(): mod.replace(".", "/") + ".py"
-             for mod, names in _CIMPORTED.findall(pxd(source)) for name in names.split(",")}
+             for mod, names in _CIMPORTED.findall(text) for name in names.split(",")}
     out = []
-    for base in _SUBCLASS.findall(pxd(source)):
+    for base in _SUBCLASS.findall(text):
         if base in where:
-            body = pxd(where[base]).split(f"cdef class {base}:", 1)[-1].split("\ncdef ", 1)[0]
+            body = _pxd(where[base], package).split(f"cdef class {base}:", 1)[-1].split("\ncdef ", 1)[0]
             if re.search(r"^\s+cdef (?!public |readonly )[\w\[\]: ]+ _?\w+$", body, re.M):
                 out.append(where[base])
     return out
@@ -169,22 +170,7 @@ def select(package: Path = PACKAGE) -> None:
             STATE[name] = "pure"
         else:
             STATE[name] = "compiled"
-    # An extension built against another module's C declarations loads only beside that module's extension:
-    # when that one runs its source, so does this one (to a fixed point: cache runs pure if clock does). And a
-    # source extending another's extension type reads its private fields: when it runs, so does that one.
-    uses = {src: cimports(src, package) for src in sources(package)}
-    bases = {src: extends(src, package) for src in sources(package)}
-    dependent = []
-    changed = True
-    while changed:
-        changed = False
-        for src, deps in uses.items():
-            if STATE[module_name(src)] == "compiled" and any(STATE.get(module_name(d)) == "pure" for d in deps):
-                changed = _run_source(src, package, pure, dependent)
-            elif STATE[module_name(src)] == "pure":
-                for b in bases[src]:
-                    if STATE.get(module_name(b)) == "compiled":
-                        changed = _run_source(b, package, pure, dependent)
+    dependent = _built_against(pure, package)
     if pure:  # ahead of the path finder, which would load a stale or unwanted extension
         sys.meta_path.insert(0, _Sources(pure))
     if forced:
@@ -205,13 +191,37 @@ def select(package: Path = PACKAGE) -> None:
                       f"warning)", RuntimeWarning, stacklevel=3)
 
 
-def _run_source(src: str, package: Path, pure: dict, dependent: list) -> bool:
+def _built_against(pure: dict, package: Path) -> list:
+    """The modules that run their source because another one does (``select``'s fixed point): added to
+    ``pure`` and ``STATE``, and returned."""
+    # An extension built against another module's C declarations loads only beside that module's extension:
+    # when that one runs its source, so does this one (to a fixed point: cache runs pure if clock does). And a
+    # source extending another's extension type reads its private fields: when it runs, so does that one.
+    # (Nothing to read while every module runs its extension, the usual start.)
+    uses = {src: cimports(src, package) for src in sources(package)} if pure else {}
+    bases = {src: extends(src, package) for src in uses}
+    dependent = []
+    changed = True
+    while changed:
+        changed = False
+        for src, deps in uses.items():
+            if STATE[module_name(src)] == "compiled" and any(STATE.get(module_name(d)) == "pure" for d in deps):
+                _run_source(src, package, pure, dependent)
+                changed = True
+            elif STATE[module_name(src)] == "pure":
+                for b in bases[src]:
+                    if STATE.get(module_name(b)) == "compiled":
+                        _run_source(b, package, pure, dependent)
+                        changed = True
+    return dependent
+
+
+def _run_source(src: str, package: Path, pure: dict, dependent: list) -> None:
     """``src`` runs its source because of another module's copy (``select``'s fixed point)."""
     name = module_name(src)
     STATE[name] = "pure"
     pure[name] = package / src
     dependent.append(src)
-    return True
 
 
 def _names(srcs: list[str]) -> str:

@@ -35,7 +35,7 @@ from .call import LayerCall
 from .clock import Clock
 from .geometry import Geometry
 from .outcomes import NATIVE, Fetched
-from .residency import Entry, Pool, Residency  # noqa: F401  (Entry, Pool: the manager's types, read from here too)
+from .residency import Residency
 from .stats import PassRecord
 from .view import CacheView
 
